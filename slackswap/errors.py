@@ -1,0 +1,32 @@
+"""Exceptions shared by all stages.
+
+Every error names the offending field (or tensor/op) and value, so a user can fix the config or plan
+without reading our code.
+"""
+
+
+class SlackSwapError(Exception):
+    """Base class for every error the library raises on purpose."""
+
+
+class ConfigError(SlackSwapError, ValueError):
+    """A model, hardware or budget value that makes no sense (names the field and the value)."""
+
+    def __init__(self, field: str, value: object, why: str):
+        self.field = field
+        self.value = value
+        self.why = why
+        super().__init__(f"{field}={value!r}: {why}")
+
+
+class PlanValidationError(SlackSwapError):
+    """A plan that is not a complete, consistent schedule. The message names the first inconsistency."""
+
+
+class InfeasibleBudgetError(SlackSwapError):
+    """A planner cannot meet the budget. This is a recorded outcome of a run, not a crash."""
+
+    def __init__(self, reason: str, *, min_feasible_bytes: int | None = None):
+        self.reason = reason
+        self.min_feasible_bytes = min_feasible_bytes
+        super().__init__(reason)

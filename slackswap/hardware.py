@@ -1,0 +1,132 @@
+"""Hardware description: GPU compute/HBM roofline parameters and the host link.
+
+Field names carry their units. Values come from conf/hardware/*.yaml, where each figure cites its
+vendor source. Validation happens here, in the library, so a bad value is rejected the same way from
+Hydra, from a script or from a test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from slackswap.errors import ConfigError
+
+#: Op classes that need an efficiency figure. Kept in one place so the profile and the config
+#: schema agree on the spelling.
+OP_CLASSES: tuple[str, ...] = ("matmul", "attention", "elementwise")
+DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+
+
+def _positive(field_name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(field_name, value, "must be a positive finite number")
+
+
+def _non_negative(field_name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ConfigError(field_name, value, "must be a non-negative finite number")
+
+
+def _fraction(field_name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value <= 1):
+        raise ConfigError(field_name, value, "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """The GPU <-> host interconnect. Each direction has its own bandwidth (NVLink-C2C is asymmetric)."""
+
+    name: str
+    d2h_theoretical_bytes_per_s: float
+    h2d_theoretical_bytes_per_s: float
+    d2h_effective_bytes_per_s: float
+    h2d_effective_bytes_per_s: float
+    latency_s: float
+    d2h_engines: int = 1
+    h2d_engines: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (
+            "d2h_theoretical_bytes_per_s",
+            "h2d_theoretical_bytes_per_s",
+            "d2h_effective_bytes_per_s",
+            "h2d_effective_bytes_per_s",
+        ):
+            _positive(f"link.{name}", getattr(self, name))
+        for direction in ("d2h", "h2d"):
+            eff = getattr(self, f"{direction}_effective_bytes_per_s")
+            theo = getattr(self, f"{direction}_theoretical_bytes_per_s")
+            if eff > theo:
+                raise ConfigError(
+                    f"link.{direction}_effective_bytes_per_s", eff, f"exceeds the theoretical {theo}"
+                )
+        _non_negative("link.latency_s", self.latency_s)
+        for name in ("d2h_engines", "h2d_engines"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"link.{name}", value, "must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU plus its host link, as the roofline op-timing model and the simulator see it."""
+
+    name: str
+    peak_flops_per_s: Mapping[str, float]
+    hbm_bytes_per_s: float
+    device_memory_bytes: int
+    link: HostLink
+    efficiency: Mapping[str, float]
+    hbm_efficiency: float
+    launch_overhead_s: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops_per_s:
+            raise ConfigError("hardware.peak_flops_per_s", dict(self.peak_flops_per_s), "is empty")
+        for dtype, flops in self.peak_flops_per_s.items():
+            if dtype not in DTYPES:
+                raise ConfigError(f"hardware.peak_flops_per_s.{dtype}", flops, f"unknown dtype; known: {DTYPES}")
+            _positive(f"hardware.peak_flops_per_s.{dtype}", flops)
+        _positive("hardware.hbm_bytes_per_s", self.hbm_bytes_per_s)
+        _positive("hardware.device_memory_bytes", self.device_memory_bytes)
+        for op_class in OP_CLASSES:
+            if op_class not in self.efficiency:
+                raise ConfigError(
+                    f"hardware.efficiency.{op_class}", None, "op class has no efficiency (required for timing)"
+                )
+        for op_class, eff in self.efficiency.items():
+            if op_class not in OP_CLASSES:
+                raise ConfigError(f"hardware.efficiency.{op_class}", eff, f"unknown op class; known: {OP_CLASSES}")
+            _fraction(f"hardware.efficiency.{op_class}", eff)
+        _fraction("hardware.hbm_efficiency", self.hbm_efficiency)
+        _non_negative("hardware.launch_overhead_s", self.launch_overhead_s)
+        object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
+        object.__setattr__(self, "efficiency", MappingProxyType(dict(self.efficiency)))
+
+    def peak_for(self, dtype: str) -> float:
+        if dtype not in self.peak_flops_per_s:
+            raise ConfigError("model.dtype", dtype, f"hardware {self.name!r} has no peak FLOP/s for it")
+        return self.peak_flops_per_s[dtype]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Hardware:
+        """Build from a plain mapping (a resolved Hydra node or parsed YAML). Unknown keys are errors."""
+        data = dict(data)
+        link = data.pop("link", None)
+        if not isinstance(link, Mapping):
+            raise ConfigError("hardware.link", link, "must be a mapping of link fields")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError("hardware", sorted(unknown), "unknown field(s)")
+        link_fields = set(HostLink.__dataclass_fields__)
+        unknown_link = set(link) - link_fields
+        if unknown_link:
+            raise ConfigError("hardware.link", sorted(unknown_link), "unknown field(s)")
+        return cls(link=HostLink(**dict(link)), **data)
+

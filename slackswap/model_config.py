@@ -1,0 +1,86 @@
+"""Transformer shape and training settings: everything the profile needs to build the op graph."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slackswap.errors import ConfigError
+from slackswap.hardware import DTYPES
+
+FAMILIES: tuple[str, ...] = ("bert", "gpt2", "llama")
+ATTENTION_KERNELS: tuple[str, ...] = ("eager", "flash")
+BYTES_PER_ELEMENT: Mapping[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One transformer training workload (shape + micro-batch + numerics)."""
+
+    name: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    seq_len: int
+    micro_batch_size: int
+    vocab_size: int
+    dtype: str = "bf16"
+    dropout: bool = True
+    attention: str = "eager"
+    include_optimizer: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError("model.family", self.family, f"unknown family; known: {FAMILIES}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("model.dtype", self.dtype, f"unknown dtype; known: {DTYPES}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError("model.attention", self.attention, f"unknown kernel; known: {ATTENTION_KERNELS}")
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "seq_len",
+            "micro_batch_size",
+            "vocab_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name}", value, "must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                "model.hidden_size", self.hidden_size, f"is not divisible by model.num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                "model.num_kv_heads", self.num_kv_heads, f"does not divide model.num_heads={self.num_heads}"
+            )
+        if self.family != "llama" and self.num_kv_heads != self.num_heads:
+            raise ConfigError(
+                "model.num_kv_heads",
+                self.num_kv_heads,
+                f"grouped-query attention is only modelled for the llama family, not {self.family!r}",
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def bytes_per_element(self) -> int:
+        return BYTES_PER_ELEMENT[self.dtype]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        data = dict(data)
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError("model", sorted(unknown), "unknown field(s)")
+        return cls(**data)

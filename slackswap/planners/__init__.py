@@ -1,0 +1,1 @@
+"""Planners: (graph, hardware, budget_bytes) -> Plan. One module per strategy, behind a registry."""
