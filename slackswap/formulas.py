@@ -1,0 +1,35 @@
+"""Closed forms from Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv 2205.05198), section 4.1 and appendix: the analytic anchor the profile is tested against.
+
+They hold for one BERT/GPT-2 transformer layer with 16-bit activations, dropout on, a 4h MLP and
+attention that materialises the s x s scores (no fused kernel).
+"""
+
+from __future__ import annotations
+
+from slackswap.errors import ConfigError
+
+
+def _check(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(name, value, "must be a positive integer")
+
+
+def korthikanti_saved_bytes_per_layer(seq_len: int, micro_batch_size: int, hidden_size: int, num_heads: int) -> int:
+    """s*b*h*(34 + 5*a*s/h) bytes = 34*s*b*h + 5*a*s^2*b (integer form, exact to the byte)."""
+    _check(seq_len=seq_len, micro_batch_size=micro_batch_size, hidden_size=hidden_size, num_heads=num_heads)
+    s, b, h, a = seq_len, micro_batch_size, hidden_size, num_heads
+    return 34 * s * b * h + 5 * a * s * s * b
+
+
+def korthikanti_fwd_flops_per_layer(seq_len: int, micro_batch_size: int, hidden_size: int) -> int:
+    """24*b*s*h^2 + 4*b*s^2*h matrix-multiply FLOPs (QKV, projection, 4h MLP, and the two attention bmms)."""
+    _check(seq_len=seq_len, micro_batch_size=micro_batch_size, hidden_size=hidden_size)
+    s, b, h = seq_len, micro_batch_size, hidden_size
+    return 24 * b * s * h * h + 4 * b * s * s * h
+
+
+def korthikanti_bwd_flops_per_layer(seq_len: int, micro_batch_size: int, hidden_size: int) -> int:
+    """Backward = 2x forward: every matmul has a data-gradient and a weight-gradient GEMM."""
+    return 2 * korthikanti_fwd_flops_per_layer(seq_len, micro_batch_size, hidden_size)

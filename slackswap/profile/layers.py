@@ -1,0 +1,281 @@
+"""Forward pass of the three model families, one kernel-level op at a time.
+
+Granularity follows Korthikanti et al. 2022 (Table 2 / section 4.1): every tensor they count is a
+graph tensor, so that with 16-bit activations, dropout and eager attention the saved bytes of one
+BERT or GPT-2 layer are exactly s*b*h*(34 + 5*a*s/h). Op FLOPs count matrix multiplies only
+(2*m*n*k); elementwise ops are timed by their HBM traffic. Backward ops are derived by
+`GraphBuilder.backward` from each op's `bwd_reads` and `bwd_flops`.
+
+Naming: ops and tensors of layer l are prefixed `L{l}.`; ops outside the stack have no prefix and
+layer NO_LAYER.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slackswap.errors import ConfigError
+from slackswap.graph import NO_LAYER, OpClass, Phase
+from slackswap.model_config import ModelConfig
+from slackswap.profile.builder import GraphBuilder
+
+#: Dropout masks are stored as torch.bool: one byte per element (Korthikanti et al. 2022).
+MASK_BYTES_PER_ELEMENT = 1
+#: FlashAttention keeps the softmax log-sum-exp in fp32, one value per (batch, head, query).
+LSE_BYTES_PER_ELEMENT = 4
+#: Cross-entropy works on fp32 probabilities, as Megatron's fused vocab cross entropy and HF do.
+LOSS_BYTES_PER_ELEMENT = 4
+#: FlashAttention-2 backward runs 5 matmuls (recompute S=QK^T, dP=dO V^T, dV=P^T dO, dQ=dS K,
+#: dK=dS^T Q) against 2 in the forward: 2.5x the forward FLOPs (Dao 2023, section 3.2 / 4.1).
+FLASH_BWD_FLOPS_FACTOR = 2.5
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Element counts and bytes used throughout one model's graph."""
+
+    model: ModelConfig
+
+    @property
+    def tokens(self) -> int:
+        return self.model.seq_len * self.model.micro_batch_size
+
+    @property
+    def elt(self) -> int:
+        return self.model.bytes_per_element
+
+    @property
+    def kv_dim(self) -> int:
+        return self.model.num_kv_heads * self.model.head_dim
+
+    def act(self, width: int) -> int:
+        """Bytes of a [s, b, width] activation in the model dtype."""
+        return self.tokens * width * self.elt
+
+    def scores(self) -> int:
+        """Elements of the [b, a, s, s] attention scores."""
+        m = self.model
+        return m.micro_batch_size * m.num_heads * m.seq_len * m.seq_len
+
+
+class FamilyBuilder:
+    """Emits the forward ops of one model into a GraphBuilder and counts its parameters."""
+
+    def __init__(self, model: ModelConfig, gb: GraphBuilder):
+        self.m = model
+        self.g = gb
+        self.shape = Shape(model)
+        self.params = 0
+        self.layer_params: dict[int, int] = {}
+
+    # -- primitives --------------------------------------------------------------------------------
+
+    def _count(self, layer: int, n: int) -> None:
+        self.params += n
+        self.layer_params[layer] = self.layer_params.get(layer, 0) + n
+
+    def linear(
+        self, name: str, layer: int, x: str, d_in: int, d_out: int, *, bias: bool, role: str, tied: bool = False
+    ) -> str:
+        """y = x W (+ b): one GEMM of 2*T*d_in*d_out FLOPs; backward = dgrad + wgrad = 2x.
+
+        `tied`: W is another op's matrix (the token embedding), so only the bias is a new parameter.
+        """
+        w_bytes = d_in * d_out * self.shape.elt
+        self._count(layer, (0 if tied else d_in * d_out) + (d_out if bias else 0))
+        flops = 2.0 * self.shape.tokens * d_in * d_out
+        y = self.g.tensor(f"{name}.out", self.shape.act(d_out), f"{role}_out")
+        self.g.forward(name, OpClass.MATMUL, layer, (x,), (y,), role=role, flops=flops, extra_bytes=w_bytes,
+                       bwd_reads=(x,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
+        return y
+
+    def norm(self, name: str, layer: int, x: str, *, rms: bool, role: str) -> str:
+        """LayerNorm / RMSNorm: backward reads the input (Korthikanti count the LN input only)."""
+        h = self.m.hidden_size
+        self._count(layer, h if rms else 2 * h)
+        y = self.g.tensor(f"{name}.out", self.g.size(x), f"{role}_out")
+        self.g.forward(name, OpClass.ELEMENTWISE, layer, (x,), (y,), role=role, bwd_reads=(x,))
+        return y
+
+    def dropout(self, name: str, layer: int, x: str, n_elements: int, *, role: str) -> str:
+        """Dropout: output plus a 1-byte mask; backward reads only the mask."""
+        y = self.g.tensor(f"{name}.out", self.g.size(x), f"{role}_out")
+        mask = self.g.tensor(f"{name}.mask", n_elements * MASK_BYTES_PER_ELEMENT, "dropout_mask",
+                             differentiable=False)
+        self.g.forward(name, OpClass.ELEMENTWISE, layer, (x,), (y, mask), role=role, bwd_reads=(mask,))
+        return y
+
+    def maybe_dropout(self, name: str, layer: int, x: str, n_elements: int, *, role: str) -> str:
+        return self.dropout(name, layer, x, n_elements, role=role) if self.m.dropout else x
+
+    def add(self, name: str, layer: int, a: str, b: str) -> str:
+        """Residual add: backward needs no forward tensor."""
+        y = self.g.tensor(f"{name}.out", self.g.size(a), "residual")
+        self.g.forward(name, OpClass.ELEMENTWISE, layer, (a, b), (y,), role="residual_add")
+        return y
+
+    def gelu(self, name: str, layer: int, x: str) -> str:
+        y = self.g.tensor(f"{name}.out", self.g.size(x), "gelu_out")
+        self.g.forward(name, OpClass.ELEMENTWISE, layer, (x,), (y,), role="gelu", bwd_reads=(x,))
+        return y
+
+    # -- attention ---------------------------------------------------------------------------------
+
+    def attention(self, p: str, layer: int, q: str, k: str, v: str) -> str:
+        """Eager (materialised s x s scores) or flash (fused) attention core; returns the context."""
+        s = self.shape
+        core_flops = 2.0 * s.scores() * self.m.head_dim  # one of the two batched matmuls
+        ctx = None
+        if self.m.attention == "flash":
+            ctx = self.g.tensor(f"{p}.flash.out", s.act(self.m.hidden_size), "attn_ctx")
+            m = self.m
+            lse = self.g.tensor(f"{p}.flash.lse", m.micro_batch_size * m.num_heads * m.seq_len * LSE_BYTES_PER_ELEMENT,
+                                "softmax_lse", differentiable=False)
+            # Attention dropout inside the flash kernel regenerates its mask from the RNG state: no mask tensor.
+            self.g.forward(f"{p}.flash", OpClass.ATTENTION, layer, (q, k, v), (ctx, lse), role="flash_attn",
+                           flops=2 * core_flops, bwd_reads=(q, k, v, ctx, lse),
+                           bwd_flops=FLASH_BWD_FLOPS_FACTOR * 2 * core_flops)
+            return ctx
+        scores = self.g.tensor(f"{p}.qk.out", s.scores() * s.elt, "attn_scores")
+        self.g.forward(f"{p}.qk", OpClass.ATTENTION, layer, (q, k), (scores,), role="qk_bmm",
+                       flops=core_flops, bwd_reads=(q, k), bwd_flops=2 * core_flops)
+        # Scale and causal/padding mask are fused into the softmax kernel, as in Megatron.
+        probs = self.g.tensor(f"{p}.softmax.out", s.scores() * s.elt, "softmax_out")
+        self.g.forward(f"{p}.softmax", OpClass.ELEMENTWISE, layer, (scores,), (probs,), role="softmax",
+                       bwd_reads=(probs,))
+        probs = self.maybe_dropout(f"{p}.attn_drop", layer, probs, s.scores(), role="softmax_dropout")
+        ctx = self.g.tensor(f"{p}.pv.out", s.act(self.m.hidden_size), "attn_ctx")
+        self.g.forward(f"{p}.pv", OpClass.ATTENTION, layer, (probs, v), (ctx,), role="pv_bmm",
+                       flops=core_flops, bwd_reads=(probs, v), bwd_flops=2 * core_flops)
+        return ctx
+
+    def qkv(self, p: str, layer: int, x: str, *, bias: bool) -> tuple[str, str, str]:
+        """One fused QKV GEMM writing separate Q, K, V tensors (K, V have num_kv_heads heads)."""
+        h, kv = self.m.hidden_size, self.shape.kv_dim
+        d_out = h + 2 * kv
+        s = self.shape
+        self._count(layer, h * d_out + (d_out if bias else 0))
+        flops = 2.0 * s.tokens * h * d_out
+        w_bytes = h * d_out * s.elt
+        q = self.g.tensor(f"{p}.qkv.q", s.act(h), "q")
+        k = self.g.tensor(f"{p}.qkv.k", s.act(kv), "k")
+        v = self.g.tensor(f"{p}.qkv.v", s.act(kv), "v")
+        self.g.forward(f"{p}.qkv", OpClass.MATMUL, layer, (x,), (q, k, v), role="qkv", flops=flops,
+                       extra_bytes=w_bytes, bwd_reads=(x,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
+        return q, k, v
+
+    # -- layers ------------------------------------------------------------------------------------
+
+    def gpt2_layer(self, layer: int, x: str) -> str:
+        """Pre-LN decoder layer: x + Drop(Attn(LN(x))), then + Drop(MLP(LN(.)))."""
+        p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
+        n_act = self.shape.tokens * h
+        ln1 = self.norm(f"{p}.ln1", layer, x, rms=False, role="layernorm")
+        q, k, v = self.qkv(p, layer, ln1, bias=True)
+        ctx = self.attention(p, layer, q, k, v)
+        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=True, role="proj")
+        attn = self.maybe_dropout(f"{p}.proj_drop", layer, attn, n_act, role="dropout")
+        mid = self.add(f"{p}.add1", layer, x, attn)
+        ln2 = self.norm(f"{p}.ln2", layer, mid, rms=False, role="layernorm")
+        mlp = self.linear(f"{p}.fc1", layer, ln2, h, f, bias=True, role="fc1")
+        mlp = self.gelu(f"{p}.gelu", layer, mlp)
+        mlp = self.linear(f"{p}.fc2", layer, mlp, f, h, bias=True, role="fc2")
+        mlp = self.maybe_dropout(f"{p}.mlp_drop", layer, mlp, n_act, role="dropout")
+        return self.add(f"{p}.add2", layer, mid, mlp)
+
+    def bert_layer(self, layer: int, x: str) -> str:
+        """Post-LN encoder layer: LN(x + Drop(Attn(x))), then LN(. + Drop(MLP(.)))."""
+        p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
+        n_act = self.shape.tokens * h
+        q, k, v = self.qkv(p, layer, x, bias=True)
+        ctx = self.attention(p, layer, q, k, v)
+        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=True, role="proj")
+        attn = self.maybe_dropout(f"{p}.proj_drop", layer, attn, n_act, role="dropout")
+        r1 = self.add(f"{p}.add1", layer, x, attn)
+        y1 = self.norm(f"{p}.ln1", layer, r1, rms=False, role="layernorm")
+        mlp = self.linear(f"{p}.fc1", layer, y1, h, f, bias=True, role="fc1")
+        mlp = self.gelu(f"{p}.gelu", layer, mlp)
+        mlp = self.linear(f"{p}.fc2", layer, mlp, f, h, bias=True, role="fc2")
+        mlp = self.maybe_dropout(f"{p}.mlp_drop", layer, mlp, n_act, role="dropout")
+        r2 = self.add(f"{p}.add2", layer, y1, mlp)
+        return self.norm(f"{p}.ln2", layer, r2, rms=False, role="layernorm")
+
+    def llama_layer(self, layer: int, x: str) -> str:
+        """Pre-RMSNorm decoder layer with rotary Q/K, optional GQA and a SwiGLU MLP; no dropout."""
+        p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
+        n1 = self.norm(f"{p}.norm1", layer, x, rms=True, role="rmsnorm")
+        q, k, v = self.qkv(p, layer, n1, bias=False)
+        # Rotary embedding: elementwise on Q and K; its backward needs only the cos/sin tables.
+        qr = self.g.tensor(f"{p}.rope.q", self.g.size(q), "q_rot")
+        kr = self.g.tensor(f"{p}.rope.k", self.g.size(k), "k_rot")
+        self.g.forward(f"{p}.rope", OpClass.ELEMENTWISE, layer, (q, k), (qr, kr), role="rope")
+        ctx = self.attention(p, layer, qr, kr, v)
+        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=False, role="proj")
+        mid = self.add(f"{p}.add1", layer, x, attn)
+        n2 = self.norm(f"{p}.norm2", layer, mid, rms=True, role="rmsnorm")
+        gate = self.linear(f"{p}.gate", layer, n2, h, f, bias=False, role="gate")
+        up = self.linear(f"{p}.up", layer, n2, h, f, bias=False, role="up")
+        act = self.g.tensor(f"{p}.swiglu.out", self.g.size(gate), "swiglu_out")
+        self.g.forward(f"{p}.swiglu", OpClass.ELEMENTWISE, layer, (gate, up), (act,), role="swiglu",
+                       bwd_reads=(gate, up))
+        down = self.linear(f"{p}.down", layer, act, f, h, bias=False, role="down")
+        return self.add(f"{p}.add2", layer, mid, down)
+
+    # -- embeddings, head, loss --------------------------------------------------------------------
+
+    def embedding(self) -> str:
+        """Token (+ position, + token-type for BERT) lookup; its backward scatters into the weight grads."""
+        m, s = self.m, self.shape
+        h = m.hidden_size
+        tables = {"bert": 3, "gpt2": 2, "llama": 1}[m.family]
+        self._count(NO_LAYER, m.vocab_size * h)
+        if m.family in ("bert", "gpt2"):
+            self._count(NO_LAYER, m.seq_len * h)  # learned positions, table sized to seq_len
+        if m.family == "bert":
+            self._count(NO_LAYER, 2 * h)  # two token types
+        out = s.act(h)
+        x = self.g.tensor("embed.out", out, "embedding_out")
+        # Reads one row per token from each table; backward writes the same rows of each table's grad.
+        self.g.forward("embed", OpClass.ELEMENTWISE, NO_LAYER, (), (x,), role="embedding",
+                       extra_bytes=tables * out, bwd_extra_bytes=tables * out)
+        if m.family == "bert":
+            x = self.norm("embed_ln", NO_LAYER, x, rms=False, role="layernorm")
+        if m.family != "llama":
+            x = self.maybe_dropout("embed_drop", NO_LAYER, x, s.tokens * h, role="dropout")
+        return x
+
+    def head_and_loss(self, x: str) -> None:
+        """Final norm / BERT MLM transform, vocabulary projection, cross-entropy loss."""
+        m, s = self.m, self.shape
+        h = m.hidden_size
+        if m.family == "gpt2":
+            x = self.norm("final_ln", NO_LAYER, x, rms=False, role="layernorm")
+        elif m.family == "llama":
+            x = self.norm("final_norm", NO_LAYER, x, rms=True, role="rmsnorm")
+        else:  # BERT masked-LM transform: dense, GeLU, LayerNorm (Devlin et al. 2019 / HF BertLMPredictionHead)
+            x = self.linear("mlm_dense", NO_LAYER, x, h, h, bias=True, role="mlm_dense")
+            x = self.gelu("mlm_gelu", NO_LAYER, x)
+            x = self.norm("mlm_ln", NO_LAYER, x, rms=False, role="layernorm")
+        # GPT-2 and BERT tie the LM head to the token embedding; BERT's decoder has its own bias.
+        logits = self.linear("lm_head", NO_LAYER, x, h, m.vocab_size, bias=m.family == "bert", role="lm_head",
+                             tied=m.family in ("bert", "gpt2"))
+        probs = self.g.tensor("loss.probs", s.tokens * m.vocab_size * LOSS_BYTES_PER_ELEMENT, "loss_probs",
+                              differentiable=False)
+        loss = self.g.tensor("loss.value", LOSS_BYTES_PER_ELEMENT, "loss", differentiable=False)
+        # Fused cross entropy: upcasts the 16-bit logits to fp32, keeps the softmax for its backward
+        # (grad = probs - onehot), which writes the logits gradient in the model dtype.
+        self.g.forward("loss", OpClass.ELEMENTWISE, NO_LAYER, (logits,), (probs, loss), role="cross_entropy",
+                       phase=Phase.LOSS, bwd_reads=(probs, loss))
+
+
+def build_forward(model: ModelConfig, gb: GraphBuilder) -> FamilyBuilder:
+    """Emit embedding, the transformer stack, head and loss of `model` into `gb`."""
+    if model.family == "llama" and model.dropout:
+        raise ConfigError("model.dropout", model.dropout, "the llama family has no dropout; set model.dropout=false")
+    fb = FamilyBuilder(model, gb)
+    layer_fn = {"bert": fb.bert_layer, "gpt2": fb.gpt2_layer, "llama": fb.llama_layer}[model.family]
+    x = fb.embedding()
+    for layer in range(model.num_layers):
+        x = layer_fn(layer, x)
+    fb.head_and_loss(x)
+    return fb

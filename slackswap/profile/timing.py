@@ -1,0 +1,34 @@
+"""Roofline op timing: the one place that turns (FLOPs, bytes moved) into seconds on a GPU.
+
+duration = max(flops / (peak[dtype] * efficiency[op_class]),
+               moved_bytes / (hbm_bytes_per_s * hbm_efficiency)) + launch_overhead_s
+
+`flops` counts matrix-multiply FLOPs only (2*m*n*k), the Korthikanti/Narayanan convention, so an
+elementwise op (flops 0) is timed purely by its HBM traffic. The efficiencies are per op class, not
+per op, so no single kernel can be tuned to hit a target figure. See docs/profile.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+from slackswap.errors import ConfigError
+from slackswap.graph import OpClass
+from slackswap.hardware import Hardware
+
+
+def op_duration_s(flops: float, moved_bytes: int, op_class: OpClass | str, dtype: str, hardware: Hardware) -> float:
+    """Seconds one op takes on `hardware` under the roofline model (see the module docstring)."""
+    if not math.isfinite(flops) or flops < 0:
+        raise ConfigError("op.flops", flops, "must be a non-negative finite number")
+    if moved_bytes < 0:
+        raise ConfigError("op.moved_bytes", moved_bytes, "must be non-negative")
+    op_class = str(op_class)
+    if op_class not in hardware.efficiency:
+        raise ConfigError(
+            f"hardware.efficiency.{op_class}", None, f"op class has no efficiency on hardware {hardware.name!r}"
+        )
+    peak_flops_per_s = hardware.peak_for(dtype)  # validates the dtype even for a 0-FLOP op
+    compute_s = flops / (peak_flops_per_s * hardware.efficiency[op_class])
+    memory_s = moved_bytes / (hardware.hbm_bytes_per_s * hardware.hbm_efficiency)
+    return max(compute_s, memory_s) + hardware.launch_overhead_s
