@@ -1,0 +1,1 @@
+"""Hydra + MLflow entry points around the `slackswap` library (which imports neither)."""

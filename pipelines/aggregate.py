@@ -1,0 +1,267 @@
+"""Aggregate a finished sweep: summary.csv / summary.md, plots, and the paper table.
+
+Reads the `run_record.json` each job wrote into its folder of the sweep directory (Hydra's
+`on_multirun_end` gets no job results). Files are the source rather than MLflow, so aggregation also
+works with `tracking=off`, and a job that failed still contributes its row with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipelines.job import RECORD_FILE
+
+METRIC_COLUMNS = (
+    "throughput_ratio",
+    "step_s",
+    "ideal_step_s",
+    "peak_activation_bytes",
+    "keep_all_peak_bytes",
+    "budget_bytes",
+    "recompute_s",
+    "stall_s",
+    "d2h_bytes",
+    "h2d_bytes",
+    "swapped_tensors",
+    "recomputed_tensors",
+    "plan_wall_s",
+    "sim_wall_s",
+    "feasible",
+)
+
+
+@dataclass(frozen=True)
+class AggregateResult:
+    table: pd.DataFrame
+    files: tuple[Path, ...]
+    summary_md: str
+    paper_table_md: str
+    status_counts: Mapping[str, int]
+
+
+def load_records(sweep_dir: Path) -> list[dict[str, Any]]:
+    paths = sorted(sweep_dir.glob(f"*/{RECORD_FILE}"), key=lambda p: _job_sort_key(p.parent.name))
+    return [json.loads(p.read_text()) | {"job": p.parent.name} for p in paths]
+
+
+def _job_sort_key(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (1 << 30, name)
+
+
+def records_to_frame(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for rec in records:
+        m = rec["metrics"]
+        row = {
+            "job": rec["job"],
+            "model": rec["model"],
+            "hardware": rec["hardware"],
+            "planner": rec["planner"],
+            "budget_fraction": rec["budget_fraction"],
+            "budget_bytes_requested": rec["budget_bytes_requested"],
+            "status": rec["status"],
+        }
+        row |= {col: m.get(col) for col in METRIC_COLUMNS}
+        # The x axis of the curves: budget / keep-all peak, also defined for absolute-byte budgets.
+        peak, budget = m.get("keep_all_peak_bytes"), m.get("budget_bytes")
+        row["budget_share"] = budget / peak if peak and budget is not None else rec["budget_fraction"]
+        row["failure_reason"] = rec["failure_reason"]
+        row["mlflow_run_id"] = rec["mlflow_run_id"]
+        rows.append(row)
+    columns = ["job", "model", "hardware", "planner", "budget_fraction", "budget_bytes_requested", "status"]
+    columns += [*METRIC_COLUMNS, "budget_share", "failure_reason", "mlflow_run_id"]
+    frame = pd.DataFrame(rows, columns=columns)
+    return frame.sort_values(["model", "hardware", "budget_share", "planner"], kind="stable").reset_index(drop=True)
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if kind == "pct":
+        return f"{value:.1%}"
+    if kind == "gb":
+        return f"{value / 1e9:.2f}"
+    if kind == "s":
+        return f"{value:.4f}"
+    if kind == "int":
+        return f"{int(value)}"
+    return str(value)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|").replace("\n", " ") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(frame: pd.DataFrame) -> str:
+    header = [
+        "model", "hardware", "budget", "planner", "status", "throughput", "step s",
+        "peak GB", "budget GB", "swapped", "recomputed", "stall s", "reason",
+    ]  # fmt: skip
+    rows = [
+        [
+            str(r.model),
+            str(r.hardware),
+            _fmt(r.budget_share, "pct"),
+            str(r.planner),
+            str(r.status),
+            _fmt(r.throughput_ratio, "pct"),
+            _fmt(r.step_s, "s"),
+            _fmt(r.peak_activation_bytes, "gb"),
+            _fmt(r.budget_bytes, "gb"),
+            _fmt(r.swapped_tensors, "int"),
+            _fmt(r.recomputed_tensors, "int"),
+            _fmt(r.stall_s, "s"),
+            str(r.failure_reason or ""),
+        ]  # fmt: skip
+        for r in frame.itertuples()
+    ]
+    counts = Counter(frame["status"])
+    head = f"# Sweep summary\n\n{len(frame)} jobs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    return head + "\n\n" + markdown_table(header, rows)
+
+
+def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
+    """Paper against ours, per model of `experiment.paper_reference`, with the delta in points."""
+    reference = experiment.get("paper_reference") or {}
+    if not reference:
+        return ""
+    ours_planner = experiment.get("paper_planner", "slackswap")
+    header = ["model", "hardware", "budget", "paper", f"ours ({ours_planner})", "delta (pp)", "best baseline", "status"]
+    rows = []
+    for model, paper_value in reference.items():
+        mine = frame[(frame["model"] == model) & (frame["planner"] == ours_planner)]
+        if mine.empty:
+            rows.append([model, "-", "-", _fmt(paper_value, "pct"), "not run", "-", "-", "missing"])
+            continue
+        for r in mine.itertuples():
+            others = frame[
+                (frame["model"] == model)
+                & (frame["hardware"] == r.hardware)
+                & (frame["budget_share"] == r.budget_share)
+                & (frame["planner"] != ours_planner)
+                & (frame["status"] == "ok")
+            ]
+            if others.empty:
+                best = "-"
+            else:
+                top = others.loc[others["throughput_ratio"].idxmax()]
+                best = f"{top['throughput_ratio']:.1%} ({top['planner']})"
+            ok = r.status == "ok"
+            delta = f"{(r.throughput_ratio - paper_value) * 100:+.1f}" if ok else "-"
+            status = r.status if ok else f"{r.status}: {r.failure_reason}"
+            rows.append(
+                [
+                    model,
+                    str(r.hardware),
+                    _fmt(r.budget_share, "pct"),
+                    _fmt(paper_value, "pct"),
+                    _fmt(r.throughput_ratio, "pct") if ok else "-",
+                    delta,
+                    best,
+                    status,
+                ]  # fmt: skip
+            )
+    title = "# Paper vs ours: throughput retained at the paper's activation budget\n\n"
+    note = (
+        f"\nPaper: {experiment.get('paper_source') or 'see conf/experiment'}. Ours: simulated with this "
+        "repository's profile, planner and simulator; every assumption is in the resolved config of each run.\n"
+    )
+    return title + markdown_table(header, rows) + note
+
+
+def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
+    """One panel per (model, hardware); a line per planner; infeasible budgets marked x on the axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(frame.groupby(["model", "hardware"], sort=True))
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    planners = sorted(frame["planner"].unique())
+    colors = {p: plt.cm.tab10(i % 10) for i, p in enumerate(planners)}
+    for ax, ((model, hardware), sub) in zip(axes.flat, panels, strict=False):
+        for planner, rows_p in sub.groupby("planner", sort=True):
+            ok = rows_p[rows_p["status"] == "ok"].sort_values("budget_share")
+            bad = rows_p[rows_p["status"] != "ok"]
+            ax.plot(ok["budget_share"], ok["throughput_ratio"], "o-", color=colors[planner], label=planner, ms=4)
+            ax.plot(bad["budget_share"], [0.0] * len(bad), "x", color=colors[planner], ms=7)
+        ax.set_title(f"{model} on {hardware}", fontsize=10)
+        ax.set_xlabel("activation budget / keep-all peak")
+        ax.set_ylabel("throughput retained")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+    fig.suptitle("Throughput retained vs budget (x on the axis: infeasible or failed)")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
+    """One panel per budget; grouped bars: workloads on x, one bar per planner (missing bar: not ok)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted(frame["budget_share"].dropna().unique())
+    planners = sorted(frame["planner"].unique())
+    figsize = (max(6.0, 2.4 * len(planners)), 3.6 * len(budgets))
+    fig, axes = plt.subplots(len(budgets), 1, figsize=figsize, squeeze=False)
+    width = 0.8 / max(1, len(planners))
+    for ax, budget in zip(axes.flat, budgets, strict=True):
+        sub = frame[frame["budget_share"] == budget]
+        workloads = sorted({(m, h) for m, h in zip(sub["model"], sub["hardware"], strict=True)})
+        for i, planner in enumerate(planners):
+            heights = []
+            for model, hardware in workloads:
+                hit = sub[(sub["model"] == model) & (sub["hardware"] == hardware) & (sub["planner"] == planner)]
+                heights.append(
+                    float(hit["throughput_ratio"].iloc[0]) if len(hit) and hit["status"].iloc[0] == "ok" else math.nan
+                )
+            xs = [j + (i - (len(planners) - 1) / 2) * width for j in range(len(workloads))]
+            ax.bar(xs, heights, width=width, label=planner, color=plt.cm.tab10(i % 10))
+        ax.set_xticks(range(len(workloads)), [f"{m}\n{h}" for m, h in workloads], fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("throughput retained")
+        ax.set_title(f"budget = {budget:.0%} of keep-all peak (no bar: infeasible or failed)", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=7, ncol=min(5, len(planners)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any]) -> AggregateResult:
+    records = load_records(sweep_dir)
+    if not records:
+        raise RuntimeError(f"no {RECORD_FILE} under {sweep_dir}/*/: no job of this sweep finished")
+    frame = records_to_frame(records)
+    files = [sweep_dir / "summary.csv", sweep_dir / "summary.md"]
+    frame.to_csv(files[0], index=False)
+    summary_md = summary_markdown(frame)
+    files[1].write_text(summary_md)
+    plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
+    plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
+    files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
+    paper_md = paper_table(frame, experiment)
+    if paper_md:
+        (sweep_dir / "paper_table.md").write_text(paper_md)
+        files.append(sweep_dir / "paper_table.md")
+    return AggregateResult(frame, tuple(files), summary_md, paper_md, dict(Counter(frame["status"])))

@@ -1,0 +1,218 @@
+"""One Hydra job: resolve and validate the config, run the stages, record the outcome everywhere.
+
+Outcomes, and where each is recorded (run_record.json in the run dir, MLflow run, stdout):
+- `ok`: the plan fits the budget.
+- `infeasible`: the planner raised `InfeasibleBudgetError` or the simulator found the plan does not
+  fit; the reason names tensor/op/bytes. The job returns normally: an infeasible budget is a result.
+- `failed`: any other exception. In a multirun it is recorded and the job returns, so the rest of the
+  sweep still runs and is aggregated; a single run re-raises after recording, so the exit code is 1.
+
+Bad config values raise `ConfigError` before the MLflow run starts (single run); in a multirun they
+are recorded as `failed` without doing any work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from pipelines import stages, tracking
+from slackswap.errors import ConfigError
+
+PARENT_FILE = "mlflow_parent.json"
+RECORD_FILE = "run_record.json"
+RESOLVED_CONFIG_FILE = "config.resolved.yaml"
+TRACEBACK_FILE = "traceback.txt"
+#: MLflow tag values are limited in length; the full reason is always in run_record.json.
+MAX_TAG_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class JobContext:
+    run_dir: Path
+    multirun: bool
+    sweep_dir: Path | None
+    choices: Mapping[str, str]
+
+    @classmethod
+    def from_hydra(cls) -> JobContext:
+        hc = HydraConfig.get()
+        multirun = hc.mode == RunMode.MULTIRUN
+        choices = {k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None}
+        return cls(
+            run_dir=Path(hc.runtime.output_dir),
+            multirun=multirun,
+            sweep_dir=Path(hc.sweep.dir) if multirun else None,
+            choices=choices,
+        )
+
+
+def run_name(choices: Mapping[str, str], resolved: Mapping[str, Any]) -> str:
+    budget = resolved["budget"]
+    label = f"{budget['fraction']:g}" if budget.get("fraction") is not None else f"{budget.get('bytes')}B"
+    return f"{choices.get('model', '?')}/{choices.get('hardware', '?')}/{choices.get('planner', '?')}/{label}"
+
+
+def read_parent(sweep_dir: Path) -> dict[str, str]:
+    path = sweep_dir / PARENT_FILE
+    if not path.is_file():
+        raise RuntimeError(
+            f"{path} is missing: the SweepCallback (hydra.callbacks.slackswap_sweep) did not create the MLflow "
+            "parent run before the jobs started; see the warnings above"
+        )
+    return json.loads(path.read_text())
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    ctx = JobContext.from_hydra()
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(resolved))
+    name = run_name(ctx.choices, resolved)
+    record: dict[str, Any] = {
+        "run_name": name,
+        "choices": dict(ctx.choices),
+        "model": ctx.choices.get("model"),
+        "hardware": ctx.choices.get("hardware"),
+        "planner": ctx.choices.get("planner"),
+        "planner_name": resolved["planner"]["name"],
+        "budget_fraction": resolved["budget"]["fraction"],
+        "budget_bytes_requested": resolved["budget"]["bytes"],
+        "run_dir": str(ctx.run_dir),
+        "mlflow_run_id": None,
+        "status": None,
+        "failure_reason": "",
+        "metrics": {},
+        "facts": {},
+        "timings_s": {},
+    }
+    timings = record["timings_s"]
+
+    config_error: ConfigError | None = None
+    try:
+        inputs = stages.validate_inputs(resolved)
+    except ConfigError as exc:
+        if not ctx.multirun:
+            raise
+        config_error = exc
+
+    track = resolved["tracking"]
+    client = run_id = None
+    if track["enabled"]:
+        t0 = time.perf_counter()
+        if ctx.multirun:
+            parent = read_parent(ctx.sweep_dir)
+            client = tracking.open_client(parent["tracking_uri"])
+            experiment_id, parent_run_id = parent["experiment_id"], parent["run_id"]
+        else:
+            client = tracking.open_client(track["uri"])
+            experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
+            parent_run_id = None
+        run_id = tracking.start_run(client, experiment_id, name, _choice_tags(ctx.choices), parent_run_id)
+        tracking.log_params(client, run_id, tracking.flatten_params(resolved))
+        record["mlflow_run_id"] = run_id
+        timings["mlflow_start_s"] = time.perf_counter() - t0
+
+    error: BaseException | None = None
+    if config_error is not None:
+        record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"ConfigError: {config_error}"
+    else:
+        try:
+            outcome = stages.execute(inputs, resolved, ctx.run_dir)
+            record["status"], record["failure_reason"] = outcome.status, outcome.failure_reason
+            record["metrics"], record["facts"] = outcome.metrics, outcome.facts
+            timings.update(outcome.timings_s)
+        except Exception as exc:  # recorded below; re-raised for a single run
+            error = exc
+            record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"{type(exc).__name__}: {exc}"
+            (ctx.run_dir / TRACEBACK_FILE).write_text(traceback.format_exc())
+
+    (ctx.run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    if client is not None:
+        t0 = time.perf_counter()
+        try:
+            tracking.log_metrics(client, run_id, record["metrics"])
+            tracking.log_tags(
+                client,
+                run_id,
+                {"status": record["status"], "failure_reason": _clip(record["failure_reason"])},
+            )
+            tracking.log_artifacts(client, run_id, ctx.run_dir)
+        finally:
+            tracking.end_run(client, run_id, ok=record["status"] == stages.STATUS_OK)
+        timings["mlflow_log_s"] = time.perf_counter() - t0
+    timings["job_total_s"] = time.perf_counter() - t_start
+    # Rewrite with the final timings (the copy logged to MLflow lacks only the logging time itself).
+    (ctx.run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+
+    print(format_summary(record, resolved) if not ctx.multirun else format_one_line(record))
+    if error is not None and not ctx.multirun:
+        raise error
+    return record
+
+
+def _choice_tags(choices: Mapping[str, str]) -> dict[str, str]:
+    return {f"choice.{group}": value for group, value in choices.items()} | {"status": "running"}
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_TAG_CHARS:
+        return text
+    return text[:MAX_TAG_CHARS] + f" ... [truncated; full text in {RECORD_FILE}]"
+
+
+def _gb(value: Any) -> str:
+    return "n/a" if value is None else f"{value / 1e9:.3f} GB"
+
+
+def format_one_line(record: Mapping[str, Any]) -> str:
+    m = record["metrics"]
+    ratio = m.get("throughput_ratio")
+    shown = f"{ratio:.1%}" if isinstance(ratio, (int, float)) else "n/a"
+    tail = f"  ({record['failure_reason']})" if record["failure_reason"] else ""
+    return f"[{record['status']:>10}] {record['run_name']}: throughput retained {shown}{tail}"
+
+
+def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> str:
+    m = record["metrics"]
+    facts = record["facts"]
+    ratio = m.get("throughput_ratio")
+    lines = [
+        f"model        {record['model']} ({resolved['model']['name']})",
+        f"hardware     {record['hardware']} ({resolved['hardware']['name']}, "
+        f"link {resolved['hardware']['link']['name']})",
+        f"budget       {_gb(m.get('budget_bytes'))} "
+        f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}) "
+        f"of keep-all peak {_gb(m.get('keep_all_peak_bytes'))}",
+        f"planner      {record['planner']} ({record['planner_name']})",
+        f"status       {record['status']}" + (f": {record['failure_reason']}" if record["failure_reason"] else ""),
+    ]
+    if ratio is not None:
+        lines += [
+            f"throughput   {ratio:.2%} of ideal",
+            f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
+            f"peak memory  {_gb(m.get('peak_activation_bytes'))} of budget {_gb(m.get('budget_bytes'))}",
+            f"swapped      {m.get('swapped_tensors')} tensors, {_gb(m.get('d2h_bytes'))} d2h, "
+            f"{_gb(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
+            f"recomputed   {m.get('recomputed_tensors')} tensors, "
+            f"{m.get('recompute_s', float('nan')):.4f} s extra compute",
+        ]
+        for key in ("swapped", "recomputed"):
+            names = facts.get(key) or ()
+            if names:
+                shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
+                lines.append(f"  {key}: {shown}")
+    lines.append(f"run dir      {record['run_dir']}")
+    if record["mlflow_run_id"]:
+        lines.append(f"mlflow run   {record['mlflow_run_id']} ({resolved['tracking']['uri']})")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Structured-config schemas: Hydra validates every composed config against these at compose time.
+
+The root `SlackSwapConfig` is stored in Hydra's ConfigStore as `slackswap_schema` and is the first
+entry of `conf/config.yaml`'s defaults list, so every group preset is merged into a typed node:
+
+- a typo (`model.num_layer=3`) fails with "Key 'num_layer' not in 'ModelSchema'";
+- a wrong type (`model.num_layers=three`) fails with "Value 'three' ... could not be converted to Integer";
+- an unknown preset (`model=gpt5`) fails with Hydra's "Could not find 'model/gpt5'" plus the options.
+
+`ModelSchema`, `HardwareSchema` and `HostLinkSchema` mirror the library dataclasses field for field
+(tests/test_config_schema.py keeps them from drifting). Range checks (positive bandwidth, budget in
+(0, 1]) stay in the library (`from_dict` -> `ConfigError`), so a script and Hydra reject the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+#: Repository root (the folder holding conf/ and pipelines/). The default MLflow store lives here, so
+#: runs land in one database whatever the working directory.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ModelSchema:
+    name: str = MISSING
+    family: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_heads: int = MISSING
+    num_kv_heads: int = MISSING
+    ffn_hidden_size: int = MISSING
+    seq_len: int = MISSING
+    micro_batch_size: int = MISSING
+    vocab_size: int = MISSING
+    dtype: str = "bf16"
+    dropout: bool = True
+    attention: str = "eager"
+    include_optimizer: bool = False
+    source: str = ""
+
+
+@dataclass
+class HostLinkSchema:
+    name: str = MISSING
+    d2h_theoretical_bytes_per_s: float = MISSING
+    h2d_theoretical_bytes_per_s: float = MISSING
+    d2h_effective_bytes_per_s: float = MISSING
+    h2d_effective_bytes_per_s: float = MISSING
+    latency_s: float = MISSING
+    d2h_engines: int = 1
+    h2d_engines: int = 1
+
+
+@dataclass
+class HardwareSchema:
+    name: str = MISSING
+    peak_flops_per_s: dict[str, float] = MISSING
+    hbm_bytes_per_s: float = MISSING
+    device_memory_bytes: int = MISSING
+    link: HostLinkSchema = MISSING
+    efficiency: dict[str, float] = MISSING
+    hbm_efficiency: float = MISSING
+    launch_overhead_s: float = MISSING
+    source: str = ""
+
+
+@dataclass
+class PlannerSchema:
+    """A planner preset: a registry name plus free-form keyword options for its constructor."""
+
+    name: str = MISSING
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BudgetSchema:
+    """Exactly one of the two must be set (checked by `slackswap.budget.Budget`)."""
+
+    fraction: float | None = None
+    bytes: int | None = None
+
+
+@dataclass
+class TrackingSchema:
+    """Where MLflow runs go. `uri` is any MLflow tracking URI (sqlite file or http server)."""
+
+    enabled: bool = True
+    uri: str = MISSING
+    experiment: str = "slackswap"
+    #: Used only when this run creates the experiment. null: the tracking server decides.
+    artifact_location: str | None = None
+
+
+@dataclass
+class ExperimentSchema:
+    """Metadata of a named experiment (`+experiment=paper`); an ad-hoc run keeps the defaults."""
+
+    name: str = "adhoc"
+    description: str = ""
+    #: Throughput retained reported by the source, per model preset name (paper experiment only).
+    paper_reference: dict[str, float] = field(default_factory=dict)
+    #: The planner whose results are compared with `paper_reference`.
+    paper_planner: str = "slackswap"
+    paper_source: str = ""
+
+
+@dataclass
+class SlackSwapConfig:
+    model: ModelSchema = MISSING
+    hardware: HardwareSchema = MISSING
+    planner: PlannerSchema = MISSING
+    budget: BudgetSchema = MISSING
+    tracking: TrackingSchema = MISSING
+    experiment: ExperimentSchema = field(default_factory=ExperimentSchema)
+
+
+def register() -> None:
+    """Store the root schema and the `repo_root` resolver. Idempotent (tests import this repeatedly)."""
+    ConfigStore.instance().store(name="slackswap_schema", node=SlackSwapConfig)
+    if not OmegaConf.has_resolver("repo_root"):
+        OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
+
+
+register()

@@ -1,0 +1,178 @@
+"""profile -> plan -> simulate for one resolved config, writing the run-directory files of BRIEF §6.
+
+Thin wiring only: every modelling decision lives in `slackswap/`. What this module adds is
+- validation of all inputs before any work (so a bad value fails with its field named),
+- a per-process cache of the profile graph and the ideal (keep-all, no limit) simulation per
+  (model, hardware): in a sweep with the basic launcher, ten planners on one model profile it once,
+- turning an infeasible budget (planner or simulator) into a recorded outcome instead of a crash,
+- wall-clock timings per stage, so the per-job overhead can be reported.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slackswap.budget import Budget
+from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.hardware import Hardware
+from slackswap.model_config import ModelConfig
+from slackswap.plan import Decision
+
+STATUS_OK = "ok"
+STATUS_INFEASIBLE = "infeasible"
+STATUS_FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    model: ModelConfig
+    hardware: Hardware
+    budget: Budget
+    planner_name: str
+    planner_options: Mapping[str, Any]
+
+
+def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
+    """All value checks of a job, before any work starts. Raises `ConfigError` naming the field."""
+    planner = resolved["planner"]
+    if not isinstance(planner.get("name"), str) or not planner["name"]:
+        raise ConfigError("planner.name", planner.get("name"), "must be a non-empty planner name")
+    return Inputs(
+        model=ModelConfig.from_dict(resolved["model"]),
+        hardware=Hardware.from_dict(resolved["hardware"]),
+        budget=Budget.from_dict(resolved["budget"]),
+        planner_name=planner["name"],
+        planner_options=dict(planner.get("options") or {}),
+    )
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The profile graph and its ideal simulation: shared by every planner and budget of one workload."""
+
+    graph: Any
+    ideal: Any
+    profile_wall_s: float
+    ideal_sim_wall_s: float
+
+
+_BASELINES: dict[str, Baseline] = {}
+
+
+def _baseline_key(resolved: Mapping[str, Any]) -> str:
+    return json.dumps({"model": resolved["model"], "hardware": resolved["hardware"]}, sort_keys=True)
+
+
+def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, bool]:
+    """(baseline, cache_hit). Keyed on the full resolved model and hardware nodes, not preset names."""
+    key = _baseline_key(resolved)
+    if key in _BASELINES:
+        return _BASELINES[key], True
+    from slackswap.planners.keep_all import keep_all_plan
+    from slackswap.profile import build_graph
+    from slackswap.simulate import simulate
+
+    t0 = time.perf_counter()
+    graph = build_graph(inputs.model, inputs.hardware)
+    t1 = time.perf_counter()
+    ideal = simulate(graph, keep_all_plan(graph), inputs.hardware, None)
+    t2 = time.perf_counter()
+    if not ideal.feasible:
+        raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
+    _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1)
+    return _BASELINES[key], False
+
+
+@dataclass
+class Outcome:
+    status: str
+    failure_reason: str
+    metrics: dict[str, Any]
+    timings_s: dict[str, float]
+    #: Human-readable facts for the printed summary (swapped / recomputed tensors, ...).
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path) -> Outcome:
+    """Run the stages and write profile.csv, graph.json, plan.json, metrics.json, trace.json, timeline.png."""
+    from slackswap.graph_io import write_graph_json
+    from slackswap.plan_io import write_plan_json
+    from slackswap.planners.registry import get_planner
+    from slackswap.profile.report import write_profile_csv
+    from slackswap.simulate import simulate
+    from slackswap.simulate.metrics import compute_metrics
+    from slackswap.simulate.timeline import write_timeline_png
+    from slackswap.simulate.trace import write_trace_json
+    from slackswap.simulate.validate import validate_plan
+
+    timings: dict[str, float] = {}
+    base, hit = baseline(inputs, resolved)
+    timings["profile_s"] = 0.0 if hit else base.profile_wall_s
+    timings["ideal_sim_s"] = 0.0 if hit else base.ideal_sim_wall_s
+    graph, ideal = base.graph, base.ideal
+
+    t0 = time.perf_counter()
+    write_profile_csv(graph, run_dir / "profile.csv")
+    write_graph_json(graph, run_dir / "graph.json")
+    timings["write_profile_s"] = time.perf_counter() - t0
+
+    keep_all_peak_bytes = int(ideal.peak_activation_bytes)
+    budget_bytes = inputs.budget.resolve_bytes(keep_all_peak_bytes)
+    planner = get_planner(inputs.planner_name, **inputs.planner_options)
+
+    t0 = time.perf_counter()
+    try:
+        plan = planner.plan(graph, inputs.hardware, budget_bytes)
+    except InfeasibleBudgetError as exc:
+        plan_wall_s = time.perf_counter() - t0
+        timings["plan_s"] = plan_wall_s
+        # No plan, so nothing to simulate: only the quantities that exist are reported.
+        metrics = {
+            "feasible": False,
+            "budget_bytes": budget_bytes,
+            "keep_all_peak_bytes": keep_all_peak_bytes,
+            "ideal_step_s": ideal.step_s,
+            "plan_wall_s": plan_wall_s,
+        }
+        if exc.min_feasible_bytes is not None:
+            metrics["min_feasible_bytes"] = exc.min_feasible_bytes
+        _write_json(run_dir / "metrics.json", metrics)
+        return Outcome(STATUS_INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
+    plan_wall_s = time.perf_counter() - t0
+    timings["plan_s"] = plan_wall_s
+    write_plan_json(plan, run_dir / "plan.json")
+
+    validate_plan(graph, plan)
+    t0 = time.perf_counter()
+    result = simulate(graph, plan, inputs.hardware, budget_bytes)
+    sim_wall_s = time.perf_counter() - t0
+    timings["sim_s"] = sim_wall_s
+
+    metrics = compute_metrics(
+        graph=graph,
+        plan=plan,
+        result=result,
+        ideal=ideal,
+        budget_bytes=budget_bytes,
+        plan_wall_s=plan_wall_s,
+        sim_wall_s=sim_wall_s,
+    )
+    t0 = time.perf_counter()
+    _write_json(run_dir / "metrics.json", metrics)
+    write_trace_json(result, run_dir / "trace.json")
+    write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
+    timings["write_results_s"] = time.perf_counter() - t0
+
+    facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
+    if result.feasible:
+        return Outcome(STATUS_OK, "", metrics, timings, facts)
+    return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(dict(data), indent=2, sort_keys=True) + "\n")
