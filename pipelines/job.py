@@ -84,7 +84,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         "choices": dict(ctx.choices),
         "model": ctx.choices.get("model"),
         "hardware": ctx.choices.get("hardware"),
-        "planner": ctx.choices.get("planner"),
+        # The preset name, qualified when a sweep overrides `planner.name` of one preset.
+        "planner": _planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
         "planner_name": resolved["planner"]["name"],
         "budget_fraction": resolved["budget"]["fraction"],
         "budget_bytes_requested": resolved["budget"]["bytes"],
@@ -159,6 +160,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     if error is not None and not ctx.multirun:
         raise error
     return record
+
+
+def _planner_label(choice: str | None, name: str) -> str:
+    return name if choice in (None, name) else f"{choice}[{name}]"
 
 
 def _choice_tags(choices: Mapping[str, str]) -> dict[str, str]:

@@ -1,0 +1,149 @@
+"""End to end through Hydra and MLflow: one single run, one multirun with an infeasible and a failing
+job, and the error path of a senseless value. Everything goes to tmp_path (run dirs, sweep dirs, the
+MLflow database and its artifacts); the tests check that with the paths MLflow reports."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+
+from pipelines import run as run_module
+from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
+
+RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
+BRIEF_METRICS = (
+    "throughput_ratio", "step_s", "ideal_step_s", "peak_activation_bytes", "keep_all_peak_bytes", "budget_bytes",
+    "recompute_s", "stall_s", "d2h_bytes", "h2d_bytes", "swapped_tensors", "recomputed_tensors", "plan_wall_s",
+    "sim_wall_s", "feasible",
+)  # fmt: skip
+
+
+def _common(tmp_path: Path, store) -> list[str]:
+    return [
+        "model=tiny",
+        f"tracking.uri={store.uri}",
+        f"tracking.artifact_location={store.artifact_root}",
+        "tracking.experiment=test",
+        f"hydra.run.dir={tmp_path}/run",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
+
+
+def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["pipelines/run.py", *args])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # raise the real exception instead of sys.exit(1)
+    GlobalHydra.instance().clear()
+    try:
+        run_module.main()
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _under(path: str, root: Path) -> bool:
+    return Path(path.removeprefix("file://")).resolve().is_relative_to(root.resolve())
+
+
+def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "planner=slackswap", "budget.fraction=0.5"])
+    out = capsys.readouterr().out
+    assert "throughput" in out and "tiny" in out
+
+    run_dir = tmp_path / "run"
+    for name in (*RUN_FILES, RESOLVED_CONFIG_FILE, RECORD_FILE):
+        assert (run_dir / name).is_file(), name
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert set(BRIEF_METRICS) <= set(metrics)
+    assert metrics["feasible"] is True and 0 < metrics["throughput_ratio"] <= 1
+    assert metrics["budget_bytes"] == int(0.5 * metrics["keep_all_peak_bytes"])
+    assert metrics["peak_activation_bytes"] <= metrics["budget_bytes"]
+
+    client = mlflow_store.client()
+    experiment = client.get_experiment_by_name("test")
+    assert _under(experiment.artifact_location, tmp_path)
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["status"] == "ok" and run.data.tags["failure_reason"] == ""
+    assert run.data.tags["choice.model"] == "tiny" and run.data.tags["choice.planner"] == "slackswap"
+    assert run.data.tags["git_commit"] and run.data.tags["slackswap_version"]
+    assert run.data.params["model.num_layers"] == "2"
+    assert run.data.params["hardware.link.name"]
+    assert float(run.data.params["budget.fraction"]) == 0.5
+    assert run.data.metrics["feasible"] == 1.0
+    assert run.data.metrics["throughput_ratio"] == pytest.approx(metrics["throughput_ratio"])
+    assert _under(run.info.artifact_uri, tmp_path)
+    logged = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {*RUN_FILES, RESOLVED_CONFIG_FILE} <= logged
+    found = client.search_runs([experiment.experiment_id], "params.`model.name` = 'tiny' and tags.status = 'ok'")
+    assert [r.info.run_id for r in found] == [run.info.run_id]
+
+
+def test_senseless_value_fails_before_any_mlflow_run(tmp_path, mlflow_store, monkeypatch) -> None:
+    from slackswap.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "budget.fraction=1.5"])
+    assert info.value.field == "budget.fraction"
+    client = mlflow_store.client()
+    assert client.get_experiment_by_name("test") is None  # nothing was started
+    assert not (tmp_path / "run" / "profile.csv").exists()
+
+
+def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, mlflow_store, monkeypatch, capsys):
+    args = [
+        *_common(tmp_path, mlflow_store),
+        "--multirun",
+        "planner=slackswap",
+        "planner.name=slackswap,keep_all,no_such_planner",
+        "budget.fraction=0.5,1.0",
+    ]
+    _run_cli(monkeypatch, args)
+    sweep = tmp_path / "sweep"
+    for name in ("summary.csv", "summary.md", "throughput_vs_budget.png", "planner_comparison.png"):
+        assert (sweep / name).is_file(), name
+    records = {
+        (r["planner_name"], r["budget_fraction"]): r
+        for r in (json.loads(p.read_text()) for p in sweep.glob(f"*/{RECORD_FILE}"))
+    }
+    assert len(records) == 6
+    assert records[("slackswap", 0.5)]["status"] == "ok"
+    assert records[("keep_all", 1.0)]["status"] == "ok"
+    assert records[("keep_all", 0.5)]["status"] == "infeasible"
+    assert "budget" in records[("keep_all", 0.5)]["failure_reason"]
+    assert records[("no_such_planner", 0.5)]["status"] == "failed"
+    assert "no_such_planner" in records[("no_such_planner", 0.5)]["failure_reason"]
+
+    import pandas as pd
+
+    summary = pd.read_csv(sweep / "summary.csv")
+    assert len(summary) == 6
+    assert sorted(summary["status"]) == ["failed", "failed", "infeasible", "ok", "ok", "ok"]
+
+    client = mlflow_store.client()
+    experiment = client.get_experiment_by_name("test")
+    parent_id = json.loads((sweep / PARENT_FILE).read_text())["run_id"]
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["jobs_total"] == 6 and parent.data.metrics["jobs_failed"] == 2
+    assert {"summary.csv", "summary.md", "throughput_vs_budget.png"} <= {
+        a.path for a in client.list_artifacts(parent_id)
+    }
+    children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert len(children) == 6
+    by_status = {}
+    for child in children:
+        by_status.setdefault(child.data.tags["status"], []).append(child)
+        assert _under(child.info.artifact_uri, tmp_path)
+    assert len(by_status["ok"]) == 3 and len(by_status["infeasible"]) == 1 and len(by_status["failed"]) == 2
+    assert all(c.info.status == "FAILED" for c in by_status["infeasible"] + by_status["failed"])
+    infeasible = by_status["infeasible"][0]
+    assert infeasible.data.metrics["feasible"] == 0.0 and infeasible.data.tags["failure_reason"]
+    assert "no_such_planner" in by_status["failed"][0].data.tags["failure_reason"]
+    assert "Sweep summary" in capsys.readouterr().out
