@@ -1,0 +1,61 @@
+"""graph.json: lossless round trip and schema checks."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slackswap.errors import ConfigError
+from slackswap.graph_io import GRAPH_SCHEMA_VERSION, graph_from_dict, graph_to_dict, read_graph_json, write_graph_json
+from slackswap.hardware import Hardware
+from slackswap.model_config import ModelConfig
+from slackswap.profile import build_graph
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+HW = Hardware.from_dict(yaml.safe_load((CONF / "hardware" / "gh200_c2c.yaml").read_text()))
+
+
+def graph(name="tiny", **overrides):
+    data = {**yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text()), **overrides}
+    return build_graph(ModelConfig.from_dict(data), HW)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"include_optimizer": True}])
+def test_round_trip_is_equal(tmp_path, overrides):
+    g = graph(**overrides)
+    path = write_graph_json(g, tmp_path / "graph.json")
+    back = read_graph_json(path)
+    assert back == g
+    assert back.saved_tensors == g.saved_tensors
+    assert json.loads(path.read_text())["schema_version"] == GRAPH_SCHEMA_VERSION
+
+
+def test_round_trip_of_a_flash_gqa_graph():
+    g = graph("llama2_70b", num_layers=2)
+    assert graph_from_dict(json.loads(json.dumps(graph_to_dict(g)))) == g
+
+
+def test_a_changed_duration_is_not_equal():
+    g = graph()
+    data = graph_to_dict(g)
+    data["ops"][3]["duration_s"] *= 2
+    assert graph_from_dict(data) != g
+
+
+def test_schema_version_is_checked(tmp_path):
+    data = graph_to_dict(graph())
+    data["schema_version"] = GRAPH_SCHEMA_VERSION + 1
+    with pytest.raises(ConfigError, match=r"graph.schema_version=2"):
+        graph_from_dict(data)
+    data["schema_version"] = GRAPH_SCHEMA_VERSION
+    data["schema"] = "slackswap.plan"
+    with pytest.raises(ConfigError, match=r"graph.schema='slackswap.plan'"):
+        graph_from_dict(data)
+
+
+def test_unknown_or_missing_fields_are_rejected():
+    data = graph_to_dict(graph())
+    del data["tensors"][0]["saved"]
+    with pytest.raises(ConfigError, match=r"saved"):
+        graph_from_dict(data)

@@ -1,0 +1,107 @@
+"""Every preset loads into the library types and builds a graph; bad input names the field and value."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slackswap.errors import ConfigError
+from slackswap.hardware import Hardware
+from slackswap.model_config import ModelConfig
+from slackswap.profile import build_graph
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+HARDWARE = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml"))
+
+
+def load(group: str, name: str) -> dict:
+    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+
+def test_the_required_presets_exist():
+    assert {"bert_large", "gpt2_xl", "llama7b", "llama2_70b", "tiny"} <= set(MODELS)
+    assert {"a100_80gb_pcie4", "a100_40gb_pcie4", "v100_pcie3", "h100_pcie5", "h200_pcie5", "gh200_c2c"} <= set(
+        HARDWARE
+    )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_model_presets_load_and_build(name):
+    data = load("model", name)
+    model = ModelConfig.from_dict(data)
+    assert model.name == name and model.source
+    hw = Hardware.from_dict(load("hardware", "a100_80gb_pcie4"))
+    small = ModelConfig.from_dict({**data, "num_layers": 2})
+    graph = build_graph(small, hw)
+    assert graph.num_layers == 2 and graph.saved_tensors
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_hardware_presets_load_and_time_a_graph(name):
+    hw = Hardware.from_dict(load("hardware", name))
+    assert hw.name == name and hw.source
+    assert all(isinstance(v, float) for v in hw.peak_flops_per_s.values())  # YAML floats, not strings
+    dtype = "bf16" if "bf16" in hw.peak_flops_per_s else "fp16"
+    model = ModelConfig.from_dict({**load("model", "tiny"), "dtype": dtype})
+    assert sum(op.duration_s for op in build_graph(model, hw).ops) > 0
+
+
+def test_efficiencies_are_the_same_on_every_preset():
+    effs = {name: (dict(Hardware.from_dict(load("hardware", name)).efficiency),
+                   Hardware.from_dict(load("hardware", name)).hbm_efficiency) for name in HARDWARE}
+    assert len({repr(v) for v in effs.values()}) == 1, effs
+
+
+def test_gh200_link_is_asymmetric():
+    link = Hardware.from_dict(load("hardware", "gh200_c2c")).link
+    assert link.h2d_effective_bytes_per_s == 410e9 and link.d2h_effective_bytes_per_s == 170e9
+    assert link.d2h_theoretical_bytes_per_s == link.h2d_theoretical_bytes_per_s == 450e9
+
+
+def test_attention_is_a_one_key_override():
+    model = ModelConfig.from_dict({**load("model", "gpt2_xl"), "attention": "flash"})
+    assert model.attention == "flash"
+
+
+GOOD = load("model", "tiny")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        ({"hidden_size": 66}, r"model.hidden_size=66: is not divisible by model.num_heads=4"),
+        ({"family": "llama", "dropout": False, "num_kv_heads": 3}, r"model.num_kv_heads=3: does not divide"),
+        ({"num_layers": 0}, r"model.num_layers=0"),
+        ({"seq_len": -5}, r"model.seq_len=-5"),
+        ({"micro_batch_size": 0}, r"model.micro_batch_size=0"),
+        ({"vocab_size": -1}, r"model.vocab_size=-1"),
+        ({"dtype": "int8"}, r"model.dtype='int8'"),
+        ({"attention": "sdpa"}, r"model.attention='sdpa'"),
+        ({"num_layer": 3}, r"model=\['num_layer'\]"),
+    ],
+)
+def test_bad_model_input_names_field_and_value(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        ModelConfig.from_dict({**GOOD, **overrides})
+
+
+HW_GOOD = load("hardware", "a100_80gb_pcie4")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "pattern"),
+    [
+        (lambda d: d["efficiency"].pop("attention"), r"hardware.efficiency.attention=None: op class has no efficiency"),
+        (lambda d: d["efficiency"].update(conv=0.5), r"hardware.efficiency.conv=0.5: unknown op class"),
+        (lambda d: d["peak_flops_per_s"].update(int8=1e15), r"hardware.peak_flops_per_s.int8"),
+        (lambda d: d.update(hbm_bytes_per_s=0), r"hardware.hbm_bytes_per_s=0"),
+        (lambda d: d["link"].update(d2h_effective_bytes_per_s=40e9), r"link.d2h_effective_bytes_per_s=4"),
+        (lambda d: d.update(hbm_efficiency=1.5), r"hardware.hbm_efficiency=1.5"),
+    ],
+)
+def test_bad_hardware_input_names_field_and_value(mutate, pattern):
+    data = yaml.safe_load((CONF / "hardware" / "a100_80gb_pcie4.yaml").read_text())
+    mutate(data)
+    with pytest.raises(ConfigError, match=pattern):
+        Hardware.from_dict(data)
