@@ -1,0 +1,79 @@
+"""`slackswap`: swap what is expensive to regenerate, within the slack that really hides; recompute
+the rest, cheapest per byte first, counting shared recompute work once.
+
+Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
+- slack per direction and per tensor, not one pool: an offload must finish before the end of the
+  forward pass (the memory peak) on a serial D2H engine, so a tensor produced late in the forward
+  pass gets only the time left after it; a prefetch must finish before the tensor's first backward
+  use on a serial H2D engine that can start only when backward does (`analysis.SlackLedger`);
+- recompute is ranked by *marginal* cost per byte: ops already re-run for an earlier pick are free
+  (`greedy.order_by_marginal_cost`);
+- a swapped byte is worth what it spares at the *tail* of the recompute ranking, not its own
+  regeneration cost: once a tensor is more expensive per byte than the last tensor the budget makes
+  us recompute, it would be kept anyway, and among such tensors the slack is best spent on the ones
+  it can hold the most bytes of (longest production-to-use window first). slackswap therefore also
+  tries that packing order over the tensors above the recompute tail, and over all tensors (when
+  the budget asks little, even cheap bytes swapped spare recompute), and keeps whichever of the three
+  swapped sets gives the shortest estimated step.
+"""
+
+from __future__ import annotations
+
+from slackswap.graph import Graph
+from slackswap.planners.analysis import ProfileAnalysis, SlackLedger
+from slackswap.planners.greedy import order_by_marginal_cost, recompute_candidates
+from slackswap.planners.registry import register_planner
+from slackswap.planners.swap_recompute import SwapThenRecompute
+
+
+def by_regen_cost_per_byte(analysis: ProfileAnalysis) -> list[str]:
+    """Most expensive to regenerate per byte first (zero-byte tensors are never worth a transfer)."""
+    infos = analysis.tensors
+    candidates = [t for t, i in infos.items() if i.size_bytes > 0]
+    return sorted(candidates, key=lambda t: -infos[t].regen_s / infos[t].size_bytes)
+
+
+def take_while_hidden(analysis: ProfileAnalysis, ranked: list[str]) -> list[str]:
+    """Walk `ranked`, keeping each tensor whose offload and prefetch still hide (exact ledger)."""
+    ledger = SlackLedger(analysis, ranked)
+    swaps = []
+    for t in ranked:
+        if ledger.fits(t):
+            ledger.add(t)
+            swaps.append(t)
+    return swaps
+
+
+@register_planner("slackswap")
+class SlackSwap(SwapThenRecompute):
+    name = "slackswap"
+
+    def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
+        return take_while_hidden(analysis, by_regen_cost_per_byte(analysis))
+
+    def swap_alternatives(self, graph: Graph, analysis: ProfileAnalysis, budget_bytes: int) -> list[list[str]]:
+        infos = analysis.tensors
+        # The recompute tail without swaps: the per-byte cost of the last tensor the budget needs.
+        order = order_by_marginal_cost(graph, analysis, recompute_candidates(graph, analysis, set()))
+        need = analysis.keep_all_peak_bytes - budget_bytes
+        tail_per_byte = 0.0
+        for t in order:
+            if need <= 0:
+                break
+            need -= infos[t].size_bytes
+            tail_per_byte = infos[t].regen_s / max(infos[t].size_bytes, 1)
+        above_tail = [
+            t for t, i in infos.items() if i.size_bytes > 0 and (i.boundary or i.regen_s / i.size_bytes > tail_per_byte)
+        ]
+        def window(t: str) -> float:
+            return -(infos[t].first_backward_use_s - infos[t].ready_s)
+
+        all_sized = [t for t, i in infos.items() if i.size_bytes > 0]
+        return [
+            self.select_swaps(graph, analysis),
+            take_while_hidden(analysis, sorted(above_tail, key=window)),
+            take_while_hidden(analysis, sorted(all_sized, key=window)),
+        ]
+
+    def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
+        return order_by_marginal_cost(graph, analysis, candidates)
