@@ -234,3 +234,15 @@ def test_graph_meta_records_the_config():
     graph = build_graph(model, HW)
     assert graph.meta["model"] == dataclasses.asdict(model)
     assert graph.meta["hardware"] == "a100_80gb_pcie4"
+
+
+@pytest.mark.parametrize("name", ["bert_large", "gpt2_xl", "llama7b"])
+@pytest.mark.parametrize("attention", ["eager", "flash"])
+def test_every_tensor_has_a_reader_and_every_forward_op_a_backward(name, attention):
+    """The simulator frees a tensor after its last reader: a tensor nobody reads would never be freed."""
+    graph = build_graph(preset_model(name, num_layers=2, attention=attention, include_optimizer=True), HW)
+    assert all(t.consumers for t in graph.tensors.values())
+    forward = {op.name for op in graph.ops if op.phase in (Phase.FORWARD, Phase.LOSS)}
+    assert {op.forward_op for op in graph.backward_ops} == forward
+    saved, fwd, bwd = per_layer(graph)
+    assert saved[0] == saved[1] > 0 and fwd[0] == fwd[1] > 0 and bwd[1] > fwd[1]

@@ -38,7 +38,6 @@ class _TensorRec:
 @dataclass(frozen=True)
 class _ForwardRec:
     name: str
-    phase: Phase
     op_class: OpClass
     layer: int
     inputs: tuple[str, ...]
@@ -47,7 +46,6 @@ class _ForwardRec:
     bwd_reads: tuple[str, ...]
     bwd_flops: float
     bwd_extra_bytes: int
-    has_backward: bool
 
 
 def grad_name(tensor: str) -> str:
@@ -91,18 +89,16 @@ class GraphBuilder:
         bwd_flops: float = 0.0,
         bwd_extra_bytes: int = 0,
         phase: Phase = Phase.FORWARD,
-        has_backward: bool = True,
     ) -> None:
         """Record a forward op. `extra_bytes` is HBM traffic of non-graph data (weights, parameters)."""
         for t in outputs:
             self._tensors[t].producer = name
-        for t in (*bwd_reads,):
+        for t in bwd_reads:
             if t not in self._tensors:
                 raise SlackSwapError(f"profile: op {name!r} backward reads unknown tensor {t!r}")
         self._append(name, phase, op_class, layer, inputs, outputs, flops, extra_bytes, "", role)
         self._forward.append(
-            _ForwardRec(name, phase, op_class, layer, inputs, outputs, role, bwd_reads, bwd_flops,
-                        bwd_extra_bytes, has_backward)
+            _ForwardRec(name, op_class, layer, inputs, outputs, role, bwd_reads, bwd_flops, bwd_extra_bytes)
         )
 
     # -- backward, optimizer, assembly -------------------------------------------------------------
@@ -111,8 +107,6 @@ class GraphBuilder:
         """Emit one backward op per forward op, in reverse order (see the module docstring)."""
         grads: dict[str, str] = {}
         for rec in reversed(self._forward):
-            if not rec.has_backward:
-                continue
             missing = [t for t in rec.outputs if self._tensors[t].differentiable and t not in grads]
             if missing:
                 raise SlackSwapError(f"profile: op {rec.name!r} output(s) {missing} receive no gradient")
