@@ -1,0 +1,75 @@
+"""`selective_recompute` (Korthikanti et al. 2022, Megatron-LM "selective activation recompute").
+
+Drop the activations *inside* the attention core (QK^T scores, softmax, softmax dropout: the
+5·a·s²·b term) and regenerate them in backward from the kept Q, K and V; the core's output (the
+context that the projection reads) is kept. Megatron applies it per layer; here in the first k
+layers, with k the smallest count whose plan fits the budget (found by bisection on the analytical
+timeline). Never swaps. With a fused (flash) attention kernel there is almost nothing inside the
+core to drop, so most budgets are infeasible for this strategy, as they are in Megatron.
+"""
+
+from __future__ import annotations
+
+from slackswap.errors import InfeasibleBudgetError
+from slackswap.graph import Graph, Phase
+from slackswap.hardware import Hardware
+from slackswap.plan import Decision, Plan
+from slackswap.planners.base import check_budget, gib
+from slackswap.planners.registry import register_planner
+from slackswap.planners.schedule import build_schedule
+from slackswap.planners.timeline import estimate_plan
+
+#: Op roles (set by slackswap.profile) that make up the attention core.
+ATTENTION_CORE_ROLES: frozenset[str] = frozenset({"qk_bmm", "softmax", "softmax_dropout", "pv_bmm", "flash_attn"})
+
+
+def attention_core_tensors(graph: Graph) -> dict[int, list[str]]:
+    """Per layer, the saved tensors produced inside the attention core and read by nothing outside it."""
+    core_ops = {op.name for op in graph.ops if op.role in ATTENTION_CORE_ROLES and op.phase == Phase.FORWARD}
+    out: dict[int, list[str]] = {}
+    for t in graph.saved_tensors:
+        if t.producer not in core_ops:
+            continue
+        readers = [c for c in t.consumers if graph.op_by_name[c].phase == Phase.FORWARD]
+        if all(c in core_ops for c in readers):
+            out.setdefault(graph.op_by_name[t.producer].layer, []).append(t.name)
+    return out
+
+
+@register_planner("selective_recompute")
+class SelectiveRecompute:
+    name = "selective_recompute"
+
+    def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
+        check_budget(budget_bytes)
+        core = attention_core_tensors(graph)
+        layers = sorted(core)
+        cache: dict[int, tuple[Plan, int]] = {}
+
+        def probe(k: int) -> tuple[Plan, int]:
+            if k not in cache:
+                drop = {t for layer in layers[:k] for t in core[layer]}
+                decisions = {
+                    t.name: Decision.RECOMPUTE if t.name in drop else Decision.KEEP for t in graph.saved_tensors
+                }
+                plan = build_schedule(
+                    graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
+                    notes={"recomputed_layers": k},
+                )
+                cache[k] = (plan, estimate_plan(graph, plan, hardware).peak_bytes)
+            return cache[k]
+
+        if budget_bytes is None or probe(0)[1] <= budget_bytes:
+            return probe(0)[0]
+        n = len(layers)
+        if probe(n)[1] > budget_bytes:
+            raise InfeasibleBudgetError(
+                f"selective_recompute: budget {gib(budget_bytes)} is below the {gib(probe(n)[1])} that recomputing "
+                f"the attention core in all {n} layers reaches",
+                min_feasible_bytes=probe(n)[1],
+            )
+        lo, hi = 0, n
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if probe(mid)[1] <= budget_bytes else (mid, hi)
+        return probe(hi)[0]
