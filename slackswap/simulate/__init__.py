@@ -1,0 +1,20 @@
+"""Simulate stage: execute an explicit plan in time under an activation memory budget.
+
+`simulate(graph, plan, hardware, budget_bytes)` validates the plan, runs it, and returns a
+`SimResult`. Semantics: docs/simulation.md. Writers for trace.json / timeline.png and the metrics
+dict live in `trace`, `timeline` and `metrics` (timeline imports matplotlib lazily).
+"""
+
+from slackswap.simulate.engine import simulate, transfer_duration_s
+from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
+from slackswap.simulate.validate import resolve_schedule, validate_plan
+
+__all__ = [
+    "Infeasibility",
+    "SimResult",
+    "TraceEvent",
+    "resolve_schedule",
+    "simulate",
+    "transfer_duration_s",
+    "validate_plan",
+]
