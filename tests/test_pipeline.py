@@ -147,3 +147,31 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
     assert infeasible.data.metrics["feasible"] == 0.0 and infeasible.data.tags["failure_reason"]
     assert "no_such_planner" in by_status["failed"][0].data.tags["failure_reason"]
     assert "Sweep summary" in capsys.readouterr().out
+
+
+def test_submitit_local_two_job_sweep(tmp_path, mlflow_store, monkeypatch) -> None:
+    """Workers are separate processes: the parent run and the experiment must already exist for them."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from pipelines.schemas import REPO_ROOT
+
+    # Worker processes import `pipelines` by module path; give them the repository like pytest has it.
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    args = [
+        *_common(tmp_path, mlflow_store),
+        "--multirun",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=5",
+        "planner=keep_all",
+        "budget.fraction=1.0,0.5",
+    ]
+    _run_cli(monkeypatch, args)
+    sweep = tmp_path / "sweep"
+    statuses = sorted(json.loads(p.read_text())["status"] for p in sweep.glob(f"*/{RECORD_FILE}"))
+    assert statuses == ["infeasible", "ok"]
+    assert (sweep / "summary.csv").is_file()
+    client = mlflow_store.client()
+    parent_id = json.loads((sweep / PARENT_FILE).read_text())["run_id"]
+    experiment = client.get_experiment_by_name("test")
+    children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert sorted(c.data.tags["status"] for c in children) == ["infeasible", "ok"]
+    assert client.get_run(parent_id).info.status == "FINISHED"

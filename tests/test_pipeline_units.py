@@ -1,0 +1,89 @@
+"""Unit tests of the pipeline helpers that need no Hydra run: flattening, metrics, aggregation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from pipelines import aggregate, tracking
+from pipelines.job import RECORD_FILE
+
+
+def test_flatten_params_nested_none_and_lists() -> None:
+    flat = tracking.flatten_params({"model": {"num_layers": 2, "source": ""}, "budget": {"bytes": None}, "x": [1, 2]})
+    assert flat == {"model.num_layers": "2", "model.source": "", "budget.bytes": "null", "x": "[1, 2]"}
+
+
+def test_numeric_metrics_casts_bools_and_rejects_non_numbers() -> None:
+    assert tracking.numeric_metrics({"feasible": False, "step_s": 1.5, "n": 3, "stall_s": None}) == {
+        "feasible": 0.0,
+        "step_s": 1.5,
+        "n": 3.0,
+    }
+    with pytest.raises(TypeError, match="note"):
+        tracking.numeric_metrics({"note": "fast"})
+    with pytest.raises(ValueError, match="step_s"):
+        tracking.numeric_metrics({"step_s": math.nan})
+
+
+def _record(job: str, model: str, planner: str, fraction: float, status: str, ratio: float | None) -> dict:
+    metrics = {"keep_all_peak_bytes": 1000, "budget_bytes": int(1000 * fraction), "feasible": status == "ok"}
+    if ratio is not None:
+        metrics["throughput_ratio"] = ratio
+    return {
+        "job": job,
+        "model": model,
+        "hardware": "gpu",
+        "planner": planner,
+        "budget_fraction": fraction,
+        "budget_bytes_requested": None,
+        "status": status,
+        "failure_reason": "" if status == "ok" else "planner: does not fit",
+        "mlflow_run_id": None,
+        "metrics": metrics,
+    }
+
+
+def test_paper_table_reports_deltas_best_baseline_and_missing_models() -> None:
+    frame = aggregate.records_to_frame(
+        [
+            _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
+            _record("1", "bert_large", "capuchin", 0.5, "ok", 0.90),
+            _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
+            _record("3", "gpt2_xl", "slackswap", 0.5, "infeasible", None),
+        ]
+    )
+    md = aggregate.paper_table(frame, {"paper_reference": {"bert_large": 0.963, "gpt2_xl": 0.976, "llama7b": 0.996}})
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines()[4:7]}
+    assert rows["bert_large"][3:7] == ["96.3%", "95.0%", "-1.3", "90.0% (capuchin)"]
+    assert rows["gpt2_xl"][4] == "-" and rows["gpt2_xl"][7].startswith("infeasible")
+    assert rows["llama7b"][4] == "not run"
+    assert aggregate.paper_table(frame, {}) == ""
+
+
+def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
+    records = [
+        _record("0", "tiny", "slackswap", 0.5, "ok", 0.97),
+        _record("1", "tiny", "slackswap", 1.0, "ok", 1.0),
+        _record("2", "tiny", "keep_all", 0.5, "infeasible", None),
+        _record("3", "tiny", "keep_all", 1.0, "ok", 1.0),
+    ]
+    for rec in records:
+        (tmp_path / rec["job"]).mkdir()
+        (tmp_path / rec["job"] / RECORD_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "job"}))
+    result = aggregate.aggregate_sweep(tmp_path, {})
+    assert result.status_counts == {"ok": 3, "infeasible": 1}
+    assert not result.paper_table_md
+    for name in ("summary.csv", "summary.md", "throughput_vs_budget.png", "planner_comparison.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    table = pd.read_csv(tmp_path / "summary.csv")
+    assert list(table["budget_share"]) == [0.5, 0.5, 1.0, 1.0]
+    assert "planner: does not fit" in (tmp_path / "summary.md").read_text()
+
+
+def test_aggregate_without_records_fails_loudly(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="no job"):
+        aggregate.aggregate_sweep(tmp_path, {})
