@@ -64,8 +64,8 @@ class SweepCallback(Callback):
         try:
             HydraConfig.instance().set_config(config)
             sweep_dir = Path(config.hydra.sweep.dir)
-            resolved = OmegaConf.to_container(config, resolve=True)
-            result = aggregate.aggregate_sweep(sweep_dir, resolved.get("experiment") or {})
+            experiment = OmegaConf.to_container(config.experiment, resolve=True)
+            result = aggregate.aggregate_sweep(sweep_dir, experiment)
             print(result.summary_md)
             if result.paper_table_md:
                 print(result.paper_table_md)
