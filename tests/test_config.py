@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from pipelines import schemas, stages
 from slackswap.budget import Budget
@@ -58,8 +58,8 @@ def test_every_group_preset_composes_and_validates(group: str, preset: str) -> N
 
 @pytest.mark.parametrize("preset", _presets("experiment"))
 def test_every_experiment_composes_and_sweeps_existing_presets(preset: str) -> None:
+    stages.validate_inputs(_resolved(_compose([f"+experiment={preset}"])))
     cfg = _compose([f"+experiment={preset}"], hydra_node=True)
-    stages.validate_inputs(_resolved({k: v for k, v in cfg.items() if k != "hydra"}))
     assert cfg.experiment.name == preset
     params = cfg.hydra.sweeper.params or {}
     assert params, f"experiment {preset} sweeps nothing"
@@ -158,10 +158,10 @@ def test_senseless_values_raise_config_error_naming_the_field(overrides: list[st
     assert info.value.field == field
 
 
-def test_absolute_budget_without_bytes_names_the_missing_key() -> None:
-    cfg = _compose(["budget=absolute"])
-    with pytest.raises(MissingMandatoryValue, match="budget.bytes"):
-        _resolved(cfg)
+def test_absolute_budget_without_bytes_names_the_budget() -> None:
+    with pytest.raises(ConfigError, match="exactly one") as info:
+        stages.validate_inputs(_resolved(_compose(["budget=absolute"])))
+    assert info.value.field == "budget"
 
 
 def test_default_store_is_sqlite_at_repo_root() -> None:
