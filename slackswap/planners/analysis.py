@@ -28,7 +28,7 @@ import numpy as np
 from slackswap.graph import Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.planners.keep_all import keep_all_plan
-from slackswap.planners.timeline import PlanTimeline, estimate_plan, transfer_s
+from slackswap.planners.timeline import PlanTimeline, d2h_s, estimate_plan, h2d_s
 
 _FORWARD_PHASES = (Phase.FORWARD, Phase.LOSS)
 
@@ -109,7 +109,6 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
     for i in range(n_fwd, len(graph.ops)):
         for t in graph.ops[i].inputs:
             first_bwd.setdefault(t, timeline.step_start_s[i])
-    link = hardware.link
     boundary = boundary_tensors(graph)
     infos = {}
     for t in graph.saved_tensors:
@@ -123,8 +122,8 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
             first_backward_use_s=first_bwd[t.name],
             regen_ops=chain,
             regen_s=sum(graph.op_by_name[o].duration_s for o in chain),
-            d2h_s=transfer_s(t.size_bytes, link.d2h_effective_bytes_per_s, link.latency_s),
-            h2d_s=transfer_s(t.size_bytes, link.h2d_effective_bytes_per_s, link.latency_s),
+            d2h_s=d2h_s(t.size_bytes, hardware),
+            h2d_s=h2d_s(t.size_bytes, hardware),
             boundary=t.name in boundary,
         )
     return ProfileAnalysis(

@@ -37,7 +37,7 @@ from slackswap.errors import ConfigError, PlanValidationError
 from slackswap.graph import Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
-from slackswap.planners.timeline import transfer_s
+from slackswap.planners.timeline import h2d_s
 
 PREFETCH_POLICIES: tuple[str, ...] = ("alap", "layer_ahead")
 _FORWARD_PHASES = (Phase.FORWARD, Phase.LOSS)
@@ -54,6 +54,10 @@ def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> di
             out[name] = Decision(value)
         except ValueError:
             raise ConfigError(f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}") from None
+        producer = graph.op_by_name[graph.tensors[name].producer]
+        if out[name] == Decision.RECOMPUTE and producer.phase not in _FORWARD_PHASES:
+            raise ConfigError(f"decisions[{name!r}]", value, f"only forward tensors can be recomputed, "
+                              f"this one is produced by {producer.phase.value} op {producer.name!r}")
     missing = [t.name for t in graph.saved_tensors if t.name not in out]
     if missing:
         raise ConfigError("decisions", missing[:5], f"{len(missing)} saved tensor(s) have no decision")
@@ -140,7 +144,10 @@ def _regenerate(
 
 
 def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple[int, dict[str, int], dict[str, int]]:
-    """(number of forward steps, last forward reader or producer index, first backward reader index)."""
+    """(number of forward steps, last forward reader or producer index, first backward reader index).
+
+    A tensor produced after the forward pass (a gradient read by a later backward op) has its
+    producer step as "last forward reader": its offload and prefetch both happen in backward."""
     n_fwd = sum(1 for op in graph.ops if op.phase in _FORWARD_PHASES)
     last_fwd: dict[str, int] = {}
     first_bwd: dict[str, int] = {}
@@ -152,6 +159,9 @@ def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple
         else:
             for t in op.inputs:
                 first_bwd.setdefault(t, i)
+            if step.kind == StepKind.RUN:
+                for t in step.outputs:
+                    last_fwd.setdefault(t, i)
     return n_fwd, last_fwd, first_bwd
 
 
@@ -196,7 +206,8 @@ def _prefetches(
     out = []
     previous = -1
     for t in order:
-        k = max(issue[t], last_fwd[t], previous)
+        # A policy's pick never lands at or after the first use (layer_ahead on an odd graph could).
+        k = max(min(issue[t], first_bwd[t] - 1), last_fwd[t], previous)
         if k >= first_bwd[t]:
             raise PlanValidationError(f"prefetch of {t!r} cannot be issued before its first backward reader")
         out.append(Transfer(t, Direction.H2D, k))
@@ -212,7 +223,6 @@ def _alap_issue(
     first_bwd: Mapping[str, int],
     lead_s: float,
 ) -> dict[str, int]:
-    link = hardware.link
     ends: list[float] = []
     now = 0.0
     for step in steps:
@@ -222,7 +232,7 @@ def _alap_issue(
     latest_start: dict[str, float] = {}
     horizon = float("inf")
     for t in reversed(order):
-        dur = transfer_s(graph.tensors[t].size_bytes, link.h2d_effective_bytes_per_s, link.latency_s)
+        dur = h2d_s(graph.tensors[t].size_bytes, hardware)
         horizon = min(horizon, starts[first_bwd[t]] - lead_s) - dur
         latest_start[t] = horizon
     issue: dict[str, int] = {}

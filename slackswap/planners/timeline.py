@@ -10,9 +10,9 @@ the plan is rejected by the planner (a planner never hands over a plan it knows 
 Rules replayed:
 - one compute stream runs `plan.steps` in order; a step starts when the previous one ends and every
   prefetched input has arrived; it lasts its op's `duration_s` (a recompute step too);
-- each copy engine serves its transfer list in list order (FIFO); a transfer starts when its issuing
+- each direction's engines serve its transfer list in list order (FIFO); a transfer starts when its issuing
   step has finished, the previous transfer on that engine is done and, for a prefetch, the tensor's
-  offload is done; it lasts `latency_s + bytes / effective bandwidth`;
+  offload is done; it lasts `latency_s + bytes * engines / effective bandwidth`;
 - a step reads the latest production of each input before it (its run step, a recompute step, or a
   prefetch issued after an earlier step);
 - a step allocates its outputs when it starts, a prefetch when it starts; a copy is freed when its
@@ -30,9 +30,20 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Plan, Transfer
 
 
-def transfer_s(size_bytes: int, bytes_per_s: float, latency_s: float) -> float:
-    """Time one copy occupies its engine: link latency plus bytes over effective bandwidth."""
-    return latency_s + size_bytes / bytes_per_s
+def transfer_s(size_bytes: int, bytes_per_s: float, latency_s: float, engines: int = 1) -> float:
+    """Time one copy occupies its engine: latency + bytes / (effective bandwidth / engines), since
+    the engines of one direction share its bandwidth equally (as the simulator models them)."""
+    return latency_s + size_bytes * engines / bytes_per_s
+
+
+def d2h_s(size_bytes: int, hardware: Hardware) -> float:
+    link = hardware.link
+    return transfer_s(size_bytes, link.d2h_effective_bytes_per_s, link.latency_s, link.d2h_engines)
+
+
+def h2d_s(size_bytes: int, hardware: Hardware) -> float:
+    link = hardware.link
+    return transfer_s(size_bytes, link.h2d_effective_bytes_per_s, link.latency_s, link.h2d_engines)
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,7 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
         nonlocal next_d2h, next_h2d
         while next_d2h < len(plan.offloads) and plan.offloads[next_d2h].issue_after_step <= done_through:
             tr = plan.offloads[next_d2h]
-            dur = transfer_s(sizes[tr.tensor], link.d2h_effective_bytes_per_s, link.latency_s)
+            dur = d2h_s(sizes[tr.tensor], hardware)
             _, end = d2h.start(issue_time(tr.issue_after_step), dur)
             offload_end[next_d2h] = end
             copy_offload_end[pending_offload_copy[next_d2h]] = end
@@ -114,7 +125,7 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
             tr = plan.prefetches[next_h2d]
             if tr.tensor not in host_ready:
                 break  # its offload has not been started yet: FIFO blocks behind it
-            dur = transfer_s(sizes[tr.tensor], link.h2d_effective_bytes_per_s, link.latency_s)
+            dur = h2d_s(sizes[tr.tensor], hardware)
             ready = max(issue_time(tr.issue_after_step), host_ready[tr.tensor])
             start, end = h2d.start(ready, dur)
             prefetch_start[next_h2d], prefetch_end[next_h2d] = start, end
