@@ -1,0 +1,45 @@
+"""plan.json: schema-versioned, round-trips to an equal Plan, rejects what it cannot read."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from slackswap.errors import ConfigError
+from slackswap.plan_io import plan_from_dict, plan_to_dict, read_plan_json, write_plan_json
+from slackswap.planners.schedule import build_schedule
+from slackswap.testing import random_decisions, random_graph, toy_hardware
+
+
+def _plan():
+    rng = random.Random(3)
+    g = random_graph(rng, max_layers=3)
+    return build_schedule(g, random_decisions(g, rng), planner="t", budget_bytes=1234, hardware=toy_hardware(),
+                          bound_step_s=1.5, notes={"why": "test", "n": 2})
+
+
+def test_round_trip_through_a_file_gives_an_equal_plan(tmp_path):
+    plan = _plan()
+    path = write_plan_json(plan, tmp_path / "plan.json")
+    assert read_plan_json(path) == plan
+    assert json.loads(path.read_text())["schema_version"] == 1
+
+
+def test_unknown_schema_version_is_rejected():
+    data = plan_to_dict(_plan())
+    data["schema_version"] = 99
+    with pytest.raises(ConfigError, match="schema_version"):
+        plan_from_dict(data)
+
+
+def test_missing_and_unknown_fields_are_named():
+    data = plan_to_dict(_plan())
+    del data["steps"]
+    with pytest.raises(ConfigError, match="steps"):
+        plan_from_dict(data)
+    data = plan_to_dict(_plan())
+    data["extra"] = 1
+    with pytest.raises(ConfigError, match="extra"):
+        plan_from_dict(data)

@@ -1,0 +1,185 @@
+"""Every planner's defining behaviour, and its plans judged by the simulator."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.graph import Phase
+from slackswap.hardware import Hardware
+from slackswap.model_config import ModelConfig
+from slackswap.plan import Decision, StepKind
+from slackswap.planners.analysis import analyse, boundary_tensors
+from slackswap.planners.keep_all import keep_all_plan
+from slackswap.planners.min_budget import min_feasible_fraction
+from slackswap.planners.recompute_knapsack import solve_knapsack
+from slackswap.planners.registry import available_planners, get_planner
+from slackswap.planners.selective_recompute import attention_core_tensors
+from slackswap.profile import build_graph
+from slackswap.simulate import simulate, validate_plan
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PLANNERS = ("keep_all", "slackswap", "slackswap_seed", "full_recompute", "selective_recompute",
+            "recompute_knapsack", "swap_only", "capuchin")
+
+
+def _model(name: str, **over) -> ModelConfig:
+    return ModelConfig.from_dict({**yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text()), **over})
+
+
+HW = Hardware.from_dict(yaml.safe_load((CONF / "hardware" / "a100_80gb_pcie4.yaml").read_text()))
+# A small GPT-2-shaped model with enough layers and sequence for swap and recompute to both matter.
+GRAPH = build_graph(_model("tiny", num_layers=4, seq_len=256, micro_batch_size=4, hidden_size=256,
+                           ffn_hidden_size=1024), HW)
+PEAK = simulate(GRAPH, keep_all_plan(GRAPH), HW, None).peak_activation_bytes
+IDEAL = simulate(GRAPH, keep_all_plan(GRAPH), HW, None).step_s
+
+
+def _plan_or_none(name, fraction, graph=GRAPH, peak=PEAK):
+    budget = int(fraction * peak)
+    try:
+        plan = get_planner(name).plan(graph, HW, budget)
+    except InfeasibleBudgetError as exc:
+        assert exc.reason  # a specific, non-empty reason
+        return None, budget
+    return plan, budget
+
+
+@pytest.mark.parametrize(("name", "fraction"), list(itertools.product(PLANNERS, (0.3, 0.5, 0.7))))
+def test_plan_is_valid_and_fits_the_budget_in_the_simulator(name, fraction):
+    plan, budget = _plan_or_none(name, fraction)
+    if plan is None:
+        return
+    validate_plan(GRAPH, plan)
+    result = simulate(GRAPH, plan, HW, budget)
+    assert result.feasible, result.infeasible_reason
+    assert result.peak_activation_bytes <= budget
+    assert result.stall_memory_s == 0.0  # planners hand over plans that never wait for memory
+
+
+def test_registry_lists_every_planner_and_names_known_ones_on_error():
+    assert set(PLANNERS) <= set(available_planners())
+    with pytest.raises(ConfigError, match="unknown planner.*slackswap"):
+        get_planner("nope")
+    with pytest.raises(ConfigError, match="not accepted"):
+        get_planner("slackswap", bogus=1)
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+def test_conf_planner_yaml_builds_its_planner(name):
+    data = yaml.safe_load((CONF / "planner" / f"{name}.yaml").read_text())
+    assert data["name"] == name
+    assert get_planner(data["name"], **data["options"]).name == name
+
+
+def test_keep_all_is_infeasible_below_the_peak_and_ideal_at_it():
+    with pytest.raises(InfeasibleBudgetError, match="keep_all"):
+        get_planner("keep_all").plan(GRAPH, HW, PEAK - 1)
+    assert simulate(GRAPH, get_planner("keep_all").plan(GRAPH, HW, PEAK), HW, PEAK).step_s == IDEAL
+
+
+def test_swap_only_never_recomputes_and_prefetches_one_layer_ahead():
+    plan, _ = _plan_or_none("swap_only", 0.9)
+    assert plan is not None and plan.tensors_with(Decision.SWAP)
+    assert not plan.tensors_with(Decision.RECOMPUTE)
+    assert all(s.kind == StepKind.RUN for s in plan.steps)
+
+
+@pytest.mark.parametrize("name", ["recompute_knapsack", "full_recompute", "selective_recompute"])
+def test_recompute_only_planners_never_swap(name):
+    plan, _ = _plan_or_none(name, 0.7)
+    assert plan is not None
+    assert not plan.offloads and not plan.prefetches and not plan.tensors_with(Decision.SWAP)
+
+
+def test_full_recompute_keeps_only_layer_boundaries_inside_the_stack():
+    plan = get_planner("full_recompute").plan(GRAPH, HW, None)
+    boundary = boundary_tensors(GRAPH)
+    for t, d in plan.decisions.items():
+        in_stack = GRAPH.op_by_name[GRAPH.tensors[t].producer].layer >= 0
+        assert d == (Decision.RECOMPUTE if in_stack and t not in boundary else Decision.KEEP), t
+
+
+def test_selective_recompute_drops_only_the_attention_core():
+    plan, _ = _plan_or_none("selective_recompute", 0.7)
+    core = {t for ts in attention_core_tensors(GRAPH).values() for t in ts}
+    assert plan is not None and set(plan.tensors_with(Decision.RECOMPUTE)) <= core
+    roles = {GRAPH.op_by_name[GRAPH.tensors[t].producer].role for t in plan.tensors_with(Decision.RECOMPUTE)}
+    assert roles <= {"softmax", "softmax_dropout", "qk_bmm"}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 20), st.sampled_from([0.5, 1.0, 2.0, 3.5])), min_size=1, max_size=9),
+       st.integers(0, 120))
+def test_knapsack_is_optimal_against_brute_force(items, need):
+    sizes = [s for s, _ in items]
+    costs = [c for _, c in items]
+    best = None
+    for mask in range(1 << len(items)):
+        chosen = [i for i in range(len(items)) if mask >> i & 1]
+        if sum(sizes[i] for i in chosen) >= need:
+            cost = sum(costs[i] for i in chosen)
+            best = cost if best is None else min(best, cost)
+    got = solve_knapsack(sizes, costs, need)
+    if best is None:
+        assert got is None
+    else:
+        assert got is not None and sum(sizes[i] for i in got) >= need
+        assert sum(costs[i] for i in got) == pytest.approx(best)
+
+
+def test_slackswap_swaps_hide_and_it_is_never_slower_than_the_seed_here():
+    for fraction in (0.5, 0.7):
+        plan, budget = _plan_or_none("slackswap", fraction)
+        seed, _ = _plan_or_none("slackswap_seed", fraction)
+        assert plan is not None and seed is not None
+        result = simulate(GRAPH, plan, HW, budget)
+        assert result.stall_prefetch_s == 0.0
+        assert result.step_s <= simulate(GRAPH, seed, HW, budget).step_s * (1 + 1e-9)
+
+
+def test_slackswap_offloads_finish_before_the_forward_pass_ends():
+    plan, budget = _plan_or_none("slackswap", 0.5)
+    result = simulate(GRAPH, plan, HW, budget)
+    forward_end = analyse(GRAPH, HW).forward_end_s
+    d2h_ends = [e.end_s for e in result.events if e.stream == "d2h"]
+    assert d2h_ends and max(d2h_ends) <= forward_end + 1e-12
+
+
+def test_capuchin_ranks_swaps_by_free_time():
+    plan, _ = _plan_or_none("capuchin", 0.5)
+    info = analyse(GRAPH, HW).tensors
+    swapped = plan.tensors_with(Decision.SWAP)
+    assert swapped
+    longest = max(info, key=lambda t: info[t].first_backward_use_s - info[t].ready_s)
+    assert longest in swapped
+
+
+def test_min_feasible_fraction_brackets_the_threshold():
+    planner = get_planner("full_recompute")
+    res = min_feasible_fraction(planner, GRAPH, HW, PEAK, tol=0.01)
+    assert res.fraction is not None and res.infeasible_fraction is not None
+    assert res.fraction - res.infeasible_fraction <= 0.01
+    planner.plan(GRAPH, HW, int(res.fraction * PEAK))
+    with pytest.raises(InfeasibleBudgetError):
+        planner.plan(GRAPH, HW, int(res.infeasible_fraction * PEAK))
+
+
+def test_bad_budget_is_rejected():
+    with pytest.raises(ConfigError, match="budget_bytes"):
+        get_planner("slackswap").plan(GRAPH, HW, -5)
+
+
+def test_flash_attention_leaves_selective_recompute_only_the_fused_kernel_outputs():
+    g = build_graph(_model("tiny", attention="flash"), HW)
+    core = attention_core_tensors(g)
+    roles = {g.op_by_name[g.tensors[t].producer].role for ts in core.values() for t in ts}
+    assert roles <= {"flash_attn"}
+    assert all(g.op_by_name[c].phase != Phase.FORWARD or g.op_by_name[c].role == "flash_attn"
+               for ts in core.values() for t in ts for c in g.tensors[t].consumers)
