@@ -38,5 +38,8 @@ def check_budget(budget_bytes: int | None) -> None:
 
 
 def gib(n_bytes: float) -> str:
-    """Human-readable bytes for error messages."""
-    return f"{n_bytes / 2**30:.3f} GiB"
+    """Human-readable bytes for error messages (GiB, or MiB / KiB for small graphs)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n_bytes) >= scale / 10:
+            return f"{n_bytes / scale:.3f} {unit}"
+    return f"{n_bytes:.0f} B"

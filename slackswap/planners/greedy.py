@@ -114,15 +114,19 @@ def fit_prefix(
         return cache[k]
 
     n = len(order)
-    plan, peak = probe(n)
-    if peak > budget_bytes:
-        raise InfeasibleBudgetError(
+
+    def infeasible() -> InfeasibleBudgetError:
+        peak = probe(n)[1]
+        return InfeasibleBudgetError(
             f"{planner}: budget {gib(budget_bytes)} is below the {gib(peak)} that {what or 'its most frugal plan'} "
             "reaches",
             min_feasible_bytes=peak,
         )
-    # Byte-count guess: the first k whose bytes cover the excess over the budget.
-    excess = analysis.keep_all_peak_bytes - budget_bytes
+
+    # Byte-count guess: the first k whose bytes, with what `base` already frees, cover the excess.
+    excess = analysis.keep_all_peak_bytes - budget_bytes - sum(
+        analysis.tensors[t].size_bytes for t, d in base.items() if d != Decision.KEEP
+    )
     freed = 0
     guess = n
     for k, t in enumerate(order):
@@ -138,9 +142,13 @@ def fit_prefix(
             hi, lo, step = lo, lo - 2 * step, 2 * step
         lo = max(lo, -1)
     else:
+        if guess == n:
+            raise infeasible()
         lo = guess
         hi = min(n, guess + step)
         while probe(hi)[1] > budget_bytes:
+            if hi == n:
+                raise infeasible()
             lo, hi, step = hi, min(n, hi + 2 * step), 2 * step
     while hi - lo > 1:  # invariant: probe(hi) fits; lo == -1 or probe(lo) does not
         mid = (lo + hi) // 2

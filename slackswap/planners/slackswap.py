@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from slackswap.graph import Graph
 from slackswap.planners.analysis import ProfileAnalysis, SlackLedger
-from slackswap.planners.greedy import order_by_marginal_cost, recompute_candidates
+from slackswap.planners.greedy import order_by_marginal_cost, order_by_standalone_cost, recompute_candidates
 from slackswap.planners.registry import register_planner
 from slackswap.planners.swap_recompute import SwapThenRecompute
 
@@ -54,7 +54,7 @@ class SlackSwap(SwapThenRecompute):
     def swap_alternatives(self, graph: Graph, analysis: ProfileAnalysis, budget_bytes: int) -> list[list[str]]:
         infos = analysis.tensors
         # The recompute tail without swaps: the per-byte cost of the last tensor the budget needs.
-        order = order_by_marginal_cost(graph, analysis, recompute_candidates(graph, analysis, set()))
+        order = order_by_standalone_cost(analysis, recompute_candidates(graph, analysis, set()))
         need = analysis.keep_all_peak_bytes - budget_bytes
         tail_per_byte = 0.0
         for t in order:

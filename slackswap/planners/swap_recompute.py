@@ -41,7 +41,11 @@ class SwapThenRecompute:
             return build_schedule(graph, keep, planner=self.name, budget_bytes=budget_bytes, hardware=hardware)
         best: tuple[float, Plan] | None = None
         failure: InfeasibleBudgetError | None = None
+        tried: list[set[str]] = []
         for swaps in self.swap_alternatives(graph, analysis, budget_bytes):
+            if set(swaps) in tried:
+                continue
+            tried.append(set(swaps))
             try:
                 plan = self._plan_with(graph, hardware, budget_bytes, analysis, swaps)
             except InfeasibleBudgetError as exc:
