@@ -213,3 +213,27 @@ def test_fifo_order_that_deadlocks_is_rejected():
     # The same plan with the list in issue order is fine.
     ok = dataclasses.replace(plan, prefetches=tuple(reversed(plan.prefetches)))
     validate_plan(GRAPH, ok)
+
+
+def test_plain_string_enums_behave_like_the_enums():
+    """A plan read back from JSON may carry plain strings; validation and simulation must not care."""
+    from slackswap.simulate import simulate
+    from slackswap.testing import toy_hardware
+
+    rng = random.Random(3)
+    graph = random_graph(rng, max_layers=5)
+    plan = random_valid_plan(graph, rng)
+    plain = Plan(
+        plan.planner,
+        None,
+        {k: str(v) for k, v in plan.decisions.items()},
+        tuple(ComputeStep(s.op, str(s.kind), s.outputs) for s in plan.steps),
+        tuple(Transfer(t.tensor, str(t.direction), t.issue_after_step) for t in plan.offloads),
+        tuple(Transfer(t.tensor, str(t.direction), t.issue_after_step) for t in plan.prefetches),
+    )
+    assert type(plain.steps[0].kind) is str
+    assert simulate(graph, plain, toy_hardware(), None) == simulate(graph, plan, toy_hardware(), None)
+    kept = next(t for t, d in plain.decisions.items() if d == "keep")
+    bad = dataclasses.replace(plain, decisions={**plain.decisions, kept: "recompute"})
+    with pytest.raises(PlanValidationError, match=f"recompute tensor '{kept}'"):
+        validate_plan(graph, bad)

@@ -195,7 +195,7 @@ class _Run:
         self.events.append(
             TraceEvent(
                 "compute",
-                step.kind.value,
+                str(step.kind),
                 j,
                 now,
                 end,

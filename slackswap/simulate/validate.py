@@ -64,7 +64,7 @@ def _fail(message: str) -> None:
 
 def _step_name(plan: Plan, j: int) -> str:
     step = plan.steps[j]
-    return f"step {j} ({step.kind.value} {step.op!r})"
+    return f"step {j} ({step.kind!s} {step.op!r})"
 
 
 def _check_steps(graph: Graph, plan: Plan) -> dict[str, int]:
@@ -229,8 +229,8 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
             if step.kind == StepKind.RECOMPUTE:
                 decision = decisions.get(t)
                 if decision is not None and decision != Decision.RECOMPUTE:
-                    _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decision.value}")
-            writes.append(new_copy(t, step.kind.value, j))
+                    _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decision!s}")
+            writes.append(new_copy(t, str(step.kind), j))
         step_reads.append(tuple(reads))
         step_writes.append(tuple(writes))
         issue_transfers(j + 1)
@@ -281,7 +281,7 @@ def _check_reader_copies(
             else:
                 why = f"a {c_source[c]} copy exists where the {need} copy is required"
             msg = (
-                f"{_step_name(plan, j)}, a {role} reader of {decision.value} tensor {t!r}, "
+                f"{_step_name(plan, j)}, a {role} reader of {decision!s} tensor {t!r}, "
                 f"reads its {c_source[c]} copy: {why}"
             )
             if first_problem is None or j < first_problem[0]:
