@@ -153,15 +153,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path) -> Outco
     sim_wall_s = time.perf_counter() - t0
     timings["sim_s"] = sim_wall_s
 
-    metrics = compute_metrics(
-        graph=graph,
-        plan=plan,
-        result=result,
-        ideal=ideal,
-        budget_bytes=budget_bytes,
-        plan_wall_s=plan_wall_s,
-        sim_wall_s=sim_wall_s,
-    )
+    metrics = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")

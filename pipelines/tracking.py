@@ -44,11 +44,12 @@ def flatten_params(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The metrics MLflow can store: numbers and booleans (as 0/1). None (not measured) is left out;
-    anything else is a bug in the producer and raises."""
+    """The metrics MLflow can store: numbers and booleans (as 0/1). None (not defined for this run,
+    e.g. the step time of an infeasible plan) and text (`infeasible_reason`, logged as the
+    `failure_reason` tag) are left out; anything else is a bug in the producer and raises."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        if value is None:
+        if value is None or isinstance(value, str):
             continue
         if isinstance(value, bool):
             out[key] = float(value)

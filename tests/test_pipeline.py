@@ -5,13 +5,14 @@ MLflow database and its artifacts); the tests check that with the paths MLflow r
 from __future__ import annotations
 
 import json
+import runpy
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
-from pipelines import run as run_module
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
@@ -40,7 +41,11 @@ def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # raise the real exception instead of sys.exit(1)
     GlobalHydra.instance().clear()
     try:
-        run_module.main()
+        # As `python -m pipelines.run`: Hydra resolves config_path="../conf" next to the file only
+        # when the task function lives in __main__ (imported, it looks for a `conf` package).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules" after a previous run
+            runpy.run_module("pipelines.run", run_name="__main__")
     finally:
         GlobalHydra.instance().clear()
 
@@ -98,8 +103,8 @@ def test_senseless_value_fails_before_any_mlflow_run(tmp_path, mlflow_store, mon
 
 def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, mlflow_store, monkeypatch, capsys):
     args = [
-        *_common(tmp_path, mlflow_store),
         "--multirun",
+        *_common(tmp_path, mlflow_store),
         "planner=slackswap",
         "planner.name=slackswap,keep_all,no_such_planner",
         "budget.fraction=0.5,1.0",
@@ -157,8 +162,8 @@ def test_submitit_local_two_job_sweep(tmp_path, mlflow_store, monkeypatch) -> No
     # Worker processes import `pipelines` by module path; give them the repository like pytest has it.
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
     args = [
-        *_common(tmp_path, mlflow_store),
         "--multirun",
+        *_common(tmp_path, mlflow_store),
         "hydra/launcher=submitit_local",
         "hydra.launcher.timeout_min=5",
         "planner=keep_all",

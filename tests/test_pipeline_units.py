@@ -18,13 +18,14 @@ def test_flatten_params_nested_none_and_lists() -> None:
 
 
 def test_numeric_metrics_casts_bools_and_rejects_non_numbers() -> None:
-    assert tracking.numeric_metrics({"feasible": False, "step_s": 1.5, "n": 3, "stall_s": None}) == {
+    metrics = {"feasible": False, "step_s": 1.5, "n": 3, "stall_s": None, "infeasible_reason": "x"}
+    assert tracking.numeric_metrics(metrics) == {
         "feasible": 0.0,
         "step_s": 1.5,
         "n": 3.0,
     }
     with pytest.raises(TypeError, match="note"):
-        tracking.numeric_metrics({"note": "fast"})
+        tracking.numeric_metrics({"note": ["fast"]})
     with pytest.raises(ValueError, match="step_s"):
         tracking.numeric_metrics({"step_s": math.nan})
 
