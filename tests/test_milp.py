@@ -1,0 +1,211 @@
+"""The `milp` planner: its bound is a lower bound under the simulator, its plan is valid, errors are specific.
+
+The bound is checked against (a) brute-force enumeration of every keep/swap/recompute decision
+vector on tiny chain graphs, each scheduled by `build_schedule` and simulated, and (b) the simulated
+step of every other planner's feasible plan on a small GPT-2-shaped graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.graph import Graph, Op, OpClass, Phase, Tensor
+from slackswap.hardware import Hardware, HostLink
+from slackswap.model_config import ModelConfig
+from slackswap.plan import Decision
+from slackswap.planners.keep_all import keep_all_plan
+from slackswap.planners.milp import MilpPlanner
+from slackswap.planners.milp_model import build_bound_problem, keep_all_peak_bytes
+from slackswap.planners.registry import available_planners, get_planner
+from slackswap.planners.schedule import build_schedule
+from slackswap.profile import build_graph
+from slackswap.simulate import simulate, validate_plan
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+REL = 1e-9  # float summation order differs between the LP and the event engine
+
+
+def _toy_hardware(bytes_per_s: float = 25e9) -> Hardware:
+    return Hardware(
+        name="toy",
+        peak_flops_per_s={"bf16": 1e14},
+        hbm_bytes_per_s=1e12,
+        device_memory_bytes=80 * 10**9,
+        link=HostLink("toy_link", bytes_per_s, bytes_per_s, bytes_per_s, bytes_per_s, 1e-5),
+        efficiency={"matmul": 0.5, "attention": 0.5, "elementwise": 0.5},
+        hbm_efficiency=0.8,
+        launch_overhead_s=0.0,
+    )
+
+
+def chain_graph(layers: int, ops_per_layer: int, seed: int) -> Graph:
+    """A forward chain f0..fn, a loss, and a backward chain that reads each forward op's input and output.
+
+    Sizes (10-80 MB) and durations (1-8 ms) are random, so at 25 GB/s a copy takes about as long as
+    an op and swap, recompute and stalls all matter.
+    """
+    rng = random.Random(seed)
+    ops: list[Op] = []
+
+    def add(name, phase, layer, inputs, outputs, duration_s):
+        ops.append(Op(name, phase, OpClass.ELEMENTWISE, layer, tuple(inputs), tuple(outputs), 0.0, 0, duration_s))
+
+    chain = []
+    prev = None
+    for layer in range(layers):
+        for i in range(ops_per_layer):
+            name, out = f"f{layer}_{i}", f"a{layer}_{i}"
+            add(name, Phase.FORWARD, layer, [prev] if prev else [], [out], rng.uniform(1e-3, 4e-3))
+            chain.append((name, out, layer, prev))
+            prev = out
+    add("loss", Phase.LOSS, -1, [prev], ["g_top"], 1e-3)
+    grad = "g_top"
+    for name, out, layer, inp in reversed(chain):
+        add("b" + name[1:], Phase.BACKWARD, layer, [grad, out] + ([inp] if inp else []), [f"g_{name}"],
+            rng.uniform(2e-3, 8e-3))
+        grad = f"g_{name}"
+    readers: dict[str, list[str]] = {}
+    for op in ops:
+        for t in op.inputs:
+            readers.setdefault(t, []).append(op.name)
+    tensors = {}
+    for op in ops:
+        for t in op.outputs:
+            rs = tuple(readers.get(t, ()))
+            saved = op.phase in (Phase.FORWARD, Phase.LOSS) and any(r.startswith("b") for r in rs)
+            tensors[t] = Tensor(t, rng.randint(1, 8) * 10**7, op.name, rs, op.layer, saved)
+    return Graph("chain", tuple(ops), tensors, layers)
+
+
+def _budget_between_floor_and_peak(graph: Graph, hardware: Hardware, share: float) -> int:
+    """A budget `share` of the way from the all-recompute floor to the keep-all peak."""
+    peak = keep_all_peak_bytes(graph)
+    floor = max(build_bound_problem(graph, hardware, peak, "op").floor_bytes)
+    return int(floor + share * (peak - floor))
+
+
+def _best_brute_force_step_s(graph: Graph, hardware: Hardware, budget: int) -> float | None:
+    names = [t.name for t in graph.saved_tensors]
+    best = None
+    for combo in itertools.product(list(Decision), repeat=len(names)):
+        plan = build_schedule(graph, dict(zip(names, combo, strict=True)), planner="brute",
+                              budget_bytes=budget, hardware=hardware)
+        result = simulate(graph, plan, hardware, budget)
+        if result.feasible and (best is None or result.step_s < best):
+            best = result.step_s
+    return best
+
+
+@pytest.mark.parametrize(("seed", "share"), [(0, 0.1), (1, 0.3), (2, 0.5), (3, 0.7), (4, 0.2), (5, 0.0)])
+def test_bound_is_below_the_best_of_all_decision_vectors(seed, share):
+    graph = chain_graph(layers=2, ops_per_layer=3, seed=seed)  # 6 saved tensors (loss output too): 729 decision vectors
+    hardware = _toy_hardware()
+    budget = _budget_between_floor_and_peak(graph, hardware, share)
+    best = _best_brute_force_step_s(graph, hardware, budget)
+    try:
+        solution, _ = MilpPlanner(granularity="op").bound(graph, hardware, budget)
+    except InfeasibleBudgetError:
+        assert best is None, "milp called a budget infeasible that some plan meets"
+        return
+    assert best is not None
+    assert solution.status == "optimal"
+    assert solution.bound_step_s <= best * (1 + REL)
+    # The bound knows the budget costs something: it is above the bare compute time.
+    run_s = sum(op.duration_s for op in graph.ops)
+    assert solution.bound_step_s >= run_s
+
+
+def test_bound_is_strictly_above_compute_when_the_budget_forces_work():
+    graph = chain_graph(layers=2, ops_per_layer=3, seed=0)
+    hardware = _toy_hardware(bytes_per_s=2e9)  # a slow link: swapping cannot hide
+    budget = _budget_between_floor_and_peak(graph, hardware, 0.2)
+    solution, _ = MilpPlanner(granularity="op").bound(graph, hardware, budget)
+    assert solution.bound_step_s > sum(op.duration_s for op in graph.ops) * 1.01
+
+
+@pytest.mark.parametrize("granularity", ["op", "layer"])
+def test_milp_plan_is_valid_fits_and_is_not_below_its_own_bound(granularity):
+    graph = chain_graph(layers=3, ops_per_layer=2, seed=7)
+    hardware = _toy_hardware()
+    budget = _budget_between_floor_and_peak(graph, hardware, 0.3)
+    plan = MilpPlanner(granularity=granularity).plan(graph, hardware, budget)
+    validate_plan(graph, plan)
+    result = simulate(graph, plan, hardware, budget)
+    assert result.feasible, result.infeasible_reason
+    assert plan.bound_step_s <= result.step_s * (1 + REL)
+    assert plan.notes["milp_mode"] == "exact"
+    assert plan.notes["milp_granularity"] == granularity
+    assert set(plan.decisions) == {t.name for t in graph.saved_tensors}
+
+
+# A small GPT-2-shaped graph (the planners' own test shape) at three budgets.
+_HW = Hardware.from_dict(yaml.safe_load((CONF / "hardware" / "a100_80gb_pcie4.yaml").read_text()))
+_MODEL = {**yaml.safe_load((CONF / "model" / "tiny.yaml").read_text()),
+          "num_layers": 2, "seq_len": 256, "micro_batch_size": 4, "hidden_size": 256, "ffn_hidden_size": 1024}
+_GRAPH = build_graph(ModelConfig.from_dict(_MODEL), _HW)
+_PEAK = simulate(_GRAPH, keep_all_plan(_GRAPH), _HW, None).peak_activation_bytes
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7])
+def test_bound_is_below_every_other_planners_simulated_step(fraction):
+    budget = int(fraction * _PEAK)
+    solution, _ = MilpPlanner(granularity="layer").bound(_GRAPH, _HW, budget)
+    checked = 0
+    for name in available_planners():
+        if name == "milp":
+            continue
+        try:
+            plan = get_planner(name).plan(_GRAPH, _HW, budget)
+        except InfeasibleBudgetError:
+            continue
+        result = simulate(_GRAPH, plan, _HW, budget)
+        if result.feasible:
+            checked += 1
+            assert solution.bound_step_s <= result.step_s * (1 + REL), name
+    assert checked >= 2  # the comparison really happened
+
+
+def test_relaxed_mode_reports_a_weaker_or_equal_bound_and_says_so():
+    graph = chain_graph(layers=3, ops_per_layer=2, seed=3)
+    hardware = _toy_hardware()
+    budget = _budget_between_floor_and_peak(graph, hardware, 0.3)
+    exact, _ = MilpPlanner(granularity="op").bound(graph, hardware, budget)
+    relaxed_plan = MilpPlanner(granularity="op", exact_max_layers=0).plan(graph, hardware, budget)
+    assert relaxed_plan.notes["milp_mode"] in ("relaxed", "exact")  # the MIP dual bound may beat the LP
+    assert relaxed_plan.bound_step_s <= exact.bound_step_s * (1 + REL)
+    assert simulate(graph, relaxed_plan, hardware, budget).feasible
+
+
+def test_infeasible_budget_names_the_op_and_the_bytes():
+    graph = chain_graph(layers=2, ops_per_layer=3, seed=0)
+    with pytest.raises(InfeasibleBudgetError, match=r"MILP infeasible: even recomputing every saved tensor, op '.*'"
+                       r" needs .* GB .*> budget") as info:
+        MilpPlanner().plan(graph, _toy_hardware(), 1000)
+    problem = build_bound_problem(graph, _toy_hardware(), 1000, "op")
+    assert info.value.min_feasible_bytes == max(problem.floor_bytes)
+
+
+def test_no_budget_gives_keep_all_with_the_compute_bound():
+    graph = chain_graph(layers=2, ops_per_layer=2, seed=1)
+    plan = MilpPlanner().plan(graph, _toy_hardware(), None)
+    assert set(plan.decisions.values()) == {Decision.KEEP}
+    assert plan.bound_step_s == pytest.approx(simulate(graph, plan, _toy_hardware(), None).step_s, rel=1e-12)
+
+
+def test_conf_yaml_builds_the_planner_and_bad_options_are_named():
+    data = yaml.safe_load((CONF / "planner" / "milp.yaml").read_text())
+    assert data["name"] == "milp"
+    planner = get_planner("milp", **data["options"])
+    assert isinstance(planner, MilpPlanner)
+    with pytest.raises(ConfigError, match="time_limit_s"):
+        MilpPlanner(time_limit_s=0)
+    with pytest.raises(ConfigError, match="granularity"):
+        MilpPlanner(granularity="block")
+    with pytest.raises(ConfigError, match="mip_rel_gap"):
+        MilpPlanner(mip_rel_gap=1.5)
