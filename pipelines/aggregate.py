@@ -136,7 +136,16 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
     if not reference:
         return ""
     ours_planner = experiment.get("paper_planner", "slackswap")
-    header = ["model", "hardware", "budget", "paper", f"ours ({ours_planner})", "delta (pp)", "best baseline", "status"]
+    header = [
+        "model",
+        "hardware",
+        "budget",
+        "paper",
+        f"ours ({ours_planner})",
+        "delta (pp)",
+        "best other planner",
+        "status",
+    ]
     rows = []
     for model, paper_value in reference.items():
         mine = frame[(frame["model"] == model) & (frame["planner"] == ours_planner)]

@@ -129,10 +129,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"ConfigError: {config_error}"
     else:
         try:
-            outcome = stages.execute(inputs, resolved, ctx.run_dir)
+            outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
             record["status"], record["failure_reason"] = outcome.status, outcome.failure_reason
             record["metrics"], record["facts"] = outcome.metrics, outcome.facts
-            timings.update(outcome.timings_s)
         except Exception as exc:  # recorded below; re-raised for a single run
             error = exc
             record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"{type(exc).__name__}: {exc}"

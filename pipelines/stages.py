@@ -98,8 +98,12 @@ class Outcome:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path) -> Outcome:
-    """Run the stages and write profile.csv, graph.json, plan.json, metrics.json, trace.json, timeline.png."""
+def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings: dict[str, float]) -> Outcome:
+    """Run the stages and write profile.csv, graph.json, plan.json, metrics.json, trace.json, timeline.png.
+
+    `timings` is filled as each stage finishes, so a job that fails midway still reports where its
+    time went.
+    """
     from slackswap.graph_io import write_graph_json
     from slackswap.plan_io import write_plan_json
     from slackswap.planners.registry import get_planner
@@ -110,7 +114,6 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path) -> Outco
     from slackswap.simulate.trace import write_trace_json
     from slackswap.simulate.validate import validate_plan
 
-    timings: dict[str, float] = {}
     base, hit = baseline(inputs, resolved)
     timings["profile_s"] = 0.0 if hit else base.profile_wall_s
     timings["ideal_sim_s"] = 0.0 if hit else base.ideal_sim_wall_s
@@ -130,10 +133,10 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path) -> Outco
         plan = planner.plan(graph, inputs.hardware, budget_bytes)
     except InfeasibleBudgetError as exc:
         plan_wall_s = time.perf_counter() - t0
-        timings["plan_s"] = plan_wall_s
         # No plan, so nothing to simulate: only the quantities that exist are reported.
         metrics = {
             "feasible": False,
+            "infeasible_reason": exc.reason,
             "budget_bytes": budget_bytes,
             "keep_all_peak_bytes": keep_all_peak_bytes,
             "ideal_step_s": ideal.step_s,
@@ -143,8 +146,9 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path) -> Outco
             metrics["min_feasible_bytes"] = exc.min_feasible_bytes
         _write_json(run_dir / "metrics.json", metrics)
         return Outcome(STATUS_INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
-    plan_wall_s = time.perf_counter() - t0
-    timings["plan_s"] = plan_wall_s
+    finally:
+        timings["plan_s"] = time.perf_counter() - t0
+    plan_wall_s = timings["plan_s"]
     write_plan_json(plan, run_dir / "plan.json")
 
     validate_plan(graph, plan)
