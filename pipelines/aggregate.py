@@ -198,7 +198,7 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
     panels = list(frame.groupby(["model", "hardware"], sort=True))
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(9.0, 5.0 * cols), 3.6 * rows + 1.2), squeeze=False)
     planners = sorted(frame["planner"].unique())
     colors = {p: plt.cm.tab10(i % 10) for i, p in enumerate(planners)}
     for ax, ((model, hardware), sub) in zip(axes.flat, panels, strict=False):
@@ -214,10 +214,11 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
-    fig.suptitle("Throughput retained vs budget (x on the axis: infeasible or failed)")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    handles = [plt.Line2D([], [], color=colors[p], marker="o", label=p) for p in planners]
+    fig.legend(handles=handles, loc="lower center", ncol=min(5, len(planners)), fontsize=8)
+    fig.suptitle("Throughput retained vs activation budget (x on the axis: infeasible or failed)", fontsize=11)
+    legend_rows = math.ceil(len(planners) / 5)
+    fig.tight_layout(rect=(0, 0.05 + 0.25 * legend_rows / (3.6 * rows + 1.2), 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -231,7 +232,8 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
 
     budgets = sorted(frame["budget_share"].dropna().unique())
     planners = sorted(frame["planner"].unique())
-    figsize = (max(6.0, 2.4 * len(planners)), 3.6 * len(budgets))
+    n_workloads = frame.groupby(["model", "hardware"]).ngroups
+    figsize = (max(8.0, 0.3 * n_workloads * len(planners) + 3.0), 3.2 * len(budgets))
     fig, axes = plt.subplots(len(budgets), 1, figsize=figsize, squeeze=False)
     width = 0.8 / max(1, len(planners))
     for ax, budget in zip(axes.flat, budgets, strict=True):
@@ -251,7 +253,7 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
         ax.set_ylabel("throughput retained")
         ax.set_title(f"budget = {budget:.0%} of keep-all peak (no bar: infeasible or failed)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes.flat[0].legend(fontsize=7, ncol=min(5, len(planners)))
+    axes.flat[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
