@@ -36,8 +36,8 @@ def _common(tmp_path: Path, store) -> list[str]:
     ]
 
 
-def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
-    monkeypatch.setattr(sys, "argv", ["pipelines/run.py", *args])
+def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pipelines.run") -> None:
+    monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # raise the real exception instead of sys.exit(1)
     GlobalHydra.instance().clear()
     try:
@@ -45,7 +45,7 @@ def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
         # when the task function lives in __main__ (imported, it looks for a `conf` package).
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules" after a previous run
-            runpy.run_module("pipelines.run", run_name="__main__")
+            runpy.run_module(module, run_name="__main__")
     finally:
         GlobalHydra.instance().clear()
 
@@ -180,3 +180,14 @@ def test_submitit_local_two_job_sweep(tmp_path, mlflow_store, monkeypatch) -> No
     children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
     assert sorted(c.data.tags["status"] for c in children) == ["infeasible", "ok"]
     assert client.get_run(parent_id).info.status == "FINISHED"
+
+
+def test_profile_cli_prints_breakdown_and_writes_files(tmp_path, monkeypatch, capsys) -> None:
+    args = ["model=tiny", f"hydra.run.dir={tmp_path}/profile", "hydra/job_logging=disabled"]
+    _run_cli(monkeypatch, args, module="pipelines.profile")
+    out = capsys.readouterr().out
+    assert "tiny" in out
+    rows = (tmp_path / "profile" / "profile.csv").read_text().splitlines()
+    assert rows[0] == "layer,saved_bytes,fwd_flops,bwd_flops,fwd_s,bwd_s"
+    assert len(rows) == 1 + 2  # header + the tiny preset's two layers
+    assert json.loads((tmp_path / "profile" / "graph.json").read_text())
