@@ -139,10 +139,12 @@ class MilpPlanner:
             if round_ == self.max_repair_rounds:
                 break
             # Plan-only re-solve with the excess taken off the budget; the bound is not touched.
-            plan_budget -= peak - budget_bytes
-            problem = build_bound_problem(graph, hardware, plan_budget, granularity)
-            if infeasibility_reason(problem, plan_budget, tuple(op.name for op in graph.ops)) is not None:
+            floor = max(build_bound_problem(graph, hardware, plan_budget, granularity).floor_bytes)
+            if plan_budget <= floor:
                 break
+            # Never below the all-recompute floor, where no decisions exist at all.
+            plan_budget = max(floor, plan_budget - (peak - budget_bytes))
+            problem = build_bound_problem(graph, hardware, plan_budget, granularity)
             repaired = solve(problem, integral=True, time_limit_s=self.time_limit_s, mip_rel_gap=self.mip_rel_gap)
             if repaired.decisions is None:
                 break
