@@ -88,3 +88,20 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
 def test_aggregate_without_records_fails_loudly(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="no job"):
         aggregate.aggregate_sweep(tmp_path, {})
+
+
+def test_library_imports_neither_hydra_nor_mlflow() -> None:
+    """Every slackswap module, imported in a fresh interpreter, leaves hydra and mlflow unloaded."""
+    import subprocess
+    import sys
+
+    from pipelines.schemas import REPO_ROOT
+
+    probe = (
+        "import importlib, pkgutil, sys, slackswap\n"
+        "for m in pkgutil.walk_packages(slackswap.__path__, 'slackswap.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('hydra', 'omegaconf', 'mlflow')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
