@@ -42,13 +42,15 @@ def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
     planner = resolved["planner"]
     if not isinstance(planner.get("name"), str) or not planner["name"]:
         raise ConfigError("planner.name", planner.get("name"), "must be a non-empty planner name")
-    return Inputs(
+    inputs = Inputs(
         model=ModelConfig.from_dict(resolved["model"]),
         hardware=Hardware.from_dict(resolved["hardware"]),
         budget=Budget.from_dict(resolved["budget"]),
         planner_name=planner["name"],
         planner_options=dict(planner.get("options") or {}),
     )
+    inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
+    return inputs
 
 
 @dataclass(frozen=True)
