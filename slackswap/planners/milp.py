@@ -22,9 +22,9 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
-from slackswap.planners.milp_model import GRANULARITIES, build_bound_problem
+from slackswap.planners.milp_model import GRANULARITIES, MEMORY_ROWS, build_bound_problem
 from slackswap.planners.milp_solve import BoundSolution, infeasibility_reason, solve
-from slackswap.planners.registry import register_planner
+from slackswap.planners.registry import get_planner, register_planner
 from slackswap.planners.schedule import build_schedule
 from slackswap.planners.timeline import estimate_plan
 
@@ -53,6 +53,13 @@ class MilpPlanner:
         op_level_max_ops: int = 80,
         exact_max_layers: int = 8,
         max_repair_rounds: int = 8,
+        relaxed_time_limit_s: float = 20.0,
+        plan_time_limit_s: float = 10.0,
+        memory_rows: str = "auto",
+        transfer_groups: bool | str = "auto",
+        layers_per_window: int | str = "auto",
+        heuristic_candidates: tuple[str, ...] | list[str] = ("slackswap",),
+        plan_problem_max_layers: int = 8,
     ):
         self.time_limit_s = _positive_number("planner.options.time_limit_s", time_limit_s)
         if isinstance(mip_rel_gap, bool) or not isinstance(mip_rel_gap, (int, float)) or not 0 <= mip_rel_gap < 1:
@@ -64,40 +71,83 @@ class MilpPlanner:
         self.op_level_max_ops = _non_negative_int("planner.options.op_level_max_ops", op_level_max_ops)
         self.exact_max_layers = _non_negative_int("planner.options.exact_max_layers", exact_max_layers)
         self.max_repair_rounds = _non_negative_int("planner.options.max_repair_rounds", max_repair_rounds)
+        self.relaxed_time_limit_s = _positive_number("planner.options.relaxed_time_limit_s", relaxed_time_limit_s)
+        self.plan_time_limit_s = _positive_number("planner.options.plan_time_limit_s", plan_time_limit_s)
+        if memory_rows not in ("auto", *MEMORY_ROWS):
+            raise ConfigError("planner.options.memory_rows", memory_rows, f"known: {('auto', *MEMORY_ROWS)}")
+        self.memory_rows = memory_rows
+        if transfer_groups not in ("auto", True, False):
+            raise ConfigError("planner.options.transfer_groups", transfer_groups, "must be auto, true or false")
+        self.transfer_groups = transfer_groups
+        if layers_per_window != "auto" and (
+            isinstance(layers_per_window, bool) or not isinstance(layers_per_window, int) or layers_per_window < 1
+        ):
+            raise ConfigError("planner.options.layers_per_window", layers_per_window, "must be auto or an integer >= 1")
+        self.layers_per_window = layers_per_window
+        from slackswap.planners.registry import available_planners
+
+        known = set(available_planners()) - {"milp"}
+        bad = [c for c in heuristic_candidates if c not in known]
+        if bad or isinstance(heuristic_candidates, str):
+            raise ConfigError("planner.options.heuristic_candidates", heuristic_candidates, f"known: {sorted(known)}")
+        self.heuristic_candidates = tuple(heuristic_candidates)
+        self.plan_problem_max_layers = _non_negative_int(
+            "planner.options.plan_problem_max_layers", plan_problem_max_layers
+        )
+
+    def _exact(self, graph: Graph) -> bool:
+        return graph.num_layers <= self.exact_max_layers
+
+    def _model_options(self, graph: Graph) -> dict[str, object]:
+        """Model size knobs: everything at full resolution for exact solves, reduced above."""
+        exact = self._exact(graph)
+        granularity = self.granularity
+        if granularity == "auto":
+            granularity = "op" if len(graph.ops) <= self.op_level_max_ops else "layer"
+        rows = self.memory_rows if self.memory_rows != "auto" else ("all" if exact else "reduced")
+        groups = self.transfer_groups if self.transfer_groups != "auto" else not exact
+        window = self.layers_per_window
+        if window == "auto":
+            window = 1 if exact else max(1, -(-graph.num_layers // 16))
+        return {"granularity": granularity, "memory_rows": rows, "transfer_groups": bool(groups),
+                "layers_per_window": window}
 
     def _granularity_for(self, graph: Graph) -> str:
-        if self.granularity != "auto":
-            return self.granularity
-        return "op" if len(graph.ops) <= self.op_level_max_ops else "layer"
+        return str(self._model_options(graph)["granularity"])
+
+    def _problem(self, graph: Graph, hardware: Hardware, budget_bytes: int, *, plan_rules: bool):
+        opts = self._model_options(graph)
+        return build_bound_problem(
+            graph, hardware, budget_bytes, str(opts["granularity"]), memory_rows=str(opts["memory_rows"]),
+            transfer_groups=bool(opts["transfer_groups"]), layers_per_window=int(opts["layers_per_window"]),
+            plan_rules=plan_rules,
+        )
 
     def bound(self, graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[BoundSolution, str]:
-        """Solve the bound problem (exact or relaxed by model size). Raises InfeasibleBudgetError."""
+        """Solve the bound problem (exact MILP up to exact_max_layers, else its LP relaxation).
+
+        Raises InfeasibleBudgetError."""
         granularity = self._granularity_for(graph)
-        problem = build_bound_problem(graph, hardware, budget_bytes, granularity)
+        problem = self._problem(graph, hardware, budget_bytes, plan_rules=False)
         reason = infeasibility_reason(problem, budget_bytes, tuple(op.name for op in graph.ops))
         if reason is not None:
             raise InfeasibleBudgetError(reason, min_feasible_bytes=max(problem.floor_bytes))
-        if graph.num_layers <= self.exact_max_layers:
+        if self._exact(graph):
             exact = solve(problem, integral=True, time_limit_s=self.time_limit_s, mip_rel_gap=self.mip_rel_gap)
             return exact, granularity
-        relaxed = solve(problem, integral=False, time_limit_s=self.time_limit_s, mip_rel_gap=self.mip_rel_gap)
-        mip = solve(problem, integral=True, time_limit_s=self.time_limit_s, mip_rel_gap=self.mip_rel_gap)
-        if mip.bound_step_s > relaxed.bound_step_s:
-            return mip, granularity
-        # The LP bound is the stronger one: keep it, with the MIP's incumbent for the plan.
-        return (
-            BoundSolution(
-                mode="relaxed",
-                status=f"lp {relaxed.status}; mip {mip.status}",
-                bound_step_s=relaxed.bound_step_s,
-                incumbent_step_s=mip.incumbent_step_s,
-                mip_gap=mip.mip_gap,
-                solve_s=relaxed.solve_s + mip.solve_s,
-                decisions=mip.decisions if mip.decisions is not None else _rounded(relaxed),
-                fractions=relaxed.fractions,
-            ),
-            granularity,
-        )
+        relaxed = solve(problem, integral=False, time_limit_s=self.relaxed_time_limit_s, mip_rel_gap=self.mip_rel_gap)
+        return relaxed, granularity
+
+    def _plan_decisions(self, graph: Graph, hardware: Hardware, plan_budget: int) -> dict[str, Decision] | None:
+        """Decisions from the PLAN problem (build_schedule's memory rules; not a bound)."""
+        problem = self._problem(graph, hardware, plan_budget, plan_rules=True)
+        if max(problem.floor_bytes) > plan_budget:
+            return None
+        try:
+            solution = solve(problem, integral=True, time_limit_s=self.plan_time_limit_s, mip_rel_gap=self.mip_rel_gap)
+        except InfeasibleBudgetError:
+            return None
+        return dict(solution.decisions) if solution.decisions is not None else None
 
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
@@ -110,55 +160,63 @@ class MilpPlanner:
                 notes={"milp_mode": "no_budget", "milp_bound_basis": "serial compute stream"},
             )
         solution, granularity = self.bound(graph, hardware, budget_bytes)
+        opts = self._model_options(graph)
         notes: dict[str, object] = {
             "milp_mode": solution.mode,
             "milp_status": solution.status,
             "milp_mip_gap": solution.mip_gap,
             "milp_solve_s": round(solution.solve_s, 3),
             "milp_granularity": granularity,
+            "milp_memory_rows": opts["memory_rows"],
+            "milp_transfer_groups": opts["transfer_groups"],
+            "milp_layers_per_window": opts["layers_per_window"],
             "milp_bound_step_s": solution.bound_step_s,
             "milp_model_step_s": solution.incumbent_step_s,
         }
-        decisions = solution.decisions
-        if decisions is None:
-            raise InfeasibleBudgetError(
-                f"milp: HiGHS found no integer solution within {self.time_limit_s} s ({solution.status}); "
-                f"lower bound {solution.bound_step_s:.6f} s"
-            )
+        candidates: list[tuple[float, Plan, str]] = []
+        repair_note = "no plan-problem solution"
+        if graph.num_layers <= self.plan_problem_max_layers:
+            decisions = self._plan_decisions(graph, hardware, budget_bytes)
+        else:
+            decisions = None
+            repair_note = f"not solved: {graph.num_layers} layers > plan_problem_max_layers"
         plan_budget = budget_bytes
+        peak = None
         for round_ in range(self.max_repair_rounds + 1):
-            plan = build_schedule(
-                graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
-                bound_step_s=solution.bound_step_s,
-                notes={**notes, "milp_repair_rounds": round_, "milp_plan_budget_bytes": plan_budget,
-                       "plan_wall_s_inner": round(time.perf_counter() - start, 3)},
-            )
-            peak = estimate_plan(graph, plan, hardware).peak_bytes
+            if decisions is None:
+                break
+            plan = build_schedule(graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware)
+            est = estimate_plan(graph, plan, hardware)
+            peak = est.peak_bytes
             if peak <= budget_bytes:
-                return plan
-            if round_ == self.max_repair_rounds:
+                candidates.append((est.step_s, plan, "milp_plan_problem"))
+                repair_note = f"fits after {round_} repair round(s) at plan budget {plan_budget}"
+                notes.update(milp_repair_rounds=round_, milp_plan_budget_bytes=plan_budget)
                 break
+            repair_note = f"peaks at {gib(peak)} > budget after {round_} repair round(s)"
             # Plan-only re-solve with the excess taken off the budget; the bound is not touched.
-            floor = max(build_bound_problem(graph, hardware, plan_budget, granularity).floor_bytes)
-            if plan_budget <= floor:
-                break
-            # Never below the all-recompute floor, where no decisions exist at all.
-            plan_budget = max(floor, plan_budget - (peak - budget_bytes))
-            problem = build_bound_problem(graph, hardware, plan_budget, granularity)
-            repaired = solve(problem, integral=True, time_limit_s=self.time_limit_s, mip_rel_gap=self.mip_rel_gap)
-            if repaired.decisions is None:
-                break
-            decisions = repaired.decisions
-        raise InfeasibleBudgetError(
-            f"milp: the MILP's decisions, scheduled by build_schedule, peak at {gib(peak)} > budget "
-            f"{gib(budget_bytes)} after {round_} repair round(s) (lower bound {solution.bound_step_s:.6f} s "
-            "still holds)"
+            plan_budget = plan_budget - (peak - budget_bytes)
+            decisions = self._plan_decisions(graph, hardware, plan_budget)
+        for name in self.heuristic_candidates:
+            try:
+                heuristic = get_planner(name).plan(graph, hardware, budget_bytes)
+            except InfeasibleBudgetError:
+                continue
+            est = estimate_plan(graph, heuristic, hardware)
+            if est.peak_bytes <= budget_bytes:
+                candidates.append((est.step_s, heuristic, name))
+        notes["milp_plan_problem"] = repair_note
+        if not candidates:
+            raise InfeasibleBudgetError(
+                f"milp: no plan fits: the plan problem's decisions, scheduled by build_schedule, {repair_note} "
+                f"(budget {gib(budget_bytes)}; lower bound {solution.bound_step_s:.6f} s still holds); "
+                f"heuristic candidates {list(self.heuristic_candidates)} infeasible too"
+            )
+        step_s, best, source = min(candidates, key=lambda c: c[0])
+        notes["milp_plan_source"] = source
+        notes["milp_candidates_est_step_s"] = {s: round(t, 9) for t, _, s in candidates}
+        notes["plan_wall_s_inner"] = round(time.perf_counter() - start, 3)
+        return build_schedule(
+            graph, best.decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
+            bound_step_s=solution.bound_step_s, notes=notes,
         )
-
-
-def _rounded(relaxed: BoundSolution) -> dict[str, Decision] | None:
-    """Largest-fraction rounding of the LP solution: a plan of last resort when the MIP has no incumbent."""
-    if relaxed.fractions is None:
-        return None
-    order = (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE)
-    return {name: order[int(np.argmax(f))] for name, f in relaxed.fractions.items()}
