@@ -119,6 +119,13 @@ def test_bound_is_below_the_best_of_all_decision_vectors(seed, share):
     # The bound knows the budget costs something: it is above the bare compute time.
     run_s = sum(op.duration_s for op in graph.ops)
     assert solution.bound_step_s >= run_s
+    # The reduced model used above exact_max_layers (fewer memory rows, grouped transfer flows,
+    # multi-layer windows), exact and as an LP, is a relaxation: never above the full one.
+    for exact_max_layers in (8, 0):
+        reduced, _ = MilpPlanner(granularity="layer", memory_rows="reduced", transfer_groups=True,
+                                 layers_per_window=2, exact_max_layers=exact_max_layers).bound(graph, hardware, budget)
+        assert reduced.bound_step_s <= solution.bound_step_s * (1 + REL)
+        assert reduced.bound_step_s >= run_s
 
 
 def test_bound_is_strictly_above_compute_when_the_budget_forces_work():
@@ -209,3 +216,27 @@ def test_conf_yaml_builds_the_planner_and_bad_options_are_named():
         MilpPlanner(granularity="block")
     with pytest.raises(ConfigError, match="mip_rel_gap"):
         MilpPlanner(mip_rel_gap=1.5)
+
+
+def test_plan_problem_alone_gives_a_valid_fitting_plan_and_notes_say_where_the_plan_came_from():
+    graph = chain_graph(layers=3, ops_per_layer=2, seed=11)
+    hardware = _toy_hardware()
+    budget = _budget_between_floor_and_peak(graph, hardware, 0.4)
+    plan = MilpPlanner(heuristic_candidates=()).plan(graph, hardware, budget)
+    assert plan.notes["milp_plan_source"] in ("milp_plan_problem", "milp_bound_incumbent")
+    result = simulate(graph, plan, hardware, budget)
+    assert result.feasible, result.infeasible_reason
+    assert plan.bound_step_s <= result.step_s * (1 + REL)
+    with_heuristics = MilpPlanner().plan(graph, hardware, budget)
+    assert simulate(graph, with_heuristics, hardware, budget).step_s <= result.step_s * (1 + REL)
+
+
+def test_large_model_options_are_reduced_and_bad_ones_are_named():
+    planner = MilpPlanner(exact_max_layers=1)
+    graph = chain_graph(layers=3, ops_per_layer=2, seed=1)
+    assert planner._model_options(graph) == {"granularity": "op", "memory_rows": "reduced",
+                                             "transfer_groups": True, "layers_per_window": 1}
+    for field, value in (("memory_rows", "some"), ("transfer_groups", "yes"), ("layers_per_window", 0),
+                         ("heuristic_candidates", ("nope",)), ("plan_time_limit_s", -1)):
+        with pytest.raises(ConfigError, match=field):
+            MilpPlanner(**{field: value})

@@ -58,7 +58,7 @@ class MilpPlanner:
         memory_rows: str = "auto",
         transfer_groups: bool | str = "auto",
         layers_per_window: int | str = "auto",
-        heuristic_candidates: tuple[str, ...] | list[str] = ("slackswap",),
+        heuristic_candidates: tuple[str, ...] | list[str] = ("slackswap", "capuchin", "recompute_knapsack"),
         plan_problem_max_layers: int = 8,
     ):
         self.time_limit_s = _positive_number("planner.options.time_limit_s", time_limit_s)
@@ -197,6 +197,13 @@ class MilpPlanner:
             # Plan-only re-solve with the excess taken off the budget; the bound is not touched.
             plan_budget = plan_budget - (peak - budget_bytes)
             decisions = self._plan_decisions(graph, hardware, plan_budget)
+        if solution.decisions is not None:
+            # The bound problem's own incumbent (exact mode), scheduled as is: a candidate, no repair.
+            incumbent = build_schedule(graph, solution.decisions, planner=self.name, budget_bytes=budget_bytes,
+                                       hardware=hardware)
+            est = estimate_plan(graph, incumbent, hardware)
+            if est.peak_bytes <= budget_bytes:
+                candidates.append((est.step_s, incumbent, "milp_bound_incumbent"))
         for name in self.heuristic_candidates:
             try:
                 heuristic = get_planner(name).plan(graph, hardware, budget_bytes)

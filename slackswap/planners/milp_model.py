@@ -377,8 +377,8 @@ def build_bound_problem(
             kb = first_cp_at_or_after(info.first_bwd)
             k_first = bisect.bisect_right(cps, info.producer)  # first checkpoint strictly after producer
             inner = list(range(k_first, kb))  # checkpoints with producer < c_k < first_bwd
-            o = {k: cols.add(0, 1) for k in inner}
-            u = {k: cols.add(0, 1) for k in inner}
+            o = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
+            u = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
             span = range(k_first, kb + 1)
             Q = {k: cols.add() for k in span}
             V = {k: cols.add() for k in span}
