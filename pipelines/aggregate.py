@@ -35,7 +35,13 @@ METRIC_COLUMNS = (
     "plan_wall_s",
     "sim_wall_s",
     "feasible",
+    "bound_step_s",
 )
+
+#: Rows that share these simulated the same graph on the same hardware at the same budget, so a lower
+#: bound on step time from any of them (the milp planner's) bounds every plan among them. The keep-all
+#: figures are part of the key because a sweep may override model fields under one preset name.
+SAME_PROBLEM = ["model", "hardware", "keep_all_peak_bytes", "ideal_step_s", "budget_bytes"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,22 @@ def records_to_frame(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     columns = ["job", "model", "hardware", "planner", "budget_fraction", "budget_bytes_requested", "status"]
     columns += [*METRIC_COLUMNS, "budget_share", "failure_reason", "mlflow_run_id"]
     frame = pd.DataFrame(rows, columns=columns)
+    frame = _with_gap_to_best_bound(frame)
     return frame.sort_values(["model", "hardware", "budget_share", "planner"], kind="stable").reset_index(drop=True)
+
+
+def _with_gap_to_best_bound(frame: pd.DataFrame) -> pd.DataFrame:
+    """Add `best_bound_s` (the largest lower bound any run of the same problem reported) and
+    `gap_to_bound` = step_s / best_bound_s - 1 for every run with a step time: the distance to the
+    optimum that the milp bound certifies, for every planner, not only for the one that computed it."""
+    frame = frame.copy()
+    bounds = pd.to_numeric(frame["bound_step_s"], errors="coerce")
+    keys = ["|".join(map(repr, key)) for key in frame[SAME_PROBLEM].itertuples(index=False)]
+    keyed = pd.Series(keys, index=frame.index)
+    frame["best_bound_s"] = bounds.groupby(keyed).transform("max")
+    step = pd.to_numeric(frame["step_s"], errors="coerce")
+    frame["gap_to_bound"] = step / frame["best_bound_s"] - 1.0
+    return frame
 
 
 def _fmt(value: Any, kind: str) -> str:
@@ -87,8 +108,10 @@ def _fmt(value: Any, kind: str) -> str:
         return "-"
     if kind == "pct":
         return f"{value:.1%}"
-    if kind == "gb":
-        return f"{value / 1e9:.2f}"
+    if kind == "gap":
+        return f"+{value:.2%}" if value >= 0 else f"{value:.2%}"
+    if kind == "gib":
+        return f"{value / 2**30:.3g}"
     if kind == "s":
         return f"{value:.4f}"
     if kind == "int":
@@ -104,8 +127,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def summary_markdown(frame: pd.DataFrame) -> str:
     header = [
-        "model", "hardware", "budget", "planner", "status", "throughput", "step s",
-        "peak GB", "budget GB", "swapped", "recomputed", "stall s", "reason",
+        "model", "hardware", "budget", "planner", "status", "throughput", "gap to bound", "step s",
+        "peak GiB", "budget GiB", "swapped", "recomputed", "stall s", "reason",
     ]  # fmt: skip
     rows = [
         [
@@ -115,9 +138,10 @@ def summary_markdown(frame: pd.DataFrame) -> str:
             str(r.planner),
             str(r.status),
             _fmt(r.throughput_ratio, "pct"),
+            _fmt(r.gap_to_bound, "gap"),
             _fmt(r.step_s, "s"),
-            _fmt(r.peak_activation_bytes, "gb"),
-            _fmt(r.budget_bytes, "gb"),
+            _fmt(r.peak_activation_bytes, "gib"),
+            _fmt(r.budget_bytes, "gib"),
             _fmt(r.swapped_tensors, "int"),
             _fmt(r.recomputed_tensors, "int"),
             _fmt(r.stall_s, "s"),
@@ -143,6 +167,7 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
         "paper",
         f"ours ({ours_planner})",
         "delta (pp)",
+        "gap to optimum",
         "best other planner",
         "status",
     ]
@@ -150,7 +175,7 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
     for model, paper_value in reference.items():
         mine = frame[(frame["model"] == model) & (frame["planner"] == ours_planner)]
         if mine.empty:
-            rows.append([model, "-", "-", _fmt(paper_value, "pct"), "not run", "-", "-", "missing"])
+            rows.append([model, "-", "-", _fmt(paper_value, "pct"), "not run", "-", "-", "-", "missing"])
             continue
         for r in mine.itertuples():
             others = frame[
@@ -176,6 +201,7 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
                     _fmt(paper_value, "pct"),
                     _fmt(r.throughput_ratio, "pct") if ok else "-",
                     delta,
+                    _fmt(r.gap_to_bound, "gap") if ok else "-",
                     best,
                     status,
                 ]  # fmt: skip
@@ -183,9 +209,50 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
     title = "# Paper vs ours: throughput retained at the paper's activation budget\n\n"
     note = (
         f"\nPaper: {experiment.get('paper_source') or 'see conf/experiment'}. Ours: simulated with this "
-        "repository's profile, planner and simulator; every assumption is in the resolved config of each run.\n"
+        "repository's profile, planner and simulator; every assumption is in the resolved config of each run. "
+        "Gap to optimum: step time over the best lower bound on step time reported for the same problem "
+        "(the milp planner's `bound_step_s`), minus one; '-' where no bound was computed.\n"
     )
-    return title + markdown_table(header, rows) + note
+    return title + markdown_table(header, rows) + note + _planner_margins(frame, list(reference), ours_planner)
+
+
+def _planner_margins(frame: pd.DataFrame, models: Sequence[str], ours_planner: str) -> str:
+    """Every planner's throughput per model at the paper's budget, and its margin to ours in points."""
+    sub = frame[frame["model"].isin(models)]
+    if sub.empty:
+        return ""
+    ours = {
+        (r.model, r.hardware, r.budget_share): r.throughput_ratio
+        for r in sub[(sub["planner"] == ours_planner) & (sub["status"] == "ok")].itertuples()
+    }
+    workloads = sorted({(r.model, r.hardware, r.budget_share) for r in sub.itertuples()}, key=str)
+    header = ["planner", *[f"{m} ({h}, {b:.0%})" for m, h, b in workloads]]
+    rows = []
+    for planner in sorted(sub["planner"].unique(), key=lambda p: (p != ours_planner, p)):
+        cells = [planner]
+        for model, hardware, budget in workloads:
+            hit = sub[
+                (sub["planner"] == planner)
+                & (sub["model"] == model)
+                & (sub["hardware"] == hardware)
+                & (sub["budget_share"] == budget)
+            ]
+            if hit.empty:
+                cells.append("not run")
+                continue
+            r = hit.iloc[0]
+            if r["status"] != "ok":
+                cells.append(str(r["status"]))
+                continue
+            cell = _fmt(r["throughput_ratio"], "pct")
+            mine = ours.get((model, hardware, budget))
+            if planner != ours_planner and mine is not None:
+                cell += f" ({(r['throughput_ratio'] - mine) * 100:+.1f} pp vs {ours_planner})"
+            if not math.isnan(r["gap_to_bound"]):
+                cell += f", gap {_fmt(r['gap_to_bound'], 'gap')}"
+            cells.append(cell)
+        rows.append(cells)
+    return "\n## Every planner at the paper's budget\n\n" + markdown_table(header, rows)
 
 
 def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:

@@ -30,10 +30,26 @@ def test_numeric_metrics_casts_bools_and_rejects_non_numbers() -> None:
         tracking.numeric_metrics({"step_s": math.nan})
 
 
-def _record(job: str, model: str, planner: str, fraction: float, status: str, ratio: float | None) -> dict:
-    metrics = {"keep_all_peak_bytes": 1000, "budget_bytes": int(1000 * fraction), "feasible": status == "ok"}
+def _record(
+    job: str,
+    model: str,
+    planner: str,
+    fraction: float,
+    status: str,
+    ratio: float | None,
+    bound_step_s: float | None = None,
+) -> dict:
+    metrics = {
+        "keep_all_peak_bytes": 1000,
+        "budget_bytes": int(1000 * fraction),
+        "feasible": status == "ok",
+        "ideal_step_s": 1.0,
+    }
     if ratio is not None:
         metrics["throughput_ratio"] = ratio
+        metrics["step_s"] = 1.0 / ratio
+    if bound_step_s is not None:
+        metrics["bound_step_s"] = bound_step_s
     return {
         "job": job,
         "model": model,
@@ -59,10 +75,33 @@ def test_paper_table_reports_deltas_best_baseline_and_missing_models() -> None:
     )
     md = aggregate.paper_table(frame, {"paper_reference": {"bert_large": 0.963, "gpt2_xl": 0.976, "llama7b": 0.996}})
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines()[4:7]}
-    assert rows["bert_large"][3:7] == ["96.3%", "95.0%", "-1.3", "90.0% (capuchin)"]
-    assert rows["gpt2_xl"][4] == "-" and rows["gpt2_xl"][7].startswith("infeasible")
+    assert rows["bert_large"][3:8] == ["96.3%", "95.0%", "-1.3", "-", "90.0% (capuchin)"]
+    assert rows["gpt2_xl"][4] == "-" and rows["gpt2_xl"][8].startswith("infeasible")
     assert rows["llama7b"][4] == "not run"
     assert aggregate.paper_table(frame, {}) == ""
+
+
+def test_bound_of_one_planner_gives_every_planner_of_the_same_problem_a_gap() -> None:
+    frame = aggregate.records_to_frame(
+        [
+            _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
+            _record("1", "bert_large", "milp", 0.5, "ok", 0.95, bound_step_s=1.0 / 0.96),
+            _record("2", "bert_large", "capuchin", 0.7, "ok", 0.90),
+            _record("3", "bert_large", "swap_only", 0.5, "infeasible", None),
+        ]
+    )
+    gaps = dict(zip(frame["job"], frame["gap_to_bound"], strict=True))
+    assert gaps["0"] == pytest.approx(0.96 / 0.95 - 1)
+    assert gaps["1"] == pytest.approx(0.96 / 0.95 - 1)
+    assert math.isnan(gaps["2"])  # another budget: the bound does not apply
+    assert math.isnan(gaps["3"])  # no step time
+    md = aggregate.paper_table(frame, {"paper_reference": {"bert_large": 0.963}, "paper_planner": "slackswap"})
+    paper_row = next(line for line in md.splitlines() if line.startswith("| bert_large"))
+    assert "+1.05%" in paper_row
+    margins = md.split("## Every planner at the paper's budget")[1]
+    milp_row = next(line for line in margins.splitlines() if line.startswith("| milp"))
+    assert "+0.0 pp vs slackswap" in milp_row and "gap +1.05%" in milp_row
+    assert "| swap_only | infeasible |" in margins
 
 
 def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
