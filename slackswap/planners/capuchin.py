@@ -13,8 +13,8 @@ ranking: idle time instead of regeneration cost per byte.
 from __future__ import annotations
 
 from slackswap.graph import Graph
-from slackswap.planners.analysis import ProfileAnalysis, SlackLedger
-from slackswap.planners.greedy import order_by_marginal_cost
+from slackswap.planners.analysis import ProfileAnalysis
+from slackswap.planners.greedy import order_by_marginal_cost, take_while_hidden
 from slackswap.planners.registry import register_planner
 from slackswap.planners.swap_recompute import SwapThenRecompute
 
@@ -29,13 +29,7 @@ class Capuchin(SwapThenRecompute):
             (t for t, i in infos.items() if i.size_bytes > 0),
             key=lambda t: -(infos[t].first_backward_use_s - infos[t].ready_s),
         )
-        ledger = SlackLedger(analysis, ranked)
-        swaps = []
-        for t in ranked:
-            if ledger.fits(t):
-                ledger.add(t)
-                swaps.append(t)
-        return swaps
+        return take_while_hidden(analysis, ranked)
 
     def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
         return order_by_marginal_cost(graph, analysis, candidates)

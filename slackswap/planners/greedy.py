@@ -16,7 +16,7 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.analysis import ProfileAnalysis, regen_chain
+from slackswap.planners.analysis import ProfileAnalysis, SlackLedger, regen_chain
 from slackswap.planners.base import gib
 from slackswap.planners.schedule import build_schedule
 from slackswap.planners.timeline import estimate_plan
@@ -157,3 +157,34 @@ def fit_prefix(
         else:
             lo = mid
     return probe(hi)[0]
+
+
+def smallest_fitting_count(
+    count: int, probe: Callable[[int], tuple[Plan, int]], budget_bytes: int | None
+) -> Plan | None:
+    """The plan of the smallest k in 0..count whose `probe(k)` peak fits the budget (bisection).
+
+    `probe(k)` returns (plan, peak bytes) for a strategy applied to its first k units (layers), and
+    must be monotone: more units, lower peak. None when even all `count` units do not fit, so the
+    caller can say why in its own terms.
+    """
+    if budget_bytes is None or probe(0)[1] <= budget_bytes:
+        return probe(0)[0]
+    if probe(count)[1] > budget_bytes:
+        return None
+    lo, hi = 0, count
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if probe(mid)[1] <= budget_bytes else (mid, hi)
+    return probe(hi)[0]
+
+
+def take_while_hidden(analysis: ProfileAnalysis, ranked: list[str]) -> list[str]:
+    """Walk `ranked`, keeping each tensor whose offload and prefetch still hide (exact ledger)."""
+    ledger = SlackLedger(analysis, ranked)
+    swaps = []
+    for t in ranked:
+        if ledger.fits(t):
+            ledger.add(t)
+            swaps.append(t)
+    return swaps

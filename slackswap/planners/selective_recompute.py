@@ -15,6 +15,7 @@ from slackswap.graph import Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
+from slackswap.planners.greedy import smallest_fitting_count
 from slackswap.planners.registry import register_planner
 from slackswap.planners.schedule import build_schedule
 from slackswap.planners.timeline import estimate_plan
@@ -59,17 +60,12 @@ class SelectiveRecompute:
                 cache[k] = (plan, estimate_plan(graph, plan, hardware).peak_bytes)
             return cache[k]
 
-        if budget_bytes is None or probe(0)[1] <= budget_bytes:
-            return probe(0)[0]
         n = len(layers)
-        if probe(n)[1] > budget_bytes:
+        plan = smallest_fitting_count(n, probe, budget_bytes)
+        if plan is None:
             raise InfeasibleBudgetError(
                 f"selective_recompute: budget {gib(budget_bytes)} is below the {gib(probe(n)[1])} that recomputing "
                 f"the attention core in all {n} layers reaches",
                 min_feasible_bytes=probe(n)[1],
             )
-        lo, hi = 0, n
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if probe(mid)[1] <= budget_bytes else (mid, hi)
-        return probe(hi)[0]
+        return plan

@@ -20,8 +20,13 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
 from __future__ import annotations
 
 from slackswap.graph import Graph
-from slackswap.planners.analysis import ProfileAnalysis, SlackLedger
-from slackswap.planners.greedy import order_by_marginal_cost, order_by_standalone_cost, recompute_candidates
+from slackswap.planners.analysis import ProfileAnalysis
+from slackswap.planners.greedy import (
+    order_by_marginal_cost,
+    order_by_standalone_cost,
+    recompute_candidates,
+    take_while_hidden,
+)
 from slackswap.planners.registry import register_planner
 from slackswap.planners.swap_recompute import SwapThenRecompute
 
@@ -31,17 +36,6 @@ def by_regen_cost_per_byte(analysis: ProfileAnalysis) -> list[str]:
     infos = analysis.tensors
     candidates = [t for t, i in infos.items() if i.size_bytes > 0]
     return sorted(candidates, key=lambda t: -infos[t].regen_s / infos[t].size_bytes)
-
-
-def take_while_hidden(analysis: ProfileAnalysis, ranked: list[str]) -> list[str]:
-    """Walk `ranked`, keeping each tensor whose offload and prefetch still hide (exact ledger)."""
-    ledger = SlackLedger(analysis, ranked)
-    swaps = []
-    for t in ranked:
-        if ledger.fits(t):
-            ledger.add(t)
-            swaps.append(t)
-    return swaps
 
 
 @register_planner("slackswap")

@@ -18,6 +18,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.analysis import analyse
 from slackswap.planners.base import check_budget, gib
+from slackswap.planners.greedy import smallest_fitting_count
 from slackswap.planners.registry import register_planner
 from slackswap.planners.schedule import build_schedule
 from slackswap.planners.timeline import estimate_plan
@@ -48,10 +49,9 @@ class SwapOnly:
                 cache[k] = (plan, estimate_plan(graph, plan, hardware).peak_bytes)
             return cache[k]
 
-        if budget_bytes is None or probe(0)[1] <= budget_bytes:
-            return probe(0)[0]
         n = len(layers)
-        if probe(n)[1] > budget_bytes:
+        plan = smallest_fitting_count(n, probe, budget_bytes)
+        if plan is None:
             analysis = analyse(graph, hardware)
             link = hardware.link
             offload = sum(graph.tensors[t].size_bytes for ts in by_layer.values() for t in ts)
@@ -62,8 +62,4 @@ class SwapOnly:
                 f"forward pass can hide only {gib(hideable)} at {link.d2h_effective_bytes_per_s / 1e9:.1f} GB/s",
                 min_feasible_bytes=probe(n)[1],
             )
-        lo, hi = 0, n
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if probe(mid)[1] <= budget_bytes else (mid, hi)
-        return probe(hi)[0]
+        return plan
