@@ -39,6 +39,10 @@ class OpClass(StrEnum):
     ELEMENTWISE = "elementwise"
 
 
+#: Phases whose ops run before backward: their outputs are the activations a plan may drop, and their
+#: readers of a saved tensor are its "forward readers".
+FORWARD_PHASES: frozenset[Phase] = frozenset({Phase.FORWARD, Phase.LOSS})
+
 #: `layer` value of ops/tensors outside the transformer stack (embeddings, LM head, loss).
 NO_LAYER = -1
 
@@ -108,7 +112,7 @@ class Graph:
 
     @cached_property
     def forward_ops(self) -> tuple[Op, ...]:
-        return tuple(op for op in self.ops if op.phase in (Phase.FORWARD, Phase.LOSS))
+        return tuple(op for op in self.ops if op.phase in FORWARD_PHASES)
 
     @cached_property
     def backward_ops(self) -> tuple[Op, ...]:

@@ -11,10 +11,9 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from slackswap.graph import Graph, Op, OpClass, Phase, Tensor
+from slackswap.graph import FORWARD_PHASES, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware, HostLink
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
-from slackswap.simulate.validate import FORWARD_PHASES
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,10 @@ from types import MappingProxyType
 
 import numpy as np
 
-from slackswap.graph import Graph, Phase
+from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.hardware import Hardware
 from slackswap.planners.keep_all import keep_all_plan
 from slackswap.planners.timeline import PlanTimeline, d2h_s, estimate_plan, h2d_s
-
-_FORWARD_PHASES = (Phase.FORWARD, Phase.LOSS)
 
 
 @dataclass(frozen=True)
@@ -67,14 +65,14 @@ class ProfileAnalysis:
 
 
 def is_forward(graph: Graph, tensor: str) -> bool:
-    return graph.op_by_name[graph.tensors[tensor].producer].phase in _FORWARD_PHASES
+    return graph.op_by_name[graph.tensors[tensor].producer].phase in FORWARD_PHASES
 
 
 def boundary_tensors(graph: Graph) -> frozenset[str]:
     """Forward tensors read by a forward op of a different layer than their producer's."""
     out = set()
     for op in graph.ops:
-        if op.phase not in _FORWARD_PHASES:
+        if op.phase not in FORWARD_PHASES:
             continue
         for t in op.inputs:
             if graph.op_by_name[graph.tensors[t].producer].layer != op.layer:
@@ -103,7 +101,7 @@ def regen_chain(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[st
 
 def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
     timeline = estimate_plan(graph, keep_all_plan(graph), hardware)
-    n_fwd = sum(1 for op in graph.ops if op.phase in _FORWARD_PHASES)
+    n_fwd = sum(1 for op in graph.ops if op.phase in FORWARD_PHASES)
     forward_end = timeline.step_start_s[n_fwd] if n_fwd < len(graph.ops) else timeline.step_s
     first_bwd: dict[str, float] = {}
     for i in range(n_fwd, len(graph.ops)):

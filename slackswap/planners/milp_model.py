@@ -31,7 +31,7 @@ import numpy as np
 from scipy import sparse
 
 from slackswap.errors import ConfigError
-from slackswap.graph import Graph, Phase
+from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
 
 MS_PER_S = 1e3
@@ -148,7 +148,7 @@ def fixed_bytes_per_op(graph: Graph) -> list[int]:
 def last_forward_reader(graph: Graph, info: SavedInfo) -> int:
     """Last forward/loss reader of a saved tensor (its producer if none): where its run copy dies
     under build_schedule when it is swapped or recomputed."""
-    fwd = [r for r in info.readers if graph.ops[r].phase in (Phase.FORWARD, Phase.LOSS)]
+    fwd = [r for r in info.readers if graph.ops[r].phase in FORWARD_PHASES]
     return max(fwd, default=info.producer)
 
 
@@ -170,7 +170,7 @@ def _chain_tensors(graph: Graph, name: str) -> tuple[list[int], list[str]]:
         for t in graph.op_by_name[op_name].inputs:
             tensor = graph.tensors[t]
             producer = graph.op_by_name[tensor.producer]
-            if not tensor.saved and producer.phase in (Phase.FORWARD, Phase.LOSS):
+            if not tensor.saved and producer.phase in FORWARD_PHASES:
                 intermediates.append(t)
                 stack.append(tensor.producer)
     return producers, intermediates
@@ -300,7 +300,7 @@ def build_bound_problem(
     decision_cols = []
     for info in saved:
         # Only forward (and loss) ops can be recomputed (validator rule), so r = 0 for the others.
-        recomputable = ops[info.producer].phase in (Phase.FORWARD, Phase.LOSS)
+        recomputable = ops[info.producer].phase in FORWARD_PHASES
         kc, sc = cols.add(0, 1, 0, True), cols.add(0, 1, 0, True)
         rc = cols.add(0, 1 if recomputable else 0, 0, True)
         rows.add([(kc, 1), (sc, 1), (rc, 1)], 1, 1)

@@ -34,13 +34,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from slackswap.errors import ConfigError, PlanValidationError
-from slackswap.graph import Graph, Phase
+from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
 from slackswap.planners.timeline import h2d_s
 
 PREFETCH_POLICIES: tuple[str, ...] = ("alap", "layer_ahead")
-_FORWARD_PHASES = (Phase.FORWARD, Phase.LOSS)
 
 
 def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> dict[str, Decision]:
@@ -55,7 +54,7 @@ def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> di
         except ValueError:
             raise ConfigError(f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}") from None
         producer = graph.op_by_name[graph.tensors[name].producer]
-        if out[name] == Decision.RECOMPUTE and producer.phase not in _FORWARD_PHASES:
+        if out[name] == Decision.RECOMPUTE and producer.phase not in FORWARD_PHASES:
             raise ConfigError(f"decisions[{name!r}]", value, f"only forward tensors can be recomputed, "
                               f"this one is produced by {producer.phase.value} op {producer.name!r}")
     missing = [t.name for t in graph.saved_tensors if t.name not in out]
@@ -105,12 +104,12 @@ def build_schedule(
 
 
 def _compute_steps(graph: Graph, decided: Mapping[str, Decision]) -> tuple[ComputeStep, ...]:
-    steps = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in _FORWARD_PHASES]
+    steps = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
     # Tensors whose latest copy a backward-region step may read.
     available = {name for name, d in decided.items() if d != Decision.RECOMPUTE}
-    forward_tensors = {t for op in graph.ops if op.phase in _FORWARD_PHASES for t in op.outputs}
+    forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
     for op in graph.ops:
-        if op.phase in _FORWARD_PHASES:
+        if op.phase in FORWARD_PHASES:
             continue
         for t in op.inputs:
             if t in forward_tensors and t not in available:
@@ -148,7 +147,7 @@ def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple
 
     A tensor produced after the forward pass (a gradient read by a later backward op) has its
     producer step as "last forward reader": its offload and prefetch both happen in backward."""
-    n_fwd = sum(1 for op in graph.ops if op.phase in _FORWARD_PHASES)
+    n_fwd = sum(1 for op in graph.ops if op.phase in FORWARD_PHASES)
     last_fwd: dict[str, int] = {}
     first_bwd: dict[str, int] = {}
     for i, step in enumerate(steps):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slackswap.errors import SlackSwapError
-from slackswap.graph import NO_LAYER, Graph, Op, OpClass, Phase, Tensor
+from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
 from slackswap.profile.timing import op_duration_s
 
@@ -158,7 +158,7 @@ class GraphBuilder:
         out: dict[str, Tensor] = {}
         for t_name, rec in tensors.items():
             bwd_readers = [c for c in rec.consumers if op_phase[c] == Phase.BACKWARD]
-            saved = op_phase[rec.producer] in (Phase.FORWARD, Phase.LOSS) and bool(bwd_readers)
+            saved = op_phase[rec.producer] in FORWARD_PHASES and bool(bwd_readers)
             layer = op_layer[rec.producer]
             if saved:
                 in_stack = [op_layer[c] for c in bwd_readers if op_layer[c] != NO_LAYER]

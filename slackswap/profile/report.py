@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
-from slackswap.graph import NO_LAYER, Graph, Phase
+from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Phase
 
 CSV_COLUMNS: tuple[str, ...] = ("layer", "saved_bytes", "fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
 
@@ -108,7 +108,7 @@ def format_breakdown(graph: Graph) -> str:
         lines.append(f"forward ops of {title}:")
         lines.append(f"  {'op':<28} {'class':<12} {'GFLOP':>10} {'moved_MiB':>10} {'us':>10}")
         for op in graph.ops:
-            if op.layer == layer and op.phase in (Phase.FORWARD, Phase.LOSS):
+            if op.layer == layer and op.phase in FORWARD_PHASES:
                 lines.append(f"  {op.name:<28} {op.op_class.value:<12} {op.flops / 1e9:>10.3f} "
                              f"{op.moved_bytes / 2**20:>10.2f} {op.duration_s * 1e6:>10.1f}")
     if graph.num_layers > 1:

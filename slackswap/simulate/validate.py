@@ -15,11 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slackswap.errors import PlanValidationError
-from slackswap.graph import Graph, Phase
+from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.plan import Decision, Direction, Plan, StepKind
-
-#: Phases whose run steps count as "forward readers" of a tensor; every other phase reads in backward.
-FORWARD_PHASES = (Phase.FORWARD, Phase.LOSS)
 
 
 @dataclass(frozen=True)
