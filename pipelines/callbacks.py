@@ -86,6 +86,7 @@ class SweepCallback(Callback):
                     "sweep_wall_s": time.perf_counter() - self._t_start if self._t_start else None,
                 },
             )
+            tracking.backfill_bound_gaps(client, result.table)
             for path in result.files:
                 client.log_artifact(parent["run_id"], str(path))
             tracking.end_run(client, parent["run_id"], ok=True)

@@ -144,3 +144,23 @@ def test_library_imports_neither_hydra_nor_mlflow() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None:
+    client = mlflow_store.client()
+    experiment_id = tracking.ensure_experiment(client, "backfill", str(mlflow_store.artifact_root))
+    run_ids = [tracking.start_run(client, experiment_id, f"job{i}", {}, None) for i in range(3)]
+    records = [
+        _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
+        _record("1", "bert_large", "milp", 0.5, "ok", 0.95, bound_step_s=1.0 / 0.96),
+        _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
+    ]
+    for rec, run_id in zip(records, run_ids, strict=True):
+        rec["mlflow_run_id"] = run_id
+        tracking.end_run(client, run_id, ok=rec["status"] == "ok")
+    frame = aggregate.records_to_frame(records)
+    assert tracking.backfill_bound_gaps(client, frame) == 2
+    slack = client.get_run(run_ids[0]).data.metrics
+    assert slack["gap_to_bound"] == pytest.approx(0.96 / 0.95 - 1)
+    assert slack["best_bound_s"] == pytest.approx(1.0 / 0.96)
+    assert "gap_to_bound" not in client.get_run(run_ids[2]).data.metrics
