@@ -75,14 +75,13 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
     key = _baseline_key(resolved)
     if key in _BASELINES:
         return _BASELINES[key], True
-    from slackswap.planners.keep_all import keep_all_plan
     from slackswap.profile import build_graph
-    from slackswap.simulate import simulate
+    from slackswap.simulate.metrics import simulate_ideal
 
     t0 = time.perf_counter()
     graph = build_graph(inputs.model, inputs.hardware)
     t1 = time.perf_counter()
-    ideal = simulate(graph, keep_all_plan(graph), inputs.hardware, None)
+    ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
     if not ideal.feasible:
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
