@@ -164,3 +164,14 @@ def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None
     assert slack["gap_to_bound"] == pytest.approx(0.96 / 0.95 - 1)
     assert slack["best_bound_s"] == pytest.approx(1.0 / 0.96)
     assert "gap_to_bound" not in client.get_run(run_ids[2]).data.metrics
+
+
+def test_one_requested_fraction_is_one_budget_group_across_models() -> None:
+    # Budgets are floored to whole bytes, so 50 % of two different peaks is not exactly 0.5 of each.
+    records = [
+        _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
+        _record("1", "gpt2_xl", "slackswap", 0.5, "ok", 0.9),
+    ]
+    records[1]["metrics"] |= {"keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)}
+    frame = aggregate.records_to_frame(records)
+    assert list(frame["budget_share"]) == [0.5, 0.5]
