@@ -100,12 +100,12 @@ def format_breakdown(graph: Graph) -> str:
         if layer == 0 and graph.num_layers == 0:
             continue
         lines.append("")
-        lines.append(f"saved tensors of {title}:")
+        lines.append(f"saved tensors, {title}:")
         lines.append(f"  {'tensor':<28} {'role':<20} {'bytes':>14}")
         for t in graph.saved_tensors:
             if t.layer == layer:
                 lines.append(f"  {t.name:<28} {t.role:<20} {t.size_bytes:>14d}")
-        lines.append(f"forward ops of {title}:")
+        lines.append(f"forward ops, {title}:")
         lines.append(f"  {'op':<28} {'class':<12} {'GFLOP':>10} {'moved_MiB':>10} {'us':>10}")
         for op in graph.ops:
             if op.layer == layer and op.phase in FORWARD_PHASES:
