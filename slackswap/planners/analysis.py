@@ -47,6 +47,15 @@ class TensorInfo:
     d2h_s: float
     h2d_s: float
     boundary: bool
+    #: Keep-all end of the last forward op that reads it (its producer's end if no forward op does):
+    #: the earliest time a dropped copy could be gone. If no op runs between this and the first
+    #: backward use, dropping it (recompute or swap) frees nothing at any instant.
+    last_forward_use_s: float = 0.0
+
+    @property
+    def off_device_window_s(self) -> float:
+        """How long the tensor could be off the device in keep-all order (0: never)."""
+        return max(0.0, self.first_backward_use_s - max(self.last_forward_use_s, self.ready_s))
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,10 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
     n_fwd = sum(1 for op in graph.ops if op.phase in FORWARD_PHASES)
     forward_end = timeline.step_start_s[n_fwd] if n_fwd < len(graph.ops) else timeline.step_s
     first_bwd: dict[str, float] = {}
+    last_fwd: dict[str, float] = {}
+    for i in range(n_fwd):
+        for t in graph.ops[i].inputs:
+            last_fwd[t] = timeline.step_end_s[i]
     for i in range(n_fwd, len(graph.ops)):
         for t in graph.ops[i].inputs:
             first_bwd.setdefault(t, timeline.step_start_s[i])
@@ -123,6 +136,7 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
             d2h_s=d2h_s(t.size_bytes, hardware),
             h2d_s=h2d_s(t.size_bytes, hardware),
             boundary=t.name in boundary,
+            last_forward_use_s=last_fwd.get(t.name, timeline.step_end_s[graph.op_index[t.producer]]),
         )
     return ProfileAnalysis(
         keep_all=timeline,

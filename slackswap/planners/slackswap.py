@@ -38,6 +38,14 @@ def by_regen_cost_per_byte(analysis: ProfileAnalysis) -> list[str]:
     return sorted(candidates, key=lambda t: -infos[t].regen_s / infos[t].size_bytes)
 
 
+def frees_memory(analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
+    """Drop the candidates that could never be off the device: no op runs between their last forward
+    use and their first backward use (the loss's probabilities: produced by the last forward op, read
+    by the first backward op). Recomputing one regenerates it at once, at the same memory, and pays
+    its whole chain (the LM head) for nothing."""
+    return [t for t in candidates if analysis.tensors[t].off_device_window_s > 0]
+
+
 @register_planner("slackswap")
 class SlackSwap(SwapThenRecompute):
     name = "slackswap"
@@ -48,7 +56,7 @@ class SlackSwap(SwapThenRecompute):
     def swap_alternatives(self, graph: Graph, analysis: ProfileAnalysis, budget_bytes: int) -> list[list[str]]:
         infos = analysis.tensors
         # The recompute tail without swaps: the per-byte cost of the last tensor the budget needs.
-        order = order_by_standalone_cost(analysis, recompute_candidates(graph, analysis, set()))
+        order = order_by_standalone_cost(analysis, frees_memory(analysis, recompute_candidates(graph, analysis, set())))
         need = analysis.keep_all_peak_bytes - budget_bytes
         tail_per_byte = 0.0
         for t in order:
@@ -70,4 +78,4 @@ class SlackSwap(SwapThenRecompute):
         ]
 
     def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
-        return order_by_marginal_cost(graph, analysis, candidates)
+        return order_by_marginal_cost(graph, analysis, frees_memory(analysis, candidates))
