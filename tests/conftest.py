@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Tests write nothing outside temporary directories: no example database in ./.hypothesis.
+settings.register_profile("slackswap", database=None)
+settings.load_profile("slackswap")
 
 
 @dataclass(frozen=True)
