@@ -7,16 +7,23 @@ template file and copied for each test (about 10x faster), which also keeps test
 
 from __future__ import annotations
 
+import atexit
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
-# Tests write nothing outside temporary directories: no example database in ./.hypothesis.
+# Tests write nothing outside temporary directories: no example database, and Hypothesis' own cache
+# (it writes ./.hypothesis/constants even without a database) goes to a temporary folder.
 settings.register_profile("slackswap", database=None)
 settings.load_profile("slackswap")
+_hypothesis_home = tempfile.TemporaryDirectory(prefix="slackswap-hypothesis-")
+atexit.register(_hypothesis_home.cleanup)
+set_hypothesis_home_dir(_hypothesis_home.name)
 
 
 @dataclass(frozen=True)
