@@ -41,13 +41,7 @@ def register_planner(name: str) -> Callable[[type], type]:
 
 def _load_builtins() -> None:
     for module in _BUILTIN_MODULES:
-        try:
-            importlib.import_module(f"slackswap.planners.{module}")
-        except ModuleNotFoundError as exc:
-            # A built-in planner still being written (its module absent) is simply not offered;
-            # a missing dependency *inside* an existing module is a real error.
-            if exc.name != f"slackswap.planners.{module}":
-                raise
+        importlib.import_module(f"slackswap.planners.{module}")
 
 
 def available_planners() -> tuple[str, ...]:
