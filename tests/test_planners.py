@@ -152,6 +152,27 @@ def test_slackswap_offloads_finish_before_the_forward_pass_ends():
     assert d2h_ends and max(d2h_ends) <= forward_end + 1e-12
 
 
+def test_slackswap_never_recomputes_a_tensor_that_can_never_leave_the_device():
+    # A shallow model with a large vocabulary: the fp32 loss probabilities are produced by the last
+    # forward op and read by the first backward op, so recomputing them re-runs the LM head at once
+    # and frees nothing at any instant. The seed's rule and capuchin rank them cheap per byte.
+    graph = build_graph(_model("tiny", num_layers=2, seq_len=256, micro_batch_size=4, hidden_size=256,
+                               ffn_hidden_size=1024, vocab_size=2048), HW)
+    info = analyse(graph, HW)
+    stuck = [t for t, i in info.tensors.items() if i.off_device_window_s == 0]
+    assert "loss.probs" in stuck
+    assert sum(info.tensors[t].size_bytes for t in stuck) > 0.15 * info.keep_all_peak_bytes
+    assert all(info.tensors[t].off_device_window_s > 0 for t in info.tensors if t not in stuck)
+    budget = int(0.7 * info.keep_all_peak_bytes)
+    plan = get_planner("slackswap").plan(graph, HW, budget)
+    assert not set(stuck) & set(plan.tensors_with(Decision.RECOMPUTE))
+    step = simulate(graph, plan, HW, budget).step_s
+    for other in ("slackswap_seed", "capuchin"):
+        rival = get_planner(other).plan(graph, HW, budget)
+        assert "loss.probs" in rival.tensors_with(Decision.RECOMPUTE)  # the weakness this guards against
+        assert step < simulate(graph, rival, HW, budget).step_s
+
+
 def test_capuchin_ranks_swaps_by_free_time():
     plan, _ = _plan_or_none("capuchin", 0.5)
     info = analyse(GRAPH, HW).tensors

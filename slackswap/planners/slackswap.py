@@ -46,12 +46,29 @@ def frees_memory(analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
     return [t for t in candidates if analysis.tensors[t].off_device_window_s > 0]
 
 
+def by_shared_regen_cost_per_byte(graph: Graph, analysis: ProfileAnalysis) -> list[str]:
+    """As `by_regen_cost_per_byte`, but the producer op's time is shared among the bytes of all its
+    saved outputs (q, k and v come from one qkv op: swapping all three spares it once)."""
+    infos = analysis.tensors
+    out_bytes: dict[str, int] = {}
+    for t, i in infos.items():
+        producer = graph.tensors[t].producer
+        out_bytes[producer] = out_bytes.get(producer, 0) + i.size_bytes
+
+    def key(t: str) -> float:
+        i = infos[t]
+        own = graph.op_by_name[graph.tensors[t].producer].duration_s
+        return -(i.regen_s - own + own * i.size_bytes / out_bytes[graph.tensors[t].producer]) / i.size_bytes
+
+    return sorted((t for t, i in infos.items() if i.size_bytes > 0), key=key)
+
+
 @register_planner("slackswap")
 class SlackSwap(SwapThenRecompute):
     name = "slackswap"
 
     def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
-        return take_while_hidden(analysis, by_regen_cost_per_byte(analysis))
+        return take_while_hidden(analysis, by_shared_regen_cost_per_byte(graph, analysis))
 
     def swap_alternatives(self, graph: Graph, analysis: ProfileAnalysis, budget_bytes: int) -> list[list[str]]:
         infos = analysis.tensors
@@ -70,11 +87,15 @@ class SlackSwap(SwapThenRecompute):
         def window(t: str) -> float:
             return -(infos[t].first_backward_use_s - infos[t].ready_s)
 
+        def bytes_per_copy_s(t: str) -> float:
+            return -infos[t].size_bytes / max(infos[t].d2h_s, infos[t].h2d_s)
+
         all_sized = [t for t, i in infos.items() if i.size_bytes > 0]
         return [
             self.select_swaps(graph, analysis),
             take_while_hidden(analysis, sorted(above_tail, key=window)),
             take_while_hidden(analysis, sorted(all_sized, key=window)),
+            take_while_hidden(analysis, sorted(all_sized, key=bytes_per_copy_s)),
         ]
 
     def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
