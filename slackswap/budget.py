@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from slackswap.errors import ConfigError
+from slackswap.errors import ConfigError, reject_unknown_fields
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,7 @@ class Budget:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Budget:
         data = dict(data)
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ConfigError("budget", sorted(unknown), "unknown field(s)")
+        reject_unknown_fields("budget", data, cls.__dataclass_fields__)
         return cls(**data)
 
     def resolve_bytes(self, keep_all_peak_bytes: int) -> int:

@@ -19,6 +19,17 @@ class ConfigError(SlackSwapError, ValueError):
         super().__init__(f"{field}={value!r}: {why}")
 
 
+def reject_unknown_fields(section: str, data: object, known: object) -> None:
+    """Raise a ConfigError naming the section and every key of `data` that is not in `known`.
+
+    Config mappings are turned into dataclasses with `cls(**data)`; a typo must name the key, not
+    surface as a TypeError about an unexpected keyword argument.
+    """
+    unknown = sorted(set(data) - set(known))  # type: ignore[call-overload]
+    if unknown:
+        raise ConfigError(section, unknown, "unknown field(s)")
+
+
 class PlanValidationError(SlackSwapError):
     """A plan that is not a complete, consistent schedule. The message names the first inconsistency."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from slackswap.errors import ConfigError
+from slackswap.errors import ConfigError, reject_unknown_fields
 
 #: Op classes that need an efficiency figure. Kept in one place so the profile and the config
 #: schema agree on the spelling.
@@ -120,13 +120,7 @@ class Hardware:
         link = data.pop("link", None)
         if not isinstance(link, Mapping):
             raise ConfigError("hardware.link", link, "must be a mapping of link fields")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError("hardware", sorted(unknown), "unknown field(s)")
-        link_fields = set(HostLink.__dataclass_fields__)
-        unknown_link = set(link) - link_fields
-        if unknown_link:
-            raise ConfigError("hardware.link", sorted(unknown_link), "unknown field(s)")
+        reject_unknown_fields("hardware", data, cls.__dataclass_fields__)
+        reject_unknown_fields("hardware.link", link, HostLink.__dataclass_fields__)
         return cls(link=HostLink(**dict(link)), **data)
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from slackswap.errors import ConfigError
+from slackswap.errors import ConfigError, reject_unknown_fields
 from slackswap.hardware import DTYPES
 
 FAMILIES: tuple[str, ...] = ("bert", "gpt2", "llama")
@@ -80,7 +80,5 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         data = dict(data)
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ConfigError("model", sorted(unknown), "unknown field(s)")
+        reject_unknown_fields("model", data, cls.__dataclass_fields__)
         return cls(**data)
