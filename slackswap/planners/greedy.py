@@ -188,3 +188,14 @@ def take_while_hidden(analysis: ProfileAnalysis, ranked: list[str]) -> list[str]
             ledger.add(t)
             swaps.append(t)
     return swaps
+
+
+def keep_all_if_it_fits(
+    graph: Graph, hardware: Hardware, analysis: ProfileAnalysis, budget_bytes: int | None, planner: str
+) -> Plan | None:
+    """The keep-everything schedule when the budget does not bind (no budget, or the keep-all peak
+    fits), else None: a planner then has nothing to decide."""
+    if budget_bytes is not None and analysis.keep_all_peak_bytes > budget_bytes:
+        return None
+    keep = {t: Decision.KEEP for t in analysis.tensors}
+    return build_schedule(graph, keep, planner=planner, budget_bytes=budget_bytes, hardware=hardware)

@@ -26,7 +26,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.analysis import analyse
 from slackswap.planners.base import check_budget, gib
-from slackswap.planners.greedy import recompute_candidates
+from slackswap.planners.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.planners.registry import register_planner
 from slackswap.planners.schedule import build_schedule
 from slackswap.planners.timeline import estimate_plan
@@ -76,9 +76,10 @@ class RecomputeKnapsack:
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
         analysis = analyse(graph, hardware)
+        unconstrained = keep_all_if_it_fits(graph, hardware, analysis, budget_bytes, self.name)
+        if unconstrained is not None:
+            return unconstrained
         keep = {t: Decision.KEEP for t in analysis.tensors}
-        if budget_bytes is None or analysis.keep_all_peak_bytes <= budget_bytes:
-            return build_schedule(graph, keep, planner=self.name, budget_bytes=budget_bytes, hardware=hardware)
         # Earliest-produced first, so equal items are taken from the layers alive longest.
         candidates = recompute_candidates(graph, analysis, set())
         sizes = [analysis.tensors[t].size_bytes for t in candidates]

@@ -15,8 +15,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.analysis import ProfileAnalysis, analyse
 from slackswap.planners.base import check_budget
-from slackswap.planners.greedy import fit_prefix, recompute_candidates
-from slackswap.planners.schedule import build_schedule
+from slackswap.planners.greedy import fit_prefix, keep_all_if_it_fits, recompute_candidates
 from slackswap.planners.timeline import estimate_plan
 
 
@@ -36,9 +35,9 @@ class SwapThenRecompute:
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
         analysis = analyse(graph, hardware)
-        keep = {t: Decision.KEEP for t in analysis.tensors}
-        if budget_bytes is None or analysis.keep_all_peak_bytes <= budget_bytes:
-            return build_schedule(graph, keep, planner=self.name, budget_bytes=budget_bytes, hardware=hardware)
+        unconstrained = keep_all_if_it_fits(graph, hardware, analysis, budget_bytes, self.name)
+        if unconstrained is not None:
+            return unconstrained
         best: tuple[float, Plan] | None = None
         failure: InfeasibleBudgetError | None = None
         tried: list[set[str]] = []
