@@ -345,20 +345,8 @@ def build_bound_problem(
             inner = list(range(k_first, kb))
             o = {k: cols.add(0, np.inf) for k in inner}
             u = {k: cols.add(0, np.inf) for k in inner}
-            span = range(k_first, kb + 1)
-            Q = {k: cols.add() for k in span}
-            V = {k: cols.add() for k in span}
-            for k in span:
-                q_by_interval[k].append((Q[k], 1.0))
-                v_by_interval[k].append((V[k], 1.0))
-                if k > k_first:
-                    q_by_interval[k].append((Q[k - 1], -1.0))
-                    v_by_interval[k].append((V[k - 1], -1.0))
-                    rows.add([(Q[k - 1], 1), (Q[k], -1)], -np.inf, 0)
-                    rows.add([(V[k - 1], 1), (V[k], -1)], -np.inf, 0)
-            for a_, b_ in zip(inner, inner[1:], strict=False):
-                rows.add([(o[a_], 1), (o[b_], -1)], -np.inf, 0)
-                rows.add([(u[a_], 1), (u[b_], -1)], -np.inf, 0)
+            Q, V = _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
+            _non_decreasing(rows, (o, u), inner)
             for k in inner:
                 rows.add([(o[k], 1)] + [(c, -w) for c, w in s_terms], -np.inf, 0)
                 rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
@@ -379,20 +367,8 @@ def build_bound_problem(
             inner = list(range(k_first, kb))  # checkpoints with producer < c_k < first_bwd
             o = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
             u = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
-            span = range(k_first, kb + 1)
-            Q = {k: cols.add() for k in span}
-            V = {k: cols.add() for k in span}
-            for k in span:
-                q_by_interval[k].append((Q[k], 1.0))
-                v_by_interval[k].append((V[k], 1.0))
-                if k > k_first:
-                    q_by_interval[k].append((Q[k - 1], -1.0))
-                    v_by_interval[k].append((V[k - 1], -1.0))
-                    rows.add([(Q[k - 1], 1), (Q[k], -1)], -np.inf, 0)
-                    rows.add([(V[k - 1], 1), (V[k], -1)], -np.inf, 0)
-            for a, b in zip(inner, inner[1:], strict=False):
-                rows.add([(o[a], 1), (o[b], -1)], -np.inf, 0)
-                rows.add([(u[a], 1), (u[b], -1)], -np.inf, 0)
+            Q, V = _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
+            _non_decreasing(rows, (o, u), inner)
             for k in inner:
                 rows.add([(o[k], 1), (sc, -1)], -np.inf, 0)
                 rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
@@ -515,3 +491,28 @@ def keep_all_peak_bytes(graph: Graph) -> int:
         diff[start] += t.size_bytes
         diff[end + 1] -= t.size_bytes
     return int(np.max(np.cumsum(diff[:-1])))
+
+
+def _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first: int, kb: int):
+    """Columns Q[k], V[k] (ms): a flow's cumulative d2h / h2d engine work up to checkpoint k, for k in
+    k_first..kb. They never decrease, and each interval's share (Q[k] - Q[k-1]) is charged to that
+    interval's engine capacity through `q_by_interval` / `v_by_interval`."""
+    span = range(k_first, kb + 1)
+    Q = {k: cols.add() for k in span}
+    V = {k: cols.add() for k in span}
+    for k in span:
+        q_by_interval[k].append((Q[k], 1.0))
+        v_by_interval[k].append((V[k], 1.0))
+        if k > k_first:
+            q_by_interval[k].append((Q[k - 1], -1.0))
+            v_by_interval[k].append((V[k - 1], -1.0))
+            rows.add([(Q[k - 1], 1), (Q[k], -1)], -np.inf, 0)
+            rows.add([(V[k - 1], 1), (V[k], -1)], -np.inf, 0)
+    return Q, V
+
+
+def _non_decreasing(rows, columns: tuple[dict[int, int], ...], checkpoints: list[int]) -> None:
+    """"Done by checkpoint k" indicators only ever switch on: column[a] <= column[b] for a < b."""
+    for a, b in zip(checkpoints, checkpoints[1:], strict=False):
+        for column in columns:
+            rows.add([(column[a], 1), (column[b], -1)], -np.inf, 0)
