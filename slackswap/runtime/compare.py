@@ -41,3 +41,57 @@ def simulated_saved_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, ins
 
     result = simulate(saved_only(graph), plan, instant_link(hardware) if instant else hardware, None)
     return result.peak_activation_bytes
+
+
+def plan_live_copies(graph: Graph, plan: Plan) -> dict[int, frozenset[int]]:
+    """Per plan step j, the saved-tensor copies the plan has on the device while step j runs.
+
+    A copy lives from its production (run / recompute step, or the step after its prefetch is
+    issued) to its release: its last reader, or for an offloaded run copy the later of that and the
+    offload's issue. That is the simulator's rule with a link that takes no time.
+    """
+    from slackswap.simulate.validate import resolve_schedule
+
+    schedule = resolve_schedule(graph, plan)
+    live: dict[int, set[int]] = {j: set() for j in range(len(plan.steps))}
+    for c, copy in enumerate(schedule.copies):
+        if not graph.tensors[copy.tensor].saved:
+            continue
+        start = copy.source_index
+        if copy.source == "prefetch":
+            start = plan.prefetches[copy.source_index].issue_after_step + 1
+        end = max([copy.source_index if copy.source != "prefetch" else start, *copy.readers])
+        if copy.offload is not None:
+            end = max(end, plan.offloads[copy.offload].issue_after_step)
+        for j in range(start, end + 1):
+            live[j].add(c)
+    return {j: frozenset(cs) for j, cs in live.items()}
+
+
+def explain_ledger(graph: Graph, plan: Plan, live_by_step: dict[int, frozenset[int]]) -> dict[str, object]:
+    """Attribute the ledger's difference from the plan copy by copy.
+
+    Returns the plan's peak (`plan_peak_bytes`), the ledger's (`ledger_peak_bytes`), the copies the
+    plan has but the run did not (`missing`: must be empty for a faithful run), and at the ledger's
+    peak step the copies alive that the plan had already released (`late`, with their bytes).
+    """
+    from slackswap.simulate.validate import resolve_schedule
+
+    copies = resolve_schedule(graph, plan).copies
+    planned = plan_live_copies(graph, plan)
+
+    def size(cs: frozenset[int]) -> int:
+        return sum(copies[c].size_bytes for c in cs)
+
+    missing = sorted({(j, copies[c].tensor) for j, cs in planned.items() for c in cs - live_by_step.get(j, cs)})
+    peak_step = max(live_by_step, key=lambda j: size(live_by_step[j]), default=-1)
+    late = sorted(live_by_step.get(peak_step, frozenset()) - planned.get(peak_step, frozenset()))
+    return {
+        "plan_peak_bytes": max((size(cs) for cs in planned.values()), default=0),
+        "ledger_peak_bytes": size(live_by_step.get(peak_step, frozenset())),
+        "ledger_peak_step": peak_step,
+        "missing": missing,
+        "late": [(copies[c].tensor, copies[c].source, copies[c].size_bytes) for c in late],
+        "late_bytes": sum(copies[c].size_bytes for c in late),
+        "plan_bytes_at_ledger_peak": size(planned.get(peak_step, frozenset())),
+    }

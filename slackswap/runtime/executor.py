@@ -61,8 +61,10 @@ class RunReport:
     """What one step under the runtime did; `equals_plan` compares the counts with the plan's."""
 
     ledger_peak_bytes: int = 0
-    ledger_peak_at: str = ""
-    ledger_peak_tensors: list[str] = field(default_factory=list)
+    #: Plan step during which the ledger peaked (-1: outside any step).
+    ledger_peak_step: int = -1
+    #: Per plan step, the copies (ids into the plan's resolved schedule) alive in it; when traced.
+    live_by_step: dict[int, frozenset[int]] = field(default_factory=dict)
     aten_calls: int = 0
     recompute_steps: int = 0
     recompute_aten_calls: int = 0
@@ -104,8 +106,11 @@ def check_identity(graph: Graph, model: torch.nn.Module) -> None:
 class PlanRun(TorchDispatchMode):
     """`with apply(plan, graph, model): ...` runs one training step under the plan. Reusable per step."""
 
-    def __init__(self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None):
+    def __init__(
+        self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False
+    ):
         super().__init__()
+        self.trace = trace
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
@@ -142,7 +147,7 @@ class PlanRun(TorchDispatchMode):
     # ----------------------------------------------------------------------------- step lifecycle
     def __enter__(self) -> PlanRun:
         self.numbering = OpNumbering()
-        self.ledger = SavedBytesLedger()
+        self.ledger = SavedBytesLedger(self.trace)
         self.report = RunReport()
         self.pos = 0
         self.current: int | None = None
@@ -181,10 +186,10 @@ class PlanRun(TorchDispatchMode):
             self.held.clear()
             self.hosts.clear()
             self.members.clear()
-            self.ledger.poll("end of step")
+            self.ledger.poll(-1)
             self.report.ledger_peak_bytes = self.ledger.peak_bytes
-            self.report.ledger_peak_at = self.ledger.peak_at
-            self.report.ledger_peak_tensors = self.ledger.peak_tensors
+            self.report.ledger_peak_step = self.ledger.peak_step
+            self.report.live_by_step = self.ledger.live_by_step
             self.report.aten_calls = self.numbering.calls
 
     def _check_inputs(self, _module, args, kwargs) -> None:
@@ -207,7 +212,8 @@ class PlanRun(TorchDispatchMode):
             if j is None:
                 raise PlanMismatchError(
                     f"ATen call {begin.op!r} is not an op of graph {self.graph.name!r} (traced "
-                    f"{self.graph.meta.get('aten_calls')} calls): the model, its inputs or its mode differ"
+                    f"{self.graph.meta.get('aten_calls')} calls): the model, its inputs, its train/eval mode differ, "
+                    "or gradients were not set to None before the step (optimizer.zero_grad())"
                 )
             self._advance_to(j)
             self.current = j
@@ -233,10 +239,10 @@ class PlanRun(TorchDispatchMode):
             c = self.run_copy[name]
             self.current_copy[name] = c
             if self.graph.tensors[name].saved:
-                self.ledger.track(t.untyped_storage(), name)
+                self.ledger.track(t.untyped_storage(), c)
             if c in self.held_copies:
                 self.held[c] = t.untyped_storage()
-        self.ledger.poll(begin.op)
+        self.ledger.poll(self.run_step[begin.op])
         return out
 
     def _to_spec(self, x: object) -> object:
@@ -258,7 +264,6 @@ class PlanRun(TorchDispatchMode):
             self.held.pop(c, None)
         self.pos = j + 1
         self.copies.poll()
-        self.ledger.poll(f"after step {j}")
 
     def _advance_to(self, j: int) -> None:
         while self.pos < j:
@@ -295,7 +300,7 @@ class PlanRun(TorchDispatchMode):
                 tensor = self.plan.prefetches[k].tensor
                 self.held[c] = arriving
                 self.current_copy[tensor] = c
-                self.ledger.track(arriving.storage, tensor)
+                self.ledger.track(arriving.storage, c)
                 self.report.prefetches += 1
         finally:
             self.internal = False
@@ -351,9 +356,9 @@ class PlanRun(TorchDispatchMode):
             self.held[c] = env[name]
             self.current_copy[name] = c
             if self.graph.tensors[name].saved:
-                self.ledger.track(env[name], name)
+                self.ledger.track(env[name], c)
         self.report.recompute_steps += 1
-        self.ledger.poll(f"recompute step {j}")
+        self.ledger.poll(j)
 
     # ----------------------------------------------------------------------------- saved tensors
     def _pack(self, t: torch.Tensor) -> object:
@@ -393,6 +398,12 @@ class PlanRun(TorchDispatchMode):
             self.internal = False
 
 
-def apply(plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None) -> PlanRun:
-    """Context manager running one training step of `model` under `plan` (checked against `graph` now)."""
-    return PlanRun(plan, graph, model, copies)
+def apply(
+    plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False
+) -> PlanRun:
+    """Context manager running one training step of `model` under `plan` (checked against `graph` now).
+
+    `copies`: a copy engine (default: CUDA streams when the model is on a GPU, inline CPU copies
+    otherwise). `trace`: keep the per-step live copies in the report, for `explain_ledger`.
+    """
+    return PlanRun(plan, graph, model, copies, trace)
