@@ -26,8 +26,10 @@ def trace_model(model: ModelConfig, spec: TorchSpec) -> tuple[Any, float]:
     """(Trace, trace wall seconds; 0.0 when cached): one trace per (model, spec) per process."""
     import json
 
+    from slackswap.profile.torch.workloads import build_workload, import_torch, meta_trace_patches
+
+    import_torch()  # a named error, not an ImportError, when the extra is missing
     from slackswap.profile.torch.tracer import trace_step
-    from slackswap.profile.torch.workloads import build_workload, meta_trace_patches
 
     key = json.dumps([asdict(model), asdict(spec)], sort_keys=True, default=str)
     if key in _TRACES:
@@ -42,9 +44,9 @@ def trace_model(model: ModelConfig, spec: TorchSpec) -> tuple[Any, float]:
 
 def build_torch_graph(model: ModelConfig, spec: TorchSpec, hardware: Hardware) -> Graph:
     """The traced training step of `model` (built by `spec`) timed on `hardware`."""
-    from slackswap.profile.torch.assemble import graph_from_trace
-
     hardware.peak_for(model.dtype)
     trace, _ = trace_model(model, spec)
+    from slackswap.profile.torch.assemble import graph_from_trace
+
     meta = {"model": asdict(model), "torch": asdict(spec)}
     return graph_from_trace(trace, hardware, f"{model.name}@{hardware.name}", meta)

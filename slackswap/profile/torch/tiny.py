@@ -56,3 +56,19 @@ class TinyGPT(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.ln_f(x)).transpose(0, 1)
+
+
+def tiny_workload(model: ModelConfig, device: str):
+    """The example `module:function` hook (docs/torch_profile.md): (model, inputs, loss_fn) for TinyGPT.
+
+    `model.torch.hook=slackswap.profile.torch.tiny:tiny_workload` traces it like a user's own model.
+    """
+    net = TinyGPT(model, dropout=0.1 if model.dropout else 0.0).to(device=device, dtype=torch.bfloat16)
+    net.train()
+    ids = torch.zeros(model.micro_batch_size, model.seq_len, dtype=torch.long, device=device)
+    labels = torch.zeros(model.micro_batch_size * model.seq_len, dtype=torch.long, device=device)
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels)
+
+    return net, (ids,), loss_fn

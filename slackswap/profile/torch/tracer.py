@@ -127,18 +127,28 @@ class _Tracer(StorageIdentities):
         self.pending_unpacked: list[int] = []
         self._last_bwd_path = LOSS_PATH
         self._names = {id(m): (n or ROOT_PATH) for n, m in model.named_modules(remove_duplicate=False)}
-        self._label_handle = None
+        self._label_handles: list = []
 
     # -- autograd node labels (backward layer attribution) -------------------------------------------
 
     def __enter__(self):
-        self._label_handle = torch.nn.modules.module.register_module_forward_hook(self._label_outputs)
+        # Registered before the module stack's hooks, so the pre-hook still sees the enclosing module.
+        self._label_handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._label_inputs),
+            torch.nn.modules.module.register_module_forward_hook(self._label_outputs),
+        ]
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if self._label_handle is not None:
-            self._label_handle.remove()
+        for handle in self._label_handles:
+            handle.remove()
         return super().__exit__(*exc)
+
+    def _label_inputs(self, module, args) -> None:
+        # Nodes created before a module starts belong to the enclosing module (e.g. the embedding
+        # dropout in the root's own forward), not to the first layer that consumes them.
+        if id(module) in self._names:
+            label_nodes(args, _CALL_SUFFIX.sub("", self.modules.current(self.outside)))
 
     def _label_outputs(self, module, args, output) -> None:
         name = self._names.get(id(module))
