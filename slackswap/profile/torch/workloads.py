@@ -48,8 +48,18 @@ def import_transformers():
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+#: Per builder, the HF config keys of every dropout probability: zeroed when `model.dropout` is false.
+_HF_DROPOUT_KEYS = {
+    "hf_bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "hf_gpt2": ("attn_pdrop", "embd_pdrop", "resid_pdrop"),
+    "hf_llama": ("attention_dropout",),
+}
+
+
 def _hf_config(model: ModelConfig, spec: TorchSpec, transformers) -> Any:
     m, extra = model, dict(spec.extra)
+    if not m.dropout:
+        extra |= dict.fromkeys(_HF_DROPOUT_KEYS[spec.builder], 0.0)
     if spec.builder == "hf_bert":
         cfg = transformers.BertConfig(
             vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
