@@ -29,9 +29,9 @@ from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
 from slackswap.profile.report import layer_profile  # noqa: E402
 from slackswap.profile.torch import build_torch_graph, trace_model  # noqa: E402
-from slackswap.profile.torch.measure import measure_saved  # noqa: E402
 from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
 from slackswap.profile.torch.tracer import TraceError, trace_step  # noqa: E402
+from slackswap.profile.torch.verify import compare_saved  # noqa: E402
 from slackswap.profile.torch.workloads import MissingDependencyError, build_workload  # noqa: E402
 
 #: Ops whose saved tensors differ between CPU and CUDA kernels (docs/torch_profile.md, "ops that differ").
@@ -70,13 +70,11 @@ CASES = [
 @pytest.mark.parametrize(("builder", "model", "attention"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
 def test_traced_saved_tensors_equal_a_real_cpu_run_tensor_by_tensor(builder, model, attention):
     spec = TorchSpec(builder, attention=attention, semantics="cpu")
-    traced = traced_saved(model, spec)
-    torch.manual_seed(0)
-    net, inputs, loss_fn = build_workload(model, spec, "cpu")
-    real = measure_saved(net, inputs, loss_fn)
-    assert traced == real  # same identities (the runtime's names) and the same bytes, storage by storage
+    result = compare_saved(model, spec, "cpu")  # what pipelines.verify_torch runs on a GPU
+    assert result.traced == result.real, result.summary()  # same identities, same bytes, storage by storage
+    assert result.equal and len(result.real) > 10 * model.num_layers
     graph = build_torch_graph(model, spec, HW)
-    assert {t.name: t.size_bytes for t in graph.saved_tensors} == traced  # graph 'saved' = autograd's saved
+    assert {t.name: t.size_bytes for t in graph.saved_tensors} == result.traced  # graph 'saved' = autograd's
 
 
 @pytest.mark.parametrize(("builder", "model", "attention"), CASES[:3] + CASES[4:5], ids=[
