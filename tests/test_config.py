@@ -16,6 +16,7 @@ from slackswap.budget import Budget
 from slackswap.errors import ConfigError
 from slackswap.hardware import Hardware, HostLink
 from slackswap.model_config import ModelConfig
+from slackswap.profile.torch.spec import TorchSpec
 
 CONF = schemas.REPO_ROOT / "conf"
 GROUPS = ("model", "hardware", "planner", "budget", "tracking")
@@ -105,11 +106,13 @@ def _field_defaults(cls) -> dict:
         (schemas.HardwareSchema, Hardware),
         (schemas.HostLinkSchema, HostLink),
         (schemas.BudgetSchema, Budget),
+        (schemas.TorchSchema, TorchSpec),
     ],
 )
 def test_schema_mirrors_library_dataclass(schema, library) -> None:
     """Same field names, same order and same defaults: the schema cannot drift from the library."""
-    assert [f.name for f in dataclasses.fields(schema)] == [f.name for f in dataclasses.fields(library)]
+    extra = ["torch"] if schema is schemas.ModelSchema else []  # the torch source's node (TorchSpec)
+    assert [f.name for f in dataclasses.fields(schema)] == [f.name for f in dataclasses.fields(library)] + extra
     lib_defaults = {k: v for k, v in _field_defaults(library).items() if v != "???"}
     schema_defaults = _field_defaults(schema)
     for name, default in lib_defaults.items():
