@@ -50,7 +50,7 @@ def plan_live_copies(graph: Graph, plan: Plan) -> dict[int, frozenset[int]]:
     issued) to its release: its last reader, or for an offloaded run copy the later of that and the
     offload's issue. That is the simulator's rule with a link that takes no time.
     """
-    from slackswap.simulate.validate import resolve_schedule
+    from slackswap.schedule.validate import resolve_schedule
 
     schedule = resolve_schedule(graph, plan)
     live: dict[int, set[int]] = {j: set() for j in range(len(plan.steps))}
@@ -75,7 +75,7 @@ def explain_ledger(graph: Graph, plan: Plan, live_by_step: dict[int, frozenset[i
     plan has but the run did not (`missing`: must be empty for a faithful run), and at the ledger's
     peak step the copies alive that the plan had already released (`late`, with their bytes).
     """
-    from slackswap.simulate.validate import resolve_schedule
+    from slackswap.schedule.validate import resolve_schedule
 
     copies = resolve_schedule(graph, plan).copies
     planned = plan_live_copies(graph, plan)

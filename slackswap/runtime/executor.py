@@ -30,7 +30,7 @@ from slackswap.runtime.capture import input_signature, model_signature
 from slackswap.runtime.copies import Copy, CpuCopies, CudaCopies
 from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
 from slackswap.runtime.ledger import SavedBytesLedger
-from slackswap.simulate.validate import resolve_schedule
+from slackswap.schedule.validate import resolve_schedule
 
 
 class PlanMismatchError(SlackSwapError):
