@@ -14,7 +14,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.planners.registry import get_planner
 from slackswap.runtime import apply, capture_graph
-from slackswap.runtime.models import Workload, build_workload
+from slackswap.runtime.models import Workload, build_training_workload, small_config
 from slackswap.simulate.metrics import simulate_ideal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ class Captured:
 
 
 def capture(kind: str, **shape: int) -> Captured:
-    w = build_workload(kind, **shape)
+    w = build_training_workload(*small_config(kind, **shape))
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, h200(), kind)
     peak = simulate_ideal(graph, h200()).peak_activation_bytes
     loss, grads, _ = run_step(w)

@@ -71,6 +71,21 @@ def test_every_planner_runs_bit_exact(kind: str) -> None:
     layers=st.integers(1, 3),
 )
 def test_small_shapes_bit_exact(batch: int, seq: int, heads: int, head_dim: int, layers: int) -> None:
-    c = capture("tiny", batch=batch, seq=seq, heads=heads, hidden=heads * head_dim, layers=layers)
+    c = capture("tiny", batch=batch, seq=seq, heads=heads, hidden=heads * head_dim, layers=layers, vocab=32)
     for planner in ("slackswap", "recompute_knapsack", "capuchin", "full_recompute"):
         check_plan_run(c, planner)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_runtime_names_saved_tensors_as_the_torch_profile_traces_them(kind: str) -> None:
+    """The captured graph's saved tensors (identity and bytes) equal the meta-traced graph's (CPU kernels),
+    outside the loss (the two use different label tensors)."""
+    from slackswap.profile.torch import build_torch_graph
+    from slackswap.runtime.models import small_config
+
+    traced = build_torch_graph(*small_config(kind), h200())
+
+    def forward_saved(graph) -> dict[str, int]:
+        return {t.name: t.size_bytes for t in graph.saved_tensors if not t.name.startswith("<loss>")}
+
+    assert forward_saved(captured(kind).graph) == forward_saved(traced)

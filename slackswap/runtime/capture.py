@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
+from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
@@ -105,6 +106,16 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+@contextmanager
+def loss_boundary(model: torch.nn.Module, identities: StorageIdentities) -> Iterator[None]:
+    """Ops after the model's forward returns are the loss's (`<loss>` identities), as in the tracer."""
+    handle = model.register_forward_hook(lambda _m, _a, _o: identities.enter_loss())
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _layer_tracker(model: torch.nn.Module, stack: ExitStack) -> Callable[[], int]:
     """Index of the enclosing child of the model's first ModuleList (the transformer layer)."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -138,10 +149,12 @@ def capture_graph(
     The step runs under `torch.random.fork_rng`, and the gradients it makes are cleared afterwards,
     so capturing changes neither the caller's RNG stream nor the model.
     """
-    numbering = OpNumbering()
+    identities = StorageIdentities(model)
+    numbering = OpNumbering(identities)
     packed: set[str] = set()
     with ExitStack() as stack:
         recorder = _Recorder(numbering, _layer_tracker(model, stack))
+        stack.enter_context(loss_boundary(model, identities))
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             name_ = numbering.name_of(t)
@@ -161,6 +174,7 @@ def capture_graph(
 
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(identities)  # below the recorder: it names what the recorder's calls create
         stack.enter_context(recorder)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
         for p in model.parameters():

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from slackswap.errors import SlackSwapError
 from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
-from slackswap.runtime.capture import input_signature, model_signature
+from slackswap.profile.torch.identity import StorageIdentities
+from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
 from slackswap.runtime.copies import Copy, CpuCopies, CudaCopies
 from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
 from slackswap.runtime.ledger import SavedBytesLedger
@@ -146,7 +147,8 @@ class PlanRun(TorchDispatchMode):
 
     # ----------------------------------------------------------------------------- step lifecycle
     def __enter__(self) -> PlanRun:
-        self.numbering = OpNumbering()
+        self.identities = StorageIdentities(self.model)
+        self.numbering = OpNumbering(self.identities)
         self.ledger = SavedBytesLedger(self.trace)
         self.report = RunReport()
         self.pos = 0
@@ -160,15 +162,20 @@ class PlanRun(TorchDispatchMode):
             on_cuda = any(p.is_cuda for p in self.model.parameters())
             self.copies = CudaCopies() if on_cuda else CpuCopies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
+        self._loss_boundary = loss_boundary(self.model, self.identities)
+        self._loss_boundary.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        self.identities.__enter__()
         super().__enter__()
         self._issue(0)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         super().__exit__(exc_type, exc, tb)
+        self.identities.__exit__(exc_type, exc, tb)
         self._hooks.__exit__(exc_type, exc, tb)
+        self._loss_boundary.__exit__(exc_type, exc, tb)
         self._input_hook.remove()
         try:
             if exc_type is None:
@@ -203,8 +210,9 @@ class PlanRun(TorchDispatchMode):
     # ----------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.internal:
-            return func(*args, **kwargs)
+        if self.internal:  # the runtime's own copies, views and replays: invisible to the identities
+            with _disable_current_modes():
+                return func(*args, **kwargs)
         begin = self.numbering.begin(func, args, kwargs)
         if begin.new_op:
             self._finish_current()

@@ -1,19 +1,19 @@
-"""Stable names for the ops and tensors of one training step, shared by the capture and the runtime.
+"""Where a running training step is in a plan: op positions on top of the torch profile's tensor identities.
 
-Both the graph capture (`capture.py`) and the runtime (`executor.py`) feed every ATen call of the
-step, in execution order, through one `OpNumbering`. Identical models on identical inputs and the
-same torch build issue the identical ATen sequence, so both sides name the same tensor the same way;
-anything else shows up as a name or size that the graph does not have (a `PlanMismatchError`).
+Tensor names are the storage identities of the torch profile source
+(`slackswap.profile.torch.identity.StorageIdentities`, docs/torch_profile.md): a storage is named
+after the module call and ATen op output that created it, so a plan entry reads
+``model.layers.0.attn/addmm#0:0``. The runtime runs that very dispatch mode over its real step.
 
-Rules (data-independent: they read schemas and storages, never values):
-- Graph op = one ATen call, named ``op{k}:{overload}`` with k the call's sequence number in the step.
-  An in-place call on a tensor that the *current* op produced (for example CPU dropout's
-  ``empty_like`` -> ``bernoulli_`` -> ``div_``) joins that op: the tensor only exists once all of them
-  ran, and a recompute must replay all of them.
-- Graph tensor = one storage. A fresh (non-aliasing) output with a non-empty storage is a new tensor
-  ``{op}/out{j}``; views and in-place results are the tensor whose storage they use. So q, k, v views
-  of one fused projection are one tensor, as autograd's memory is.
-- Tensors whose storage no op of the step produced (weights, the input batch) are not graph tensors.
+What the identities do not give is *where* in the plan the step is, which the runtime needs to issue
+a prefetch or run a recompute at the plan's position. `OpNumbering` adds it: every ATen call of the
+step, in execution order, is one graph op named ``op{k}:{overload}`` (k: the call's sequence number),
+except that an in-place call on a tensor the *current* op produced (CPU dropout's ``empty_like`` ->
+``bernoulli_`` -> ``div_``) joins that op: the tensor only exists once all of them ran, and a
+recompute must replay all of them. The rule reads schemas and storages, never values, so the same
+model on the same input shapes with the same torch build numbers the same way in the capture
+(`capture.py`) and in the run (`executor.py`); anything else is a name or size the graph lacks.
+Tensors whose storage no op of the step created (weights, the input batch) are not graph tensors.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-IDENTITY_SCHEME = "slackswap.runtime.identity/1"
+IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/2"
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -60,7 +60,9 @@ class Begin:
 class OpNumbering:
     """Names ATen calls and the storages they create, one training step at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, identities: object) -> None:
+        """`identities`: the `StorageIdentities` dispatch mode running below this one."""
+        self.identities = identities
         self.calls = 0
         self.current_op: str | None = None
         self.current_outputs: list[str] = []
@@ -104,7 +106,9 @@ class OpNumbering:
             storage = leaf.untyped_storage()
             if self.name_of(leaf) is not None:
                 continue  # an output that aliases a live tensor despite the schema (defensive)
-            name = f"{self.current_op}/out{len(self.current_outputs)}"
+            name = self.identities.identity(leaf)
+            if not name:
+                continue  # the identities saw no new storage here (it aliases an input): not a tensor
             self.current_outputs.append(name)
             self._by_storage[storage.data_ptr()] = (name, StorageWeakRef(storage))
             fresh.append((i, name, leaf))

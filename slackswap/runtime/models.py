@@ -1,127 +1,74 @@
-"""Small models for the runtime's tests and the training entry point: a plain-torch tiny transformer
-and 2-layer Hugging Face BERT / GPT-2 / Llama built from their config classes (no download).
+"""Training workloads for the runtime: the torch profile source's models with a random token batch.
 
-Each builder returns a `Workload`: the model in train mode, a random token batch, and the loss. The
-HF configs keep the families' layer structure (attention, MLP, norms, dropout where the family has
-it) at toy widths; eager attention, so every op is a plain ATen call.
+The model comes from `slackswap.profile.torch.workloads.build_workload` (HF BERT / GPT-2 / Llama from
+config classes, the plain-torch TinyGPT, or a user hook), built on a real device with seeded weights.
+The runtime adds what training needs and the trace does not: a random token batch (seeded) and a
+loss whose labels are that batch, cross entropy in fp32 as the tracer's loss computes it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+
+from slackswap.model_config import ModelConfig
+from slackswap.profile.torch.spec import TorchSpec
 
 
 @dataclass
 class Workload:
     name: str
-    model: nn.Module
+    model: torch.nn.Module
     batch: torch.Tensor
     loss_fn: Callable[[object], torch.Tensor]
     vocab_size: int
 
-    def new_batch(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        return torch.randint(0, self.vocab_size, tuple(self.batch.shape), generator=generator,
-                             device=self.batch.device)
-
 
 def token_loss(batch: torch.Tensor) -> Callable[[object], torch.Tensor]:
-    """Next-token cross entropy of the model's logits against the batch itself (labels = inputs)."""
+    """Cross entropy (fp32) of the logits against the batch's own tokens."""
 
     def loss_fn(out: object) -> torch.Tensor:
-        logits = getattr(out, "logits", out)
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.flatten())
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        logits = logits.float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.reshape(-1))
 
     return loss_fn
 
 
-class _Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, dropout: float):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out = nn.Linear(hidden, hidden)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(h // self.heads)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        probs = self.drop(scores.masked_fill(causal, float("-inf")).softmax(-1))
-        return self.out((probs @ v).transpose(1, 2).reshape(b, s, h))
+def random_batch(model: ModelConfig, device: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    return torch.randint(0, model.vocab_size, (model.micro_batch_size, model.seq_len), generator=generator,
+                         device=device)
 
 
-class _Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, dropout: float):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
-        self.attn = _Attention(hidden, heads, dropout)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-        self.drop = nn.Dropout(dropout)
+def build_training_workload(model: ModelConfig, spec: TorchSpec, device: str = "cpu", seed: int = 0) -> Workload:
+    """The preset's model on `device` in train mode, weights from `seed`, a random batch from `seed`."""
+    from slackswap.profile.torch.workloads import build_workload
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))))
-
-
-class TinyTransformer(nn.Module):
-    """A GPT-style decoder at toy sizes: embedding, `layers` pre-LN blocks with dropout, LM head."""
-
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, dropout: float = 0.1):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(_Block(hidden, heads, dropout) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.ln_f(x))
-
-
-def _hf(kind: str, hidden: int, heads: int, layers: int, seq: int, vocab: int) -> nn.Module:
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - the torch extra installs it
-        raise ImportError("the HF workloads need transformers: pip install -e '.[torch]'") from exc
-    if kind == "gpt2":
-        config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq,
-                                         vocab_size=vocab)
-        cls = transformers.GPT2LMHeadModel
-    elif kind == "bert":
-        config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                         intermediate_size=4 * hidden, max_position_embeddings=seq,
-                                         vocab_size=vocab)
-        cls = transformers.BertForMaskedLM
-    elif kind == "llama":
-        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                                          num_key_value_heads=max(1, heads // 2),
-                                          intermediate_size=2 * hidden + hidden // 2,
-                                          max_position_embeddings=seq, vocab_size=vocab)
-        cls = transformers.LlamaForCausalLM
-    else:
-        raise ValueError(f"workload kind={kind!r}: unknown; known: tiny, gpt2, bert, llama")
-    config._attn_implementation = "eager"
-    config.use_cache = False  # training: a KV cache would keep K and V alive to the end of the forward
-    return cls(config)
-
-
-def build_workload(kind: str, *, hidden: int = 32, heads: int = 4, layers: int = 2, seq: int = 16, batch: int = 2,
-                   vocab: int = 64, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32
-                   ) -> Workload:
-    """Build a workload in train mode with seeded weights and a seeded random token batch."""
     torch.manual_seed(seed)
-    model = TinyTransformer(vocab, hidden, heads, layers) if kind == "tiny" else _hf(kind, hidden, heads, layers,
-                                                                                      seq, vocab)
-    model = model.to(device=device, dtype=dtype).train()
-    ids = torch.randint(0, vocab, (batch, seq), device=device)
-    return Workload(kind, model, ids, token_loss(ids), vocab)
+    net, inputs, _ = build_workload(model, spec, device)
+    if net.training is False:
+        net.train()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    batch = random_batch(model, device, generator)
+    if tuple(inputs[0].shape) != tuple(batch.shape):
+        raise ValueError(f"the workload's input shape {tuple(inputs[0].shape)} is not (micro_batch, seq)")
+    return Workload(model.name, net, batch, token_loss(batch), model.vocab_size)
+
+
+#: Small shapes of the three HF families and TinyGPT, for tests and CPU smoke runs (2 layers).
+FAMILY_BUILDERS = {"tiny": ("gpt2", "tiny_gpt"), "gpt2": ("gpt2", "hf_gpt2"), "bert": ("bert", "hf_bert"),
+                   "llama": ("llama", "hf_llama")}
+
+
+def small_config(kind: str, *, layers: int = 2, hidden: int = 32, heads: int = 4, seq: int = 16, batch: int = 2,
+                 vocab: int = 64, dtype: str = "fp32") -> tuple[ModelConfig, TorchSpec]:
+    family, builder = FAMILY_BUILDERS[kind]
+    kv_heads = max(1, heads // 2) if family == "llama" else heads
+    ffn = 4 * hidden if family != "llama" else 2 * hidden + hidden // 2
+    model = ModelConfig(name=f"small_{kind}", family=family, num_layers=layers, hidden_size=hidden, num_heads=heads,
+                        num_kv_heads=kv_heads, ffn_hidden_size=ffn, seq_len=seq, micro_batch_size=batch,
+                        vocab_size=vocab, dtype=dtype, dropout=True)
+    extra = {"bos_token_id": 0, "eos_token_id": 0} if builder == "hf_gpt2" else {}
+    return model, TorchSpec(builder=builder, attention="eager", semantics="cpu", extra=extra)
