@@ -63,6 +63,8 @@ class _Recorder(TorchDispatchMode):
         self.tensors: dict[str, dict] = {}
         self.pending_reads: list[str] = []
         self.backward_context: tuple[int, str] = (NO_LAYER, "")
+        #: Graph tensors autograd saved (pack hook).
+        self.packed: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,6 +87,9 @@ class _Recorder(TorchDispatchMode):
             reads = self.pending_reads + reads
             self.pending_reads = []
         for name in reads:
+            if (self.phase == Phase.BACKWARD and name not in self.packed
+                    and self.ops[self.tensors[name]["producer"]]["phase"] != Phase.BACKWARD):
+                continue  # a forward tensor autograd did not save, read for its shape (ones_like(loss))
             if name not in op["inputs"] and name not in op["outputs"]:
                 op["inputs"].append(name)
                 self.tensors[name]["consumers"].append(begin.op)
@@ -168,9 +173,9 @@ def capture_graph(
     """
     identities = StorageIdentities(model)
     numbering = OpNumbering(identities)
-    packed: set[str] = set()
     with ExitStack() as stack:
         recorder = _Recorder(numbering, _layer_tracker(model, stack))
+        packed = recorder.packed
         stack.enter_context(loss_boundary(model, identities))
 
         def pack(t: torch.Tensor) -> torch.Tensor:
