@@ -242,10 +242,11 @@ def _fragmentation_note(frame: pd.DataFrame) -> str:
     if ok.empty:
         return ""
     still = int(ok["fits_reserved"].astype(bool).sum())
+    rest = "" if still == len(ok) else "; the others' reserved peak exceeds the budget"
     return (
         f"\nOnce fragmentation is counted (simulate.allocator=caching: PyTorch's caching allocator, "
         f"docs/memory.md), {still} of the {len(ok)} plans that fit their budget byte-exactly "
-        f"({still / len(ok):.0%}) still fit; the others' reserved peak exceeds the budget.\n"
+        f"({still / len(ok):.0%}) still fit{rest}.\n"
     )
 
 
