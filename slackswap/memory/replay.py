@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from slackswap.graph import Graph
 from slackswap.memory.caching_allocator import CachingAllocator, OutOfMemory
 from slackswap.plan import Plan
+from slackswap.schedule.validate import resolve_schedule
 from slackswap.simulate.result import SimResult
-from slackswap.simulate.validate import resolve_schedule
 
 _FREE_EARLIER, _ALLOC, _FREE_SAME_INSTANT = 0, 1, 2
 
