@@ -103,6 +103,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the comparison as JSON here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides when no --run-dir is given")
     args = parser.parse_args(argv)
+    torch = None
+    if not args.dry_run:  # fail before any planning when the GPU side cannot run
+        try:
+            import torch
+        except ImportError:
+            print("torch is not installed: only --dry-run can run here", file=sys.stderr)
+            return 2
+        if not torch.cuda.is_available():
+            print("no CUDA device: only --dry-run can run here", file=sys.stderr)
+            return 2
+        if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+            print("PYTORCH_CUDA_ALLOC_CONF is set; the model follows the default allocator", file=sys.stderr)
+            return 2
 
     from slackswap.simulate import simulate
 
@@ -126,17 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         report["gpu"] = "dry run: not replayed on a GPU"
     else:
-        try:
-            import torch
-        except ImportError:
-            print("torch is not installed: only --dry-run can run here", file=sys.stderr)
-            return 2
-        if not torch.cuda.is_available():
-            print("no CUDA device: only --dry-run can run here", file=sys.stderr)
-            return 2
-        if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-            print("PYTORCH_CUDA_ALLOC_CONF is set; the model follows the default allocator", file=sys.stderr)
-            return 2
         gpu = gpu_trajectory(ops)
         mismatches = [i for i, (m, g) in enumerate(zip(model, gpu, strict=True)) if m != g]
         report["gpu"] = {
