@@ -11,7 +11,9 @@ pass over the step's own record, the same copies (`resolve_schedule`) and the sa
 - at one instant frees come before allocations (as in the engine), allocations in the engine's grant
   order (step j: (j, 0); prefetch k issued after step i: (i, 1, k)), a step's outputs in output
   order. A copy allocated and freed at the same instant (zero-duration op) is freed after it is
-  allocated.
+  allocated. This is the engine's order whenever ops take time (every profiled op does: it carries
+  the launch overhead); with zero-duration ops the engine may interleave one instant's frees and
+  allocations differently, and the replay's order within that instant is an approximation.
 
 Two replays: one with no capacity (what `torch.cuda.memory_reserved` would peak at on a device with
 room to spare) and one whose capacity is the activation budget, where a failed cudaMalloc first
