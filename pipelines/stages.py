@@ -156,11 +156,11 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     timings["write_profile_s"] = time.perf_counter() - t0
 
     keep_all_peak_bytes = int(ideal.peak_activation_bytes)
-    capacity = device_capacity(inputs, graph)
+    capacity = device_capacity(inputs)
     static_metrics = _static_metrics(capacity)
     if inputs.budget.device and not capacity.fits:
         # Static memory alone fills the device: a result (infeasible), reported term by term.
-        reason = capacity_reason(capacity, _suggest_shards(inputs, graph))
+        reason = capacity_reason(capacity, _suggest_shards(inputs))
         metrics = {
             "feasible": False,
             "infeasible_reason": reason,
@@ -232,22 +232,21 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
 
 
-def device_capacity(inputs: Inputs, graph: Any) -> Any:
+def device_capacity(inputs: Inputs) -> Any:
     """Device memory - reserve - static training state per GPU (`slackswap.memory.static`)."""
     from slackswap.memory.static import DeviceCapacity, static_memory
+    from slackswap.profile import parameter_counts
 
-    static = static_memory(
-        graph.meta["num_params"], graph.meta["max_unit_params"], inputs.training, inputs.model.dtype
-    )
+    static = static_memory(*parameter_counts(inputs.model), inputs.training, inputs.model.dtype)
     return DeviceCapacity(inputs.hardware.device_memory_bytes, inputs.budget.reserve_bytes, static)
 
 
-def _suggest_shards(inputs: Inputs, graph: Any) -> tuple[int, int] | None:
+def _suggest_shards(inputs: Inputs) -> tuple[int, int] | None:
     from slackswap.memory.static import smallest_fitting_shards
+    from slackswap.profile import parameter_counts
 
     return smallest_fitting_shards(
-        graph.meta["num_params"],
-        graph.meta["max_unit_params"],
+        *parameter_counts(inputs.model),
         inputs.training,
         inputs.model.dtype,
         inputs.hardware.device_memory_bytes,

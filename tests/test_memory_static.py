@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from slackswap.errors import ConfigError
+from slackswap.hardware import Hardware
 from slackswap.memory.static import (
     DeviceCapacity,
     capacity_reason,
@@ -13,6 +17,8 @@ from slackswap.memory.static import (
     static_memory,
 )
 from slackswap.memory.training import TrainingConfig
+from slackswap.model_config import ModelConfig
+from slackswap.profile import build_graph, parameter_counts
 
 
 def zero_terms(num_params: int, stage: int, shards: int) -> int:
@@ -60,6 +66,17 @@ def test_other_recipes():
     assert optimizer_step_bytes_per_param(TrainingConfig(), "bf16") == 28  # today's Adam op (docs/profile.md)
     assert optimizer_step_bytes_per_param(TrainingConfig(precision="fp32"), "fp32") == 28
     assert optimizer_step_bytes_per_param(TrainingConfig(optimizer="sgd"), "bf16") == 12
+
+
+def test_parameter_counts_match_the_graph_and_the_released_models():
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    model = ModelConfig.from_dict(yaml.safe_load((conf / "model/llama7b.yaml").read_text()))
+    # LLaMA-7B: 6,738,415,616 parameters; the largest group is embeddings + head + final norm.
+    assert parameter_counts(model) == (LLAMA7B_PARAMS, 2 * 32000 * 4096 + 4096)
+    small = ModelConfig.from_dict(yaml.safe_load((conf / "model/tiny.yaml").read_text()))
+    hw = Hardware.from_dict(yaml.safe_load((conf / "hardware/a100_80gb_pcie4.yaml").read_text()))
+    graph = build_graph(small, hw)
+    assert parameter_counts(small) == (graph.meta["num_params"], graph.meta["max_unit_params"])
 
 
 def test_bad_training_values_name_the_field():

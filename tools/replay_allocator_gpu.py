@@ -90,7 +90,7 @@ def _plan_from_overrides(overrides: list[str]):
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     inputs = stages.validate_inputs(resolved)
     base, _ = stages.baseline(inputs, resolved)
-    capacity = stages.device_capacity(inputs, base.graph)
+    capacity = stages.device_capacity(inputs)
     budget = inputs.budget.resolve_bytes(int(base.ideal.peak_activation_bytes), capacity.activation_capacity_bytes)
     plan = get_planner(inputs.planner_name, **inputs.planner_options).plan(base.graph, inputs.hardware, budget)
     return base.graph, plan, inputs.hardware, budget

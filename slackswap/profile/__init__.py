@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from functools import lru_cache
 
 from slackswap.graph import NO_LAYER, Graph
 from slackswap.hardware import Hardware
@@ -18,7 +19,7 @@ from slackswap.model_config import ModelConfig
 from slackswap.profile.builder import GraphBuilder
 from slackswap.profile.layers import build_forward
 
-__all__ = ["build_graph", "default_training", "state_bytes_per_param"]
+__all__ = ["build_graph", "default_training", "parameter_counts", "state_bytes_per_param"]
 
 
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
@@ -29,6 +30,19 @@ def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
     fp32: fp32 weights and gradients, fp32 momentum and variance (4 + 4 + 8).
     """
     return (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
+
+
+@lru_cache(maxsize=64)
+def parameter_counts(model: ModelConfig) -> tuple[int, int]:
+    """(parameters, largest parameter group) of the model's shape, counted exactly as `build_graph` does.
+
+    The static-memory model needs them whatever the graph's source (a traced graph shares the
+    analytic preset's shape). The largest group (a layer, or embeddings + head + final norm) is the
+    gather unit of ZeRO-3 / FSDP.
+    """
+    gb = GraphBuilder(None, model.dtype)  # the hardware only times ops in `finish`, never called here
+    fb = build_forward(model, gb)
+    return fb.params, max(fb.layer_params.values())
 
 
 def default_training(dtype: str) -> TrainingConfig:
