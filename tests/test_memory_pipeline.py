@@ -96,3 +96,22 @@ def test_planning_against_the_reserved_peak_makes_an_over_budget_plan_fit(tmp_pa
     inputs, resolved = _inputs([*base, "simulate.plan_margin_fraction=0.1"])
     margin = stages.execute(inputs, resolved, tmp_path, {}).metrics
     assert margin["planning_budget_bytes"] == int(exact["budget_bytes"] * 0.9)
+
+
+def test_the_optimizer_step_is_in_the_step_and_in_the_trace(tmp_path):
+    runs = {}
+    for training in ("adamw_mixed", "sgd_mixed"):
+        overrides = ["model=tiny", "budget=full", "model.include_optimizer=true", f"training={training}"]
+        inputs, resolved = _inputs(overrides)
+        run_dir = tmp_path / training
+        run_dir.mkdir()
+        metrics = stages.execute(inputs, resolved, run_dir, {}).metrics
+        trace = json.loads((run_dir / "trace.json").read_text())
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        steps = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("op", "").endswith(("adam", "sgd"))]
+        runs[training] = (metrics["ideal_step_s"], sum(e["dur"] for e in steps), {e["args"]["op"] for e in steps})
+    adam_step, adam_us, adam_ops = runs["adamw_mixed"]
+    sgd_step, sgd_us, sgd_ops = runs["sgd_mixed"]
+    assert "adam" in adam_ops and "L0.adam" in adam_ops and "L0.sgd" in sgd_ops
+    assert adam_us > sgd_us > 0  # AdamW streams 28 bytes per parameter, SGD 12
+    assert adam_step - sgd_step > 0
