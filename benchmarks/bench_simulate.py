@@ -32,8 +32,8 @@ from slackswap.graph import Graph, Phase  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
-from slackswap.planners.schedule import build_schedule  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
+from slackswap.schedule.build import build_schedule  # noqa: E402
 from slackswap.simulate import resolve_schedule, simulate  # noqa: E402
 
 LAYERS = (8, 32, 80, 160)

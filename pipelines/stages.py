@@ -109,11 +109,11 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     from slackswap.plan_io import write_plan_json
     from slackswap.planners.registry import get_planner
     from slackswap.profile.report import write_profile_csv
+    from slackswap.schedule.validate import validate_plan
     from slackswap.simulate import simulate
     from slackswap.simulate.metrics import compute_metrics
     from slackswap.simulate.timeline import write_timeline_png
     from slackswap.simulate.trace import write_trace_json
-    from slackswap.simulate.validate import validate_plan
 
     base, hit = baseline(inputs, resolved)
     timings["profile_s"] = 0.0 if hit else base.profile_wall_s

@@ -3,7 +3,9 @@
 The loop is a plain heapq of completion events over flat Python lists, not SimPy: a step of an
 80-layer model has ~10^4 events and must simulate in well under a second, and SimPy's generator
 processes cost several times more per event. tests/test_simulate_simpy.py checks this loop against
-an independent SimPy model of the same semantics. The semantics are in docs/simulation.md.
+an independent SimPy model of the same semantics. The semantics are in docs/simulation.md; the
+rules it shares with the planners' replay (copy resolution, transfer durations, the in-order engine
+queue, the free rule) come from `slackswap.schedule`, so the two cannot drift.
 
 Per time instant the loop first applies every completion at that time (frees, readiness), then
 starts what can start ("settle"): offloads in FIFO order, then the memory requests that are ready
@@ -23,8 +25,10 @@ from slackswap.errors import ConfigError, SlackSwapError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
+from slackswap.schedule.memory import is_freeable
+from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
+from slackswap.schedule.validate import ResolvedSchedule, resolve_schedule
 from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
-from slackswap.simulate.validate import ResolvedSchedule, resolve_schedule
 
 _COMPUTE_END, _D2H_END, _H2D_END = 0, 1, 2
 
@@ -43,9 +47,8 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     return _Run(graph, plan, hardware, budget_bytes, schedule).run()
 
 
-def transfer_duration_s(size_bytes: int, bytes_per_s: float, latency_s: float, engines: int) -> float:
-    """latency + bytes / (bandwidth / engines): k engines of one direction share its bandwidth equally."""
-    return latency_s + size_bytes * engines / bytes_per_s
+#: The one transfer formula (slackswap.schedule.transfer), under the name this module exported.
+transfer_duration_s = transfer_s
 
 
 class _Run:
@@ -77,18 +80,12 @@ class _Run:
         self.h2d_engines = link.h2d_engines
         self.off_copy = s.offload_copy
         self.off_issue = [t.issue_after_step for t in plan.offloads]
-        self.off_dur = [
-            transfer_duration_s(self.copy_size[c], link.d2h_effective_bytes_per_s, link.latency_s, link.d2h_engines)
-            for c in s.offload_copy
-        ]
+        self.off_dur = [d2h_s(self.copy_size[c], hardware) for c in s.offload_copy]
         self.off_finished = [False] * len(plan.offloads)
         self.pre_copy = s.prefetch_copy
         self.pre_issue = [t.issue_after_step for t in plan.prefetches]
         self.pre_offload = s.prefetch_offload
-        self.pre_dur = [
-            transfer_duration_s(self.copy_size[c], link.h2d_effective_bytes_per_s, link.latency_s, link.h2d_engines)
-            for c in s.prefetch_copy
-        ]
+        self.pre_dur = [h2d_s(self.copy_size[c], hardware) for c in s.prefetch_copy]
 
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -113,11 +110,8 @@ class _Run:
         self.mem_b.append(self.in_use)
 
     def _maybe_free(self, c: int, now: float) -> None:
-        if (
-            self.produced[c]
-            and not self.remaining[c]
-            and (self.offload_done[c] or not self.has_offload[c])
-            and not self.freed[c]
+        if not self.freed[c] and is_freeable(
+            self.produced[c], self.remaining[c], self.has_offload[c] and not self.offload_done[c]
         ):
             self.freed[c] = True
             if self.copy_size[c]:
