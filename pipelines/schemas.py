@@ -118,6 +118,10 @@ class SlackSwapConfig:
     budget: BudgetSchema = MISSING
     tracking: TrackingSchema = MISSING
     experiment: ExperimentSchema = field(default_factory=ExperimentSchema)
+    #: Which figures to draw (docs/pipeline.md, "Plots"): "all" (every run's timeline.png and the sweep
+    #: plots), "summary" (only the sweep plots), "none", or "auto": all for a single run, summary for
+    #: the jobs of a sweep (a timeline costs more than a fast job's own work).
+    plots: str = "auto"
 
 
 def register() -> None:

@@ -12,6 +12,7 @@ step i and step i + 1 (offloads before prefetches, each list in plan order); i =
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slackswap.errors import PlanValidationError
@@ -191,11 +192,23 @@ def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str
 def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     """Validate `plan` against `graph` and resolve the copy each step reads. Raises `PlanValidationError`.
 
-    One walk in sequence order over flat lists (no object per copy): the simulator calls this for
-    every plan it runs, so it is written for speed like the engine's loop."""
+    The rules that need no copies are checked first, then `_resolve_copies` walks the plan, then the
+    rules about which copy each reader reads and the FIFO order are checked on the result."""
     roles = _check_steps(graph, plan)
     _check_decisions(graph, plan)
     offload_of, _ = _check_transfers(graph, plan)
+    s = _resolve_copies(graph, plan, offload_of)
+    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.copy_readers)
+    _check_fifo_order(plan, s.prefetch_copy, s.prefetch_offload, s.copy_readers)
+    return s
+
+
+def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> ResolvedSchedule:
+    """One walk in sequence order over flat lists (no object per copy). It fails only where a copy
+    cannot be resolved (a read or an offload of a tensor with no device copy, an offload of a
+    non-run copy, a recompute of a keep/swap tensor); the other rules are checked around it. The
+    simulator runs it for every plan, so it is written for speed like the engine's loop, and
+    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution."""
     decisions = plan.decisions
     distinct_inputs = graph.distinct_inputs
     size_of = graph.size_bytes_of
@@ -241,6 +254,7 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
             c_readers.append([])
 
     issue_transfers(-1)
+    recompute = StepKind.RECOMPUTE
     keep_or_swap = (Decision.KEEP, Decision.SWAP)
     for j, step in enumerate(plan.steps):
         reads = []
@@ -252,7 +266,7 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
             reads.append(c)
         writes = []
         alloc = 0
-        source = "recompute" if roles[j] == 0 else "run"
+        source = "recompute" if step.kind == recompute else "run"
         for t in step.outputs:
             if source == "recompute" and decisions.get(t) in keep_or_swap:
                 _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
@@ -272,9 +286,7 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     for k, c in enumerate(offload_copy):
         c_offload[c] = k
 
-    _check_reader_copies(plan, roles, c_tensor, c_source, c_readers)
-    prefetch_offload = tuple(offload_of[tr.tensor] for tr in plan.prefetches)
-    _check_fifo_order(plan, prefetch_copy, prefetch_offload, c_readers)
+    prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
     return ResolvedSchedule(
         copy_tensor=tuple(c_tensor),
@@ -293,7 +305,7 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
 
 
 def _check_reader_copies(
-    plan: Plan, roles: list[int], c_tensor: list[str], c_source: list[str], c_readers: list[list[int]]
+    plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str], c_readers: Sequence[Sequence[int]]
 ) -> None:
     """Each decision fixes which copy the forward and backward readers of a saved tensor read."""
     wanted = {Decision.KEEP: "run", Decision.SWAP: "prefetch", Decision.RECOMPUTE: "recompute"}
