@@ -121,21 +121,23 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     now = 0.0
     while True:
         # -- settle: start everything that can start at `now` --------------------------------
-        progress = True
-        while progress:
-            progress = False
-            while next_off < n_off and d2h_free and off_issue[next_off] <= last_done:
-                k = next_off
-                c = off_copy[k]
-                engine = heappop(d2h_free)
-                end = now + off_dur[k]
-                events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[c], copy_size[c],
-                                                engine, 0.0, 0.0)))
-                end_s = end if end > end_s else end_s
-                next_off = k + 1
-                heappush(heap, (end, seq, _D2H_END, k, engine))
-                seq += 1
-                progress = True
+        # Offloads first (nothing later in the settle can ready another one). Then, in plan order, the
+        # head prefetch and the next step; only a started prefetch can make another request ready (the
+        # next prefetch, on another free engine), so only then is the pair tried again.
+        while next_off < n_off and d2h_free and off_issue[next_off] <= last_done:
+            k = next_off
+            c = off_copy[k]
+            engine = heappop(d2h_free)
+            end = now + off_dur[k]
+            events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[c], copy_size[c],
+                                            engine, 0.0, 0.0)))
+            end_s = end if end > end_s else end_s
+            next_off = k + 1
+            heappush(heap, (end, seq, _D2H_END, k, engine))
+            seq += 1
+        prefetched = True
+        while prefetched:
+            prefetched = False
             k = next_pre
             if k < n_pre and h2d_free and pre_issue[k] <= last_done and off_finished[pre_offload[k]]:
                 c = pre_copy[k]
@@ -153,7 +155,7 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                     next_pre = k + 1
                     heappush(heap, (end, seq, _H2D_END, k, engine))
                     seq += 1
-                    progress = True
+                    prefetched = True
             j = next_step
             if not step_running and j < n_steps:
                 late = waits_on.get(j)
@@ -188,7 +190,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                         next_step = j + 1
                         heappush(heap, (end, seq, _COMPUTE_END, j, 0))
                         seq += 1
-                        progress = True
         if not heap:
             break
         # -- completions at the next instant, in creation order ----------------------------------
