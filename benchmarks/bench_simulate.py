@@ -32,11 +32,11 @@ from slackswap.graph import FORWARD_PHASES, Graph  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
-from slackswap.planners.schedule import build_schedule  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
+from slackswap.schedule.build import build_schedule  # noqa: E402
+from slackswap.schedule.validate import _resolve_copies  # noqa: E402
 from slackswap.simulate import simulate  # noqa: E402
 from slackswap.simulate.engine import _execute  # noqa: E402
-from slackswap.simulate.validate import _resolve_copies  # noqa: E402
 from tests.simpy_model import simpy_model  # noqa: E402
 
 LAYERS = (8, 16, 32, 80, 160, 320)

@@ -19,12 +19,11 @@ from slackswap.graph import Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware, HostLink
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
-from slackswap.planners.keep_all import keep_all_plan
 from slackswap.planners.milp import MilpPlanner
-from slackswap.planners.milp_model import build_bound_problem, keep_all_peak_bytes
+from slackswap.planners.milp.model import build_bound_problem, keep_all_peak_bytes
 from slackswap.planners.registry import available_planners, get_planner
-from slackswap.planners.schedule import build_schedule
 from slackswap.profile import build_graph
+from slackswap.schedule.build import build_schedule, keep_all_plan
 from slackswap.simulate import simulate, validate_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

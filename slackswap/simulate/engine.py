@@ -7,11 +7,14 @@ the head of a list. The loop keeps those heads as plain integers and the few in-
 a tiny heapq, over flat lists indexed by step, copy and transfer, all in local variables of one
 function (attribute and method lookups were most of the cost of the earlier object-per-event loop).
 
-Facts of the plan that the schedule fixes are used instead of being tracked at run time:
+The rules come from `slackswap.schedule` (copy resolution, transfer durations, the free rule of
+`schedule.memory`), as for the planners' replay. Facts of the plan that the schedule fixes are used
+instead of being tracked at run time:
 - a copy produced by a step is resident by the time any later step starts (steps finish in order),
   so a step only ever waits for the prefetched copies it reads;
-- the readers of a copy finish in step order, so the copy's readers are done when its *last* reader
-  finishes: no per-copy reader counter.
+- the readers of a copy finish in step order, so the free rule's "every reader has finished" holds
+  when its *last* reader finishes: the copy is freed then, or when its offload completes if that is
+  later (no per-copy reader counter).
 
 Per time instant the loop first applies every completion at that time (frees, readiness), in the
 order they were created, then starts what can start ("settle"): offloads in FIFO order, then the
@@ -34,8 +37,9 @@ from slackswap.errors import ConfigError, SlackSwapError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
+from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
+from slackswap.schedule.validate import ResolvedSchedule, resolve_schedule
 from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
-from slackswap.simulate.validate import ResolvedSchedule, resolve_schedule
 
 _COMPUTE_END, _D2H_END, _H2D_END = 0, 1, 2
 
@@ -54,9 +58,8 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     return _execute(graph, plan, hardware, budget_bytes, schedule)
 
 
-def transfer_duration_s(size_bytes: int, bytes_per_s: float, latency_s: float, engines: int) -> float:
-    """latency + bytes / (bandwidth / engines): k engines of one direction share its bandwidth equally."""
-    return latency_s + size_bytes * engines / bytes_per_s
+#: The one transfer formula (slackswap.schedule.transfer), under the name this module exported.
+transfer_duration_s = transfer_s
 
 
 def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | None, s: ResolvedSchedule) -> SimResult:
@@ -90,14 +93,13 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     off_copy = s.offload_copy
     n_off = len(off_copy)
     off_issue = [t.issue_after_step for t in plan.offloads]
-    d2h_bw, h2d_bw, latency = link.d2h_effective_bytes_per_s, link.h2d_effective_bytes_per_s, link.latency_s
-    off_dur = [transfer_duration_s(copy_size[c], d2h_bw, latency, link.d2h_engines) for c in off_copy]
+    off_dur = [d2h_s(copy_size[c], hardware) for c in off_copy]
     off_finished = [False] * n_off
     pre_copy = s.prefetch_copy
     n_pre = len(pre_copy)
     pre_issue = [t.issue_after_step for t in plan.prefetches]
     pre_offload = s.prefetch_offload
-    pre_dur = [transfer_duration_s(copy_size[c], h2d_bw, latency, link.h2d_engines) for c in pre_copy]
+    pre_dur = [h2d_s(copy_size[c], hardware) for c in pre_copy]
 
     recompute_kind = StepKind.RECOMPUTE  # compared with ==: a plan may carry plain strings
     heap: list[tuple[float, int, int, int, int]] = []

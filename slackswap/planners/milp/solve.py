@@ -17,7 +17,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.plan import Decision
-from slackswap.planners.milp_model import MS_PER_S, BoundProblem
+from slackswap.planners.milp.model import MS_PER_S, BoundProblem
 
 #: scipy.optimize.milp status codes (HiGHS), for notes.
 STATUS_TEXT = {
