@@ -370,7 +370,9 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any]) -> AggregateResult:
+def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any], plots: bool = True) -> AggregateResult:
+    """summary.csv, summary.md, paper_table.md (when the experiment has a reference) and, unless
+    `plots` is False (`plots=none`), the two sweep plots."""
     records = load_records(sweep_dir)
     if not records:
         raise RuntimeError(f"no {RECORD_FILE} under {sweep_dir}/*/: no job of this sweep finished")
@@ -379,9 +381,10 @@ def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any]) -> Aggregate
     frame.to_csv(files[0], index=False)
     summary_md = summary_markdown(frame)
     files[1].write_text(summary_md)
-    plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
-    plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
-    files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
+    if plots:
+        plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
+        plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
+        files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
     paper_md = paper_table(frame, experiment)
     if paper_md:
         (sweep_dir / "paper_table.md").write_text(paper_md)

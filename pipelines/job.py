@@ -99,7 +99,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
 
     config_error: ConfigError | None = None
     try:
-        inputs = stages.validate_inputs(resolved)
+        inputs = stages.validate_inputs(resolved, ctx.multirun)
     except ConfigError as exc:
         if not ctx.multirun:
             raise

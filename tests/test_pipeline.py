@@ -142,6 +142,9 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
     assert len(records) == 6
     assert records[("slackswap", 0.5)]["status"] == "ok"
     assert records[("keep_all", 1.0)]["status"] == "ok"
+    # plots=auto in a sweep: the sweep plots above, no per-job timeline.png (docs/pipeline.md, "Plots").
+    ok_dir = Path(records[("slackswap", 0.5)]["run_dir"])
+    assert (ok_dir / "trace.json").is_file() and not (ok_dir / "timeline.png").exists()
     assert records[("keep_all", 0.5)]["status"] == "infeasible"
     assert "budget" in records[("keep_all", 0.5)]["failure_reason"]
     assert records[("no_such_planner", 0.5)]["status"] == "failed"
