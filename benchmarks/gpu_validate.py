@@ -5,14 +5,14 @@
 
 Per model: the preset's real torch model (hf_bert_large, hf_gpt2_xl, hf_llama7b; `--layers` layers, as
 many as fit comfortably in one H200 next to their weights and gradients) is captured on the device
-(`slackswap.runtime.capture_graph`, timed with the roofline on the `h200_pcie5` preset). A plain
+(`slackswap.runtime.capture_graph`, timed with the roofline on the `h200_sxm_pcie5` preset). A plain
 keep-all step measures the activation peak; the budget is 50 % of it. keep_all (no budget) and
 slackswap, capuchin, recompute_knapsack at that budget are then each run for real: one warm-up and
 `--steps` timed forward+backward steps under the plan, and one step against a plain one for the
 gradient check. Measured: median step time; peak activation memory = max_memory_allocated over the
 step minus what was allocated when it started (weights; gradients are set to None before each step,
 so weight gradients made in backward are included) on CUDA, the runtime's saved-bytes ledger on CPU.
-Simulated: `simulate` on h200_pcie5 under the same budget. Ratios are measured / simulated. An
+Simulated: `simulate` on h200_sxm_pcie5 under the same budget. Ratios are measured / simulated. An
 infeasible plan is a row with its reason. Writes benchmarks/results/gpu_validate[_cpu].json and prints
 the table (markdown).
 """
@@ -55,7 +55,7 @@ def hardware():
 
     from slackswap.hardware import Hardware
 
-    return Hardware.from_dict(yaml.safe_load((REPO / "conf/hardware/h200_pcie5.yaml").read_text()))
+    return Hardware.from_dict(yaml.safe_load((REPO / "conf/hardware/h200_sxm_pcie5.yaml").read_text()))
 
 
 def measure(w, graph, plan, device, steps: int) -> dict:

@@ -25,7 +25,7 @@ FRACTIONS = (0.5, 0.7, 0.9, None)
 
 
 def h200() -> Hardware:
-    return Hardware.from_dict(yaml.safe_load((ROOT / "conf/hardware/h200_pcie5.yaml").read_text()))
+    return Hardware.from_dict(yaml.safe_load((ROOT / "conf/hardware/h200_sxm_pcie5.yaml").read_text()))
 
 
 @dataclass
