@@ -134,10 +134,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         name = f"train:{resolved['model']['name']}:{resolved['planner']['name']}:{resolved['train']['device']}"
         run_id = tracking.start_run(client, experiment_id, name, {"kind": "train"}, None)
         tracking.log_params(client, run_id, tracking.flatten_params(resolved))
-    ok = False
+    status = "failed"
     try:
         figures = run_training(resolved, run_dir)
-        ok = figures["status"] == "ok"
+        status = figures["status"]
         if client is not None:
             scalars = {k: (int(v) if isinstance(v, bool) else v) for k, v in figures.items()
                        if isinstance(v, (int, float, bool))}
@@ -148,11 +148,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                 client.log_metric(run_id, "step_time_s", step_s, step=i)
             tracking.log_tags(client, run_id, {"status": figures["status"]})
             if (run_dir / "train.json").exists():
-                client.log_artifact(run_id, str(run_dir / "train.json"))
+                tracking.store_artifacts(client, run_id, [run_dir / "train.json"], track["artifact_location"])
         return figures
     finally:
         if client is not None:
-            tracking.end_run(client, run_id, ok)
+            tracking.end_run(client, run_id, status)
 
 
 if __name__ == "__main__":
