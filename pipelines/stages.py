@@ -48,14 +48,14 @@ class Inputs:
     budget: Budget
     planner_name: str
     planner_options: Mapping[str, Any]
-    #: Set when the model preset has a `torch` node: the graph is traced from the real model.
-    torch_spec: TorchSpec | None = None
     training: TrainingConfig = field(default_factory=TrainingConfig)
     allocator: str = "none"
     plan_against: str = "allocated"
     plan_margin_fraction: float = 0.0
     #: Draw this run's timeline.png (plots level "all").
     draw_timeline: bool = True
+    #: Set when the model preset has a `torch` node: the graph is traced from the real model.
+    torch_spec: TorchSpec | None = None
 
 
 ALLOCATORS = ("none", "caching")
@@ -91,10 +91,10 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
         budget=Budget.from_dict(resolved["budget"]),
         planner_name=planner["name"],
         planner_options=dict(planner.get("options") or {}),
-        torch_spec=None if torch_node is None else TorchSpec.from_dict(torch_node),
         training=TrainingConfig.from_dict(resolved.get("training") or {}),
         **_simulate_options(resolved.get("simulate")),
         draw_timeline=plot_level(resolved, multirun) == "all",
+        torch_spec=None if torch_node is None else TorchSpec.from_dict(torch_node),
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
@@ -153,7 +153,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
     analytic_peak = analytic = None
     if inputs.torch_spec is not None:
-        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware, inputs.training)
+        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware)
         analytic_peak = int(simulate_ideal(analytic, inputs.hardware).peak_activation_bytes)
     _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1, analytic_peak, analytic)
     return _BASELINES[key], False
@@ -251,7 +251,6 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     write_plan_json(plan, run_dir / "plan.json")
 
     metrics = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
-    metrics |= _source_metrics(base)
     metrics |= static_metrics
     peak = int(result.peak_activation_bytes)
     if report is not None:
@@ -262,6 +261,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     if fitted.planning_budget_bytes != budget_bytes:
         metrics["planning_budget_bytes"] = fitted.planning_budget_bytes
         metrics["planning_rounds"] = fitted.rounds
+    metrics |= _source_metrics(base)
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
@@ -277,15 +277,6 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     if result.feasible:
         return Outcome(STATUS_OK, "", metrics, timings, facts)
     return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
-
-
-def _source_metrics(base: Baseline) -> dict[str, Any]:
-    """A traced graph's keep-all peak against the analytic graph's of the same shape (empty if analytic)."""
-    if base.analytic_peak_bytes is None:
-        return {}
-    peak = int(base.ideal.peak_activation_bytes)
-    return {"analytic_keep_all_peak_bytes": base.analytic_peak_bytes,
-            "real_to_analytic_peak_ratio": peak / base.analytic_peak_bytes}
 
 
 def device_capacity(inputs: Inputs) -> Any:
@@ -321,6 +312,15 @@ def _static_metrics(capacity: Any) -> dict[str, Any]:
         "reserve_bytes": capacity.reserve_bytes,
         "activation_capacity_bytes": capacity.activation_capacity_bytes,
     }
+
+
+def _source_metrics(base: Baseline) -> dict[str, Any]:
+    """A traced graph's keep-all peak against the analytic graph's of the same shape (empty if analytic)."""
+    if base.analytic_peak_bytes is None:
+        return {}
+    peak = int(base.ideal.peak_activation_bytes)
+    return {"analytic_keep_all_peak_bytes": base.analytic_peak_bytes,
+            "real_to_analytic_peak_ratio": peak / base.analytic_peak_bytes}
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
