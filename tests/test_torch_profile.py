@@ -178,3 +178,18 @@ print('ok')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=root,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_optimizer_step_ops_follow_the_traced_parameters():
+    from slackswap.graph import Phase
+    from slackswap.memory.static import optimizer_step_bytes_per_param
+    from slackswap.profile import default_training
+
+    model = small("gpt2", include_optimizer=True)
+    graph = build_torch_graph(model, TorchSpec("tiny_gpt"), HW)
+    opt = [op for op in graph.ops if op.phase == Phase.OPTIMIZER]
+    assert [op.layer for op in opt] == [0, 1, -1] and graph.ops[-len(opt):] == tuple(opt)
+    per_param = optimizer_step_bytes_per_param(default_training("bf16"), "bf16")
+    assert sum(op.moved_bytes for op in opt) == per_param * graph.meta["num_params"]
+    net = build_workload(model, TorchSpec("tiny_gpt"))[0]
+    assert graph.meta["num_params"] == sum(p.numel() for p in net.parameters())

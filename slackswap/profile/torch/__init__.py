@@ -14,6 +14,7 @@ from typing import Any
 
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
+from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile.torch.spec import TorchSpec
 
@@ -42,11 +43,16 @@ def trace_model(model: ModelConfig, spec: TorchSpec) -> tuple[Any, float]:
     return trace, time.perf_counter() - t0
 
 
-def build_torch_graph(model: ModelConfig, spec: TorchSpec, hardware: Hardware) -> Graph:
-    """The traced training step of `model` (built by `spec`) timed on `hardware`."""
+def build_torch_graph(model: ModelConfig, spec: TorchSpec, hardware: Hardware,
+                      training: TrainingConfig | None = None) -> Graph:
+    """The traced training step of `model` (built by `spec`) timed on `hardware`; with
+    `model.include_optimizer`, optimizer-step ops of `training`'s recipe close the step."""
     hardware.peak_for(model.dtype)
+    if training is not None:
+        training.check_model_dtype(model.dtype)
     trace, _ = trace_model(model, spec)
     from slackswap.profile.torch.assemble import graph_from_trace
 
     meta = {"model": asdict(model), "torch": asdict(spec)}
-    return graph_from_trace(trace, hardware, f"{model.name}@{hardware.name}", meta)
+    return graph_from_trace(trace, hardware, f"{model.name}@{hardware.name}", meta, training=training,
+                            include_optimizer=model.include_optimizer)

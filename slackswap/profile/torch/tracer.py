@@ -88,6 +88,8 @@ class Trace:
     param_bytes: int
     semantics: str
     dtype: str
+    #: Parameters per transformer layer (NO_LAYER: embeddings, head, final norm), tied ones once.
+    layer_params: dict[int, int]
 
 
 def find_layers(model: torch.nn.Module) -> tuple[str, int]:
@@ -282,6 +284,14 @@ def trace_step(
         last = tracer.ops[-1]
         tracer.ops[-1] = TracedOp(last.index, last.aten, last.phase, last.module, last.layer, last.op_class,
                                   last.reads + tuple(sorted(never_read)), last.creates, last.flops, last.moved_bytes)
+    layer_params: dict[int, int] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if storage_key(p) in seen:
+            continue
+        seen.add(storage_key(p))
+        layer = layer_of(name.rsplit(".", 1)[0], layers_path)
+        layer_params[layer] = layer_params.get(layer, 0) + p.numel()
     return Trace(
         ops=tuple(tracer.ops),
         storages=tracer.storages,
@@ -293,4 +303,5 @@ def trace_step(
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         semantics=semantics,
         dtype=dtype,
+        layer_params=layer_params,
     )

@@ -24,12 +24,11 @@ from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.analysis import analyse
 from slackswap.planners.base import check_budget, gib
-from slackswap.planners.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.planners.registry import register_planner
-from slackswap.planners.schedule import build_schedule
-from slackswap.planners.timeline import estimate_plan
+from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.fit import scheduled_peak
+from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 
 
 def solve_knapsack(sizes: Sequence[int], costs: Sequence[float], need_bytes: int) -> list[int] | None:
@@ -96,12 +95,11 @@ class RecomputeKnapsack:
                 )
             decisions = dict(keep)
             decisions.update({candidates[i]: Decision.RECOMPUTE for i in chosen})
-            plan = build_schedule(
+            plan, peak = scheduled_peak(
                 graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
                 notes={"knapsack_need_bytes": need, "knapsack_rounds": round_ + 1,
                        "knapsack_recompute_s": sum(costs[i] for i in chosen)},
             )
-            peak = estimate_plan(graph, plan, hardware).peak_bytes
             if peak <= budget_bytes:
                 return plan
             need += peak - budget_bytes

@@ -12,16 +12,14 @@ forward pass can hide is reported as infeasible with the numbers.
 
 from __future__ import annotations
 
-from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import NO_LAYER, Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.analysis import analyse
 from slackswap.planners.base import check_budget, gib
-from slackswap.planners.greedy import smallest_fitting_count
 from slackswap.planners.registry import register_planner
-from slackswap.planners.schedule import build_schedule
-from slackswap.planners.timeline import estimate_plan
+from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.fit import over_budget, scheduled_peak
+from slackswap.planners.support.greedy import smallest_fitting_count
 
 
 @register_planner("swap_only")
@@ -42,11 +40,10 @@ class SwapOnly:
             if k not in cache:
                 swap = {t for layer in layers[:k] for t in by_layer[layer]}
                 decisions = {t.name: Decision.SWAP if t.name in swap else Decision.KEEP for t in graph.saved_tensors}
-                plan = build_schedule(
+                cache[k] = scheduled_peak(
                     graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
                     prefetch="layer_ahead", notes={"offloaded_layers": k},
                 )
-                cache[k] = (plan, estimate_plan(graph, plan, hardware).peak_bytes)
             return cache[k]
 
         n = len(layers)
@@ -56,10 +53,9 @@ class SwapOnly:
             link = hardware.link
             offload = sum(graph.tensors[t].size_bytes for ts in by_layer.values() for t in ts)
             hideable = analysis.forward_window_s * link.d2h_effective_bytes_per_s
-            raise InfeasibleBudgetError(
-                f"swap_only: budget {gib(budget_bytes)} is below the {gib(probe(n)[1])} that offloading all {n} "
-                f"layers reaches: it offloads {gib(offload)} but the {analysis.forward_window_s * 1e3:.1f} ms "
-                f"forward pass can hide only {gib(hideable)} at {link.d2h_effective_bytes_per_s / 1e9:.1f} GB/s",
-                min_feasible_bytes=probe(n)[1],
+            raise over_budget(
+                self.name, budget_bytes, probe(n)[1], f"offloading all {n} layers",
+                f": it offloads {gib(offload)} but the {analysis.forward_window_s * 1e3:.1f} ms forward pass can "
+                f"hide only {gib(hideable)} at {link.d2h_effective_bytes_per_s / 1e9:.1f} GB/s",
             )
         return plan

@@ -10,15 +10,13 @@ Megatron's "full" activation recompute (Korthikanti et al. 2022), which is what 
 
 from __future__ import annotations
 
-from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import NO_LAYER, Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.analysis import boundary_tensors
-from slackswap.planners.base import check_budget, gib
+from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
-from slackswap.planners.schedule import build_schedule
-from slackswap.planners.timeline import estimate_plan
+from slackswap.planners.support.analysis import boundary_tensors
+from slackswap.planners.support.fit import build_within_budget
 
 
 def full_recompute_decisions(graph: Graph) -> dict[str, Decision]:
@@ -36,13 +34,7 @@ class FullRecompute:
 
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
-        plan = build_schedule(
-            graph, full_recompute_decisions(graph), planner=self.name, budget_bytes=budget_bytes, hardware=hardware
+        return build_within_budget(
+            graph, full_recompute_decisions(graph), planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
+            what="full recompute",
         )
-        peak = estimate_plan(graph, plan, hardware).peak_bytes
-        if budget_bytes is not None and peak > budget_bytes:
-            raise InfeasibleBudgetError(
-                f"full_recompute: budget {gib(budget_bytes)} is below the {gib(peak)} that full recompute reaches",
-                min_feasible_bytes=peak,
-            )
-        return plan

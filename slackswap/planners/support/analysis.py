@@ -27,8 +27,8 @@ import numpy as np
 
 from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.hardware import Hardware
-from slackswap.planners.keep_all import keep_all_plan
-from slackswap.planners.timeline import PlanTimeline, d2h_s, estimate_plan, h2d_s
+from slackswap.schedule.build import keep_all_plan
+from slackswap.schedule.replay import PlanTimeline, d2h_s, estimate_plan, h2d_s
 
 
 @dataclass(frozen=True)

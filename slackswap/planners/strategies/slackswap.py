@@ -20,15 +20,15 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
 from __future__ import annotations
 
 from slackswap.graph import Graph
-from slackswap.planners.analysis import ProfileAnalysis
-from slackswap.planners.greedy import (
+from slackswap.planners.registry import register_planner
+from slackswap.planners.support.analysis import ProfileAnalysis
+from slackswap.planners.support.greedy import (
     order_by_marginal_cost,
     order_by_standalone_cost,
     recompute_candidates,
     take_while_hidden,
 )
-from slackswap.planners.registry import register_planner
-from slackswap.planners.swap_recompute import SwapThenRecompute
+from slackswap.planners.support.swap_recompute import SwapThenRecompute
 
 
 def by_regen_cost_per_byte(analysis: ProfileAnalysis) -> list[str]:

@@ -33,6 +33,7 @@ from scipy import sparse
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
+from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
 
 MS_PER_S = 1e3
 GRANULARITIES: tuple[str, ...] = ("op", "layer")
@@ -74,9 +75,6 @@ class BoundProblem:
     floor_bytes: tuple[int, ...]
 
 
-def transfer_ms(size_bytes: int, bytes_per_s: float, latency_s: float) -> float:
-    """Duration of one copy on one engine, as the simulator charges it: latency + bytes / bandwidth."""
-    return (latency_s + size_bytes / bytes_per_s) * MS_PER_S
 
 
 def checkpoints_for(graph: Graph, granularity: str, layers_per_window: int = 1) -> tuple[int, ...]:
@@ -106,7 +104,6 @@ def checkpoints_for(graph: Graph, granularity: str, layers_per_window: int = 1) 
 
 def saved_infos(graph: Graph, hardware: Hardware) -> tuple[SavedInfo, ...]:
     index = graph.op_index
-    link = hardware.link
     out = []
     for t in graph.saved_tensors:
         readers = frozenset(index[c] for c in t.consumers)
@@ -119,8 +116,9 @@ def saved_infos(graph: Graph, hardware: Hardware) -> tuple[SavedInfo, ...]:
                 first_bwd=min(bwd),
                 last_reader=max(readers),
                 readers=readers,
-                d2h_ms=transfer_ms(t.size_bytes, link.d2h_effective_bytes_per_s, link.latency_s),
-                h2d_ms=transfer_ms(t.size_bytes, link.h2d_effective_bytes_per_s, link.latency_s),
+                # the simulator's copy times (slackswap.schedule.transfer), engines' bandwidth share included
+                d2h_ms=d2h_s(t.size_bytes, hardware) * MS_PER_S,
+                h2d_ms=h2d_s(t.size_bytes, hardware) * MS_PER_S,
             )
         )
     return tuple(out)
@@ -329,8 +327,9 @@ def build_bound_problem(
         # summed cumulative engine work. Every row below is a sum of per-tensor rows with latency
         # dropped where that loosens it (copy time >= bytes / bandwidth), so it is a relaxation of the
         # per-tensor model (docs/milp.md).
-        d2h_ms_per_unit = budget_bytes / link.d2h_effective_bytes_per_s * MS_PER_S
-        h2d_ms_per_unit = budget_bytes / link.h2d_effective_bytes_per_s * MS_PER_S
+        # the bytes term of slackswap.schedule.transfer's formula, per budget unit
+        d2h_ms_per_unit = transfer_s(budget_bytes, link.d2h_effective_bytes_per_s, 0.0, link.d2h_engines) * MS_PER_S
+        h2d_ms_per_unit = transfer_s(budget_bytes, link.h2d_effective_bytes_per_s, 0.0, link.h2d_engines) * MS_PER_S
         keys: dict[tuple[int, int], int] = {}
         for i, info in enumerate(saved):
             key = (bisect.bisect_right(cps, info.producer), first_cp_at_or_after(info.first_bwd))

@@ -13,10 +13,10 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.analysis import ProfileAnalysis, analyse
 from slackswap.planners.base import check_budget
-from slackswap.planners.greedy import fit_prefix, keep_all_if_it_fits, recompute_candidates
-from slackswap.planners.timeline import estimate_plan
+from slackswap.planners.support.analysis import ProfileAnalysis, analyse
+from slackswap.planners.support.greedy import fit_prefix, keep_all_if_it_fits, recompute_candidates
+from slackswap.schedule.replay import estimate_plan
 
 
 class SwapThenRecompute:

@@ -10,15 +10,13 @@ core to drop, so most budgets are infeasible for this strategy, as they are in M
 
 from __future__ import annotations
 
-from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.base import check_budget, gib
-from slackswap.planners.greedy import smallest_fitting_count
+from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
-from slackswap.planners.schedule import build_schedule
-from slackswap.planners.timeline import estimate_plan
+from slackswap.planners.support.fit import over_budget, scheduled_peak
+from slackswap.planners.support.greedy import smallest_fitting_count
 
 #: Op roles (set by slackswap.profile) that make up the attention core.
 ATTENTION_CORE_ROLES: frozenset[str] = frozenset({"qk_bmm", "softmax", "softmax_dropout", "pv_bmm", "flash_attn"})
@@ -53,19 +51,14 @@ class SelectiveRecompute:
                 decisions = {
                     t.name: Decision.RECOMPUTE if t.name in drop else Decision.KEEP for t in graph.saved_tensors
                 }
-                plan = build_schedule(
+                cache[k] = scheduled_peak(
                     graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
                     notes={"recomputed_layers": k},
                 )
-                cache[k] = (plan, estimate_plan(graph, plan, hardware).peak_bytes)
             return cache[k]
 
         n = len(layers)
         plan = smallest_fitting_count(n, probe, budget_bytes)
         if plan is None:
-            raise InfeasibleBudgetError(
-                f"selective_recompute: budget {gib(budget_bytes)} is below the {gib(probe(n)[1])} that recomputing "
-                f"the attention core in all {n} layers reaches",
-                min_feasible_bytes=probe(n)[1],
-            )
+            raise over_budget(self.name, budget_bytes, probe(n)[1], f"recomputing the attention core in all {n} layers")
         return plan

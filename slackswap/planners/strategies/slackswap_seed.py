@@ -11,11 +11,11 @@ share ops; both show up as extra recompute or stalls in the simulator.
 from __future__ import annotations
 
 from slackswap.graph import Graph
-from slackswap.planners.analysis import ProfileAnalysis
-from slackswap.planners.greedy import order_by_standalone_cost
 from slackswap.planners.registry import register_planner
-from slackswap.planners.slackswap import by_regen_cost_per_byte
-from slackswap.planners.swap_recompute import SwapThenRecompute
+from slackswap.planners.strategies.slackswap import by_regen_cost_per_byte
+from slackswap.planners.support.analysis import ProfileAnalysis
+from slackswap.planners.support.greedy import order_by_standalone_cost
+from slackswap.planners.support.swap_recompute import SwapThenRecompute
 
 
 @register_planner("slackswap_seed")

@@ -2,7 +2,7 @@
 
 A greedy planner fixes its swapped set, ranks the remaining recompute candidates, then needs the
 shortest prefix of that ranking whose schedule fits the budget. `fit_prefix` finds it with the
-analytical timeline (`timeline.estimate_plan`): a galloping search from the byte-count guess, then
+replay (`slackswap.schedule.replay.estimate_plan`): a galloping search from the byte-count guess, then
 bisection. The peak is close to monotone in the prefix length; the search only ever returns a prefix
 it has checked to fit, so a non-monotone step can cost optimality but never the budget.
 """
@@ -16,10 +16,9 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.analysis import ProfileAnalysis, SlackLedger, regen_chain
-from slackswap.planners.base import gib
-from slackswap.planners.schedule import build_schedule
-from slackswap.planners.timeline import estimate_plan
+from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger, regen_chain
+from slackswap.planners.support.fit import over_budget, scheduled_peak
+from slackswap.schedule.build import build_schedule
 
 
 def recompute_candidates(graph: Graph, analysis: ProfileAnalysis, taken: set[str]) -> list[str]:
@@ -101,7 +100,7 @@ def fit_prefix(
         if k not in cache:
             decisions = dict(base)
             decisions.update(dict.fromkeys(order[:k], Decision.RECOMPUTE))
-            plan = build_schedule(
+            cache[k] = scheduled_peak(
                 graph,
                 decisions,
                 planner=planner,
@@ -110,18 +109,12 @@ def fit_prefix(
                 prefetch=prefetch,
                 notes=dict(notes(k)) if notes else None,
             )
-            cache[k] = (plan, estimate_plan(graph, plan, hardware).peak_bytes)
         return cache[k]
 
     n = len(order)
 
     def infeasible() -> InfeasibleBudgetError:
-        peak = probe(n)[1]
-        return InfeasibleBudgetError(
-            f"{planner}: budget {gib(budget_bytes)} is below the {gib(peak)} that {what or 'its most frugal plan'} "
-            "reaches",
-            min_feasible_bytes=peak,
-        )
+        return over_budget(planner, budget_bytes, probe(n)[1], what or "its most frugal plan")
 
     # Byte-count guess: the first k whose bytes, with what `base` already frees, cover the excess.
     excess = analysis.keep_all_peak_bytes - budget_bytes - sum(

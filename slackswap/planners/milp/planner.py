@@ -22,11 +22,11 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
-from slackswap.planners.milp_model import GRANULARITIES, MEMORY_ROWS, build_bound_problem
-from slackswap.planners.milp_solve import BoundSolution, infeasibility_reason, solve
+from slackswap.planners.milp.model import GRANULARITIES, MEMORY_ROWS, build_bound_problem
+from slackswap.planners.milp.solve import BoundSolution, infeasibility_reason, solve
 from slackswap.planners.registry import get_planner, register_planner
-from slackswap.planners.schedule import build_schedule
-from slackswap.planners.timeline import estimate_plan
+from slackswap.schedule.build import build_schedule
+from slackswap.schedule.replay import estimate_plan
 
 
 def _positive_number(field: str, value: object) -> float:

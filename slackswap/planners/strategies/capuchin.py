@@ -13,10 +13,10 @@ ranking: idle time instead of regeneration cost per byte.
 from __future__ import annotations
 
 from slackswap.graph import Graph
-from slackswap.planners.analysis import ProfileAnalysis
-from slackswap.planners.greedy import order_by_marginal_cost, take_while_hidden
 from slackswap.planners.registry import register_planner
-from slackswap.planners.swap_recompute import SwapThenRecompute
+from slackswap.planners.support.analysis import ProfileAnalysis
+from slackswap.planners.support.greedy import order_by_marginal_cost, take_while_hidden
+from slackswap.planners.support.swap_recompute import SwapThenRecompute
 
 
 @register_planner("capuchin")
