@@ -193,3 +193,14 @@ def test_optimizer_step_ops_follow_the_traced_parameters():
     assert sum(op.moved_bytes for op in opt) == per_param * graph.meta["num_params"]
     net = build_workload(model, TorchSpec("tiny_gpt"))[0]
     assert graph.meta["num_params"] == sum(p.numel() for p in net.parameters())
+
+
+def test_random_ops_and_in_place_writes_are_marked():
+    cuda, _ = trace_model(small("gpt2"), TorchSpec("hf_gpt2", attention="sdpa", semantics="cuda"))
+    random = {op.aten for op in cuda.ops if op.random}
+    assert random == {"native_dropout", "_scaled_dot_product_flash_attention"}  # attention dropout 0.1: random
+    assert not any(op.writes for op in cuda.ops)  # the CUDA kernels write nothing in place here
+    cpu, _ = trace_model(small("gpt2"), TorchSpec("hf_gpt2", semantics="cpu"))
+    written = {op.aten for op in cpu.ops if op.writes}
+    assert written == {"bernoulli_", "div_"}  # the CPU dropout fills and scales its noise in place
+    assert all(set(op.writes) <= set(op.reads) for op in cpu.ops)
