@@ -171,9 +171,25 @@ class SlackSwapConfig:
     plots: str = "auto"
 
 
+@dataclass
+class TrainSchema:
+    """`python -m pipelines.train`: real optimizer steps under the plan (slackswap.runtime)."""
+
+    steps: int = 3
+    device: str = "cpu"
+    seed: int = 0
+    lr: float = 1.0e-4
+
+
+@dataclass
+class SlackSwapTrainConfig(SlackSwapConfig):
+    train: TrainSchema = field(default_factory=TrainSchema)
+
+
 def register() -> None:
-    """Store the root schema and the `repo_root` resolver. Idempotent (tests import this repeatedly)."""
+    """Store the root schemas and the `repo_root` resolver. Idempotent (tests import this repeatedly)."""
     ConfigStore.instance().store(name="slackswap_schema", node=SlackSwapConfig)
+    ConfigStore.instance().store(name="slackswap_train_schema", node=SlackSwapTrainConfig)
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
 

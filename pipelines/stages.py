@@ -251,7 +251,6 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     write_plan_json(plan, run_dir / "plan.json")
 
     metrics = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
-    metrics |= _source_metrics(base)
     metrics |= static_metrics
     peak = int(result.peak_activation_bytes)
     if report is not None:
@@ -262,6 +261,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     if fitted.planning_budget_bytes != budget_bytes:
         metrics["planning_budget_bytes"] = fitted.planning_budget_bytes
         metrics["planning_rounds"] = fitted.rounds
+    metrics |= _source_metrics(base)
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
@@ -279,13 +279,6 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
 
 
-def _source_metrics(base: Baseline) -> dict[str, Any]:
-    """A traced graph's keep-all peak against the analytic graph's of the same shape (empty if analytic)."""
-    if base.analytic_peak_bytes is None:
-        return {}
-    peak = int(base.ideal.peak_activation_bytes)
-    return {"analytic_keep_all_peak_bytes": base.analytic_peak_bytes,
-            "real_to_analytic_peak_ratio": peak / base.analytic_peak_bytes}
 def device_capacity(inputs: Inputs) -> Any:
     """Device memory - reserve - static training state per GPU (`slackswap.memory.static`)."""
     from slackswap.memory.static import DeviceCapacity, static_memory
@@ -319,6 +312,15 @@ def _static_metrics(capacity: Any) -> dict[str, Any]:
         "reserve_bytes": capacity.reserve_bytes,
         "activation_capacity_bytes": capacity.activation_capacity_bytes,
     }
+
+
+def _source_metrics(base: Baseline) -> dict[str, Any]:
+    """A traced graph's keep-all peak against the analytic graph's of the same shape (empty if analytic)."""
+    if base.analytic_peak_bytes is None:
+        return {}
+    peak = int(base.ideal.peak_activation_bytes)
+    return {"analytic_keep_all_peak_bytes": base.analytic_peak_bytes,
+            "real_to_analytic_peak_ratio": peak / base.analytic_peak_bytes}
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

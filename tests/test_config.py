@@ -57,6 +57,8 @@ def test_every_group_preset_composes_and_validates(group: str, preset: str) -> N
     cfg = _compose(overrides)
     if cfg.model.dtype not in cfg.hardware.peak_flops_per_s:  # e.g. a V100 has no bf16: run it in its own dtype
         cfg = _compose([*overrides, f"model.dtype={next(iter(cfg.hardware.peak_flops_per_s))}"])
+    if cfg.model.dtype == "fp32" and cfg.training.precision != "fp32":  # an fp32 model trains with the fp32 recipe
+        cfg = _compose([*overrides, "training=adamw_fp32"])
     resolved = _resolved(cfg)
     inputs = stages.validate_inputs(resolved)  # ModelConfig / Hardware / Budget checks of the library
     assert isinstance(inputs.model, ModelConfig) and isinstance(inputs.hardware, Hardware)
@@ -110,8 +112,8 @@ def _field_defaults(cls) -> dict:
         (schemas.HardwareSchema, Hardware),
         (schemas.HostLinkSchema, HostLink),
         (schemas.BudgetSchema, Budget),
-        (schemas.TorchSchema, TorchSpec),
         (schemas.TrainingSchema, TrainingConfig),
+        (schemas.TorchSchema, TorchSpec),
     ],
 )
 def test_schema_mirrors_library_dataclass(schema, library) -> None:
