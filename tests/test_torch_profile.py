@@ -204,3 +204,14 @@ def test_random_ops_and_in_place_writes_are_marked():
     written = {op.aten for op in cpu.ops if op.writes}
     assert written == {"bernoulli_", "div_"}  # the CPU dropout fills and scales its noise in place
     assert all(set(op.writes) <= set(op.reads) for op in cpu.ops)
+
+
+def test_an_analytic_preset_traces_with_its_family_class():
+    from slackswap.profile.torch import profile_source, spec_for_family
+
+    model = small("llama", attention="flash")
+    assert spec_for_family(model) == TorchSpec("hf_llama", attention="sdpa")
+    graph = profile_source(model, HW, semantics="cpu")
+    assert graph.meta["torch"]["builder"] == "hf_llama" and graph.meta["semantics"] == "cpu"
+    with pytest.raises(ConfigError, match="model.torch.attention"):
+        profile_source(model, HW, attention="flash")
