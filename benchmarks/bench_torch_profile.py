@@ -6,7 +6,8 @@ pin it to one core with `taskset -c 0` for the figure the target speaks of). For
 import time of torch + transformers (once), build-and-trace time (`hf_llama2_70b`, sdpa, CUDA
 semantics), graph assembly, the keep-all ideal simulation, a slackswap plan at 50 % of the keep-all
 peak and its simulation. Writes benchmarks/results/torch_profile.json. One run per figure: tracing 80
-layers takes tens of seconds, so no repeats; the machine may be shared, so treat figures as upper bounds.
+layers takes seconds to minutes, so no repeats. Wall seconds and this process's CPU seconds are both
+recorded: on a shared machine the wall figure includes waiting for the core, the CPU figure does not.
 """
 
 from __future__ import annotations
@@ -63,29 +64,34 @@ def main() -> None:
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):
         model = ModelConfig.from_dict({**model0.__dict__, "num_layers": layers})
+        cpu = {}
+        c = time.process_time()
         trace, trace_s = trace_model(model, spec)
-        t = time.perf_counter()
+        cpu["trace"] = time.process_time() - c
+        t, c = time.perf_counter(), time.process_time()
         graph = graph_from_trace(trace, hw, f"{model.name}@{hw.name}")
-        assemble_s = time.perf_counter() - t
-        t = time.perf_counter()
+        assemble_s, cpu["assemble"] = time.perf_counter() - t, time.process_time() - c
+        t, c = time.perf_counter(), time.process_time()
         ideal = simulate_ideal(graph, hw)
-        ideal_s = time.perf_counter() - t
+        ideal_s, cpu["ideal_sim"] = time.perf_counter() - t, time.process_time() - c
         budget = int(0.5 * ideal.peak_activation_bytes)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         plan = get_planner("slackswap").plan(graph, hw, budget)
-        plan_s = time.perf_counter() - t
-        t = time.perf_counter()
+        plan_s, cpu["plan"] = time.perf_counter() - t, time.process_time() - c
+        t, c = time.perf_counter(), time.process_time()
         result = simulate(graph, plan, hw, budget)
-        sim_s = time.perf_counter() - t
+        sim_s, cpu["simulate"] = time.perf_counter() - t, time.process_time() - c
         row = {"num_layers": layers, "seq_len": model.seq_len, "ops": len(graph.ops), "tensors": len(graph.tensors),
                "saved_tensors": len(graph.saved_tensors), "trace_s": trace_s, "assemble_s": assemble_s,
                "ideal_sim_s": ideal_s, "plan_s": plan_s, "simulate_s": sim_s,
                "keep_all_peak_bytes": int(ideal.peak_activation_bytes), "feasible": bool(result.feasible),
-               "throughput_ratio": None if result.step_s is None else ideal.step_s / result.step_s}
+               "throughput_ratio": None if result.step_s is None else ideal.step_s / result.step_s,
+               "cpu_s": cpu}
         rows.append(row)
         print(f"{layers:>3} layers: {row['ops']} ops, {row['tensors']} tensors; trace {trace_s:.1f} s, assemble "
               f"{assemble_s:.2f} s, ideal sim {ideal_s:.2f} s, slackswap plan {plan_s:.2f} s, simulate {sim_s:.2f} s "
-              f"(50 % budget: feasible={row['feasible']}, throughput {row['throughput_ratio']})", flush=True)
+              f"(50 % budget: feasible={row['feasible']}, throughput {row['throughput_ratio']}); CPU s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
     print(f"imports (torch + transformers llama): {import_s:.1f} s")
     out = {
         "benchmark": "torch_profile", "preset": args.preset, "attention": spec.attention,

@@ -145,7 +145,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
     else:
         from slackswap.profile.torch import build_torch_graph
 
-        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware)
+        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware, inputs.training)
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
@@ -153,7 +153,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
     analytic_peak = analytic = None
     if inputs.torch_spec is not None:
-        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware)
+        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware, inputs.training)
         analytic_peak = int(simulate_ideal(analytic, inputs.hardware).peak_activation_bytes)
     _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1, analytic_peak, analytic)
     return _BASELINES[key], False
