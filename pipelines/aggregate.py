@@ -295,7 +295,9 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
+    percent = PercentFormatter(xmax=1.0, decimals=0)
     panels = list(frame.groupby(["model", "hardware"], sort=True))
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
@@ -314,9 +316,11 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
             ax.plot(ok["budget_share"], ok["throughput_ratio"], "o-", color=colors[planner], label=planner, ms=4)
             ax.plot(bad["budget_share"], [floor] * len(bad), "x", color=colors[planner], ms=7)
         ax.set_title(f"{model} on {hardware}", fontsize=10)
-        ax.set_xlabel("activation budget / keep-all peak")
-        ax.set_ylabel("throughput retained")
+        ax.set_xlabel("activation budget (% of the keep-all peak)")
+        ax.set_ylabel("throughput retained (% of ideal)")
         ax.set_ylim(floor, 1.01)
+        ax.xaxis.set_major_formatter(percent)
+        ax.yaxis.set_major_formatter(percent)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
@@ -333,7 +337,9 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
+    percent = PercentFormatter(xmax=1.0, decimals=0)
     budgets = sorted(frame["budget_share"].dropna().unique())
     planners = sorted(frame["planner"].unique())
     n_workloads = frame.groupby(["model", "hardware"]).ngroups
@@ -354,7 +360,8 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
             ax.bar(xs, heights, width=width, label=planner, color=plt.cm.tab10(i % 10))
         ax.set_xticks(range(len(workloads)), [f"{m}\n{h}" for m, h in workloads], fontsize=8)
         ax.set_ylim(0, 1.05)
-        ax.set_ylabel("throughput retained")
+        ax.set_ylabel("throughput retained (% of ideal)")
+        ax.yaxis.set_major_formatter(percent)
         ax.set_title(f"budget = {budget:.0%} of keep-all peak (no bar: infeasible or failed)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -363,7 +370,9 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any]) -> AggregateResult:
+def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any], plots: bool = True) -> AggregateResult:
+    """summary.csv, summary.md, paper_table.md (when the experiment has a reference) and, unless
+    `plots` is False (`plots=none`), the two sweep plots."""
     records = load_records(sweep_dir)
     if not records:
         raise RuntimeError(f"no {RECORD_FILE} under {sweep_dir}/*/: no job of this sweep finished")
@@ -372,9 +381,10 @@ def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any]) -> Aggregate
     frame.to_csv(files[0], index=False)
     summary_md = summary_markdown(frame)
     files[1].write_text(summary_md)
-    plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
-    plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
-    files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
+    if plots:
+        plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
+        plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
+        files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
     paper_md = paper_table(frame, experiment)
     if paper_md:
         (sweep_dir / "paper_table.md").write_text(paper_md)

@@ -150,6 +150,10 @@ class SlackSwapConfig:
     tracking: TrackingSchema = MISSING
     simulate: SimulateSchema = field(default_factory=SimulateSchema)
     experiment: ExperimentSchema = field(default_factory=ExperimentSchema)
+    #: Which figures to draw (docs/pipeline.md, "Plots"): "all" (every run's timeline.png and the sweep
+    #: plots), "summary" (only the sweep plots), "none", or "auto": all for a single run, summary for
+    #: the jobs of a sweep (a timeline costs more than a fast job's own work).
+    plots: str = "auto"
 
 
 def register() -> None:

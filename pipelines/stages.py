@@ -27,6 +27,17 @@ from slackswap.plan import Decision
 STATUS_OK = "ok"
 STATUS_INFEASIBLE = "infeasible"
 STATUS_FAILED = "failed"
+PLOT_LEVELS: tuple[str, ...] = ("auto", "all", "summary", "none")
+
+
+def plot_level(resolved: Mapping[str, Any], multirun: bool) -> str:
+    """The effective `plots` level of a job: "all", "summary" or "none" ("auto" depends on the mode)."""
+    level = resolved.get("plots", "auto")
+    if level not in PLOT_LEVELS:
+        raise ConfigError("plots", level, f"must be one of {', '.join(PLOT_LEVELS)}")
+    if level == "auto":
+        return "summary" if multirun else "all"
+    return level
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class Inputs:
     allocator: str = "none"
     plan_against: str = "allocated"
     plan_margin_fraction: float = 0.0
+    #: Draw this run's timeline.png (plots level "all").
+    draw_timeline: bool = True
 
 
 ALLOCATORS = ("none", "caching")
@@ -62,7 +75,7 @@ def _simulate_options(node: Mapping[str, Any]) -> dict[str, Any]:
     return {"allocator": allocator, "plan_against": against, "plan_margin_fraction": float(margin)}
 
 
-def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
+def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inputs:
     """All value checks of a job, before any work starts. Raises `ConfigError` naming the field."""
     planner = resolved["planner"]
     if not isinstance(planner.get("name"), str) or not planner["name"]:
@@ -75,6 +88,7 @@ def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
         planner_options=dict(planner.get("options") or {}),
         training=TrainingConfig.from_dict(resolved.get("training") or {}),
         **_simulate_options(resolved.get("simulate")),
+        draw_timeline=plot_level(resolved, multirun) == "all",
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
@@ -130,7 +144,8 @@ class Outcome:
 
 
 def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings: dict[str, float]) -> Outcome:
-    """Run the stages and write profile.csv, graph.json, plan.json, metrics.json, trace.json, timeline.png.
+    """Run the stages and write profile.csv, graph.json, plan.json, metrics.json, trace.json, and
+    timeline.png unless the plots level leaves it out.
 
     `timings` is filled as each stage finishes, so a job that fails midway still reports where its
     time went.
@@ -142,7 +157,6 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     from slackswap.planners.registry import get_planner
     from slackswap.profile.report import write_profile_csv
     from slackswap.simulate.metrics import compute_metrics
-    from slackswap.simulate.timeline import write_timeline_png
     from slackswap.simulate.trace import write_trace_json
 
     base, hit = baseline(inputs, resolved)
@@ -223,8 +237,13 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
-    write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
     timings["write_results_s"] = time.perf_counter() - t0
+    if inputs.draw_timeline:
+        from slackswap.simulate.timeline import write_timeline_png
+
+        t0 = time.perf_counter()
+        write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
+        timings["write_timeline_s"] = time.perf_counter() - t0
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
     if result.feasible:

@@ -138,6 +138,42 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
     assert "planner: does not fit" in (tmp_path / "summary.md").read_text()
 
 
+def test_aggregate_sweep_without_plots_writes_tables_only(tmp_path) -> None:
+    rec = _record("0", "tiny", "slackswap", 0.5, "ok", 0.97)
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / RECORD_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "job"}))
+    result = aggregate.aggregate_sweep(tmp_path, {}, plots=False)
+    assert sorted(p.name for p in result.files) == ["summary.csv", "summary.md"]
+    assert not (tmp_path / "throughput_vs_budget.png").exists()
+
+
+def test_plot_level_auto_depends_on_the_mode_and_a_bad_value_is_named() -> None:
+    from pipelines.stages import plot_level
+    from slackswap.errors import ConfigError
+
+    assert plot_level({"plots": "auto"}, multirun=False) == "all"
+    assert plot_level({"plots": "auto"}, multirun=True) == "summary"
+    assert plot_level({"plots": "all"}, multirun=True) == "all"
+    assert plot_level({"plots": "none"}, multirun=False) == "none"
+    with pytest.raises(ConfigError, match="plots"):
+        plot_level({"plots": "some"}, multirun=False)
+
+
+def test_a_single_run_does_not_import_pandas_or_the_aggregation() -> None:
+    """Lazy imports: the job path of a single run (stages, job, callbacks) leaves pandas unloaded."""
+    import subprocess
+    import sys
+
+    from pipelines.schemas import REPO_ROOT
+
+    probe = (
+        "import sys, pipelines.run, pipelines.callbacks, pipelines.job, pipelines.stages\n"
+        "print(sorted(n for n in ('pandas', 'pipelines.aggregate', 'matplotlib') if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_aggregate_without_records_fails_loudly(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="no job"):
         aggregate.aggregate_sweep(tmp_path, {})
@@ -171,7 +207,7 @@ def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None
     ]
     for rec, run_id in zip(records, run_ids, strict=True):
         rec["mlflow_run_id"] = run_id
-        tracking.end_run(client, run_id, ok=rec["status"] == "ok")
+        tracking.end_run(client, run_id, rec["status"])
     frame = aggregate.records_to_frame(records)
     assert tracking.backfill_bound_gaps(client, frame) == 2
     slack = client.get_run(run_ids[0]).data.metrics
