@@ -231,7 +231,7 @@ def _click(driver, locator, text: str | None = None, timeout_s: float = 20.0) ->
     return _shows(driver, attempt, timeout_s)
 
 
-def chart_step(driver, base: str, targets: Targets, out: Path, report: Report, name_links) -> None:
+def chart_step(driver, base: str, targets: Targets, out: Path, name_links) -> None:
     """Chart view, every child shown, the throughput_pct bar chart full screen: the chart the README
     names for comparing planners. Two decimals tell 99.67 from 99.69 (a ratio chart showed both 1.00)."""
     from selenium.common.exceptions import WebDriverException
@@ -239,7 +239,6 @@ def chart_step(driver, base: str, targets: Targets, out: Path, report: Report, n
 
     feasible = sum(1 for status in targets.statuses.values() if status == "ok")
     labels: list[str] = []
-    del report  # information only, see below
 
     def bar_labels(d):
         labels[:] = [t for t in d.find_element(By.TAG_NAME, "body").text.split("\n") if _is_pct(t)]
@@ -307,7 +306,7 @@ def check_in_browser(base: str, targets: Targets, out: Path, report: Report, use
         )
 
         # 1b. The chart that compares planners.
-        chart_step(driver, base, targets, out, report, name_links)
+        chart_step(driver, base, targets, out, name_links)
 
         # 2. An infeasible child: Finished, with its reason in the description.
         _open(driver, run_url(base, targets.experiment_id, targets.infeasible_id))
