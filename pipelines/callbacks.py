@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import aggregate, presentation, tracking
+from pipelines import presentation, tracking
 from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
 from pipelines.schemas import REPO_ROOT
 
@@ -88,7 +88,10 @@ class SweepCallback(Callback):
             HydraConfig.instance().set_config(config)
             sweep_dir = Path(config.hydra.sweep.dir)
             experiment = OmegaConf.to_container(config.experiment, resolve=True)
-            result = aggregate.aggregate_sweep(sweep_dir, experiment)
+            from pipelines import aggregate  # pandas (~0.4 s to import) only when a sweep aggregates
+
+            plots = OmegaConf.select(config, "plots", default="auto")
+            result = aggregate.aggregate_sweep(sweep_dir, experiment, plots=plots != "none")
             print(result.summary_md)
             if result.paper_table_md:
                 print(result.paper_table_md)
