@@ -4,7 +4,8 @@
     python scripts/ui_check.py --out /tmp/img  # elsewhere
 
 What it does, each step a line on stdout:
-1. runs `python -m pipelines.run +experiment=paper` into a fresh store in a temporary folder;
+1. runs `python -m pipelines.run +experiment=paper plots=all` (every child draws its timeline.png)
+   into a fresh store in a temporary folder;
 2. moves that folder to another path (the store must survive being moved or cloned);
 3. starts `mlflow ui --workers 1 --backend-store-uri sqlite:///mlflow.db --artifacts-destination
    ./mlruns` in the moved folder, as the README says;
@@ -86,6 +87,7 @@ def paper_command(store: Path) -> list[str]:
         sys.executable, "-m", "pipelines.run", "+experiment=paper",
         f"tracking.uri=sqlite:///{store}/mlflow.db", f"tracking.artifact_location={store}/mlruns",
         f"tracking.experiment={EXPERIMENT}", f"hydra.sweep.dir={store}/multirun",
+        "plots=all",  # a sweep draws only its summary plots by default; the check opens a timeline.png
     ]  # fmt: skip
 
 
