@@ -55,23 +55,59 @@ def keep_all_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
 
 def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> dict[str, Decision]:
     """Exactly one valid decision per saved tensor; names the first missing, unknown or bad entry."""
-    saved = {t.name for t in graph.saved_tensors}
+    saved = _saved_forward(graph)
     out: dict[str, Decision] = {}
+    recompute = Decision.RECOMPUTE
     for name, value in decisions.items():
-        if name not in saved:
+        forward = saved.get(name)
+        if forward is None:
             raise ConfigError(f"decisions[{name!r}]", value, "is not a saved tensor of the graph")
-        try:
-            out[name] = Decision(value)
-        except ValueError:
-            raise ConfigError(f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}") from None
-        producer = graph.op_by_name[graph.tensors[name].producer]
-        if out[name] == Decision.RECOMPUTE and producer.phase not in FORWARD_PHASES:
+        if value.__class__ is not Decision:  # planners pass Decision members: skip the enum lookup
+            try:
+                value = Decision(value)
+            except ValueError:
+                raise ConfigError(
+                    f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}"
+                ) from None
+        out[name] = value
+        if value is recompute and not forward:
+            producer = graph.op_by_name[graph.tensors[name].producer]
             raise ConfigError(f"decisions[{name!r}]", value, f"only forward tensors can be recomputed, "
                               f"this one is produced by {producer.phase.value} op {producer.name!r}")
+    if len(out) == len(saved):
+        return out
     missing = [t.name for t in graph.saved_tensors if t.name not in out]
     if missing:
         raise ConfigError("decisions", missing[:5], f"{len(missing)} saved tensor(s) have no decision")
     return out
+
+
+def _saved_forward(graph: Graph) -> dict[str, bool]:
+    """Saved tensor -> produced by a forward (or loss) op. Cached on the graph: planners build many
+    schedules of one graph (a frozen dataclass; the cache is derived data, like its cached_property)."""
+    cached = graph.__dict__.get("_saved_forward")
+    if cached is None:
+        cached = {
+            t.name: graph.op_by_name[t.producer].phase in FORWARD_PHASES for t in graph.saved_tensors
+        }
+        graph.__dict__["_saved_forward"] = cached
+    return cached
+
+
+def _run_steps(graph: Graph) -> tuple[list[ComputeStep], list[tuple[ComputeStep, tuple[str, ...]]], set[str]]:
+    """(forward run steps, (run step, inputs) of every other op, forward tensors), cached on the graph.
+    ComputeStep is immutable, so every schedule of the graph shares these objects."""
+    cached = graph.__dict__.get("_run_steps")
+    if cached is None:
+        forward = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
+        rest = [
+            (ComputeStep(op.name, StepKind.RUN, op.outputs), op.inputs)
+            for op in graph.ops
+            if op.phase not in FORWARD_PHASES
+        ]
+        forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
+        cached = graph.__dict__["_run_steps"] = (forward, rest, forward_tensors)
+    return cached
 
 
 def build_schedule(
@@ -115,18 +151,17 @@ def build_schedule(
 
 
 def _compute_steps(graph: Graph, decided: Mapping[str, Decision]) -> tuple[ComputeStep, ...]:
-    steps = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
+    forward, rest, forward_tensors = _run_steps(graph)
+    steps = list(forward)
     # Tensors whose latest copy a backward-region step may read.
-    available = {name for name, d in decided.items() if d != Decision.RECOMPUTE}
-    forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
-    for op in graph.ops:
-        if op.phase in FORWARD_PHASES:
-            continue
-        for t in op.inputs:
+    recompute = Decision.RECOMPUTE
+    available = {name for name, d in decided.items() if d is not recompute}
+    for step, inputs in rest:
+        for t in inputs:
             if t in forward_tensors and t not in available:
                 _regenerate(graph, t, decided, available, steps)
-        steps.append(ComputeStep(op.name, StepKind.RUN, op.outputs))
-        available.update(op.outputs)
+        steps.append(step)
+        available.update(step.outputs)
     return tuple(steps)
 
 

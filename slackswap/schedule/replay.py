@@ -59,7 +59,7 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     ops = graph.op_by_name
     n_steps = len(plan.steps)
     n_off, n_pre = len(plan.offloads), len(plan.prefetches)
-    copy_size = [c.size_bytes for c in s.copies]
+    copy_size = s.copy_size
     off_dur = [d2h_s(copy_size[c], hardware) for c in s.offload_copy]
     pre_dur = [h2d_s(copy_size[c], hardware) for c in s.prefetch_copy]
     d2h = CopyQueue(hardware.link.d2h_engines)
@@ -69,7 +69,7 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     prefetch_end = [float("nan")] * n_pre
     step_start = [0.0] * n_steps
     step_end = [0.0] * n_steps
-    copy_ready = [float("nan")] * len(s.copies)
+    copy_ready = [float("nan")] * len(copy_size)
     next_off = next_pre = 0
 
     def issued_at(issue_after_step: int) -> float:
@@ -99,7 +99,7 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
         ready = now
         for c in s.step_reads[j]:
             if copy_ready[c] != copy_ready[c]:  # NaN: its prefetch has not started (validation prevents it)
-                raise PlanValidationError(f"step {j} ({step.op}) reads {s.copies[c].tensor!r} before its copy exists")
+                raise PlanValidationError(f"step {j} ({step.op}) reads {s.copy_tensor[c]!r} before its copy exists")
             ready = max(ready, copy_ready[c])
         duration = ops[step.op].duration_s
         stall += ready - now
@@ -111,19 +111,31 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
             copy_ready[c] = now
         start_transfers(j)
 
-    events: list[tuple[float, int]] = []
-    for c, copy in enumerate(s.copies):
-        starts = prefetch_start if copy.source == "prefetch" else step_start
-        alloc = starts[copy.source_index]
-        last_read = step_end[copy.readers[-1]] if copy.readers else None
-        offloaded = None if copy.offload is None else offload_end[copy.offload]
-        events.append((alloc, copy.size_bytes))
-        events.append((free_time_s(copy_ready[c], last_read, offloaded), -copy.size_bytes))
-    events.sort(key=lambda e: (e[0], e[1] > 0))
+    # Peak: frees at an instant come before allocations. Allocations and frees are sorted apart (plain
+    # tuple sorts, no key function) and merged: before each allocation, every free at or before its
+    # instant is applied. Only an allocation can raise the peak.
+    allocs: list[tuple[float, int]] = []
+    frees: list[tuple[float, int]] = []
+    for c, (source, index, readers, offload, size) in enumerate(
+        zip(s.copy_source, s.copy_source_index, s.copy_readers, s.copy_offload, copy_size, strict=True)
+    ):
+        if not size:
+            continue
+        alloc = prefetch_start[index] if source == "prefetch" else step_start[index]
+        last_read = step_end[readers[-1]] if readers else None
+        offloaded = None if offload is None else offload_end[offload]
+        allocs.append((alloc, size))
+        frees.append((free_time_s(copy_ready[c], last_read, offloaded), size))
+    allocs.sort()
+    frees.sort()
     current = peak = 0
     peak_time = 0.0
-    for time_s, delta in events:
-        current += delta
+    k, n_frees = 0, len(frees)
+    for time_s, size in allocs:
+        while k < n_frees and frees[k][0] <= time_s:
+            current -= frees[k][1]
+            k += 1
+        current += size
         if current > peak:
             peak, peak_time = current, time_s
     return PlanTimeline(
