@@ -75,10 +75,24 @@ def test_paper_table_reports_deltas_best_baseline_and_missing_models() -> None:
     )
     md = aggregate.paper_table(frame, {"paper_reference": {"bert_large": 0.963, "gpt2_xl": 0.976, "llama7b": 0.996}})
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines()[4:7]}
-    assert rows["bert_large"][3:8] == ["96.3%", "95.0%", "-1.3", "-", "90.0% (capuchin)"]
-    assert rows["gpt2_xl"][4] == "-" and rows["gpt2_xl"][8].startswith("infeasible")
+    assert rows["bert_large"][3:9] == ["96.3%", "95.0%", "-1.3", "-", "-", "90.0% (capuchin)"]
+    assert rows["gpt2_xl"][4] == "-" and rows["gpt2_xl"][9].startswith("infeasible")
     assert rows["llama7b"][4] == "not run"
     assert aggregate.paper_table(frame, {}) == ""
+
+
+def test_paper_table_shows_the_reserved_peak_and_counts_plans_that_still_fit() -> None:
+    records = [
+        _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
+        _record("1", "bert_large", "capuchin", 0.5, "ok", 0.90),
+        _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
+    ]
+    for rec, reserved, fits in ((records[0], 2**30, False), (records[1], 2**29, True)):
+        rec["metrics"] |= {"peak_reserved_bytes": reserved, "fits_reserved": fits, "fragmentation_share": 0.25}
+    md = aggregate.paper_table(aggregate.records_to_frame(records), {"paper_reference": {"bert_large": 0.963}})
+    row = next(line for line in md.splitlines() if line.startswith("| bert_large"))
+    assert "| 1 (over budget, 25.0% fragmentation) |" in row
+    assert "1 of the 2 plans that fit their budget byte-exactly (50%) still fit" in md
 
 
 def test_bound_of_one_planner_gives_every_planner_of_the_same_problem_a_gap() -> None:
@@ -193,7 +207,7 @@ def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None
     ]
     for rec, run_id in zip(records, run_ids, strict=True):
         rec["mlflow_run_id"] = run_id
-        tracking.end_run(client, run_id, ok=rec["status"] == "ok")
+        tracking.end_run(client, run_id, rec["status"])
     frame = aggregate.records_to_frame(records)
     assert tracking.backfill_bound_gaps(client, frame) == 2
     slack = client.get_run(run_ids[0]).data.metrics
