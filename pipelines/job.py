@@ -203,6 +203,14 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
         f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}) "
         f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
         f"planner      {record['planner']} ({record['planner_name']})",
+    ]
+    if m.get("analytic_keep_all_peak_bytes") is not None:
+        torch_node = resolved["model"].get("torch") or {}
+        lines.append(
+            f"profile      traced {torch_node.get('builder')} ({torch_node.get('attention')} attention, "
+            f"{torch_node.get('semantics')} kernels): real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
+            f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
+    lines += [
         f"status       {record['status']}" + (f": {record['failure_reason']}" if record["failure_reason"] else ""),
     ]
     if ratio is not None:

@@ -5,6 +5,7 @@ MLflow database and its artifacts); the tests check that with the paths MLflow r
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
 import warnings
@@ -228,6 +229,29 @@ def test_profile_cli_prints_breakdown_and_writes_files(tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert "tiny" in out
     rows = (tmp_path / "profile" / "profile.csv").read_text().splitlines()
-    assert rows[0] == "layer,saved_bytes,fwd_flops,bwd_flops,fwd_s,bwd_s"
+    assert rows[0] == "layer,saved_bytes,fwd_flops,bwd_flops,fwd_s,bwd_s,formula_saved_bytes,saved_ratio"
     assert len(rows) == 1 + 2  # header + the tiny preset's two layers
     assert json.loads((tmp_path / "profile" / "graph.json").read_text())
+
+
+def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    """The torch profile source through Hydra and MLflow (TinyGPT: no transformers download, seconds)."""
+    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):  # set by .ci/run: CI never skips it
+        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    common = [a for a in _common(tmp_path, mlflow_store) if a != "model=tiny"]
+    args = [*common, "model=tiny_torch", "planner=slackswap", "budget.fraction=0.5"]
+    _run_cli(monkeypatch, args)
+    out = capsys.readouterr().out
+    assert "real keep-all peak" in out and "analytic" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["feasible"] is True
+    assert metrics["real_to_analytic_peak_ratio"] == metrics["keep_all_peak_bytes"] / metrics[
+        "analytic_keep_all_peak_bytes"]
+    rows = (tmp_path / "run" / "profile.csv").read_text().splitlines()
+    assert rows[0].endswith("formula_saved_bytes,saved_ratio") and len(rows) == 3
+    assert all(float(r.split(",")[-1]) > 1.0 for r in rows[1:])  # real layers keep more than the formula
+    client = mlflow_store.client()
+    run = client.search_runs([client.get_experiment_by_name("test").experiment_id])[0]
+    assert run.data.tags["status"] == "ok"
+    assert run.data.metrics["real_to_analytic_peak_ratio"] == pytest.approx(metrics["real_to_analytic_peak_ratio"])
+    assert run.data.params["model.torch.builder"] == "tiny_gpt"
