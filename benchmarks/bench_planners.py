@@ -95,6 +95,50 @@ def scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     return {"planners": rows, "k_reference": k_ref, "repeats": repeats}
 
 
+TRACED_LAYERS = (4, 8, 16, 32)
+QUICK_TRACED_LAYERS = (4, 8, 16)
+
+
+def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
+    """As `scaling`, on the traced Llama-2-70B graph (`conf/model/hf_llama2_70b.yaml`, the torch
+    profile source: about 110 ops per layer against the analytic 24), for every planner but milp."""
+    try:
+        from slackswap.profile.torch import build_torch_graph
+        from slackswap.profile.torch.spec import TorchSpec
+    except ImportError as exc:  # the torch extra is optional
+        return {"skipped": f"torch profile source unavailable: {exc}"}
+    from slackswap.planners.registry import available_planners
+
+    data = {**yaml.safe_load((CONF / "model" / "llama2_70b.yaml").read_text())}
+    hf = yaml.safe_load((CONF / "model" / "hf_llama2_70b.yaml").read_text())
+    hf.pop("defaults", None)
+    data.update(hf)
+    spec = TorchSpec.from_dict(data.pop("torch"))
+    names = [p for p in available_planners() if p != "milp"]
+    fns, ops = {}, {}
+    for n in layers:
+        g = build_torch_graph(ModelConfig.from_dict({**data, "num_layers": n}), spec, hw)
+        ops[n] = len(g.ops)
+        budget = int(0.5 * simulate(g, keep_all_plan(g), hw, None).peak_activation_bytes)
+        for name in names:
+            planner = get_planner(name)
+
+            def run(planner=planner, g=g, budget=budget):
+                with contextlib.suppress(InfeasibleBudgetError):
+                    planner.plan(g, hw, budget)
+
+            fns[name, n] = run
+    best = best_of(fns, repeats)
+    rows = {}
+    print(f"\ntraced llama2_70b (hf_llama2_70b): planning CPU time [s] vs layers (ops: {ops})")
+    print(f"{'planner':22s}" + "".join(f"{n:>9d}" for n in layers) + f"{'k':>7s}")
+    for name in names:
+        times = [best[name, n] for n in layers]
+        rows[name] = {"layers": list(layers), "cpu_s": times, "k": fit_exponent(layers, times)}
+        print(f"{name:22s}" + "".join(f"{t:9.3f}" for t in times) + f"{rows[name]['k']:7.2f}")
+    return {"planners": rows, "ops": ops, "repeats": repeats}
+
+
 def seed_table(hw: Hardware) -> list[dict]:
     rows = []
     print("\nseed setting: a100_80gb_pcie4, 50 % budget; throughput ratio = ideal step / simulated step")
@@ -159,6 +203,7 @@ def run(quick: bool = False) -> dict:
         "cpu_affinity": cpus,
         "machine_at_start": start,
         "scaling": scaling(hw, QUICK_SCALING_LAYERS if quick else SCALING_LAYERS, 2 if quick else 3),
+        "traced_scaling": traced_scaling(hw, QUICK_TRACED_LAYERS if quick else TRACED_LAYERS, 1),
         "seed_setting": seed_table(hw),
         "min_budget_fraction": None if quick else min_budgets(hw),
         "machine_at_end": machine(),
