@@ -16,7 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
-BRIEF_METRICS = (
+CONTRACT_METRICS = (
     "throughput_ratio", "step_s", "ideal_step_s", "peak_activation_bytes", "keep_all_peak_bytes", "budget_bytes",
     "recompute_s", "stall_s", "d2h_bytes", "h2d_bytes", "swapped_tensors", "recomputed_tensors", "plan_wall_s",
     "sim_wall_s", "feasible",
@@ -63,7 +63,7 @@ def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monk
     for name in (*RUN_FILES, RESOLVED_CONFIG_FILE, RECORD_FILE):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert set(BRIEF_METRICS) <= set(metrics)
+    assert set(CONTRACT_METRICS) <= set(metrics)
     assert metrics["feasible"] is True and 0 < metrics["throughput_ratio"] <= 1
     assert metrics["budget_bytes"] == int(0.5 * metrics["keep_all_peak_bytes"])
     assert metrics["peak_activation_bytes"] <= metrics["budget_bytes"]
