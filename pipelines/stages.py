@@ -26,6 +26,8 @@ from slackswap.plan import Decision
 STATUS_OK = "ok"
 STATUS_INFEASIBLE = "infeasible"
 STATUS_FAILED = "failed"
+#: Interrupted (SIGINT / SIGTERM) while it ran; the MLflow run is KILLED.
+STATUS_KILLED = "killed"
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
         planner_options=dict(planner.get("options") or {}),
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
+    from slackswap.planners.registry import get_planner
+
+    # Unknown planner names and options fail here, before profiling, naming what was asked for.
+    get_planner(inputs.planner_name, **inputs.planner_options)
     return inputs
 
 

@@ -36,7 +36,8 @@ def _common(tmp_path: Path, store) -> list[str]:
     ]
 
 
-def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pipelines.run") -> None:
+def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pipelines.run") -> int | None:
+    """Run the CLI in this process; returns its exit code (None: the module does not call sys.exit)."""
     monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # raise the real exception instead of sys.exit(1)
     GlobalHydra.instance().clear()
@@ -46,6 +47,8 @@ def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pi
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules" after a previous run
             runpy.run_module(module, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code
     finally:
         GlobalHydra.instance().clear()
 
@@ -55,7 +58,7 @@ def _under(path: str, root: Path) -> bool:
 
 
 def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
-    _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "planner=slackswap", "budget.fraction=0.5"])
+    assert _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "planner=slackswap", "budget.fraction=0.5"]) == 0
     out = capsys.readouterr().out
     assert "throughput" in out and "tiny" in out
 
@@ -109,7 +112,8 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
         "planner.name=slackswap,keep_all,no_such_planner",
         "budget.fraction=0.5,1.0",
     ]
-    _run_cli(monkeypatch, args)
+    # Two jobs failed (an unknown planner): the sweep completes, then exits non-zero.
+    assert _run_cli(monkeypatch, args) == 1
     sweep = tmp_path / "sweep"
     for name in ("summary.csv", "summary.md", "throughput_vs_budget.png", "planner_comparison.png"):
         assert (sweep / name).is_file(), name

@@ -4,7 +4,6 @@ codes, signals and what is printed are the behaviour under test."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import sqlite3
