@@ -200,11 +200,13 @@ def close_interrupted(exc: faults.Interrupted) -> str:
     if parent is not None:
         try:
             client = tracking.open_client(parent["tracking_uri"])
-            children = _kill_running_children(client, parent)
+            _kill_running_children(client, parent)
             _close_parent(client, parent, result, state, status="KILLED")
-            parts.append(
-                f"MLflow parent {parent['run_id']} and {children + killed_here} in-flight run(s) marked KILLED"
+            killed = client.search_runs(
+                [parent["experiment_id"]],
+                f"tags.`mlflow.parentRunId` = '{parent['run_id']}' and attributes.status = 'KILLED'",
             )
+            parts.append(f"MLflow parent run {parent['run_id']} and {len(killed)} job run(s) marked KILLED")
         except Exception as exc2:
             parts.append(f"MLflow not updated: {type(exc2).__name__}: {exc2}")
     return "; ".join(parts)
@@ -217,5 +219,5 @@ def _kill_running_children(client, parent: dict[str, str]) -> int:
         f"tags.`mlflow.parentRunId` = '{parent['run_id']}' and attributes.status = 'RUNNING'",
     )
     for run in running:
-        client.set_terminated(run.info.run_id, status="KILLED")
+        faults.kill_run(client, run.info.run_id)
     return len(running)

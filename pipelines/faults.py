@@ -72,8 +72,10 @@ def done_in_flight(run_id: str) -> None:
 
 
 def kill_run(client: Any, run_id: str) -> None:
-    """Mark one run KILLED (best effort: the interrupt may have hit the store itself)."""
+    """Mark one run KILLED, with the tag status=killed (best effort: the interrupt may have hit the
+    store itself)."""
     try:
+        client.set_tag(run_id, "status", "killed")
         client.set_terminated(run_id, status="KILLED")
     except Exception as exc:
         print(f"warning: could not mark MLflow run {run_id} KILLED: {exc}", file=sys.stderr)
@@ -84,12 +86,8 @@ def kill_in_flight_except(keep: str | None) -> int:
     """Mark every run this process still has open, but `keep`, as KILLED; returns how many."""
     marked = 0
     for run in [r for r in IN_FLIGHT.values() if r.run_id != keep]:
-        try:
-            run.client.set_terminated(run.run_id, status="KILLED")
-            marked += 1
-        except Exception as exc:  # the store itself may be what failed; say so, keep going
-            print(f"warning: could not mark MLflow run {run.run_id} KILLED: {exc}", file=sys.stderr)
-        IN_FLIGHT.pop(run.run_id, None)
+        kill_run(run.client, run.run_id)
+        marked += 1
     return marked
 
 

@@ -40,6 +40,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 def cli() -> int:
+    callbacks.ACTIVE_SWEEP = None  # a previous sweep in this process (tests) must not set this exit code
     return faults.run_cli(main, callbacks.close_interrupted, callbacks.sweep_exit_code)
 
 

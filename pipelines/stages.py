@@ -168,13 +168,23 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
-    write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
+    title = timeline_title(inputs, budget_bytes, keep_all_peak_bytes)
+    write_timeline_png(result, run_dir / "timeline.png", budget_bytes, title=title)
     timings["write_results_s"] = time.perf_counter() - t0
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
     if result.feasible:
         return Outcome(STATUS_OK, "", metrics, timings, facts)
     return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+
+
+def timeline_title(inputs: Inputs, budget_bytes: int, keep_all_peak_bytes: int) -> str:
+    """Model, hardware, planner and budget, the four things that make one timeline differ from another."""
+    share = budget_bytes / keep_all_peak_bytes if keep_all_peak_bytes else float("nan")
+    return (
+        f"{inputs.model.name} on {inputs.hardware.name}, planner {inputs.planner_name}, "
+        f"budget {budget_bytes / 2**30:.3g} GiB ({share:.0%} of the keep-all peak)"
+    )
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -119,7 +119,9 @@ def check_sqlite_store(path: Path) -> None:
     try:
         with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    except sqlite3.DatabaseError as exc:
+    except sqlite3.OperationalError:
+        return  # busy, locked, a hot journal of a writer in progress: a live store, MLflow takes it from here
+    except sqlite3.DatabaseError as exc:  # "file is not a database"
         raise TrackingUnavailable(f"tracking store {path} is not an MLflow SQLite database ({exc})") from None
     if tables and not {"experiments", "runs", "alembic_version"} <= tables:
         shown = ", ".join(sorted(tables)[:5])

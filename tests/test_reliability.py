@@ -4,6 +4,7 @@ codes, signals and what is printed are the behaviour under test."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import sqlite3
@@ -108,9 +109,19 @@ def test_four_processes_on_a_fresh_store_ten_times_lose_no_run(tmp_path) -> None
 def test_two_pipeline_runs_at_once_on_a_fresh_store(tmp_path) -> None:
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "pipelines.run", *_base_args(tmp_path), f"planner={planner}",
-             f"hydra.run.dir={tmp_path / planner}"],
-            cwd=tmp_path, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pipelines.run",
+                *_base_args(tmp_path),
+                f"planner={planner}",
+                f"hydra.run.dir={tmp_path / planner}",
+            ],
+            cwd=tmp_path,
+            env=_cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )  # fmt: skip
         for planner in ("slackswap", "capuchin")
     ]
@@ -123,3 +134,287 @@ def test_two_pipeline_runs_at_once_on_a_fresh_store(tmp_path) -> None:
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.data.tags["choice.planner"] for r in runs) == ["capuchin", "slackswap"]
     assert all(r.info.status == "FINISHED" for r in runs)
+
+
+# ------------------------------------------------------------------------ failures: one line, no trace
+
+
+def _in_process(monkeypatch, tmp_path: Path, *args: str, module: str = "pipelines.run", full_error: bool = False):
+    """The CLI in this process (no interpreter start-up): returns the exit code."""
+    import runpy
+    import warnings
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
+    if full_error:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    else:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    GlobalHydra.instance().clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code
+    finally:
+        GlobalHydra.instance().clear()
+    return 0
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "value"),
+    [
+        (["budget.fraction=-0.5"], "budget.fraction", "-0.5"),
+        (["budget=absolute"], "budget", "None"),
+        (["hardware=v100_pcie3"], "model.dtype", "bf16"),
+        (["planner.name=no_such_planner"], "planner.name", "no_such_planner"),
+        (["+planner.options.no_such_option=1"], "planner.options", "no_such_option"),
+    ],
+)
+def test_config_value_error_is_one_line_before_any_work(
+    tmp_path, mlflow_store, monkeypatch, capsys, override, field, value
+) -> None:
+    run_dir = tmp_path / "run"
+    args = [*_base_args(tmp_path, mlflow_store.db_path), f"hydra.run.dir={run_dir}", *override]
+    assert _in_process(monkeypatch, tmp_path, *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert field in err[0] and value in err[0]
+    # The folder says why it exists; no stage ran (no profile), no MLflow run was started.
+    record = json.loads((run_dir / "run_record.json").read_text())
+    assert record["status"] == "failed" and field in record["failure_reason"]
+    assert not (run_dir / "profile.csv").exists()
+    assert mlflow_store.client().get_experiment_by_name("test") is None
+
+
+def test_full_error_keeps_the_traceback(tmp_path, mlflow_store, monkeypatch) -> None:
+    from slackswap.errors import ConfigError
+
+    args = [*_base_args(tmp_path, mlflow_store.db_path), f"hydra.run.dir={tmp_path}/run", "budget.fraction=-0.5"]
+    with pytest.raises(ConfigError):
+        _in_process(monkeypatch, tmp_path, *args, full_error=True)
+
+
+def _broken_preset(tmp_path: Path) -> Path:
+    """A model preset without `hidden_size`: the config composes, the job cannot resolve it."""
+    conf = tmp_path / "extra_conf" / "model"
+    conf.mkdir(parents=True)
+    lines = (REPO_ROOT / "conf" / "model" / "tiny.yaml").read_text().splitlines()
+    kept = [line for line in lines if not line.startswith("hidden_size:")]
+    assert len(kept) == len(lines) - 1
+    (conf / "tiny_no_hidden.yaml").write_text("\n".join(kept) + "\n")
+    return conf.parent
+
+
+def test_a_job_with_a_missing_preset_value_fails_alone_and_the_sweep_exits_1(
+    tmp_path, mlflow_store, monkeypatch, capsys
+) -> None:
+    extra = _broken_preset(tmp_path)
+    sweep = tmp_path / "sweep"
+    args = [
+        "--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
+        f"hydra.searchpath=[file://{extra}]", "model=tiny,tiny_no_hidden", "planner=keep_all", "budget.fraction=1.0",
+    ]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *args) == 1
+    out = capsys.readouterr()
+    records = {r["model"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/run_record.json"))}
+    assert records["tiny"]["status"] == "ok"
+    assert records["tiny_no_hidden"]["status"] == "failed"
+    assert "hidden_size" in records["tiny_no_hidden"]["failure_reason"]
+    assert (sweep / "summary.md").is_file() and "[2/2" in out.out
+    assert "1 of 2 jobs failed" in out.err
+    client = mlflow_store.client()
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    children = client.search_runs([client.get_experiment_by_name("test").experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent_id}'")  # fmt: skip
+    assert sorted(c.data.tags["status"] for c in children) == ["failed", "ok"]
+
+
+def test_infeasible_jobs_alone_do_not_fail_the_sweep(tmp_path, mlflow_store, monkeypatch) -> None:
+    args = [
+        "--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={tmp_path}/sweep",
+        "planner=keep_all", "budget.fraction=0.5,1.0",
+    ]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *args) == 0
+
+
+def test_logging_failure_marks_the_run_failed_not_ok(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("artifacts cannot go under a file\n")
+    run_dir = tmp_path / "run"
+    args = [
+        *_base_args(tmp_path, mlflow_store.db_path), f"hydra.run.dir={run_dir}",
+        f"tracking.artifact_location={not_a_folder}/artifacts", "planner=keep_all", "budget.fraction=1.0",
+    ]  # fmt: skip
+    code = _in_process(monkeypatch, tmp_path, *args)
+    assert code not in (0, None)
+    record = json.loads((run_dir / "run_record.json").read_text())
+    assert record["status"] == "failed" and "MLflow logging failed" in record["failure_reason"]
+    client = mlflow_store.client()
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["status"] == "failed"
+
+
+@pytest.mark.parametrize("kind", ["garbage", "foreign"])
+def test_broken_store_is_reported_once_with_its_path_before_any_job(tmp_path, monkeypatch, capsys, kind) -> None:
+    db = tmp_path / "store" / "mlflow.db"
+    db.parent.mkdir()
+    if kind == "garbage":
+        db.write_bytes(b"this is not a database" * 100)
+    else:
+        with sqlite3.connect(db) as conn:
+            conn.execute("CREATE TABLE invoices (id INTEGER)")
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *_base_args(tmp_path, db), f"hydra.sweep.dir={sweep}", "budget.fraction=0.5,1.0"]
+    assert _in_process(monkeypatch, tmp_path, *args) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and str(db) in err[0] and "Traceback" not in err[0], err
+    assert not any(p.is_dir() for p in sweep.glob("[0-9]*")), "no job may launch"
+    if kind == "foreign":
+        with sqlite3.connect(db) as conn:  # and nothing was added to someone else's database
+            assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["invoices"]
+
+
+@pytest.mark.slow
+def test_unreachable_server_fails_fast_naming_the_uri(tmp_path) -> None:
+    """Port 9 (discard) on 127.0.0.1 has no server. MLflow alone retried for about 4 minutes."""
+    uri = "http://127.0.0.1:9"
+    done = _cli(tmp_path, "model=tiny", "tracking=server", f"tracking.uri={uri}", f"hydra.run.dir={tmp_path}/run",
+                "hydra/job_logging=disabled", "hydra/hydra_logging=disabled", timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and uri in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------------------------------ interrupts
+
+
+def _runs(db: Path) -> list[tuple[str, str | None, str | None]]:
+    """(status, parent run id, status tag) of every run, read with sqlite3 (no MLflow import, no lock)."""
+    if not db.is_file():
+        return []
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            rows = conn.execute(
+                "SELECT r.status, p.value, s.value FROM runs r "
+                "LEFT JOIN tags p ON p.run_uuid = r.run_uuid AND p.key = 'mlflow.parentRunId' "
+                "LEFT JOIN tags s ON s.run_uuid = r.run_uuid AND s.key = 'status'"
+            ).fetchall()
+    except sqlite3.Error:
+        return []
+    return rows
+
+
+def _interrupt_when_a_job_runs(tmp_path: Path, extra: list[str], signum: int, jobs_running: int):
+    """Start a sweep, wait until `jobs_running` job runs are RUNNING in MLflow, send `signum`."""
+    import time
+
+    db = tmp_path / "mlflow" / "mlflow.db"
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.run", "--multirun", *_base_args(tmp_path, db), f"hydra.sweep.dir={sweep}",
+         *extra],
+        cwd=tmp_path, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        running_children = [r for r in _runs(db) if r[0] == "RUNNING" and r[1]]
+        if len(running_children) >= jobs_running:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err, db, sweep
+
+
+def _check_interrupted(code, err, db, sweep, expected_code) -> None:
+    assert code == expected_code, err
+    lines = [line for line in err.splitlines() if line.strip() and " INFO mlflow" not in line]
+    assert len(lines) == 1 and lines[0].startswith("interrupted by SIG"), err
+    assert "Traceback" not in err
+    runs = _runs(db)
+    parents = [r for r in runs if r[1] is None]
+    assert [p[0] for p in parents] == ["KILLED"]
+    assert not [r for r in runs if r[0] == "RUNNING"], runs
+    killed = [r for r in runs if r[1] and r[0] == "KILLED"]
+    assert killed and all(r[2] == "killed" for r in killed), runs
+    records = list(sweep.glob("*/run_record.json"))
+    if records:
+        assert (sweep / "summary.md").is_file() and (sweep / "summary.csv").is_file()
+
+
+@pytest.mark.slow
+def test_sigint_during_a_basic_sweep_kills_runs_and_writes_the_partial_summary(tmp_path) -> None:
+    """llama7b (32 layers): a job takes long enough (about a second) to be caught while it runs."""
+    import signal
+
+    extra = ["model=llama7b", "planner=slackswap", "budget.fraction=0.3,0.5,0.7,0.9"]
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGINT, 1)
+    _check_interrupted(code, err, db, sweep, 130)
+    statuses = [json.loads(p.read_text())["status"] for p in sweep.glob("*/run_record.json")]
+    assert "killed" in statuses
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_joblib_sweep_kills_runs_in_workers(tmp_path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    import signal
+
+    extra = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=llama7b", "planner=slackswap",
+             "budget.fraction=0.3,0.5,0.7,0.9"]  # fmt: skip
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGTERM, 1)
+    _check_interrupted(code, err, db, sweep, 143)
+
+
+# ---------------------------------------------------------------------- aggregate, re-running a sweep
+
+
+def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
+            "planner=keep_all", "budget.fraction=1.0,0.5"]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *args) == 0
+    for name in ("summary.md", "summary.csv"):
+        (sweep / name).unlink()
+    (sweep / "1" / "run_record.json").unlink()  # as if job 1 never finished
+    (sweep / "2").mkdir()  # a job that started and left nothing
+    assert _in_process(monkeypatch, tmp_path, str(sweep), module="pipelines.aggregate") == 0
+    assert "1 jobs: 1 ok" in (sweep / "summary.md").read_text()
+    assert "Sweep summary" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _in_process(monkeypatch, tmp_path, str(empty), module="pipelines.aggregate") == 1
+
+
+def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(tmp_path, mlflow_store, monkeypatch) -> None:
+    sweep = tmp_path / "sweep"
+    common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
+              "planner=keep_all"]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5") == 0
+    first = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    # Job 1 was killed last time: it is run again, its earlier files set aside, not lost.
+    killed = first["1"] | {"status": "killed"}
+    (sweep / "1" / "run_record.json").write_text(json.dumps(killed))
+
+    assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5,0.7") == 0
+    second = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
+    assert sorted(second) == ["0", "1", "2"]
+    assert second["0"]["mlflow_run_id"] == first["0"]["mlflow_run_id"]  # kept, not run again
+    assert second["1"]["mlflow_run_id"] != first["1"]["mlflow_run_id"]  # re-run
+    aside = json.loads((sweep / "superseded" / "1-1" / "run_record.json").read_text())
+    assert aside["status"] == "killed"
+    assert json.loads((sweep / "mlflow_parent.json").read_text())["run_id"] == parent_id
+    client = mlflow_store.client()
+    children = client.search_runs(
+        [client.get_experiment_by_name("test").experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'"
+    )
+    assert len(children) == 4  # 2 + job 1 again + job 2; job 0 once
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    import pandas as pd
+
+    assert len(pd.read_csv(sweep / "summary.csv")) == 3
