@@ -418,3 +418,36 @@ def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(tmp_path
     import pandas as pd
 
     assert len(pd.read_csv(sweep / "summary.csv")) == 3
+
+
+# -------------------------------------------------------------------------------------- determinism
+
+#: metrics.json keeps the contract's two wall-clock fields (docs/contract.md); they are the only lines
+#: allowed to differ between two runs of the same config.
+WALL_CLOCK_LINES = ('"plan_wall_s"', '"sim_wall_s"')
+
+
+def _without_wall_clock(path: Path) -> bytes:
+    lines = path.read_bytes().splitlines(keepends=True)
+    return b"".join(line for line in lines if not any(key.encode() in line for key in WALL_CLOCK_LINES))
+
+
+def test_same_config_twice_gives_the_same_files(tmp_path, monkeypatch) -> None:
+    """Every planner (milp: tests/test_milp.py, its exact solve on tiny takes a minute) and every stage,
+    twice from scratch (the per-process profile cache emptied): the same bytes."""
+    from pipelines import stages
+
+    sweeps = [tmp_path / "first", tmp_path / "second"]
+    for sweep in sweeps:
+        monkeypatch.setattr(stages, "_BASELINES", {})
+        args = ["--multirun", "model=tiny", "tracking=off", f"hydra.sweep.dir={sweep}", "hydra/job_logging=disabled",
+                "planner=glob(*,exclude=milp)", "budget.fraction=0.5"]  # fmt: skip
+        assert _in_process(monkeypatch, tmp_path, *args) == 0
+    jobs = sorted(p.name for p in sweeps[0].iterdir() if p.name.isdigit())
+    assert len(jobs) >= 8
+    for job in jobs:
+        first, second = sweeps[0] / job, sweeps[1] / job
+        assert _without_wall_clock(first / "metrics.json") == _without_wall_clock(second / "metrics.json"), job
+        for name in ("profile.csv", "graph.json", "plan.json", "trace.json", "config.resolved.yaml"):
+            if (first / name).exists():
+                assert (first / name).read_bytes() == (second / name).read_bytes(), (job, name)
