@@ -451,3 +451,77 @@ def test_same_config_twice_gives_the_same_files(tmp_path, monkeypatch) -> None:
         for name in ("profile.csv", "graph.json", "plan.json", "trace.json", "config.resolved.yaml"):
             if (first / name).exists():
                 assert (first / name).read_bytes() == (second / name).read_bytes(), (job, name)
+
+
+# ------------------------------------------------------------------------------- a real tracking server
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on 127.0.0.1 with its own SQLite backend and artifact folder under tmp_path."""
+    import signal
+    import time
+    import urllib.request
+
+    port = _free_port()
+    folder = tmp_path / "server"
+    folder.mkdir()
+    log = (folder / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{folder / 'backend.db'}", "--artifacts-destination", str(folder / "art")],
+        cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(uri + "/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.3)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its uvicorn worker, nothing else
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
+        log.close()
+
+
+@pytest.mark.slow
+def test_joblib_sweep_logs_every_child_to_a_real_server(tmp_path, mlflow_server) -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    sweep = tmp_path / "sweep"
+    done = _cli(
+        tmp_path, "--multirun", "model=tiny", "tracking=server", f"tracking.uri={mlflow_server}",
+        "tracking.experiment=shared", f"hydra.sweep.dir={sweep}", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+        "planner=keep_all,slackswap", "budget.fraction=1.0", "hydra/job_logging=disabled", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("shared")
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert sorted(c.data.tags["choice.planner"] for c in children) == ["keep_all", "slackswap"]
+    for child in children:
+        assert child.info.status == "FINISHED" and child.data.tags["status"] == "ok"
+        assert child.data.params["model.name"] == "tiny" and child.data.metrics["throughput_ratio"] > 0
+        assert "metrics.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
+    assert not (tmp_path / "mlruns").exists()  # the server decided where artifacts go
