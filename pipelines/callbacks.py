@@ -17,7 +17,9 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import aggregate, faults, tracking
-from pipelines.job import PARENT_FILE
+from pipelines import faults, presentation, tracking
+from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
 from pipelines.progress import read_progress
+from pipelines.schemas import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +53,60 @@ ACTIVE_SWEEP: SweepState | None = None
 
 
 class SweepCallback(Callback):
+    def __init__(self) -> None:
+        self._t_start: float | None = None
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global ACTIVE_SWEEP
         try:
+            self._t_start = time.perf_counter()
             HydraConfig.instance().set_config(config)  # ${hydra:...} is not set yet on hydra 1.3.8
             sweep_dir = Path(config.hydra.sweep.dir)
             sweep_dir.mkdir(parents=True, exist_ok=True)
-            experiment = OmegaConf.to_container(config.experiment, resolve=True)
-            ACTIVE_SWEEP = SweepState(sweep_dir, experiment, time.perf_counter())
+            ACTIVE_SWEEP = SweepState(sweep_dir, OmegaConf.to_container(config.experiment, resolve=True), self._t_start)
             track = OmegaConf.to_container(config.tracking, resolve=True)
             if not track["enabled"]:
                 return
             client = tracking.open_client(track["uri"])
-            ACTIVE_SWEEP.parent = _open_parent(client, config, track, sweep_dir)
-            log.info(
-                "MLflow parent run %s in experiment %r (%s)",
-                ACTIVE_SWEEP.parent["run_id"],
-                track["experiment"],
-                track["uri"],
+            ACTIVE_SWEEP.parent = _reopen_parent(client, track, sweep_dir)
+            if ACTIVE_SWEEP.parent is not None:
+                return
+            experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
+            experiment = OmegaConf.to_container(config.experiment, resolve=True)
+            params_node = OmegaConf.select(config, "hydra.sweeper.params")
+            sweeper_params = OmegaConf.to_container(params_node, resolve=False) if params_node else {}
+            task_overrides = list(config.hydra.overrides.task)
+            varying = presentation.sweep_keys(task_overrides, sweeper_params)
+            swept = _swept_text(varying, sweeper_params, task_overrides)
+            note = presentation.sweep_description(experiment, swept)
+            run_id = tracking.start_run(
+                client,
+                experiment_id,
+                run_name=f"{experiment['name']}{presentation.SEPARATOR}{datetime.now():%Y-%m-%d %H:%M:%S}",
+                tags={
+                    "sweep_dir": _portable_path(sweep_dir),
+                    "experiment_preset": str(experiment["name"]),
+                    tracking.NOTE_TAG: note,
+                },
+                parent_run_id=None,
             )
+            tracking.set_experiment_description(client, experiment_id, note)
+            tracking.log_params(client, run_id, {f"sweep.{key}": value for key, value in swept.items()})
+            (sweep_dir / PARENT_FILE).write_text(
+                json.dumps(
+                    {
+                        "run_id": run_id,
+                        "experiment_id": experiment_id,
+                        "tracking_uri": track["uri"],
+                        "artifact_root": track["artifact_location"],
+                        "varying": varying,
+                    },
+                    indent=2,
+                )
+            )
+            faults.track_in_flight(client, run_id)
+            ACTIVE_SWEEP.parent = json.loads((sweep_dir / PARENT_FILE).read_text())
+            log.info("MLflow parent run %s in experiment %r (%s)", run_id, track["experiment"], track["uri"])
         except tracking.TrackingUnavailable as exc:
             # Before any job launches, once: every job would fail the same way.
             raise faults.Abort(f"error: {exc}") from None
@@ -79,129 +117,179 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             HydraConfig.instance().set_config(config)
-            state = ACTIVE_SWEEP or SweepState(
-                Path(config.hydra.sweep.dir),
-                OmegaConf.to_container(config.experiment, resolve=True),
-                time.perf_counter(),
-            )
-            result = aggregate.aggregate_sweep(state.sweep_dir, state.experiment)
-            state.status_counts = dict(result.status_counts)
-            state.finished = True
+            sweep_dir = Path(config.hydra.sweep.dir)
+            experiment = OmegaConf.to_container(config.experiment, resolve=True)
+            from pipelines import aggregate  # pandas (~0.4 s to import) only when a sweep aggregates
+
+            plots = OmegaConf.select(config, "plots", default="auto")
+            result = aggregate.aggregate_sweep(sweep_dir, experiment, plots=plots != "none")
+            if ACTIVE_SWEEP is not None:
+                ACTIVE_SWEEP.status_counts = dict(result.status_counts)
+                ACTIVE_SWEEP.finished = True
             print(result.summary_md)
             if result.paper_table_md:
                 print(result.paper_table_md)
-            parent = read_parent_if_any(state.sweep_dir)
-            if parent is None:
+            parent_file = sweep_dir / PARENT_FILE
+            if not parent_file.is_file():
                 return
+            parent = json.loads(parent_file.read_text())
             client = tracking.open_client(parent["tracking_uri"])
-            _close_parent(client, parent, result, state, status="FINISHED")
-            print(f"aggregate: {state.sweep_dir} (MLflow parent run {parent['run_id']})")
+            counts = result.status_counts
+            tracking.log_metrics(
+                client,
+                parent["run_id"],
+                {
+                    "jobs_total": sum(counts.values()),
+                    "jobs_ok": counts.get("ok", 0),
+                    "jobs_infeasible": counts.get("infeasible", 0),
+                    "jobs_failed": counts.get("failed", 0),
+                    "jobs_killed": counts.get("killed", 0),
+                    "sweep_wall_s": time.perf_counter() - self._t_start if self._t_start else None,
+                },
+            )
+            tracking.backfill_bound_gaps(client, result.table)
+            experiment = OmegaConf.to_container(config.experiment, resolve=True)
+            swept = place_params(client, parent["run_id"], sweep_dir, aggregate.load_records(sweep_dir))
+            tracking.store_artifacts(client, parent["run_id"], list(result.files), parent.get("artifact_root"))
+            link = f"#/experiments/{parent['experiment_id']}/runs/{parent['run_id']}/artifacts/" + (
+                "paper_table.md" if result.paper_table_md else "summary.md"
+            )
+            note = presentation.sweep_description(
+                experiment, swept, parent_link=link, results_md=result.paper_table_md or result.summary_md
+            )
+            tracking.log_tags(client, parent["run_id"], {tracking.NOTE_TAG: note})
+            tracking.set_experiment_description(client, parent["experiment_id"], note)
+            tracking.end_run(client, parent["run_id"], "ok")
+            faults.done_in_flight(parent["run_id"])
+            print(ui_hint(parent))
+            print(f"aggregate: {sweep_dir} (MLflow parent run {parent['run_id']})")
         except Exception:
             log.exception("SweepCallback.on_multirun_end failed: the sweep was not aggregated")
             raise
 
 
-def read_parent_if_any(sweep_dir: Path) -> dict[str, str] | None:
+def _portable_path(path: Path) -> str:
+    """`path` relative to the repository when it lies inside it: no path of one machine in a tag."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else path.name
+
+
+def _swept_text(varying: Sequence[str], sweeper_params: Mapping[str, Any], task: Sequence[str]) -> dict[str, str]:
+    """{key: the sweep's value as written} for the description before any job ran."""
+    written = {str(k): str(v) for k, v in sweeper_params.items()}
+    for override in task:
+        key, _, value = override.partition("=")
+        written[key.lstrip("+~")] = value
+    return {key: written.get(key, "?") for key in presentation.planner_first(varying)}
+
+
+def place_params(client, parent_run_id: str, sweep_dir: Path, records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Log the params constant over the sweep once, on the parent, and on each child the keys that
+    vary that it does not carry yet (a child logs only filter keys and swept leaves while it runs).
+    Returns {varying key: its values} for the description."""
+    per_job: list[dict[str, str]] = []
+    run_ids: list[str | None] = []
+    for record in records:
+        path = sweep_dir / record["job"] / RESOLVED_CONFIG_FILE
+        if not path.is_file():
+            continue
+        resolved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        per_job.append(presentation.config_params(tracking.flatten_params(resolved)))
+        run_ids.append(record.get("mlflow_run_id"))
+    constant, varying = presentation.split_params(per_job)
+    tracking.log_params(client, parent_run_id, constant)
+    for run_id, params in zip(run_ids, per_job, strict=True):
+        if not run_id:
+            continue
+        logged = client.get_run(run_id).data.params
+        missing = {k: v for k, v in params.items() if k in varying and k not in logged}
+        if missing:
+            tracking.log_params(client, run_id, missing)
+    values: dict[str, str] = {}
+    for key in presentation.planner_first(sorted(varying)):
+        seen = list(dict.fromkeys(job[key] for job in per_job if key in job))
+        if key.endswith(".source") or len(seen) > 12:
+            continue
+        values[key] = ", ".join(seen)
+    return values
+
+
+def ui_hint(parent: Mapping[str, Any]) -> str:
+    """The command that serves this store and the URL of the runs view (not the GenAI start page)."""
+    uri = parent["tracking_uri"]
+    url = f"#/experiments/{parent['experiment_id']}/runs?workflowType=machine_learning"
+    if uri.startswith("http"):
+        return f"MLflow UI: {uri.rstrip('/')}/{url}"
+    destination = f" --artifacts-destination {parent['artifact_root']}" if parent.get("artifact_root") else ""
+    return f"MLflow UI: mlflow ui --workers 1 --backend-store-uri {uri}{destination}\n  then open http://127.0.0.1:5000/{url}"
+
+
+def _reopen_parent(client, track: Mapping[str, Any], sweep_dir: Path) -> dict[str, Any] | None:
+    """When this sweep folder already has a parent run on the same store (a sweep re-run into its own
+    folder to finish it), that run again, so its earlier children stay under it and nothing is
+    duplicated; else None (a new parent is created)."""
     path = sweep_dir / PARENT_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _open_parent(client, config: DictConfig, track: dict[str, Any], sweep_dir: Path) -> dict[str, str]:
-    """The sweep's parent run: a new one, or, when this sweep directory already has one on the same
-    store (a sweep re-run into its own folder to finish it), that one again, so its earlier children
-    stay under it and nothing is duplicated."""
-    earlier = read_parent_if_any(sweep_dir)
-    if earlier is not None and earlier.get("tracking_uri") == track["uri"]:
-        try:
-            client.update_run(earlier["run_id"], status="RUNNING")
-            faults.track_in_flight(client, earlier["run_id"])
-            return earlier
-        except Exception as exc:  # deleted or from another store: start afresh, say so
-            log.warning(
-                "parent run %s of %s cannot be reopened (%s); starting a new one", earlier["run_id"], sweep_dir, exc
-            )
-    experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
-    experiment_name = OmegaConf.select(config, "experiment.name")
-    run_id = tracking.start_run(
-        client,
-        experiment_id,
-        run_name=f"sweep:{experiment_name}:{sweep_dir.name}",
-        tags={"sweep_dir": str(sweep_dir.resolve()), "experiment_preset": str(experiment_name)},
-        parent_run_id=None,
-    )
-    faults.track_in_flight(client, run_id)
-    tracking.log_params(client, run_id, {"sweep.overrides": " ".join(config.hydra.overrides.task)})
-    parent = {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": track["uri"]}
-    (sweep_dir / PARENT_FILE).write_text(json.dumps(parent, indent=2))
-    return parent
-
-
-def _close_parent(client, parent: dict[str, str], result, state: SweepState, status: str) -> None:
-    counts = result.status_counts if result is not None else {}
-    tracking.log_metrics(
-        client,
-        parent["run_id"],
-        {
-            "jobs_total": sum(counts.values()),
-            "jobs_ok": counts.get("ok", 0),
-            "jobs_infeasible": counts.get("infeasible", 0),
-            "jobs_failed": counts.get("failed", 0),
-            "jobs_killed": counts.get("killed", 0),
-            "sweep_wall_s": time.perf_counter() - state.t_start,
-        },
-    )
-    if result is not None:
-        tracking.backfill_bound_gaps(client, result.table)
-        for path in result.files:
-            client.log_artifact(parent["run_id"], str(path))
-    client.set_terminated(parent["run_id"], status=status)
-    faults.done_in_flight(parent["run_id"])
+    earlier = json.loads(path.read_text()) if path.is_file() else None
+    if earlier is None or earlier.get("tracking_uri") != track["uri"]:
+        return None
+    try:
+        client.update_run(earlier["run_id"], status="RUNNING")
+    except Exception as exc:  # deleted, or another store: start afresh, say so
+        log.warning(
+            "parent run %s of %s cannot be reopened (%s); starting a new one", earlier["run_id"], sweep_dir, exc
+        )
+        return None
+    faults.track_in_flight(client, earlier["run_id"])
+    return earlier
 
 
 def sweep_exit_code() -> int:
-    """1 when a finished sweep had failed jobs (infeasible is a result, not a failure), else 0."""
+    """1 when a finished sweep had failed or killed jobs (infeasible is a result, not a failure), else 0."""
     state = ACTIVE_SWEEP
     if state is None or not state.finished:
         return 0
     failed = state.status_counts.get("failed", 0) + state.status_counts.get("killed", 0)
     if failed:
-        print(
-            f"{failed} of {sum(state.status_counts.values())} jobs failed (see summary.md in {state.sweep_dir})",
-            file=sys.stderr,
-        )
+        total = sum(state.status_counts.values())
+        print(f"{failed} of {total} jobs failed (see summary.md in {state.sweep_dir})", file=sys.stderr)
     return 1 if failed else 0
 
 
 def close_interrupted(exc: faults.Interrupted) -> str:
     """After SIGINT/SIGTERM: in-flight runs and the parent KILLED, the partial summary written.
     Returns the one line to print."""
+    from pipelines import aggregate
+
     signame = signal.Signals(exc.signum).name
-    killed_here = faults.kill_in_flight_except(
-        ACTIVE_SWEEP.parent["run_id"] if ACTIVE_SWEEP and ACTIVE_SWEEP.parent else None
-    )
     state = ACTIVE_SWEEP
+    parent = state.parent if state is not None else None
+    killed_here = faults.kill_in_flight_except(parent["run_id"] if parent else None)
     if state is None or state.finished:
         return f"interrupted by {signame}; {killed_here} MLflow run(s) marked KILLED"
     parts = [f"interrupted by {signame}"]
     progress_info = read_progress(state.sweep_dir)
     records = len(aggregate.load_records(state.sweep_dir))
-    total = progress_info["total"] if progress_info else "?"
-    parts.append(f"{records}/{total} jobs recorded")
+    parts.append(f"{records}/{progress_info['total'] if progress_info else '?'} jobs recorded")
     result = None
     if records:
         try:
-            result = aggregate.aggregate_sweep(state.sweep_dir, state.experiment)
+            result = aggregate.aggregate_sweep(state.sweep_dir, state.experiment, plots=False)
             parts.append(f"partial summary {state.sweep_dir / 'summary.md'}")
         except Exception as exc2:
             parts.append(f"partial summary failed: {exc2}")
     else:
         parts.append(f"no job finished, no summary ({state.sweep_dir})")
-    parent = state.parent
     if parent is not None:
         try:
             client = tracking.open_client(parent["tracking_uri"])
             _kill_running_children(client, parent)
-            _close_parent(client, parent, result, state, status="KILLED")
+            counts = result.status_counts if result is not None else {}
+            metrics = {f"jobs_{status}": counts.get(status, 0) for status in ("ok", "infeasible", "failed", "killed")}
+            metrics["jobs_total"] = sum(counts.values())
+            tracking.log_metrics(client, parent["run_id"], metrics)
+            if result is not None:
+                tracking.store_artifacts(client, parent["run_id"], list(result.files), parent.get("artifact_root"))
+            faults.kill_run(client, parent["run_id"])
             killed = client.search_runs(
                 [parent["experiment_id"]],
                 f"tags.`mlflow.parentRunId` = '{parent['run_id']}' and attributes.status = 'KILLED'",
@@ -212,7 +300,7 @@ def close_interrupted(exc: faults.Interrupted) -> str:
     return "; ".join(parts)
 
 
-def _kill_running_children(client, parent: dict[str, str]) -> int:
+def _kill_running_children(client, parent: Mapping[str, Any]) -> int:
     """Children still RUNNING belong to jobs that were cut off in worker processes (joblib, submitit)."""
     running = client.search_runs(
         [parent["experiment_id"]],

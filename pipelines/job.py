@@ -26,7 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import faults, progress, stages, tracking
+from pipelines import faults, presentation, progress, stages, tracking
+from pipelines.presentation import gib
 from slackswap.errors import ConfigError
 
 PARENT_FILE = "mlflow_parent.json"
@@ -57,13 +58,7 @@ class JobContext:
         )
 
 
-def run_name(choices: Mapping[str, str], resolved: Mapping[str, Any]) -> str:
-    budget = resolved["budget"]
-    label = f"{budget['fraction']:g}" if budget.get("fraction") is not None else f"{budget.get('bytes')}B"
-    return f"{choices.get('model', '?')}/{choices.get('hardware', '?')}/{choices.get('planner', '?')}/{label}"
-
-
-def read_parent(sweep_dir: Path) -> dict[str, str]:
+def read_parent(sweep_dir: Path) -> dict[str, Any]:
     path = sweep_dir / PARENT_FILE
     if not path.is_file():
         raise RuntimeError(
@@ -105,7 +100,6 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     ctx = JobContext.from_hydra()
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
-
     config_error: ConfigError | None = None
     resolved: dict[str, Any] | None = None
     try:
@@ -116,11 +110,32 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
                 print(progress.job_line(ctx, earlier, reused=True))
                 return earlier
         (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(resolved))
-        inputs = stages.validate_inputs(resolved)
+        inputs = stages.validate_inputs(resolved, ctx.multirun)
     except ConfigError as exc:
         config_error = exc
         resolved = resolved or _unresolved(cfg)
-    record = _new_record(ctx, resolved)
+    track = resolved["tracking"]
+    parent = read_parent(ctx.sweep_dir) if ctx.multirun and track.get("enabled") else None
+    # Planner first, then only what varies in the sweep (all four parts for a single run).
+    name = presentation.run_name(parent.get("varying") if parent else None, ctx.choices, resolved)
+    record: dict[str, Any] = {
+        "run_name": name,
+        "choices": dict(ctx.choices),
+        "model": ctx.choices.get("model"),
+        "hardware": ctx.choices.get("hardware"),
+        # The preset name, qualified when a sweep overrides `planner.name` of one preset.
+        "planner": _planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
+        "planner_name": resolved["planner"]["name"],
+        "budget_fraction": resolved["budget"]["fraction"],
+        "budget_bytes_requested": resolved["budget"]["bytes"],
+        "run_dir": str(ctx.run_dir),
+        "mlflow_run_id": None,
+        "status": None,
+        "failure_reason": "",
+        "metrics": {},
+        "facts": {},
+        "timings_s": {},
+    }
     timings = record["timings_s"]
     if config_error is not None:
         record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"ConfigError: {config_error}"
@@ -129,34 +144,24 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             _write_record(ctx.run_dir, record)
             raise config_error
 
-    track = resolved["tracking"]
     client = run_id = None
+    artifact_root = track.get("artifact_location")
     t0 = time.perf_counter()
-    if track.get("enabled") and not ctx.multirun:
-        client = tracking.open_client(track["uri"])
-        experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
-        run_id = tracking.start_run(client, experiment_id, record["run_name"], _choice_tags(ctx.choices), None)
-    elif track.get("enabled"):
-        try:
-            parent = read_parent(ctx.sweep_dir)
-            client = tracking.open_client(parent["tracking_uri"])
-            run_id = tracking.start_run(
-                client, parent["experiment_id"], record["run_name"], _choice_tags(ctx.choices), parent["run_id"]
-            )
-        except Exception as exc:  # a job of a sweep records its failure; the sweep goes on
-            client = None
-            if record["status"] is None:
-                record["status"] = stages.STATUS_FAILED
-                record["failure_reason"] = f"MLflow: {type(exc).__name__}: {exc}"
+    try:
+        if track.get("enabled"):
+            client, run_id, artifact_root = _start_tracking(ctx, record, resolved, parent, artifact_root)
+    except Exception as exc:
+        if not ctx.multirun:
+            raise
+        client = None  # a job of a sweep records its failure; the sweep goes on
+        if record["status"] is None:
+            record["status"] = stages.STATUS_FAILED
+            record["failure_reason"] = f"MLflow: {type(exc).__name__}: {exc}"
     if client is not None:
-        faults.track_in_flight(client, run_id)
-        record["mlflow_run_id"] = run_id
+        timings["mlflow_start_s"] = time.perf_counter() - t0
 
     error: BaseException | None = None
     try:
-        if client is not None:
-            tracking.log_params(client, run_id, tracking.flatten_params(resolved))
-            timings["mlflow_start_s"] = time.perf_counter() - t0
         if record["status"] is None:  # no config error, no tracking error: run the stages
             try:
                 outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
@@ -169,7 +174,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         _write_record(ctx.run_dir, record)
         if client is not None:
             t0 = time.perf_counter()
-            logging_error = _log_outcome(client, run_id, record, ctx.run_dir)
+            logging_error = _log_outcome(client, run_id, record, resolved, ctx.run_dir, artifact_root)
             if logging_error is not None and error is None:
                 error = logging_error
             timings["mlflow_log_s"] = time.perf_counter() - t0
@@ -187,6 +192,74 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     if error is not None and not ctx.multirun:
         raise error
     return record
+
+
+def _start_tracking(ctx: JobContext, record: dict[str, Any], resolved: Mapping[str, Any], parent, artifact_root):
+    """Create this job's MLflow run (a child of the sweep's parent in a multirun) and log its params.
+    Returns (client, run_id, artifact_root)."""
+    track = resolved["tracking"]
+    name = record["run_name"]
+    flat = presentation.config_params(tracking.flatten_params(resolved))
+    if parent is not None:
+        client = tracking.open_client(parent["tracking_uri"])
+        experiment_id, parent_run_id = parent["experiment_id"], parent["run_id"]
+        artifact_root = parent.get("artifact_root", artifact_root)
+        # Constants go to the parent at the end of the sweep (callbacks.SweepCallback): a child
+        # carries the filter keys and what its sweep varies.
+        params = presentation.filter_params(ctx.choices, record["planner"], resolved)
+        params |= presentation.swept_value_params(parent.get("varying", ()), flat)
+    else:
+        client = tracking.open_client(track["uri"])
+        experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
+        parent_run_id = None
+        params = presentation.filter_params(ctx.choices, record["planner"], resolved) | flat
+    run_id = tracking.start_run(client, experiment_id, name, _choice_tags(ctx.choices), parent_run_id)
+    faults.track_in_flight(client, run_id)
+    record["mlflow_run_id"] = run_id
+    try:
+        tracking.log_params(client, run_id, params)
+        tracking.log_presets(
+            client,
+            run_id,
+            {g: (ctx.choices.get(g, resolved[g]["name"]), resolved[g]) for g in ("model", "hardware")},
+        )
+    except Exception:
+        with contextlib.suppress(Exception):
+            tracking.end_run(client, run_id, stages.STATUS_FAILED)
+        faults.done_in_flight(run_id)
+        raise
+    return client, run_id, artifact_root
+
+
+def _log_outcome(
+    client, run_id: str, record: dict[str, Any], resolved: Mapping[str, Any], run_dir: Path, artifact_root
+) -> Exception | None:
+    """Metrics, tags and artifacts, then end the run. A run whose results did not reach the store is
+    `failed` (never FINISHED with status ok): the record and the run's tags say what failed. Returns
+    that logging error, if any."""
+    logging_error: Exception | None = None
+    try:
+        tracking.log_metrics(client, run_id, presentation.with_units(record["metrics"]))
+        tracking.log_tags(client, run_id, _outcome_tags(record, resolved))
+        tracking.store_artifacts(client, run_id, run_dir, artifact_root)
+    except Exception as exc:
+        logging_error = exc
+        record["status"] = stages.STATUS_FAILED
+        record["failure_reason"] = f"MLflow logging failed: {type(exc).__name__}: {exc}"
+        _write_record(run_dir, record)
+        with contextlib.suppress(Exception):  # best effort: the store may be what failed
+            tracking.log_tags(client, run_id, _outcome_tags(record, resolved))
+    finally:
+        tracking.end_run(client, run_id, record["status"])
+        faults.done_in_flight(run_id)
+    return logging_error
+
+
+def _outcome_tags(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> dict[str, str]:
+    tags = {"status": record["status"], tracking.NOTE_TAG: presentation.child_description(record, resolved)}
+    if record["failure_reason"]:
+        tags["reason"] = _clip(record["failure_reason"])
+    return tags
 
 
 #: Outcomes a re-run of the same sweep into the same folder keeps instead of running the job again.
@@ -221,53 +294,6 @@ def _keep_or_set_aside_earlier(ctx: JobContext, resolved_yaml: str) -> dict[str,
     return None
 
 
-def _status_tags(record: Mapping[str, Any]) -> dict[str, str]:
-    return {"status": record["status"], "failure_reason": _clip(record["failure_reason"])}
-
-
-def _new_record(ctx: JobContext, resolved: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "run_name": run_name(ctx.choices, resolved),
-        "choices": dict(ctx.choices),
-        "model": ctx.choices.get("model"),
-        "hardware": ctx.choices.get("hardware"),
-        # The preset name, qualified when a sweep overrides `planner.name` of one preset.
-        "planner": _planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
-        "planner_name": resolved["planner"]["name"],
-        "budget_fraction": resolved["budget"]["fraction"],
-        "budget_bytes_requested": resolved["budget"]["bytes"],
-        "run_dir": str(ctx.run_dir),
-        "mlflow_run_id": None,
-        "status": None,
-        "failure_reason": "",
-        "metrics": {},
-        "facts": {},
-        "timings_s": {},
-    }
-
-
-def _log_outcome(client, run_id: str, record: dict[str, Any], run_dir: Path) -> Exception | None:
-    """Metrics, tags and artifacts, then end the run. A run whose results did not reach the store is
-    `failed` (never FINISHED with status ok): the record and the run's tags say what failed. Returns
-    that logging error, if any."""
-    logging_error: Exception | None = None
-    try:
-        tracking.log_metrics(client, run_id, record["metrics"])
-        tracking.log_tags(client, run_id, _status_tags(record))
-        tracking.log_artifacts(client, run_id, run_dir)
-    except Exception as exc:
-        logging_error = exc
-        record["status"] = stages.STATUS_FAILED
-        record["failure_reason"] = f"MLflow logging failed: {type(exc).__name__}: {exc}"
-        _write_record(run_dir, record)
-        with contextlib.suppress(Exception):  # best effort: the store may be what failed
-            tracking.log_tags(client, run_id, _status_tags(record))
-    finally:
-        tracking.end_run(client, run_id, ok=record["status"] == stages.STATUS_OK)
-        faults.done_in_flight(run_id)
-    return logging_error
-
-
 def _planner_label(choice: str | None, name: str) -> str:
     return name if choice in (None, name) else f"{choice}[{name}]"
 
@@ -280,10 +306,6 @@ def _clip(text: str) -> str:
     if len(text) <= MAX_TAG_CHARS:
         return text
     return text[:MAX_TAG_CHARS] + f" ... [truncated; full text in {RECORD_FILE}]"
-
-
-def _gb(value: Any) -> str:
-    return "n/a" if value is None else f"{value / 1e9:.3f} GB"
 
 
 def format_one_line(record: Mapping[str, Any]) -> str:
@@ -302,19 +324,27 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
         f"model        {record['model']} ({resolved['model']['name']})",
         f"hardware     {record['hardware']} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
-        f"budget       {_gb(m.get('budget_bytes'))} "
+        f"budget       {gib(m.get('budget_bytes'))} "
         f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}) "
-        f"of keep-all peak {_gb(m.get('keep_all_peak_bytes'))}",
+        f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
         f"planner      {record['planner']} ({record['planner_name']})",
+    ]
+    if m.get("analytic_keep_all_peak_bytes") is not None:
+        torch_node = resolved["model"].get("torch") or {}
+        lines.append(
+            f"profile      traced {torch_node.get('builder')} ({torch_node.get('attention')} attention, "
+            f"{torch_node.get('semantics')} kernels): real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
+            f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
+    lines += [
         f"status       {record['status']}" + (f": {record['failure_reason']}" if record["failure_reason"] else ""),
     ]
     if ratio is not None:
         lines += [
             f"throughput   {ratio:.2%} of ideal",
             f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
-            f"peak memory  {_gb(m.get('peak_activation_bytes'))} of budget {_gb(m.get('budget_bytes'))}",
-            f"swapped      {m.get('swapped_tensors')} tensors, {_gb(m.get('d2h_bytes'))} d2h, "
-            f"{_gb(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
+            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}",
+            f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
+            f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
             f"recomputed   {m.get('recomputed_tensors')} tensors, "
             f"{m.get('recompute_s', float('nan')):.4f} s extra compute",
         ]

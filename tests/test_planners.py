@@ -15,13 +15,13 @@ from slackswap.graph import Phase
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision, StepKind
-from slackswap.planners.analysis import analyse, boundary_tensors
-from slackswap.planners.keep_all import keep_all_plan
-from slackswap.planners.min_budget import min_feasible_fraction
-from slackswap.planners.recompute_knapsack import solve_knapsack
 from slackswap.planners.registry import available_planners, get_planner
-from slackswap.planners.selective_recompute import attention_core_tensors
+from slackswap.planners.strategies.recompute_knapsack import solve_knapsack
+from slackswap.planners.strategies.selective_recompute import attention_core_tensors
+from slackswap.planners.support.analysis import analyse, boundary_tensors
+from slackswap.planners.support.min_budget import min_feasible_fraction
 from slackswap.profile import build_graph
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import simulate, validate_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
