@@ -82,6 +82,13 @@ def kill_run(client: Any, run_id: str) -> None:
     done_in_flight(run_id)
 
 
+def kill_in_flight_run(run_id: str) -> None:
+    """Mark `run_id` KILLED if this process still has it open."""
+    run = IN_FLIGHT.get(run_id)
+    if run is not None:
+        kill_run(run.client, run_id)
+
+
 def kill_in_flight_except(keep: str | None) -> int:
     """Mark every run this process still has open, but `keep`, as KILLED; returns how many."""
     marked = 0

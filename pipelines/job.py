@@ -146,22 +146,20 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
 
     client = run_id = None
     artifact_root = track.get("artifact_location")
-    t0 = time.perf_counter()
-    try:
-        if track.get("enabled"):
-            client, run_id, artifact_root = _start_tracking(ctx, record, resolved, parent, artifact_root)
-    except Exception as exc:
-        if not ctx.multirun:
-            raise
-        client = None  # a job of a sweep records its failure; the sweep goes on
-        if record["status"] is None:
-            record["status"] = stages.STATUS_FAILED
-            record["failure_reason"] = f"MLflow: {type(exc).__name__}: {exc}"
-    if client is not None:
-        timings["mlflow_start_s"] = time.perf_counter() - t0
-
     error: BaseException | None = None
     try:
+        t0 = time.perf_counter()
+        try:
+            if track.get("enabled"):
+                client, run_id, artifact_root = _start_tracking(ctx, record, resolved, parent, artifact_root)
+                timings["mlflow_start_s"] = time.perf_counter() - t0
+        except Exception as exc:
+            if not ctx.multirun:
+                raise
+            client = None  # a job of a sweep records its failure; the sweep goes on
+            if record["status"] is None:
+                record["status"] = stages.STATUS_FAILED
+                record["failure_reason"] = f"MLflow: {type(exc).__name__}: {exc}"
         if record["status"] is None:  # no config error, no tracking error: run the stages
             try:
                 outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
@@ -179,10 +177,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
                 error = logging_error
             timings["mlflow_log_s"] = time.perf_counter() - t0
     except KeyboardInterrupt:
+        # Wherever it landed (MLflow calls included): the record and the run say killed.
         record["status"], record["failure_reason"] = stages.STATUS_KILLED, "interrupted (SIGINT or SIGTERM)"
         _write_record(ctx.run_dir, record)
-        if client is not None:
-            faults.kill_run(client, run_id)
+        if record["mlflow_run_id"]:
+            faults.kill_in_flight_run(record["mlflow_run_id"])
         raise
     timings["job_total_s"] = time.perf_counter() - t_start
     # Rewrite with the final timings (the copy logged to MLflow lacks only the logging time itself).
