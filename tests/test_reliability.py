@@ -525,3 +525,51 @@ def test_joblib_sweep_logs_every_child_to_a_real_server(tmp_path, mlflow_server)
         assert child.data.params["model.name"] == "tiny" and child.data.metrics["throughput_ratio"] > 0
         assert "metrics.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
     assert not (tmp_path / "mlruns").exists()  # the server decided where artifacts go
+
+
+# -------------------------------------------------------------------------------------- everyday use
+
+
+def test_a_run_leaves_no_empty_log_and_its_timeline_names_what_it_shows(tmp_path, monkeypatch) -> None:
+    """Hydra's default job logging opened an empty slackswap.log in every run folder."""
+    run_dir = tmp_path / "run"
+    args = ["model=tiny", "tracking=off", f"hydra.run.dir={run_dir}", "planner=capuchin", "plots=all"]
+    assert _in_process(monkeypatch, tmp_path, *args) == 0
+    assert (run_dir / "timeline.png").is_file()
+    assert not [p.name for p in run_dir.rglob("*.log") if p.stat().st_size == 0]
+
+    from pipelines import stages
+    from slackswap.budget import Budget
+
+    resolved = OmegaConf_to_dict(run_dir / "config.resolved.yaml")
+    inputs = stages.validate_inputs(resolved)
+    assert isinstance(inputs.budget, Budget)
+    title = stages.timeline_title(inputs, budget_bytes=2**29, keep_all_peak_bytes=2**30)
+    for part in (inputs.model.name, inputs.hardware.name, "capuchin", "0.5 GiB", "50%"):
+        assert part in title, (part, title)
+
+
+def OmegaConf_to_dict(path: Path) -> dict:  # noqa: N802  (reads like the OmegaConf call it wraps)
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_one_budget_draws_no_throughput_curve(tmp_path) -> None:
+    """A curve over a single x value (the paper experiment's one budget) says nothing; the bars do."""
+    from pipelines import aggregate
+
+    for job, planner in enumerate(("slackswap", "capuchin")):
+        (tmp_path / str(job)).mkdir()
+        record = {
+            "model": "tiny", "hardware": "gpu", "planner": planner, "budget_fraction": 0.5,
+            "budget_bytes_requested": None, "status": "ok", "failure_reason": "", "mlflow_run_id": None,
+            "metrics": {"keep_all_peak_bytes": 1000, "budget_bytes": 500, "throughput_ratio": 0.9, "step_s": 1.1,
+                        "ideal_step_s": 1.0, "feasible": True},
+        }  # fmt: skip
+        (tmp_path / str(job) / "run_record.json").write_text(json.dumps(record))
+    (tmp_path / "throughput_vs_budget.png").write_bytes(b"stale")
+    result = aggregate.aggregate_sweep(tmp_path, {})
+    assert not (tmp_path / "throughput_vs_budget.png").exists()
+    assert (tmp_path / "planner_comparison.png").is_file()
+    assert all(p.name != "throughput_vs_budget.png" for p in result.files)
