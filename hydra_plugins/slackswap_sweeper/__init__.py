@@ -3,8 +3,8 @@
 It lives here because Hydra instantiates sweepers only from the `hydra_plugins` namespace.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Hydra's plugin scan executes this module without
+# registering it in sys.modules, and dataclasses then cannot resolve string annotations.
 import json
 import time
 from dataclasses import dataclass
