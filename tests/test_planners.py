@@ -26,7 +26,7 @@ from slackswap.simulate import simulate, validate_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PLANNERS = ("keep_all", "slackswap", "slackswap_seed", "full_recompute", "selective_recompute",
-            "recompute_knapsack", "swap_only", "capuchin")
+            "recompute_knapsack", "swap_only", "capuchin", "dtr", "memo")
 
 
 def _model(name: str, **over) -> ModelConfig:
@@ -60,7 +60,8 @@ def test_plan_is_valid_and_fits_the_budget_in_the_simulator(name, fraction):
     result = simulate(GRAPH, plan, HW, budget)
     assert result.feasible, result.infeasible_reason
     assert result.peak_activation_bytes <= budget
-    assert result.stall_memory_s == 0.0  # planners hand over plans that never wait for memory
+    if name != "swap_only":  # vDNN as published waits for its offloads (tests/test_baselines.py)
+        assert result.stall_memory_s == 0.0  # planners hand over plans that never wait for memory
 
 
 def test_registry_lists_every_planner_and_names_known_ones_on_error():

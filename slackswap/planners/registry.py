@@ -21,6 +21,8 @@ _BUILTIN_MODULES: tuple[str, ...] = (
     "recompute_knapsack",
     "swap_only",
     "capuchin",
+    "dtr",
+    "memo",
     "milp",
 )
 
