@@ -60,6 +60,7 @@ class MilpPlanner:
         layers_per_window: int | str = "auto",
         heuristic_candidates: tuple[str, ...] | list[str] = ("slackswap", "capuchin", "recompute_knapsack"),
         plan_problem_max_layers: int = 8,
+        chain_cuts: bool = True,
     ):
         self.time_limit_s = _positive_number("planner.options.time_limit_s", time_limit_s)
         if isinstance(mip_rel_gap, bool) or not isinstance(mip_rel_gap, (int, float)) or not 0 <= mip_rel_gap < 1:
@@ -91,6 +92,9 @@ class MilpPlanner:
         if bad or isinstance(heuristic_candidates, str):
             raise ConfigError("planner.options.heuristic_candidates", heuristic_candidates, f"known: {sorted(known)}")
         self.heuristic_candidates = tuple(heuristic_candidates)
+        if not isinstance(chain_cuts, bool):
+            raise ConfigError("planner.options.chain_cuts", chain_cuts, "must be true or false")
+        self.chain_cuts = chain_cuts
         self.plan_problem_max_layers = _non_negative_int(
             "planner.options.plan_problem_max_layers", plan_problem_max_layers
         )
@@ -120,7 +124,7 @@ class MilpPlanner:
         return build_bound_problem(
             graph, hardware, budget_bytes, str(opts["granularity"]), memory_rows=str(opts["memory_rows"]),
             transfer_groups=bool(opts["transfer_groups"]), layers_per_window=int(opts["layers_per_window"]),
-            plan_rules=plan_rules,
+            plan_rules=plan_rules, chain_cuts=self.chain_cuts,
         )
 
     def bound(self, graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[BoundSolution, str]:
@@ -170,6 +174,7 @@ class MilpPlanner:
             "milp_memory_rows": opts["memory_rows"],
             "milp_transfer_groups": opts["transfer_groups"],
             "milp_layers_per_window": opts["layers_per_window"],
+            "milp_chain_cuts": self.chain_cuts,
             "milp_bound_step_s": solution.bound_step_s,
             "milp_model_step_s": solution.incumbent_step_s,
         }
