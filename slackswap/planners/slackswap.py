@@ -6,8 +6,9 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
   forward pass (the memory peak) on a serial D2H engine, so a tensor produced late in the forward
   pass gets only the time left after it; a prefetch must finish before the tensor's first backward
   use on a serial H2D engine that can start only when backward does (`analysis.SlackLedger`);
-- recompute is ranked by *marginal* cost per byte: ops already re-run for an earlier pick are free
-  (`greedy.order_by_marginal_cost`);
+- recompute is ranked by *marginal* cost per byte: ops already re-run for an earlier pick are free,
+  and the outputs of one producer op are priced and taken together (a dropout output and its mask
+  cost one dropout re-run for both; `order_by_group_marginal_cost`);
 - a swapped byte is worth what it spares at the *tail* of the recompute ranking, not its own
   regeneration cost: once a tensor is more expensive per byte than the last tensor the budget makes
   us recompute, it would be kept anyway, and among such tensors the slack is best spent on the ones
@@ -19,10 +20,12 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
+
 from slackswap.graph import Graph
-from slackswap.planners.analysis import ProfileAnalysis
+from slackswap.planners.analysis import ProfileAnalysis, regen_chain
 from slackswap.planners.greedy import (
-    order_by_marginal_cost,
     order_by_standalone_cost,
     recompute_candidates,
     take_while_hidden,
@@ -63,6 +66,67 @@ def by_shared_regen_cost_per_byte(graph: Graph, analysis: ProfileAnalysis) -> li
     return sorted((t for t, i in infos.items() if i.size_bytes > 0), key=key)
 
 
+def order_by_group_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: Sequence[str]) -> list[str]:
+    """Cheapest marginal regeneration per byte first, pricing the outputs of one producer op together.
+
+    `order_by_marginal_cost` prices each tensor alone: the dropout output and its mask come from one
+    op, so recomputing the output makes the mask free, but the output alone looks twice as expensive
+    per byte as the pair really is and a costlier tensor (a GeLU output) is taken first. Here a
+    group is the remaining candidates of one producer op; its price is the time of the ops its
+    members' chains add (not yet re-run for an earlier pick) over the group's bytes, and a group is
+    taken whole. After each pick the groups whose chains touch the newly covered ops, or read a
+    newly missing tensor, are re-priced (lazy heap with versions), as in the per-tensor ranking.
+    """
+    dur = {op.name: op.duration_s for op in graph.ops}
+    rank = {t: i for i, t in enumerate(candidates)}
+    members: dict[str, list[str]] = {}
+    for t in candidates:
+        members.setdefault(graph.tensors[t].producer, []).append(t)
+    missing: set[str] = set()
+    covered: set[str] = set()
+    chain = {t: analysis.tensors[t].regen_ops for t in candidates}
+    users: dict[str, set[str]] = {}  # op -> groups whose members' chains contain it
+
+    def index(group: str) -> None:
+        for t in members[group]:
+            for o in chain[t]:
+                users.setdefault(o, set()).add(group)
+
+    for group in members:
+        index(group)
+
+    def key(group: str) -> float:
+        ops = {o for t in members[group] for o in chain[t]} - covered
+        size = sum(max(analysis.tensors[t].size_bytes, 1) for t in members[group])
+        return sum(dur[o] for o in ops) / size
+
+    version = dict.fromkeys(members, 0)
+    heap = [(key(g), min(rank[t] for t in ts), 0, g) for g, ts in members.items()]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        _, _, v, group = heapq.heappop(heap)
+        if v != version[group] or not members[group]:
+            continue
+        picked = members[group]
+        members[group] = []
+        order.extend(picked)
+        missing.update(picked)
+        new_ops = {o for t in picked for o in chain[t]} - covered
+        covered.update(new_ops)
+        touched = set(new_ops) | {c for t in picked for c in graph.tensors[t].consumers}
+        affected = set().union(*(users.get(o, ()) for o in touched)) - {group}
+        for g in affected:
+            if not members[g]:
+                continue
+            for t in members[g]:
+                chain[t] = regen_chain(graph, t, missing)
+            index(g)
+            version[g] += 1
+            heapq.heappush(heap, (key(g), min(rank[t] for t in members[g]), version[g], g))
+    return order
+
+
 @register_planner("slackswap")
 class SlackSwap(SwapThenRecompute):
     name = "slackswap"
@@ -99,4 +163,4 @@ class SlackSwap(SwapThenRecompute):
         ]
 
     def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
-        return order_by_marginal_cost(graph, analysis, frees_memory(analysis, candidates))
+        return order_by_group_marginal_cost(graph, analysis, frees_memory(analysis, candidates))
