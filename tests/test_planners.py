@@ -222,3 +222,19 @@ def test_slackswap_prices_the_outputs_of_one_op_together():
     analysis = analyse(g, toy_hardware())
     assert order_by_marginal_cost(g, analysis, ["out", "mask", "g"])[0] == "g"
     assert order_by_group_marginal_cost(g, analysis, ["out", "mask", "g"]) == ["out", "mask", "g"]
+
+
+def test_slackswap_may_recompute_a_boundary_whose_chain_is_one_op_of_its_layer():
+    from slackswap.planners.slackswap import in_layer_boundaries
+
+    # Post-LN BERT: a layer hands ln2(add2) to the next; regenerating it re-runs ln2 alone.
+    graph = build_graph(_model("bert_large", num_layers=4, seq_len=128, micro_batch_size=2), HW)
+    analysis = analyse(graph, HW)
+    allowed = in_layer_boundaries(graph, analysis)
+    assert sorted(allowed) == [f"L{i}.ln2.out" for i in range(4)]
+    assert not in_layer_boundaries(GRAPH, analyse(GRAPH, HW))  # GPT-2's boundary is a residual sum: 3 ops
+    budget = int(0.5 * analysis.keep_all_peak_bytes)
+    plan = get_planner("slackswap").plan(graph, HW, budget)
+    assert set(allowed) & set(plan.tensors_with(Decision.RECOMPUTE))
+    result = simulate(graph, plan, HW, budget)
+    assert result.feasible and result.stall_s == 0.0

@@ -127,6 +127,18 @@ def order_by_group_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candid
     return order
 
 
+def in_layer_boundaries(graph: Graph, analysis: ProfileAnalysis) -> list[str]:
+    """Layer boundaries of the stack whose regeneration chain (all other saved tensors on the device)
+    is one op of their own layer, such as a post-LN layer's output norm reading the kept residual sum.
+    The boundary rule exists because recomputing a boundary can chain back through many layers; a
+    one-op chain cannot, and if a later pick lengthens it the marginal ranking prices that."""
+    out = []
+    for t, info in analysis.tensors.items():
+        if info.boundary and info.layer >= 0 and len(info.regen_ops) == 1 and info.size_bytes > 0:
+            out.append(t)
+    return out
+
+
 @register_planner("slackswap")
 class SlackSwap(SwapThenRecompute):
     name = "slackswap"
@@ -164,3 +176,10 @@ class SlackSwap(SwapThenRecompute):
 
     def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
         return order_by_group_marginal_cost(graph, analysis, frees_memory(analysis, candidates))
+
+    def recompute_pool(self, graph: Graph, analysis: ProfileAnalysis, swaps: set[str]) -> list[str]:
+        """Non-boundary tensors, plus the layer boundaries whose own regeneration stays inside their
+        layer (`in_layer_boundaries`)."""
+        return recompute_candidates(graph, analysis, swaps) + [
+            t for t in in_layer_boundaries(graph, analysis) if t not in swaps
+        ]
