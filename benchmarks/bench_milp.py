@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
-from slackswap.planners.keep_all import keep_all_plan
 from slackswap.planners.milp import MilpPlanner
 from slackswap.planners.registry import available_planners, get_planner
 from slackswap.profile import build_graph
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[1]

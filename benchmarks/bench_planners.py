@@ -8,7 +8,7 @@ single-core time). Prints three tables and writes benchmarks/results/planners.js
 2. the seed's setting (a100_80gb_pcie4, 50 % budget, bert_large / gpt2_xl / llama7b): simulated
    throughput ratio of every planner, slackswap against the paper's 96.3 / 97.6 / 99.6;
 3. the smallest feasible budget fraction of every planner on every preset (bisection to 0.005,
-   `slackswap.planners.min_budget`), the found plan re-checked in the simulator.
+   `slackswap.planners.support.min_budget`), the found plan re-checked in the simulator.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
-from slackswap.planners.keep_all import keep_all_plan  # noqa: E402
-from slackswap.planners.min_budget import min_feasible_fraction  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
+from slackswap.planners.support.min_budget import min_feasible_fraction  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
+from slackswap.schedule.build import keep_all_plan  # noqa: E402
 from slackswap.simulate import simulate  # noqa: E402
 
 CONF = ROOT / "conf"

@@ -7,10 +7,10 @@ import pytest
 
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.plan import Decision
-from slackswap.planners.analysis import analyse, boundary_tensors
-from slackswap.planners.full_recompute import segment_length
-from slackswap.planners.memo import memo_alpha
 from slackswap.planners.registry import get_planner
+from slackswap.planners.strategies.full_recompute import segment_length
+from slackswap.planners.strategies.memo import memo_alpha
+from slackswap.planners.support.analysis import analyse, boundary_tensors
 from slackswap.profile import build_graph
 from slackswap.simulate import simulate, validate_plan
 from slackswap.testing import bwd, fwd, make_graph, toy_hardware

@@ -9,7 +9,7 @@ import pytest
 
 from slackswap.errors import ConfigError
 from slackswap.plan_io import plan_from_dict, plan_to_dict, read_plan_json, write_plan_json
-from slackswap.planners.schedule import build_schedule
+from slackswap.schedule.build import build_schedule
 from slackswap.testing import random_decisions, random_graph, toy_hardware
 
 

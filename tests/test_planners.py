@@ -15,13 +15,13 @@ from slackswap.graph import Phase
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision, StepKind
-from slackswap.planners.analysis import analyse, boundary_tensors
-from slackswap.planners.keep_all import keep_all_plan
-from slackswap.planners.min_budget import min_feasible_fraction
-from slackswap.planners.recompute_knapsack import solve_knapsack
 from slackswap.planners.registry import available_planners, get_planner
-from slackswap.planners.selective_recompute import attention_core_tensors
+from slackswap.planners.strategies.recompute_knapsack import solve_knapsack
+from slackswap.planners.strategies.selective_recompute import attention_core_tensors
+from slackswap.planners.support.analysis import analyse, boundary_tensors
+from slackswap.planners.support.min_budget import min_feasible_fraction
 from slackswap.profile import build_graph
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import simulate, validate_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -210,8 +210,8 @@ def test_flash_attention_leaves_selective_recompute_only_the_fused_kernel_output
 def test_slackswap_prices_the_outputs_of_one_op_together():
     # drop makes out (200 B) and mask (100 B) in 0.3 s; gelu makes g (50 B) in 0.068 s. Alone, out
     # costs 1.5 ms/B and g 1.36 ms/B, so a per-tensor ranking takes g first; the pair costs 1 ms/B.
-    from slackswap.planners.greedy import order_by_marginal_cost
-    from slackswap.planners.slackswap import order_by_group_marginal_cost
+    from slackswap.planners.strategies.slackswap import order_by_group_marginal_cost
+    from slackswap.planners.support.greedy import order_by_marginal_cost
     from slackswap.testing import bwd, fwd, make_graph, toy_hardware
 
     g = make_graph(
@@ -225,7 +225,7 @@ def test_slackswap_prices_the_outputs_of_one_op_together():
 
 
 def test_slackswap_may_recompute_a_boundary_whose_chain_is_one_op_of_its_layer():
-    from slackswap.planners.slackswap import in_layer_boundaries
+    from slackswap.planners.strategies.slackswap import in_layer_boundaries
 
     # Post-LN BERT: a layer hands ln2(add2) to the next; regenerating it re-runs ln2 alone.
     graph = build_graph(_model("bert_large", num_layers=4, seq_len=128, micro_batch_size=2), HW)

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from slackswap.errors import ConfigError
 from slackswap.plan import Decision, Direction, StepKind
-from slackswap.planners.schedule import build_schedule
-from slackswap.planners.timeline import estimate_plan
+from slackswap.schedule.build import build_schedule
+from slackswap.schedule.replay import estimate_plan
 from slackswap.simulate import simulate, validate_plan
 from slackswap.testing import bwd, fwd, make_graph, random_decisions, random_graph, toy_hardware
 

@@ -10,7 +10,7 @@ import pytest
 
 from slackswap.errors import ConfigError
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
-from slackswap.planners.keep_all import keep_all_plan
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import simulate
 from slackswap.testing import bwd, fwd, make_graph, toy_hardware
 

@@ -11,7 +11,7 @@ import yaml
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
-from slackswap.planners.keep_all import keep_all_plan
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import simulate, validate_plan
 from slackswap.testing import random_decisions
 
@@ -42,7 +42,7 @@ def test_keep_all_step_is_the_sum_of_op_times_and_peak_fits_its_own_budget(tiny)
 
 @pytest.mark.parametrize("seed", range(4))
 def test_build_schedule_plans_validate_and_respect_the_budget(tiny, seed):
-    schedule = pytest.importorskip("slackswap.planners.schedule")
+    schedule = pytest.importorskip("slackswap.schedule.build")
     graph, hw = tiny
     decisions = random_decisions(graph, random.Random(seed))
     plan = schedule.build_schedule(graph, decisions, planner="test", budget_bytes=None, hardware=hw)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slackswap.planners.keep_all import keep_all_plan
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import SimResult, resolve_schedule, simulate
 from slackswap.testing import random_graph, random_valid_plan, toy_hardware
 

@@ -8,7 +8,7 @@ import pytest
 
 from slackswap.errors import ConfigError
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
-from slackswap.planners.keep_all import keep_all_plan
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import simulate
 from slackswap.simulate.metrics import compute_metrics, simulate_ideal
 from slackswap.simulate.timeline import merged_intervals, write_timeline_png

@@ -9,7 +9,7 @@ import pytest
 
 from slackswap.errors import PlanValidationError
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
-from slackswap.planners.keep_all import keep_all_plan
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import resolve_schedule, validate_plan
 from slackswap.testing import bwd, fwd, make_graph, random_graph, random_valid_plan
 

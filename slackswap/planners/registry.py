@@ -1,30 +1,22 @@
 """Planner registry: names in conf/planner/*.yaml map to planner classes here.
 
-Planner modules register themselves with `@register_planner("name")`; `get_planner` imports every
-built-in planner module first, so a name works no matter which modules the caller imported.
+Planner modules register themselves with `@register_planner("name")`. `get_planner` and
+`available_planners` first import every module of `slackswap.planners.strategies` (discovered, not
+listed) and the MILP planner, so a name works no matter which modules the caller imported, and
+adding a planner needs no edit here.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 
 from slackswap.errors import ConfigError
 from slackswap.planners.base import Planner
 
-_BUILTIN_MODULES: tuple[str, ...] = (
-    "keep_all",
-    "slackswap",
-    "slackswap_seed",
-    "full_recompute",
-    "selective_recompute",
-    "recompute_knapsack",
-    "swap_only",
-    "capuchin",
-    "dtr",
-    "memo",
-    "milp",
-)
+#: Planner modules outside the strategies package.
+_OTHER_MODULES: tuple[str, ...] = ("slackswap.planners.milp.planner",)
 
 _REGISTRY: dict[str, Callable[..., Planner]] = {}
 
@@ -42,8 +34,12 @@ def register_planner(name: str) -> Callable[[type], type]:
 
 
 def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(f"slackswap.planners.{module}")
+    import slackswap.planners.strategies as strategies
+
+    for info in pkgutil.iter_modules(strategies.__path__):
+        importlib.import_module(f"{strategies.__name__}.{info.name}")
+    for module in _OTHER_MODULES:
+        importlib.import_module(module)
 
 
 def available_planners() -> tuple[str, ...]:

@@ -5,9 +5,9 @@
 dict live in `trace`, `timeline` and `metrics` (timeline imports matplotlib lazily).
 """
 
+from slackswap.schedule.validate import resolve_schedule, validate_plan
 from slackswap.simulate.engine import simulate, transfer_duration_s
 from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
-from slackswap.simulate.validate import resolve_schedule, validate_plan
 
 __all__ = [
     "Infeasibility",

@@ -7,7 +7,7 @@ import math
 from slackswap.errors import ConfigError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
-from slackswap.planners.keep_all import keep_all_plan
+from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate.engine import simulate
 from slackswap.simulate.result import SimResult
 

@@ -1,0 +1,571 @@
+"""The bound problem of the `milp` planner: a MILP whose optimum is a lower bound on simulated step time.
+
+Every constraint here is a NECESSARY condition of any execution the simulator can produce for a valid
+plan (the argument, constraint by constraint, is in docs/milp.md). Nothing heuristic may be added
+here: a heuristic constraint could cut off the true optimum and the "bound" would stop being one.
+
+Time model. Checkpoints are run-step starts S_c of a subset of ops (every op, or layer starts),
+c_0 = 0 < c_1 < ... < c_K = n_ops, where S_{n_ops} = T is the end of the step. Interval k is
+(S_{c_{k-1}}, S_{c_k}]; its length is the run-step durations of ops c_{k-1} .. c_k - 1 plus a gap
+variable sigma_k >= 0 (stalls and any recompute steps in that interval). So T = sum(durations) +
+sum(sigma): stalls are variables, not assumed away.
+
+Variables (all in [0, 1] unless said):
+- keep/swap/recompute indicators per saved tensor (binary in the MILP, summing to 1);
+- o[t,k]: offload of t completed by S_{c_k}; u[t,k]: prefetch of t started by S_{c_k}
+  (relaxed to [0, 1]: a fraction is weaker than the true 0/1, so still a valid bound);
+- q[t,k], v[t,k] >= 0: d2h / h2d engine work (ms) on t inside interval k (a preemptive relaxation
+  of the serial copy engines);
+- sigma_k >= 0 (ms); z[p,k]: "producer p is recomputed for a reader before S_{c_k}".
+
+Units inside the LP: milliseconds and fractions of the budget, for conditioning.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+
+from slackswap.errors import ConfigError
+from slackswap.graph import FORWARD_PHASES, Graph, Phase
+from slackswap.hardware import Hardware
+from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
+
+MS_PER_S = 1e3
+GRANULARITIES: tuple[str, ...] = ("op", "layer")
+MEMORY_ROWS: tuple[str, ...] = ("all", "reduced")
+
+
+@dataclass(frozen=True)
+class SavedInfo:
+    """One saved tensor, with the op positions the bound problem needs."""
+
+    name: str
+    size_bytes: int
+    producer: int
+    #: First backward reader: a swapped or recomputed copy must be on the device when it starts.
+    first_bwd: int
+    last_reader: int
+    readers: frozenset[int]
+    d2h_ms: float
+    h2d_ms: float
+
+
+@dataclass(frozen=True)
+class BoundProblem:
+    """The assembled MILP `min c@x s.t. lo <= A@x <= hi, bounds, integrality` plus its index maps."""
+
+    c: np.ndarray
+    a: sparse.csr_array
+    lo: np.ndarray
+    hi: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    integrality: np.ndarray
+    saved: tuple[SavedInfo, ...]
+    #: Column of (keep, swap, recompute) for saved[i].
+    decision_cols: tuple[tuple[int, int, int], ...]
+    checkpoints: tuple[int, ...]
+    total_run_s: float
+    #: Per op: bytes resident at its start for sure whatever the plan (the all-recompute floor).
+    floor_bytes: tuple[int, ...]
+
+
+
+
+def checkpoints_for(graph: Graph, granularity: str, layers_per_window: int = 1) -> tuple[int, ...]:
+    """Op positions whose start times are modelled. Always 0 and the virtual end n_ops.
+
+    `op`: every op (tightest, largest). `layer`: the first op of each (layer, phase) run, so each
+    layer's forward and backward span is one window; with `layers_per_window` m > 1 only every m-th
+    such span start (counted per phase) is a checkpoint, so a window spans m layers. Any subset of op
+    starts is a valid set of checkpoints (docs/milp.md); fewer checkpoints only weaken the bound.
+    """
+    if granularity not in GRANULARITIES:
+        raise ConfigError("planner.options.granularity", granularity, f"unknown; known: {GRANULARITIES}")
+    n = len(graph.ops)
+    if granularity == "op":
+        return tuple(range(n + 1))
+    points = {0, n}
+    count: dict[Phase, int] = {}
+    for i in range(1, n):
+        prev, op = graph.ops[i - 1], graph.ops[i]
+        if (op.layer, op.phase) != (prev.layer, prev.phase):
+            seen = count.get(op.phase, 0)
+            count[op.phase] = seen + 1
+            if op.layer < 0 or prev.layer < 0 or prev.phase != op.phase or seen % layers_per_window == 0:
+                points.add(i)
+    return tuple(sorted(points))
+
+
+def saved_infos(graph: Graph, hardware: Hardware) -> tuple[SavedInfo, ...]:
+    index = graph.op_index
+    out = []
+    for t in graph.saved_tensors:
+        readers = frozenset(index[c] for c in t.consumers)
+        bwd = [r for r in readers if graph.ops[r].phase == Phase.BACKWARD]
+        out.append(
+            SavedInfo(
+                name=t.name,
+                size_bytes=t.size_bytes,
+                producer=index[t.producer],
+                first_bwd=min(bwd),
+                last_reader=max(readers),
+                readers=readers,
+                # the simulator's copy times (slackswap.schedule.transfer), engines' bandwidth share included
+                d2h_ms=d2h_s(t.size_bytes, hardware) * MS_PER_S,
+                h2d_ms=h2d_s(t.size_bytes, hardware) * MS_PER_S,
+            )
+        )
+    return tuple(out)
+
+
+def fixed_bytes_per_op(graph: Graph) -> list[int]:
+    """Bytes of non-saved tensors resident at each op's start: a plan cannot move or drop them.
+
+    A tensor is resident at the start of op j when its producer is at or before j and its last
+    reader at or after j (outputs are allocated at op start; a tensor is freed when its last reader
+    finishes).
+    """
+    index = graph.op_index
+    diff = [0] * (len(graph.ops) + 1)
+    for t in graph.tensors.values():
+        if t.saved:
+            continue
+        start = index[t.producer]
+        end = max((index[c] for c in t.consumers), default=start)
+        diff[start] += t.size_bytes
+        diff[end + 1] -= t.size_bytes
+    return list(np.cumsum(diff[:-1]).astype(np.int64).tolist())
+
+
+def last_forward_reader(graph: Graph, info: SavedInfo) -> int:
+    """Last forward/loss reader of a saved tensor (its producer if none): where its run copy dies
+    under build_schedule when it is swapped or recomputed."""
+    fwd = [r for r in info.readers if graph.ops[r].phase in FORWARD_PHASES]
+    return max(fwd, default=info.producer)
+
+
+def _chain_tensors(graph: Graph, name: str) -> tuple[list[int], list[str]]:
+    """build_schedule's regeneration of a recompute-decided tensor: its producer, and recursively the
+    producers of its NON-saved forward inputs (saved inputs are kept, swapped or regenerated on their
+    own account). Returns (op positions, the non-saved intermediate tensors)."""
+    index = graph.op_index
+    producers: list[int] = []
+    intermediates: list[str] = []
+    stack = [graph.tensors[name].producer]
+    seen: set[str] = set()
+    while stack:
+        op_name = stack.pop()
+        if op_name in seen:
+            continue
+        seen.add(op_name)
+        producers.append(index[op_name])
+        for t in graph.op_by_name[op_name].inputs:
+            tensor = graph.tensors[t]
+            producer = graph.op_by_name[tensor.producer]
+            if not tensor.saved and producer.phase in FORWARD_PHASES:
+                intermediates.append(t)
+                stack.append(tensor.producer)
+    return producers, intermediates
+
+
+def chain_producers(graph: Graph, name: str) -> tuple[int, ...]:
+    return tuple(_chain_tensors(graph, name)[0])
+
+
+def chain_intermediate_bytes(graph: Graph, name: str) -> int:
+    return sum(graph.tensors[t].size_bytes for t in set(_chain_tensors(graph, name)[1]))
+
+
+def chain_cut_pairs(graph: Graph, saved: Sequence[SavedInfo]) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(saved index i, position of u's producer, min(size_t, size_u), first row, last row) per chain cut.
+
+    For a saved tensor t (index i) with a forward producer p that reads a non-saved forward tensor u:
+    at the start of every op j with last_reader(u) < j < first_bwd(t), j not a reader of t, a valid
+    plan recomputing t holds a copy of t or of u, or recomputes u's producer before first_bwd(t)
+    (docs/milp.md "Chain cuts"). Each u serves one t and each t one u, so the copies counted in one
+    memory row are distinct (and distinct from everything else the row counts)."""
+    index = graph.op_index
+    out = []
+    used: set[str] = set()
+    for i, info in enumerate(saved):
+        producer = graph.ops[info.producer]
+        if producer.phase not in FORWARD_PHASES or info.size_bytes == 0:
+            continue
+        for u in producer.inputs:
+            tensor = graph.tensors[u]
+            u_producer = graph.op_by_name[tensor.producer]
+            if tensor.saved or u_producer.phase not in FORWARD_PHASES or tensor.size_bytes == 0 or u in used:
+                continue
+            used.add(u)
+            last_u = max(index[c] for c in tensor.consumers)
+            out.append((i, index[tensor.producer], min(tensor.size_bytes, info.size_bytes), last_u + 1,
+                        info.first_bwd - 1))
+            break
+    return tuple(out)
+
+
+def reduced_memory_rows(
+    graph: Graph, saved: Sequence[SavedInfo], const: Sequence[int], extra: Sequence[int]
+) -> list[int]:
+    """The ops that keep a memory row under `memory_rows: reduced`.
+
+    Per maximal (layer, phase) span: the op with the largest unmovable floor (`const`) and the op with
+    the largest keep-all resident bytes (floor + every saved tensor alive across it, + `extra` at first
+    backward readers). Plus every op from the last transformer layer's forward span to the first
+    backward layer span (the forward/backward boundary, where the peak sits). Any subset is valid for
+    the bound: a dropped row is a dropped necessary condition.
+    """
+    ops = graph.ops
+    n = len(ops)
+    diff = [0] * (n + 1)
+    for info, x in zip(saved, extra, strict=True):
+        diff[info.producer + 1] += info.size_bytes  # producer and readers are already in const
+        diff[info.last_reader] -= info.size_bytes
+        if x:
+            diff[info.first_bwd] += x
+            diff[info.first_bwd + 1] -= x
+    alive = np.cumsum(diff[:-1])
+    potential = np.asarray(const, dtype=np.float64) + alive
+    chosen: set[int] = set()
+    start = 0
+    for j in range(1, n + 1):
+        if j == n or (ops[j].layer, ops[j].phase) != (ops[start].layer, ops[start].phase):
+            span = range(start, j)
+            chosen.add(max(span, key=lambda x: const[x]))
+            chosen.add(max(span, key=lambda x: potential[x]))
+            start = j
+    layer_fwd = [i for i, op in enumerate(ops) if op.phase == Phase.FORWARD and op.layer >= 0]
+    layer_bwd = [i for i, op in enumerate(ops) if op.phase == Phase.BACKWARD and op.layer >= 0]
+    if layer_fwd and layer_bwd:
+        top = ops[layer_fwd[-1]].layer
+        lo = min(i for i in layer_fwd if ops[i].layer == top)
+        first_bwd_layer = ops[layer_bwd[0]].layer
+        hi = max(i for i in layer_bwd if ops[i].layer == first_bwd_layer and i >= layer_bwd[0])
+        chosen.update(range(lo, hi + 1))
+    return sorted(chosen)
+
+
+class _Columns:
+    def __init__(self) -> None:
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[int] = []
+
+    def add(self, lb: float = 0.0, ub: float = np.inf, cost: float = 0.0, integer: bool = False) -> int:
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.cost.append(cost)
+        self.integer.append(1 if integer else 0)
+        return len(self.lb) - 1
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def add(self, terms: Sequence[tuple[int, float]], lo: float, hi: float) -> None:
+        r = len(self.lo)
+        for col, val in terms:
+            self.rows.append(r)
+            self.cols.append(col)
+            self.vals.append(val)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+
+def build_bound_problem(
+    graph: Graph,
+    hardware: Hardware,
+    budget_bytes: int,
+    granularity: str,
+    *,
+    memory_rows: str = "all",
+    plan_rules: bool = False,
+    layers_per_window: int = 1,
+    transfer_groups: bool = False,
+    chain_cuts: bool = False,
+) -> BoundProblem:
+    """Assemble the bound MILP. Objective: total gap time sum(sigma) in ms, so T = run time + objective.
+
+    `memory_rows`: "all" (a memory row at every op start) or "reduced" (per (layer, phase) span only
+    the op with the largest unmovable floor and the op with the largest keep-all resident bytes, plus
+    every op of the spans around the forward/backward boundary). Dropping rows only enlarges the
+    feasible set, so the bound stays valid (docs/milp.md).
+
+    `plan_rules=True` builds the PLAN problem instead (never used for the bound): memory and time as
+    `build_schedule` lays them out, which is tighter than necessary and therefore not a valid bound:
+    a recompute-decided tensor's run copy lives until its last forward reader and its recompute copy
+    from its first to its last backward reader; a recompute also pays (time) for its chain of
+    non-saved forward inputs, whose copies (memory) sit beside it at its first backward reader.
+
+    `chain_cuts=True` adds the chain-or-memory cuts (bound problem only; `chain_cut_pairs`,
+    docs/milp.md "Chain cuts"): a recompute-decided tensor whose producer reads a non-saved forward
+    tensor u either pays for a recompute of u's producer, or holds min(size t, size u) on the device
+    from u's last forward reader to t's first backward reader.
+    """
+    if memory_rows not in MEMORY_ROWS:
+        raise ConfigError("planner.options.memory_rows", memory_rows, f"unknown; known: {MEMORY_ROWS}")
+    ops = graph.ops
+    n = len(ops)
+    dur_ms = [op.duration_s * MS_PER_S for op in ops]
+    cps = checkpoints_for(graph, granularity, layers_per_window)
+    K = len(cps) - 1  # intervals 1..K
+    run_ms = [0.0] + [sum(dur_ms[cps[k - 1] : cps[k]]) for k in range(1, K + 1)]
+    saved = saved_infos(graph, hardware)
+    fixed = fixed_bytes_per_op(graph)
+    cols = _Columns()
+    rows = _Rows()
+    scale = 1.0 / budget_bytes
+
+    sigma = [-1] + [cols.add(cost=1.0) for _ in range(1, K + 1)]
+    decision_cols = []
+    for info in saved:
+        # Only forward (and loss) ops can be recomputed (validator rule), so r = 0 for the others.
+        recomputable = ops[info.producer].phase in FORWARD_PHASES
+        kc, sc = cols.add(0, 1, 0, True), cols.add(0, 1, 0, True)
+        rc = cols.add(0, 1 if recomputable else 0, 0, True)
+        rows.add([(kc, 1), (sc, 1), (rc, 1)], 1, 1)
+        decision_cols.append((kc, sc, rc))
+
+    def first_cp_at_or_after(pos: int) -> int:
+        return bisect.bisect_left(cps, pos)
+
+    # Offload / prefetch progress and engine work per saved tensor. Engine work is held as CUMULATIVE
+    # columns Q[t,k] = d2h work on t in intervals k_first..k (V likewise for h2d), non-decreasing in
+    # k; the work inside interval k is Q[t,k] - Q[t,k-1]. This is the same polyhedron as per-interval
+    # work columns (substitution), with O(K) instead of O(K^2) nonzeros per tensor.
+    o_col: list[dict[int, int]] = []
+    u_col: list[dict[int, int]] = []
+    q_by_interval: dict[int, list[tuple[int, float]]] = {k: [] for k in range(1, K + 1)}
+    v_by_interval: dict[int, list[tuple[int, float]]] = {k: [] for k in range(1, K + 1)}
+    link = hardware.link
+    group_of: list[int] = [-1] * len(saved)
+    g_o: list[dict[int, int]] = []
+    g_u: list[dict[int, int]] = []
+    g_members: list[list[int]] = []
+    if transfer_groups:
+        # Grouped (relaxed) transfer model: one flow per group of tensors sharing (first checkpoint
+        # after the producer, first checkpoint at/after the first backward reader). O_g[k], U_g[k]
+        # (budget fractions) stand for sum_i size_i o[i,k] and sum_i size_i u[i,k]; Q_g, V_g (ms) for the
+        # summed cumulative engine work. Every row below is a sum of per-tensor rows with latency
+        # dropped where that loosens it (copy time >= bytes / bandwidth), so it is a relaxation of the
+        # per-tensor model (docs/milp.md).
+        # the bytes term of slackswap.schedule.transfer's formula, per budget unit
+        d2h_ms_per_unit = transfer_s(budget_bytes, link.d2h_effective_bytes_per_s, 0.0, link.d2h_engines) * MS_PER_S
+        h2d_ms_per_unit = transfer_s(budget_bytes, link.h2d_effective_bytes_per_s, 0.0, link.h2d_engines) * MS_PER_S
+        keys: dict[tuple[int, int], int] = {}
+        for i, info in enumerate(saved):
+            key = (bisect.bisect_right(cps, info.producer), first_cp_at_or_after(info.first_bwd))
+            group_of[i] = keys.setdefault(key, len(keys))
+            if group_of[i] == len(g_members):
+                g_members.append([])
+            g_members[group_of[i]].append(i)
+        for (k_first, kb), g in keys.items():
+            members = g_members[g]
+            s_terms = [(decision_cols[i][1], saved[i].size_bytes * scale) for i in members]
+            lat_terms = [(decision_cols[i][1], link.latency_s * MS_PER_S) for i in members]
+            inner = list(range(k_first, kb))
+            o = {k: cols.add(0, np.inf) for k in inner}
+            u = {k: cols.add(0, np.inf) for k in inner}
+            Q, V = _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
+            _non_decreasing(rows, (o, u), inner)
+            for k in inner:
+                rows.add([(o[k], 1)] + [(c, -w) for c, w in s_terms], -np.inf, 0)
+                rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
+                rows.add([(o[k], d2h_ms_per_unit), (Q[k], -1)], -np.inf, 0)
+                # prefetch work in interval k <= the started prefetches' copy times (latency kept: <=)
+                rows.add([(V[k], 1), (u[k], -h2d_ms_per_unit)] + [(c, -w) for c, w in lat_terms]
+                         + ([(V[k - 1], -1)] if k > k_first else []), -np.inf, 0)
+                rows.add([(c, w * h2d_ms_per_unit) for c, w in s_terms]
+                         + [(u[k], -h2d_ms_per_unit), (V[kb], -1), (V[k], 1)], -np.inf, 0)
+            rows.add([(c, w * d2h_ms_per_unit) for c, w in s_terms] + [(Q[kb], -1)], -np.inf, 0)
+            rows.add([(c, w * h2d_ms_per_unit) for c, w in s_terms] + [(V[kb], -1)], -np.inf, 0)
+            g_o.append(o)
+            g_u.append(u)
+    else:
+        for info, (_, sc, _) in zip(saved, decision_cols, strict=True):
+            kb = first_cp_at_or_after(info.first_bwd)
+            k_first = bisect.bisect_right(cps, info.producer)  # first checkpoint strictly after producer
+            inner = list(range(k_first, kb))  # checkpoints with producer < c_k < first_bwd
+            o = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
+            u = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
+            Q, V = _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
+            _non_decreasing(rows, (o, u), inner)
+            for k in inner:
+                rows.add([(o[k], 1), (sc, -1)], -np.inf, 0)
+                rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
+                # offload completed by S_{c_k} => its work was done in intervals up to k
+                rows.add([(o[k], info.d2h_ms), (Q[k], -1)], -np.inf, 0)
+                # any prefetch work in interval k => the prefetch started by S_{c_k}
+                rows.add([(V[k], 1), (u[k], -info.h2d_ms)] + ([(V[k - 1], -1)] if k > k_first else []), -np.inf, 0)
+                # not started by S_{c_k} => all its work lies in (S_{c_k}, S_{first_bwd}]
+                rows.add([(sc, info.h2d_ms), (u[k], -info.h2d_ms), (V[kb], -1), (V[k], 1)], -np.inf, 0)
+            rows.add([(V[kb], 1), (sc, -info.h2d_ms)] + ([(V[kb - 1], -1)] if kb > k_first else []), -np.inf, 0)
+            rows.add([(sc, info.d2h_ms), (Q[kb], -1)], -np.inf, 0)
+            rows.add([(sc, info.h2d_ms), (V[kb], -1)], -np.inf, 0)
+            o_col.append(o)
+            u_col.append(u)
+
+    for k in range(1, K + 1):
+        for engines, work in ((link.d2h_engines, q_by_interval[k]), (link.h2d_engines, v_by_interval[k])):
+            if work:
+                rows.add(work + [(sigma[k], -engines)], -np.inf, engines * run_ms[k])
+
+    # Chain cuts: w = r_t x [u's producer recomputed before t's first backward reader] (w <= r_t, and
+    # w <= z[u's producer, kb(t)] below); memory rows between u's last reader and t's first backward
+    # reader hold min(size_t, size_u) x (r_t - w).
+    cut_pairs = chain_cut_pairs(graph, saved) if chain_cuts and not plan_rules else ()
+    cut_w = []
+    for i, _, _, _, _ in cut_pairs:
+        w = cols.add(0, 1)
+        rows.add([(w, 1), (decision_cols[i][2], -1)], -np.inf, 0)
+        cut_w.append(w)
+
+    # Recompute: each recomputed producer runs once more, before its tensor's first backward reader.
+    # z[p,k] is non-decreasing in k and >= r_t for every t of p due by c_k (the due sets grow with k).
+    kb_of = [first_cp_at_or_after(info.first_bwd) for info in saved]
+    by_producer: dict[int, list[int]] = {}
+    for i, info in enumerate(saved):
+        producers = chain_producers(graph, info.name) if plan_rules else (info.producer,)
+        for p in producers:
+            by_producer.setdefault(p, []).append(i)
+    due_at: dict[int, dict[int, list[int]]] = {}  # k -> producer -> members first due at k
+    for p, members in by_producer.items():
+        for i in members:
+            due_at.setdefault(kb_of[i], {}).setdefault(p, []).append(i)
+    for i, p_u, _, _, _ in cut_pairs:  # a z column for u's producer at kb(t), with no r_t >= row
+        due_at.setdefault(kb_of[i], {}).setdefault(p_u, [])
+    z_at: dict[tuple[int, int], int] = {}
+    z_last: dict[int, int] = {}
+    for k in sorted(set(kb_of) | {K}):
+        for p, new in due_at.get(k, {}).items():
+            z = cols.add(0, 1)
+            for i in new:
+                rows.add([(z, 1), (decision_cols[i][2], -1)], 0, np.inf)
+            if p in z_last:
+                rows.add([(z, 1), (z_last[p], -1)], 0, np.inf)
+            z_last[p] = z
+            z_at[(p, k)] = z
+        terms = [(sigma[j], 1.0) for j in range(1, k + 1)]
+        terms += [(z, -dur_ms[p]) for p, z in z_last.items()]
+        rows.add(terms, 0, np.inf)
+
+    for (i, p_u, _, _, _), w in zip(cut_pairs, cut_w, strict=True):
+        rows.add([(w, 1), (z_at[(p_u, kb_of[i])], -1)], -np.inf, 0)
+
+    # Memory at the start of the selected ops (all, or the reduced set: dropping rows is valid).
+    const = list(fixed)
+    for info in saved:
+        for j in {info.producer} | info.readers:
+            const[j] += info.size_bytes
+    floor = [int(c) for c in const]
+    chain_bytes = [chain_intermediate_bytes(graph, info.name) if plan_rules else 0 for info in saved]
+    last_fwd = [last_forward_reader(graph, info) for info in saved]
+    selected = range(n) if memory_rows == "all" else reduced_memory_rows(graph, saved, const, chain_bytes)
+    for j in selected:
+        terms: list[tuple[int, float]] = []
+        swap_status: dict[int, list[int]] = {}
+        nc = first_cp_at_or_after(j)
+        pc = bisect.bisect_right(cps, j) - 1
+        for i, info in enumerate(saved):
+            if not info.producer <= j <= info.last_reader:
+                continue
+            kc, sc, rc = decision_cols[i]
+            w = info.size_bytes * scale
+            if plan_rules and j == info.first_bwd and chain_bytes[i]:
+                terms.append((rc, chain_bytes[i] * scale))
+            if j == info.producer or j in info.readers:
+                continue
+            terms.append((kc, w))
+            if plan_rules and (j <= last_fwd[i] or j > info.first_bwd):
+                # build_schedule: the run copy lives to its last forward reader (swap or recompute);
+                # the prefetched or recomputed copy from the first to the last backward reader.
+                terms += [(sc, w), (rc, w)]
+            elif j < info.first_bwd:
+                if transfer_groups:
+                    swap_status.setdefault(group_of[i], []).append(i)
+                    continue
+                # swapped: resident until its offload completes, and again once its prefetch starts
+                if nc in o_col[i]:
+                    terms += [(sc, w), (o_col[i][nc], -w)]
+                if pc in u_col[i]:
+                    terms.append((u_col[i][pc], w))
+        for (i, _, m_bytes, lo_j, hi_j), w in zip(cut_pairs, cut_w, strict=True):
+            if lo_j <= j <= hi_j and j not in saved[i].readers:
+                terms += [(decision_cols[i][2], m_bytes * scale), (w, -m_bytes * scale)]
+        for g, members in swap_status.items():
+            # sum_i size_i (s_i - o[i,nc] + u[i,pc]) over the members in swap status at j is at least
+            # S_members - O_g[nc] (+ U_g[pc] when every member of the group is among them).
+            if nc not in g_o[g]:
+                continue
+            terms += [(decision_cols[i][1], saved[i].size_bytes * scale) for i in members]
+            terms.append((g_o[g][nc], -1.0))
+            if len(members) == len(g_members[g]) and pc in g_u[g]:
+                terms.append((g_u[g][pc], 1.0))
+        if terms:
+            rows.add(terms, -np.inf, 1.0 - const[j] * scale)
+
+    a = sparse.coo_array((rows.vals, (rows.rows, rows.cols)), shape=(len(rows.lo), len(cols.lb))).tocsr()
+    return BoundProblem(
+        c=np.asarray(cols.cost),
+        a=a,
+        lo=np.asarray(rows.lo),
+        hi=np.asarray(rows.hi),
+        lb=np.asarray(cols.lb),
+        ub=np.asarray(cols.ub),
+        integrality=np.asarray(cols.integer),
+        saved=saved,
+        decision_cols=tuple(decision_cols),
+        checkpoints=cps,
+        total_run_s=sum(op.duration_s for op in ops),
+        floor_bytes=tuple(floor),
+    )
+
+
+def keep_all_peak_bytes(graph: Graph) -> int:
+    """Peak of resident bytes over op starts when every tensor lives from its producer to its last
+    reader (the keep-all schedule). Memory only grows at op starts, so the peak is at one of them."""
+    index = graph.op_index
+    diff = [0] * (len(graph.ops) + 1)
+    for t in graph.tensors.values():
+        start = index[t.producer]
+        end = max((index[c] for c in t.consumers), default=start)
+        diff[start] += t.size_bytes
+        diff[end + 1] -= t.size_bytes
+    return int(np.max(np.cumsum(diff[:-1])))
+
+
+def _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first: int, kb: int):
+    """Columns Q[k], V[k] (ms): a flow's cumulative d2h / h2d engine work up to checkpoint k, for k in
+    k_first..kb. They never decrease, and each interval's share (Q[k] - Q[k-1]) is charged to that
+    interval's engine capacity through `q_by_interval` / `v_by_interval`."""
+    span = range(k_first, kb + 1)
+    Q = {k: cols.add() for k in span}
+    V = {k: cols.add() for k in span}
+    for k in span:
+        q_by_interval[k].append((Q[k], 1.0))
+        v_by_interval[k].append((V[k], 1.0))
+        if k > k_first:
+            q_by_interval[k].append((Q[k - 1], -1.0))
+            v_by_interval[k].append((V[k - 1], -1.0))
+            rows.add([(Q[k - 1], 1), (Q[k], -1)], -np.inf, 0)
+            rows.add([(V[k - 1], 1), (V[k], -1)], -np.inf, 0)
+    return Q, V
+
+
+def _non_decreasing(rows, columns: tuple[dict[int, int], ...], checkpoints: list[int]) -> None:
+    """"Done by checkpoint k" indicators only ever switch on: column[a] <= column[b] for a < b."""
+    for a, b in zip(checkpoints, checkpoints[1:], strict=False):
+        for column in columns:
+            rows.add([(column[a], 1), (column[b], -1)], -np.inf, 0)

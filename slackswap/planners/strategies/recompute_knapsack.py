@@ -1,0 +1,109 @@
+"""`recompute_knapsack`: PyTorch's activation-memory-budget partitioner as an exact 0/1 knapsack.
+
+torch._functorch.partitioners (`activation_memory_budget`) picks which activations to recompute by
+solving a 0/1 knapsack: recompute runtime against memory saved (with a dp, greedy or ILP solver).
+Here: minimise the summed recompute time of the chosen tensors subject to the bytes they free
+covering the excess of the keep-all peak over the budget, solved exactly (identical items are
+grouped, then an integer program with HiGHS at zero gap; `solve_knapsack`). Each tensor is priced by
+its standalone regeneration chain (an upper bound on its true marginal cost), as PyTorch prices
+nodes independently. Layer boundaries are never recomputed (see `analysis`). If the schedule of the
+optimal set still peaks above the budget (bytes freed at the end of forward are not all the story:
+recompute in backward allocates again), the excess is added to the requirement and the knapsack
+re-solved, up to `max_rounds` times. Never swaps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Decision, Plan
+from slackswap.planners.base import check_budget, gib
+from slackswap.planners.registry import register_planner
+from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.fit import scheduled_peak
+from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
+
+
+def solve_knapsack(sizes: Sequence[int], costs: Sequence[float], need_bytes: int) -> list[int] | None:
+    """Indices of a minimum-total-cost subset whose sizes sum to at least `need_bytes`; None if even
+    all items fall short. Exact: identical (size, cost) items become one bounded integer variable."""
+    if need_bytes <= 0:
+        return []
+    if sum(sizes) < need_bytes:
+        return None
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, key in enumerate(zip(sizes, costs, strict=True)):
+        groups.setdefault(key, []).append(i)
+    keys = list(groups)
+    scale = math.gcd(*(s for s, _ in keys if s > 0)) or 1
+    size = np.array([s // scale for s, _ in keys], dtype=float)
+    cost = np.array([c for _, c in keys], dtype=float)
+    count = np.array([len(groups[k]) for k in keys], dtype=float)
+    need = -(-need_bytes // scale)
+    result = milp(
+        c=cost,
+        constraints=LinearConstraint(size[np.newaxis, :], lb=need, ub=np.inf),
+        integrality=np.ones(len(keys)),
+        bounds=Bounds(np.zeros(len(keys)), count),
+        options={"mip_rel_gap": 0.0},
+    )
+    if not result.success:
+        raise InfeasibleBudgetError(f"recompute_knapsack: HiGHS failed on the knapsack: {result.message}")
+    taken = np.rint(result.x).astype(int)
+    chosen = [i for k, n in zip(keys, taken, strict=True) for i in groups[k][:n]]
+    if sum(sizes[i] for i in chosen) < need_bytes:
+        raise InfeasibleBudgetError("recompute_knapsack: HiGHS returned a knapsack that does not cover the need")
+    return chosen
+
+
+@register_planner("recompute_knapsack")
+class RecomputeKnapsack:
+    name = "recompute_knapsack"
+
+    def __init__(self, max_rounds: int = 30):
+        if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
+            raise ConfigError("max_rounds", max_rounds, "must be an integer >= 1")
+        self.max_rounds = max_rounds
+
+    def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
+        check_budget(budget_bytes)
+        analysis = analyse(graph, hardware)
+        unconstrained = keep_all_if_it_fits(graph, hardware, analysis, budget_bytes, self.name)
+        if unconstrained is not None:
+            return unconstrained
+        keep = {t: Decision.KEEP for t in analysis.tensors}
+        # Earliest-produced first, so equal items are taken from the layers alive longest.
+        candidates = recompute_candidates(graph, analysis, set())
+        sizes = [analysis.tensors[t].size_bytes for t in candidates]
+        costs = [analysis.tensors[t].regen_s for t in candidates]
+        need = analysis.keep_all_peak_bytes - budget_bytes
+        peak = analysis.keep_all_peak_bytes
+        for round_ in range(self.max_rounds):
+            chosen = solve_knapsack(sizes, costs, need)
+            if chosen is None:
+                raise InfeasibleBudgetError(
+                    f"recompute_knapsack: budget {gib(budget_bytes)} needs {gib(need)} freed, more than the "
+                    f"{gib(sum(sizes))} of recomputable activations (last plan peaked at {gib(peak)})",
+                    min_feasible_bytes=None,
+                )
+            decisions = dict(keep)
+            decisions.update({candidates[i]: Decision.RECOMPUTE for i in chosen})
+            plan, peak = scheduled_peak(
+                graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
+                notes={"knapsack_need_bytes": need, "knapsack_rounds": round_ + 1,
+                       "knapsack_recompute_s": sum(costs[i] for i in chosen)},
+            )
+            if peak <= budget_bytes:
+                return plan
+            need += peak - budget_bytes
+        raise InfeasibleBudgetError(
+            f"recompute_knapsack: after {self.max_rounds} rounds the plan still peaks at {gib(peak)} "
+            f"above the budget {gib(budget_bytes)}"
+        )

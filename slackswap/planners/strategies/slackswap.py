@@ -1,0 +1,185 @@
+"""`slackswap`: swap what is expensive to regenerate, within the slack that really hides; recompute
+the rest, cheapest per byte first, counting shared recompute work once.
+
+Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
+- slack per direction and per tensor, not one pool: an offload must finish before the end of the
+  forward pass (the memory peak) on a serial D2H engine, so a tensor produced late in the forward
+  pass gets only the time left after it; a prefetch must finish before the tensor's first backward
+  use on a serial H2D engine that can start only when backward does (`analysis.SlackLedger`);
+- recompute is ranked by *marginal* cost per byte: ops already re-run for an earlier pick are free,
+  and the outputs of one producer op are priced and taken together (a dropout output and its mask
+  cost one dropout re-run for both; `order_by_group_marginal_cost`);
+- a swapped byte is worth what it spares at the *tail* of the recompute ranking, not its own
+  regeneration cost: once a tensor is more expensive per byte than the last tensor the budget makes
+  us recompute, it would be kept anyway, and among such tensors the slack is best spent on the ones
+  it can hold the most bytes of (longest production-to-use window first). slackswap therefore also
+  tries that packing order over the tensors above the recompute tail, and over all tensors (when
+  the budget asks little, even cheap bytes swapped spare recompute), and keeps whichever of the three
+  swapped sets gives the shortest estimated step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from slackswap.graph import Graph
+from slackswap.planners.registry import register_planner
+from slackswap.planners.support.analysis import ProfileAnalysis, regen_chain
+from slackswap.planners.support.greedy import (
+    order_by_standalone_cost,
+    recompute_candidates,
+    take_while_hidden,
+)
+from slackswap.planners.support.swap_recompute import SwapThenRecompute
+
+
+def by_regen_cost_per_byte(analysis: ProfileAnalysis) -> list[str]:
+    """Most expensive to regenerate per byte first (zero-byte tensors are never worth a transfer)."""
+    infos = analysis.tensors
+    candidates = [t for t, i in infos.items() if i.size_bytes > 0]
+    return sorted(candidates, key=lambda t: -infos[t].regen_s / infos[t].size_bytes)
+
+
+def frees_memory(analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
+    """Drop the candidates that could never be off the device: no op runs between their last forward
+    use and their first backward use (the loss's probabilities: produced by the last forward op, read
+    by the first backward op). Recomputing one regenerates it at once, at the same memory, and pays
+    its whole chain (the LM head) for nothing."""
+    return [t for t in candidates if analysis.tensors[t].off_device_window_s > 0]
+
+
+def by_shared_regen_cost_per_byte(graph: Graph, analysis: ProfileAnalysis) -> list[str]:
+    """As `by_regen_cost_per_byte`, but the producer op's time is shared among the bytes of all its
+    saved outputs (q, k and v come from one qkv op: swapping all three spares it once)."""
+    infos = analysis.tensors
+    out_bytes: dict[str, int] = {}
+    for t, i in infos.items():
+        producer = graph.tensors[t].producer
+        out_bytes[producer] = out_bytes.get(producer, 0) + i.size_bytes
+
+    def key(t: str) -> float:
+        i = infos[t]
+        own = graph.op_by_name[graph.tensors[t].producer].duration_s
+        return -(i.regen_s - own + own * i.size_bytes / out_bytes[graph.tensors[t].producer]) / i.size_bytes
+
+    return sorted((t for t, i in infos.items() if i.size_bytes > 0), key=key)
+
+
+def order_by_group_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: Sequence[str]) -> list[str]:
+    """Cheapest marginal regeneration per byte first, pricing the outputs of one producer op together.
+
+    `order_by_marginal_cost` prices each tensor alone: the dropout output and its mask come from one
+    op, so recomputing the output makes the mask free, but the output alone looks twice as expensive
+    per byte as the pair really is and a costlier tensor (a GeLU output) is taken first. Here a
+    group is the remaining candidates of one producer op; its price is the time of the ops its
+    members' chains add (not yet re-run for an earlier pick) over the group's bytes, and a group is
+    taken whole. After each pick the groups whose chains touch the newly covered ops, or read a
+    newly missing tensor, are re-priced (lazy heap with versions), as in the per-tensor ranking.
+    """
+    dur = {op.name: op.duration_s for op in graph.ops}
+    rank = {t: i for i, t in enumerate(candidates)}
+    members: dict[str, list[str]] = {}
+    for t in candidates:
+        members.setdefault(graph.tensors[t].producer, []).append(t)
+    missing: set[str] = set()
+    covered: set[str] = set()
+    chain = {t: analysis.tensors[t].regen_ops for t in candidates}
+    users: dict[str, set[str]] = {}  # op -> groups whose members' chains contain it
+
+    def index(group: str) -> None:
+        for t in members[group]:
+            for o in chain[t]:
+                users.setdefault(o, set()).add(group)
+
+    for group in members:
+        index(group)
+
+    def key(group: str) -> float:
+        ops = {o for t in members[group] for o in chain[t]} - covered
+        size = sum(max(analysis.tensors[t].size_bytes, 1) for t in members[group])
+        return sum(dur[o] for o in ops) / size
+
+    version = dict.fromkeys(members, 0)
+    heap = [(key(g), min(rank[t] for t in ts), 0, g) for g, ts in members.items()]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        _, _, v, group = heapq.heappop(heap)
+        if v != version[group] or not members[group]:
+            continue
+        picked = members[group]
+        members[group] = []
+        order.extend(picked)
+        missing.update(picked)
+        new_ops = {o for t in picked for o in chain[t]} - covered
+        covered.update(new_ops)
+        touched = set(new_ops) | {c for t in picked for c in graph.tensors[t].consumers}
+        affected = set().union(*(users.get(o, ()) for o in touched)) - {group}
+        for g in affected:
+            if not members[g]:
+                continue
+            for t in members[g]:
+                chain[t] = regen_chain(graph, t, missing)
+            index(g)
+            version[g] += 1
+            heapq.heappush(heap, (key(g), min(rank[t] for t in members[g]), version[g], g))
+    return order
+
+
+def in_layer_boundaries(graph: Graph, analysis: ProfileAnalysis) -> list[str]:
+    """Layer boundaries of the stack whose regeneration chain (all other saved tensors on the device)
+    is one op of their own layer, such as a post-LN layer's output norm reading the kept residual sum.
+    The boundary rule exists because recomputing a boundary can chain back through many layers; a
+    one-op chain cannot, and if a later pick lengthens it the marginal ranking prices that."""
+    out = []
+    for t, info in analysis.tensors.items():
+        if info.boundary and info.layer >= 0 and len(info.regen_ops) == 1 and info.size_bytes > 0:
+            out.append(t)
+    return out
+
+
+@register_planner("slackswap")
+class SlackSwap(SwapThenRecompute):
+    name = "slackswap"
+
+    def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
+        return take_while_hidden(analysis, by_shared_regen_cost_per_byte(graph, analysis))
+
+    def swap_alternatives(self, graph: Graph, analysis: ProfileAnalysis, budget_bytes: int) -> list[list[str]]:
+        infos = analysis.tensors
+        # The recompute tail without swaps: the per-byte cost of the last tensor the budget needs.
+        order = order_by_standalone_cost(analysis, frees_memory(analysis, recompute_candidates(graph, analysis, set())))
+        need = analysis.keep_all_peak_bytes - budget_bytes
+        tail_per_byte = 0.0
+        for t in order:
+            if need <= 0:
+                break
+            need -= infos[t].size_bytes
+            tail_per_byte = infos[t].regen_s / max(infos[t].size_bytes, 1)
+        above_tail = [
+            t for t, i in infos.items() if i.size_bytes > 0 and (i.boundary or i.regen_s / i.size_bytes > tail_per_byte)
+        ]
+        def window(t: str) -> float:
+            return -(infos[t].first_backward_use_s - infos[t].ready_s)
+
+        def bytes_per_copy_s(t: str) -> float:
+            return -infos[t].size_bytes / max(infos[t].d2h_s, infos[t].h2d_s)
+
+        all_sized = [t for t, i in infos.items() if i.size_bytes > 0]
+        return [
+            self.select_swaps(graph, analysis),
+            take_while_hidden(analysis, sorted(above_tail, key=window)),
+            take_while_hidden(analysis, sorted(all_sized, key=window)),
+            take_while_hidden(analysis, sorted(all_sized, key=bytes_per_copy_s)),
+        ]
+
+    def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
+        return order_by_group_marginal_cost(graph, analysis, frees_memory(analysis, candidates))
+
+    def recompute_pool(self, graph: Graph, analysis: ProfileAnalysis, swaps: set[str]) -> list[str]:
+        """Non-boundary tensors, plus the layer boundaries whose own regeneration stays inside their
+        layer (`in_layer_boundaries`)."""
+        return recompute_candidates(graph, analysis, swaps) + [
+            t for t in in_layer_boundaries(graph, analysis) if t not in swaps
+        ]

@@ -1,0 +1,60 @@
+"""The tail every planner shares: build the schedule for some decisions, replay it, and either hand
+it over (its peak fits the budget) or raise `InfeasibleBudgetError` saying by how much it does not.
+
+A planner never returns a plan whose replayed peak is above its budget; the replay agrees exactly
+with the simulator on such plans (slackswap.schedule.replay), so a returned plan never waits for
+memory in the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from slackswap.errors import InfeasibleBudgetError
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Decision, Plan
+from slackswap.planners.base import gib
+from slackswap.schedule.build import build_schedule
+from slackswap.schedule.replay import estimate_plan
+
+
+def scheduled_peak(
+    graph: Graph,
+    decisions: Mapping[str, Decision],
+    *,
+    planner: str,
+    budget_bytes: int | None,
+    hardware: Hardware,
+    **options: object,
+) -> tuple[Plan, int]:
+    """`build_schedule(...)` and the replayed activation peak of the plan it builds."""
+    plan = build_schedule(graph, decisions, planner=planner, budget_bytes=budget_bytes, hardware=hardware, **options)
+    return plan, estimate_plan(graph, plan, hardware).peak_bytes
+
+
+def over_budget(planner: str, budget_bytes: int, peak_bytes: int, what: str, detail: str = "") -> InfeasibleBudgetError:
+    """The error for "the most frugal plan this strategy has (`what`) still peaks above the budget"."""
+    return InfeasibleBudgetError(
+        f"{planner}: budget {gib(budget_bytes)} is below the {gib(peak_bytes)} that {what} reaches{detail}",
+        min_feasible_bytes=peak_bytes,
+    )
+
+
+def build_within_budget(
+    graph: Graph,
+    decisions: Mapping[str, Decision],
+    *,
+    planner: str,
+    budget_bytes: int | None,
+    hardware: Hardware,
+    what: str,
+    **options: object,
+) -> Plan:
+    """Build, check the peak, raise infeasible: the plan for `decisions` if it fits, else `over_budget`."""
+    plan, peak = scheduled_peak(
+        graph, decisions, planner=planner, budget_bytes=budget_bytes, hardware=hardware, **options
+    )
+    if budget_bytes is not None and peak > budget_bytes:
+        raise over_budget(planner, budget_bytes, peak, what)
+    return plan

@@ -1,0 +1,194 @@
+"""Shared machinery of the greedy planners: recompute ordering and the budget search over it.
+
+A greedy planner fixes its swapped set, ranks the remaining recompute candidates, then needs the
+shortest prefix of that ranking whose schedule fits the budget. `fit_prefix` finds it with the
+replay (`slackswap.schedule.replay.estimate_plan`): a galloping search from the byte-count guess, then
+bisection. The peak is close to monotone in the prefix length; the search only ever returns a prefix
+it has checked to fit, so a non-monotone step can cost optimality but never the budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+
+from slackswap.errors import InfeasibleBudgetError
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Decision, Plan
+from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger, regen_chain
+from slackswap.planners.support.fit import over_budget, scheduled_peak
+from slackswap.schedule.build import build_schedule
+
+
+def recompute_candidates(graph: Graph, analysis: ProfileAnalysis, taken: set[str]) -> list[str]:
+    """Saved tensors a greedy planner may recompute: not already taken, not a layer boundary."""
+    return [t for t, info in analysis.tensors.items() if t not in taken and not info.boundary]
+
+
+def order_by_standalone_cost(analysis: ProfileAnalysis, candidates: Sequence[str]) -> list[str]:
+    """Cheapest regeneration per byte first; each tensor priced alone (the seed's rule)."""
+    infos = analysis.tensors
+    return sorted(candidates, key=lambda t: infos[t].regen_s / max(infos[t].size_bytes, 1))
+
+
+def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: Sequence[str]) -> list[str]:
+    """Cheapest *marginal* regeneration per byte first.
+
+    A tensor's marginal cost is the time of the ops in its recompute chain that no earlier pick
+    already re-runs. Chains share ops (q, k and v come from one qkv op; a softmax output and the
+    dropout after it share the softmax), so after each pick the candidates whose chains touch the
+    newly covered ops, or read the newly missing tensor, are re-priced (lazy heap with versions).
+    """
+    dur = {op.name: op.duration_s for op in graph.ops}
+    missing: set[str] = set()
+    covered: set[str] = set()
+    chain = {t: analysis.tensors[t].regen_ops for t in candidates}
+    users: dict[str, set[str]] = {}
+    for t, ops in chain.items():
+        for o in ops:
+            users.setdefault(o, set()).add(t)
+    version = dict.fromkeys(candidates, 0)
+    rank = {t: i for i, t in enumerate(candidates)}
+
+    def key(t: str) -> float:
+        return sum(dur[o] for o in chain[t] if o not in covered) / max(analysis.tensors[t].size_bytes, 1)
+
+    heap = [(key(t), rank[t], 0, t) for t in candidates]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        _, _, v, t = heapq.heappop(heap)
+        if v != version[t] or t in missing:
+            continue
+        order.append(t)
+        missing.add(t)
+        new_ops = [o for o in chain[t] if o not in covered]
+        covered.update(new_ops)
+        touched = set(new_ops) | set(graph.tensors[t].consumers)
+        affected = set().union(*(users.get(o, ()) for o in touched)) - missing
+        for z in affected:
+            chain[z] = regen_chain(graph, z, missing)
+            for o in chain[z]:
+                users.setdefault(o, set()).add(z)
+            version[z] += 1
+            heapq.heappush(heap, (key(z), rank[z], version[z], z))
+    return order
+
+
+def fit_prefix(
+    graph: Graph,
+    hardware: Hardware,
+    budget_bytes: int,
+    analysis: ProfileAnalysis,
+    base: Mapping[str, Decision],
+    order: Sequence[str],
+    *,
+    planner: str,
+    prefetch: str = "alap",
+    notes: Callable[[int], Mapping[str, object]] | None = None,
+    what: str = "",
+) -> Plan:
+    """The plan recomputing the shortest fitting prefix of `order` on top of `base` decisions.
+
+    Raises InfeasibleBudgetError when even the whole of `order` does not fit (`what` describes the
+    plan tried, for the message).
+    """
+    cache: dict[int, tuple[Plan, int]] = {}
+
+    def probe(k: int) -> tuple[Plan, int]:
+        if k not in cache:
+            decisions = dict(base)
+            decisions.update(dict.fromkeys(order[:k], Decision.RECOMPUTE))
+            cache[k] = scheduled_peak(
+                graph,
+                decisions,
+                planner=planner,
+                budget_bytes=budget_bytes,
+                hardware=hardware,
+                prefetch=prefetch,
+                notes=dict(notes(k)) if notes else None,
+            )
+        return cache[k]
+
+    n = len(order)
+
+    def infeasible() -> InfeasibleBudgetError:
+        return over_budget(planner, budget_bytes, probe(n)[1], what or "its most frugal plan")
+
+    # Byte-count guess: the first k whose bytes, with what `base` already frees, cover the excess.
+    excess = analysis.keep_all_peak_bytes - budget_bytes - sum(
+        analysis.tensors[t].size_bytes for t, d in base.items() if d != Decision.KEEP
+    )
+    freed = 0
+    guess = n
+    for k, t in enumerate(order):
+        if freed >= excess:
+            guess = k
+            break
+        freed += analysis.tensors[t].size_bytes
+    step = max(1, n // 64)
+    if probe(guess)[1] <= budget_bytes:
+        hi = guess
+        lo = guess - step
+        while lo >= 0 and probe(lo)[1] <= budget_bytes:
+            hi, lo, step = lo, lo - 2 * step, 2 * step
+        lo = max(lo, -1)
+    else:
+        if guess == n:
+            raise infeasible()
+        lo = guess
+        hi = min(n, guess + step)
+        while probe(hi)[1] > budget_bytes:
+            if hi == n:
+                raise infeasible()
+            lo, hi, step = hi, min(n, hi + 2 * step), 2 * step
+    while hi - lo > 1:  # invariant: probe(hi) fits; lo == -1 or probe(lo) does not
+        mid = (lo + hi) // 2
+        if probe(mid)[1] <= budget_bytes:
+            hi = mid
+        else:
+            lo = mid
+    return probe(hi)[0]
+
+
+def smallest_fitting_count(
+    count: int, probe: Callable[[int], tuple[Plan, int]], budget_bytes: int | None
+) -> Plan | None:
+    """The plan of the smallest k in 0..count whose `probe(k)` peak fits the budget (bisection).
+
+    `probe(k)` returns (plan, peak bytes) for a strategy applied to its first k units (layers), and
+    must be monotone: more units, lower peak. None when even all `count` units do not fit, so the
+    caller can say why in its own terms.
+    """
+    if budget_bytes is None or probe(0)[1] <= budget_bytes:
+        return probe(0)[0]
+    if probe(count)[1] > budget_bytes:
+        return None
+    lo, hi = 0, count
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if probe(mid)[1] <= budget_bytes else (mid, hi)
+    return probe(hi)[0]
+
+
+def take_while_hidden(analysis: ProfileAnalysis, ranked: list[str]) -> list[str]:
+    """Walk `ranked`, keeping each tensor whose offload and prefetch still hide (exact ledger)."""
+    ledger = SlackLedger(analysis, ranked)
+    swaps = []
+    for t in ranked:
+        if ledger.fits(t):
+            ledger.add(t)
+            swaps.append(t)
+    return swaps
+
+
+def keep_all_if_it_fits(
+    graph: Graph, hardware: Hardware, analysis: ProfileAnalysis, budget_bytes: int | None, planner: str
+) -> Plan | None:
+    """The keep-everything schedule when the budget does not bind (no budget, or the keep-all peak
+    fits), else None: a planner then has nothing to decide."""
+    if budget_bytes is not None and analysis.keep_all_peak_bytes > budget_bytes:
+        return None
+    keep = {t: Decision.KEEP for t in analysis.tensors}
+    return build_schedule(graph, keep, planner=planner, budget_bytes=budget_bytes, hardware=hardware)

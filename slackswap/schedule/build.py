@@ -1,0 +1,268 @@
+"""Turn per-tensor keep / swap / recompute decisions into the explicit schedule the simulator runs.
+
+Every planner (including the MILP) decides *what* happens to each saved activation and calls
+`build_schedule` to decide *when*, so all planners are judged on the same scheduling rules:
+
+- compute: the forward and loss ops run in graph order; then the backward (and optimizer) ops in
+  graph order, and right before each backward op every input it lacks is regenerated: a recompute
+  step of the input's forward producer, preceded (recursively, in forward order) by the recompute of
+  whatever that producer itself lacks. A regenerated copy is shared by every later reader, so a
+  recompute chain shared by several tensors runs once. "Lacks" means: a recompute-decided saved
+  tensor, or a non-saved forward tensor (its forward copy was freed after the forward pass; reading
+  it in backward would keep it alive all along). Kept and swapped tensors are never regenerated.
+  When a producer is recomputed, its other recompute-decided outputs not yet regenerated are
+  materialised by the same step (one recompute per op, not one per output).
+- offloads: one per swapped tensor, issued right after its producer's run step, in production order.
+- prefetches: one per swapped tensor, in the order of first backward use (the first step after the
+  forward pass that reads it, a recompute step included). The `prefetch` policy picks the issuing step:
+  - "alap" (default): as late as possible such that, on the no-stall compute timeline of this
+    schedule and with the H2D engine serving the prefetches back to back, each prefetch still
+    completes before its first use (minus `prefetch_lead_s`). Late enough to hold as little memory
+    as possible, early enough to hide.
+  - "layer_ahead" (vDNN): issued when the backward pass of the next-higher layer begins, i.e. one
+    layer ahead of use; tensors outside the layer stack or of the top layer at the start of backward.
+  - `prefetch_after_op` overrides the policy per tensor: issue after the run step of that op.
+  Every prefetch is issued no earlier than the tensor's last forward reader and before its first
+  backward use, and issue steps are non-decreasing in FIFO order so the H2D engine never blocks a
+  ready prefetch behind one issued later.
+
+The signature is stable: the MILP planner and the tests call it. `keep_all_plan` is the trivial
+schedule (every op run once, nothing moved) that the simulator's ideal and keep_all use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from slackswap.errors import ConfigError, PlanValidationError
+from slackswap.graph import FORWARD_PHASES, Graph, Phase
+from slackswap.hardware import Hardware
+from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
+from slackswap.schedule.transfer import h2d_s
+
+PREFETCH_POLICIES: tuple[str, ...] = ("alap", "layer_ahead")
+
+
+def keep_all_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
+    """Keep every saved activation: each op runs once in graph order and nothing is copied."""
+    return Plan(
+        planner="keep_all",
+        budget_bytes=budget_bytes,
+        decisions={t.name: Decision.KEEP for t in graph.saved_tensors},
+        steps=tuple(ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops),
+    )
+
+
+def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> dict[str, Decision]:
+    """Exactly one valid decision per saved tensor; names the first missing, unknown or bad entry."""
+    saved = {t.name for t in graph.saved_tensors}
+    out: dict[str, Decision] = {}
+    for name, value in decisions.items():
+        if name not in saved:
+            raise ConfigError(f"decisions[{name!r}]", value, "is not a saved tensor of the graph")
+        try:
+            out[name] = Decision(value)
+        except ValueError:
+            raise ConfigError(f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}") from None
+        producer = graph.op_by_name[graph.tensors[name].producer]
+        if out[name] == Decision.RECOMPUTE and producer.phase not in FORWARD_PHASES:
+            raise ConfigError(f"decisions[{name!r}]", value, f"only forward tensors can be recomputed, "
+                              f"this one is produced by {producer.phase.value} op {producer.name!r}")
+    missing = [t.name for t in graph.saved_tensors if t.name not in out]
+    if missing:
+        raise ConfigError("decisions", missing[:5], f"{len(missing)} saved tensor(s) have no decision")
+    return out
+
+
+def build_schedule(
+    graph: Graph,
+    decisions: Mapping[str, Decision | str],
+    *,
+    planner: str,
+    budget_bytes: int | None,
+    hardware: Hardware,
+    prefetch: str = "alap",
+    prefetch_lead_s: float = 0.0,
+    prefetch_after_op: Mapping[str, str] | None = None,
+    bound_step_s: float | None = None,
+    notes: Mapping[str, object] | None = None,
+) -> Plan:
+    """Build the explicit schedule for `decisions` (saved tensor name -> keep/swap/recompute).
+
+    `hardware` gives the op and copy times the "alap" prefetch placement is computed from.
+    Raises ConfigError for a bad decision or option, PlanValidationError for an impossible override.
+    """
+    if prefetch not in PREFETCH_POLICIES:
+        raise ConfigError("prefetch", prefetch, f"unknown prefetch policy; known: {PREFETCH_POLICIES}")
+    if not prefetch_lead_s >= 0:
+        raise ConfigError("prefetch_lead_s", prefetch_lead_s, "must be >= 0")
+    decided = check_decisions(graph, decisions)
+    steps = _compute_steps(graph, decided)
+    offloads = _offloads(graph, decided, steps)
+    prefetches = _prefetches(
+        graph, decided, steps, hardware, prefetch, prefetch_lead_s, dict(prefetch_after_op or {})
+    )
+    return Plan(
+        planner=planner,
+        budget_bytes=budget_bytes,
+        decisions=decided,
+        steps=steps,
+        offloads=offloads,
+        prefetches=prefetches,
+        bound_step_s=bound_step_s,
+        notes=dict(notes or {}),
+    )
+
+
+def _compute_steps(graph: Graph, decided: Mapping[str, Decision]) -> tuple[ComputeStep, ...]:
+    steps = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
+    # Tensors whose latest copy a backward-region step may read.
+    available = {name for name, d in decided.items() if d != Decision.RECOMPUTE}
+    forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
+    for op in graph.ops:
+        if op.phase in FORWARD_PHASES:
+            continue
+        for t in op.inputs:
+            if t in forward_tensors and t not in available:
+                _regenerate(graph, t, decided, available, steps)
+        steps.append(ComputeStep(op.name, StepKind.RUN, op.outputs))
+        available.update(op.outputs)
+    return tuple(steps)
+
+
+def _regenerate(
+    graph: Graph, target: str, decided: Mapping[str, Decision], available: set[str], steps: list[ComputeStep]
+) -> None:
+    """Append recompute steps that materialise `target`, producers first (iterative post-order DFS)."""
+    stack: list[tuple[str, bool]] = [(target, False)]
+    while stack:
+        name, inputs_done = stack.pop()
+        if name in available:
+            continue
+        producer = graph.op_by_name[graph.tensors[name].producer]
+        if not inputs_done:
+            stack.append((name, True))
+            stack.extend((t, False) for t in reversed(producer.inputs) if t not in available)
+            continue
+        outputs = tuple(
+            t
+            for t in producer.outputs
+            if t == name or (t not in available and decided.get(t) == Decision.RECOMPUTE)
+        )
+        steps.append(ComputeStep(producer.name, StepKind.RECOMPUTE, outputs))
+        available.update(outputs)
+
+
+def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple[int, dict[str, int], dict[str, int]]:
+    """(number of forward steps, last forward reader or producer index, first backward reader index).
+
+    A tensor produced after the forward pass (a gradient read by a later backward op) has its
+    producer step as "last forward reader": its offload and prefetch both happen in backward."""
+    n_fwd = sum(1 for op in graph.ops if op.phase in FORWARD_PHASES)
+    last_fwd: dict[str, int] = {}
+    first_bwd: dict[str, int] = {}
+    for i, step in enumerate(steps):
+        op = graph.op_by_name[step.op]
+        if i < n_fwd:
+            for t in (*op.inputs, *step.outputs):
+                last_fwd[t] = i
+        else:
+            for t in op.inputs:
+                first_bwd.setdefault(t, i)
+            if step.kind == StepKind.RUN:
+                for t in step.outputs:
+                    last_fwd.setdefault(t, i)
+    return n_fwd, last_fwd, first_bwd
+
+
+def _offloads(graph: Graph, decided: Mapping[str, Decision], steps: tuple[ComputeStep, ...]) -> tuple[Transfer, ...]:
+    run_index = {s.op: i for i, s in enumerate(steps) if s.kind == StepKind.RUN}
+    swapped = [t for t in graph.saved_tensors if decided[t.name] == Decision.SWAP]
+    return tuple(Transfer(t.name, Direction.D2H, run_index[t.producer]) for t in swapped)
+
+
+def _prefetches(
+    graph: Graph,
+    decided: Mapping[str, Decision],
+    steps: tuple[ComputeStep, ...],
+    hardware: Hardware,
+    policy: str,
+    lead_s: float,
+    after_op: dict[str, str],
+) -> tuple[Transfer, ...]:
+    swapped = [t.name for t in graph.saved_tensors if decided[t.name] == Decision.SWAP]
+    unknown = sorted(set(after_op) - set(swapped))
+    if unknown:
+        raise ConfigError("prefetch_after_op", unknown, "names tensor(s) that are not swapped")
+    if not swapped:
+        return ()
+    n_fwd, last_fwd, first_bwd = _first_backward_reads(graph, steps)
+    order = sorted(swapped, key=lambda t: first_bwd[t])
+    if policy == "alap":
+        issue = _alap_issue(graph, steps, hardware, order, first_bwd, lead_s)
+    else:
+        issue = _layer_ahead_issue(graph, steps, n_fwd, order)
+    run_index = {s.op: i for i, s in enumerate(steps) if s.kind == StepKind.RUN}
+    for t, op_name in after_op.items():
+        if op_name not in run_index:
+            raise ConfigError(f"prefetch_after_op[{t!r}]", op_name, "is not an op of the graph")
+        k = run_index[op_name]
+        if not last_fwd[t] <= k < first_bwd[t]:
+            raise PlanValidationError(
+                f"prefetch_after_op[{t!r}]={op_name!r} (step {k}) must lie between the last forward reader "
+                f"(step {last_fwd[t]}) and the first backward reader (step {first_bwd[t]})"
+            )
+        issue[t] = k
+    out = []
+    previous = -1
+    for t in order:
+        # A policy's pick never lands at or after the first use (layer_ahead on an odd graph could).
+        k = max(min(issue[t], first_bwd[t] - 1), last_fwd[t], previous)
+        if k >= first_bwd[t]:
+            raise PlanValidationError(f"prefetch of {t!r} cannot be issued before its first backward reader")
+        out.append(Transfer(t, Direction.H2D, k))
+        previous = k
+    return tuple(out)
+
+
+def _alap_issue(
+    graph: Graph,
+    steps: tuple[ComputeStep, ...],
+    hardware: Hardware,
+    order: list[str],
+    first_bwd: Mapping[str, int],
+    lead_s: float,
+) -> dict[str, int]:
+    ends: list[float] = []
+    now = 0.0
+    for step in steps:
+        now += graph.op_by_name[step.op].duration_s
+        ends.append(now)
+    starts = [e - graph.op_by_name[s.op].duration_s for s, e in zip(steps, ends, strict=True)]
+    latest_start: dict[str, float] = {}
+    horizon = float("inf")
+    for t in reversed(order):
+        dur = h2d_s(graph.tensors[t].size_bytes, hardware)
+        horizon = min(horizon, starts[first_bwd[t]] - lead_s) - dur
+        latest_start[t] = horizon
+    issue: dict[str, int] = {}
+    k = -1
+    for t in order:  # latest_start is non-decreasing along `order`, so one forward sweep suffices
+        while k + 1 < first_bwd[t] and ends[k + 1] <= latest_start[t]:
+            k += 1
+        issue[t] = k
+    return issue
+
+
+def _layer_ahead_issue(graph: Graph, steps: tuple[ComputeStep, ...], n_fwd: int, order: list[str]) -> dict[str, int]:
+    first_bwd_step_of_layer: dict[int, int] = {}
+    for i in range(n_fwd, len(steps)):
+        op = graph.op_by_name[steps[i].op]
+        if op.phase == Phase.BACKWARD:
+            first_bwd_step_of_layer.setdefault(op.layer, i)
+    issue: dict[str, int] = {}
+    for t in order:
+        layer = graph.tensors[t].layer
+        start = first_bwd_step_of_layer.get(layer + 1) if layer >= 0 else None
+        issue[t] = (start - 1) if start is not None else n_fwd - 1
+    return issue

@@ -1,0 +1,25 @@
+"""The free rule: when a device copy of a tensor gives its bytes back.
+
+A copy is allocated when the step that produces it starts (a run or recompute step) or when its
+prefetch starts. It is freed once three things hold: it has been produced (its step or prefetch
+finished), every step that reads it has finished, and its offload (if any) has finished. A copy
+nobody reads is freed when its producer finishes. At one instant, frees happen before allocations.
+
+The simulator applies the rule event by event (`is_freeable`); the replay computes the instant
+directly (`free_time_s`). Both live here so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+
+def is_freeable(produced: bool, readers_left: int, offload_pending: bool) -> bool:
+    return produced and readers_left == 0 and not offload_pending
+
+
+def free_time_s(produced_end_s: float, last_read_end_s: float | None, offload_end_s: float | None) -> float:
+    """The instant `is_freeable` first holds, given when each of its conditions is met."""
+    return max(
+        produced_end_s,
+        produced_end_s if last_read_end_s is None else last_read_end_s,
+        produced_end_s if offload_end_s is None else offload_end_s,
+    )

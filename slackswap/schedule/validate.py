@@ -1,0 +1,366 @@
+"""Plan validation: a plan must be a complete, consistent schedule before it is simulated.
+
+`resolve_schedule` walks the plan in sequence order once. It checks every rule of
+docs/simulation.md section 2 and, on the way, resolves which *copy* of a tensor each step reads
+(the latest production before the step). The engine reuses that resolution, so validation and
+simulation can never disagree about which copy a step reads. The first inconsistency found raises
+`PlanValidationError` naming the tensor, op and step.
+
+Sequence positions: step j sits at position j; a transfer with `issue_after_step = i` sits between
+step i and step i + 1 (offloads before prefetches, each list in plan order); i = -1 is before step 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from slackswap.errors import PlanValidationError
+from slackswap.graph import FORWARD_PHASES, Graph
+from slackswap.plan import Decision, Direction, Plan, StepKind
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One device copy of a tensor: produced by a run step, a recompute step or a prefetch."""
+
+    tensor: str
+    size_bytes: int
+    #: "run", "recompute" or "prefetch".
+    source: str
+    #: Step index (run/recompute) or index into `plan.prefetches` (prefetch).
+    source_index: int
+    #: Steps that read this copy, in order.
+    readers: tuple[int, ...]
+    #: Index into `plan.offloads` that copies it to the host, or None.
+    offload: int | None
+
+
+@dataclass(frozen=True)
+class ResolvedSchedule:
+    """Copies as flat parallel tuples indexed by copy id (the engine reads them in its inner loop);
+    `copies` gives them as `Copy` records."""
+
+    #: Per copy: tensor name, bytes, source ("run" / "recompute" / "prefetch"), source step or
+    #: prefetch index, reading steps in order, and the offload index (or None).
+    copy_tensor: tuple[str, ...]
+    copy_size: tuple[int, ...]
+    copy_source: tuple[str, ...]
+    copy_source_index: tuple[int, ...]
+    copy_readers: tuple[tuple[int, ...], ...]
+    copy_offload: tuple[int | None, ...]
+    #: Per step: ids of the copies it reads (each once, in op input order).
+    step_reads: tuple[tuple[int, ...], ...]
+    #: Per step: ids of the copies it produces.
+    step_writes: tuple[tuple[int, ...], ...]
+    #: Per step: bytes of the copies it produces (what it allocates when it starts).
+    step_alloc_bytes: tuple[int, ...]
+    #: Per offload: id of the copy it moves to the host.
+    offload_copy: tuple[int, ...]
+    #: Per prefetch: id of the copy it produces on the device.
+    prefetch_copy: tuple[int, ...]
+    #: Per prefetch: index into `plan.offloads` of its tensor's offload.
+    prefetch_offload: tuple[int, ...]
+
+    @property
+    def copies(self) -> tuple[Copy, ...]:
+        return tuple(
+            Copy(*fields)
+            for fields in zip(
+                self.copy_tensor, self.copy_size, self.copy_source, self.copy_source_index, self.copy_readers,
+                self.copy_offload, strict=True,
+            )
+        )
+
+
+def validate_plan(graph: Graph, plan: Plan) -> None:
+    """Raise `PlanValidationError` naming the first inconsistency; return None for a valid plan."""
+    resolve_schedule(graph, plan)
+
+
+def _fail(message: str) -> None:
+    raise PlanValidationError(f"plan {message}")
+
+
+def _step_name(plan: Plan, j: int) -> str:
+    step = plan.steps[j]
+    return f"step {j} ({step.kind!s} {step.op!r})"
+
+
+def _check_steps(graph: Graph, plan: Plan) -> list[int]:
+    """Steps name real ops, carry consistent outputs, and every op runs exactly once.
+
+    Returns each step's role for `_check_reader_copies`: 0 recompute, 1 forward run, 2 other run."""
+    if not plan.steps:
+        _fail("has no compute steps")
+    op_by_name = graph.op_by_name
+    run, recompute = StepKind.RUN, StepKind.RECOMPUTE
+    forward_ops = {op.name for op in graph.ops if op.phase in FORWARD_PHASES}
+    run_step: dict[str, int] = {}
+    roles: list[int] = []
+    for j, step in enumerate(plan.steps):
+        name = step.op
+        op = op_by_name.get(name)
+        if op is None:
+            _fail(f"step {j} names op {name!r}, which is not in graph {graph.name!r}")
+        kind = step.kind
+        if kind == run:
+            if step.outputs != op.outputs and tuple(step.outputs) != tuple(op.outputs):
+                _fail(
+                    f"step {j} runs op {name!r} with outputs {list(step.outputs)}; "
+                    f"a run step materialises all of the op's outputs {list(op.outputs)}"
+                )
+            if name in run_step:
+                _fail(f"op {name!r} is run twice (steps {run_step[name]} and {j})")
+            run_step[name] = j
+            roles.append(1 if name in forward_ops else 2)
+        elif kind == recompute:
+            if name not in forward_ops:
+                _fail(f"step {j} recomputes op {name!r} of phase {op.phase.value!r}; only forward ops are recomputed")
+            if name not in run_step:
+                _fail(f"step {j} recomputes op {name!r} before its run step")
+            if not step.outputs:
+                _fail(f"step {j} recomputes op {name!r} but materialises no outputs")
+            if len(set(step.outputs)) != len(step.outputs):
+                _fail(f"step {j} recomputes op {name!r} with duplicate outputs {list(step.outputs)}")
+            for t in step.outputs:
+                if t not in op.outputs:
+                    _fail(f"step {j} recomputes op {name!r} with output {t!r}, which that op does not produce")
+            roles.append(0)
+        else:
+            _fail(f"step {j} ({name!r}) has unknown kind {kind!r}")
+    if len(run_step) != len(graph.ops):
+        for op in graph.ops:
+            if op.name not in run_step:
+                _fail(f"never runs op {op.name!r}")
+    return roles
+
+
+def _check_decisions(graph: Graph, plan: Plan) -> None:
+    saved = {t.name for t in graph.saved_tensors}
+    for t in graph.saved_tensors:
+        if t.name not in plan.decisions:
+            _fail(f"has no decision (keep/swap/recompute) for saved tensor {t.name!r}")
+    for name, decision in plan.decisions.items():
+        if name not in saved:
+            _fail(f"decides {decision!r} for tensor {name!r}, which is not a saved tensor of the graph")
+        if decision not in (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE):
+            _fail(f"decision for tensor {name!r} is {decision!r}, not keep/swap/recompute")
+
+
+def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str, int]]:
+    """Directions, ranges and one offload + one prefetch per swapped tensor. Returns tensor -> index maps."""
+    n = len(plan.steps)
+    by_tensor: list[dict[str, int]] = [{}, {}]
+    for which, (label, transfers, direction) in enumerate(
+        (("offload", plan.offloads, Direction.D2H), ("prefetch", plan.prefetches, Direction.H2D))
+    ):
+        for k, tr in enumerate(transfers):
+            if tr.direction != direction:
+                _fail(
+                    f"{label} {k} of tensor {tr.tensor!r} has direction {tr.direction!r}; "
+                    f"{label}s are {direction.value}"
+                )
+            if tr.tensor not in graph.tensors:
+                _fail(f"{label} {k} moves tensor {tr.tensor!r}, which is not in the graph")
+            if not isinstance(tr.issue_after_step, int) or not -1 <= tr.issue_after_step < n:
+                _fail(
+                    f"{label} {k} of tensor {tr.tensor!r} has issue_after_step={tr.issue_after_step!r}; "
+                    f"must be an integer in [-1, {n - 1}]"
+                )
+            if plan.decisions.get(tr.tensor) != Decision.SWAP:
+                _fail(
+                    f"{label}s tensor {tr.tensor!r}, whose decision is "
+                    f"{plan.decisions.get(tr.tensor, 'none')!s}, not swap"
+                )
+            if tr.tensor in by_tensor[which]:
+                _fail(f"{label}s tensor {tr.tensor!r} twice ({label}s {by_tensor[which][tr.tensor]} and {k})")
+            by_tensor[which][tr.tensor] = k
+    offload_of, prefetch_of = by_tensor
+    for t in plan.tensors_with(Decision.SWAP):
+        if t not in offload_of:
+            _fail(f"swaps tensor {t!r} but has no offload for it")
+        if t not in prefetch_of:
+            _fail(f"swaps tensor {t!r} but has no prefetch for it")
+        off = plan.offloads[offload_of[t]].issue_after_step
+        pre = plan.prefetches[prefetch_of[t]].issue_after_step
+        if pre < off:
+            _fail(f"prefetches tensor {t!r} after step {pre}, before its offload is issued (after step {off})")
+    return offload_of, prefetch_of
+
+
+def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
+    """Validate `plan` against `graph` and resolve the copy each step reads. Raises `PlanValidationError`.
+
+    The rules that need no copies are checked first, then `_resolve_copies` walks the plan, then the
+    rules about which copy each reader reads and the FIFO order are checked on the result."""
+    roles = _check_steps(graph, plan)
+    _check_decisions(graph, plan)
+    offload_of, _ = _check_transfers(graph, plan)
+    s = _resolve_copies(graph, plan, offload_of)
+    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.copy_readers)
+    _check_fifo_order(plan, s.prefetch_copy, s.prefetch_offload, s.copy_readers)
+    return s
+
+
+def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> ResolvedSchedule:
+    """One walk in sequence order over flat lists (no object per copy). It fails only where a copy
+    cannot be resolved (a read or an offload of a tensor with no device copy, an offload of a
+    non-run copy, a recompute of a keep/swap tensor); the other rules are checked around it. The
+    simulator runs it for every plan, so it is written for speed like the engine's loop, and
+    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution."""
+    decisions = plan.decisions
+    distinct_inputs = graph.distinct_inputs
+    size_of = graph.size_bytes_of
+
+    # Transfers bucketed by the step they are issued after (-1: at time zero).
+    offloads_after: dict[int, list[int]] = {}
+    prefetches_after: dict[int, list[int]] = {}
+    for k, tr in enumerate(plan.offloads):
+        offloads_after.setdefault(tr.issue_after_step, []).append(k)
+    for k, tr in enumerate(plan.prefetches):
+        prefetches_after.setdefault(tr.issue_after_step, []).append(k)
+
+    c_tensor: list[str] = []
+    c_source: list[str] = []
+    c_index: list[int] = []
+    c_readers: list[list[int]] = []
+    current: dict[str, int] = {}
+    offload_copy = [0] * len(plan.offloads)
+    prefetch_copy = [0] * len(plan.prefetches)
+    step_reads: list[tuple[int, ...]] = []
+    step_writes: list[tuple[int, ...]] = []
+    step_alloc: list[int] = []
+
+    def issue_transfers(after: int) -> None:
+        where = "at time zero" if after < 0 else f"after step {after}"
+        for k in offloads_after.get(after, ()):
+            t = plan.offloads[k].tensor
+            c = current.get(t)
+            if c is None:
+                _fail(f"offloads tensor {t!r} {where}, before any step has produced it")
+            if c_source[c] != "run":
+                _fail(
+                    f"offloads tensor {t!r} {where} from its {c_source[c]} copy; "
+                    "a swap offloads the copy its run step produced"
+                )
+            offload_copy[k] = c
+        for k in prefetches_after.get(after, ()):
+            t = plan.prefetches[k].tensor
+            prefetch_copy[k] = current[t] = len(c_tensor)
+            c_tensor.append(t)
+            c_source.append("prefetch")
+            c_index.append(k)
+            c_readers.append([])
+
+    issue_transfers(-1)
+    recompute = StepKind.RECOMPUTE
+    keep_or_swap = (Decision.KEEP, Decision.SWAP)
+    for j, step in enumerate(plan.steps):
+        reads = []
+        for t in distinct_inputs[step.op]:
+            c = current.get(t)
+            if c is None:
+                _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
+            c_readers[c].append(j)
+            reads.append(c)
+        writes = []
+        alloc = 0
+        source = "recompute" if step.kind == recompute else "run"
+        for t in step.outputs:
+            if source == "recompute" and decisions.get(t) in keep_or_swap:
+                _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
+            current[t] = c = len(c_tensor)
+            c_tensor.append(t)
+            c_source.append(source)
+            c_index.append(j)
+            c_readers.append([])
+            writes.append(c)
+            alloc += size_of[t]
+        step_reads.append(tuple(reads))
+        step_writes.append(tuple(writes))
+        step_alloc.append(alloc)
+        if j in offloads_after or j in prefetches_after:
+            issue_transfers(j)
+    c_offload: list[int | None] = [None] * len(c_tensor)
+    for k, c in enumerate(offload_copy):
+        c_offload[c] = k
+
+    prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
+
+    return ResolvedSchedule(
+        copy_tensor=tuple(c_tensor),
+        copy_size=tuple([size_of[t] for t in c_tensor]),
+        copy_source=tuple(c_source),
+        copy_source_index=tuple(c_index),
+        copy_readers=tuple(map(tuple, c_readers)),
+        copy_offload=tuple(c_offload),
+        step_reads=tuple(step_reads),
+        step_writes=tuple(step_writes),
+        step_alloc_bytes=tuple(step_alloc),
+        offload_copy=tuple(offload_copy),
+        prefetch_copy=tuple(prefetch_copy),
+        prefetch_offload=prefetch_offload,
+    )
+
+
+def _check_reader_copies(
+    plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str], c_readers: Sequence[Sequence[int]]
+) -> None:
+    """Each decision fixes which copy the forward and backward readers of a saved tensor read."""
+    wanted = {Decision.KEEP: "run", Decision.SWAP: "prefetch", Decision.RECOMPUTE: "recompute"}
+    decisions = plan.decisions
+    first_problem: tuple[int, str] | None = None
+    for c, t in enumerate(c_tensor):
+        decision = decisions.get(t)
+        if decision is None:
+            continue
+        source = c_source[c]
+        backward_need = wanted[decision]
+        for j in c_readers[c]:
+            role = roles[j]
+            if role == 0:
+                continue  # a recompute step may read any resident copy
+            need = "run" if role == 1 else backward_need
+            if source == need:
+                continue
+            forward = role == 1
+            role_name = "forward" if forward else "backward"
+            if decision == Decision.SWAP and forward:
+                why = "its prefetch is issued before this forward reader"
+            elif decision == Decision.SWAP:
+                why = "its prefetch is issued after this backward reader (or it reads a recomputed copy)"
+            elif decision == Decision.RECOMPUTE and not forward:
+                why = "no recompute step materialises it between its forward use and this reader"
+            else:
+                why = f"a {source} copy exists where the {need} copy is required"
+            msg = (
+                f"{_step_name(plan, j)}, a {role_name} reader of {decision!s} tensor {t!r}, "
+                f"reads its {source} copy: {why}"
+            )
+            if first_problem is None or j < first_problem[0]:
+                first_problem = (j, msg)
+    if first_problem is not None:
+        _fail(first_problem[1])
+
+
+def _check_fifo_order(
+    plan: Plan, prefetch_copy: list[int], prefetch_offload: tuple[int, ...], c_readers: list[list[int]]
+) -> None:
+    """A transfer starts no earlier than the one before it in its FIFO list, and a prefetch no earlier
+    than its offload. If that pushes a prefetch past its first reader, the plan deadlocks by construction."""
+    off_effective: list[int] = []
+    last = -1
+    for tr in plan.offloads:
+        last = max(last, tr.issue_after_step)
+        off_effective.append(last)
+    last = -1
+    for k, tr in enumerate(plan.prefetches):
+        last = max(last, tr.issue_after_step, off_effective[prefetch_offload[k]])
+        readers = c_readers[prefetch_copy[k]]
+        if readers and readers[0] <= last:
+            _fail(
+                f"prefetch {k} of tensor {tr.tensor!r} cannot start before step {last} finishes "
+                f"(FIFO order of the offload/prefetch lists), but {_step_name(plan, readers[0])} reads it: "
+                "the schedule would deadlock"
+            )
