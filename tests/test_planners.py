@@ -238,3 +238,15 @@ def test_slackswap_may_recompute_a_boundary_whose_chain_is_one_op_of_its_layer()
     assert set(allowed) & set(plan.tensors_with(Decision.RECOMPUTE))
     result = simulate(graph, plan, HW, budget)
     assert result.feasible and result.stall_s == 0.0
+
+
+def test_slackswap_plan_says_why_each_tensor_is_swapped_or_recomputed(tmp_path):
+    from slackswap.plan_io import read_plan_json, write_plan_json
+
+    plan, _ = _plan_or_none("slackswap", 0.5)
+    dropped = {t for t, d in plan.decisions.items() if d != Decision.KEEP}
+    assert dropped and set(plan.notes["why"]) == dropped
+    assert all(plan.notes["why"][t].startswith(plan.decisions[t].value) for t in dropped)
+    assert plan.notes["swap_set"] in plan.notes["why"][plan.tensors_with(Decision.SWAP)[0]]
+    write_plan_json(plan, tmp_path / "plan.json")
+    assert read_plan_json(tmp_path / "plan.json").notes["why"] == plan.notes["why"]

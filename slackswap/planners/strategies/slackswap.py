@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import replace
 
 from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Decision, Plan
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import ProfileAnalysis, regen_chain
 from slackswap.planners.support.greedy import (
@@ -66,7 +69,9 @@ def by_shared_regen_cost_per_byte(graph: Graph, analysis: ProfileAnalysis) -> li
     return sorted((t for t, i in infos.items() if i.size_bytes > 0), key=key)
 
 
-def order_by_group_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: Sequence[str]) -> list[str]:
+def order_by_group_marginal_cost(
+    graph: Graph, analysis: ProfileAnalysis, candidates: Sequence[str], prices: dict[str, float] | None = None
+) -> list[str]:
     """Cheapest marginal regeneration per byte first, pricing the outputs of one producer op together.
 
     `order_by_marginal_cost` prices each tensor alone: the dropout output and its mask come from one
@@ -76,6 +81,7 @@ def order_by_group_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candid
     members' chains add (not yet re-run for an earlier pick) over the group's bytes, and a group is
     taken whole. After each pick the groups whose chains touch the newly covered ops, or read a
     newly missing tensor, are re-priced (lazy heap with versions), as in the per-tensor ranking.
+    `prices`, if given, receives each tensor's group price (s per byte) at the time it was taken.
     """
     dur = {op.name: op.duration_s for op in graph.ops}
     rank = {t: i for i, t in enumerate(candidates)}
@@ -105,10 +111,12 @@ def order_by_group_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candid
     heapq.heapify(heap)
     order: list[str] = []
     while heap:
-        _, _, v, group = heapq.heappop(heap)
+        price, _, v, group = heapq.heappop(heap)
         if v != version[group] or not members[group]:
             continue
         picked = members[group]
+        if prices is not None:
+            prices.update(dict.fromkeys(picked, price))
         members[group] = []
         order.extend(picked)
         missing.update(picked)
@@ -142,6 +150,8 @@ def in_layer_boundaries(graph: Graph, analysis: ProfileAnalysis) -> list[str]:
 @register_planner("slackswap")
 class SlackSwap(SwapThenRecompute):
     name = "slackswap"
+    #: (analysis, labelled swapped sets) of the current `plan` call, for `notes["why"]`.
+    _explain: tuple[ProfileAnalysis, dict[str, list[str]]] | None = None
 
     def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
         return take_while_hidden(analysis, by_shared_regen_cost_per_byte(graph, analysis))
@@ -167,15 +177,44 @@ class SlackSwap(SwapThenRecompute):
             return -infos[t].size_bytes / max(infos[t].d2h_s, infos[t].h2d_s)
 
         all_sized = [t for t, i in infos.items() if i.size_bytes > 0]
-        return [
-            self.select_swaps(graph, analysis),
-            take_while_hidden(analysis, sorted(above_tail, key=window)),
-            take_while_hidden(analysis, sorted(all_sized, key=window)),
-            take_while_hidden(analysis, sorted(all_sized, key=bytes_per_copy_s)),
-        ]
+        sets = {
+            "costliest to regenerate per byte first": self.select_swaps(graph, analysis),
+            "above the recompute tail, longest window first": take_while_hidden(
+                analysis, sorted(above_tail, key=window)),
+            "longest window first": take_while_hidden(analysis, sorted(all_sized, key=window)),
+            "most bytes per copy second first": take_while_hidden(analysis, sorted(all_sized, key=bytes_per_copy_s)),
+        }
+        self._explain = (analysis, sets)
+        return list(sets.values())
 
-    def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
-        return order_by_group_marginal_cost(graph, analysis, frees_memory(analysis, candidates))
+    def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
+        """The swap-then-recompute plan, with `notes["why"]`: for every swapped or recomputed tensor,
+        the reason in one line (which swap set it came from and that its copies hide; its price and
+        rank in the recompute ranking)."""
+        self._explain = None
+        plan = super().plan(graph, hardware, budget_bytes)
+        if self._explain is None:
+            return plan
+        analysis, sets = self._explain
+        swaps = set(plan.tensors_with(Decision.SWAP))
+        origin = next((label for label, chosen in sets.items() if set(chosen) == swaps), "")
+        prices: dict[str, float] = {}
+        order = self.order_recompute(graph, analysis, self.recompute_pool(graph, analysis, swaps), prices)
+        rank = {t: i for i, t in enumerate(order)}
+        why: dict[str, str] = {}
+        for t in plan.tensors_with(Decision.SWAP):
+            why[t] = (f"swap: from the swapped set '{origin}'; its offload ends before the forward pass does and its "
+                      "prefetch before its first backward use (SlackLedger)")
+        for t in plan.tensors_with(Decision.RECOMPUTE):
+            why[t] = (f"recompute: rank {rank[t] + 1} of {len(order)} in the recompute ranking, "
+                      f"{prices[t] * 2**20 * 1e6:.3f} us per MiB (its op's outputs priced together, shared "
+                      "chain ops counted once); the budget needs the ranking up to here")
+        return replace(plan, notes={**plan.notes, "swap_set": origin, "why": why})
+
+    def order_recompute(
+        self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str], prices: dict[str, float] | None = None
+    ) -> list[str]:
+        return order_by_group_marginal_cost(graph, analysis, frees_memory(analysis, candidates), prices)
 
     def recompute_pool(self, graph: Graph, analysis: ProfileAnalysis, swaps: set[str]) -> list[str]:
         """Non-boundary tensors, plus the layer boundaries whose own regeneration stays inside their
