@@ -2,7 +2,8 @@
 
 Prints the per-layer breakdown (`slackswap.profile.report.format_breakdown`) and writes profile.csv
 and graph.json into the Hydra run directory. No planner, no simulator, no MLflow: a quick look at what
-a model's step costs on a GPU before planning anything.
+a model's step costs on a GPU before planning anything. With a traced preset (`model=hf_gpt2_xl`) the
+breakdown is the real model's, and profile.csv compares each layer with the analytic graph's bytes.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_root resolver)
+from pipelines.stages import analytic_twin
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
+from slackswap.profile.torch.spec import TorchSpec
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -24,11 +27,21 @@ def main(cfg: DictConfig) -> None:
     from slackswap.profile import build_graph
     from slackswap.profile.report import format_breakdown, write_profile_csv
 
-    model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    torch_node = node.pop("torch", None)
+    model = ModelConfig.from_dict(node)
     hardware = Hardware.from_dict(OmegaConf.to_container(cfg.hardware, resolve=True))
-    graph = build_graph(model, hardware)
+    reference = None
+    if torch_node is None:
+        graph = build_graph(model, hardware)
+    else:
+        from slackswap.profile.torch import build_torch_graph
+
+        spec = TorchSpec.from_dict(torch_node)
+        graph = build_torch_graph(model, spec, hardware)
+        reference = build_graph(analytic_twin(model, spec), hardware)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    write_profile_csv(graph, run_dir / "profile.csv")
+    write_profile_csv(graph, run_dir / "profile.csv", reference=reference)
     write_graph_json(graph, run_dir / "graph.json")
     print(format_breakdown(graph))
     print(f"\nprofile.csv, graph.json -> {run_dir}")

@@ -8,7 +8,8 @@ entry of `conf/config.yaml`'s defaults list, so every group preset is merged int
 - an unknown preset (`model=gpt5`) fails with Hydra's "Could not find 'model/gpt5'" plus the options.
 
 `ModelSchema`, `HardwareSchema` and `HostLinkSchema` mirror the library dataclasses field for field
-(tests/test_config_schema.py keeps them from drifting). Range checks (positive bandwidth, budget in
+(tests/test_config.py keeps them from drifting); `ModelSchema.torch` is the one extra node, mirrored by
+`slackswap.profile.torch.spec.TorchSpec`. Range checks (positive bandwidth, budget in
 (0, 1]) stay in the library (`from_dict` -> `ConfigError`), so a script and Hydra reject the same values.
 """
 
@@ -24,6 +25,18 @@ from omegaconf import MISSING, OmegaConf
 #: Repository root (the folder holding conf/ and pipelines/). The default MLflow store lives here, so
 #: runs land in one database whatever the working directory.
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class TorchSchema:
+    """Mirrors `slackswap.profile.torch.spec.TorchSpec`: present on a model preset, the graph is traced
+    from a real PyTorch model (docs/torch_profile.md) instead of built analytically."""
+
+    builder: str = MISSING
+    attention: str = "eager"
+    semantics: str = "cuda"
+    hook: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -43,6 +56,8 @@ class ModelSchema:
     attention: str = "eager"
     include_optimizer: bool = False
     source: str = ""
+    #: Not a `ModelConfig` field: the torch profile source's settings (None: the analytic graph).
+    torch: TorchSchema | None = None
 
 
 @dataclass
@@ -156,9 +171,25 @@ class SlackSwapConfig:
     plots: str = "auto"
 
 
+@dataclass
+class TrainSchema:
+    """`python -m pipelines.train`: real optimizer steps under the plan (slackswap.runtime)."""
+
+    steps: int = 3
+    device: str = "cpu"
+    seed: int = 0
+    lr: float = 1.0e-4
+
+
+@dataclass
+class SlackSwapTrainConfig(SlackSwapConfig):
+    train: TrainSchema = field(default_factory=TrainSchema)
+
+
 def register() -> None:
-    """Store the root schema and the `repo_root` resolver. Idempotent (tests import this repeatedly)."""
+    """Store the root schemas and the `repo_root` resolver. Idempotent (tests import this repeatedly)."""
     ConfigStore.instance().store(name="slackswap_schema", node=SlackSwapConfig)
+    ConfigStore.instance().store(name="slackswap_train_schema", node=SlackSwapTrainConfig)
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
 

@@ -1,4 +1,4 @@
-"""profile -> plan -> simulate for one resolved config, writing the run-directory files of BRIEF §6.
+"""profile -> plan -> simulate for one resolved config, writing the run-directory files of docs/contract.md.
 
 Thin wiring only: every modelling decision lives in `slackswap/`. What this module adds is
 - validation of all inputs before any work (so a bad value fails with its field named),
@@ -23,10 +23,13 @@ from slackswap.hardware import Hardware
 from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
+from slackswap.profile.torch.spec import TorchSpec
 
 STATUS_OK = "ok"
 STATUS_INFEASIBLE = "infeasible"
 STATUS_FAILED = "failed"
+#: Interrupted (SIGINT / SIGTERM) while it ran; the MLflow run is KILLED.
+STATUS_KILLED = "killed"
 PLOT_LEVELS: tuple[str, ...] = ("auto", "all", "summary", "none")
 
 
@@ -53,6 +56,8 @@ class Inputs:
     plan_margin_fraction: float = 0.0
     #: Draw this run's timeline.png (plots level "all").
     draw_timeline: bool = True
+    #: Set when the model preset has a `torch` node: the graph is traced from the real model.
+    torch_spec: TorchSpec | None = None
 
 
 ALLOCATORS = ("none", "caching")
@@ -80,8 +85,10 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
     planner = resolved["planner"]
     if not isinstance(planner.get("name"), str) or not planner["name"]:
         raise ConfigError("planner.name", planner.get("name"), "must be a non-empty planner name")
+    model = dict(resolved["model"])
+    torch_node = model.pop("torch", None)
     inputs = Inputs(
-        model=ModelConfig.from_dict(resolved["model"]),
+        model=ModelConfig.from_dict(model),
         hardware=Hardware.from_dict(resolved["hardware"]),
         budget=Budget.from_dict(resolved["budget"]),
         planner_name=planner["name"],
@@ -89,9 +96,14 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
         training=TrainingConfig.from_dict(resolved.get("training") or {}),
         **_simulate_options(resolved.get("simulate")),
         draw_timeline=plot_level(resolved, multirun) == "all",
+        torch_spec=None if torch_node is None else TorchSpec.from_dict(torch_node),
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
+    from slackswap.planners.registry import get_planner
+
+    # Unknown planner names and options fail here, before profiling, naming what was asked for.
+    get_planner(inputs.planner_name, **inputs.planner_options)
     return inputs
 
 
@@ -103,6 +115,17 @@ class Baseline:
     ideal: Any
     profile_wall_s: float
     ideal_sim_wall_s: float
+    #: Traced graphs only: the keep-all peak of the analytic graph of the same shape, for comparison.
+    analytic_peak_bytes: int | None = None
+    #: Traced graphs only: the analytic graph (profile.csv's formula column).
+    analytic_graph: Any = None
+
+
+def analytic_twin(model: ModelConfig, spec: TorchSpec) -> ModelConfig:
+    """The analytic model of a traced preset's shape: sdpa is a fused kernel (`flash`), eager is eager."""
+    from dataclasses import replace
+
+    return replace(model, attention="flash" if spec.attention == "sdpa" else "eager")
 
 
 _BASELINES: dict[str, Baseline] = {}
@@ -123,13 +146,22 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
     from slackswap.simulate.metrics import simulate_ideal
 
     t0 = time.perf_counter()
-    graph = build_graph(inputs.model, inputs.hardware, inputs.training)
+    if inputs.torch_spec is None:
+        graph = build_graph(inputs.model, inputs.hardware, inputs.training)
+    else:
+        from slackswap.profile.torch import build_torch_graph
+
+        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware, inputs.training)
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
     if not ideal.feasible:
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
-    _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1)
+    analytic_peak = analytic = None
+    if inputs.torch_spec is not None:
+        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware, inputs.training)
+        analytic_peak = int(simulate_ideal(analytic, inputs.hardware).peak_activation_bytes)
+    _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1, analytic_peak, analytic)
     return _BASELINES[key], False
 
 
@@ -165,8 +197,12 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     graph, ideal = base.graph, base.ideal
 
     t0 = time.perf_counter()
-    write_profile_csv(graph, run_dir / "profile.csv")
-    write_graph_json(graph, run_dir / "graph.json")
+    _write_profile_files(
+        _baseline_key(resolved),
+        run_dir,
+        lambda path: write_profile_csv(graph, path, reference=base.analytic_graph),
+        lambda path: write_graph_json(graph, path),
+    )
     timings["write_profile_s"] = time.perf_counter() - t0
 
     keep_all_peak_bytes = int(ideal.peak_activation_bytes)
@@ -216,6 +252,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
         }
         if exc.min_feasible_bytes is not None:
             metrics["min_feasible_bytes"] = exc.min_feasible_bytes
+        metrics |= _source_metrics(base)
         _write_json(run_dir / "metrics.json", metrics)
         return Outcome(STATUS_INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
     plan, result, report = fitted.plan, fitted.result, fitted.report
@@ -234,6 +271,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     if fitted.planning_budget_bytes != budget_bytes:
         metrics["planning_budget_bytes"] = fitted.planning_budget_bytes
         metrics["planning_rounds"] = fitted.rounds
+    metrics |= _source_metrics(base)
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
@@ -242,13 +280,30 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
         from slackswap.simulate.timeline import write_timeline_png
 
         t0 = time.perf_counter()
-        write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
+        title = timeline_title(inputs, budget_bytes, keep_all_peak_bytes)
+        write_timeline_png(result, run_dir / "timeline.png", budget_bytes, title=title)
         timings["write_timeline_s"] = time.perf_counter() - t0
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
     if result.feasible:
         return Outcome(STATUS_OK, "", metrics, timings, facts)
     return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+
+
+#: The bytes of profile.csv and graph.json per baseline key: every job of a workload writes the same
+#: two files, so they are serialised once per process and copied after that.
+_PROFILE_FILES: dict[str, tuple[bytes, bytes]] = {}
+
+
+def _write_profile_files(key: str, run_dir: Path, write_csv: Any, write_json: Any) -> None:
+    cached = _PROFILE_FILES.get(key)
+    if cached is None:
+        write_csv(run_dir / "profile.csv")
+        write_json(run_dir / "graph.json")
+        _PROFILE_FILES[key] = ((run_dir / "profile.csv").read_bytes(), (run_dir / "graph.json").read_bytes())
+        return
+    (run_dir / "profile.csv").write_bytes(cached[0])
+    (run_dir / "graph.json").write_bytes(cached[1])
 
 
 def device_capacity(inputs: Inputs) -> Any:
@@ -284,6 +339,24 @@ def _static_metrics(capacity: Any) -> dict[str, Any]:
         "reserve_bytes": capacity.reserve_bytes,
         "activation_capacity_bytes": capacity.activation_capacity_bytes,
     }
+
+
+def _source_metrics(base: Baseline) -> dict[str, Any]:
+    """A traced graph's keep-all peak against the analytic graph's of the same shape (empty if analytic)."""
+    if base.analytic_peak_bytes is None:
+        return {}
+    peak = int(base.ideal.peak_activation_bytes)
+    return {"analytic_keep_all_peak_bytes": base.analytic_peak_bytes,
+            "real_to_analytic_peak_ratio": peak / base.analytic_peak_bytes}
+
+
+def timeline_title(inputs: Inputs, budget_bytes: int, keep_all_peak_bytes: int) -> str:
+    """Model, hardware, planner and budget, the four things that make one timeline differ from another."""
+    share = budget_bytes / keep_all_peak_bytes if keep_all_peak_bytes else float("nan")
+    return (
+        f"{inputs.model.name} on {inputs.hardware.name}, planner {inputs.planner_name}, "
+        f"budget {budget_bytes / 2**30:.3g} GiB ({share:.0%} of the keep-all peak)"
+    )
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

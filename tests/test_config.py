@@ -17,6 +17,7 @@ from slackswap.errors import ConfigError
 from slackswap.hardware import Hardware, HostLink
 from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
+from slackswap.profile.torch.spec import TorchSpec
 
 CONF = schemas.REPO_ROOT / "conf"
 GROUPS = ("model", "hardware", "planner", "budget", "training", "tracking")
@@ -56,6 +57,8 @@ def test_every_group_preset_composes_and_validates(group: str, preset: str) -> N
     cfg = _compose(overrides)
     if cfg.model.dtype not in cfg.hardware.peak_flops_per_s:  # e.g. a V100 has no bf16: run it in its own dtype
         cfg = _compose([*overrides, f"model.dtype={next(iter(cfg.hardware.peak_flops_per_s))}"])
+    if cfg.model.dtype == "fp32" and cfg.training.precision != "fp32":  # an fp32 model trains with the fp32 recipe
+        cfg = _compose([*overrides, "training=adamw_fp32"])
     resolved = _resolved(cfg)
     inputs = stages.validate_inputs(resolved)  # ModelConfig / Hardware / Budget checks of the library
     assert isinstance(inputs.model, ModelConfig) and isinstance(inputs.hardware, Hardware)
@@ -110,11 +113,13 @@ def _field_defaults(cls) -> dict:
         (schemas.HostLinkSchema, HostLink),
         (schemas.BudgetSchema, Budget),
         (schemas.TrainingSchema, TrainingConfig),
+        (schemas.TorchSchema, TorchSpec),
     ],
 )
 def test_schema_mirrors_library_dataclass(schema, library) -> None:
     """Same field names, same order and same defaults: the schema cannot drift from the library."""
-    assert [f.name for f in dataclasses.fields(schema)] == [f.name for f in dataclasses.fields(library)]
+    extra = ["torch"] if schema is schemas.ModelSchema else []  # the torch source's node (TorchSpec)
+    assert [f.name for f in dataclasses.fields(schema)] == [f.name for f in dataclasses.fields(library)] + extra
     lib_defaults = {k: v for k, v in _field_defaults(library).items() if v != "???"}
     schema_defaults = _field_defaults(schema)
     for name, default in lib_defaults.items():

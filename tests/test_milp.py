@@ -290,3 +290,29 @@ def test_chain_cuts_tighten_the_bound_and_stay_below_the_best_plan(seed, share):
     assert new.bound_step_s <= best * (1 + REL)
     if seed == 0:  # here the old bound recomputes b0/b1 for their own op alone; the cut charges fs too
         assert new.bound_step_s > old.bound_step_s * (1 + 1e-3)
+
+
+def test_same_problem_same_plan_file_and_node_limits_not_seconds():
+    """Two solves of one problem give the same plan.json bytes: the solves stop at node limits (a
+    wall-clock limit made the tiny preset's plan vary from run to run), and the notes hold node
+    counts, never seconds."""
+    import tempfile
+    from pathlib import Path
+
+    from slackswap.plan_io import write_plan_json
+
+    graph = chain_graph(layers=3, ops_per_layer=2, seed=11)
+    hardware = _toy_hardware()
+    budget = _budget_between_floor_and_peak(graph, hardware, 0.4)
+    planner = MilpPlanner(node_limit=3, plan_node_limit=2)
+    assert planner.time_limit_s is None and planner.plan_time_limit_s is None
+    with tempfile.TemporaryDirectory() as folder:
+        files = [Path(folder, f"plan{i}.json") for i in range(2)]
+        for path in files:
+            write_plan_json(planner.plan(graph, hardware, budget), path)
+        assert files[0].read_bytes() == files[1].read_bytes()
+    notes = planner.plan(graph, hardware, budget).notes
+    assert isinstance(notes["milp_nodes"], int) and notes["milp_nodes"] <= 3
+    assert not [key for key in notes if key.endswith("_s") and "step" not in key], notes
+    with pytest.raises(ConfigError, match="node_limit"):
+        MilpPlanner(node_limit=0)

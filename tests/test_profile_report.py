@@ -25,11 +25,13 @@ def test_gpt2_xl_profile_csv_has_the_formula_bytes_per_layer(tmp_path):
     path = write_profile_csv(graph, tmp_path / "profile.csv")
     with path.open() as f:
         rows = list(csv.DictReader(f))
-    assert tuple(rows[0].keys()) == CSV_COLUMNS == ("layer", "saved_bytes", "fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
+    assert tuple(rows[0].keys()) == CSV_COLUMNS == ("layer", "saved_bytes", "fwd_flops", "bwd_flops", "fwd_s", "bwd_s",
+                                                    "formula_saved_bytes", "saved_ratio")
     assert [int(r["layer"]) for r in rows] == list(range(48))
     expected = korthikanti_saved_bytes_per_layer(m.seq_len, m.micro_batch_size, m.hidden_size, m.num_heads)
     assert expected == 1024 * 4 * 1600 * 114
     assert all(int(r["saved_bytes"]) == expected for r in rows)
+    assert all(int(r["formula_saved_bytes"]) == expected and float(r["saved_ratio"]) == 1.0 for r in rows)
     fwd = korthikanti_fwd_flops_per_layer(m.seq_len, m.micro_batch_size, m.hidden_size)
     assert all(float(r["fwd_flops"]) == fwd and float(r["bwd_flops"]) == 2 * fwd for r in rows)
     # Times read back exactly (repr floats) and equal the in-memory profile.

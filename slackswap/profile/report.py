@@ -14,7 +14,10 @@ from pathlib import Path
 
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Phase
 
-CSV_COLUMNS: tuple[str, ...] = ("layer", "saved_bytes", "fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
+LAYER_COLUMNS: tuple[str, ...] = ("layer", "saved_bytes", "fwd_flops", "bwd_flops", "fwd_s", "bwd_s")
+#: profile.csv: the layer's row, then the analytic (formula) graph's saved bytes of that layer and
+#: saved_bytes / formula_saved_bytes (1.0 for an analytic graph, which is its own reference).
+CSV_COLUMNS: tuple[str, ...] = (*LAYER_COLUMNS, "formula_saved_bytes", "saved_ratio")
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class LayerProfile:
     bwd_s: float
 
 
-assert tuple(f.name for f in fields(LayerProfile)) == CSV_COLUMNS
+assert tuple(f.name for f in fields(LayerProfile)) == LAYER_COLUMNS
 
 
 def _sums(graph: Graph) -> tuple[dict, dict, dict, dict, dict]:
@@ -57,14 +60,23 @@ def layer_profile(graph: Graph) -> tuple[LayerProfile, ...]:
     )
 
 
-def write_profile_csv(graph: Graph, path: str | Path) -> Path:
-    """Write `profile.csv` (columns exactly CSV_COLUMNS); floats in repr form so they read back exactly."""
+def write_profile_csv(graph: Graph, path: str | Path, reference: Graph | None = None) -> Path:
+    """Write `profile.csv` (columns exactly CSV_COLUMNS); floats in repr form so they read back exactly.
+
+    `reference`: the analytic graph of the same shape when `graph` was traced from a real model
+    (None: `graph` is analytic and its own reference). Its layer count must match.
+    """
     path = Path(path)
+    reference = graph if reference is None else reference
+    formula = {row.layer: row.saved_bytes for row in layer_profile(reference)}
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for row in layer_profile(graph):
-            writer.writerow([repr(v) if isinstance(v, float) else v for v in astuple(row)])
+            ref = formula[row.layer]
+            ratio = row.saved_bytes / ref if ref else float("nan")
+            values = (*astuple(row), ref, ratio)
+            writer.writerow([repr(v) if isinstance(v, float) else v for v in values])
     return path
 
 

@@ -1,0 +1,159 @@
+"""`python -m pipelines.train model=<torch preset> planner=<p> train.steps=N train.device=cpu|cuda`.
+
+Builds the preset's torch model on the device, captures the graph of one real step, plans it with the
+chosen planner and budget, simulates the plan on the chosen hardware, checks that the plan's loss and
+gradients equal a plain step's bit for bit, then runs N AdamW steps under the plan. Logs to MLflow:
+measured step time and peak (max_memory_allocated on CUDA, the runtime's ledger on CPU) beside the
+simulated ones, the gradient check, and the runtime's counts beside the plan's. Thin wiring: the work
+is in slackswap.runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+import pipelines.schemas  # noqa: F401  (registers the schemas and the repo_root resolver)
+from pipelines import tracking
+from slackswap.budget import Budget
+from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.hardware import Hardware
+from slackswap.model_config import ModelConfig
+
+DEVICES = ("cpu", "cuda")
+
+
+def _validate(resolved: dict[str, Any]):
+    from slackswap.profile.torch.spec import TorchSpec
+
+    model_node = dict(resolved["model"])
+    torch_node = model_node.pop("torch", None)
+    if not torch_node:
+        raise ConfigError("model.torch", None, "pipelines.train needs a torch preset (hf_*, tiny_torch, hf_gpt2_2l)")
+    train = resolved["train"]
+    if train["device"] not in DEVICES:
+        raise ConfigError("train.device", train["device"], f"unknown device; known: {DEVICES}")
+    if not isinstance(train["steps"], int) or train["steps"] < 1:
+        raise ConfigError("train.steps", train["steps"], "must be an integer >= 1")
+    if train["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "cuda", "no CUDA device is visible to this torch build")
+    hardware = Hardware.from_dict(resolved["hardware"])
+    return (ModelConfig.from_dict(model_node), TorchSpec.from_dict(torch_node), hardware,
+            Budget.from_dict(resolved["budget"]), resolved["planner"])
+
+
+def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Everything but MLflow: returns the figures (also written to run_dir/train.json)."""
+    from slackswap.planners.registry import get_planner
+    from slackswap.runtime import capture_graph, plan_counts
+    from slackswap.runtime.compare import explain_ledger, simulated_saved_peak_bytes
+    from slackswap.runtime.models import build_training_workload
+    from slackswap.runtime.train import gradient_check, train_steps
+    from slackswap.simulate import simulate
+    from slackswap.simulate.metrics import simulate_ideal
+
+    model, spec, hardware, budget, planner = _validate(resolved)
+    train = resolved["train"]
+    print(f"[train] building {model.name} on {train['device']}", flush=True)
+    w = build_training_workload(model, spec, train["device"], train["seed"])
+    t0 = time.perf_counter()
+    graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, f"{model.name}@{hardware.name}")
+    capture_s = time.perf_counter() - t0
+    ideal = simulate_ideal(graph, hardware)
+    budget_bytes = budget.resolve_bytes(ideal.peak_activation_bytes)
+    print(f"[train] captured {len(graph.ops)} ops, {len(graph.saved_tensors)} saved tensors in {capture_s:.1f} s; "
+          f"keep-all peak {ideal.peak_activation_bytes} B, budget {budget_bytes} B", flush=True)
+    figures: dict[str, Any] = {"status": "ok", "capture_s": capture_s, "budget_bytes": budget_bytes,
+                               "keep_all_peak_bytes": ideal.peak_activation_bytes}
+    try:
+        plan = get_planner(planner["name"], **dict(planner.get("options") or {})).plan(graph, hardware, budget_bytes)
+    except InfeasibleBudgetError as exc:
+        figures.update(status="infeasible", infeasible_reason=str(exc))
+        print(f"[train] infeasible: {exc}", flush=True)
+        return figures
+    sim = simulate(graph, plan, hardware, budget_bytes)
+    counts = plan_counts(plan)
+    figures.update(sim_step_s=sim.step_s, sim_peak_activation_bytes=sim.peak_activation_bytes,
+                   sim_saved_peak_bytes=simulated_saved_peak_bytes(graph, plan, hardware),
+                   sim_saved_peak_bytes_link=simulated_saved_peak_bytes(graph, plan, hardware, instant=False),
+                   **{f"plan_{k}": v for k, v in counts.items()})
+    check = gradient_check(w, graph, plan, seed=train["seed"] + 1)
+    why = explain_ledger(graph, plan, check.report.live_by_step)
+    figures.update(grad_check_bit_exact=check.bit_exact, grad_check_max_abs_diff=check.max_abs_diff,
+                   check_ledger_peak_bytes=check.report.ledger_peak_bytes,
+                   ledger_plan_bytes_at_peak=why["plan_bytes_at_ledger_peak"],
+                   ledger_late_bytes=why["late_bytes"], ledger_missing_copies=len(why["missing"]),
+                   ledger_late_tensors=[name for name, _, _ in why["late"]])
+    print(f"[train] plan: {counts}; gradient check bit-exact={check.bit_exact} "
+          f"(max |diff| {check.max_abs_diff:g})", flush=True)
+
+    def progress(r) -> None:
+        print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms "
+              f"peak {r.measured_peak_bytes} B (ledger {r.ledger_peak_bytes} B)", flush=True)
+
+    records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress)
+    last = records[-1].report
+    timed = [r.step_s for r in records[1:]] or [records[0].step_s]
+    figures.update(
+        measured_step_s=statistics.median(timed),
+        measured_peak_bytes=max(r.measured_peak_bytes for r in records),
+        ledger_peak_bytes=max(r.ledger_peak_bytes for r in records),
+        runtime_recompute_steps=last.recompute_steps, runtime_offloads=last.offloads,
+        runtime_prefetches=last.prefetches, late_prefetch_waits=sum(r.report.late_prefetch_waits for r in records),
+        losses=[r.loss for r in records], step_times_s=[r.step_s for r in records],
+        counts_equal_plan=(last.recompute_steps, last.offloads, last.prefetches)
+        == (counts["recompute_steps"], counts["offloads"], counts["prefetches"]),
+    )
+    (run_dir / "train.json").write_text(json.dumps(figures, indent=2))
+    print(f"[train] measured step {figures['measured_step_s'] * 1e3:.1f} ms (simulated {sim.step_s * 1e3:.3f} ms "
+          f"on {hardware.name}); peak {figures['measured_peak_bytes']} B, ledger {figures['ledger_peak_bytes']} B "
+          f"vs simulated saved peak {figures['sim_saved_peak_bytes']} B", flush=True)
+    return figures
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    _validate(resolved)  # bad values fail before an MLflow run exists
+    track = resolved["tracking"]
+    client = run_id = None
+    if track["enabled"]:
+        client = tracking.open_client(track["uri"])
+        experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
+        name = f"train:{resolved['model']['name']}:{resolved['planner']['name']}:{resolved['train']['device']}"
+        run_id = tracking.start_run(client, experiment_id, name, {"kind": "train"}, None)
+        tracking.log_params(client, run_id, tracking.flatten_params(resolved))
+    status = "failed"
+    try:
+        figures = run_training(resolved, run_dir)
+        status = figures["status"]
+        if client is not None:
+            scalars = {k: (int(v) if isinstance(v, bool) else v) for k, v in figures.items()
+                       if isinstance(v, (int, float, bool))}
+            tracking.log_metrics(client, run_id, scalars)
+            for i, (loss, step_s) in enumerate(zip(figures.get("losses", []), figures.get("step_times_s", []),
+                                                   strict=True)):
+                client.log_metric(run_id, "step_loss", loss, step=i)
+                client.log_metric(run_id, "step_time_s", step_s, step=i)
+            tracking.log_tags(client, run_id, {"status": figures["status"]})
+            if (run_dir / "train.json").exists():
+                tracking.store_artifacts(client, run_id, [run_dir / "train.json"], track["artifact_location"])
+        return figures
+    finally:
+        if client is not None:
+            tracking.end_run(client, run_id, status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Turn a `Trace` into the `slackswap.graph.Graph` the planners and the simulator take, timed on a GPU.
+
+One graph tensor per storage created by a recorded op (weight gradients excepted); its consumers are
+the ops that read it (a view of it, an in-place write into it, or, in backward, an unpack of it).
+An in-place op lists the storage it writes among its inputs and creates nothing (today's graph has
+one producer per tensor). Saved tensors are attributed to the layer of their first backward reader,
+as the analytic builder does (docs/profile.md), so per-layer saved bytes compare one to one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
+from slackswap.hardware import Hardware
+from slackswap.memory.static import optimizer_step_moved_bytes
+from slackswap.memory.training import TrainingConfig
+from slackswap.profile import default_training, state_bytes_per_param
+from slackswap.profile.timing import op_duration_s
+from slackswap.profile.torch.tracer import Trace
+
+#: Roles `selective_recompute` treats as the attention core (slackswap.planners.selective_recompute).
+QK, PV, SOFTMAX, DROPOUT, CORE, FLASH = "qk_bmm", "pv_bmm", "softmax", "softmax_dropout", "attn_core", "flash_attn"
+_DROPOUT_ATEN = frozenset({"native_dropout", "bernoulli_", "bernoulli", "empty_like", "div_"})
+_FUSED_ATTENTION = frozenset({
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
+})
+
+
+def op_name(index: int, phase: Phase, module: str, aten: str) -> str:
+    return f"{'fwd' if phase == Phase.FORWARD else phase.value[:4]}{index}:{module}:{aten}"
+
+
+def forward_roles(trace: Trace) -> dict[int, str]:
+    """Attention-core roles per forward op index: within a layer, the ops from a batched matmul to the
+    next one (QK^T ... PV) are the eager core; a fused attention kernel is `flash_attn`."""
+    roles: dict[int, str] = {}
+    by_layer: dict[int, list] = defaultdict(list)
+    for op in trace.ops:
+        if op.phase == Phase.FORWARD:
+            by_layer[op.layer].append(op)
+    for layer, ops in by_layer.items():
+        if layer == NO_LAYER:
+            continue
+        bmm = [i for i, op in enumerate(ops) if op.aten in ("bmm", "baddbmm")]
+        for first, second in zip(bmm[0::2], bmm[1::2], strict=False):
+            roles[ops[first].index], roles[ops[second].index] = QK, PV
+            for op in ops[first + 1:second]:
+                roles[op.index] = SOFTMAX if "softmax" in op.aten else DROPOUT if op.aten in _DROPOUT_ATEN else CORE
+        for op in ops:
+            if op.aten in _FUSED_ATTENTION:
+                roles[op.index] = FLASH
+    return roles
+
+
+def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | None = None, *,
+                     training: TrainingConfig | None = None, include_optimizer: bool = False) -> Graph:
+    """The traced step as a Graph, each op timed with the roofline of `slackswap.profile.timing`.
+
+    `include_optimizer`: end with one optimizer-step op per layer (and one for the rest) streaming the
+    bytes of `training`'s recipe for that layer's traced parameters, as the analytic graph does.
+    """
+    hardware.peak_for(trace.dtype)
+    training = default_training(trace.dtype) if training is None else training
+    storages = trace.storages
+    graph_keys = {k for k in storages if k not in trace.weight_grads}
+    names = {op.index: op_name(op.index, op.phase, op.module, op.aten) for op in trace.ops}
+    roles = forward_roles(trace)
+    consumers: dict[int, list[int]] = defaultdict(list)
+    ops: list[Op] = []
+    for op in trace.ops:
+        inputs = tuple(storages[k].name for k in op.reads if k in graph_keys)
+        outputs = tuple(storages[k].name for k in op.creates if k in graph_keys)
+        for k in op.reads:
+            if k in graph_keys:
+                consumers[k].append(op.index)
+        duration = op_duration_s(op.flops, op.moved_bytes, op.op_class, trace.dtype, hardware)
+        ops.append(Op(names[op.index], op.phase, op.op_class, op.layer, inputs, outputs, op.flops, op.moved_bytes,
+                      duration, "", roles.get(op.index, op.aten)))
+    if include_optimizer:
+        for layer in sorted(trace.layer_params, key=lambda n: (n == NO_LAYER, n)):
+            opt = training.optimizer.replace("adamw", "adam")
+            moved = optimizer_step_moved_bytes(trace.layer_params[layer], training, trace.dtype)
+            ops.append(Op(opt if layer == NO_LAYER else f"L{layer}.{opt}", Phase.OPTIMIZER, OpClass.ELEMENTWISE,
+                          layer, (), (), 0.0, moved,
+                          op_duration_s(0.0, moved, OpClass.ELEMENTWISE, trace.dtype, hardware), "", "optimizer"))
+    op_by_index = {op.index: op for op in trace.ops}
+    tensors: dict[str, Tensor] = {}
+    for k in graph_keys:
+        st = storages[k]
+        producer = op_by_index[st.producer]
+        readers = [op_by_index[c] for c in consumers[k]]
+        bwd_layers = [r.layer for r in readers if r.phase == Phase.BACKWARD]
+        saved = producer.phase in FORWARD_PHASES and bool(bwd_layers)
+        layer = producer.layer
+        if saved:
+            in_stack = [x for x in bwd_layers if x != NO_LAYER]
+            layer = in_stack[0] if in_stack else NO_LAYER
+        role = f"{producer.aten}:{st.dtype}" if producer.phase != Phase.BACKWARD else "grad"
+        tensors[st.name] = Tensor(st.name, st.size_bytes, names[st.producer], tuple(names[c] for c in consumers[k]),
+                                  layer, saved, role)
+    state = state_bytes_per_param(trace.dtype)[2]
+    info = {"source": "torch", "semantics": trace.semantics, "num_params": trace.num_params,
+            "max_unit_params": max(trace.layer_params.values(), default=0),
+            "layers_path": trace.layers_path, "hardware": hardware.name}
+    return Graph(name, tuple(ops), tensors, trace.num_layers,
+                 weight_bytes=trace.param_bytes, weight_grad_bytes=trace.param_bytes,
+                 optimizer_state_bytes=state * trace.num_params, meta=info | dict(meta or {}))

@@ -1,0 +1,164 @@
+"""Stable identities for the storages a training step creates: shared by the tracer and the runtime.
+
+A plan names saved tensors; the runtime (issue 9) must find, among the tensors autograd really saves on
+the GPU, the one a plan entry means. Both sides run a `StorageIdentities` dispatch mode over the
+forward and loss, and name every storage after the aten op output that first created it:
+
+    <module path>[@<call>]/<aten op>#<k>:<output index>
+
+- module path: the innermost `nn.Module` running when the op ran, as `model.named_modules()` names it
+  (`model.layers.3.self_attn`); `<root>` for the root module's own ops, `<loss>` for ops of the loss
+  function (outside every module); `@<call>` is appended from a module's second call on (call 0 has no
+  suffix), so a module called twice in one step keeps both calls apart;
+- aten op: the overload packet name (`mm`, `native_dropout`, `_scaled_dot_product_flash_attention`);
+- k: how many ops of that name ran before it in the same module call (all ops count, views too);
+- output index: the position of the tensor among the op's tensor outputs (flattened).
+
+The identity is local to one module call: a kernel that differs in one module (another attention
+backend) changes only identities inside that module. Views and in-place writes do not create a
+storage, so q, k and v split from one fused projection share its output's identity. See
+docs/torch_profile.md.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+ROOT_PATH = "<root>"
+LOSS_PATH = "<loss>"
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage (views share it). Valid while the storage is alive."""
+    return tensor.untyped_storage()._cdata
+
+
+def tensor_leaves(tree: object) -> Iterator[torch.Tensor]:
+    return (x for x in tree_leaves(tree) if isinstance(x, torch.Tensor))
+
+
+class ModuleStack:
+    """The innermost running module's path and call index, kept by global forward (pre-)hooks."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._names = {id(m): (name or ROOT_PATH) for name, m in model.named_modules(remove_duplicate=False)}
+        self._calls: dict[str, int] = defaultdict(int)
+        self.stack: list[str] = []
+        self._handles: list = []
+
+    def __enter__(self) -> ModuleStack:
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
+            torch.nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre(self, module, args) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        call = self._calls[name]
+        self._calls[name] += 1
+        self.stack.append(name if call == 0 else f"{name}@{call}")
+
+    def _post(self, module, args, output) -> None:
+        if id(module) in self._names and self.stack:
+            self.stack.pop()
+
+    def current(self, outside: str) -> str:
+        return self.stack[-1] if self.stack else outside
+
+
+class StorageIdentities(TorchDispatchMode):
+    """Dispatch mode naming every new storage created in forward and loss (see the module docstring).
+
+    Use (the runtime's side; the tracer does the same):
+
+        with StorageIdentities(model) as ids:
+            out = model(*inputs)
+            ids.enter_loss()
+            loss = loss_fn(out)
+            ids.stop_identities()
+            loss.backward()
+
+    and in a `saved_tensors_hooks` pack hook `ids.identity(t)` names the saved tensor (or view) by its
+    storage: None for storages not created under the mode (parameters, buffers, user inputs).
+    Subclasses hook `on_op`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, keep_alive: bool = False):
+        """`keep_alive`: hold every storage created, so no key is ever reused (the meta tracer: free).
+        Without it (a real run) a freed storage's key may be reused; a weak reference tells them apart."""
+        super().__init__()
+        self.modules = ModuleStack(model)
+        self.outside = ROOT_PATH
+        self.recording_identities = True
+        self._counts: dict[tuple[str, str], int] = defaultdict(int)
+        self._ids: dict[int, tuple[object, str]] = {}
+        self._keep_alive = keep_alive
+        self._kept: list = []
+
+    def __enter__(self):
+        self.modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.modules.__exit__(*exc)
+        return super().__exit__(*exc)
+
+    def enter_loss(self) -> None:
+        """Ops run from now on outside the model belong to the loss (`<loss>`)."""
+        self.outside = LOSS_PATH
+
+    def stop_identities(self) -> None:
+        """Backward: storages created from now on get no identity (they are never plan entries)."""
+        self.recording_identities = False
+
+    def identity(self, tensor: torch.Tensor) -> str | None:
+        """The tensor's storage identity; '' for a storage created in backward; None if not created here."""
+        entry = self._ids.get(storage_key(tensor))
+        if entry is None or (entry[0] is not None and entry[0].expired()):
+            return None
+        return entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = {storage_key(t) for t in tensor_leaves((args, kwargs))}
+        out = func(*args, **kwargs)
+        path = self.modules.current(self.outside)
+        name = func.overloadpacket.__name__
+        new: list[tuple[int, torch.Tensor, str, int]] = []
+        if self.recording_identities:
+            k = self._counts[(path, name)]
+            self._counts[(path, name)] = k + 1
+            prefix = f"{path}/{name}#{k}"
+        else:
+            prefix = ""
+        for i, t in enumerate(tensor_leaves(out)):
+            key = storage_key(t)
+            if key in before or self.identity(t) is not None:
+                continue
+            ident = f"{prefix}:{i}" if prefix else ""
+            storage = t.untyped_storage()
+            if self._keep_alive:
+                self._kept.append(storage)
+                self._ids[key] = (None, ident)
+            else:
+                self._ids[key] = (StorageWeakRef(storage), ident)
+            new.append((key, t, ident, i))
+        self.on_op(func, args, kwargs, out, path, new)
+        return out
+
+    def on_op(self, func, args, kwargs, out, path: str, new: list) -> None:
+        """Called after every op with the storages it created: (key, tensor, identity or '', output index)."""

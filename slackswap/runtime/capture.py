@@ -1,0 +1,250 @@
+"""Capture the graph of one real training step of a torch model, named by `identity.OpNumbering`.
+
+This is the runtime's own, minimal graph source: it runs the step for real (on whatever device the
+model is on) and records what autograd actually saves, so the runtime's tests can plan and run any
+small model. It times ops with the project's roofline (FLOPs of the matmuls, bytes moved by every
+op, the hardware's efficiencies), the same model as `slackswap.profile`. The full tracer of the
+torch profile source (docs/torch_profile.md) replaces it for large models; both name tensors the
+way `OpNumbering` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
+from slackswap.hardware import Hardware
+from slackswap.profile.torch.identity import StorageIdentities
+from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
+
+_MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
+_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"}
+_DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def model_signature(model: torch.nn.Module) -> str:
+    """sha256 over class name and every parameter's name, shape and dtype: another model differs."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+def input_signature(inputs: Sequence[object]) -> list[list[object]]:
+    return [[list(t.shape), str(t.dtype)] for t in tree_leaves(list(inputs)) if isinstance(t, torch.Tensor)]
+
+
+def _matmul_flops(base: str, args: tuple) -> float:
+    if base in ("mm", "bmm"):
+        a, b = args[0], args[1]
+    elif base in ("addmm", "baddbmm"):
+        a, b = args[1], args[2]
+    else:
+        return 0.0
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, numbering: OpNumbering, layer_of: Callable[[], int]):
+        super().__init__()
+        self.numbering = numbering
+        self.layer_of = layer_of
+        self.phase = Phase.FORWARD
+        self.ops: dict[str, dict] = {}
+        self.tensors: dict[str, dict] = {}
+        self.pending_reads: list[str] = []
+        self.backward_context: tuple[int, str] = (NO_LAYER, "")
+        #: Graph tensors autograd saved (pack hook).
+        self.packed: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        begin = self.numbering.begin(func, args, kwargs)
+        out = func(*args, **kwargs)
+        fresh = self.numbering.end(func, out)
+        if begin.new_op:
+            layer, forward_op = NO_LAYER, ""
+            if self.phase == Phase.BACKWARD:
+                layer, forward_op = self.backward_context
+            else:
+                layer = self.layer_of()
+            self.ops[begin.op] = {
+                "phase": self.phase, "layer": layer, "inputs": [], "outputs": [], "flops": 0.0,
+                "moved": 0, "dtype": None, "op_class": OpClass.ELEMENTWISE, "forward_op": forward_op,
+            }
+        op = self.ops[begin.op]
+        reads = list(begin.reads)
+        if self.phase == Phase.BACKWARD and begin.new_op:
+            reads = self.pending_reads + reads
+            self.pending_reads = []
+        for name in reads:
+            if (self.phase == Phase.BACKWARD and name not in self.packed
+                    and self.ops[self.tensors[name]["producer"]]["phase"] != Phase.BACKWARD):
+                continue  # a forward tensor autograd did not save, read for its shape (ones_like(loss))
+            if name not in op["inputs"] and name not in op["outputs"]:
+                op["inputs"].append(name)
+                self.tensors[name]["consumers"].append(begin.op)
+        for _, name, t in fresh:
+            op["outputs"].append(name)
+            self.tensors[name] = {"size": t.untyped_storage().nbytes(), "producer": begin.op,
+                                  "consumers": [], "layer": op["layer"], "dtype": t.dtype}
+        base = func._overloadpacket.__name__
+        op["flops"] += _matmul_flops(base, args)
+        if base in _MATMULS:
+            op["op_class"] = OpClass.MATMUL
+        elif base in _ATTENTION:
+            op["op_class"] = OpClass.ATTENTION
+        leaves = [x for x in tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
+        op["moved"] += sum(x.numel() * x.element_size() for x in leaves)
+        if op["dtype"] is None and leaves:
+            op["dtype"] = leaves[0].dtype
+        return out
+
+
+@contextmanager
+def loss_boundary(model: torch.nn.Module, identities: StorageIdentities) -> Iterator[None]:
+    """Ops after the model's forward returns are the loss's (`<loss>` identities), as in the tracer."""
+    handle = model.register_forward_hook(lambda _m, _a, _o: identities.enter_loss())
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _layer_tracker(model: torch.nn.Module, stack: ExitStack) -> Callable[[], int]:
+    """Index of the enclosing child of the model's first ModuleList (the transformer layer)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    active: list[int] = []
+    if lists:
+        for i, layer in enumerate(lists[0]):
+            pre = layer.register_forward_pre_hook(lambda _m, _a, i=i: active.append(i) or None)
+            post = layer.register_forward_hook(lambda _m, _a, _o: active.pop() and None or None)
+            stack.callback(pre.remove)
+            stack.callback(post.remove)
+    return lambda: active[-1] if active else NO_LAYER
+
+
+def _aten(op_name: str) -> str:
+    """'op12:aten.bmm.default' -> 'bmm' (the overload packet, as the torch profile names ops)."""
+    return op_name.split(":", 1)[1].split(".")[1]
+
+
+def _roles(ops: dict[str, dict]) -> list[str]:
+    """Per op: the torch profile's attention-core role (so selective_recompute finds the core), else the
+    ATen packet name. The rule is the profile's own (`assemble.forward_roles`), applied to these ops."""
+    from types import SimpleNamespace
+
+    from slackswap.profile.torch.assemble import forward_roles
+
+    records = [SimpleNamespace(index=i, aten=_aten(name), phase=op["phase"], layer=op["layer"])
+               for i, (name, op) in enumerate(ops.items())]
+    core = forward_roles(SimpleNamespace(ops=records))
+    return [core.get(r.index, r.aten) for r in records]
+
+
+def _duration_s(op: dict, hardware: Hardware) -> float:
+    """Roofline: max(FLOPs / (peak x efficiency), bytes / (HBM x efficiency)) + launch overhead."""
+    dtype_key = _DTYPE_KEYS.get(op["dtype"], "fp32")
+    compute = op["flops"] / (hardware.peak_for(dtype_key) * hardware.efficiency[str(op["op_class"])])
+    memory = op["moved"] / (hardware.hbm_bytes_per_s * hardware.hbm_efficiency)
+    return max(compute, memory) + hardware.launch_overhead_s
+
+
+def capture_graph(
+    model: torch.nn.Module,
+    inputs: Sequence[object],
+    loss_fn: Callable[[object], torch.Tensor],
+    hardware: Hardware,
+    name: str = "model",
+) -> Graph:
+    """Run one training step (forward, loss, backward) and return its graph.
+
+    The step runs under `torch.random.fork_rng`, and the gradients it makes are cleared afterwards,
+    so capturing changes neither the caller's RNG stream nor the model.
+    """
+    identities = StorageIdentities(model)
+    numbering = OpNumbering(identities)
+    with ExitStack() as stack:
+        recorder = _Recorder(numbering, _layer_tracker(model, stack))
+        packed = recorder.packed
+        stack.enter_context(loss_boundary(model, identities))
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            name_ = numbering.name_of(t)
+            if name_ is not None:
+                packed.add(name_)
+            return t
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            numbering.close_op()
+            name_ = numbering.name_of(t)
+            if name_ is not None and name_ not in recorder.pending_reads:
+                recorder.pending_reads.append(name_)
+                # The backward node that unpacks a forward tensor differentiates the op of its layer.
+                producer = recorder.tensors[name_]["producer"]
+                recorder.backward_context = (recorder.ops[producer]["layer"], producer)
+            return t
+
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(identities)  # below the recorder: it names what the recorder's calls create
+        stack.enter_context(recorder)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+        for p in model.parameters():
+            p.grad = None
+        out = model(*inputs)
+        recorder.phase = Phase.LOSS
+        loss = loss_fn(out)
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; a scalar loss is needed")
+        recorder.phase = Phase.BACKWARD
+        loss.backward()
+        del out, loss
+    for p in model.parameters():
+        p.grad = None
+
+    saved = {t for t, info in recorder.tensors.items()
+             if recorder.ops[info["producer"]]["phase"] in FORWARD_PHASES
+             and any(recorder.ops[c]["phase"] == Phase.BACKWARD for c in info["consumers"])}
+    never_read = sorted(packed - saved)
+    roles = _roles(recorder.ops)
+    ops = tuple(
+        Op(name=op_name, phase=op["phase"], op_class=op["op_class"], layer=op["layer"],
+           inputs=tuple(op["inputs"]), outputs=tuple(op["outputs"]), flops=op["flops"],
+           moved_bytes=op["moved"], duration_s=_duration_s(op, hardware), forward_op=op["forward_op"],
+           role=roles[i])
+        for i, (op_name, op) in enumerate(recorder.ops.items())
+    )
+    tensors = {
+        t: Tensor(name=t, size_bytes=info["size"], producer=info["producer"], consumers=tuple(info["consumers"]),
+                  layer=info["layer"], saved=t in saved, role=str(info["dtype"]).removeprefix("torch."))
+        for t, info in recorder.tensors.items()
+    }
+    layers = {op.layer for op in ops if op.layer != NO_LAYER}
+    meta = {
+        "source": "slackswap.runtime.capture",
+        "identity_scheme": IDENTITY_SCHEME,
+        "torch_version": torch.__version__,
+        "model_signature": model_signature(model),
+        "input_signature": input_signature(inputs),
+        "aten_calls": numbering.calls,
+        "packed_never_read": never_read,
+        "weight_bytes_from_params": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "hardware": hardware.name,
+    }
+    weight_bytes = int(meta["weight_bytes_from_params"])
+    return Graph(name=name, ops=ops, tensors=tensors, num_layers=max(len(layers), 1),
+                 weight_bytes=weight_bytes, weight_grad_bytes=weight_bytes, meta=meta)
+
+
+def budget_fraction_bytes(keep_all_peak_bytes: int, fraction: float) -> int:
+    return max(1, math.floor(keep_all_peak_bytes * fraction))

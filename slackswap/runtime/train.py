@@ -1,0 +1,118 @@
+"""Real optimizer steps under a plan, the gradient check, and the measured figures of each step.
+
+The library side of `python -m pipelines.train` (which adds Hydra and MLflow) and of
+`benchmarks/gpu_validate.py`. Measured peak: `torch.cuda.max_memory_allocated` over the step on
+CUDA (everything the step allocates: weights, gradients, optimizer state, activations); the
+runtime's saved-bytes ledger on the CPU, where no allocator counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from slackswap.graph import Graph
+from slackswap.plan import Plan
+from slackswap.runtime.executor import RunReport, apply
+from slackswap.runtime.models import Workload, token_loss
+
+
+@dataclass(frozen=True)
+class GradCheck:
+    """One step from the same weights, batch and RNG seed, plain and under the plan."""
+
+    bit_exact: bool
+    loss_plain: float
+    loss_plan: float
+    #: Largest absolute difference over the loss and every parameter gradient.
+    max_abs_diff: float
+    #: The runtime's report of the planned step (traced: per-step live copies for `explain_ledger`).
+    report: RunReport
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    step_s: float
+    measured_peak_bytes: int
+    ledger_peak_bytes: int
+    report: RunReport
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _grad_step(w: Workload, batch: torch.Tensor, seed: int, run=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    for p in w.model.parameters():
+        p.grad = None
+    if run is None:
+        loss = token_loss(batch)(w.model(batch))
+        loss.backward()
+    else:
+        with run:
+            loss = token_loss(batch)(w.model(batch))
+            loss.backward()
+    grads = [p.grad.detach().clone() for p in w.model.parameters() if p.grad is not None]
+    for p in w.model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+def gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> GradCheck:
+    """Loss and every gradient of a plain step against a step under `plan` (weights left unchanged)."""
+    plain_loss, plain = _grad_step(w, w.batch, seed)
+    run = apply(plan, graph, w.model, trace=True)
+    plan_loss, planned = _grad_step(w, w.batch, seed, run)
+    diffs = [float((plain_loss - plan_loss).abs())]
+    diffs += [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned, strict=True)]
+    exact = len(plain) == len(planned) and torch.equal(plain_loss, plan_loss) and all(
+        torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    return GradCheck(exact, float(plain_loss), float(plan_loss), max(diffs), run.report)
+
+
+def train_steps(
+    w: Workload,
+    graph: Graph,
+    plan: Plan | None,
+    steps: int,
+    lr: float,
+    seed: int,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> list[StepRecord]:
+    """`steps` AdamW steps on fresh random token batches (same shape), under `plan` (None: plain)."""
+    device = w.batch.device
+    optimizer = torch.optim.AdamW(w.model.parameters(), lr=lr)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    run = None if plan is None else apply(plan, graph, w.model)
+    records = []
+    for i in range(steps):
+        batch = torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=device)
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        if run is None:
+            loss = token_loss(batch)(w.model(batch))
+            loss.backward()
+        else:
+            with run:
+                loss = token_loss(batch)(w.model(batch))
+                loss.backward()
+        _sync(device)
+        step_s = time.perf_counter() - t0
+        optimizer.step()
+        report = run.report if run is not None else RunReport()
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.ledger_peak_bytes
+        record = StepRecord(i, float(loss.detach()), step_s, int(peak), report.ledger_peak_bytes, report)
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return records

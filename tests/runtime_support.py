@@ -1,0 +1,84 @@
+"""Shared helpers of the runtime tests: capture a workload, plan it, run one step plainly or under a plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from slackswap.errors import InfeasibleBudgetError
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Plan
+from slackswap.planners.registry import get_planner
+from slackswap.runtime import apply, capture_graph
+from slackswap.runtime.models import Workload, build_training_workload, small_config
+from slackswap.simulate.metrics import simulate_ideal
+
+ROOT = Path(__file__).resolve().parents[1]
+# Toy tensors on shared CPU cores: a second intra-op thread costs far more than it gains (10x here).
+torch.set_num_threads(1)
+#: Budgets tried per planner, as fractions of the keep-all peak; None (no limit) last.
+FRACTIONS = (0.5, 0.7, 0.9, None)
+
+
+def h200() -> Hardware:
+    return Hardware.from_dict(yaml.safe_load((ROOT / "conf/hardware/h200_sxm_pcie5.yaml").read_text()))
+
+
+@dataclass
+class Captured:
+    workload: Workload
+    graph: Graph
+    keep_all_peak_bytes: int
+    reference: tuple[torch.Tensor, list[torch.Tensor]]
+
+
+def capture(kind: str, **shape: int) -> Captured:
+    w = build_training_workload(*small_config(kind, **shape))
+    graph = capture_graph(w.model, (w.batch,), w.loss_fn, h200(), kind)
+    peak = simulate_ideal(graph, h200()).peak_activation_bytes
+    loss, grads, _ = run_step(w)
+    return Captured(w, graph, peak, (loss, grads))
+
+
+def plan_for(planner: str, captured: Captured) -> tuple[Plan, float | None]:
+    """The planner's plan at the tightest of FRACTIONS it can meet."""
+    for fraction in FRACTIONS:
+        budget = None if fraction is None else int(captured.keep_all_peak_bytes * fraction)
+        try:
+            return get_planner(planner).plan(captured.graph, h200(), budget), fraction
+        except InfeasibleBudgetError:
+            continue
+    raise AssertionError(f"{planner} has no plan even without a budget")
+
+
+def run_step(w: Workload, plan: Plan | None = None, graph: Graph | None = None, **options: object):
+    """One step from seed 1 (the dropout stream); returns (loss, grads, report or None)."""
+    torch.manual_seed(1)
+    for p in w.model.parameters():
+        p.grad = None
+    if plan is None:
+        loss = w.loss_fn(w.model(w.batch))
+        loss.backward()
+        report = None
+    else:
+        with apply(plan, graph, w.model, **options) as run:
+            loss = w.loss_fn(w.model(w.batch))
+            loss.backward()
+        report = run.report
+    grads = [p.grad.clone() for p in w.model.parameters() if p.grad is not None]
+    return loss.detach(), grads, report
+
+
+def bit_equal(
+    reference: tuple[torch.Tensor, list[torch.Tensor]], loss: torch.Tensor, grads: list[torch.Tensor]
+) -> bool:
+    ref_loss, ref_grads = reference
+    return (
+        torch.equal(ref_loss, loss)
+        and len(ref_grads) == len(grads)
+        and all(torch.equal(a, b) for a, b in zip(ref_grads, grads, strict=True))
+    )

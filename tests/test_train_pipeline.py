@@ -1,0 +1,47 @@
+"""`python -m pipelines.train` end to end on the CPU: real steps under the plan, MLflow run with the
+measured and simulated figures and the gradient check; everything under tmp_path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.test_pipeline import _run_cli  # noqa: E402
+
+SMALL = ["model.hidden_size=32", "model.ffn_hidden_size=128", "model.seq_len=16", "model.vocab_size=128"]
+
+
+def test_train_logs_measured_and_simulated_figures(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    args = [
+        "model=hf_gpt2_2l", *SMALL, "planner=slackswap", "train.steps=2", "train.device=cpu",
+        f"tracking.uri={mlflow_store.uri}", f"tracking.artifact_location={mlflow_store.artifact_root}",
+        "tracking.experiment=test", f"hydra.run.dir={tmp_path}/run",
+        "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+    ]
+    _run_cli(monkeypatch, args, module="pipelines.train")
+    out = capsys.readouterr().out
+    assert "step 1/2" in out and "step 2/2" in out  # progress
+    figures = json.loads((tmp_path / "run" / "train.json").read_text())
+    assert figures["status"] == "ok" and figures["grad_check_bit_exact"] is True
+    assert figures["counts_equal_plan"] is True
+    assert figures["plan_offloads"] > 0  # the half budget binds: the plan swaps
+    assert figures["ledger_missing_copies"] == 0
+    assert figures["check_ledger_peak_bytes"] == figures["ledger_plan_bytes_at_peak"] + figures["ledger_late_bytes"]
+    run = mlflow_store.client().search_runs([mlflow_store.client().get_experiment_by_name("test").experiment_id])[0]
+    metrics = run.data.metrics
+    for key in ("measured_step_s", "measured_peak_bytes", "ledger_peak_bytes", "sim_step_s",
+                "sim_saved_peak_bytes", "grad_check_bit_exact"):
+        assert key in metrics, key
+    assert metrics["grad_check_bit_exact"] == 1 and run.info.status == "FINISHED"
+
+
+def test_train_rejects_an_analytic_preset(tmp_path, monkeypatch) -> None:
+    from slackswap.errors import ConfigError
+
+    args = ["model=tiny", "tracking=off", f"hydra.run.dir={tmp_path}/run", "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled"]
+    with pytest.raises(ConfigError, match="model.torch"):
+        _run_cli(monkeypatch, args, module="pipelines.train")
