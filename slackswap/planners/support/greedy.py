@@ -16,7 +16,7 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger, regen_chain
+from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger
 from slackswap.planners.support.fit import over_budget, scheduled_peak
 from slackswap.schedule.build import build_schedule
 
@@ -39,8 +39,16 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
     already re-runs. Chains share ops (q, k and v come from one qkv op; a softmax output and the
     dropout after it share the softmax), so after each pick the candidates whose chains touch the
     newly covered ops, or read the newly missing tensor, are re-priced (lazy heap with versions).
+
+    Only a candidate whose chain has an op reading the picked tensor gets a longer chain, and that
+    chain is its old one plus the picked tensor's (`regen_chain` would walk the same ops again: the
+    picked tensor's chain is current, since every pick that could lengthen it re-chained it). The
+    others whose chain shares newly covered ops keep their chain and only get a new price. On traced
+    graphs, where chains run back through unsaved residual tensors across layers, walking them again
+    for every pick was most of the planning time.
     """
     dur = {op.name: op.duration_s for op in graph.ops}
+    op_index = graph.op_index.__getitem__
     missing: set[str] = set()
     covered: set[str] = set()
     chain = {t: analysis.tensors[t].regen_ops for t in candidates}
@@ -65,12 +73,16 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
         missing.add(t)
         new_ops = [o for o in chain[t] if o not in covered]
         covered.update(new_ops)
-        touched = set(new_ops) | set(graph.tensors[t].consumers)
-        affected = set().union(*(users.get(o, ()) for o in touched)) - missing
-        for z in affected:
-            chain[z] = regen_chain(graph, z, missing)
-            for o in chain[z]:
-                users.setdefault(o, set()).add(z)
+        lengthened = set().union(*(users.get(o, ()) for o in graph.tensors[t].consumers)) - missing
+        repriced = set().union(*(users.get(o, ()) for o in new_ops)) - missing
+        picked_chain = chain[t]
+        for z in lengthened:
+            grown = set(chain[z]).union(picked_chain)
+            if len(grown) != len(chain[z]):
+                chain[z] = tuple(sorted(grown, key=op_index))
+                for o in picked_chain:
+                    users.setdefault(o, set()).add(z)
+        for z in lengthened | repriced:
             version[z] += 1
             heapq.heappush(heap, (key(z), rank[z], version[z], z))
     return order
