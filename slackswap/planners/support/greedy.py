@@ -37,18 +37,18 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
 
     A tensor's marginal cost is the time of the ops in its recompute chain that no earlier pick
     already re-runs. Chains share ops (q, k and v come from one qkv op; a softmax output and the
-    dropout after it share the softmax), so after each pick the candidates whose chains touch the
-    newly covered ops, or read the newly missing tensor, are re-priced (lazy heap with versions).
+    dropout after it share the softmax), so after each pick the candidates whose chains share the
+    newly covered ops are re-priced (lazy heap with versions).
 
-    Only a candidate whose chain has an op reading the picked tensor gets a longer chain, and that
-    chain is its old one plus the picked tensor's (`regen_chain` would walk the same ops again: the
-    picked tensor's chain is current, since every pick that could lengthen it re-chained it). The
-    others whose chain shares newly covered ops keep their chain and only get a new price. On traced
-    graphs, where chains run back through unsaved residual tensors across layers, walking them again
-    for every pick was most of the planning time.
+    A pick also makes the picked tensor missing, which lengthens the chain of every candidate whose
+    chain reads it (`regen_chain` with the larger missing set): by the picked tensor's own chain.
+    Those ops are all covered by the pick, so the lengthening never changes a marginal cost, nor
+    which ops a later pick newly covers; the chains are therefore not re-walked (on traced graphs,
+    where chains run back through unsaved residual tensors across layers, re-walking them after
+    every pick made planning quadratic). tests/test_marginal_cost.py checks the order against the
+    definition that re-walks them.
     """
     dur = {op.name: op.duration_s for op in graph.ops}
-    op_index = graph.op_index.__getitem__
     missing: set[str] = set()
     covered: set[str] = set()
     chain = {t: analysis.tensors[t].regen_ops for t in candidates}
@@ -73,16 +73,7 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
         missing.add(t)
         new_ops = [o for o in chain[t] if o not in covered]
         covered.update(new_ops)
-        lengthened = set().union(*(users.get(o, ()) for o in graph.tensors[t].consumers)) - missing
-        repriced = set().union(*(users.get(o, ()) for o in new_ops)) - missing
-        picked_chain = chain[t]
-        for z in lengthened:
-            grown = set(chain[z]).union(picked_chain)
-            if len(grown) != len(chain[z]):
-                chain[z] = tuple(sorted(grown, key=op_index))
-                for o in picked_chain:
-                    users.setdefault(o, set()).add(z)
-        for z in lengthened | repriced:
+        for z in set().union(*(users.get(o, ()) for o in new_ops)) - missing:
             version[z] += 1
             heapq.heappush(heap, (key(z), rank[z], version[z], z))
     return order
