@@ -60,7 +60,7 @@ def _open_and_log(uri: str, artifact_root: str, barrier, results, index: int) ->
         experiment_id = tracking.ensure_experiment(client, "stress", artifact_root)
         run_id = tracking.start_run(client, experiment_id, f"process-{index}", {}, None)
         tracking.log_metrics(client, run_id, {"index": index})
-        tracking.end_run(client, run_id, ok=True)
+        tracking.end_run(client, run_id, "ok")
         results.put(("ok", run_id))
     except BaseException as exc:  # reported to the test, which fails with it
         results.put(("error", f"{type(exc).__name__}: {str(exc)[:300]}"))
