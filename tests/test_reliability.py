@@ -574,3 +574,20 @@ def test_one_budget_draws_no_throughput_curve(tmp_path) -> None:
     assert not (tmp_path / "throughput_vs_budget.png").exists()
     assert (tmp_path / "planner_comparison.png").is_file()
     assert all(p.name != "throughput_vs_budget.png" for p in result.files)
+
+
+def test_preset_inputs_survive_a_parallel_job_logging_the_same_preset() -> None:
+    """Seen with the real server: two joblib workers inserted the same dataset row at once and one
+    job failed with `UNIQUE constraint failed: datasets...`."""
+    from pipelines import tracking
+
+    class RacingClient:
+        calls = 0
+
+        def log_inputs(self, run_id, datasets):
+            RacingClient.calls += 1
+            if RacingClient.calls == 1:
+                raise RuntimeError("UNIQUE constraint failed: datasets.experiment_id, datasets.name")
+
+    tracking.log_presets(RacingClient(), "run", {"model": ("tiny", {"num_layers": 2})})
+    assert RacingClient.calls == 2
