@@ -324,7 +324,8 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
         f"hardware     {record['hardware']} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
         f"budget       {gib(m.get('budget_bytes'))} "
-        f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}) "
+        f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}"
+        f"{', device' if resolved['budget'].get('device') else ''}) "
         f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
         f"planner      {record['planner']} ({record['planner_name']})",
     ]
@@ -341,7 +342,14 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
         lines += [
             f"throughput   {ratio:.2%} of ideal",
             f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
-            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}",
+            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}"
+            + (
+                f"; caching allocator reserves {gib(m['peak_reserved_bytes'])} "
+                f"({'fits' if m.get('fits_reserved') else 'over budget'}, "
+                f"{m['fragmentation_share']:.1%} fragmentation)"
+                if m.get("peak_reserved_bytes") is not None
+                else ""
+            ),
             f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
             f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
             f"recomputed   {m.get('recomputed_tensors')} tensors, "
@@ -352,6 +360,14 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
             if names:
                 shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
                 lines.append(f"  {key}: {shown}")
+    if m.get("static_bytes") is not None:
+        training = resolved.get("training") or {}
+        lines.append(
+            f"device       static {gib(m['static_bytes'])} per GPU ({training.get('optimizer')} "
+            f"{training.get('precision')}, ZeRO-{training.get('zero_stage')} x {training.get('zero_shards')}), "
+            f"reserve {gib(m.get('reserve_bytes'))}, headroom {gib(m.get('headroom_bytes'))} "
+            f"of {gib(m.get('device_memory_bytes'))}"
+        )
     lines.append(f"run dir      {record['run_dir']}")
     if record["mlflow_run_id"]:
         lines.append(f"mlflow run   {record['mlflow_run_id']} ({resolved['tracking']['uri']})")

@@ -151,7 +151,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
     else:
         from slackswap.profile.torch import build_torch_graph
 
-        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware)
+        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware, inputs.training)
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
@@ -159,7 +159,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
     analytic_peak = analytic = None
     if inputs.torch_spec is not None:
-        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware)
+        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware, inputs.training)
         analytic_peak = int(simulate_ideal(analytic, inputs.hardware).peak_activation_bytes)
     _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1, analytic_peak, analytic)
     return _BASELINES[key], False
@@ -197,8 +197,12 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     graph, ideal = base.graph, base.ideal
 
     t0 = time.perf_counter()
-    write_profile_csv(graph, run_dir / "profile.csv", reference=base.analytic_graph)
-    write_graph_json(graph, run_dir / "graph.json")
+    _write_profile_files(
+        _baseline_key(resolved),
+        run_dir,
+        lambda path: write_profile_csv(graph, path, reference=base.analytic_graph),
+        lambda path: write_graph_json(graph, path),
+    )
     timings["write_profile_s"] = time.perf_counter() - t0
 
     keep_all_peak_bytes = int(ideal.peak_activation_bytes)
@@ -284,6 +288,22 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     if result.feasible:
         return Outcome(STATUS_OK, "", metrics, timings, facts)
     return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+
+
+#: The bytes of profile.csv and graph.json per baseline key: every job of a workload writes the same
+#: two files, so they are serialised once per process and copied after that.
+_PROFILE_FILES: dict[str, tuple[bytes, bytes]] = {}
+
+
+def _write_profile_files(key: str, run_dir: Path, write_csv: Any, write_json: Any) -> None:
+    cached = _PROFILE_FILES.get(key)
+    if cached is None:
+        write_csv(run_dir / "profile.csv")
+        write_json(run_dir / "graph.json")
+        _PROFILE_FILES[key] = ((run_dir / "profile.csv").read_bytes(), (run_dir / "graph.json").read_bytes())
+        return
+    (run_dir / "profile.csv").write_bytes(cached[0])
+    (run_dir / "graph.json").write_bytes(cached[1])
 
 
 def device_capacity(inputs: Inputs) -> Any:

@@ -259,3 +259,14 @@ def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow
     assert run.data.tags["status"] == "ok"
     assert run.data.metrics["real_to_analytic_peak_ratio"] == pytest.approx(metrics["real_to_analytic_peak_ratio"])
     assert run.data.params["model.torch.builder"] == "tiny_gpt"
+
+
+def test_verify_torch_cli_on_the_cpu_path(tmp_path, monkeypatch, capsys) -> None:
+    """The GPU check script (pipelines.verify_torch), run on its CPU path: trace = real run, exit 0."""
+    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):
+        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    args = ["model=tiny_torch", "+device=cpu", f"hydra.run.dir={tmp_path}/verify", "hydra/job_logging=disabled"]
+    _run_cli(monkeypatch, args, module="pipelines.verify_torch")
+    assert "EQUAL" in capsys.readouterr().out
+    result = json.loads((tmp_path / "verify" / "verify_torch.json").read_text())
+    assert result["equal"] is True and result["semantics"] == "cpu" and result["traced"] == result["real"]

@@ -55,23 +55,59 @@ def keep_all_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
 
 def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> dict[str, Decision]:
     """Exactly one valid decision per saved tensor; names the first missing, unknown or bad entry."""
-    saved = {t.name for t in graph.saved_tensors}
+    saved = _saved_forward(graph)
     out: dict[str, Decision] = {}
+    recompute = Decision.RECOMPUTE
     for name, value in decisions.items():
-        if name not in saved:
+        forward = saved.get(name)
+        if forward is None:
             raise ConfigError(f"decisions[{name!r}]", value, "is not a saved tensor of the graph")
-        try:
-            out[name] = Decision(value)
-        except ValueError:
-            raise ConfigError(f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}") from None
-        producer = graph.op_by_name[graph.tensors[name].producer]
-        if out[name] == Decision.RECOMPUTE and producer.phase not in FORWARD_PHASES:
+        if value.__class__ is not Decision:  # planners pass Decision members: skip the enum lookup
+            try:
+                value = Decision(value)
+            except ValueError:
+                raise ConfigError(
+                    f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}"
+                ) from None
+        out[name] = value
+        if value is recompute and not forward:
+            producer = graph.op_by_name[graph.tensors[name].producer]
             raise ConfigError(f"decisions[{name!r}]", value, f"only forward tensors can be recomputed, "
                               f"this one is produced by {producer.phase.value} op {producer.name!r}")
+    if len(out) == len(saved):
+        return out
     missing = [t.name for t in graph.saved_tensors if t.name not in out]
     if missing:
         raise ConfigError("decisions", missing[:5], f"{len(missing)} saved tensor(s) have no decision")
     return out
+
+
+def _saved_forward(graph: Graph) -> dict[str, bool]:
+    """Saved tensor -> produced by a forward (or loss) op. Cached on the graph: planners build many
+    schedules of one graph (a frozen dataclass; the cache is derived data, like its cached_property)."""
+    cached = graph.__dict__.get("_saved_forward")
+    if cached is None:
+        cached = {
+            t.name: graph.op_by_name[t.producer].phase in FORWARD_PHASES for t in graph.saved_tensors
+        }
+        graph.__dict__["_saved_forward"] = cached
+    return cached
+
+
+def _run_steps(graph: Graph) -> tuple[list[ComputeStep], list[tuple[ComputeStep, tuple[str, ...]]], set[str]]:
+    """(forward run steps, (run step, inputs) of every other op, forward tensors), cached on the graph.
+    ComputeStep is immutable, so every schedule of the graph shares these objects."""
+    cached = graph.__dict__.get("_run_steps")
+    if cached is None:
+        forward = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
+        rest = [
+            (ComputeStep(op.name, StepKind.RUN, op.outputs), op.inputs)
+            for op in graph.ops
+            if op.phase not in FORWARD_PHASES
+        ]
+        forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
+        cached = graph.__dict__["_run_steps"] = (forward, rest, forward_tensors)
+    return cached
 
 
 def build_schedule(
@@ -115,18 +151,17 @@ def build_schedule(
 
 
 def _compute_steps(graph: Graph, decided: Mapping[str, Decision]) -> tuple[ComputeStep, ...]:
-    steps = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
+    forward, rest, forward_tensors = _run_steps(graph)
+    steps = list(forward)
     # Tensors whose latest copy a backward-region step may read.
-    available = {name for name, d in decided.items() if d != Decision.RECOMPUTE}
-    forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
-    for op in graph.ops:
-        if op.phase in FORWARD_PHASES:
-            continue
-        for t in op.inputs:
+    recompute = Decision.RECOMPUTE
+    available = {name for name, d in decided.items() if d is not recompute}
+    for step, inputs in rest:
+        for t in inputs:
             if t in forward_tensors and t not in available:
                 _regenerate(graph, t, decided, available, steps)
-        steps.append(ComputeStep(op.name, StepKind.RUN, op.outputs))
-        available.update(op.outputs)
+        steps.append(step)
+        available.update(step.outputs)
     return tuple(steps)
 
 
@@ -153,31 +188,57 @@ def _regenerate(
         available.update(outputs)
 
 
+def _forward_facts(graph: Graph) -> tuple[int, dict[str, int], dict[str, int], dict[str, float]]:
+    """(forward step count, last forward reader or producer per tensor over the forward steps, forward
+    op -> its step index, op -> duration), cached on the graph: the forward steps of every schedule
+    are the same run steps in graph order."""
+    cached = graph.__dict__.get("_forward_facts")
+    if cached is None:
+        forward_ops = [op for op in graph.ops if op.phase in FORWARD_PHASES]
+        last_fwd: dict[str, int] = {}
+        for i, op in enumerate(forward_ops):
+            for t in (*op.inputs, *op.outputs):
+                last_fwd[t] = i
+        index = {op.name: i for i, op in enumerate(forward_ops)}
+        duration = {op.name: op.duration_s for op in graph.ops}
+        cached = graph.__dict__["_forward_facts"] = (len(forward_ops), last_fwd, index, duration)
+    return cached
+
+
 def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple[int, dict[str, int], dict[str, int]]:
     """(number of forward steps, last forward reader or producer index, first backward reader index).
 
     A tensor produced after the forward pass (a gradient read by a later backward op) has its
     producer step as "last forward reader": its offload and prefetch both happen in backward."""
-    n_fwd = sum(1 for op in graph.ops if op.phase in FORWARD_PHASES)
-    last_fwd: dict[str, int] = {}
+    n_fwd, forward_last, _, _ = _forward_facts(graph)
+    last_fwd = dict(forward_last)
     first_bwd: dict[str, int] = {}
-    for i, step in enumerate(steps):
-        op = graph.op_by_name[step.op]
-        if i < n_fwd:
-            for t in (*op.inputs, *step.outputs):
-                last_fwd[t] = i
-        else:
-            for t in op.inputs:
-                first_bwd.setdefault(t, i)
-            if step.kind == StepKind.RUN:
-                for t in step.outputs:
-                    last_fwd.setdefault(t, i)
+    distinct_inputs = graph.distinct_inputs
+    run = StepKind.RUN
+    for i in range(n_fwd, len(steps)):
+        step = steps[i]
+        for t in distinct_inputs[step.op]:
+            if t not in first_bwd:
+                first_bwd[t] = i
+        if step.kind == run:
+            for t in step.outputs:
+                if t not in last_fwd:
+                    last_fwd[t] = i
     return n_fwd, last_fwd, first_bwd
 
 
+def _run_index(steps: tuple[ComputeStep, ...]) -> dict[str, int]:
+    run = StepKind.RUN
+    return {s.op: i for i, s in enumerate(steps) if s.kind == run}
+
+
 def _offloads(graph: Graph, decided: Mapping[str, Decision], steps: tuple[ComputeStep, ...]) -> tuple[Transfer, ...]:
-    run_index = {s.op: i for i, s in enumerate(steps) if s.kind == StepKind.RUN}
-    swapped = [t for t in graph.saved_tensors if decided[t.name] == Decision.SWAP]
+    swap = Decision.SWAP
+    swapped = [t for t in graph.saved_tensors if decided[t.name] is swap]
+    forward_index = _forward_facts(graph)[2]  # a forward producer's run step is its forward position
+    if all(t.producer in forward_index for t in swapped):
+        return tuple(Transfer(t.name, Direction.D2H, forward_index[t.producer]) for t in swapped)
+    run_index = _run_index(steps)
     return tuple(Transfer(t.name, Direction.D2H, run_index[t.producer]) for t in swapped)
 
 
@@ -190,7 +251,8 @@ def _prefetches(
     lead_s: float,
     after_op: dict[str, str],
 ) -> tuple[Transfer, ...]:
-    swapped = [t.name for t in graph.saved_tensors if decided[t.name] == Decision.SWAP]
+    swap = Decision.SWAP
+    swapped = [t.name for t in graph.saved_tensors if decided[t.name] is swap]
     unknown = sorted(set(after_op) - set(swapped))
     if unknown:
         raise ConfigError("prefetch_after_op", unknown, "names tensor(s) that are not swapped")
@@ -202,7 +264,7 @@ def _prefetches(
         issue = _alap_issue(graph, steps, hardware, order, first_bwd, lead_s)
     else:
         issue = _layer_ahead_issue(graph, steps, n_fwd, order)
-    run_index = {s.op: i for i, s in enumerate(steps) if s.kind == StepKind.RUN}
+    run_index = _run_index(steps) if after_op else {}
     for t, op_name in after_op.items():
         if op_name not in run_index:
             raise ConfigError(f"prefetch_after_op[{t!r}]", op_name, "is not an op of the graph")
@@ -233,12 +295,14 @@ def _alap_issue(
     first_bwd: Mapping[str, int],
     lead_s: float,
 ) -> dict[str, int]:
+    duration = _forward_facts(graph)[3]
+    durations = [duration[step.op] for step in steps]
     ends: list[float] = []
     now = 0.0
-    for step in steps:
-        now += graph.op_by_name[step.op].duration_s
+    for d in durations:
+        now += d
         ends.append(now)
-    starts = [e - graph.op_by_name[s.op].duration_s for s, e in zip(steps, ends, strict=True)]
+    starts = [e - d for d, e in zip(durations, ends, strict=True)]
     latest_start: dict[str, float] = {}
     horizon = float("inf")
     for t in reversed(order):

@@ -8,7 +8,9 @@ transfer durations and the in-order engine queue (`transfer`), the free rule (`m
 simulator's run never makes an allocation wait (no budget, or a budget at or above the replay's
 peak), the two agree exactly on step time and peak; tests/test_schedule_differential.py checks that
 on random graphs and plans with 1-3 engines per direction. A planner rejects a plan whose replayed
-peak is above its budget, so every plan it hands over never waits for memory in the simulator.
+peak is above its budget, so every plan it hands over never waits for memory in the simulator
+(the one exception, by design, is `swap_only` with `memory_waits: true`: vDNN as published waits,
+and its plan is checked in the simulator instead).
 
 - one compute stream runs `plan.steps` in order; a step starts when the previous one ends and every
   copy it reads is produced; it lasts its op's `duration_s` (a recompute step too);
@@ -23,6 +25,7 @@ does not.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from slackswap.errors import PlanValidationError
@@ -51,15 +54,34 @@ class PlanTimeline:
     prefetch_end_s: tuple[float, ...]
 
 
+#: The last replays, by identity of (plan, graph, hardware): all three are immutable, and a planner
+#: replays the same plan object more than once (the probe that found it, then the comparison of
+#: alternatives; the MILP planner replays its heuristics' plans again). Weak references, so a memo
+#: entry never keeps a plan or graph alive; the id is only trusted while the object is.
+_MEMO: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref, PlanTimeline]] = {}
+_MEMO_SIZE = 64
+
+
 def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     """Replay `plan` with no memory limit; see the module docstring for the rules.
 
     Raises `PlanValidationError` for a plan the simulator would reject."""
+    hit = _MEMO.get(id(plan))
+    if hit is not None and hit[0]() is plan and hit[1]() is graph and hit[2]() is hardware:
+        return hit[3]
+    timeline = _replay(graph, plan, hardware)
+    if len(_MEMO) >= _MEMO_SIZE:
+        del _MEMO[next(iter(_MEMO))]
+    _MEMO[id(plan)] = (weakref.ref(plan), weakref.ref(graph), weakref.ref(hardware), timeline)
+    return timeline
+
+
+def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     s = resolve_schedule(graph, plan)
     ops = graph.op_by_name
     n_steps = len(plan.steps)
     n_off, n_pre = len(plan.offloads), len(plan.prefetches)
-    copy_size = [c.size_bytes for c in s.copies]
+    copy_size = s.copy_size
     off_dur = [d2h_s(copy_size[c], hardware) for c in s.offload_copy]
     pre_dur = [h2d_s(copy_size[c], hardware) for c in s.prefetch_copy]
     d2h = CopyQueue(hardware.link.d2h_engines)
@@ -69,7 +91,7 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     prefetch_end = [float("nan")] * n_pre
     step_start = [0.0] * n_steps
     step_end = [0.0] * n_steps
-    copy_ready = [float("nan")] * len(s.copies)
+    copy_ready = [float("nan")] * len(copy_size)
     next_off = next_pre = 0
 
     def issued_at(issue_after_step: int) -> float:
@@ -93,37 +115,62 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
             copy_ready[s.prefetch_copy[next_pre]] = prefetch_end[next_pre]
             next_pre += 1
 
+    # Only prefetched copies can be late: a copy a step produced is ready before any later step starts.
+    waits_on: dict[int, list[int]] = {}
+    for c in s.prefetch_copy:
+        for j in s.copy_readers[c]:
+            waits_on.setdefault(j, []).append(c)
+    off_issue = [t.issue_after_step for t in plan.offloads]
+    pre_issue = [t.issue_after_step for t in plan.prefetches]
     start_transfers(-1)
     now = stall = recompute = 0.0
+    recompute_kind = StepKind.RECOMPUTE
     for j, step in enumerate(plan.steps):
         ready = now
-        for c in s.step_reads[j]:
-            if copy_ready[c] != copy_ready[c]:  # NaN: its prefetch has not started (validation prevents it)
-                raise PlanValidationError(f"step {j} ({step.op}) reads {s.copies[c].tensor!r} before its copy exists")
-            ready = max(ready, copy_ready[c])
+        late = waits_on.get(j)
+        if late is not None:
+            for c in late:
+                if copy_ready[c] != copy_ready[c]:  # NaN: its prefetch has not started (validation prevents it)
+                    raise PlanValidationError(
+                        f"step {j} ({step.op}) reads {s.copy_tensor[c]!r} before its copy exists"
+                    )
+                ready = max(ready, copy_ready[c])
         duration = ops[step.op].duration_s
         stall += ready - now
-        if step.kind == StepKind.RECOMPUTE:
+        if step.kind == recompute_kind:
             recompute += duration
         step_start[j], step_end[j] = ready, ready + duration
         now = step_end[j]
         for c in s.step_writes[j]:
             copy_ready[c] = now
-        start_transfers(j)
+        if (next_off < n_off and off_issue[next_off] <= j) or (next_pre < n_pre and pre_issue[next_pre] <= j):
+            start_transfers(j)
 
-    events: list[tuple[float, int]] = []
-    for c, copy in enumerate(s.copies):
-        starts = prefetch_start if copy.source == "prefetch" else step_start
-        alloc = starts[copy.source_index]
-        last_read = step_end[copy.readers[-1]] if copy.readers else None
-        offloaded = None if copy.offload is None else offload_end[copy.offload]
-        events.append((alloc, copy.size_bytes))
-        events.append((free_time_s(copy_ready[c], last_read, offloaded), -copy.size_bytes))
-    events.sort(key=lambda e: (e[0], e[1] > 0))
+    # Peak: frees at an instant come before allocations. Allocations and frees are sorted apart (plain
+    # tuple sorts, no key function) and merged: before each allocation, every free at or before its
+    # instant is applied. Only an allocation can raise the peak.
+    allocs: list[tuple[float, int]] = []
+    frees: list[tuple[float, int]] = []
+    for c, (source, index, readers, offload, size) in enumerate(
+        zip(s.copy_source, s.copy_source_index, s.copy_readers, s.copy_offload, copy_size, strict=True)
+    ):
+        if not size:
+            continue
+        alloc = prefetch_start[index] if source == "prefetch" else step_start[index]
+        last_read = step_end[readers[-1]] if readers else None
+        offloaded = None if offload is None else offload_end[offload]
+        allocs.append((alloc, size))
+        frees.append((free_time_s(copy_ready[c], last_read, offloaded), size))
+    allocs.sort()
+    frees.sort()
     current = peak = 0
     peak_time = 0.0
-    for time_s, delta in events:
-        current += delta
+    k, n_frees = 0, len(frees)
+    for time_s, size in allocs:
+        while k < n_frees and frees[k][0] <= time_s:
+            current -= frees[k][1]
+            k += 1
+        current += size
         if current > peak:
             peak, peak_time = current, time_s
     return PlanTimeline(

@@ -203,6 +203,21 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     return s
 
 
+def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, int], dict[str, int]]:
+    """(op -> distinct inputs, tensor -> bytes, op -> bytes of its outputs) as plain dicts, cached on
+    the graph (derived data of a frozen object, like its cached properties): looked up per step."""
+    cached = graph.__dict__.get("_walk_tables")
+    if cached is None:
+        size_of = dict(graph.size_bytes_of)
+        cached = (
+            dict(graph.distinct_inputs),
+            size_of,
+            {op.name: sum(size_of[t] for t in op.outputs) for op in graph.ops},
+        )
+        graph.__dict__["_walk_tables"] = cached
+    return cached
+
+
 def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> ResolvedSchedule:
     """One walk in sequence order over flat lists (no object per copy). It fails only where a copy
     cannot be resolved (a read or an offload of a tensor with no device copy, an offload of a
@@ -210,8 +225,7 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     simulator runs it for every plan, so it is written for speed like the engine's loop, and
     `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution."""
     decisions = plan.decisions
-    distinct_inputs = graph.distinct_inputs
-    size_of = graph.size_bytes_of
+    distinct_inputs, size_of, run_alloc = _walk_tables(graph)
 
     # Transfers bucketed by the step they are issued after (-1: at time zero).
     offloads_after: dict[int, list[int]] = {}
@@ -265,18 +279,23 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             c_readers[c].append(j)
             reads.append(c)
         writes = []
-        alloc = 0
-        source = "recompute" if step.kind == recompute else "run"
+        if step.kind == recompute:
+            source = "recompute"
+            alloc = 0
+            for t in step.outputs:
+                if decisions.get(t) in keep_or_swap:
+                    _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
+                alloc += size_of[t]
+        else:
+            source = "run"
+            alloc = run_alloc[step.op]  # a run step materialises exactly its op's outputs (checked before)
         for t in step.outputs:
-            if source == "recompute" and decisions.get(t) in keep_or_swap:
-                _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
             current[t] = c = len(c_tensor)
             c_tensor.append(t)
             c_source.append(source)
             c_index.append(j)
             c_readers.append([])
             writes.append(c)
-            alloc += size_of[t]
         step_reads.append(tuple(reads))
         step_writes.append(tuple(writes))
         step_alloc.append(alloc)
