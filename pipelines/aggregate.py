@@ -381,12 +381,55 @@ def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any], plots: bool 
     frame.to_csv(files[0], index=False)
     summary_md = summary_markdown(frame)
     files[1].write_text(summary_md)
+    curve = sweep_dir / "throughput_vs_budget.png"
+    if plots and frame["budget_share"].nunique(dropna=True) >= 2:
+        plot_throughput_vs_budget(frame, curve)
+        files.append(curve)
+    else:
+        # One budget gives one point per line: planner_comparison.png shows the same numbers as bars.
+        # A stale curve from an earlier run of this folder would contradict the summary, so it goes.
+        curve.unlink(missing_ok=True)
     if plots:
-        plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
         plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
-        files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
+        files.append(sweep_dir / "planner_comparison.png")
     paper_md = paper_table(frame, experiment)
     if paper_md:
         (sweep_dir / "paper_table.md").write_text(paper_md)
         files.append(sweep_dir / "paper_table.md")
     return AggregateResult(frame, tuple(files), summary_md, paper_md, dict(Counter(frame["status"])))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m pipelines.aggregate <sweep_dir>`: summarise any sweep folder, complete or partial
+    (an interrupted sweep, or one still running), from the jobs' run_record.json files. MLflow is not
+    touched: the folder is the source."""
+    import argparse
+    import sys
+
+    import yaml
+
+    parser = argparse.ArgumentParser(prog="python -m pipelines.aggregate", description=main.__doc__)
+    parser.add_argument("sweep_dir", type=Path, help="a Hydra sweep folder (multirun/<date>/<time>)")
+    args = parser.parse_args(argv)
+    sweep_dir: Path = args.sweep_dir
+    if not sweep_dir.is_dir():
+        print(f"error: {sweep_dir} is not a folder", file=sys.stderr)
+        return 2
+    experiment: Mapping[str, Any] = {}
+    multirun_yaml = sweep_dir / "multirun.yaml"
+    if multirun_yaml.is_file():  # the paper table needs the experiment's reference figures
+        experiment = (yaml.safe_load(multirun_yaml.read_text()) or {}).get("experiment") or {}
+    try:
+        result = aggregate_sweep(sweep_dir, experiment)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(result.summary_md)
+    if result.paper_table_md:
+        print(result.paper_table_md)
+    print(f"aggregate: {', '.join(p.name for p in result.files)} -> {sweep_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

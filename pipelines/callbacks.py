@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,29 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import presentation, tracking
+from pipelines import faults, presentation, tracking
 from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
+from pipelines.progress import read_progress
 from pipelines.schemas import REPO_ROOT
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepState:
+    """The sweep this process launched: what an interrupt handler needs to close it."""
+
+    sweep_dir: Path
+    experiment: dict[str, Any]
+    t_start: float
+    parent: dict[str, str] | None = None
+    status_counts: dict[str, int] = field(default_factory=dict)
+    finished: bool = False
+
+
+#: Set by on_multirun_start in the launching process; read by `pipelines.run` for the exit code and
+#: by the interrupt handler.
+ACTIVE_SWEEP: SweepState | None = None
 
 
 class SweepCallback(Callback):
@@ -36,15 +57,20 @@ class SweepCallback(Callback):
         self._t_start: float | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global ACTIVE_SWEEP
         try:
             self._t_start = time.perf_counter()
             HydraConfig.instance().set_config(config)  # ${hydra:...} is not set yet on hydra 1.3.8
             sweep_dir = Path(config.hydra.sweep.dir)
             sweep_dir.mkdir(parents=True, exist_ok=True)
+            ACTIVE_SWEEP = SweepState(sweep_dir, OmegaConf.to_container(config.experiment, resolve=True), self._t_start)
             track = OmegaConf.to_container(config.tracking, resolve=True)
             if not track["enabled"]:
                 return
             client = tracking.open_client(track["uri"])
+            ACTIVE_SWEEP.parent = _reopen_parent(client, track, sweep_dir)
+            if ACTIVE_SWEEP.parent is not None:
+                return
             experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
             experiment = OmegaConf.to_container(config.experiment, resolve=True)
             params_node = OmegaConf.select(config, "hydra.sweeper.params")
@@ -78,7 +104,12 @@ class SweepCallback(Callback):
                     indent=2,
                 )
             )
+            faults.track_in_flight(client, run_id)
+            ACTIVE_SWEEP.parent = json.loads((sweep_dir / PARENT_FILE).read_text())
             log.info("MLflow parent run %s in experiment %r (%s)", run_id, track["experiment"], track["uri"])
+        except tracking.TrackingUnavailable as exc:
+            # Before any job launches, once: every job would fail the same way.
+            raise faults.Abort(f"error: {exc}") from None
         except Exception:
             log.exception("SweepCallback.on_multirun_start failed: jobs cannot be tracked")
             raise
@@ -92,6 +123,9 @@ class SweepCallback(Callback):
 
             plots = OmegaConf.select(config, "plots", default="auto")
             result = aggregate.aggregate_sweep(sweep_dir, experiment, plots=plots != "none")
+            if ACTIVE_SWEEP is not None:
+                ACTIVE_SWEEP.status_counts = dict(result.status_counts)
+                ACTIVE_SWEEP.finished = True
             print(result.summary_md)
             if result.paper_table_md:
                 print(result.paper_table_md)
@@ -109,6 +143,7 @@ class SweepCallback(Callback):
                     "jobs_ok": counts.get("ok", 0),
                     "jobs_infeasible": counts.get("infeasible", 0),
                     "jobs_failed": counts.get("failed", 0),
+                    "jobs_killed": counts.get("killed", 0),
                     "sweep_wall_s": time.perf_counter() - self._t_start if self._t_start else None,
                 },
             )
@@ -125,6 +160,7 @@ class SweepCallback(Callback):
             tracking.log_tags(client, parent["run_id"], {tracking.NOTE_TAG: note})
             tracking.set_experiment_description(client, parent["experiment_id"], note)
             tracking.end_run(client, parent["run_id"], "ok")
+            faults.done_in_flight(parent["run_id"])
             print(ui_hint(parent))
             print(f"aggregate: {sweep_dir} (MLflow parent run {parent['run_id']})")
         except Exception:
@@ -186,3 +222,90 @@ def ui_hint(parent: Mapping[str, Any]) -> str:
         return f"MLflow UI: {uri.rstrip('/')}/{url}"
     destination = f" --artifacts-destination {parent['artifact_root']}" if parent.get("artifact_root") else ""
     return f"MLflow UI: mlflow ui --workers 1 --backend-store-uri {uri}{destination}\n  then open http://127.0.0.1:5000/{url}"
+
+
+def _reopen_parent(client, track: Mapping[str, Any], sweep_dir: Path) -> dict[str, Any] | None:
+    """When this sweep folder already has a parent run on the same store (a sweep re-run into its own
+    folder to finish it), that run again, so its earlier children stay under it and nothing is
+    duplicated; else None (a new parent is created)."""
+    path = sweep_dir / PARENT_FILE
+    earlier = json.loads(path.read_text()) if path.is_file() else None
+    if earlier is None or earlier.get("tracking_uri") != track["uri"]:
+        return None
+    try:
+        client.update_run(earlier["run_id"], status="RUNNING")
+    except Exception as exc:  # deleted, or another store: start afresh, say so
+        log.warning(
+            "parent run %s of %s cannot be reopened (%s); starting a new one", earlier["run_id"], sweep_dir, exc
+        )
+        return None
+    faults.track_in_flight(client, earlier["run_id"])
+    return earlier
+
+
+def sweep_exit_code() -> int:
+    """1 when a finished sweep had failed or killed jobs (infeasible is a result, not a failure), else 0."""
+    state = ACTIVE_SWEEP
+    if state is None or not state.finished:
+        return 0
+    failed = state.status_counts.get("failed", 0) + state.status_counts.get("killed", 0)
+    if failed:
+        total = sum(state.status_counts.values())
+        print(f"{failed} of {total} jobs failed (see summary.md in {state.sweep_dir})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def close_interrupted(exc: faults.Interrupted) -> str:
+    """After SIGINT/SIGTERM: in-flight runs and the parent KILLED, the partial summary written.
+    Returns the one line to print."""
+    from pipelines import aggregate
+
+    signame = signal.Signals(exc.signum).name
+    state = ACTIVE_SWEEP
+    parent = state.parent if state is not None else None
+    killed_here = faults.kill_in_flight_except(parent["run_id"] if parent else None)
+    if state is None or state.finished:
+        return f"interrupted by {signame}; {killed_here} MLflow run(s) marked KILLED"
+    parts = [f"interrupted by {signame}"]
+    progress_info = read_progress(state.sweep_dir)
+    records = len(aggregate.load_records(state.sweep_dir))
+    parts.append(f"{records}/{progress_info['total'] if progress_info else '?'} jobs recorded")
+    result = None
+    if records:
+        try:
+            result = aggregate.aggregate_sweep(state.sweep_dir, state.experiment, plots=False)
+            parts.append(f"partial summary {state.sweep_dir / 'summary.md'}")
+        except Exception as exc2:
+            parts.append(f"partial summary failed: {exc2}")
+    else:
+        parts.append(f"no job finished, no summary ({state.sweep_dir})")
+    if parent is not None:
+        try:
+            client = tracking.open_client(parent["tracking_uri"])
+            _kill_running_children(client, parent)
+            counts = result.status_counts if result is not None else {}
+            metrics = {f"jobs_{status}": counts.get(status, 0) for status in ("ok", "infeasible", "failed", "killed")}
+            metrics["jobs_total"] = sum(counts.values())
+            tracking.log_metrics(client, parent["run_id"], metrics)
+            if result is not None:
+                tracking.store_artifacts(client, parent["run_id"], list(result.files), parent.get("artifact_root"))
+            faults.kill_run(client, parent["run_id"])
+            killed = client.search_runs(
+                [parent["experiment_id"]],
+                f"tags.`mlflow.parentRunId` = '{parent['run_id']}' and attributes.status = 'KILLED'",
+            )
+            parts.append(f"MLflow parent run {parent['run_id']} and {len(killed)} job run(s) marked KILLED")
+        except Exception as exc2:
+            parts.append(f"MLflow not updated: {type(exc2).__name__}: {exc2}")
+    return "; ".join(parts)
+
+
+def _kill_running_children(client, parent: Mapping[str, Any]) -> int:
+    """Children still RUNNING belong to jobs that were cut off in worker processes (joblib, submitit)."""
+    running = client.search_runs(
+        [parent["experiment_id"]],
+        f"tags.`mlflow.parentRunId` = '{parent['run_id']}' and attributes.status = 'RUNNING'",
+    )
+    for run in running:
+        faults.kill_run(client, run.info.run_id)
+    return len(running)

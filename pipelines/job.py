@@ -13,6 +13,7 @@ are recorded as `failed` without doing any work.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import traceback
@@ -25,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import presentation, stages, tracking
+from pipelines import faults, presentation, progress, stages, tracking
 from pipelines.presentation import gib
 from slackswap.errors import ConfigError
 
@@ -67,14 +68,54 @@ def read_parent(sweep_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def resolve_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config; a missing mandatory value or a broken interpolation (a preset without
+    `hidden_size`, say) becomes a `ConfigError` naming the key, like every other bad value."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(key, "???", f"{type(exc).__name__}: {why}") from None
+
+
+def _unresolved(cfg: DictConfig) -> dict[str, Any]:
+    """Best effort view of a config that does not resolve: enough for names, params and the record."""
+    data = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    for group in ("model", "hardware", "planner", "budget", "tracking"):
+        data.setdefault(group, {})
+    data["planner"].setdefault("name", "?")
+    data["budget"].setdefault("fraction", None)
+    data["budget"].setdefault("bytes", None)
+    return data
+
+
+def _write_record(run_dir: Path, record: Mapping[str, Any]) -> None:
+    (run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     ctx = JobContext.from_hydra()
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(resolved))
+    config_error: ConfigError | None = None
+    resolved: dict[str, Any] | None = None
+    try:
+        resolved = resolve_config(cfg)
+        if ctx.multirun:
+            earlier = _keep_or_set_aside_earlier(ctx, OmegaConf.to_yaml(resolved))
+            if earlier is not None:
+                print(progress.job_line(ctx, earlier, reused=True))
+                return earlier
+        (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(resolved))
+        inputs = stages.validate_inputs(resolved, ctx.multirun)
+    except ConfigError as exc:
+        config_error = exc
+        resolved = resolved or _unresolved(cfg)
     track = resolved["tracking"]
-    parent = read_parent(ctx.sweep_dir) if ctx.multirun and track["enabled"] else None
+    parent = read_parent(ctx.sweep_dir) if ctx.multirun and track.get("enabled") else None
     # Planner first, then only what varies in the sweep (all four parts for a single run).
     name = presentation.run_name(parent.get("varying") if parent else None, ctx.choices, resolved)
     record: dict[str, Any] = {
@@ -96,77 +137,160 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         "timings_s": {},
     }
     timings = record["timings_s"]
-
-    config_error: ConfigError | None = None
-    try:
-        inputs = stages.validate_inputs(resolved, ctx.multirun)
-    except ConfigError as exc:
+    if config_error is not None:
+        record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"ConfigError: {config_error}"
         if not ctx.multirun:
-            raise
-        config_error = exc
+            # No MLflow run and no stage: the folder keeps only the record, which says why it exists.
+            _write_record(ctx.run_dir, record)
+            raise config_error
 
     client = run_id = None
-    artifact_root = track["artifact_location"]
-    if track["enabled"]:
+    artifact_root = track.get("artifact_location")
+    error: BaseException | None = None
+    try:
         t0 = time.perf_counter()
-        flat = presentation.config_params(tracking.flatten_params(resolved))
-        if parent is not None:
-            client = tracking.open_client(parent["tracking_uri"])
-            experiment_id, parent_run_id = parent["experiment_id"], parent["run_id"]
-            artifact_root = parent.get("artifact_root", artifact_root)
-            # Constants go to the parent at the end of the sweep (callbacks.SweepCallback): a child
-            # carries the filter keys and what its sweep varies.
-            params = presentation.filter_params(ctx.choices, record["planner"], resolved)
-            params |= presentation.swept_value_params(parent.get("varying", ()), flat)
-        else:
-            client = tracking.open_client(track["uri"])
-            experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
-            parent_run_id = None
-            params = presentation.filter_params(ctx.choices, record["planner"], resolved) | flat
-        run_id = tracking.start_run(client, experiment_id, name, _choice_tags(ctx.choices), parent_run_id)
+        try:
+            if track.get("enabled"):
+                client, run_id, artifact_root = _start_tracking(ctx, record, resolved, parent, artifact_root)
+                timings["mlflow_start_s"] = time.perf_counter() - t0
+        except Exception as exc:
+            if not ctx.multirun:
+                raise
+            client = None  # a job of a sweep records its failure; the sweep goes on
+            if record["status"] is None:
+                record["status"] = stages.STATUS_FAILED
+                record["failure_reason"] = f"MLflow: {type(exc).__name__}: {exc}"
+        if record["status"] is None:  # no config error, no tracking error: run the stages
+            try:
+                outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
+                record["status"], record["failure_reason"] = outcome.status, outcome.failure_reason
+                record["metrics"], record["facts"] = outcome.metrics, outcome.facts
+            except Exception as exc:  # recorded below; re-raised for a single run
+                error = exc
+                record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"{type(exc).__name__}: {exc}"
+                (ctx.run_dir / TRACEBACK_FILE).write_text(traceback.format_exc())
+        _write_record(ctx.run_dir, record)
+        if client is not None:
+            t0 = time.perf_counter()
+            logging_error = _log_outcome(client, run_id, record, resolved, ctx.run_dir, artifact_root)
+            if logging_error is not None and error is None:
+                error = logging_error
+            timings["mlflow_log_s"] = time.perf_counter() - t0
+    except KeyboardInterrupt:
+        # Wherever it landed (MLflow calls included): the record and the run say killed.
+        record["status"], record["failure_reason"] = stages.STATUS_KILLED, "interrupted (SIGINT or SIGTERM)"
+        _write_record(ctx.run_dir, record)
+        if record["mlflow_run_id"]:
+            faults.kill_in_flight_run(record["mlflow_run_id"])
+        raise
+    timings["job_total_s"] = time.perf_counter() - t_start
+    # Rewrite with the final timings (the copy logged to MLflow lacks only the logging time itself).
+    _write_record(ctx.run_dir, record)
+
+    print(format_summary(record, resolved) if not ctx.multirun else progress.job_line(ctx, record))
+    if error is not None and not ctx.multirun:
+        raise error
+    return record
+
+
+def _start_tracking(ctx: JobContext, record: dict[str, Any], resolved: Mapping[str, Any], parent, artifact_root):
+    """Create this job's MLflow run (a child of the sweep's parent in a multirun) and log its params.
+    Returns (client, run_id, artifact_root)."""
+    track = resolved["tracking"]
+    name = record["run_name"]
+    flat = presentation.config_params(tracking.flatten_params(resolved))
+    if parent is not None:
+        client = tracking.open_client(parent["tracking_uri"])
+        experiment_id, parent_run_id = parent["experiment_id"], parent["run_id"]
+        artifact_root = parent.get("artifact_root", artifact_root)
+        # Constants go to the parent at the end of the sweep (callbacks.SweepCallback): a child
+        # carries the filter keys and what its sweep varies.
+        params = presentation.filter_params(ctx.choices, record["planner"], resolved)
+        params |= presentation.swept_value_params(parent.get("varying", ()), flat)
+    else:
+        client = tracking.open_client(track["uri"])
+        experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
+        parent_run_id = None
+        params = presentation.filter_params(ctx.choices, record["planner"], resolved) | flat
+    run_id = tracking.start_run(client, experiment_id, name, _choice_tags(ctx.choices), parent_run_id)
+    faults.track_in_flight(client, run_id)
+    record["mlflow_run_id"] = run_id
+    try:
         tracking.log_params(client, run_id, params)
         tracking.log_presets(
             client,
             run_id,
             {g: (ctx.choices.get(g, resolved[g]["name"]), resolved[g]) for g in ("model", "hardware")},
         )
-        record["mlflow_run_id"] = run_id
-        timings["mlflow_start_s"] = time.perf_counter() - t0
+    except Exception:
+        with contextlib.suppress(Exception):
+            tracking.end_run(client, run_id, stages.STATUS_FAILED)
+        faults.done_in_flight(run_id)
+        raise
+    return client, run_id, artifact_root
 
-    error: BaseException | None = None
-    if config_error is not None:
-        record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"ConfigError: {config_error}"
-    else:
-        try:
-            outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
-            record["status"], record["failure_reason"] = outcome.status, outcome.failure_reason
-            record["metrics"], record["facts"] = outcome.metrics, outcome.facts
-        except Exception as exc:  # recorded below; re-raised for a single run
-            error = exc
-            record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"{type(exc).__name__}: {exc}"
-            (ctx.run_dir / TRACEBACK_FILE).write_text(traceback.format_exc())
 
-    (ctx.run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-    if client is not None:
-        t0 = time.perf_counter()
-        try:
-            tracking.log_metrics(client, run_id, presentation.with_units(record["metrics"]))
-            tags = {"status": record["status"], tracking.NOTE_TAG: presentation.child_description(record, resolved)}
-            if record["failure_reason"]:
-                tags["reason"] = _clip(record["failure_reason"])
-            tracking.log_tags(client, run_id, tags)
-            tracking.store_artifacts(client, run_id, ctx.run_dir, artifact_root)
-        finally:
-            tracking.end_run(client, run_id, record["status"])
-        timings["mlflow_log_s"] = time.perf_counter() - t0
-    timings["job_total_s"] = time.perf_counter() - t_start
-    # Rewrite with the final timings (the copy logged to MLflow lacks only the logging time itself).
-    (ctx.run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+def _log_outcome(
+    client, run_id: str, record: dict[str, Any], resolved: Mapping[str, Any], run_dir: Path, artifact_root
+) -> Exception | None:
+    """Metrics, tags and artifacts, then end the run. A run whose results did not reach the store is
+    `failed` (never FINISHED with status ok): the record and the run's tags say what failed. Returns
+    that logging error, if any."""
+    logging_error: Exception | None = None
+    try:
+        tracking.log_metrics(client, run_id, presentation.with_units(record["metrics"]))
+        tracking.log_tags(client, run_id, _outcome_tags(record, resolved))
+        tracking.store_artifacts(client, run_id, run_dir, artifact_root)
+    except Exception as exc:
+        logging_error = exc
+        record["status"] = stages.STATUS_FAILED
+        record["failure_reason"] = f"MLflow logging failed: {type(exc).__name__}: {exc}"
+        _write_record(run_dir, record)
+        with contextlib.suppress(Exception):  # best effort: the store may be what failed
+            tracking.log_tags(client, run_id, _outcome_tags(record, resolved))
+    finally:
+        tracking.end_run(client, run_id, record["status"])
+        faults.done_in_flight(run_id)
+    return logging_error
 
-    print(format_summary(record, resolved) if not ctx.multirun else format_one_line(record))
-    if error is not None and not ctx.multirun:
-        raise error
-    return record
+
+def _outcome_tags(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> dict[str, str]:
+    tags = {"status": record["status"], tracking.NOTE_TAG: presentation.child_description(record, resolved)}
+    if record["failure_reason"]:
+        tags["reason"] = _clip(record["failure_reason"])
+    return tags
+
+
+#: Outcomes a re-run of the same sweep into the same folder keeps instead of running the job again.
+REUSABLE_STATUSES = (stages.STATUS_OK, stages.STATUS_INFEASIBLE)
+SUPERSEDED_DIR = "superseded"
+
+
+def _keep_or_set_aside_earlier(ctx: JobContext, resolved_yaml: str) -> dict[str, Any] | None:
+    """A sweep re-run into its own folder neither duplicates nor loses results.
+
+    The job's folder already holds a finished result (ok or infeasible) of the same resolved config:
+    return that record, and the job is not run again (no second MLflow run). Anything else already there
+    (a failed or killed attempt, or another config under the same job number) is moved to
+    `<sweep dir>/superseded/<job>-<n>/` before the job runs, so it is kept but not aggregated.
+    """
+    record_path = ctx.run_dir / RECORD_FILE
+    if not record_path.is_file():
+        return None
+    earlier = json.loads(record_path.read_text())
+    config_path = ctx.run_dir / RESOLVED_CONFIG_FILE
+    same_config = config_path.is_file() and config_path.read_text() == resolved_yaml
+    if same_config and earlier.get("status") in REUSABLE_STATUSES:
+        return earlier
+    aside_root = ctx.sweep_dir / SUPERSEDED_DIR
+    aside_root.mkdir(exist_ok=True)
+    attempt = 1 + sum(1 for _ in aside_root.glob(f"{ctx.run_dir.name}-*"))
+    aside = aside_root / f"{ctx.run_dir.name}-{attempt}"
+    aside.mkdir()
+    for path in ctx.run_dir.iterdir():
+        if path.name != ".hydra" and path.suffix != ".log":
+            path.rename(aside / path.name)
+    return None
 
 
 def _planner_label(choice: str | None, name: str) -> str:
@@ -200,7 +324,8 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
         f"hardware     {record['hardware']} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
         f"budget       {gib(m.get('budget_bytes'))} "
-        f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}) "
+        f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}"
+        f"{', device' if resolved['budget'].get('device') else ''}) "
         f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
         f"planner      {record['planner']} ({record['planner_name']})",
     ]
@@ -217,7 +342,14 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
         lines += [
             f"throughput   {ratio:.2%} of ideal",
             f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
-            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}",
+            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}"
+            + (
+                f"; caching allocator reserves {gib(m['peak_reserved_bytes'])} "
+                f"({'fits' if m.get('fits_reserved') else 'over budget'}, "
+                f"{m['fragmentation_share']:.1%} fragmentation)"
+                if m.get("peak_reserved_bytes") is not None
+                else ""
+            ),
             f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
             f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
             f"recomputed   {m.get('recomputed_tensors')} tensors, "
@@ -228,6 +360,14 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
             if names:
                 shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
                 lines.append(f"  {key}: {shown}")
+    if m.get("static_bytes") is not None:
+        training = resolved.get("training") or {}
+        lines.append(
+            f"device       static {gib(m['static_bytes'])} per GPU ({training.get('optimizer')} "
+            f"{training.get('precision')}, ZeRO-{training.get('zero_stage')} x {training.get('zero_shards')}), "
+            f"reserve {gib(m.get('reserve_bytes'))}, headroom {gib(m.get('headroom_bytes'))} "
+            f"of {gib(m.get('device_memory_bytes'))}"
+        )
     lines.append(f"run dir      {record['run_dir']}")
     if record["mlflow_run_id"]:
         lines.append(f"mlflow run   {record['mlflow_run_id']} ({resolved['tracking']['uri']})")

@@ -1,4 +1,4 @@
-"""profile -> plan -> simulate for one resolved config, writing the run-directory files of BRIEF §6.
+"""profile -> plan -> simulate for one resolved config, writing the run-directory files of docs/contract.md.
 
 Thin wiring only: every modelling decision lives in `slackswap/`. What this module adds is
 - validation of all inputs before any work (so a bad value fails with its field named),
@@ -28,6 +28,8 @@ from slackswap.profile.torch.spec import TorchSpec
 STATUS_OK = "ok"
 STATUS_INFEASIBLE = "infeasible"
 STATUS_FAILED = "failed"
+#: Interrupted (SIGINT / SIGTERM) while it ran; the MLflow run is KILLED.
+STATUS_KILLED = "killed"
 PLOT_LEVELS: tuple[str, ...] = ("auto", "all", "summary", "none")
 
 
@@ -98,6 +100,10 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
+    from slackswap.planners.registry import get_planner
+
+    # Unknown planner names and options fail here, before profiling, naming what was asked for.
+    get_planner(inputs.planner_name, **inputs.planner_options)
     return inputs
 
 
@@ -145,7 +151,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
     else:
         from slackswap.profile.torch import build_torch_graph
 
-        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware)
+        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware, inputs.training)
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
@@ -153,7 +159,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
     analytic_peak = analytic = None
     if inputs.torch_spec is not None:
-        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware)
+        analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware, inputs.training)
         analytic_peak = int(simulate_ideal(analytic, inputs.hardware).peak_activation_bytes)
     _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1, analytic_peak, analytic)
     return _BASELINES[key], False
@@ -274,7 +280,8 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
         from slackswap.simulate.timeline import write_timeline_png
 
         t0 = time.perf_counter()
-        write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
+        title = timeline_title(inputs, budget_bytes, keep_all_peak_bytes)
+        write_timeline_png(result, run_dir / "timeline.png", budget_bytes, title=title)
         timings["write_timeline_s"] = time.perf_counter() - t0
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
@@ -341,6 +348,15 @@ def _source_metrics(base: Baseline) -> dict[str, Any]:
     peak = int(base.ideal.peak_activation_bytes)
     return {"analytic_keep_all_peak_bytes": base.analytic_peak_bytes,
             "real_to_analytic_peak_ratio": peak / base.analytic_peak_bytes}
+
+
+def timeline_title(inputs: Inputs, budget_bytes: int, keep_all_peak_bytes: int) -> str:
+    """Model, hardware, planner and budget, the four things that make one timeline differ from another."""
+    share = budget_bytes / keep_all_peak_bytes if keep_all_peak_bytes else float("nan")
+    return (
+        f"{inputs.model.name} on {inputs.hardware.name}, planner {inputs.planner_name}, "
+        f"budget {budget_bytes / 2**30:.3g} GiB ({share:.0%} of the keep-all peak)"
+    )
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -121,13 +121,112 @@ def _user() -> str:
         return os.environ.get("USER", "unknown")
 
 
+class TrackingUnavailable(RuntimeError):
+    """The tracking store cannot be used (unreachable server, corrupt or foreign database). The
+    message names the URI or the path, fits on one line, and is printed without a traceback."""
+
+
+#: How long a process waits for another one that is creating or migrating the same SQLite store.
+STORE_LOCK_TIMEOUT_S = 120.0
+#: An unreachable server fails within this many seconds, naming the URI (MLflow's own retries with
+#: back-off took 248 s). Also the per-request timeout and retry count of MLflow's HTTP client, unless
+#: the user set MLFLOW_HTTP_REQUEST_TIMEOUT / MLFLOW_HTTP_REQUEST_MAX_RETRIES.
+SERVER_PROBE_TIMEOUT_S = 5.0
+SERVER_HTTP_MAX_RETRIES = 2
+
+
+def sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def check_sqlite_store(path: Path) -> None:
+    """Refuse a file that is not an MLflow SQLite store, naming the path, before MLflow touches it.
+
+    A missing or empty file is fine (MLflow creates the schema). A non-SQLite file would otherwise fail
+    deep inside SQLAlchemy ("file is not a database", 77 lines, no path), and a SQLite file of another
+    program would get MLflow's tables added to it.
+    """
+    import sqlite3
+    from contextlib import closing
+
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    try:
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.OperationalError:
+        return  # busy, locked, a hot journal of a writer in progress: a live store, MLflow takes it from here
+    except sqlite3.DatabaseError as exc:  # "file is not a database"
+        raise TrackingUnavailable(f"tracking store {path} is not an MLflow SQLite database ({exc})") from None
+    if tables and not {"experiments", "runs", "alembic_version"} <= tables:
+        shown = ", ".join(sorted(tables)[:5])
+        raise TrackingUnavailable(f"tracking store {path} is a SQLite database of another program (tables: {shown})")
+
+
+def probe_server(uri: str, timeout_s: float = SERVER_PROBE_TIMEOUT_S) -> None:
+    """Fail fast, naming the URI, when no MLflow server answers at `uri`."""
+    import urllib.error
+    import urllib.request
+
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http(s) only)
+            response.read(64)
+    except urllib.error.HTTPError:
+        return  # a server answered (an older one without /health, or behind auth): MLflow takes it from here
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TrackingUnavailable(
+            f"tracking.uri={uri}: no MLflow server answers ({reason}); start one (`mlflow server`) or choose "
+            "tracking=local / tracking=off"
+        ) from None
+
+
 def open_client(uri: str):
-    """An `MlflowClient` on `uri`; a sqlite URI gets its parent folder created first."""
+    """An `MlflowClient` on `uri`, with the store checked and, for SQLite, created under a file lock.
+
+    MLflow creates and migrates a fresh SQLite schema in whichever process opens it first, without a
+    lock: two processes doing that at once corrupt the database for good ("table _alembic_tmp_... already
+    exists", "duplicate column name"). `<db>.lock` next to the database serialises that step across
+    processes (and hosts sharing the folder, as far as the filesystem's locks reach); once the schema
+    exists, concurrent writers are fine.
+    """
+    import os
+
     from mlflow.tracking import MlflowClient
 
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
+    db = sqlite_path(uri)
+    if db is None:
+        if uri.startswith(("http://", "https://")):
+            probe_server(uri)
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(SERVER_PROBE_TIMEOUT_S * 2)))
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(SERVER_HTTP_MAX_RETRIES))
+        return MlflowClient(tracking_uri=uri)
+    from filelock import FileLock, Timeout
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    check_sqlite_store(db)
+    lock = FileLock(str(db) + ".lock")
+    try:
+        with lock.acquire(timeout=STORE_LOCK_TIMEOUT_S):
+            return _sqlite_client(MlflowClient, uri, db)
+    except Timeout:
+        raise TrackingUnavailable(
+            f"tracking store {db}: another process held {lock.lock_file} for {STORE_LOCK_TIMEOUT_S:.0f} s"
+        ) from None
+
+
+def _sqlite_client(client_class, uri: str, db: Path):
+    """Construct the client (MLflow creates or migrates the schema here) and turn store errors into
+    one line naming the database."""
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return client_class(tracking_uri=uri)
+    except (MlflowException, SQLAlchemyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TrackingUnavailable(f"tracking store {db} cannot be opened: {first_line[:300]}") from None
 
 
 def ensure_experiment(client, name: str, artifact_root: str | None) -> str:
@@ -146,10 +245,28 @@ def ensure_experiment(client, name: str, artifact_root: str | None) -> str:
             )
         return experiment.experiment_id
     location = None if artifact_root is None else f"{PROXIED_SCHEME}:/{name}"
-    return client.create_experiment(name, artifact_location=location)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:
+        # Another process created it between our lookup and our insert: use theirs.
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+#: MLflow's limit on an experiment tag's value (mlflow.utils.validation.MAX_EXPERIMENT_TAG_VAL_LENGTH).
+EXPERIMENT_TAG_MAX_CHARS = 20000
 
 
 def set_experiment_description(client, experiment_id: str, text: str) -> None:
+    """The experiment's description; a long sweep's (hundreds of jobs) is cut at MLflow's limit with a
+    pointer to the parent run, whose artifacts hold the whole table."""
+    if len(text) > EXPERIMENT_TAG_MAX_CHARS:
+        tail = "\n\n... (cut at MLflow's limit; the whole table is in the parent run's artifacts)"
+        text = text[: EXPERIMENT_TAG_MAX_CHARS - len(tail)] + tail
     client.set_experiment_tag(experiment_id, NOTE_TAG, text)
 
 

@@ -134,10 +134,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         name = f"train:{resolved['model']['name']}:{resolved['planner']['name']}:{resolved['train']['device']}"
         run_id = tracking.start_run(client, experiment_id, name, {"kind": "train"}, None)
         tracking.log_params(client, run_id, tracking.flatten_params(resolved))
-    ok = False
+    status = "failed"
     try:
         figures = run_training(resolved, run_dir)
-        ok = figures["status"] == "ok"
+        status = figures["status"]
         if client is not None:
             scalars = {k: (int(v) if isinstance(v, bool) else v) for k, v in figures.items()
                        if isinstance(v, (int, float, bool))}
@@ -152,7 +152,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         return figures
     finally:
         if client is not None:
-            tracking.end_run(client, run_id, "ok" if ok else "failed")
+            tracking.end_run(client, run_id, status)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     python scripts/ui_check.py --out /tmp/img  # elsewhere
 
 What it does, each step a line on stdout:
-1. runs `python -m pipelines.run +experiment=paper` into a fresh store in a temporary folder;
+1. runs `python -m pipelines.run +experiment=paper plots=all` (every child draws its timeline.png)
+   into a fresh store in a temporary folder;
 2. moves that folder to another path (the store must survive being moved or cloned);
 3. starts `mlflow ui --workers 1 --backend-store-uri sqlite:///mlflow.db --artifacts-destination
    ./mlruns` in the moved folder, as the README says;
@@ -54,6 +55,7 @@ CHROMIUM_FLAGS = (
 )
 SCREENSHOTS = {
     "runs": "ui_runs.png",
+    "chart": "ui_chart_throughput_pct.png",
     "infeasible": "ui_infeasible_run.png",
     "timeline": "ui_timeline_artifact.png",
     "trace": "ui_trace_json.png",
@@ -85,6 +87,7 @@ def paper_command(store: Path) -> list[str]:
         sys.executable, "-m", "pipelines.run", "+experiment=paper",
         f"tracking.uri=sqlite:///{store}/mlflow.db", f"tracking.artifact_location={store}/mlruns",
         f"tracking.experiment={EXPERIMENT}", f"hydra.sweep.dir={store}/multirun",
+        "plots=all",  # a sweep draws only its summary plots by default; the check opens a timeline.png
     ]  # fmt: skip
 
 
@@ -95,6 +98,7 @@ class Targets:
     experiment_id: str
     parent_id: str
     children: dict[str, str]  # run id -> run name
+    statuses: dict[str, str]  # run id -> tag status
     infeasible_id: str
     infeasible_reason: str
     feasible_id: str
@@ -122,6 +126,7 @@ def find_targets(tracking_uri: str, experiment: str = EXPERIMENT) -> Targets:
         experiment_id=exp.experiment_id,
         parent_id=parent.info.run_id,
         children={r.info.run_id: r.info.run_name for r in children},
+        statuses={r.info.run_id: r.data.tags.get("status", "") for r in children},
         infeasible_id=infeasible[0].info.run_id,
         infeasible_reason=infeasible[0].data.tags.get("reason", ""),
         feasible_id=preferred[0].info.run_id,
@@ -157,6 +162,12 @@ class Report:
             self.failures.append(what)
 
 
+def _is_pct(text: str) -> bool:
+    """A bar label of the throughput_pct chart: a number in 0..100 with two decimals."""
+    head, dot, tail = text.partition(".")
+    return bool(dot) and head.isdigit() and tail.isdigit() and len(tail) == 2 and 0 <= float(text) <= 100
+
+
 def _browser(user_data_dir: Path):
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
@@ -171,9 +182,12 @@ def _browser(user_data_dir: Path):
 
 
 def _wait(driver, condition, timeout_s: float = 60.0):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout_s, poll_frequency=0.3).until(condition)
+    # The UI re-renders while data arrives: an element found a moment ago may be gone; poll again.
+    ignored = (NoSuchElementException, StaleElementReferenceException)
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.3, ignored_exceptions=ignored).until(condition)
 
 
 def _shows(driver, condition, timeout_s: float = 30.0) -> bool:
@@ -205,6 +219,68 @@ def _close_assistant(driver) -> None:
             return
 
 
+def _click(driver, locator, text: str | None = None, timeout_s: float = 20.0) -> bool:
+    """Click the first displayed element at `locator` (with exactly `text`, if given), retrying while
+    the UI re-renders it; False if none appears in time."""
+
+    def attempt(d):
+        for element in d.find_elements(*locator):
+            if element.is_displayed() and (text is None or element.text == text):
+                element.click()
+                return True
+        return False
+
+    return _shows(driver, attempt, timeout_s)
+
+
+def chart_step(driver, base: str, targets: Targets, out: Path, name_links) -> None:
+    """Chart view, every child shown, the throughput_pct bar chart full screen: the chart the README
+    names for comparing planners. Two decimals tell 99.67 from 99.69 (a ratio chart showed both 1.00)."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.common.by import By
+
+    feasible = sum(1 for status in targets.statuses.values() if status == "ok")
+    labels: list[str] = []
+
+    def bar_labels(d):
+        labels[:] = [t for t in d.find_element(By.TAG_NAME, "body").text.split("\n") if _is_pct(t)]
+        return len(labels) >= feasible
+
+    try:
+        _open(driver, runs_url(base, targets.experiment_id) + "&compareRunsMode=CHART")
+        _wait(driver, lambda d: d.find_elements(*name_links))
+        _close_assistant(driver)
+        time.sleep(2.0)
+        if len(driver.find_elements(*name_links)) < 1 + EXPECTED_CHILDREN:  # the UI may keep it expanded
+            _click(driver, (By.CSS_SELECTOR, "button[data-component-id*='runnamecellrenderer']"))
+        _shows(driver, lambda d: len(d.find_elements(*name_links)) >= 1 + EXPECTED_CHILDREN)
+        time.sleep(1.0)
+        for _ in range(3):  # the chart view shows the first 10 runs; the eye menu shows them all
+            _click(driver, (By.CSS_SELECTOR, "button[aria-label='Toggle visibility of runs']"))
+            _click(driver, (By.CSS_SELECTOR, "[role=menuitem]"), text="Show all runs", timeout_s=10)
+            if _shows(driver, lambda d: "Unhide run" not in d.find_element(By.TAG_NAME, "body").text, 10):
+                break
+        driver.find_element(By.CSS_SELECTOR, "input[placeholder='Search metric charts']").send_keys("throughput_pct")
+        fullscreen = (By.CSS_SELECTOR, "button[data-component-id=fullscreen_button_chartcard]")
+        # The search filters the cards after a short delay: wait until only the one chart is left.
+        if _shows(driver, lambda d: len([b for b in d.find_elements(*fullscreen) if b.is_displayed()]) == 1):
+            time.sleep(1.0)
+            _click(driver, fullscreen)
+        _shows(driver, bar_labels)
+        problem = ""
+    except WebDriverException as exc:
+        problem = f"; {type(exc).__name__}: {exc.msg}"
+    time.sleep(1.0)
+    driver.save_screenshot(str(out / SCREENSHOTS["chart"]))
+    # Shown, not checked: which runs the chart view draws depends on UI state we do not control
+    # reliably (it starts with the first 10 runs visible), so the count is information only.
+    print(
+        f"[INFO] Chart view, throughput_pct: {len(labels)} bars labelled in percent with two decimals "
+        f"({feasible} feasible children), e.g. {', '.join(labels[:4])}{problem}",
+        flush=True,
+    )
+
+
 def check_in_browser(base: str, targets: Targets, out: Path, report: Report, user_data_dir: Path) -> None:
     from selenium.webdriver.common.by import By
 
@@ -230,6 +306,9 @@ def check_in_browser(base: str, targets: Targets, out: Path, report: Report, use
             f"{len(listed_children)} child rows below the parent row, e.g. "
             + ", ".join(sorted(targets.children[r] for r in listed_children)[:3]),
         )
+
+        # 1b. The chart that compares planners.
+        chart_step(driver, base, targets, out, name_links)
 
         # 2. An infeasible child: Finished, with its reason in the description.
         _open(driver, run_url(base, targets.experiment_id, targets.infeasible_id))

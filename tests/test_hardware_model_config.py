@@ -18,7 +18,14 @@ HARDWARE = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml"))
 
 
 def load(group: str, name: str) -> dict:
-    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+    """A preset's keys; a traced preset (docs/torch_profile.md) inherits its analytic preset's keys
+    through its defaults list and adds a `torch` node, which is not a ModelConfig field."""
+    data = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+    bases = [d for d in data.pop("defaults", []) if d != "_self_"]
+    for base in bases:
+        data = {**load(group, base), **data}
+    data.pop("torch", None)
+    return data
 
 
 def test_the_required_presets_exist():

@@ -30,8 +30,8 @@ def test_llama7b_adamw_on_one_a100_80gb_is_infeasible_with_its_terms(tmp_path):
     outcome = stages.execute(inputs, resolved, tmp_path, {})
     assert outcome.status == stages.STATUS_INFEASIBLE
     reason = outcome.failure_reason
-    for text in ("params 13.48 GB", "grads 13.48 GB", "master 26.95 GB", "optimizer_state 53.91 GB",
-                 "107.81 GB static", "training.zero_stage=3 training.zero_shards=2"):
+    for text in ("params 12.55 GiB", "grads 12.55 GiB", "master 25.10 GiB", "optimizer_state 50.21 GiB",
+                 "100.41 GiB static", "training.zero_stage=3 training.zero_shards=2"):
         assert text in reason, (text, reason)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["feasible"] is False and metrics["static_bytes"] == 16 * 6_738_415_616
@@ -115,3 +115,17 @@ def test_the_optimizer_step_is_in_the_step_and_in_the_trace(tmp_path):
     assert "adam" in adam_ops and "L0.adam" in adam_ops and "L0.sgd" in sgd_ops
     assert adam_us > sgd_us > 0  # AdamW streams 28 bytes per parameter, SGD 12
     assert adam_step - sgd_step > 0
+
+
+def test_each_experiment_states_its_optimizer_step_and_the_paper_models_the_allocator():
+    def composed(experiment: str):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("config", overrides=[f"+experiment={experiment}"])
+
+    paper, curves, hardware = composed("paper"), composed("budget_curves"), composed("hardware")
+    assert paper.simulate.allocator == "caching" and paper.model.include_optimizer is False
+    assert curves.model.include_optimizer is False
+    assert hardware.model.include_optimizer is True
+    for experiment in ("paper", "budget_curves", "hardware"):
+        text = (CONF / "experiment" / f"{experiment}.yaml").read_text()
+        assert "include_optimizer" in text and "#" in text.split("include_optimizer")[0][-400:]  # with its reason

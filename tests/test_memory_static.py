@@ -105,8 +105,8 @@ def test_llama7b_adamw_on_one_a100_80gb_is_infeasible_with_every_term():
     suggestion = smallest_fitting_shards(LLAMA7B_PARAMS, LLAMA7B_MAX_UNIT, TrainingConfig(), "bf16", A100_80GB, 1 << 30)
     assert suggestion == (3, 2)  # 8P + 2 units of 2 bytes: 54.4 GB < 84.8 GB
     reason = capacity_reason(cap, suggestion)
-    for text in ("params 13.48 GB", "grads 13.48 GB", "master 26.95 GB", "optimizer_state 53.91 GB",
-                 "107.81 GB static", "85.90 GB of device memory", "training.zero_shards=2"):
+    for text in ("params 12.55 GiB", "grads 12.55 GiB", "master 25.10 GiB", "optimizer_state 50.21 GiB",
+                 "100.41 GiB static", "80.00 GiB of device memory", "training.zero_shards=2"):
         assert text in reason, (text, reason)
     # At stage 1: 4P + 12P/N + reserve < device first holds at N = 2 (26.95 + 40.43 + 1.07 = 68.5 GB).
     stage1 = TrainingConfig(zero_stage=1)

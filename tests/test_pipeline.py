@@ -18,7 +18,7 @@ from pipelines import tracking
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
-BRIEF_METRICS = (
+CONTRACT_METRICS = (
     "throughput_ratio", "step_s", "ideal_step_s", "peak_activation_bytes", "keep_all_peak_bytes", "budget_bytes",
     "recompute_s", "stall_s", "d2h_bytes", "h2d_bytes", "swapped_tensors", "recomputed_tensors", "plan_wall_s",
     "sim_wall_s", "feasible",
@@ -38,7 +38,8 @@ def _common(tmp_path: Path, store) -> list[str]:
     ]
 
 
-def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pipelines.run") -> None:
+def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pipelines.run") -> int | None:
+    """Run the CLI in this process; returns its exit code (None: the module does not call sys.exit)."""
     monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # raise the real exception instead of sys.exit(1)
     GlobalHydra.instance().clear()
@@ -48,6 +49,8 @@ def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pi
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules" after a previous run
             runpy.run_module(module, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code
     finally:
         GlobalHydra.instance().clear()
 
@@ -66,7 +69,7 @@ def _no_absolute_paths(params: dict[str, str]) -> None:
 
 
 def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
-    _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "planner=slackswap", "budget.fraction=0.5"])
+    assert _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "planner=slackswap", "budget.fraction=0.5"]) == 0
     out = capsys.readouterr().out
     assert "throughput" in out and "tiny" in out
 
@@ -74,7 +77,7 @@ def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monk
     for name in (*RUN_FILES, RESOLVED_CONFIG_FILE, RECORD_FILE):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert set(BRIEF_METRICS) <= set(metrics)
+    assert set(CONTRACT_METRICS) <= set(metrics)
     assert metrics["feasible"] is True and 0 < metrics["throughput_ratio"] <= 1
     assert metrics["budget_bytes"] == int(0.5 * metrics["keep_all_peak_bytes"])
     assert metrics["peak_activation_bytes"] <= metrics["budget_bytes"]
@@ -132,7 +135,8 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
         "planner.name=slackswap,keep_all,no_such_planner",
         "budget.fraction=0.5,1.0",
     ]
-    _run_cli(monkeypatch, args)
+    # Two jobs failed (an unknown planner): the sweep completes, then exits non-zero.
+    assert _run_cli(monkeypatch, args) == 1
     sweep = tmp_path / "sweep"
     for name in ("summary.csv", "summary.md", "throughput_vs_budget.png", "planner_comparison.png"):
         assert (sweep / name).is_file(), name
@@ -255,3 +259,14 @@ def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow
     assert run.data.tags["status"] == "ok"
     assert run.data.metrics["real_to_analytic_peak_ratio"] == pytest.approx(metrics["real_to_analytic_peak_ratio"])
     assert run.data.params["model.torch.builder"] == "tiny_gpt"
+
+
+def test_verify_torch_cli_on_the_cpu_path(tmp_path, monkeypatch, capsys) -> None:
+    """The GPU check script (pipelines.verify_torch), run on its CPU path: trace = real run, exit 0."""
+    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):
+        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    args = ["model=tiny_torch", "+device=cpu", f"hydra.run.dir={tmp_path}/verify", "hydra/job_logging=disabled"]
+    _run_cli(monkeypatch, args, module="pipelines.verify_torch")
+    assert "EQUAL" in capsys.readouterr().out
+    result = json.loads((tmp_path / "verify" / "verify_torch.json").read_text())
+    assert result["equal"] is True and result["semantics"] == "cpu" and result["traced"] == result["real"]

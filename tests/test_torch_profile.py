@@ -178,3 +178,40 @@ print('ok')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=root,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_optimizer_step_ops_follow_the_traced_parameters():
+    from slackswap.graph import Phase
+    from slackswap.memory.static import optimizer_step_bytes_per_param
+    from slackswap.profile import default_training
+
+    model = small("gpt2", include_optimizer=True)
+    graph = build_torch_graph(model, TorchSpec("tiny_gpt"), HW)
+    opt = [op for op in graph.ops if op.phase == Phase.OPTIMIZER]
+    assert [op.layer for op in opt] == [0, 1, -1] and graph.ops[-len(opt):] == tuple(opt)
+    per_param = optimizer_step_bytes_per_param(default_training("bf16"), "bf16")
+    assert sum(op.moved_bytes for op in opt) == per_param * graph.meta["num_params"]
+    net = build_workload(model, TorchSpec("tiny_gpt"))[0]
+    assert graph.meta["num_params"] == sum(p.numel() for p in net.parameters())
+
+
+def test_random_ops_and_in_place_writes_are_marked():
+    cuda, _ = trace_model(small("gpt2"), TorchSpec("hf_gpt2", attention="sdpa", semantics="cuda"))
+    random = {op.aten for op in cuda.ops if op.random}
+    assert random == {"native_dropout", "_scaled_dot_product_flash_attention"}  # attention dropout 0.1: random
+    assert not any(op.writes for op in cuda.ops)  # the CUDA kernels write nothing in place here
+    cpu, _ = trace_model(small("gpt2"), TorchSpec("hf_gpt2", semantics="cpu"))
+    written = {op.aten for op in cpu.ops if op.writes}
+    assert written == {"bernoulli_", "div_"}  # the CPU dropout fills and scales its noise in place
+    assert all(set(op.writes) <= set(op.reads) for op in cpu.ops)
+
+
+def test_an_analytic_preset_traces_with_its_family_class():
+    from slackswap.profile.torch import profile_source, spec_for_family
+
+    model = small("llama", attention="flash")
+    assert spec_for_family(model) == TorchSpec("hf_llama", attention="sdpa")
+    graph = profile_source(model, HW, semantics="cpu")
+    assert graph.meta["torch"]["builder"] == "hf_llama" and graph.meta["semantics"] == "cpu"
+    with pytest.raises(ConfigError, match="model.torch.attention"):
+        profile_source(model, HW, attention="flash")

@@ -78,7 +78,8 @@ class StaticMemory:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+    """GiB, the unit of every byte count printed on stdout (pipelines/presentation.py)."""
+    return f"{n / 2**30:.2f} GiB"
 
 
 def bytes_per_param(training: TrainingConfig, model_dtype: str) -> tuple[int, int, int, int]:

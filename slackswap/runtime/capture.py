@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
@@ -64,6 +63,8 @@ class _Recorder(TorchDispatchMode):
         self.tensors: dict[str, dict] = {}
         self.pending_reads: list[str] = []
         self.backward_context: tuple[int, str] = (NO_LAYER, "")
+        #: Graph tensors autograd saved (pack hook).
+        self.packed: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -86,6 +87,9 @@ class _Recorder(TorchDispatchMode):
             reads = self.pending_reads + reads
             self.pending_reads = []
         for name in reads:
+            if (self.phase == Phase.BACKWARD and name not in self.packed
+                    and self.ops[self.tensors[name]["producer"]]["phase"] != Phase.BACKWARD):
+                continue  # a forward tensor autograd did not save, read for its shape (ones_like(loss))
             if name not in op["inputs"] and name not in op["outputs"]:
                 op["inputs"].append(name)
                 self.tensors[name]["consumers"].append(begin.op)
@@ -129,6 +133,24 @@ def _layer_tracker(model: torch.nn.Module, stack: ExitStack) -> Callable[[], int
     return lambda: active[-1] if active else NO_LAYER
 
 
+def _aten(op_name: str) -> str:
+    """'op12:aten.bmm.default' -> 'bmm' (the overload packet, as the torch profile names ops)."""
+    return op_name.split(":", 1)[1].split(".")[1]
+
+
+def _roles(ops: dict[str, dict]) -> list[str]:
+    """Per op: the torch profile's attention-core role (so selective_recompute finds the core), else the
+    ATen packet name. The rule is the profile's own (`assemble.forward_roles`), applied to these ops."""
+    from types import SimpleNamespace
+
+    from slackswap.profile.torch.assemble import forward_roles
+
+    records = [SimpleNamespace(index=i, aten=_aten(name), phase=op["phase"], layer=op["layer"])
+               for i, (name, op) in enumerate(ops.items())]
+    core = forward_roles(SimpleNamespace(ops=records))
+    return [core.get(r.index, r.aten) for r in records]
+
+
 def _duration_s(op: dict, hardware: Hardware) -> float:
     """Roofline: max(FLOPs / (peak x efficiency), bytes / (HBM x efficiency)) + launch overhead."""
     dtype_key = _DTYPE_KEYS.get(op["dtype"], "fp32")
@@ -151,9 +173,9 @@ def capture_graph(
     """
     identities = StorageIdentities(model)
     numbering = OpNumbering(identities)
-    packed: set[str] = set()
     with ExitStack() as stack:
         recorder = _Recorder(numbering, _layer_tracker(model, stack))
+        packed = recorder.packed
         stack.enter_context(loss_boundary(model, identities))
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -194,12 +216,13 @@ def capture_graph(
              if recorder.ops[info["producer"]]["phase"] in FORWARD_PHASES
              and any(recorder.ops[c]["phase"] == Phase.BACKWARD for c in info["consumers"])}
     never_read = sorted(packed - saved)
+    roles = _roles(recorder.ops)
     ops = tuple(
         Op(name=op_name, phase=op["phase"], op_class=op["op_class"], layer=op["layer"],
            inputs=tuple(op["inputs"]), outputs=tuple(op["outputs"]), flops=op["flops"],
            moved_bytes=op["moved"], duration_s=_duration_s(op, hardware), forward_op=op["forward_op"],
-           role=re.sub(r"^op\d+:aten\.", "", op_name))
-        for op_name, op in recorder.ops.items()
+           role=roles[i])
+        for i, (op_name, op) in enumerate(recorder.ops.items())
     )
     tensors = {
         t: Tensor(name=t, size_bytes=info["size"], producer=info["producer"], consumers=tuple(info["consumers"]),

@@ -124,6 +124,8 @@ class CudaCopies:
         self._in_flight: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []
 
     def offload(self, source: torch.UntypedStorage) -> Copy:
+        if source.device.type != "cuda":  # a host-side saved tensor (e.g. flash attention's RNG state)
+            return CpuCopies().offload(source)
         issued = torch.cuda.current_stream().record_event()
         host = torch.empty(source.nbytes(), dtype=torch.uint8, pin_memory=True)
         src = byte_view(source)
@@ -136,6 +138,8 @@ class CudaCopies:
         return _EventCopy(host.untyped_storage(), done)
 
     def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
+        if device.type != "cuda":
+            return CpuCopies().prefetch(offloaded, device)
         target = torch.empty(offloaded.storage.nbytes(), dtype=torch.uint8, device=device)
         issued = torch.cuda.current_stream().record_event()
         host = byte_view(offloaded.storage)

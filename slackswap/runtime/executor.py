@@ -100,7 +100,8 @@ def check_identity(graph: Graph, model: torch.nn.Module) -> None:
         if meta.get(key) != value:
             raise PlanMismatchError(
                 f"graph {graph.name!r}: meta[{key!r}]={meta.get(key)!r} but this run has {value!r}; "
-                "capture the graph from this model with this torch build and plan again"
+                "capture the graph from this model with this torch build (slackswap.runtime.capture_graph) "
+                "and plan again, or move a plan of the meta-traced graph onto it (runtime.translate)"
             )
 
 

@@ -1,4 +1,4 @@
-"""metrics.json: the simulate stage's numbers under the names of BRIEF section 6 (plain JSON values)."""
+"""metrics.json: the simulate stage's numbers under the names of docs/contract.md (plain JSON values)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,11 @@ def _byte_unit(max_bytes: float) -> tuple[str, float]:
     return "bytes", 1.0
 
 
-def write_timeline_png(result: SimResult, path: str | Path, budget_bytes: int | None) -> Path:
+def write_timeline_png(
+    result: SimResult, path: str | Path, budget_bytes: int | None, title: str | None = None
+) -> Path:
+    """`title`: what the figure shows (model, hardware, planner, budget); a PNG copied out of its run
+    folder must still say where it came from."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,6 +96,8 @@ def write_timeline_png(result: SimResult, path: str | Path, budget_bytes: int | 
     ax_m.set_xlim(0, span)
     ax_m.set_ylim(bottom=0)
     ax_m.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -43,6 +43,8 @@ class BoundSolution:
     decisions: Mapping[str, Decision] | None
     #: The relaxation's (k, s, r) values per saved tensor, for rounding when there is no incumbent.
     fractions: Mapping[str, tuple[float, float, float]] | None
+    #: Branch-and-bound nodes HiGHS explored (None for an LP): the machine-independent measure of effort.
+    nodes: int | None = None
 
 
 def infeasibility_reason(problem: BoundProblem, budget_bytes: int, op_names: tuple[str, ...]) -> str | None:
@@ -58,7 +60,14 @@ def infeasibility_reason(problem: BoundProblem, budget_bytes: int, op_names: tup
     )
 
 
-def solve(problem: BoundProblem, *, integral: bool, time_limit_s: float, mip_rel_gap: float) -> BoundSolution:
+def solve(
+    problem: BoundProblem,
+    *,
+    integral: bool,
+    mip_rel_gap: float,
+    node_limit: int | None = None,
+    time_limit_s: float | None = None,
+) -> BoundSolution:
     """Minimise the step time itself: the gap time of the model plus the fixed run time of every op.
 
     The run time enters as one column fixed at 1 whose cost is that time, so the objective HiGHS sees,
@@ -69,9 +78,16 @@ def solve(problem: BoundProblem, *, integral: bool, time_limit_s: float, mip_rel
     offset_ms = problem.total_run_s * MS_PER_S
     integrality = problem.integrality if integral else np.zeros_like(problem.integrality)
     integrality = np.append(integrality, 0)
-    options = {"disp": False, "time_limit": float(time_limit_s)}
+    # Limits that do not depend on the machine's speed (HiGHS is deterministic for a given model and
+    # options): the branch-and-bound node count. A wall-clock limit is only applied when asked for,
+    # and then two runs may differ (docs/milp.md, "Same config, same plan").
+    options: dict[str, object] = {"disp": False}
+    if time_limit_s is not None:
+        options["time_limit"] = float(time_limit_s)
     if integral:
         options["mip_rel_gap"] = float(mip_rel_gap)
+        if node_limit is not None:
+            options["node_limit"] = int(node_limit)
     constant_column = sparse.csr_array((problem.a.shape[0], 1))
     start = time.perf_counter()
     res = milp(
@@ -83,9 +99,13 @@ def solve(problem: BoundProblem, *, integral: bool, time_limit_s: float, mip_rel
     )
     solve_s = time.perf_counter() - start
     status = STATUS_TEXT.get(res.status, str(res.status))
-    if res.status == 2:
+    if res.status == 4 and "limit reached" in str(res.message).lower():
+        # scipy does not map HiGHS' own "solution limit reached" (its node limit) to status 1; the
+        # solve stopped at a limit like any other, with a valid dual bound and maybe an incumbent.
+        status = STATUS_TEXT[1]
+    elif res.status == 2:
         raise InfeasibleBudgetError(f"MILP infeasible (HiGHS: {res.message})")
-    if res.status not in (0, 1):
+    if status not in (STATUS_TEXT[0], STATUS_TEXT[1]):
         raise RuntimeError(f"HiGHS failed on the milp bound problem: status {status}, {res.message}")
     if integral:
         dual = getattr(res, "mip_dual_bound", None)
@@ -93,7 +113,7 @@ def solve(problem: BoundProblem, *, integral: bool, time_limit_s: float, mip_rel
             dual = offset_ms  # no dual information: the trivial bound (no gap time at all)
     else:
         # A simplex stopped early has no valid dual bound: fall back to the trivial one (no gap time).
-        dual = res.fun if res.status == 0 and res.fun is not None else offset_ms
+        dual = res.fun if status == STATUS_TEXT[0] and res.fun is not None else offset_ms
     bound_step_s = problem.total_run_s + max(0.0, float(dual) - offset_ms) / MS_PER_S
     decisions = fractions = None
     incumbent = None
@@ -107,7 +127,9 @@ def solve(problem: BoundProblem, *, integral: bool, time_limit_s: float, mip_rel
             decisions = {name: _argmax_decision(f) for name, f in fractions.items()}
             incumbent = float(res.fun) / MS_PER_S
     gap = getattr(res, "mip_gap", None)
+    nodes = getattr(res, "mip_node_count", None)
     return BoundSolution(
+        nodes=None if nodes is None else int(nodes),
         mode="exact" if integral else "relaxed",
         status=status,
         bound_step_s=bound_step_s,

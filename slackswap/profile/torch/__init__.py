@@ -14,10 +14,14 @@ from typing import Any
 
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
+from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile.torch.spec import TorchSpec
 
-__all__ = ["TorchSpec", "build_torch_graph", "trace_model"]
+__all__ = ["TorchSpec", "build_torch_graph", "profile_source", "spec_for_family", "trace_model"]
+
+#: The transformers builder of each analytic family (`profile=torch` with an analytic model preset).
+FAMILY_BUILDERS = {"bert": "hf_bert", "gpt2": "hf_gpt2", "llama": "hf_llama"}
 
 _TRACES: dict[str, Any] = {}
 
@@ -42,11 +46,33 @@ def trace_model(model: ModelConfig, spec: TorchSpec) -> tuple[Any, float]:
     return trace, time.perf_counter() - t0
 
 
-def build_torch_graph(model: ModelConfig, spec: TorchSpec, hardware: Hardware) -> Graph:
-    """The traced training step of `model` (built by `spec`) timed on `hardware`."""
+def build_torch_graph(model: ModelConfig, spec: TorchSpec, hardware: Hardware,
+                      training: TrainingConfig | None = None) -> Graph:
+    """The traced training step of `model` (built by `spec`) timed on `hardware`; with
+    `model.include_optimizer`, optimizer-step ops of `training`'s recipe close the step."""
     hardware.peak_for(model.dtype)
+    if training is not None:
+        training.check_model_dtype(model.dtype)
     trace, _ = trace_model(model, spec)
     from slackswap.profile.torch.assemble import graph_from_trace
 
     meta = {"model": asdict(model), "torch": asdict(spec)}
-    return graph_from_trace(trace, hardware, f"{model.name}@{hardware.name}", meta)
+    return graph_from_trace(trace, hardware, f"{model.name}@{hardware.name}", meta, training=training,
+                            include_optimizer=model.include_optimizer)
+
+
+def spec_for_family(model: ModelConfig, **options: Any) -> TorchSpec:
+    """The TorchSpec that traces an analytic preset's shape with its family's transformers class:
+    eager attention for `model.attention: eager`, sdpa for `flash`; the HF config class defaults for
+    everything the shape does not fix. `options` (TorchSpec fields) override."""
+    fields = {"builder": FAMILY_BUILDERS[model.family],
+              "attention": "eager" if model.attention == "eager" else "sdpa"} | dict(options)
+    return TorchSpec.from_dict(fields)
+
+
+def profile_source(model: ModelConfig, hardware: Hardware, training: TrainingConfig | None = None,
+                   **options: Any) -> Graph:
+    """The `torch` profile source (slackswap.profile.sources): `options` are TorchSpec fields; without
+    a builder, the model's family decides (`spec_for_family`)."""
+    spec = TorchSpec.from_dict(options) if "builder" in options else spec_for_family(model, **options)
+    return build_torch_graph(model, spec, hardware, training)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, Phase, Tensor
+from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
-from slackswap.profile import state_bytes_per_param
+from slackswap.memory.static import optimizer_step_moved_bytes
+from slackswap.memory.training import TrainingConfig
+from slackswap.profile import default_training, state_bytes_per_param
 from slackswap.profile.timing import op_duration_s
 from slackswap.profile.torch.tracer import Trace
 
@@ -52,9 +54,15 @@ def forward_roles(trace: Trace) -> dict[int, str]:
     return roles
 
 
-def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | None = None) -> Graph:
-    """The traced step as a Graph, each op timed with the roofline of `slackswap.profile.timing`."""
+def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | None = None, *,
+                     training: TrainingConfig | None = None, include_optimizer: bool = False) -> Graph:
+    """The traced step as a Graph, each op timed with the roofline of `slackswap.profile.timing`.
+
+    `include_optimizer`: end with one optimizer-step op per layer (and one for the rest) streaming the
+    bytes of `training`'s recipe for that layer's traced parameters, as the analytic graph does.
+    """
     hardware.peak_for(trace.dtype)
+    training = default_training(trace.dtype) if training is None else training
     storages = trace.storages
     graph_keys = {k for k in storages if k not in trace.weight_grads}
     names = {op.index: op_name(op.index, op.phase, op.module, op.aten) for op in trace.ops}
@@ -70,6 +78,13 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
         duration = op_duration_s(op.flops, op.moved_bytes, op.op_class, trace.dtype, hardware)
         ops.append(Op(names[op.index], op.phase, op.op_class, op.layer, inputs, outputs, op.flops, op.moved_bytes,
                       duration, "", roles.get(op.index, op.aten)))
+    if include_optimizer:
+        for layer in sorted(trace.layer_params, key=lambda n: (n == NO_LAYER, n)):
+            opt = training.optimizer.replace("adamw", "adam")
+            moved = optimizer_step_moved_bytes(trace.layer_params[layer], training, trace.dtype)
+            ops.append(Op(opt if layer == NO_LAYER else f"L{layer}.{opt}", Phase.OPTIMIZER, OpClass.ELEMENTWISE,
+                          layer, (), (), 0.0, moved,
+                          op_duration_s(0.0, moved, OpClass.ELEMENTWISE, trace.dtype, hardware), "", "optimizer"))
     op_by_index = {op.index: op for op in trace.ops}
     tensors: dict[str, Tensor] = {}
     for k in graph_keys:
@@ -87,6 +102,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                                   layer, saved, role)
     state = state_bytes_per_param(trace.dtype)[2]
     info = {"source": "torch", "semantics": trace.semantics, "num_params": trace.num_params,
+            "max_unit_params": max(trace.layer_params.values(), default=0),
             "layers_path": trace.layers_path, "hardware": hardware.name}
     return Graph(name, tuple(ops), tensors, trace.num_layers,
                  weight_bytes=trace.param_bytes, weight_grad_bytes=trace.param_bytes,

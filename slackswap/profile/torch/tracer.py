@@ -43,6 +43,26 @@ ATTENTION_OPS = frozenset({
 })
 
 
+#: Aten ops that draw random numbers (their recompute must replay the RNG state).
+RANDOM_OPS = frozenset({
+    "native_dropout", "_fused_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
+    "randint", "randint_like", "randperm", "normal", "normal_", "uniform_", "exponential_", "multinomial",
+})
+#: Fused attention kernels and the position of their dropout probability argument.
+_ATTENTION_DROPOUT_ARG = {
+    "_scaled_dot_product_flash_attention": 3, "_scaled_dot_product_flash_attention_for_cpu": 3,
+    "_scaled_dot_product_efficient_attention": 5,
+}
+
+
+def is_random(aten: str, args: tuple) -> bool:
+    """Whether the op draws random numbers: a sampling op, or a fused attention kernel with dropout."""
+    if aten in RANDOM_OPS:
+        return True
+    position = _ATTENTION_DROPOUT_ARG.get(aten)
+    return position is not None and len(args) > position and float(args[position]) > 0.0
+
+
 class TraceError(SlackSwapError):
     """The traced step could not run: the message names the stage (forward, loss, backward)."""
 
@@ -73,6 +93,10 @@ class TracedOp:
     flops: float
     #: Bytes of every tensor argument and result (views at their own size), graph or not.
     moved_bytes: int
+    #: The op draws random numbers (dropout): a recompute must replay its RNG state.
+    random: bool = False
+    #: Graph storages this op overwrites in place (a subset of `reads`).
+    writes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +112,8 @@ class Trace:
     param_bytes: int
     semantics: str
     dtype: str
+    #: Parameters per transformer layer (NO_LAYER: embeddings, head, final norm), tied ones once.
+    layer_params: dict[int, int]
 
 
 def find_layers(model: torch.nn.Module) -> tuple[str, int]:
@@ -211,8 +237,11 @@ class _Tracer(StorageIdentities):
                                                tuple(t.shape))
             creates.append(key)
         moved = sum(t.numel() * t.element_size() for t in inputs) + sum(t.numel() * t.element_size() for t in outputs)
+        written = tuple(dict.fromkeys(
+            storage_key(t) for t in outputs if storage_key(t) in reads and storage_key(t) not in creates)) \
+            if mutates else ()
         self.ops.append(TracedOp(index, aten, self.phase, path, layer_of(path, self.layers_path), op_class_of(aten),
-                                 tuple(reads), tuple(creates), flops, int(moved)))
+                                 tuple(reads), tuple(creates), flops, int(moved), is_random(aten, args), written))
 
 
 def label_nodes(output: object, path: str) -> None:
@@ -275,13 +304,22 @@ def trace_step(
         last = tracer.ops[-1]
         tracer.ops[-1] = TracedOp(last.index, last.aten, last.phase, last.module, last.layer, last.op_class,
                                   tuple(dict.fromkeys(last.reads + tuple(tracer.pending_unpacked))), last.creates,
-                                  last.flops, last.moved_bytes)
+                                  last.flops, last.moved_bytes, last.random, last.writes)
     weight_grads = frozenset(storage_key(p.grad) for p in params.values() if p.grad is not None)
     never_read = tracer.saved - {k for op in tracer.ops if op.phase == Phase.BACKWARD for k in op.reads}
     if never_read and tracer.ops:  # saved but no backward node ran: freed with the autograd graph, at the end
         last = tracer.ops[-1]
         tracer.ops[-1] = TracedOp(last.index, last.aten, last.phase, last.module, last.layer, last.op_class,
-                                  last.reads + tuple(sorted(never_read)), last.creates, last.flops, last.moved_bytes)
+                                  last.reads + tuple(sorted(never_read)), last.creates, last.flops, last.moved_bytes,
+                                  last.random, last.writes)
+    layer_params: dict[int, int] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if storage_key(p) in seen:
+            continue
+        seen.add(storage_key(p))
+        layer = layer_of(name.rsplit(".", 1)[0], layers_path)
+        layer_params[layer] = layer_params.get(layer, 0) + p.numel()
     return Trace(
         ops=tuple(tracer.ops),
         storages=tracer.storages,
@@ -293,4 +331,5 @@ def trace_step(
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         semantics=semantics,
         dtype=dtype,
+        layer_params=layer_params,
     )

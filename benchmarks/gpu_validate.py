@@ -1,0 +1,210 @@
+"""Run plans for real and compare with the simulator: measured vs simulated step time and peak.
+
+    python benchmarks/gpu_validate.py                 # CUDA: BERT-Large, GPT-2 XL, Llama-7B shapes (< 5 min, H200)
+    python benchmarks/gpu_validate.py --device cpu    # the CPU path: 2-layer toy shapes of the same families
+
+Per model: the preset's real torch model (hf_bert_large, hf_gpt2_xl, hf_llama7b; `--layers` layers, as
+many as fit comfortably in one H200 next to their weights and gradients) is captured on the device
+(`slackswap.runtime.capture_graph`, timed with the roofline on the `h200_sxm_pcie5` preset). A plain
+keep-all step measures the activation peak; the budget is 50 % of it. keep_all (no budget) and
+slackswap, capuchin, recompute_knapsack at that budget are then each run for real: one warm-up and
+`--steps` timed forward+backward steps under the plan, and one step against a plain one for the
+gradient check. Measured: median step time; peak activation memory = max_memory_allocated over the
+step minus what was allocated when it started (weights; gradients are set to None before each step,
+so weight gradients made in backward are included) on CUDA, the runtime's saved-bytes ledger on CPU.
+Simulated: `simulate` on h200_sxm_pcie5 under the same budget. Ratios are measured / simulated. An
+infeasible plan is a row with its reason. Writes benchmarks/results/gpu_validate[_cpu].json and prints
+the table (markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PRESETS = {"bert": ("hf_bert_large", 24), "gpt2": ("hf_gpt2_xl", 12), "llama": ("hf_llama7b", 6)}
+PLANNERS = ("keep_all", "slackswap", "capuchin", "recompute_knapsack")
+BUDGET_FRACTION = 0.5
+
+
+def load_preset(preset: str, layers: int):
+    """ModelConfig and TorchSpec of a conf/model preset (Hydra composition), with `layers` layers."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import pipelines.schemas  # noqa: F401
+    from slackswap.model_config import ModelConfig
+    from slackswap.profile.torch.spec import TorchSpec
+
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={preset}", f"model.num_layers={layers}", "tracking=off"])
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    spec = node.pop("torch")
+    return ModelConfig.from_dict(node), TorchSpec.from_dict(spec)
+
+
+def hardware():
+    import yaml
+
+    from slackswap.hardware import Hardware
+
+    return Hardware.from_dict(yaml.safe_load((REPO / "conf/hardware/h200_sxm_pcie5.yaml").read_text()))
+
+
+def measure(w, graph, plan, device, steps: int) -> dict:
+    """Median step time and peak activation bytes over `steps` steps after one warm-up."""
+    import torch
+
+    from slackswap.runtime import apply
+
+    run = None if plan is None else apply(plan, graph, w.model)
+    times, peaks, ledgers = [], [], []
+    for i in range(steps + 1):
+        for p in w.model.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start_bytes = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        if run is None:
+            w.loss_fn(w.model(w.batch)).backward()
+        else:
+            with run:
+                w.loss_fn(w.model(w.batch)).backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        ledger = run.report.ledger_peak_bytes if run is not None else 0
+        peak = torch.cuda.max_memory_allocated() - start_bytes if device == "cuda" else ledger
+        if i > 0:
+            times.append(elapsed)
+            peaks.append(peak)
+            ledgers.append(ledger)
+    for p in w.model.parameters():
+        p.grad = None
+    return {"measured_step_s": statistics.median(times), "measured_peak_bytes": max(peaks),
+            "ledger_peak_bytes": max(ledgers)}
+
+
+def validate_model(kind: str, device: str, layers: int | None, steps: int, small: bool) -> list[dict]:
+    import torch
+
+    from slackswap.errors import InfeasibleBudgetError
+    from slackswap.planners.registry import get_planner
+    from slackswap.runtime import capture_graph, plan_counts
+    from slackswap.runtime.compare import simulated_saved_peak_bytes
+    from slackswap.runtime.models import build_training_workload, small_config
+    from slackswap.runtime.train import gradient_check
+    from slackswap.simulate import simulate
+
+    hw = hardware()
+    if small:
+        model, spec = small_config(kind)
+    else:
+        preset, default_layers = PRESETS[kind]
+        model, spec = load_preset(preset, layers or default_layers)
+    w = build_training_workload(model, spec, device, seed=0)
+    t0 = time.perf_counter()
+    graph = capture_graph(w.model, (w.batch,), w.loss_fn, hw, f"{model.name}@{hw.name}")
+    capture_s = time.perf_counter() - t0
+    for p in w.model.parameters():
+        p.grad = None
+    plain = measure(w, graph, None, device, steps)
+    if device == "cuda":
+        budget = int(plain["measured_peak_bytes"] * BUDGET_FRACTION)
+    else:  # no allocator to ask on the CPU: 50 % of the simulated keep-all activation peak instead
+        from slackswap.simulate.metrics import simulate_ideal
+
+        budget = int(simulate_ideal(graph, hw).peak_activation_bytes * BUDGET_FRACTION)
+    rows = []
+    for name in PLANNERS:
+        row = {"model": model.name, "layers": model.num_layers, "planner": name, "device": device,
+               "budget_bytes": None if name == "keep_all" else budget, "capture_s": capture_s}
+        print(f"[gpu_validate] {model.name} ({model.num_layers} layers) {name} ...", flush=True)
+        try:
+            plan = get_planner(name).plan(graph, hw, row["budget_bytes"])
+        except InfeasibleBudgetError as exc:
+            rows.append({**row, "status": "infeasible", "reason": str(exc)})
+            continue
+        sim = simulate(graph, plan, hw, row["budget_bytes"])
+        measured = measure(w, graph, plan, device, steps)
+        check = gradient_check(w, graph, plan)
+        row.update(status="ok", **measured, **plan_counts(plan),
+                   sim_step_s=sim.step_s, sim_peak_activation_bytes=sim.peak_activation_bytes,
+                   sim_saved_peak_bytes=simulated_saved_peak_bytes(graph, plan, hw),
+                   grad_bit_exact=check.bit_exact, grad_max_abs_diff=check.max_abs_diff,
+                   plain_step_s=plain["measured_step_s"], plain_peak_bytes=plain["measured_peak_bytes"])
+        row["step_ratio"] = row["measured_step_s"] / sim.step_s if sim.step_s else None
+        # CUDA: the allocator's peak against every simulated activation byte; CPU: the ledger (saved
+        # bytes only) against the simulator's saved-bytes peak.
+        simulated_peak = sim.peak_activation_bytes if device == "cuda" else row["sim_saved_peak_bytes"]
+        row["peak_ratio"] = row["measured_peak_bytes"] / simulated_peak
+        rows.append(row)
+    del w
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sim_peak(row: dict) -> int:
+    return row["sim_peak_activation_bytes"] if row["device"] == "cuda" else row["sim_saved_peak_bytes"]
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown; on the CPU the peaks are saved bytes (ledger vs simulator), on CUDA all activations."""
+    lines = ["| model | layers | planner | budget MiB | measured step ms | sim step ms | step ratio | "
+             "measured peak MiB | sim peak MiB | peak ratio | grads exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    mib = 2**20
+    for r in rows:
+        budget = "-" if r["budget_bytes"] is None else f"{r['budget_bytes'] / mib:.1f}"
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['layers']} | {r['planner']} | {budget} | infeasible: "
+                         f"{r['reason'][:80]} |||||||")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {r['planner']} | {budget} | {r['measured_step_s'] * 1e3:.2f} | "
+            f"{r['sim_step_s'] * 1e3:.2f} | {r['step_ratio']:.2f} | {r['measured_peak_bytes'] / mib:.3f} | "
+            f"{sim_peak(r) / mib:.3f} | {r['peak_ratio']:.2f} | {r['grad_bit_exact']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--layers", type=int, default=None, help="layers per model (default: per-model fit)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per plan (after one warm-up)")
+    parser.add_argument("--models", default="bert,gpt2,llama")
+    parser.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/...)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device visible (use --device cpu for the CPU path)")
+    small = args.device == "cpu"  # the CPU path runs the same families at toy sizes
+    if small:
+        torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    rows = []
+    for kind in args.models.split(","):
+        rows += validate_model(kind, args.device, args.layers, args.steps, small)
+    out = args.out or REPO / "benchmarks" / "results" / f"gpu_validate{'_cpu' if small else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    out.write_text(json.dumps({"device": device_name, "wall_s": time.perf_counter() - t0, "rows": rows}, indent=2))
+    print(table(rows))
+    print(f"[gpu_validate] {len(rows)} rows in {time.perf_counter() - t0:.1f} s -> {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Interrupts and fatal errors of the command-line tools, turned into one line and an exit code.
+
+Why this module exists: Hydra catches every `Exception` of a task or a callback and prints a
+traceback (or, from a callback, only a warning, and the sweep goes on). Two kinds of events must not
+look like that:
+
+- an interrupt (Ctrl-C = SIGINT, or SIGTERM from a scheduler or `kill`): the in-flight MLflow runs
+  and the sweep's parent run are marked KILLED, the partial summary is written, and the process
+  exits 130 (SIGINT) or 143 (SIGTERM) with one line;
+- an error that the user fixes in the config or the environment (a value out of range, a corrupt
+  tracking store, an unreachable server): one line naming the field and value, or the URI or path.
+
+Both travel as `BaseException` subclasses, which Hydra's handlers let through, up to `run_cli`.
+`HYDRA_FULL_ERROR=1` keeps the full traceback of the underlying error, as Hydra does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived. A KeyboardInterrupt, so libraries that clean up on Ctrl-C (joblib)
+    do the same for SIGTERM."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class Abort(BaseException):
+    """A fatal error already explained in `message` (one line): print it, exit with `code`."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def full_error() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+@dataclass
+class InFlightRun:
+    client: Any
+    run_id: str
+
+
+#: MLflow runs this process has started and not yet ended (a job's run, a sweep's parent run), so an
+#: interrupt that lands anywhere (even inside MLflow's own calls) can still mark them KILLED.
+IN_FLIGHT: dict[str, InFlightRun] = {}
+
+
+def track_in_flight(client: Any, run_id: str) -> None:
+    IN_FLIGHT[run_id] = InFlightRun(client, run_id)
+
+
+def done_in_flight(run_id: str) -> None:
+    IN_FLIGHT.pop(run_id, None)
+
+
+def kill_run(client: Any, run_id: str) -> None:
+    """Mark one run KILLED, with the tag status=killed (best effort: the interrupt may have hit the
+    store itself)."""
+    try:
+        client.set_tag(run_id, "status", "killed")
+        client.set_terminated(run_id, status="KILLED")
+    except Exception as exc:
+        print(f"warning: could not mark MLflow run {run_id} KILLED: {exc}", file=sys.stderr)
+    done_in_flight(run_id)
+
+
+def kill_in_flight_run(run_id: str) -> None:
+    """Mark `run_id` KILLED if this process still has it open."""
+    run = IN_FLIGHT.get(run_id)
+    if run is not None:
+        kill_run(run.client, run_id)
+
+
+def kill_in_flight_except(keep: str | None) -> int:
+    """Mark every run this process still has open, but `keep`, as KILLED; returns how many."""
+    marked = 0
+    for run in [r for r in IN_FLIGHT.values() if r.run_id != keep]:
+        kill_run(run.client, run.run_id)
+        marked += 1
+    return marked
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@contextmanager
+def signals_raise_interrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM raise `Interrupted` in the main thread while the block runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_ignored() -> Iterator[None]:
+    """Clean-up after an interrupt runs to its end: a second Ctrl-C must not leave runs RUNNING."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_cli(main: Callable[[], Any], on_interrupt: Callable[[Interrupted], str], exit_code: Callable[[], int]) -> int:
+    """Run a Hydra main; turn interrupts and `Abort` into one line on stderr and an exit code.
+
+    `on_interrupt` cleans up (marks runs KILLED, writes the partial summary) and returns the line to
+    print; `exit_code` is asked after a normal return (non-zero when a sweep had failed jobs).
+    """
+    try:
+        with signals_raise_interrupted():
+            main()
+    except Abort as exc:
+        print(exc.message, file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt as exc:
+        interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        with signals_ignored():
+            line = on_interrupt(interrupted)
+        print(line, file=sys.stderr)
+        return interrupted.exit_code
+    return exit_code()

@@ -1,0 +1,575 @@
+"""Faults are normal events: concurrent runs on a fresh store, interrupts, failing jobs, unreachable or
+broken tracking stores, reruns. Most tests run the CLI as a user would (a subprocess), because exit
+codes, signals and what is printed are the behaviour under test."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.schemas import REPO_ROOT
+
+ROUNDS = 10
+PROCESSES = 4
+
+
+def _cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return env | {"PYTHONPATH": str(REPO_ROOT)} | extra
+
+
+def _base_args(tmp_path: Path, db: Path | None = None) -> list[str]:
+    db = db or tmp_path / "mlflow" / "mlflow.db"
+    return [
+        "model=tiny",
+        f"tracking.uri=sqlite:///{db}",
+        f"tracking.artifact_location={tmp_path / 'mlflow' / 'artifacts'}",
+        "tracking.experiment=test",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
+
+
+def _cli(tmp_path: Path, *args: str, timeout: float = 180, module: str = "pipelines.run", **env: str):
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=tmp_path,
+        env=_cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ---------------------------------------------------------------------------------------- concurrency
+
+
+def _open_and_log(uri: str, artifact_root: str, barrier, results, index: int) -> None:
+    from pipelines import tracking
+
+    try:
+        barrier.wait(60)
+        client = tracking.open_client(uri)
+        experiment_id = tracking.ensure_experiment(client, "stress", artifact_root)
+        run_id = tracking.start_run(client, experiment_id, f"process-{index}", {}, None)
+        tracking.log_metrics(client, run_id, {"index": index})
+        tracking.end_run(client, run_id, "ok")
+        results.put(("ok", run_id))
+    except BaseException as exc:  # reported to the test, which fails with it
+        results.put(("error", f"{type(exc).__name__}: {str(exc)[:300]}"))
+
+
+@pytest.mark.slow
+def test_four_processes_on_a_fresh_store_ten_times_lose_no_run(tmp_path) -> None:
+    """The store setup of the pipeline (open_client + ensure_experiment), not a whole job: forked
+    processes start with everything imported, so a round costs one schema creation (~1.3 s)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("needs the fork start method for cheap processes")
+    import mlflow.tracking  # noqa: F401  (imported once here, inherited by every forked process)
+
+    from pipelines import tracking
+
+    ctx = multiprocessing.get_context("fork")
+    errors = []
+    for round_no in range(ROUNDS):
+        folder = tmp_path / f"round{round_no}"
+        uri = f"sqlite:///{folder / 'mlflow.db'}"
+        barrier, results = ctx.Barrier(PROCESSES), ctx.Queue()
+        procs = [
+            ctx.Process(target=_open_and_log, args=(uri, str(folder / "artifacts"), barrier, results, i))
+            for i in range(PROCESSES)
+        ]
+        for proc in procs:
+            proc.start()
+        outcomes = [results.get(timeout=180) for _ in procs]
+        for proc in procs:
+            proc.join(60)
+        errors += [f"round {round_no}: {text}" for status, text in outcomes if status == "error"]
+        run_ids = {text for status, text in outcomes if status == "ok"}
+
+        with sqlite3.connect(folder / "mlflow.db") as conn:
+            assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        client = tracking.open_client(uri)  # a later process can still open it (schema at head)
+        experiments = [e for e in client.search_experiments() if e.name == "stress"]
+        assert len(experiments) == 1
+        runs = client.search_runs([experiments[0].experiment_id])
+        assert {r.info.run_id for r in runs} == run_ids
+        assert all(r.info.status == "FINISHED" for r in runs)
+    assert not errors, errors
+
+
+@pytest.mark.slow
+def test_two_pipeline_runs_at_once_on_a_fresh_store(tmp_path) -> None:
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipelines.run",
+                *_base_args(tmp_path),
+                f"planner={planner}",
+                f"hydra.run.dir={tmp_path / planner}",
+            ],
+            cwd=tmp_path,
+            env=_cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for planner in ("slackswap", "capuchin")
+    ]
+    outputs = [proc.communicate(timeout=180)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.data.tags["choice.planner"] for r in runs) == ["capuchin", "slackswap"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+
+# ------------------------------------------------------------------------ failures: one line, no trace
+
+
+def _in_process(monkeypatch, tmp_path: Path, *args: str, module: str = "pipelines.run", full_error: bool = False):
+    """The CLI in this process (no interpreter start-up): returns the exit code."""
+    import runpy
+    import warnings
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
+    if full_error:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    else:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    GlobalHydra.instance().clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            runpy.run_module(module, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code
+    finally:
+        GlobalHydra.instance().clear()
+    return 0
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "value"),
+    [
+        (["budget.fraction=-0.5"], "budget.fraction", "-0.5"),
+        (["budget=absolute"], "budget", "None"),
+        (["hardware=v100_pcie3"], "model.dtype", "bf16"),
+        (["planner.name=no_such_planner"], "planner.name", "no_such_planner"),
+        (["+planner.options.no_such_option=1"], "planner.options", "no_such_option"),
+    ],
+)
+def test_config_value_error_is_one_line_before_any_work(
+    tmp_path, mlflow_store, monkeypatch, capsys, override, field, value
+) -> None:
+    run_dir = tmp_path / "run"
+    args = [*_base_args(tmp_path, mlflow_store.db_path), f"hydra.run.dir={run_dir}", *override]
+    assert _in_process(monkeypatch, tmp_path, *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert field in err[0] and value in err[0]
+    # The folder says why it exists; no stage ran (no profile), no MLflow run was started.
+    record = json.loads((run_dir / "run_record.json").read_text())
+    assert record["status"] == "failed" and field in record["failure_reason"]
+    assert not (run_dir / "profile.csv").exists()
+    assert mlflow_store.client().get_experiment_by_name("test") is None
+
+
+def test_full_error_keeps_the_traceback(tmp_path, mlflow_store, monkeypatch) -> None:
+    from slackswap.errors import ConfigError
+
+    args = [*_base_args(tmp_path, mlflow_store.db_path), f"hydra.run.dir={tmp_path}/run", "budget.fraction=-0.5"]
+    with pytest.raises(ConfigError):
+        _in_process(monkeypatch, tmp_path, *args, full_error=True)
+
+
+def _broken_preset(tmp_path: Path) -> Path:
+    """A model preset without `hidden_size`: the config composes, the job cannot resolve it."""
+    conf = tmp_path / "extra_conf" / "model"
+    conf.mkdir(parents=True)
+    lines = (REPO_ROOT / "conf" / "model" / "tiny.yaml").read_text().splitlines()
+    kept = [line for line in lines if not line.startswith("hidden_size:")]
+    assert len(kept) == len(lines) - 1
+    (conf / "tiny_no_hidden.yaml").write_text("\n".join(kept) + "\n")
+    return conf.parent
+
+
+def test_a_job_with_a_missing_preset_value_fails_alone_and_the_sweep_exits_1(
+    tmp_path, mlflow_store, monkeypatch, capsys
+) -> None:
+    extra = _broken_preset(tmp_path)
+    sweep = tmp_path / "sweep"
+    args = [
+        "--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
+        f"hydra.searchpath=[file://{extra}]", "model=tiny,tiny_no_hidden", "planner=keep_all", "budget.fraction=1.0",
+    ]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *args) == 1
+    out = capsys.readouterr()
+    records = {r["model"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/run_record.json"))}
+    assert records["tiny"]["status"] == "ok"
+    assert records["tiny_no_hidden"]["status"] == "failed"
+    assert "hidden_size" in records["tiny_no_hidden"]["failure_reason"]
+    assert (sweep / "summary.md").is_file() and "[2/2" in out.out
+    assert "1 of 2 jobs failed" in out.err
+    client = mlflow_store.client()
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    children = client.search_runs([client.get_experiment_by_name("test").experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent_id}'")  # fmt: skip
+    assert sorted(c.data.tags["status"] for c in children) == ["failed", "ok"]
+
+
+def test_infeasible_jobs_alone_do_not_fail_the_sweep(tmp_path, mlflow_store, monkeypatch) -> None:
+    args = [
+        "--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={tmp_path}/sweep",
+        "planner=keep_all", "budget.fraction=0.5,1.0",
+    ]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *args) == 0
+
+
+def test_logging_failure_marks_the_run_failed_not_ok(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("artifacts cannot go under a file\n")
+    run_dir = tmp_path / "run"
+    args = [
+        *_base_args(tmp_path, mlflow_store.db_path), f"hydra.run.dir={run_dir}",
+        f"tracking.artifact_location={not_a_folder}/artifacts", "planner=keep_all", "budget.fraction=1.0",
+    ]  # fmt: skip
+    code = _in_process(monkeypatch, tmp_path, *args)
+    assert code not in (0, None)
+    record = json.loads((run_dir / "run_record.json").read_text())
+    assert record["status"] == "failed" and "MLflow logging failed" in record["failure_reason"]
+    client = mlflow_store.client()
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags["status"] == "failed"
+
+
+@pytest.mark.parametrize("kind", ["garbage", "foreign"])
+def test_broken_store_is_reported_once_with_its_path_before_any_job(tmp_path, monkeypatch, capsys, kind) -> None:
+    db = tmp_path / "store" / "mlflow.db"
+    db.parent.mkdir()
+    if kind == "garbage":
+        db.write_bytes(b"this is not a database" * 100)
+    else:
+        with sqlite3.connect(db) as conn:
+            conn.execute("CREATE TABLE invoices (id INTEGER)")
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *_base_args(tmp_path, db), f"hydra.sweep.dir={sweep}", "budget.fraction=0.5,1.0"]
+    assert _in_process(monkeypatch, tmp_path, *args) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and str(db) in err[0] and "Traceback" not in err[0], err
+    assert not any(p.is_dir() for p in sweep.glob("[0-9]*")), "no job may launch"
+    if kind == "foreign":
+        with sqlite3.connect(db) as conn:  # and nothing was added to someone else's database
+            assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")] == ["invoices"]
+
+
+@pytest.mark.slow
+def test_unreachable_server_fails_fast_naming_the_uri(tmp_path) -> None:
+    """Port 9 (discard) on 127.0.0.1 has no server. MLflow alone retried for about 4 minutes."""
+    uri = "http://127.0.0.1:9"
+    done = _cli(tmp_path, "model=tiny", "tracking=server", f"tracking.uri={uri}", f"hydra.run.dir={tmp_path}/run",
+                "hydra/job_logging=disabled", "hydra/hydra_logging=disabled", timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and uri in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------------------------------ interrupts
+
+
+def _runs(db: Path) -> list[tuple[str, str | None, str | None]]:
+    """(status, parent run id, status tag) of every run, read with sqlite3 (no MLflow import, no lock)."""
+    if not db.is_file():
+        return []
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            rows = conn.execute(
+                "SELECT r.status, p.value, s.value FROM runs r "
+                "LEFT JOIN tags p ON p.run_uuid = r.run_uuid AND p.key = 'mlflow.parentRunId' "
+                "LEFT JOIN tags s ON s.run_uuid = r.run_uuid AND s.key = 'status'"
+            ).fetchall()
+    except sqlite3.Error:
+        return []
+    return rows
+
+
+def _interrupt_when_a_job_runs(tmp_path: Path, extra: list[str], signum: int, jobs_running: int):
+    """Start a sweep, wait until `jobs_running` job runs are RUNNING in MLflow, send `signum`."""
+    import time
+
+    db = tmp_path / "mlflow" / "mlflow.db"
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.run", "--multirun", *_base_args(tmp_path, db), f"hydra.sweep.dir={sweep}",
+         *extra],
+        cwd=tmp_path, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        running_children = [r for r in _runs(db) if r[0] == "RUNNING" and r[1]]
+        if len(running_children) >= jobs_running:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err, db, sweep
+
+
+def _check_interrupted(code, err, db, sweep, expected_code) -> None:
+    assert code == expected_code, err
+    lines = [line for line in err.splitlines() if line.strip() and " INFO mlflow" not in line]
+    assert len(lines) == 1 and lines[0].startswith("interrupted by SIG"), err
+    assert "Traceback" not in err
+    runs = _runs(db)
+    parents = [r for r in runs if r[1] is None]
+    assert [p[0] for p in parents] == ["KILLED"]
+    assert not [r for r in runs if r[0] == "RUNNING"], runs
+    killed = [r for r in runs if r[1] and r[0] == "KILLED"]
+    assert killed and all(r[2] == "killed" for r in killed), runs
+    records = list(sweep.glob("*/run_record.json"))
+    if records:
+        assert (sweep / "summary.md").is_file() and (sweep / "summary.csv").is_file()
+
+
+@pytest.mark.slow
+def test_sigint_during_a_basic_sweep_kills_runs_and_writes_the_partial_summary(tmp_path) -> None:
+    """llama7b (32 layers): a job takes long enough (about a second) to be caught while it runs."""
+    import signal
+
+    extra = ["model=llama7b", "planner=slackswap", "budget.fraction=0.3,0.5,0.7,0.9"]
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGINT, 1)
+    _check_interrupted(code, err, db, sweep, 130)
+    statuses = [json.loads(p.read_text())["status"] for p in sweep.glob("*/run_record.json")]
+    assert "killed" in statuses
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_joblib_sweep_kills_runs_in_workers(tmp_path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    import signal
+
+    extra = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=llama7b", "planner=slackswap",
+             "budget.fraction=0.3,0.5,0.7,0.9"]  # fmt: skip
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGTERM, 1)
+    _check_interrupted(code, err, db, sweep, 143)
+
+
+# ---------------------------------------------------------------------- aggregate, re-running a sweep
+
+
+def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
+            "planner=keep_all", "budget.fraction=1.0,0.5"]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *args) == 0
+    for name in ("summary.md", "summary.csv"):
+        (sweep / name).unlink()
+    (sweep / "1" / "run_record.json").unlink()  # as if job 1 never finished
+    (sweep / "2").mkdir()  # a job that started and left nothing
+    assert _in_process(monkeypatch, tmp_path, str(sweep), module="pipelines.aggregate") == 0
+    assert "1 jobs: 1 ok" in (sweep / "summary.md").read_text()
+    assert "Sweep summary" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _in_process(monkeypatch, tmp_path, str(empty), module="pipelines.aggregate") == 1
+
+
+def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(tmp_path, mlflow_store, monkeypatch) -> None:
+    sweep = tmp_path / "sweep"
+    common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
+              "planner=keep_all"]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5") == 0
+    first = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    # Job 1 was killed last time: it is run again, its earlier files set aside, not lost.
+    killed = first["1"] | {"status": "killed"}
+    (sweep / "1" / "run_record.json").write_text(json.dumps(killed))
+
+    assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5,0.7") == 0
+    second = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
+    assert sorted(second) == ["0", "1", "2"]
+    assert second["0"]["mlflow_run_id"] == first["0"]["mlflow_run_id"]  # kept, not run again
+    assert second["1"]["mlflow_run_id"] != first["1"]["mlflow_run_id"]  # re-run
+    aside = json.loads((sweep / "superseded" / "1-1" / "run_record.json").read_text())
+    assert aside["status"] == "killed"
+    assert json.loads((sweep / "mlflow_parent.json").read_text())["run_id"] == parent_id
+    client = mlflow_store.client()
+    children = client.search_runs(
+        [client.get_experiment_by_name("test").experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'"
+    )
+    assert len(children) == 4  # 2 + job 1 again + job 2; job 0 once
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    import pandas as pd
+
+    assert len(pd.read_csv(sweep / "summary.csv")) == 3
+
+
+# -------------------------------------------------------------------------------------- determinism
+
+#: metrics.json keeps the contract's two wall-clock fields (docs/contract.md); they are the only lines
+#: allowed to differ between two runs of the same config.
+WALL_CLOCK_LINES = ('"plan_wall_s"', '"sim_wall_s"')
+
+
+def _without_wall_clock(path: Path) -> bytes:
+    lines = path.read_bytes().splitlines(keepends=True)
+    return b"".join(line for line in lines if not any(key.encode() in line for key in WALL_CLOCK_LINES))
+
+
+def test_same_config_twice_gives_the_same_files(tmp_path, monkeypatch) -> None:
+    """Every planner (milp: tests/test_milp.py, its exact solve on tiny takes a minute) and every stage,
+    twice from scratch (the per-process profile cache emptied): the same bytes."""
+    from pipelines import stages
+
+    sweeps = [tmp_path / "first", tmp_path / "second"]
+    for sweep in sweeps:
+        monkeypatch.setattr(stages, "_BASELINES", {})
+        args = ["--multirun", "model=tiny", "tracking=off", f"hydra.sweep.dir={sweep}", "hydra/job_logging=disabled",
+                "planner=glob(*,exclude=milp)", "budget.fraction=0.5"]  # fmt: skip
+        assert _in_process(monkeypatch, tmp_path, *args) == 0
+    jobs = sorted(p.name for p in sweeps[0].iterdir() if p.name.isdigit())
+    assert len(jobs) >= 8
+    for job in jobs:
+        first, second = sweeps[0] / job, sweeps[1] / job
+        assert _without_wall_clock(first / "metrics.json") == _without_wall_clock(second / "metrics.json"), job
+        for name in ("profile.csv", "graph.json", "plan.json", "trace.json", "config.resolved.yaml"):
+            if (first / name).exists():
+                assert (first / name).read_bytes() == (second / name).read_bytes(), (job, name)
+
+
+# ------------------------------------------------------------------------------- a real tracking server
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on 127.0.0.1 with its own SQLite backend and artifact folder under tmp_path."""
+    import signal
+    import time
+    import urllib.request
+
+    port = _free_port()
+    folder = tmp_path / "server"
+    folder.mkdir()
+    log = (folder / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{folder / 'backend.db'}", "--artifacts-destination", str(folder / "art")],
+        cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(uri + "/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server did not start: {(folder / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.3)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its uvicorn worker, nothing else
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
+        log.close()
+
+
+@pytest.mark.slow
+def test_joblib_sweep_logs_every_child_to_a_real_server(tmp_path, mlflow_server) -> None:
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    sweep = tmp_path / "sweep"
+    done = _cli(
+        tmp_path, "--multirun", "model=tiny", "tracking=server", f"tracking.uri={mlflow_server}",
+        "tracking.experiment=shared", f"hydra.sweep.dir={sweep}", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+        "planner=keep_all,slackswap", "budget.fraction=1.0", "hydra/job_logging=disabled", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = client.get_experiment_by_name("shared")
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert sorted(c.data.tags["choice.planner"] for c in children) == ["keep_all", "slackswap"]
+    for child in children:
+        assert child.info.status == "FINISHED" and child.data.tags["status"] == "ok"
+        assert child.data.params["model"] == "tiny" and child.data.metrics["throughput_ratio"] > 0
+        assert "metrics.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
+    assert not (tmp_path / "mlruns").exists()  # the server decided where artifacts go
+
+
+# -------------------------------------------------------------------------------------- everyday use
+
+
+def test_a_run_leaves_no_empty_log_and_its_timeline_names_what_it_shows(tmp_path, monkeypatch) -> None:
+    """Hydra's default job logging opened an empty slackswap.log in every run folder."""
+    run_dir = tmp_path / "run"
+    args = ["model=tiny", "tracking=off", f"hydra.run.dir={run_dir}", "planner=capuchin", "plots=all"]
+    assert _in_process(monkeypatch, tmp_path, *args) == 0
+    assert (run_dir / "timeline.png").is_file()
+    assert not [p.name for p in run_dir.rglob("*.log") if p.stat().st_size == 0]
+
+    from pipelines import stages
+    from slackswap.budget import Budget
+
+    resolved = OmegaConf_to_dict(run_dir / "config.resolved.yaml")
+    inputs = stages.validate_inputs(resolved)
+    assert isinstance(inputs.budget, Budget)
+    title = stages.timeline_title(inputs, budget_bytes=2**29, keep_all_peak_bytes=2**30)
+    for part in (inputs.model.name, inputs.hardware.name, "capuchin", "0.5 GiB", "50%"):
+        assert part in title, (part, title)
+
+
+def OmegaConf_to_dict(path: Path) -> dict:  # noqa: N802  (reads like the OmegaConf call it wraps)
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_one_budget_draws_no_throughput_curve(tmp_path) -> None:
+    """A curve over a single x value (the paper experiment's one budget) says nothing; the bars do."""
+    from pipelines import aggregate
+
+    for job, planner in enumerate(("slackswap", "capuchin")):
+        (tmp_path / str(job)).mkdir()
+        record = {
+            "model": "tiny", "hardware": "gpu", "planner": planner, "budget_fraction": 0.5,
+            "budget_bytes_requested": None, "status": "ok", "failure_reason": "", "mlflow_run_id": None,
+            "metrics": {"keep_all_peak_bytes": 1000, "budget_bytes": 500, "throughput_ratio": 0.9, "step_s": 1.1,
+                        "ideal_step_s": 1.0, "feasible": True},
+        }  # fmt: skip
+        (tmp_path / str(job) / "run_record.json").write_text(json.dumps(record))
+    (tmp_path / "throughput_vs_budget.png").write_bytes(b"stale")
+    result = aggregate.aggregate_sweep(tmp_path, {})
+    assert not (tmp_path / "throughput_vs_budget.png").exists()
+    assert (tmp_path / "planner_comparison.png").is_file()
+    assert all(p.name != "throughput_vs_budget.png" for p in result.files)
