@@ -28,7 +28,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.registry import register_planner
-from slackswap.planners.support.analysis import ProfileAnalysis, regen_chain
+from slackswap.planners.support.analysis import ProfileAnalysis
 from slackswap.planners.support.greedy import (
     order_by_standalone_cost,
     recompute_candidates,
@@ -79,8 +79,8 @@ def order_by_group_marginal_cost(
     per byte as the pair really is and a costlier tensor (a GeLU output) is taken first. Here a
     group is the remaining candidates of one producer op; its price is the time of the ops its
     members' chains add (not yet re-run for an earlier pick) over the group's bytes, and a group is
-    taken whole. After each pick the groups whose chains touch the newly covered ops, or read a
-    newly missing tensor, are re-priced (lazy heap with versions), as in the per-tensor ranking.
+    taken whole. After each pick the groups whose chains touch the newly covered ops are re-priced
+    (lazy heap with versions), as in the per-tensor ranking.
     `prices`, if given, receives each tensor's group price (s per byte) at the time it was taken.
     """
     dur = {op.name: op.duration_s for op in graph.ops}
@@ -88,7 +88,6 @@ def order_by_group_marginal_cost(
     members: dict[str, list[str]] = {}
     for t in candidates:
         members.setdefault(graph.tensors[t].producer, []).append(t)
-    missing: set[str] = set()
     covered: set[str] = set()
     chain = {t: analysis.tensors[t].regen_ops for t in candidates}
     users: dict[str, set[str]] = {}  # op -> groups whose members' chains contain it
@@ -119,17 +118,16 @@ def order_by_group_marginal_cost(
             prices.update(dict.fromkeys(picked, price))
         members[group] = []
         order.extend(picked)
-        missing.update(picked)
         new_ops = {o for t in picked for o in chain[t]} - covered
         covered.update(new_ops)
-        touched = set(new_ops) | {c for t in picked for c in graph.tensors[t].consumers}
-        affected = set().union(*(users.get(o, ()) for o in touched)) - {group}
+        # A pick lengthens the chains that read a picked tensor by exactly the picked chains, whose ops
+        # it has just covered: no price changes, so chains are not re-walked (as in
+        # `order_by_marginal_cost`; on traced graphs the re-walk made planning quadratic). Only groups
+        # sharing newly covered ops get a new price.
+        affected = set().union(*(users.get(o, ()) for o in new_ops)) - {group}
         for g in affected:
             if not members[g]:
                 continue
-            for t in members[g]:
-                chain[t] = regen_chain(graph, t, missing)
-            index(g)
             version[g] += 1
             heapq.heappush(heap, (key(g), min(rank[t] for t in members[g]), version[g], g))
     return order
