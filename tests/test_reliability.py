@@ -60,7 +60,7 @@ def _open_and_log(uri: str, artifact_root: str, barrier, results, index: int) ->
         experiment_id = tracking.ensure_experiment(client, "stress", artifact_root)
         run_id = tracking.start_run(client, experiment_id, f"process-{index}", {}, None)
         tracking.log_metrics(client, run_id, {"index": index})
-        tracking.end_run(client, run_id, ok=True)
+        tracking.end_run(client, run_id, "ok")
         results.put(("ok", run_id))
     except BaseException as exc:  # reported to the test, which fails with it
         results.put(("error", f"{type(exc).__name__}: {str(exc)[:300]}"))
@@ -522,7 +522,7 @@ def test_joblib_sweep_logs_every_child_to_a_real_server(tmp_path, mlflow_server)
     assert sorted(c.data.tags["choice.planner"] for c in children) == ["keep_all", "slackswap"]
     for child in children:
         assert child.info.status == "FINISHED" and child.data.tags["status"] == "ok"
-        assert child.data.params["model.name"] == "tiny" and child.data.metrics["throughput_ratio"] > 0
+        assert child.data.params["model"] == "tiny" and child.data.metrics["throughput_ratio"] > 0
         assert "metrics.json" in {a.path for a in client.list_artifacts(child.info.run_id)}
     assert not (tmp_path / "mlruns").exists()  # the server decided where artifacts go
 
