@@ -1,7 +1,7 @@
 """Every benchmark in one command, and the figures of issue 12 in one table.
 
     python benchmarks/run_all.py --quick   # simulate, planners (scaling + seed table), pipeline job costs
-    python benchmarks/run_all.py           # everything, including profile, milp and the pipeline A/Bs
+    python benchmarks/run_all.py           # every bench_*.py, the pipeline A/Bs included
 
 Each benchmark runs in its own process (the engine and planner benchmarks pin themselves to one
 core; the pipeline benchmark must keep both) and writes its JSON to benchmarks/results/. This script
@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import RESULTS, machine  # noqa: E402
 
 QUICK = ("bench_simulate.py", "bench_planners.py", "bench_pipeline.py")
-FULL = (*QUICK, "bench_profile.py", "bench_milp.py")
+#: Every benchmark of the directory, the quick three first.
+FULL = (*QUICK, *sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py") if p.name not in QUICK))
 
 #: Figures measured on the code before the speed work (docs/performance.md, "Before").
 BEFORE = {

@@ -257,7 +257,16 @@ def ensure_experiment(client, name: str, artifact_root: str | None) -> str:
         return experiment.experiment_id
 
 
+#: MLflow's limit on an experiment tag's value (mlflow.utils.validation.MAX_EXPERIMENT_TAG_VAL_LENGTH).
+EXPERIMENT_TAG_MAX_CHARS = 20000
+
+
 def set_experiment_description(client, experiment_id: str, text: str) -> None:
+    """The experiment's description; a long sweep's (hundreds of jobs) is cut at MLflow's limit with a
+    pointer to the parent run, whose artifacts hold the whole table."""
+    if len(text) > EXPERIMENT_TAG_MAX_CHARS:
+        tail = "\n\n... (cut at MLflow's limit; the whole table is in the parent run's artifacts)"
+        text = text[: EXPERIMENT_TAG_MAX_CHARS - len(tail)] + tail
     client.set_experiment_tag(experiment_id, NOTE_TAG, text)
 
 

@@ -241,6 +241,57 @@ def test_large_model_options_are_reduced_and_bad_ones_are_named():
             MilpPlanner(**{field: value})
 
 
+def score_graph(layers: int, seed: int) -> Graph:
+    """Per layer: a = f(prev) (saved), s = g(a) (NOT saved: only forward reads it, like attention
+    scores), b = h(s) (saved, like the softmax output); backward reads a and b. Recomputing b needs
+    s, which is gone after forward: the case the chain cuts are about."""
+    rng = random.Random(seed)
+    specs = []
+    prev = None
+    for layer in range(layers):
+        specs += [(f"fa{layer}", Phase.FORWARD, layer, [prev] if prev else [], [f"a{layer}"]),
+                  (f"fs{layer}", Phase.FORWARD, layer, [f"a{layer}"], [f"s{layer}"]),
+                  (f"fb{layer}", Phase.FORWARD, layer, [f"s{layer}"], [f"b{layer}"])]
+        prev = f"b{layer}"
+    specs.append(("loss", Phase.LOSS, -1, [prev], ["g_top"]))
+    grad = "g_top"
+    for layer in reversed(range(layers)):
+        specs.append((f"bb{layer}", Phase.BACKWARD, layer, [grad, f"b{layer}", f"a{layer}"], [f"gb{layer}"]))
+        grad = f"gb{layer}"
+    readers: dict[str, list[str]] = {}
+    for name, _, _, inputs, _ in specs:
+        for t in inputs:
+            readers.setdefault(t, []).append(name)
+    ops = tuple(Op(name, phase, OpClass.ELEMENTWISE, layer, tuple(i), tuple(o), 0.0, 0, rng.uniform(1e-3, 4e-3))
+                for name, phase, layer, i, o in specs)
+    tensors = {}
+    for op in ops:
+        for t in op.outputs:
+            rs = tuple(readers.get(t, ()))
+            saved = op.phase != Phase.BACKWARD and any(r.startswith("bb") for r in rs)
+            tensors[t] = Tensor(t, rng.randint(1, 8) * 10**7, op.name, rs, op.layer, saved)
+    return Graph("scores", ops, tensors, layers)
+
+
+@pytest.mark.parametrize(("seed", "share"), [(0, 0.2), (1, 0.4), (2, 0.6)])
+def test_chain_cuts_tighten_the_bound_and_stay_below_the_best_plan(seed, share):
+    from slackswap.planners.milp.model import chain_cut_pairs, saved_infos
+
+    graph = score_graph(layers=2, seed=seed)  # saved: a0 b0 a1 b1 g_top: 243 decision vectors
+    hardware = _toy_hardware(bytes_per_s=5e9)  # a slow link: recompute matters
+    pairs = chain_cut_pairs(graph, saved_infos(graph, hardware))
+    assert sorted(graph.saved_tensors[i].name for i, *_ in pairs) == ["b0", "b1"]
+    budget = _budget_between_floor_and_peak(graph, hardware, share)
+    best = _best_brute_force_step_s(graph, hardware, budget)
+    old, _ = MilpPlanner(granularity="op", chain_cuts=False).bound(graph, hardware, budget)
+    new, _ = MilpPlanner(granularity="op").bound(graph, hardware, budget)
+    assert best is not None and old.status == new.status == "optimal"
+    assert old.bound_step_s <= new.bound_step_s * (1 + REL)
+    assert new.bound_step_s <= best * (1 + REL)
+    if seed == 0:  # here the old bound recomputes b0/b1 for their own op alone; the cut charges fs too
+        assert new.bound_step_s > old.bound_step_s * (1 + 1e-3)
+
+
 def test_same_problem_same_plan_file_and_node_limits_not_seconds():
     """Two solves of one problem give the same plan.json bytes: the solves stop at node limits (a
     wall-clock limit made the tiny preset's plan vary from run to run), and the notes hold node

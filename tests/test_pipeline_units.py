@@ -225,3 +225,17 @@ def test_one_requested_fraction_is_one_budget_group_across_models() -> None:
     records[1]["metrics"] |= {"keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)}
     frame = aggregate.records_to_frame(records)
     assert list(frame["budget_share"]) == [0.5, 0.5]
+
+
+def test_a_long_sweep_description_is_cut_at_mlflows_limit():
+    from pipelines import tracking
+
+    class Client:
+        def set_experiment_tag(self, experiment_id, key, value):
+            self.value = value
+
+    client = Client()
+    tracking.set_experiment_description(client, "1", "x" * 30000)
+    assert len(client.value) == tracking.EXPERIMENT_TAG_MAX_CHARS and client.value.endswith("artifacts)")
+    tracking.set_experiment_description(client, "1", "short")
+    assert client.value == "short"

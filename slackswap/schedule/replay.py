@@ -8,7 +8,9 @@ transfer durations and the in-order engine queue (`transfer`), the free rule (`m
 simulator's run never makes an allocation wait (no budget, or a budget at or above the replay's
 peak), the two agree exactly on step time and peak; tests/test_schedule_differential.py checks that
 on random graphs and plans with 1-3 engines per direction. A planner rejects a plan whose replayed
-peak is above its budget, so every plan it hands over never waits for memory in the simulator.
+peak is above its budget, so every plan it hands over never waits for memory in the simulator
+(the one exception, by design, is `swap_only` with `memory_waits: true`: vDNN as published waits,
+and its plan is checked in the simulator instead).
 
 - one compute stream runs `plan.steps` in order; a step starts when the previous one ends and every
   copy it reads is produced; it lasts its op's `duration_s` (a recompute step too);

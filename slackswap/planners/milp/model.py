@@ -182,6 +182,34 @@ def chain_intermediate_bytes(graph: Graph, name: str) -> int:
     return sum(graph.tensors[t].size_bytes for t in set(_chain_tensors(graph, name)[1]))
 
 
+def chain_cut_pairs(graph: Graph, saved: Sequence[SavedInfo]) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(saved index i, position of u's producer, min(size_t, size_u), first row, last row) per chain cut.
+
+    For a saved tensor t (index i) with a forward producer p that reads a non-saved forward tensor u:
+    at the start of every op j with last_reader(u) < j < first_bwd(t), j not a reader of t, a valid
+    plan recomputing t holds a copy of t or of u, or recomputes u's producer before first_bwd(t)
+    (docs/milp.md "Chain cuts"). Each u serves one t and each t one u, so the copies counted in one
+    memory row are distinct (and distinct from everything else the row counts)."""
+    index = graph.op_index
+    out = []
+    used: set[str] = set()
+    for i, info in enumerate(saved):
+        producer = graph.ops[info.producer]
+        if producer.phase not in FORWARD_PHASES or info.size_bytes == 0:
+            continue
+        for u in producer.inputs:
+            tensor = graph.tensors[u]
+            u_producer = graph.op_by_name[tensor.producer]
+            if tensor.saved or u_producer.phase not in FORWARD_PHASES or tensor.size_bytes == 0 or u in used:
+                continue
+            used.add(u)
+            last_u = max(index[c] for c in tensor.consumers)
+            out.append((i, index[tensor.producer], min(tensor.size_bytes, info.size_bytes), last_u + 1,
+                        info.first_bwd - 1))
+            break
+    return tuple(out)
+
+
 def reduced_memory_rows(
     graph: Graph, saved: Sequence[SavedInfo], const: Sequence[int], extra: Sequence[int]
 ) -> list[int]:
@@ -266,6 +294,7 @@ def build_bound_problem(
     plan_rules: bool = False,
     layers_per_window: int = 1,
     transfer_groups: bool = False,
+    chain_cuts: bool = False,
 ) -> BoundProblem:
     """Assemble the bound MILP. Objective: total gap time sum(sigma) in ms, so T = run time + objective.
 
@@ -279,6 +308,11 @@ def build_bound_problem(
     a recompute-decided tensor's run copy lives until its last forward reader and its recompute copy
     from its first to its last backward reader; a recompute also pays (time) for its chain of
     non-saved forward inputs, whose copies (memory) sit beside it at its first backward reader.
+
+    `chain_cuts=True` adds the chain-or-memory cuts (bound problem only; `chain_cut_pairs`,
+    docs/milp.md "Chain cuts"): a recompute-decided tensor whose producer reads a non-saved forward
+    tensor u either pays for a recompute of u's producer, or holds min(size t, size u) on the device
+    from u's last forward reader to t's first backward reader.
     """
     if memory_rows not in MEMORY_ROWS:
         raise ConfigError("planner.options.memory_rows", memory_rows, f"unknown; known: {MEMORY_ROWS}")
@@ -388,6 +422,16 @@ def build_bound_problem(
             if work:
                 rows.add(work + [(sigma[k], -engines)], -np.inf, engines * run_ms[k])
 
+    # Chain cuts: w = r_t x [u's producer recomputed before t's first backward reader] (w <= r_t, and
+    # w <= z[u's producer, kb(t)] below); memory rows between u's last reader and t's first backward
+    # reader hold min(size_t, size_u) x (r_t - w).
+    cut_pairs = chain_cut_pairs(graph, saved) if chain_cuts and not plan_rules else ()
+    cut_w = []
+    for i, _, _, _, _ in cut_pairs:
+        w = cols.add(0, 1)
+        rows.add([(w, 1), (decision_cols[i][2], -1)], -np.inf, 0)
+        cut_w.append(w)
+
     # Recompute: each recomputed producer runs once more, before its tensor's first backward reader.
     # z[p,k] is non-decreasing in k and >= r_t for every t of p due by c_k (the due sets grow with k).
     kb_of = [first_cp_at_or_after(info.first_bwd) for info in saved]
@@ -400,6 +444,9 @@ def build_bound_problem(
     for p, members in by_producer.items():
         for i in members:
             due_at.setdefault(kb_of[i], {}).setdefault(p, []).append(i)
+    for i, p_u, _, _, _ in cut_pairs:  # a z column for u's producer at kb(t), with no r_t >= row
+        due_at.setdefault(kb_of[i], {}).setdefault(p_u, [])
+    z_at: dict[tuple[int, int], int] = {}
     z_last: dict[int, int] = {}
     for k in sorted(set(kb_of) | {K}):
         for p, new in due_at.get(k, {}).items():
@@ -409,9 +456,13 @@ def build_bound_problem(
             if p in z_last:
                 rows.add([(z, 1), (z_last[p], -1)], 0, np.inf)
             z_last[p] = z
+            z_at[(p, k)] = z
         terms = [(sigma[j], 1.0) for j in range(1, k + 1)]
         terms += [(z, -dur_ms[p]) for p, z in z_last.items()]
         rows.add(terms, 0, np.inf)
+
+    for (i, p_u, _, _, _), w in zip(cut_pairs, cut_w, strict=True):
+        rows.add([(w, 1), (z_at[(p_u, kb_of[i])], -1)], -np.inf, 0)
 
     # Memory at the start of the selected ops (all, or the reduced set: dropping rows is valid).
     const = list(fixed)
@@ -450,6 +501,9 @@ def build_bound_problem(
                     terms += [(sc, w), (o_col[i][nc], -w)]
                 if pc in u_col[i]:
                     terms.append((u_col[i][pc], w))
+        for (i, _, m_bytes, lo_j, hi_j), w in zip(cut_pairs, cut_w, strict=True):
+            if lo_j <= j <= hi_j and j not in saved[i].readers:
+                terms += [(decision_cols[i][2], m_bytes * scale), (w, -m_bytes * scale)]
         for g, members in swap_status.items():
             # sum_i size_i (s_i - o[i,nc] + u[i,pc]) over the members in swap status at j is at least
             # S_members - O_g[nc] (+ U_g[pc] when every member of the group is among them).

@@ -6,8 +6,9 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
   forward pass (the memory peak) on a serial D2H engine, so a tensor produced late in the forward
   pass gets only the time left after it; a prefetch must finish before the tensor's first backward
   use on a serial H2D engine that can start only when backward does (`analysis.SlackLedger`);
-- recompute is ranked by *marginal* cost per byte: ops already re-run for an earlier pick are free
-  (`greedy.order_by_marginal_cost`);
+- recompute is ranked by *marginal* cost per byte: ops already re-run for an earlier pick are free,
+  and the outputs of one producer op are priced and taken together (a dropout output and its mask
+  cost one dropout re-run for both; `order_by_group_marginal_cost`);
 - a swapped byte is worth what it spares at the *tail* of the recompute ranking, not its own
   regeneration cost: once a tensor is more expensive per byte than the last tensor the budget makes
   us recompute, it would be kept anyway, and among such tensors the slack is best spent on the ones
@@ -19,11 +20,16 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
+from dataclasses import replace
+
 from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Decision, Plan
 from slackswap.planners.registry import register_planner
-from slackswap.planners.support.analysis import ProfileAnalysis
+from slackswap.planners.support.analysis import ProfileAnalysis, regen_chain
 from slackswap.planners.support.greedy import (
-    order_by_marginal_cost,
     order_by_standalone_cost,
     recompute_candidates,
     take_while_hidden,
@@ -63,9 +69,89 @@ def by_shared_regen_cost_per_byte(graph: Graph, analysis: ProfileAnalysis) -> li
     return sorted((t for t, i in infos.items() if i.size_bytes > 0), key=key)
 
 
+def order_by_group_marginal_cost(
+    graph: Graph, analysis: ProfileAnalysis, candidates: Sequence[str], prices: dict[str, float] | None = None
+) -> list[str]:
+    """Cheapest marginal regeneration per byte first, pricing the outputs of one producer op together.
+
+    `order_by_marginal_cost` prices each tensor alone: the dropout output and its mask come from one
+    op, so recomputing the output makes the mask free, but the output alone looks twice as expensive
+    per byte as the pair really is and a costlier tensor (a GeLU output) is taken first. Here a
+    group is the remaining candidates of one producer op; its price is the time of the ops its
+    members' chains add (not yet re-run for an earlier pick) over the group's bytes, and a group is
+    taken whole. After each pick the groups whose chains touch the newly covered ops, or read a
+    newly missing tensor, are re-priced (lazy heap with versions), as in the per-tensor ranking.
+    `prices`, if given, receives each tensor's group price (s per byte) at the time it was taken.
+    """
+    dur = {op.name: op.duration_s for op in graph.ops}
+    rank = {t: i for i, t in enumerate(candidates)}
+    members: dict[str, list[str]] = {}
+    for t in candidates:
+        members.setdefault(graph.tensors[t].producer, []).append(t)
+    missing: set[str] = set()
+    covered: set[str] = set()
+    chain = {t: analysis.tensors[t].regen_ops for t in candidates}
+    users: dict[str, set[str]] = {}  # op -> groups whose members' chains contain it
+
+    def index(group: str) -> None:
+        for t in members[group]:
+            for o in chain[t]:
+                users.setdefault(o, set()).add(group)
+
+    for group in members:
+        index(group)
+
+    def key(group: str) -> float:
+        ops = {o for t in members[group] for o in chain[t]} - covered
+        size = sum(max(analysis.tensors[t].size_bytes, 1) for t in members[group])
+        return sum(dur[o] for o in ops) / size
+
+    version = dict.fromkeys(members, 0)
+    heap = [(key(g), min(rank[t] for t in ts), 0, g) for g, ts in members.items()]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        price, _, v, group = heapq.heappop(heap)
+        if v != version[group] or not members[group]:
+            continue
+        picked = members[group]
+        if prices is not None:
+            prices.update(dict.fromkeys(picked, price))
+        members[group] = []
+        order.extend(picked)
+        missing.update(picked)
+        new_ops = {o for t in picked for o in chain[t]} - covered
+        covered.update(new_ops)
+        touched = set(new_ops) | {c for t in picked for c in graph.tensors[t].consumers}
+        affected = set().union(*(users.get(o, ()) for o in touched)) - {group}
+        for g in affected:
+            if not members[g]:
+                continue
+            for t in members[g]:
+                chain[t] = regen_chain(graph, t, missing)
+            index(g)
+            version[g] += 1
+            heapq.heappush(heap, (key(g), min(rank[t] for t in members[g]), version[g], g))
+    return order
+
+
+def in_layer_boundaries(graph: Graph, analysis: ProfileAnalysis) -> list[str]:
+    """Layer boundaries of the stack whose regeneration chain (all other saved tensors on the device)
+    is one op of their own layer, such as a post-LN layer's output norm reading the kept residual sum.
+    The boundary rule exists because recomputing a boundary can chain back through many layers; a
+    one-op chain cannot, and if a later pick lengthens it the marginal ranking prices that."""
+    out = []
+    for t, info in analysis.tensors.items():
+        if info.boundary and info.layer >= 0 and len(info.regen_ops) == 1 and info.size_bytes > 0:
+            out.append(t)
+    return out
+
+
 @register_planner("slackswap")
 class SlackSwap(SwapThenRecompute):
     name = "slackswap"
+    #: (analysis, labelled swapped sets) of the current `plan` call, for `notes["why"]`.
+    _explain: tuple[ProfileAnalysis, dict[str, list[str]]] | None = None
 
     def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
         return take_while_hidden(analysis, by_shared_regen_cost_per_byte(graph, analysis))
@@ -91,12 +177,48 @@ class SlackSwap(SwapThenRecompute):
             return -infos[t].size_bytes / max(infos[t].d2h_s, infos[t].h2d_s)
 
         all_sized = [t for t, i in infos.items() if i.size_bytes > 0]
-        return [
-            self.select_swaps(graph, analysis),
-            take_while_hidden(analysis, sorted(above_tail, key=window)),
-            take_while_hidden(analysis, sorted(all_sized, key=window)),
-            take_while_hidden(analysis, sorted(all_sized, key=bytes_per_copy_s)),
-        ]
+        sets = {
+            "costliest to regenerate per byte first": self.select_swaps(graph, analysis),
+            "above the recompute tail, longest window first": take_while_hidden(
+                analysis, sorted(above_tail, key=window)),
+            "longest window first": take_while_hidden(analysis, sorted(all_sized, key=window)),
+            "most bytes per copy second first": take_while_hidden(analysis, sorted(all_sized, key=bytes_per_copy_s)),
+        }
+        self._explain = (analysis, sets)
+        return list(sets.values())
 
-    def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
-        return order_by_marginal_cost(graph, analysis, frees_memory(analysis, candidates))
+    def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
+        """The swap-then-recompute plan, with `notes["why"]`: for every swapped or recomputed tensor,
+        the reason in one line (which swap set it came from and that its copies hide; its price and
+        rank in the recompute ranking)."""
+        self._explain = None
+        plan = super().plan(graph, hardware, budget_bytes)
+        if self._explain is None:
+            return plan
+        analysis, sets = self._explain
+        swaps = set(plan.tensors_with(Decision.SWAP))
+        origin = next((label for label, chosen in sets.items() if set(chosen) == swaps), "")
+        prices: dict[str, float] = {}
+        order = self.order_recompute(graph, analysis, self.recompute_pool(graph, analysis, swaps), prices)
+        rank = {t: i for i, t in enumerate(order)}
+        why: dict[str, str] = {}
+        for t in plan.tensors_with(Decision.SWAP):
+            why[t] = (f"swap: from the swapped set '{origin}'; its offload ends before the forward pass does and its "
+                      "prefetch before its first backward use (SlackLedger)")
+        for t in plan.tensors_with(Decision.RECOMPUTE):
+            why[t] = (f"recompute: rank {rank[t] + 1} of {len(order)} in the recompute ranking, "
+                      f"{prices[t] * 2**20 * 1e6:.3f} us per MiB (its op's outputs priced together, shared "
+                      "chain ops counted once); the budget needs the ranking up to here")
+        return replace(plan, notes={**plan.notes, "swap_set": origin, "why": why})
+
+    def order_recompute(
+        self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str], prices: dict[str, float] | None = None
+    ) -> list[str]:
+        return order_by_group_marginal_cost(graph, analysis, frees_memory(analysis, candidates), prices)
+
+    def recompute_pool(self, graph: Graph, analysis: ProfileAnalysis, swaps: set[str]) -> list[str]:
+        """Non-boundary tensors, plus the layer boundaries whose own regeneration stays inside their
+        layer (`in_layer_boundaries`)."""
+        return recompute_candidates(graph, analysis, swaps) + [
+            t for t in in_layer_boundaries(graph, analysis) if t not in swaps
+        ]

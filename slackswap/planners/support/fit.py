@@ -3,7 +3,8 @@ it over (its peak fits the budget) or raise `InfeasibleBudgetError` saying by ho
 
 A planner never returns a plan whose replayed peak is above its budget; the replay agrees exactly
 with the simulator on such plans (slackswap.schedule.replay), so a returned plan never waits for
-memory in the simulator.
+memory in the simulator. (`swap_only` with `memory_waits: true` is the deliberate exception: it
+reproduces vDNN's waits and checks its plan in the simulator, docs/planners.md.)
 """
 
 from __future__ import annotations

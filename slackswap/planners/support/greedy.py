@@ -16,7 +16,7 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
-from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger, regen_chain
+from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger
 from slackswap.planners.support.fit import over_budget, scheduled_peak
 from slackswap.schedule.build import build_schedule
 
@@ -37,8 +37,16 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
 
     A tensor's marginal cost is the time of the ops in its recompute chain that no earlier pick
     already re-runs. Chains share ops (q, k and v come from one qkv op; a softmax output and the
-    dropout after it share the softmax), so after each pick the candidates whose chains touch the
-    newly covered ops, or read the newly missing tensor, are re-priced (lazy heap with versions).
+    dropout after it share the softmax), so after each pick the candidates whose chains share the
+    newly covered ops are re-priced (lazy heap with versions).
+
+    A pick also makes the picked tensor missing, which lengthens the chain of every candidate whose
+    chain reads it (`regen_chain` with the larger missing set): by the picked tensor's own chain.
+    Those ops are all covered by the pick, so the lengthening never changes a marginal cost, nor
+    which ops a later pick newly covers; the chains are therefore not re-walked (on traced graphs,
+    where chains run back through unsaved residual tensors across layers, re-walking them after
+    every pick made planning quadratic). tests/test_marginal_cost.py checks the order against the
+    definition that re-walks them.
     """
     dur = {op.name: op.duration_s for op in graph.ops}
     missing: set[str] = set()
@@ -65,12 +73,7 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
         missing.add(t)
         new_ops = [o for o in chain[t] if o not in covered]
         covered.update(new_ops)
-        touched = set(new_ops) | set(graph.tensors[t].consumers)
-        affected = set().union(*(users.get(o, ()) for o in touched)) - missing
-        for z in affected:
-            chain[z] = regen_chain(graph, z, missing)
-            for o in chain[z]:
-                users.setdefault(o, set()).add(z)
+        for z in set().union(*(users.get(o, ()) for o in new_ops)) - missing:
             version[z] += 1
             heapq.heappush(heap, (key(z), rank[z], version[z], z))
     return order

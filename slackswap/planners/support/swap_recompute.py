@@ -32,6 +32,10 @@ class SwapThenRecompute:
     def order_recompute(self, graph: Graph, analysis: ProfileAnalysis, candidates: list[str]) -> list[str]:
         raise NotImplementedError
 
+    def recompute_pool(self, graph: Graph, analysis: ProfileAnalysis, swaps: set[str]) -> list[str]:
+        """The tensors a planner may recompute on top of `swaps`. Default: no layer boundary."""
+        return recompute_candidates(graph, analysis, swaps)
+
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
         analysis = analyse(graph, hardware)
@@ -64,7 +68,7 @@ class SwapThenRecompute:
         keep = {t: Decision.KEEP for t in analysis.tensors}
         base = dict(keep)
         base.update(dict.fromkeys(swaps, Decision.SWAP))
-        order = self.order_recompute(graph, analysis, recompute_candidates(graph, analysis, set(swaps)))
+        order = self.order_recompute(graph, analysis, self.recompute_pool(graph, analysis, set(swaps)))
         swapped_bytes = sum(analysis.tensors[t].size_bytes for t in swaps)
 
         def notes(k: int) -> dict[str, object]:
