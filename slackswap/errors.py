@@ -34,6 +34,10 @@ class PlanValidationError(SlackSwapError):
     """A plan that is not a complete, consistent schedule. The message names the first inconsistency."""
 
 
+class GraphMismatchError(PlanValidationError):
+    """A plan made for one graph given with another: its graph fingerprint differs (names both)."""
+
+
 class InfeasibleBudgetError(SlackSwapError):
     """A planner cannot meet the budget. This is a recorded outcome of a run, not a crash."""
 

@@ -59,9 +59,8 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     ops = graph.op_by_name
     n_steps = len(plan.steps)
     n_off, n_pre = len(plan.offloads), len(plan.prefetches)
-    copy_size = [c.size_bytes for c in s.copies]
-    off_dur = [d2h_s(copy_size[c], hardware) for c in s.offload_copy]
-    pre_dur = [h2d_s(copy_size[c], hardware) for c in s.prefetch_copy]
+    off_dur = [d2h_s(b, hardware) for b in s.offload_bytes]
+    pre_dur = [h2d_s(b, hardware) for b in s.prefetch_bytes]
     d2h = CopyQueue(hardware.link.d2h_engines)
     h2d = CopyQueue(hardware.link.h2d_engines)
     offload_end = [float("nan")] * n_off
@@ -112,13 +111,20 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
         start_transfers(j)
 
     events: list[tuple[float, int]] = []
-    for c, copy in enumerate(s.copies):
+    aliases_freed: list[float | None] = [None] * len(s.copies)
+    # An alias copy is made after the copy it holds, so walking backwards settles every alias first.
+    for c in reversed(range(len(s.copies))):
+        copy = s.copies[c]
         starts = prefetch_start if copy.source == "prefetch" else step_start
         alloc = starts[copy.source_index]
         last_read = step_end[copy.readers[-1]] if copy.readers else None
         offloaded = None if copy.offload is None else offload_end[copy.offload]
+        free = free_time_s(copy_ready[c], last_read, offloaded, aliases_freed[c])
+        if copy.holds is not None:
+            held = aliases_freed[copy.holds]
+            aliases_freed[copy.holds] = free if held is None else max(held, free)
         events.append((alloc, copy.size_bytes))
-        events.append((free_time_s(copy_ready[c], last_read, offloaded), -copy.size_bytes))
+        events.append((free, -copy.size_bytes))
     events.sort(key=lambda e: (e[0], e[1] > 0))
     current = peak = 0
     peak_time = 0.0

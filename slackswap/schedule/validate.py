@@ -8,14 +8,20 @@ simulation can never disagree about which copy a step reads. The first inconsist
 
 Sequence positions: step j sits at position j; a transfer with `issue_after_step = i` sits between
 step i and step i + 1 (offloads before prefetches, each list in plan order); i = -1 is before step 0.
+
+The copies also carry what real programs add (slackswap/graph.py): an alias made by a step has no
+bytes of its own and holds the base copy it was made from; a recompute of a random op reads the RNG
+state its run step stashed (a copy named `<op>#rng_state`) and allocates every output of the op,
+the ones it does not materialise as scratch freed when it ends; a copy overwritten by an in-place
+op may not be read by any later step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slackswap.errors import PlanValidationError
-from slackswap.graph import FORWARD_PHASES, Graph
+from slackswap.errors import GraphMismatchError, PlanValidationError
+from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph
 from slackswap.plan import Decision, Direction, Plan, StepKind
 
 
@@ -33,6 +39,8 @@ class Copy:
     readers: tuple[int, ...]
     #: Index into `plan.offloads` that copies it to the host, or None.
     offload: int | None
+    #: For an alias made by a step: the copy whose storage it shares, kept alive while this one lives.
+    holds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,9 @@ class ResolvedSchedule:
     prefetch_copy: tuple[int, ...]
     #: Per prefetch: index into `plan.offloads` of its tensor's offload.
     prefetch_offload: tuple[int, ...]
+    #: Bytes each offload / prefetch moves (the tensor's size, even for an alias that owns no storage).
+    offload_bytes: tuple[int, ...] = ()
+    prefetch_bytes: tuple[int, ...] = ()
 
 
 def validate_plan(graph: Graph, plan: Plan) -> None:
@@ -158,7 +169,13 @@ def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str
 
 
 def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
-    """Validate `plan` against `graph` and resolve the copy each step reads. Raises `PlanValidationError`."""
+    """Validate `plan` against `graph` and resolve the copy each step reads. Raises `PlanValidationError`
+    (`GraphMismatchError` when the plan was made for another graph)."""
+    if plan.graph_fingerprint and plan.graph_fingerprint != graph.fingerprint:
+        raise GraphMismatchError(
+            f"plan of planner {plan.planner!r} was made for a graph with fingerprint {plan.graph_fingerprint}, "
+            f"not for graph {graph.name!r} (fingerprint {graph.fingerprint})"
+        )
     _check_steps(graph, plan)
     _check_decisions(graph, plan)
     offload_of, _ = _check_transfers(graph, plan)
@@ -179,20 +196,37 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     c_index: list[int] = []
     c_readers: list[list[int]] = []
     c_offload: list[int | None] = []
+    c_size: list[int] = []
+    c_holds: list[int | None] = []
     current: dict[str, int] = {}
+    overwritten: dict[int, str] = {}  # copy -> the in-place op that overwrote it
+    recomputed_ops = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE}
+    rng_state: dict[str, int] = {}  # random op -> the copy of its stashed RNG state
     offload_copy = [0] * len(plan.offloads)
     prefetch_copy = [0] * len(plan.prefetches)
     step_reads: list[tuple[int, ...]] = []
     step_writes: list[tuple[int, ...]] = []
 
-    def new_copy(t: str, source: str, index: int) -> int:
+    def new_copy(
+        t: str, source: str, index: int, size: int, holds: int | None = None, current_copy: bool = True
+    ) -> int:
         c_tensor.append(t)
         c_source.append(source)
         c_index.append(index)
         c_readers.append([])
         c_offload.append(None)
-        current[t] = len(c_tensor) - 1
+        c_size.append(size)
+        c_holds.append(holds)
+        if current_copy:
+            current[t] = len(c_tensor) - 1
         return len(c_tensor) - 1
+
+    def step_copy(t: str, kind: str, j: int, current_copy: bool = True) -> int:
+        """A copy made by step j: an alias owns no bytes and holds the base copy the step read."""
+        base = tensors[t].base
+        if base:
+            return new_copy(t, kind, j, 0, holds=current[base], current_copy=current_copy)
+        return new_copy(t, kind, j, tensors[t].size_bytes, current_copy=current_copy)
 
     def issue_transfers(bucket: int) -> None:
         where = "at time zero" if bucket == 0 else f"after step {bucket - 1}"
@@ -209,7 +243,8 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
             c_offload[c] = k
             offload_copy[k] = c
         for k in prefetches_at[bucket]:
-            prefetch_copy[k] = new_copy(plan.prefetches[k].tensor, "prefetch", k)
+            t = plan.prefetches[k].tensor
+            prefetch_copy[k] = new_copy(t, "prefetch", k, tensors[t].size_bytes)
 
     issue_transfers(0)
     for j, step in enumerate(plan.steps):
@@ -219,6 +254,12 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
             c = current.get(t)
             if c is None:
                 _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
+            if c in overwritten:
+                _fail(f"{_step_name(plan, j)} reads tensor {t!r} after op {overwritten[c]!r} overwrote it in place")
+            c_readers[c].append(j)
+            reads.append(c)
+        if op.random and step.kind == StepKind.RECOMPUTE:
+            c = rng_state[op.name]
             c_readers[c].append(j)
             reads.append(c)
         writes = []
@@ -227,7 +268,16 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
                 decision = decisions.get(t)
                 if decision is not None and decision != Decision.RECOMPUTE:
                     _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decision!s}")
-            writes.append(new_copy(t, str(step.kind), j))
+            writes.append(step_copy(t, str(step.kind), j))
+        if op.random and step.kind == StepKind.RECOMPUTE:
+            # The replayed kernel writes every output; the ones not materialised are scratch.
+            writes.extend(step_copy(t, "recompute", j, current_copy=False) for t in op.outputs if t not in step.outputs)
+        if op.random and step.kind == StepKind.RUN and op.name in recomputed_ops:
+            rng_state[op.name] = new_copy(f"{op.name}#rng_state", "run", j, RNG_STATE_BYTES, current_copy=False)
+            writes.append(rng_state[op.name])
+        if step.kind == StepKind.RUN:
+            for t in op.writes:
+                overwritten[current[t]] = op.name
         step_reads.append(tuple(reads))
         step_writes.append(tuple(writes))
         issue_transfers(j + 1)
@@ -237,8 +287,10 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     _check_fifo_order(plan, prefetch_copy, prefetch_offload, c_readers)
 
     copies = tuple(
-        Copy(t, tensors[t].size_bytes, src, idx, tuple(rd), off)
-        for t, src, idx, rd, off in zip(c_tensor, c_source, c_index, c_readers, c_offload, strict=True)
+        Copy(t, size, src, idx, tuple(rd), off, holds)
+        for t, size, src, idx, rd, off, holds in zip(
+            c_tensor, c_size, c_source, c_index, c_readers, c_offload, c_holds, strict=True
+        )
     )
     return ResolvedSchedule(
         copies=copies,
@@ -247,6 +299,8 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
         offload_copy=tuple(offload_copy),
         prefetch_copy=tuple(prefetch_copy),
         prefetch_offload=prefetch_offload,
+        offload_bytes=tuple(tensors[tr.tensor].size_bytes for tr in plan.offloads),
+        prefetch_bytes=tuple(tensors[tr.tensor].size_bytes for tr in plan.prefetches),
     )
 
 

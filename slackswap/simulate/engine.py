@@ -73,6 +73,11 @@ class _Run:
         self.offload_done = [False] * n_copies
         self.produced = [False] * n_copies
         self.freed = [False] * n_copies
+        self.holds = [c.holds for c in s.copies]
+        self.aliases_left = [0] * n_copies
+        for held in self.holds:
+            if held is not None:
+                self.aliases_left[held] += 1
         self.ready_s = [0.0] * n_copies
 
         link = hardware.link
@@ -80,12 +85,14 @@ class _Run:
         self.h2d_engines = link.h2d_engines
         self.off_copy = s.offload_copy
         self.off_issue = [t.issue_after_step for t in plan.offloads]
-        self.off_dur = [d2h_s(self.copy_size[c], hardware) for c in s.offload_copy]
+        self.off_dur = [d2h_s(b, hardware) for b in s.offload_bytes]
+        self.off_bytes = s.offload_bytes
+        self.pre_bytes = s.prefetch_bytes
         self.off_finished = [False] * len(plan.offloads)
         self.pre_copy = s.prefetch_copy
         self.pre_issue = [t.issue_after_step for t in plan.prefetches]
         self.pre_offload = s.prefetch_offload
-        self.pre_dur = [h2d_s(self.copy_size[c], hardware) for c in s.prefetch_copy]
+        self.pre_dur = [h2d_s(b, hardware) for b in s.prefetch_bytes]
 
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -111,12 +118,16 @@ class _Run:
 
     def _maybe_free(self, c: int, now: float) -> None:
         if not self.freed[c] and is_freeable(
-            self.produced[c], self.remaining[c], self.has_offload[c] and not self.offload_done[c]
+            self.produced[c], self.remaining[c], self.has_offload[c] and not self.offload_done[c], self.aliases_left[c]
         ):
             self.freed[c] = True
             if self.copy_size[c]:
                 self.in_use -= self.copy_size[c]
                 self._record(now)
+            held = self.holds[c]
+            if held is not None:
+                self.aliases_left[held] -= 1
+                self._maybe_free(held, now)
 
     def _allocate(self, size: int, now: float) -> None:
         if size:
@@ -211,7 +222,7 @@ class _Run:
         end = now + self.pre_dur[k]
         self.events.append(
             TraceEvent(
-                "h2d", "prefetch", k, now, end, tensor=self.copy_tensor[c], size_bytes=self.copy_size[c], engine=engine
+                "h2d", "prefetch", k, now, end, tensor=self.copy_tensor[c], size_bytes=self.pre_bytes[k], engine=engine
             )
         )
         self.next_pre = k + 1
@@ -236,7 +247,7 @@ class _Run:
                         now,
                         end,
                         tensor=self.copy_tensor[c],
-                        size_bytes=self.copy_size[c],
+                        size_bytes=self.off_bytes[k],
                         engine=engine,
                     )
                 )

@@ -28,7 +28,8 @@ import numpy as np
 from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.hardware import Hardware
 from slackswap.schedule.build import keep_all_plan
-from slackswap.schedule.replay import PlanTimeline, d2h_s, estimate_plan, h2d_s
+from slackswap.schedule.replay import PlanTimeline, estimate_plan
+from slackswap.schedule.transfer import d2h_s, h2d_s
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
         chain = regen_chain(graph, t.name, ())
         infos[t.name] = TensorInfo(
             name=t.name,
-            size_bytes=t.size_bytes,
+            size_bytes=graph.owned_bytes(t.name),
             layer=producer.layer,
             ready_s=timeline.step_end_s[graph.op_index[t.producer]],
             first_backward_use_s=first_bwd[t.name],
