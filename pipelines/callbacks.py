@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines import aggregate, tracking
 from pipelines.job import PARENT_FILE
+from pipelines.records import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +81,14 @@ class SweepCallback(Callback):
                 parent["run_id"],
                 {
                     "jobs_total": sum(counts.values()),
-                    "jobs_ok": counts.get("ok", 0),
-                    "jobs_infeasible": counts.get("infeasible", 0),
-                    "jobs_failed": counts.get("failed", 0),
+                    **{f"jobs_{status.value}": counts.get(status.value, 0) for status in RunStatus},
                     "sweep_wall_s": time.perf_counter() - self._t_start if self._t_start else None,
                 },
             )
             tracking.backfill_bound_gaps(client, result.table)
             for path in result.files:
                 client.log_artifact(parent["run_id"], str(path))
-            tracking.end_run(client, parent["run_id"], ok=True)
+            tracking.end_run(client, parent["run_id"], RunStatus.OK)
             print(f"aggregate: {sweep_dir} (MLflow parent run {parent['run_id']})")
         except Exception:
             log.exception("SweepCallback.on_multirun_end failed: the sweep was not aggregated")

@@ -1,6 +1,7 @@
 """One Hydra job: resolve and validate the config, run the stages, record the outcome everywhere.
 
-Outcomes, and where each is recorded (run_record.json in the run dir, MLflow run, stdout):
+Outcomes (`pipelines.records.RunStatus`), and where each is recorded (run_record.json, a
+`pipelines.records.RunRecord`, in the run dir; MLflow run; stdout):
 - `ok`: the plan fits the budget.
 - `infeasible`: the planner raised `InfeasibleBudgetError` or the simulator found the plan does not
   fit; the reason names tensor/op/bytes. The job returns normally: an infeasible budget is a result.
@@ -17,7 +18,7 @@ import json
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import stages, tracking
+from pipelines.records import RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
 
 PARENT_FILE = "mlflow_parent.json"
-RECORD_FILE = "run_record.json"
 RESOLVED_CONFIG_FILE = "config.resolved.yaml"
 TRACEBACK_FILE = "traceback.txt"
 #: MLflow tag values are limited in length; the full reason is always in run_record.json.
@@ -72,32 +73,25 @@ def read_parent(sweep_dir: Path) -> dict[str, str]:
     return json.loads(path.read_text())
 
 
-def run_job(cfg: DictConfig) -> dict[str, Any]:
+def run_job(cfg: DictConfig) -> RunRecord:
     t_start = time.perf_counter()
     ctx = JobContext.from_hydra()
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(resolved))
     name = run_name(ctx.choices, resolved)
-    record: dict[str, Any] = {
-        "run_name": name,
-        "choices": dict(ctx.choices),
-        "model": ctx.choices.get("model"),
-        "hardware": ctx.choices.get("hardware"),
-        # The preset name, qualified when a sweep overrides `planner.name` of one preset.
-        "planner": _planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
-        "planner_name": resolved["planner"]["name"],
-        "budget_fraction": resolved["budget"]["fraction"],
-        "budget_bytes_requested": resolved["budget"]["bytes"],
-        "run_dir": str(ctx.run_dir),
-        "mlflow_run_id": None,
-        "status": None,
-        "failure_reason": "",
-        "metrics": {},
-        "facts": {},
-        "timings_s": {},
-    }
-    timings = record["timings_s"]
+    record = RunRecord(
+        run_name=name,
+        choices=dict(ctx.choices),
+        model=ctx.choices.get("model"),
+        hardware=ctx.choices.get("hardware"),
+        planner=_planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
+        planner_name=resolved["planner"]["name"],
+        budget_fraction=resolved["budget"]["fraction"],
+        budget_bytes_requested=resolved["budget"]["bytes"],
+        run_dir=str(ctx.run_dir),
+    )
+    timings = record.timings_s
 
     config_error: ConfigError | None = None
     try:
@@ -121,39 +115,39 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             parent_run_id = None
         run_id = tracking.start_run(client, experiment_id, name, _choice_tags(ctx.choices), parent_run_id)
         tracking.log_params(client, run_id, tracking.flatten_params(resolved))
-        record["mlflow_run_id"] = run_id
+        record = replace(record, mlflow_run_id=run_id)
         timings["mlflow_start_s"] = time.perf_counter() - t0
 
     error: BaseException | None = None
     if config_error is not None:
-        record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"ConfigError: {config_error}"
+        record = replace(record, status=RunStatus.FAILED, failure_reason=f"ConfigError: {config_error}")
     else:
         try:
             outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
-            record["status"], record["failure_reason"] = outcome.status, outcome.failure_reason
-            record["metrics"], record["facts"] = outcome.metrics, outcome.facts
+            record = replace(record, status=outcome.status, failure_reason=outcome.failure_reason,
+                             metrics=outcome.metrics, facts=outcome.facts)
         except Exception as exc:  # recorded below; re-raised for a single run
             error = exc
-            record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"{type(exc).__name__}: {exc}"
+            record = replace(record, status=RunStatus.FAILED, failure_reason=f"{type(exc).__name__}: {exc}")
             (ctx.run_dir / TRACEBACK_FILE).write_text(traceback.format_exc())
 
-    (ctx.run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    record.write(ctx.run_dir)
     if client is not None:
         t0 = time.perf_counter()
         try:
-            tracking.log_metrics(client, run_id, record["metrics"])
+            tracking.log_metrics(client, run_id, record.metrics)
             tracking.log_tags(
                 client,
                 run_id,
-                {"status": record["status"], "failure_reason": _clip(record["failure_reason"])},
+                {"status": record.status, "failure_reason": _clip(record.failure_reason)},
             )
             tracking.log_artifacts(client, run_id, ctx.run_dir)
         finally:
-            tracking.end_run(client, run_id, ok=record["status"] == stages.STATUS_OK)
+            tracking.end_run(client, run_id, record.status)
         timings["mlflow_log_s"] = time.perf_counter() - t0
     timings["job_total_s"] = time.perf_counter() - t_start
     # Rewrite with the final timings (the copy logged to MLflow lacks only the logging time itself).
-    (ctx.run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    record.write(ctx.run_dir)
 
     print(format_summary(record, resolved) if not ctx.multirun else format_one_line(record))
     if error is not None and not ctx.multirun:
@@ -179,27 +173,27 @@ def _gb(value: Any) -> str:
     return "n/a" if value is None else f"{value / 1e9:.3f} GB"
 
 
-def format_one_line(record: Mapping[str, Any]) -> str:
-    m = record["metrics"]
+def format_one_line(record: RunRecord) -> str:
+    m = record.metrics
     ratio = m.get("throughput_ratio")
     shown = f"{ratio:.1%}" if isinstance(ratio, (int, float)) else "n/a"
-    tail = f"  ({record['failure_reason']})" if record["failure_reason"] else ""
-    return f"[{record['status']:>10}] {record['run_name']}: throughput retained {shown}{tail}"
+    tail = f"  ({record.failure_reason})" if record.failure_reason else ""
+    return f"[{record.status!s:>10}] {record.run_name}: throughput retained {shown}{tail}"
 
 
-def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> str:
-    m = record["metrics"]
-    facts = record["facts"]
+def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
+    m = record.metrics
+    facts = record.facts
     ratio = m.get("throughput_ratio")
     lines = [
-        f"model        {record['model']} ({resolved['model']['name']})",
-        f"hardware     {record['hardware']} ({resolved['hardware']['name']}, "
+        f"model        {record.model} ({resolved['model']['name']})",
+        f"hardware     {record.hardware} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
         f"budget       {_gb(m.get('budget_bytes'))} "
         f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}) "
         f"of keep-all peak {_gb(m.get('keep_all_peak_bytes'))}",
-        f"planner      {record['planner']} ({record['planner_name']})",
-        f"status       {record['status']}" + (f": {record['failure_reason']}" if record["failure_reason"] else ""),
+        f"planner      {record.planner} ({record.planner_name})",
+        f"status       {record.status!s}" + (f": {record.failure_reason}" if record.failure_reason else ""),
     ]
     if ratio is not None:
         lines += [
@@ -216,7 +210,7 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
             if names:
                 shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
                 lines.append(f"  {key}: {shown}")
-    lines.append(f"run dir      {record['run_dir']}")
-    if record["mlflow_run_id"]:
-        lines.append(f"mlflow run   {record['mlflow_run_id']} ({resolved['tracking']['uri']})")
+    lines.append(f"run dir      {record.run_dir}")
+    if record.mlflow_run_id:
+        lines.append(f"mlflow run   {record.mlflow_run_id} ({resolved['tracking']['uri']})")
     return "\n".join(lines)

@@ -21,12 +21,13 @@ from slackswap.model_config import ModelConfig
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from slackswap.graph_io import write_graph_json
-    from slackswap.profile import build_graph
     from slackswap.profile.report import format_breakdown, write_profile_csv
+    from slackswap.profile.sources import profile_graph
 
     model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     hardware = Hardware.from_dict(OmegaConf.to_container(cfg.hardware, resolve=True))
-    graph = build_graph(model, hardware)
+    profile = OmegaConf.to_container(cfg.profile, resolve=True)
+    graph = profile_graph(profile["source"], model, hardware, **(profile.get("options") or {}))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     write_profile_csv(graph, run_dir / "profile.csv")
     write_graph_json(graph, run_dir / "graph.json")

@@ -71,6 +71,14 @@ class HardwareSchema:
 
 
 @dataclass
+class ProfileSchema:
+    """Where the op graph comes from: a `slackswap.profile.sources` name plus its keyword options."""
+
+    source: str = MISSING
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class PlannerSchema:
     """A planner preset: a registry name plus free-form keyword options for its constructor."""
 
@@ -114,6 +122,7 @@ class ExperimentSchema:
 class SlackSwapConfig:
     model: ModelSchema = MISSING
     hardware: HardwareSchema = MISSING
+    profile: ProfileSchema = MISSING
     planner: PlannerSchema = MISSING
     budget: BudgetSchema = MISSING
     tracking: TrackingSchema = MISSING

@@ -17,15 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.records import RunStatus
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
-
-STATUS_OK = "ok"
-STATUS_INFEASIBLE = "infeasible"
-STATUS_FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -35,6 +32,8 @@ class Inputs:
     budget: Budget
     planner_name: str
     planner_options: Mapping[str, Any]
+    profile_source: str
+    profile_options: Mapping[str, Any]
 
 
 def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
@@ -48,7 +47,12 @@ def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
         budget=Budget.from_dict(resolved["budget"]),
         planner_name=planner["name"],
         planner_options=dict(planner.get("options") or {}),
+        profile_source=resolved["profile"]["source"],
+        profile_options=dict(resolved["profile"].get("options") or {}),
     )
+    from slackswap.profile.sources import check_profile_source
+
+    check_profile_source(inputs.profile_source)
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     return inputs
 
@@ -67,19 +71,21 @@ _BASELINES: dict[str, Baseline] = {}
 
 
 def _baseline_key(resolved: Mapping[str, Any]) -> str:
-    return json.dumps({"model": resolved["model"], "hardware": resolved["hardware"]}, sort_keys=True)
+    return json.dumps(
+        {"model": resolved["model"], "hardware": resolved["hardware"], "profile": resolved["profile"]}, sort_keys=True
+    )
 
 
 def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, bool]:
-    """(baseline, cache_hit). Keyed on the full resolved model and hardware nodes, not preset names."""
+    """(baseline, cache_hit). Keyed on the full resolved model, hardware and profile nodes, not preset names."""
     key = _baseline_key(resolved)
     if key in _BASELINES:
         return _BASELINES[key], True
-    from slackswap.profile import build_graph
+    from slackswap.profile.sources import profile_graph
     from slackswap.simulate.metrics import simulate_ideal
 
     t0 = time.perf_counter()
-    graph = build_graph(inputs.model, inputs.hardware)
+    graph = profile_graph(inputs.profile_source, inputs.model, inputs.hardware, **inputs.profile_options)
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
@@ -91,7 +97,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
 
 @dataclass
 class Outcome:
-    status: str
+    status: RunStatus
     failure_reason: str
     metrics: dict[str, Any]
     timings_s: dict[str, float]
@@ -111,7 +117,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     from slackswap.profile.report import write_profile_csv
     from slackswap.schedule.validate import validate_plan
     from slackswap.simulate import simulate
-    from slackswap.simulate.metrics import compute_metrics
+    from slackswap.simulate.metrics import compute_metrics, planner_infeasible_metrics
     from slackswap.simulate.timeline import write_timeline_png
     from slackswap.simulate.trace import write_trace_json
 
@@ -133,20 +139,9 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     try:
         plan = planner.plan(graph, inputs.hardware, budget_bytes)
     except InfeasibleBudgetError as exc:
-        plan_wall_s = time.perf_counter() - t0
-        # No plan, so nothing to simulate: only the quantities that exist are reported.
-        metrics = {
-            "feasible": False,
-            "infeasible_reason": exc.reason,
-            "budget_bytes": budget_bytes,
-            "keep_all_peak_bytes": keep_all_peak_bytes,
-            "ideal_step_s": ideal.step_s,
-            "plan_wall_s": plan_wall_s,
-        }
-        if exc.min_feasible_bytes is not None:
-            metrics["min_feasible_bytes"] = exc.min_feasible_bytes
+        metrics = planner_infeasible_metrics(exc, ideal, budget_bytes, plan_wall_s=time.perf_counter() - t0)
         _write_json(run_dir / "metrics.json", metrics)
-        return Outcome(STATUS_INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
+        return Outcome(RunStatus.INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
     finally:
         timings["plan_s"] = time.perf_counter() - t0
     plan_wall_s = timings["plan_s"]
@@ -167,8 +162,8 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
     if result.feasible:
-        return Outcome(STATUS_OK, "", metrics, timings, facts)
-    return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+        return Outcome(RunStatus.OK, "", metrics, timings, facts)
+    return Outcome(RunStatus.INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import slackswap
+from pipelines.records import RunStatus
 from pipelines.schemas import REPO_ROOT
 
 #: Tag keys MLflow's UI understands.
@@ -164,5 +165,14 @@ def backfill_bound_gaps(client, frame) -> int:
     return updated
 
 
-def end_run(client, run_id: str, ok: bool) -> None:
-    client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+#: MLflow run status per outcome. Only `ok` finishes; the outcome itself is the `status` tag.
+_MLFLOW_STATUS = {
+    RunStatus.OK: "FINISHED",
+    RunStatus.INFEASIBLE: "FAILED",
+    RunStatus.FAILED: "FAILED",
+    RunStatus.KILLED: "KILLED",
+}
+
+
+def end_run(client, run_id: str, status: RunStatus) -> None:
+    client.set_terminated(run_id, status=_MLFLOW_STATUS[RunStatus(status)])

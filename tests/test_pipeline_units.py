@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,6 +11,8 @@ import pytest
 
 from pipelines import aggregate, tracking
 from pipelines.job import RECORD_FILE
+from pipelines.records import RunRecord, RunStatus
+from slackswap.errors import ConfigError
 
 
 def test_flatten_params_nested_none_and_lists() -> None:
@@ -38,7 +41,7 @@ def _record(
     status: str,
     ratio: float | None,
     bound_step_s: float | None = None,
-) -> dict:
+) -> RunRecord:
     metrics = {
         "keep_all_peak_bytes": 1000,
         "budget_bytes": int(1000 * fraction),
@@ -50,18 +53,39 @@ def _record(
         metrics["step_s"] = 1.0 / ratio
     if bound_step_s is not None:
         metrics["bound_step_s"] = bound_step_s
-    return {
-        "job": job,
-        "model": model,
-        "hardware": "gpu",
-        "planner": planner,
-        "budget_fraction": fraction,
-        "budget_bytes_requested": None,
-        "status": status,
-        "failure_reason": "" if status == "ok" else "planner: does not fit",
-        "mlflow_run_id": None,
-        "metrics": metrics,
-    }
+    return RunRecord(
+        run_name=f"{model}/gpu/{planner}/{fraction:g}",
+        choices={"model": model, "planner": planner},
+        model=model,
+        hardware="gpu",
+        planner=planner,
+        planner_name=planner,
+        budget_fraction=fraction,
+        budget_bytes_requested=None,
+        run_dir=f"/runs/{job}",
+        status=RunStatus(status),
+        failure_reason="" if status == "ok" else "planner: does not fit",
+        metrics=metrics,
+        job=job,
+    )
+
+
+def test_a_run_record_round_trips_through_its_file_and_rejects_what_it_cannot_read(tmp_path) -> None:
+    record = _record("7", "tiny", "slackswap", 0.5, "infeasible", None)
+    (tmp_path / "7").mkdir()
+    path = record.write(tmp_path / "7")
+    assert path.name == RECORD_FILE
+    assert json.loads(path.read_text())["status"] == "infeasible"
+    assert RunRecord.read(path, job="7") == record
+    data = record.to_dict()
+    with pytest.raises(ConfigError, match="run_record.status='done'"):
+        RunRecord.from_dict({**data, "status": "done"})
+    with pytest.raises(ConfigError, match="surprise"):
+        RunRecord.from_dict({**data, "surprise": 1})
+    del data["metrics"]
+    with pytest.raises(ConfigError, match="metrics"):
+        RunRecord.from_dict(data)
+    assert {s.value for s in RunStatus} == {"ok", "infeasible", "failed", "killed"}
 
 
 def test_paper_table_reports_deltas_best_baseline_and_missing_models() -> None:
@@ -112,8 +136,8 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
         _record("3", "tiny", "keep_all", 1.0, "ok", 1.0),
     ]
     for rec in records:
-        (tmp_path / rec["job"]).mkdir()
-        (tmp_path / rec["job"] / RECORD_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "job"}))
+        (tmp_path / rec.job).mkdir()
+        rec.write(tmp_path / rec.job)
     result = aggregate.aggregate_sweep(tmp_path, {})
     assert result.status_counts == {"ok": 3, "infeasible": 1}
     assert not result.paper_table_md
@@ -156,8 +180,8 @@ def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None
         _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
     ]
     for rec, run_id in zip(records, run_ids, strict=True):
-        rec["mlflow_run_id"] = run_id
-        tracking.end_run(client, run_id, ok=rec["status"] == "ok")
+        tracking.end_run(client, run_id, rec.status)
+    records = [dataclasses.replace(rec, mlflow_run_id=run_id) for rec, run_id in zip(records, run_ids, strict=True)]
     frame = aggregate.records_to_frame(records)
     assert tracking.backfill_bound_gaps(client, frame) == 2
     slack = client.get_run(run_ids[0]).data.metrics
@@ -172,6 +196,48 @@ def test_one_requested_fraction_is_one_budget_group_across_models() -> None:
         _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
         _record("1", "gpt2_xl", "slackswap", 0.5, "ok", 0.9),
     ]
-    records[1]["metrics"] |= {"keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)}
+    metrics = {**records[1].metrics, "keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)}
+    records[1] = dataclasses.replace(records[1], metrics=metrics)
     frame = aggregate.records_to_frame(records)
     assert list(frame["budget_share"]) == [0.5, 0.5]
+
+
+def test_metrics_json_has_one_key_set_for_simulated_and_planner_infeasible_runs() -> None:
+    from slackswap.errors import InfeasibleBudgetError
+    from slackswap.schedule import keep_all_plan
+    from slackswap.simulate import simulate
+    from slackswap.simulate.metrics import compute_metrics, planner_infeasible_metrics
+    from slackswap.testing import aliasing_graph, toy_hardware
+
+    graph, hw = aliasing_graph(), toy_hardware()
+    ideal = simulate(graph, keep_all_plan(graph), hw, None)
+    simulated = compute_metrics(simulate(graph, keep_all_plan(graph), hw, 10_000), ideal, plan_wall_s=0.1,
+                                sim_wall_s=0.2)
+    error = InfeasibleBudgetError("too small", min_feasible_bytes=500)
+    infeasible = planner_infeasible_metrics(error, ideal, 100, plan_wall_s=0.1)
+    assert set(simulated) == set(infeasible)
+    assert infeasible["feasible"] is False and infeasible["infeasible_reason"] == "too small"
+    assert infeasible["min_feasible_bytes"] == 500 and infeasible["step_s"] is None
+    assert simulated["feasible"] is True and simulated["min_feasible_bytes"] is None
+
+
+def test_the_profile_source_is_a_config_choice() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from slackswap.model_config import ModelConfig
+    from slackswap.profile import build_graph
+    from slackswap.profile.sources import PROFILE_SOURCES, profile_graph
+    from slackswap.testing import toy_hardware
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    assert yaml.safe_load((conf / "profile/analytic.yaml").read_text()) == {"source": "analytic", "options": {}}
+    assert "analytic" in PROFILE_SOURCES
+    model = ModelConfig.from_dict(yaml.safe_load((conf / "model/tiny.yaml").read_text()))
+    hw = toy_hardware()
+    assert profile_graph("analytic", model, hw) == build_graph(model, hw)
+    with pytest.raises(ConfigError, match="profile.source='torchscript'"):
+        profile_graph("torchscript", model, hw)
+    with pytest.raises(ConfigError, match=r"profile.options \(analytic\)"):
+        profile_graph("analytic", model, hw, trace=True)
