@@ -1,43 +1,46 @@
-"""How long one simulated training step takes as the stack grows (issue 4: < 0.5 s for an 80-layer,
-h=8192 model with a mixed swap/recompute plan, on one core; cost about linear in the number of ops).
+"""The simulator against its peer: our engine vs a linear SimPy model of the same rules, in one run.
 
-Run: `python benchmarks/bench_simulate.py` (pins itself to one CPU where the OS allows). Graph:
-`build_graph` of the Llama-2-70B preset with `num_layers` overridden, on a100_80gb_pcie4. Plan: in
-each layer the saved tensors, in production order, are cycled swap / recompute / keep (recompute only
-for forward-produced tensors; others keep), turned into an explicit schedule by the shared
-`build_schedule` (ALAP prefetch). Budget: that plan's own unlimited peak, the tightest budget it
-meets, so every allocation is checked against a binding limit and the whole step runs (a lower
-budget deadlocks at the loss for this plan: the engine then stops early, which would flatter the
-timing). Timed: `simulate(...)` end to end (validation + copy resolution +
-event loop); validation alone is shown too. Best of several repeats (least disturbed by other load),
-median alongside. Writes benchmarks/results/simulate.json.
+Run: `python benchmarks/bench_simulate.py [--quick]` (pins itself to one CPU). Writes
+benchmarks/results/simulate.json.
+
+Graph: `build_graph` of the Llama-2-70B preset with `num_layers` overridden, on a100_80gb_pcie4. Plan:
+in each layer the saved tensors, in production order, are cycled swap / recompute / keep (recompute only
+for forward-produced tensors; others keep), turned into an explicit schedule by `build_schedule` (ALAP
+prefetch). Budget: that plan's own unlimited peak, the tightest budget it meets, so every allocation is
+checked against a binding limit and the whole step runs.
+
+Timed, interleaved round robin so both sides see the same load (best of N):
+- `simulate`: our end-to-end call (plan validation + copy resolution + event loop + SimResult);
+- `engine`: copy resolution + event loop + SimResult, without the validation rules, which the peer
+  does not check either;
+- `simpy`: `tests/simpy_model.py` (its own copy resolution + SimPy processes), the model the tests
+  hold the engine to, with linear setup.
+Each size also checks that the two agree event for event (same events, start/end within 1e-12 s).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import platform
-import statistics
 import sys
-import time
-from pathlib import Path
 
-import yaml
+REPO_PATH = __import__("pathlib").Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_PATH))
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from slackswap.graph import Graph, Phase  # noqa: E402
+from benchmarks.common import RESULTS, best_of, conf, fit_exponent, machine, pin_one_core  # noqa: E402
+from slackswap.graph import FORWARD_PHASES, Graph  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
 from slackswap.schedule.build import build_schedule  # noqa: E402
-from slackswap.simulate import resolve_schedule, simulate  # noqa: E402
+from slackswap.schedule.validate import _resolve_copies  # noqa: E402
+from slackswap.simulate import simulate  # noqa: E402
+from slackswap.simulate.engine import _execute  # noqa: E402
+from tests.simpy_model import simpy_model  # noqa: E402
 
-LAYERS = (8, 32, 80, 160)
-REPEATS = 5
+LAYERS = (8, 16, 32, 80, 160, 320)
+QUICK_LAYERS = (8, 32, 80, 160, 320)
 CYCLE = (Decision.SWAP, Decision.RECOMPUTE, Decision.KEEP)
 
 
@@ -48,81 +51,91 @@ def mixed_decisions(graph: Graph) -> dict[str, Decision]:
         i = index_in_layer.get(t.layer, 0)
         index_in_layer[t.layer] = i + 1
         decision = CYCLE[i % 3]
-        forward = graph.op_by_name[t.producer].phase in (Phase.FORWARD, Phase.LOSS)
+        forward = graph.op_by_name[t.producer].phase in FORWARD_PHASES
         out[t.name] = Decision.KEEP if decision == Decision.RECOMPUTE and not forward else decision
     return out
 
 
-def best_and_median(fn, args: tuple, repeats: int) -> tuple[float, float, object]:
-    times, value = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        value = fn(*args)
-        times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times), value
+def prepare(layers: int, hw: Hardware) -> dict:
+    """The graph, plan, budget and the three timed callables of one size; checks the peer agrees."""
+    graph = build_graph(ModelConfig.from_dict({**conf("model", "llama2_70b"), "num_layers": layers}), hw)
+    plan = build_schedule(graph, mixed_decisions(graph), planner="bench_mixed", budget_bytes=None, hardware=hw)
+    budget = simulate(graph, plan, hw, None).peak_activation_bytes
+    offload_of = {tr.tensor: k for k, tr in enumerate(plan.offloads)}
+    result = simulate(graph, plan, hw, budget)
+    feasible, peer_events, peer_peak = simpy_model(graph, plan, hw, budget)
+    ours = {(e.stream, e.index): (e.start_s, e.end_s) for e in result.events}
+    assert feasible == result.feasible and peer_peak == result.peak_activation_bytes
+    assert ours.keys() == peer_events.keys(), "the engine and the SimPy peer ran different events"
+    max_diff = max(abs(a - b) for k, v in ours.items() for a, b in zip(v, peer_events[k], strict=True))
+    assert max_diff <= 1e-12 * max(1.0, result.end_s), max_diff
+    return {
+        "row": {
+            "layers": layers,
+            "ops": len(graph.ops),
+            "steps": len(plan.steps),
+            "transfers": len(plan.offloads) + len(plan.prefetches),
+            "events": len(result.events),
+            "memory_samples": len(result.memory_bytes),
+            "feasible": result.feasible,
+            "max_event_time_diff_s": max_diff,
+        },
+        "fns": {
+            "simulate": lambda: simulate(graph, plan, hw, budget),
+            "engine": lambda: _execute(graph, plan, hw, budget, _resolve_copies(graph, plan, offload_of)),
+            "simpy": lambda: simpy_model(graph, plan, hw, budget),
+        },
+    }
 
 
-def main() -> None:
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    model_data = yaml.safe_load((REPO / "conf/model/llama2_70b.yaml").read_text())
-    hw = Hardware.from_dict(yaml.safe_load((REPO / "conf/hardware/a100_80gb_pcie4.yaml").read_text()))
+def run(quick: bool = False) -> dict:
+    cpus = pin_one_core()
+    start = machine()
+    hw = Hardware.from_dict(conf("hardware", "a100_80gb_pcie4"))
+    layers = QUICK_LAYERS if quick else LAYERS
+    repeats = 5 if quick else 9
+    sizes = {n: prepare(n, hw) for n in layers}
+    # One round robin over every (size, side): all of them see the same load over time, so neither
+    # the ratios nor the scaling fit pick up a change of load between sizes.
+    best = best_of({(n, k): fn for n, p in sizes.items() for k, fn in p["fns"].items()}, repeats)
     rows = []
-    for layers in LAYERS:
-        graph = build_graph(ModelConfig.from_dict({**model_data, "num_layers": layers}), hw)
-        decisions = mixed_decisions(graph)
-        plan = build_schedule(graph, decisions, planner="bench_mixed", budget_bytes=None, hardware=hw)
-        budget = simulate(graph, plan, hw, None).peak_activation_bytes
-        sim_best, sim_median, result = best_and_median(simulate, (graph, plan, hw, budget), REPEATS)
-        val_best, _, _ = best_and_median(resolve_schedule, (graph, plan), REPEATS)
-        n_events = len(result.events) + len(result.memory_bytes)
-        rows.append(
-            {
-                "layers": layers,
-                "hidden_size": model_data["hidden_size"],
-                "ops": len(graph.ops),
-                "steps": len(plan.steps),
-                "transfers": len(plan.offloads) + len(plan.prefetches),
-                "swapped_tensors": result.swapped_tensors,
-                "recomputed_tensors": result.recomputed_tensors,
-                "events": n_events,
-                "feasible": result.feasible,
-                "step_s": result.step_s,
-                "stall_memory_s": result.stall_memory_s,
-                "simulate_best_s": sim_best,
-                "simulate_median_s": sim_median,
-                "validate_best_s": val_best,
-                "us_per_op": sim_best / len(graph.ops) * 1e6,
-            }
-        )
-    header = (
-        f"{'layers':>6} {'ops':>6} {'steps':>6} {'xfers':>6} {'swap':>5} {'recomp':>6} {'events':>7} "
-        f"{'feasible':>8} {'sim best s':>10} {'median s':>9} {'validate s':>10} {'us/op':>6}"
-    )
-    print(header)
+    for n, p in sizes.items():
+        row = p["row"]
+        for k in ("simulate", "engine", "simpy"):
+            row[f"{k}_best_s"] = best[n, k]
+            row[f"{k}_us_per_op"] = best[n, k] / row["ops"] * 1e6
+        row["ratio_simpy_over_engine"] = best[n, "simpy"] / best[n, "engine"]
+        row["ratio_simpy_over_simulate"] = best[n, "simpy"] / best[n, "simulate"]
+        rows.append(row)
+    print(f"{'layers':>6} {'ops':>6} {'events':>7} {'simulate ms':>11} {'engine ms':>9} {'simpy ms':>9} "
+          f"{'simpy/engine':>12} {'simpy/sim':>9} {'us/op sim':>9} {'us/op eng':>9}")
     for r in rows:
-        print(
-            f"{r['layers']:>6} {r['ops']:>6} {r['steps']:>6} {r['transfers']:>6} {r['swapped_tensors']:>5} "
-            f"{r['recomputed_tensors']:>6} {r['events']:>7} {r['feasible']!s:>8} {r['simulate_best_s']:>10.4f} "
-            f"{r['simulate_median_s']:>9.4f} {r['validate_best_s']:>10.4f} {r['us_per_op']:>6.1f}"
-        )
+        print(f"{r['layers']:>6} {r['ops']:>6} {r['events']:>7} {r['simulate_best_s'] * 1e3:>11.2f} "
+              f"{r['engine_best_s'] * 1e3:>9.2f} {r['simpy_best_s'] * 1e3:>9.2f} {r['ratio_simpy_over_engine']:>12.2f} "
+              f"{r['ratio_simpy_over_simulate']:>9.2f} {r['simulate_us_per_op']:>9.2f} {r['engine_us_per_op']:>9.2f}")
+    xs = [r["layers"] for r in rows]
+    exponents = {k: fit_exponent(xs, [r[f"{k}_best_s"] for r in rows]) for k in ("simulate", "engine", "simpy")}
+    print("scaling exponent (time ~ layers^k): " + ", ".join(f"{k} {v:.2f}" for k, v in exponents.items()))
     out = {
         "benchmark": "simulate",
         "model": "llama2_70b (num_layers overridden)",
         "hardware": "a100_80gb_pcie4",
         "plan": "per layer cycle swap/recompute/keep over saved tensors; build_schedule (alap); "
         "budget = plan's own unlimited peak",
-        "repeats": REPEATS,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "target": "80 layers < 0.5 s on one core",
+        "peer": "tests/simpy_model.py (linear SimPy model of the same rules), timed interleaved",
+        "repeats": repeats,
+        "cpu_affinity": cpus,
+        "machine_at_start": start,
+        "machine_at_end": machine(),
         "rows": rows,
+        "exponents": exponents,
     }
-    path = REPO / "benchmarks/results/simulate.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path.relative_to(REPO)}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "simulate.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    run(parser.parse_args().quick)

@@ -35,6 +35,11 @@ METRIC_COLUMNS = (
     "sim_wall_s",
     "feasible",
     "bound_step_s",
+    "static_bytes",
+    "headroom_bytes",
+    "peak_reserved_bytes",
+    "fragmentation_share",
+    "fits_reserved",
 )
 
 #: Rows that share these simulated the same graph on the same hardware at the same budget, so a lower
@@ -170,6 +175,7 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
         f"ours ({ours_planner})",
         "delta (pp)",
         "gap to optimum",
+        "reserved peak GiB (fits)",
         "best other planner",
         "status",
     ]
@@ -177,7 +183,7 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
     for model, paper_value in reference.items():
         mine = frame[(frame["model"] == model) & (frame["planner"] == ours_planner)]
         if mine.empty:
-            rows.append([model, "-", "-", _fmt(paper_value, "pct"), "not run", "-", "-", "-", "missing"])
+            rows.append([model, "-", "-", _fmt(paper_value, "pct"), "not run", "-", "-", "-", "-", "missing"])
             continue
         for r in mine.itertuples():
             others = frame[
@@ -204,6 +210,7 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
                     _fmt(r.throughput_ratio, "pct") if ok else "-",
                     delta,
                     _fmt(r.gap_to_bound, "gap") if ok else "-",
+                    _reserved_cell(r) if ok else "-",
                     best,
                     status,
                 ]  # fmt: skip
@@ -215,7 +222,31 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
         "Gap to optimum: step time over the best lower bound on step time reported for the same problem "
         "(the milp planner's `bound_step_s`), minus one; '-' where no bound was computed.\n"
     )
-    return title + markdown_table(header, rows) + note + _planner_margins(frame, list(reference), ours_planner)
+    tables = markdown_table(header, rows) + note + _fragmentation_note(frame[frame["model"].isin(list(reference))])
+    return title + tables + _planner_margins(frame, list(reference), ours_planner)
+
+
+def _reserved_cell(r: Any) -> str:
+    """Reserved peak of the caching-allocator model and whether it fits the budget; '-' when not modelled."""
+    reserved = getattr(r, "peak_reserved_bytes", None)
+    if reserved is None or (isinstance(reserved, float) and math.isnan(reserved)):
+        return "-"
+    fits = "fits" if bool(r.fits_reserved) else "over budget"
+    return f"{_fmt(reserved, 'gib')} ({fits}, {r.fragmentation_share:.1%} fragmentation)"
+
+
+def _fragmentation_note(frame: pd.DataFrame) -> str:
+    """How many of the plans that fit byte-exactly still fit once the caching allocator is counted."""
+    ok = frame[(frame["status"] == "ok") & frame["fits_reserved"].notna()]
+    if ok.empty:
+        return ""
+    still = int(ok["fits_reserved"].astype(bool).sum())
+    rest = "" if still == len(ok) else "; the others' reserved peak exceeds the budget"
+    return (
+        f"\nOnce fragmentation is counted (simulate.allocator=caching: PyTorch's caching allocator, "
+        f"docs/memory.md), {still} of the {len(ok)} plans that fit their budget byte-exactly "
+        f"({still / len(ok):.0%}) still fit{rest}.\n"
+    )
 
 
 def _planner_margins(frame: pd.DataFrame, models: Sequence[str], ours_planner: str) -> str:
@@ -263,7 +294,9 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
+    percent = PercentFormatter(xmax=1.0, decimals=0)
     panels = list(frame.groupby(["model", "hardware"], sort=True))
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
@@ -282,9 +315,11 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
             ax.plot(ok["budget_share"], ok["throughput_ratio"], "o-", color=colors[planner], label=planner, ms=4)
             ax.plot(bad["budget_share"], [floor] * len(bad), "x", color=colors[planner], ms=7)
         ax.set_title(f"{model} on {hardware}", fontsize=10)
-        ax.set_xlabel("activation budget / keep-all peak")
-        ax.set_ylabel("throughput retained")
+        ax.set_xlabel("activation budget (% of the keep-all peak)")
+        ax.set_ylabel("throughput retained (% of ideal)")
         ax.set_ylim(floor, 1.01)
+        ax.xaxis.set_major_formatter(percent)
+        ax.yaxis.set_major_formatter(percent)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
@@ -301,7 +336,9 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
+    percent = PercentFormatter(xmax=1.0, decimals=0)
     budgets = sorted(frame["budget_share"].dropna().unique())
     planners = sorted(frame["planner"].unique())
     n_workloads = frame.groupby(["model", "hardware"]).ngroups
@@ -321,7 +358,8 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
             ax.bar(xs, heights, width=width, label=planner, color=plt.cm.tab10(i % 10))
         ax.set_xticks(range(len(workloads)), [f"{m}\n{h}" for m, h in workloads], fontsize=8)
         ax.set_ylim(0, 1.05)
-        ax.set_ylabel("throughput retained")
+        ax.set_ylabel("throughput retained (% of ideal)")
+        ax.yaxis.set_major_formatter(percent)
         ax.set_title(f"budget = {budget:.0%} of keep-all peak (no bar: infeasible or failed)", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -330,7 +368,9 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any]) -> AggregateResult:
+def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any], plots: bool = True) -> AggregateResult:
+    """summary.csv, summary.md, paper_table.md (when the experiment has a reference) and, unless
+    `plots` is False (`plots=none`), the two sweep plots."""
     records = load_records(sweep_dir)
     if not records:
         raise RuntimeError(f"no {RECORD_FILE} under {sweep_dir}/*/: no job of this sweep finished")
@@ -339,9 +379,10 @@ def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any]) -> Aggregate
     frame.to_csv(files[0], index=False)
     summary_md = summary_markdown(frame)
     files[1].write_text(summary_md)
-    plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
-    plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
-    files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
+    if plots:
+        plot_throughput_vs_budget(frame, sweep_dir / "throughput_vs_budget.png")
+        plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
+        files += [sweep_dir / "throughput_vs_budget.png", sweep_dir / "planner_comparison.png"]
     paper_md = paper_table(frame, experiment)
     if paper_md:
         (sweep_dir / "paper_table.md").write_text(paper_md)

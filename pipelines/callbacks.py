@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import aggregate, tracking
-from pipelines.job import PARENT_FILE
-from pipelines.records import RunStatus
+from pipelines import presentation, tracking
+from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
+from pipelines.records import RunRecord, RunStatus
+from pipelines.schemas import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +47,37 @@ class SweepCallback(Callback):
                 return
             client = tracking.open_client(track["uri"])
             experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
-            experiment_name = OmegaConf.select(config, "experiment.name")
+            experiment = OmegaConf.to_container(config.experiment, resolve=True)
+            params_node = OmegaConf.select(config, "hydra.sweeper.params")
+            sweeper_params = OmegaConf.to_container(params_node, resolve=False) if params_node else {}
+            task_overrides = list(config.hydra.overrides.task)
+            varying = presentation.sweep_keys(task_overrides, sweeper_params)
+            swept = _swept_text(varying, sweeper_params, task_overrides)
+            note = presentation.sweep_description(experiment, swept)
             run_id = tracking.start_run(
                 client,
                 experiment_id,
-                run_name=f"sweep:{experiment_name}:{sweep_dir.name}",
-                tags={"sweep_dir": str(sweep_dir.resolve()), "experiment_preset": str(experiment_name)},
+                run_name=f"{experiment['name']}{presentation.SEPARATOR}{datetime.now():%Y-%m-%d %H:%M:%S}",
+                tags={
+                    "sweep_dir": _portable_path(sweep_dir),
+                    "experiment_preset": str(experiment["name"]),
+                    tracking.NOTE_TAG: note,
+                },
                 parent_run_id=None,
             )
-            tracking.log_params(client, run_id, {"sweep.overrides": " ".join(config.hydra.overrides.task)})
+            tracking.set_experiment_description(client, experiment_id, note)
+            tracking.log_params(client, run_id, {f"sweep.{key}": value for key, value in swept.items()})
             (sweep_dir / PARENT_FILE).write_text(
-                json.dumps({"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": track["uri"]}, indent=2)
+                json.dumps(
+                    {
+                        "run_id": run_id,
+                        "experiment_id": experiment_id,
+                        "tracking_uri": track["uri"],
+                        "artifact_root": track["artifact_location"],
+                        "varying": varying,
+                    },
+                    indent=2,
+                )
             )
             log.info("MLflow parent run %s in experiment %r (%s)", run_id, track["experiment"], track["uri"])
         except Exception:
@@ -66,7 +89,10 @@ class SweepCallback(Callback):
             HydraConfig.instance().set_config(config)
             sweep_dir = Path(config.hydra.sweep.dir)
             experiment = OmegaConf.to_container(config.experiment, resolve=True)
-            result = aggregate.aggregate_sweep(sweep_dir, experiment)
+            from pipelines import aggregate  # pandas (~0.4 s to import) only when a sweep aggregates
+
+            plots = OmegaConf.select(config, "plots", default="auto")
+            result = aggregate.aggregate_sweep(sweep_dir, experiment, plots=plots != "none")
             print(result.summary_md)
             if result.paper_table_md:
                 print(result.paper_table_md)
@@ -86,10 +112,76 @@ class SweepCallback(Callback):
                 },
             )
             tracking.backfill_bound_gaps(client, result.table)
-            for path in result.files:
-                client.log_artifact(parent["run_id"], str(path))
+            experiment = OmegaConf.to_container(config.experiment, resolve=True)
+            swept = place_params(client, parent["run_id"], sweep_dir, aggregate.load_records(sweep_dir))
+            tracking.store_artifacts(client, parent["run_id"], list(result.files), parent.get("artifact_root"))
+            link = f"#/experiments/{parent['experiment_id']}/runs/{parent['run_id']}/artifacts/" + (
+                "paper_table.md" if result.paper_table_md else "summary.md"
+            )
+            note = presentation.sweep_description(
+                experiment, swept, parent_link=link, results_md=result.paper_table_md or result.summary_md
+            )
+            tracking.log_tags(client, parent["run_id"], {tracking.NOTE_TAG: note})
+            tracking.set_experiment_description(client, parent["experiment_id"], note)
             tracking.end_run(client, parent["run_id"], RunStatus.OK)
+            print(ui_hint(parent))
             print(f"aggregate: {sweep_dir} (MLflow parent run {parent['run_id']})")
         except Exception:
             log.exception("SweepCallback.on_multirun_end failed: the sweep was not aggregated")
             raise
+
+
+def _portable_path(path: Path) -> str:
+    """`path` relative to the repository when it lies inside it: no path of one machine in a tag."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else path.name
+
+
+def _swept_text(varying: Sequence[str], sweeper_params: Mapping[str, Any], task: Sequence[str]) -> dict[str, str]:
+    """{key: the sweep's value as written} for the description before any job ran."""
+    written = {str(k): str(v) for k, v in sweeper_params.items()}
+    for override in task:
+        key, _, value = override.partition("=")
+        written[key.lstrip("+~")] = value
+    return {key: written.get(key, "?") for key in presentation.planner_first(varying)}
+
+
+def place_params(client, parent_run_id: str, sweep_dir: Path, records: Sequence[RunRecord]) -> dict[str, str]:
+    """Log the params constant over the sweep once, on the parent, and on each child the keys that
+    vary that it does not carry yet (a child logs only filter keys and swept leaves while it runs).
+    Returns {varying key: its values} for the description."""
+    per_job: list[dict[str, str]] = []
+    run_ids: list[str | None] = []
+    for record in records:
+        path = sweep_dir / record.job / RESOLVED_CONFIG_FILE
+        if not path.is_file():
+            continue
+        resolved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        per_job.append(presentation.config_params(tracking.flatten_params(resolved)))
+        run_ids.append(record.mlflow_run_id)
+    constant, varying = presentation.split_params(per_job)
+    tracking.log_params(client, parent_run_id, constant)
+    for run_id, params in zip(run_ids, per_job, strict=True):
+        if not run_id:
+            continue
+        logged = client.get_run(run_id).data.params
+        missing = {k: v for k, v in params.items() if k in varying and k not in logged}
+        if missing:
+            tracking.log_params(client, run_id, missing)
+    values: dict[str, str] = {}
+    for key in presentation.planner_first(sorted(varying)):
+        seen = list(dict.fromkeys(job[key] for job in per_job if key in job))
+        if key.endswith(".source") or len(seen) > 12:
+            continue
+        values[key] = ", ".join(seen)
+    return values
+
+
+def ui_hint(parent: Mapping[str, Any]) -> str:
+    """The command that serves this store and the URL of the runs view (not the GenAI start page)."""
+    uri = parent["tracking_uri"]
+    url = f"#/experiments/{parent['experiment_id']}/runs?workflowType=machine_learning"
+    if uri.startswith("http"):
+        return f"MLflow UI: {uri.rstrip('/')}/{url}"
+    destination = f" --artifacts-destination {parent['artifact_root']}" if parent.get("artifact_root") else ""
+    return f"MLflow UI: mlflow ui --workers 1 --backend-store-uri {uri}{destination}\n  then open http://127.0.0.1:5000/{url}"

@@ -26,7 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import stages, tracking
+from pipelines import presentation, stages, tracking
+from pipelines.presentation import gib
 from pipelines.records import RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
 
@@ -57,13 +58,7 @@ class JobContext:
         )
 
 
-def run_name(choices: Mapping[str, str], resolved: Mapping[str, Any]) -> str:
-    budget = resolved["budget"]
-    label = f"{budget['fraction']:g}" if budget.get("fraction") is not None else f"{budget.get('bytes')}B"
-    return f"{choices.get('model', '?')}/{choices.get('hardware', '?')}/{choices.get('planner', '?')}/{label}"
-
-
-def read_parent(sweep_dir: Path) -> dict[str, str]:
+def read_parent(sweep_dir: Path) -> dict[str, Any]:
     path = sweep_dir / PARENT_FILE
     if not path.is_file():
         raise RuntimeError(
@@ -79,7 +74,10 @@ def run_job(cfg: DictConfig) -> RunRecord:
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(OmegaConf.to_yaml(resolved))
-    name = run_name(ctx.choices, resolved)
+    track = resolved["tracking"]
+    parent = read_parent(ctx.sweep_dir) if ctx.multirun and track["enabled"] else None
+    # Planner first, then only what varies in the sweep (all four parts for a single run).
+    name = presentation.run_name(parent.get("varying") if parent else None, ctx.choices, resolved)
     record = RunRecord(
         run_name=name,
         choices=dict(ctx.choices),
@@ -95,26 +93,37 @@ def run_job(cfg: DictConfig) -> RunRecord:
 
     config_error: ConfigError | None = None
     try:
-        inputs = stages.validate_inputs(resolved)
+        inputs = stages.validate_inputs(resolved, ctx.multirun)
     except ConfigError as exc:
         if not ctx.multirun:
             raise
         config_error = exc
 
-    track = resolved["tracking"]
     client = run_id = None
+    artifact_root = track["artifact_location"]
     if track["enabled"]:
         t0 = time.perf_counter()
-        if ctx.multirun:
-            parent = read_parent(ctx.sweep_dir)
+        flat = presentation.config_params(tracking.flatten_params(resolved))
+        if parent is not None:
             client = tracking.open_client(parent["tracking_uri"])
             experiment_id, parent_run_id = parent["experiment_id"], parent["run_id"]
+            artifact_root = parent.get("artifact_root", artifact_root)
+            # Constants go to the parent at the end of the sweep (callbacks.SweepCallback): a child
+            # carries the filter keys and what its sweep varies.
+            params = presentation.filter_params(ctx.choices, record.planner, resolved)
+            params |= presentation.swept_value_params(parent.get("varying", ()), flat)
         else:
             client = tracking.open_client(track["uri"])
             experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
             parent_run_id = None
+            params = presentation.filter_params(ctx.choices, record.planner, resolved) | flat
         run_id = tracking.start_run(client, experiment_id, name, _choice_tags(ctx.choices), parent_run_id)
-        tracking.log_params(client, run_id, tracking.flatten_params(resolved))
+        tracking.log_params(client, run_id, params)
+        tracking.log_presets(
+            client,
+            run_id,
+            {g: (ctx.choices.get(g, resolved[g]["name"]), resolved[g]) for g in ("model", "hardware")},
+        )
         record = replace(record, mlflow_run_id=run_id)
         timings["mlflow_start_s"] = time.perf_counter() - t0
 
@@ -135,13 +144,15 @@ def run_job(cfg: DictConfig) -> RunRecord:
     if client is not None:
         t0 = time.perf_counter()
         try:
-            tracking.log_metrics(client, run_id, record.metrics)
-            tracking.log_tags(
-                client,
-                run_id,
-                {"status": record.status, "failure_reason": _clip(record.failure_reason)},
-            )
-            tracking.log_artifacts(client, run_id, ctx.run_dir)
+            tracking.log_metrics(client, run_id, presentation.with_units(record.metrics))
+            tags = {
+                "status": record.status,
+                tracking.NOTE_TAG: presentation.child_description(record.to_dict(), resolved),
+            }
+            if record.failure_reason:
+                tags["reason"] = _clip(record.failure_reason)
+            tracking.log_tags(client, run_id, tags)
+            tracking.store_artifacts(client, run_id, ctx.run_dir, artifact_root)
         finally:
             tracking.end_run(client, run_id, record.status)
         timings["mlflow_log_s"] = time.perf_counter() - t0
@@ -169,10 +180,6 @@ def _clip(text: str) -> str:
     return text[:MAX_TAG_CHARS] + f" ... [truncated; full text in {RECORD_FILE}]"
 
 
-def _gb(value: Any) -> str:
-    return "n/a" if value is None else f"{value / 1e9:.3f} GB"
-
-
 def format_one_line(record: RunRecord) -> str:
     m = record.metrics
     ratio = m.get("throughput_ratio")
@@ -189,9 +196,9 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         f"model        {record.model} ({resolved['model']['name']})",
         f"hardware     {record.hardware} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
-        f"budget       {_gb(m.get('budget_bytes'))} "
+        f"budget       {gib(m.get('budget_bytes'))} "
         f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}) "
-        f"of keep-all peak {_gb(m.get('keep_all_peak_bytes'))}",
+        f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
         f"planner      {record.planner} ({record.planner_name})",
         f"status       {record.status!s}" + (f": {record.failure_reason}" if record.failure_reason else ""),
     ]
@@ -199,9 +206,9 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         lines += [
             f"throughput   {ratio:.2%} of ideal",
             f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
-            f"peak memory  {_gb(m.get('peak_activation_bytes'))} of budget {_gb(m.get('budget_bytes'))}",
-            f"swapped      {m.get('swapped_tensors')} tensors, {_gb(m.get('d2h_bytes'))} d2h, "
-            f"{_gb(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
+            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}",
+            f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
+            f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
             f"recomputed   {m.get('recomputed_tensors')} tensors, "
             f"{m.get('recompute_s', float('nan')):.4f} s extra compute",
         ]

@@ -68,6 +68,7 @@ class HardwareSchema:
     hbm_efficiency: float = MISSING
     launch_overhead_s: float = MISSING
     source: str = ""
+    sku: str = ""
 
 
 @dataclass
@@ -92,6 +93,35 @@ class BudgetSchema:
 
     fraction: float | None = None
     bytes: int | None = None
+    device: bool = False
+    reserve_bytes: int = 1 << 30
+
+
+@dataclass
+class TrainingSchema:
+    """The training recipe (`slackswap.memory.training.TrainingConfig`): static memory per GPU."""
+
+    optimizer: str = "adamw"
+    precision: str = "mixed"
+    grad_buffers: str = "param"
+    zero_stage: int = 3
+    zero_shards: int = 1
+
+
+@dataclass
+class SimulateSchema:
+    """Simulator options that do not change the plan (`allocator`) and how planners meet the budget.
+
+    - allocator: none (byte-exact, as before) or caching (replay through PyTorch's caching allocator
+      model: peak_reserved_bytes, fragmentation_share, fits_reserved).
+    - plan_against: allocated (plan for the budget as given) or reserved (replan with a smaller budget
+      until the caching allocator's reserved memory fits the budget; needs allocator=caching).
+    - plan_margin_fraction: the planner sees budget x (1 - margin), keeping that share free.
+    """
+
+    allocator: str = "none"
+    plan_against: str = "allocated"
+    plan_margin_fraction: float = 0.0
 
 
 @dataclass
@@ -125,8 +155,14 @@ class SlackSwapConfig:
     profile: ProfileSchema = MISSING
     planner: PlannerSchema = MISSING
     budget: BudgetSchema = MISSING
+    training: TrainingSchema = MISSING
     tracking: TrackingSchema = MISSING
+    simulate: SimulateSchema = field(default_factory=SimulateSchema)
     experiment: ExperimentSchema = field(default_factory=ExperimentSchema)
+    #: Which figures to draw (docs/pipeline.md, "Plots"): "all" (every run's timeline.png and the sweep
+    #: plots), "summary" (only the sweep plots), "none", or "auto": all for a single run, summary for
+    #: the jobs of a sweep (a timeline costs more than a fast job's own work).
+    plots: str = "auto"
 
 
 def register() -> None:

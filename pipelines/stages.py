@@ -21,8 +21,21 @@ from pipelines.records import RunStatus
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
+from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
+
+PLOT_LEVELS: tuple[str, ...] = ("auto", "all", "summary", "none")
+
+
+def plot_level(resolved: Mapping[str, Any], multirun: bool) -> str:
+    """The effective `plots` level of a job: "all", "summary" or "none" ("auto" depends on the mode)."""
+    level = resolved.get("plots", "auto")
+    if level not in PLOT_LEVELS:
+        raise ConfigError("plots", level, f"must be one of {', '.join(PLOT_LEVELS)}")
+    if level == "auto":
+        return "summary" if multirun else "all"
+    return level
 
 
 @dataclass(frozen=True)
@@ -32,11 +45,37 @@ class Inputs:
     budget: Budget
     planner_name: str
     planner_options: Mapping[str, Any]
-    profile_source: str
-    profile_options: Mapping[str, Any]
+    profile_source: str = "analytic"
+    profile_options: Mapping[str, Any] = field(default_factory=dict)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    allocator: str = "none"
+    plan_against: str = "allocated"
+    plan_margin_fraction: float = 0.0
+    #: Draw this run's timeline.png (plots level "all").
+    draw_timeline: bool = True
 
 
-def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
+ALLOCATORS = ("none", "caching")
+PLAN_AGAINST = ("allocated", "reserved")
+
+
+def _simulate_options(node: Mapping[str, Any]) -> dict[str, Any]:
+    node = dict(node or {})
+    allocator = node.get("allocator", "none")
+    against = node.get("plan_against", "allocated")
+    margin = node.get("plan_margin_fraction", 0.0)
+    if allocator not in ALLOCATORS:
+        raise ConfigError("simulate.allocator", allocator, f"unknown allocator model; known: {ALLOCATORS}")
+    if against not in PLAN_AGAINST:
+        raise ConfigError("simulate.plan_against", against, f"must be one of {PLAN_AGAINST}")
+    if against == "reserved" and allocator != "caching":
+        raise ConfigError("simulate.plan_against", against, "needs simulate.allocator=caching")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError("simulate.plan_margin_fraction", margin, "must be in [0, 1)")
+    return {"allocator": allocator, "plan_against": against, "plan_margin_fraction": float(margin)}
+
+
+def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inputs:
     """All value checks of a job, before any work starts. Raises `ConfigError` naming the field."""
     planner = resolved["planner"]
     if not isinstance(planner.get("name"), str) or not planner["name"]:
@@ -49,11 +88,15 @@ def validate_inputs(resolved: Mapping[str, Any]) -> Inputs:
         planner_options=dict(planner.get("options") or {}),
         profile_source=resolved["profile"]["source"],
         profile_options=dict(resolved["profile"].get("options") or {}),
+        training=TrainingConfig.from_dict(resolved.get("training") or {}),
+        **_simulate_options(resolved.get("simulate")),
+        draw_timeline=plot_level(resolved, multirun) == "all",
     )
+    inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
+    inputs.training.check_model_dtype(inputs.model.dtype)
     from slackswap.profile.sources import check_profile_source
 
     check_profile_source(inputs.profile_source)
-    inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     return inputs
 
 
@@ -71,13 +114,15 @@ _BASELINES: dict[str, Baseline] = {}
 
 
 def _baseline_key(resolved: Mapping[str, Any]) -> str:
-    return json.dumps(
-        {"model": resolved["model"], "hardware": resolved["hardware"], "profile": resolved["profile"]}, sort_keys=True
-    )
+    # The training recipe shapes the optimizer-step ops (when the model includes them).
+    node = {"model": resolved["model"], "hardware": resolved["hardware"], "training": resolved.get("training"),
+            "profile": resolved["profile"]}
+    return json.dumps(node, sort_keys=True)
 
 
 def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, bool]:
-    """(baseline, cache_hit). Keyed on the full resolved model, hardware and profile nodes, not preset names."""
+    """(baseline, cache_hit). Keyed on the full resolved model, hardware, training and profile nodes,
+    not preset names."""
     key = _baseline_key(resolved)
     if key in _BASELINES:
         return _BASELINES[key], True
@@ -85,7 +130,9 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
     from slackswap.simulate.metrics import simulate_ideal
 
     t0 = time.perf_counter()
-    graph = profile_graph(inputs.profile_source, inputs.model, inputs.hardware, **inputs.profile_options)
+    graph = profile_graph(
+        inputs.profile_source, inputs.model, inputs.hardware, inputs.training, **inputs.profile_options
+    )
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
@@ -106,19 +153,19 @@ class Outcome:
 
 
 def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings: dict[str, float]) -> Outcome:
-    """Run the stages and write profile.csv, graph.json, plan.json, metrics.json, trace.json, timeline.png.
+    """Run the stages and write profile.csv, graph.json, plan.json, metrics.json, trace.json, and
+    timeline.png unless the plots level leaves it out.
 
     `timings` is filled as each stage finishes, so a job that fails midway still reports where its
     time went.
     """
     from slackswap.graph_io import write_graph_json
+    from slackswap.memory.fit import plan_and_simulate
+    from slackswap.memory.static import capacity_reason
     from slackswap.plan_io import write_plan_json
     from slackswap.planners.registry import get_planner
     from slackswap.profile.report import write_profile_csv
-    from slackswap.schedule.validate import validate_plan
-    from slackswap.simulate import simulate
-    from slackswap.simulate.metrics import compute_metrics, planner_infeasible_metrics
-    from slackswap.simulate.timeline import write_timeline_png
+    from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
     from slackswap.simulate.trace import write_trace_json
 
     base, hit = baseline(inputs, resolved)
@@ -132,38 +179,114 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     timings["write_profile_s"] = time.perf_counter() - t0
 
     keep_all_peak_bytes = int(ideal.peak_activation_bytes)
-    budget_bytes = inputs.budget.resolve_bytes(keep_all_peak_bytes)
+    capacity = device_capacity(inputs)
+    static_metrics = _static_metrics(capacity)
+    if inputs.budget.device and not capacity.fits:
+        # Static memory alone fills the device: a result (infeasible), reported term by term.
+        reason = capacity_reason(capacity, _suggest_shards(inputs))
+        metrics = _write_metrics(run_dir, unsimulated_metrics(ideal, None, reason), static_metrics,
+                                 capacity.activation_capacity_bytes)
+        return Outcome(RunStatus.INFEASIBLE, f"device memory: {reason}", metrics, timings)
+    budget_bytes = inputs.budget.resolve_bytes(keep_all_peak_bytes, capacity.activation_capacity_bytes)
     planner = get_planner(inputs.planner_name, **inputs.planner_options)
 
     t0 = time.perf_counter()
     try:
-        plan = planner.plan(graph, inputs.hardware, budget_bytes)
+        fitted = plan_and_simulate(
+            planner,
+            graph,
+            inputs.hardware,
+            budget_bytes,
+            allocator=inputs.allocator == "caching",
+            plan_against=inputs.plan_against,
+            margin_fraction=inputs.plan_margin_fraction,
+        )
     except InfeasibleBudgetError as exc:
-        metrics = planner_infeasible_metrics(exc, ideal, budget_bytes, plan_wall_s=time.perf_counter() - t0)
-        _write_json(run_dir / "metrics.json", metrics)
+        plan_wall_s = time.perf_counter() - t0
+        timings["plan_s"] = plan_wall_s
+        # No plan, so nothing to simulate: the simulated quantities are null.
+        core = unsimulated_metrics(ideal, budget_bytes, exc.reason, min_feasible_bytes=exc.min_feasible_bytes,
+                                   plan_wall_s=plan_wall_s)
+        metrics = _write_metrics(run_dir, core, static_metrics, capacity.activation_capacity_bytes)
         return Outcome(RunStatus.INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
-    finally:
-        timings["plan_s"] = time.perf_counter() - t0
-    plan_wall_s = timings["plan_s"]
+    plan, result, report = fitted.plan, fitted.result, fitted.report
+    timings["plan_s"] = plan_wall_s = fitted.plan_wall_s
+    timings["sim_s"] = sim_wall_s = fitted.sim_wall_s
     write_plan_json(plan, run_dir / "plan.json")
 
-    validate_plan(graph, plan)
+    extra: dict[str, Any] = {}
+    peak = int(result.peak_activation_bytes)
+    if report is not None:
+        extra |= report.metrics()
+        peak = report.peak_reserved_bytes
+    if fitted.planning_budget_bytes != budget_bytes:
+        extra |= {"planning_budget_bytes": fitted.planning_budget_bytes, "planning_rounds": fitted.rounds}
     t0 = time.perf_counter()
-    result = simulate(graph, plan, inputs.hardware, budget_bytes)
-    sim_wall_s = time.perf_counter() - t0
-    timings["sim_s"] = sim_wall_s
-
-    metrics = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
-    t0 = time.perf_counter()
-    _write_json(run_dir / "metrics.json", metrics)
+    # Headroom: what the device has left at this run's peak (reserved peak when the allocator is modelled).
+    metrics = _write_metrics(run_dir, compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s),
+                             static_metrics, capacity.activation_capacity_bytes - peak, extra)
     write_trace_json(result, run_dir / "trace.json")
-    write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
     timings["write_results_s"] = time.perf_counter() - t0
+    if inputs.draw_timeline:
+        from slackswap.simulate.timeline import write_timeline_png
+
+        t0 = time.perf_counter()
+        write_timeline_png(result, run_dir / "timeline.png", budget_bytes)
+        timings["write_timeline_s"] = time.perf_counter() - t0
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
     if result.feasible:
         return Outcome(RunStatus.OK, "", metrics, timings, facts)
     return Outcome(RunStatus.INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+
+
+def device_capacity(inputs: Inputs) -> Any:
+    """Device memory - reserve - static training state per GPU (`slackswap.memory.static`)."""
+    from slackswap.memory.static import DeviceCapacity, static_memory
+    from slackswap.profile import parameter_counts
+
+    static = static_memory(*parameter_counts(inputs.model), inputs.training, inputs.model.dtype)
+    return DeviceCapacity(inputs.hardware.device_memory_bytes, inputs.budget.reserve_bytes, static)
+
+
+def _suggest_shards(inputs: Inputs) -> tuple[int, int] | None:
+    from slackswap.memory.static import smallest_fitting_shards
+    from slackswap.profile import parameter_counts
+
+    return smallest_fitting_shards(
+        *parameter_counts(inputs.model),
+        inputs.training,
+        inputs.model.dtype,
+        inputs.hardware.device_memory_bytes,
+        inputs.budget.reserve_bytes,
+    )
+
+
+def _static_metrics(capacity: Any) -> dict[str, Any]:
+    """Static bytes per GPU by term, and the device's split: reported by every run, whatever the budget."""
+    static = capacity.static
+    return {
+        "static_bytes": static.total_bytes,
+        **{f"static_{name}": value for name, value in static.terms().items()},
+        "num_params": static.num_params,
+        "device_memory_bytes": capacity.device_memory_bytes,
+        "reserve_bytes": capacity.reserve_bytes,
+        "activation_capacity_bytes": capacity.activation_capacity_bytes,
+    }
+
+
+def _write_metrics(
+    run_dir: Path,
+    core: Mapping[str, Any],
+    static_metrics: Mapping[str, Any],
+    headroom_bytes: int,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """metrics.json of every outcome: the library's metrics (one key set, `slackswap.simulate.metrics`)
+    plus the device-memory figures of this job, written in this one place."""
+    metrics = {**core, **static_metrics, "headroom_bytes": headroom_bytes, **(extra or {})}
+    _write_json(run_dir / "metrics.json", metrics)
+    return metrics
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

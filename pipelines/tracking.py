@@ -11,13 +11,18 @@ runs never pay for it.
 
 from __future__ import annotations
 
+import getpass
+import hashlib
 import json
 import math
+import os
+import shutil
 import subprocess
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import slackswap
 from pipelines.records import RunStatus
@@ -26,6 +31,19 @@ from pipelines.schemas import REPO_ROOT
 #: Tag keys MLflow's UI understands.
 PARENT_RUN_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"
+NOTE_TAG = "mlflow.note.content"  # the run's (or experiment's) Description in the UI
+#: Artifact locations of experiments this code creates in a local store: resolved by the serving
+#: `mlflow ui/server --artifacts-destination <store>/mlruns`, so they hold no path of one machine and
+#: survive moving or cloning the folder (docs/pipeline.md, "Portable store").
+PROXIED_SCHEME = "mlflow-artifacts"
+
+#: Our job outcomes -> MLflow run status. An infeasible budget is a result, so the run FINISHED.
+MLFLOW_STATUS = {
+    RunStatus.OK: "FINISHED",
+    RunStatus.INFEASIBLE: "FINISHED",
+    RunStatus.FAILED: "FAILED",
+    RunStatus.KILLED: "KILLED",
+}
 
 
 def flatten_params(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -83,8 +101,30 @@ def git_commit() -> str:
     return f"{sha}-dirty" if dirty else sha
 
 
-def provenance_tags() -> dict[str, str]:
-    return {"git_commit": git_commit(), "slackswap_version": slackswap.__version__}
+def provenance_tags(source_name: str = "pipelines/run.py") -> dict[str, str]:
+    """MLflow's standard fields (the UI's Source, User and commit) plus the library version.
+
+    The client API, unlike the fluent one, fills none of them. `mlflow.source.git.commit` must be a
+    bare sha for the UI, so a modified work tree is the separate tag `git_dirty`.
+    """
+    commit = git_commit()
+    tags = {
+        "mlflow.source.type": "LOCAL",
+        "mlflow.source.name": source_name,
+        "mlflow.user": _user(),
+        "slackswap_version": slackswap.__version__,
+    }
+    if not commit.startswith("unknown"):
+        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
+        tags["git_dirty"] = str(commit.endswith("-dirty")).lower()
+    return tags
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        return os.environ.get("USER", "unknown")
 
 
 def open_client(uri: str):
@@ -97,10 +137,12 @@ def open_client(uri: str):
 
 
 def ensure_experiment(client, name: str, artifact_root: str | None) -> str:
-    """Experiment id for `name`, created (with artifacts under `artifact_root/name`) if missing.
+    """Experiment id for `name`, created if missing, its artifacts under `artifact_root/name`.
 
     Without an explicit location MLflow puts artifacts under `./mlruns` of whatever the working
-    directory happens to be, so a local store always passes one.
+    directory happens to be, so a local store always passes one. The location is recorded as
+    `mlflow-artifacts:/<name>`, not as an absolute `file://` URI: the UI resolves it against its
+    `--artifacts-destination`, so the store keeps working after the folder is moved or cloned.
     """
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
@@ -109,8 +151,12 @@ def ensure_experiment(client, name: str, artifact_root: str | None) -> str:
                 f"tracking.experiment={name!r} is deleted in this store; restore it or choose another name"
             )
         return experiment.experiment_id
-    location = None if artifact_root is None else Path(artifact_root, name).resolve().as_uri()
+    location = None if artifact_root is None else f"{PROXIED_SCHEME}:/{name}"
     return client.create_experiment(name, artifact_location=location)
+
+
+def set_experiment_description(client, experiment_id: str, text: str) -> None:
+    client.set_experiment_tag(experiment_id, NOTE_TAG, text)
 
 
 def start_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], parent_run_id: str | None) -> str:
@@ -119,6 +165,26 @@ def start_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str]
         all_tags[PARENT_RUN_TAG] = parent_run_id
     run = client.create_run(experiment_id, tags=all_tags, run_name=run_name)
     return run.info.run_id
+
+
+def log_presets(client, run_id: str, presets: Mapping[str, tuple[str, Mapping[str, Any]]]) -> None:
+    """Log each preset (`{"model": ("gpt2_xl", {...resolved node...})}`) as an MLflow dataset input, so
+    the UI's Dataset column says which model and hardware ran. The digest changes with any field
+    overridden on the command line, so `gpt2_xl` with a different digest is not the shipped preset."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    inputs = []
+    for context, (name, node) in presets.items():
+        body = json.dumps(node, sort_keys=True, default=str)
+        dataset = Dataset(
+            name=name,
+            digest=hashlib.sha256(body.encode()).hexdigest()[:8],
+            source_type="local",
+            source=json.dumps({"uri": f"conf/{context}/{name}.yaml"}),
+            profile=body,
+        )
+        inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
+    client.log_inputs(run_id, datasets=inputs)
 
 
 def log_params(client, run_id: str, params: Mapping[str, str]) -> None:
@@ -136,6 +202,7 @@ def log_tags(client, run_id: str, tags: Mapping[str, str]) -> None:
 
 
 def log_metrics(client, run_id: str, metrics: Mapping[str, Any]) -> None:
+    """Log the numeric metrics (see `numeric_metrics`) in one batch."""
     import time
 
     from mlflow.entities import Metric
@@ -144,8 +211,61 @@ def log_metrics(client, run_id: str, metrics: Mapping[str, Any]) -> None:
     client.log_batch(run_id, metrics=[Metric(k, v, now_ms, 0) for k, v in numeric_metrics(metrics).items()])
 
 
-def log_artifacts(client, run_id: str, folder: Path) -> None:
-    client.log_artifacts(run_id, str(folder))
+def local_artifact_dir(artifact_uri: str, artifact_root: str | Path | None) -> Path | None:
+    """Where a run's artifacts live on this machine, or None when a server holds them.
+
+    `mlflow-artifacts:/<exp>/<run>/artifacts` is resolved against `artifact_root` (the store's
+    `mlruns/`, what `mlflow ui --artifacts-destination` serves); `file://` URIs (experiments created
+    by older versions) are their path.
+    """
+    parsed = urlparse(artifact_uri)
+    if parsed.scheme == PROXIED_SCHEME:
+        if artifact_root is None:
+            return None
+        return Path(artifact_root) / unquote(parsed.path).lstrip("/")
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "" and artifact_uri.startswith("/"):
+        return Path(artifact_uri)
+    return None
+
+
+def store_artifacts(client, run_id: str, files: list[Path] | Path, artifact_root: str | Path | None) -> int:
+    """Store the files (or every file under a folder, keeping its layout) as the run's artifacts.
+
+    Stored once: in a local store each artifact is a hard link to the file in the run directory, so
+    the bytes exist once on disk however many names they have (a copy only where a hard link cannot
+    be made, e.g. another filesystem). A server's store gets them uploaded through the client.
+    Returns the bytes added to the disk (0 when every file was linked).
+    """
+    if isinstance(files, Path):
+        base = files
+        pairs = [(p, p.relative_to(base)) for p in sorted(base.rglob("*")) if p.is_file()]
+    else:
+        pairs = [(p, Path(p.name)) for p in files]
+    run = client.get_run(run_id)
+    dest_root = local_artifact_dir(run.info.artifact_uri, artifact_root)
+    if dest_root is None:
+        if urlparse(run.info.artifact_uri).scheme == PROXIED_SCHEME and not client.tracking_uri.startswith("http"):
+            raise RuntimeError(
+                f"run {run_id}: artifacts at {run.info.artifact_uri} need tracking.artifact_location "
+                "(the folder `mlflow ui --artifacts-destination` serves), which is null"
+            )
+        for src, rel in pairs:
+            parent = str(rel.parent) if str(rel.parent) != "." else None
+            client.log_artifact(run_id, str(src), artifact_path=parent)
+        return sum(src.stat().st_size for src, _ in pairs)
+    copied = 0
+    for src, rel in pairs:
+        dest = dest_root / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.unlink(missing_ok=True)
+        try:
+            os.link(src, dest)
+        except OSError:
+            shutil.copyfile(src, dest)
+            copied += src.stat().st_size
+    return copied
 
 
 def backfill_bound_gaps(client, frame) -> int:
@@ -165,14 +285,6 @@ def backfill_bound_gaps(client, frame) -> int:
     return updated
 
 
-#: MLflow run status per outcome. Only `ok` finishes; the outcome itself is the `status` tag.
-_MLFLOW_STATUS = {
-    RunStatus.OK: "FINISHED",
-    RunStatus.INFEASIBLE: "FAILED",
-    RunStatus.FAILED: "FAILED",
-    RunStatus.KILLED: "KILLED",
-}
-
-
-def end_run(client, run_id: str, status: RunStatus) -> None:
-    client.set_terminated(run_id, status=_MLFLOW_STATUS[RunStatus(status)])
+def end_run(client, run_id: str, status: RunStatus | str) -> None:
+    """End a run with the MLflow status of our outcome `status` (ok, infeasible, failed, killed)."""
+    client.set_terminated(run_id, status=MLFLOW_STATUS[RunStatus(status)])

@@ -151,6 +151,23 @@ class Graph:
         return MappingProxyType({op.name: i for i, op in enumerate(self.ops)})
 
     @cached_property
+    def distinct_inputs(self) -> Mapping[str, tuple[str, ...]]:
+        """Op name -> its inputs without repeats, in order (what a step reads: one copy per tensor).
+        Cached because plan validation and the simulator look it up for every step of every plan."""
+        return MappingProxyType({op.name: tuple(dict.fromkeys(op.inputs)) for op in self.ops})
+
+    @cached_property
+    def has_aliases(self) -> bool:
+        """Whether any tensor shares a storage or any op writes in place (the plan walk skips that
+        bookkeeping for the analytic graphs, which have neither)."""
+        return any(t.base for t in self.tensors.values()) or any(op.writes for op in self.ops)
+
+    @cached_property
+    def size_bytes_of(self) -> Mapping[str, int]:
+        """Tensor name -> bytes, cached for the same reason as `distinct_inputs`."""
+        return MappingProxyType({name: t.size_bytes for name, t in self.tensors.items()})
+
+    @cached_property
     def saved_tensors(self) -> tuple[Tensor, ...]:
         """Saved activations in production order."""
         return tuple(

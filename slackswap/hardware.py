@@ -84,6 +84,8 @@ class Hardware:
     hbm_efficiency: float
     launch_overhead_s: float
     source: str = ""
+    #: The exact part the figures describe (form factor and memory), e.g. "NVIDIA H100 PCIe 80GB".
+    sku: str = ""
 
     def __post_init__(self) -> None:
         if not self.peak_flops_per_s:

@@ -15,10 +15,11 @@ from pipelines import schemas, stages
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError
 from slackswap.hardware import Hardware, HostLink
+from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 
 CONF = schemas.REPO_ROOT / "conf"
-GROUPS = ("model", "hardware", "planner", "budget", "tracking")
+GROUPS = ("model", "hardware", "planner", "budget", "training", "tracking")
 
 
 def _compose(overrides: list[str], hydra_node: bool = False):
@@ -35,7 +36,10 @@ def _presets(group: str) -> list[str]:
 
 
 #: Presets that need one value from the user by design (they say so with `???`).
-NEEDS_VALUE = {("budget", "absolute"): ["budget.bytes=1000000"]}
+NEEDS_VALUE = {
+    ("budget", "absolute"): ["budget.bytes=1000000"],
+    ("training", "adamw_fp32"): ["model.dtype=fp32"],  # the fp32 recipe needs an fp32 model
+}
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -105,6 +109,7 @@ def _field_defaults(cls) -> dict:
         (schemas.HardwareSchema, Hardware),
         (schemas.HostLinkSchema, HostLink),
         (schemas.BudgetSchema, Budget),
+        (schemas.TrainingSchema, TrainingConfig),
     ],
 )
 def test_schema_mirrors_library_dataclass(schema, library) -> None:
@@ -153,6 +158,14 @@ def test_bad_override_fails_at_compose_time_naming_it(override: str, error: type
         (["model.num_layers=0"], "model.num_layers"),
         (["model.attention=sparse"], "model.attention"),
         (["hardware=v100_pcie3", "model.dtype=bf16"], "model.dtype"),  # no bf16 tensor cores on a V100
+        (["training.optimizer=lion"], "training.optimizer"),
+        (["training.zero_shards=0"], "training.zero_shards"),
+        (["training=adamw_fp32"], "training.precision"),  # fp32 recipe on a bf16 model
+        (["budget=device", "budget.reserve_bytes=-1"], "budget.reserve_bytes"),
+        (["budget=device", "budget.fraction=0.5"], "budget"),
+        (["simulate.allocator=slab"], "simulate.allocator"),
+        (["simulate.plan_against=reserved"], "simulate.plan_against"),  # needs allocator=caching
+        (["simulate.plan_margin_fraction=1.0"], "simulate.plan_margin_fraction"),
     ],
 )
 def test_senseless_values_raise_config_error_naming_the_field(overrides: list[str], field: str) -> None:

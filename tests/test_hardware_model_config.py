@@ -21,9 +21,8 @@ def load(group: str, name: str) -> dict:
 
 def test_the_required_presets_exist():
     assert {"bert_large", "gpt2_xl", "llama7b", "llama2_70b", "tiny"} <= set(MODELS)
-    assert {"a100_80gb_pcie4", "a100_40gb_pcie4", "v100_pcie3", "h100_pcie5", "h200_pcie5", "gh200_c2c"} <= set(
-        HARDWARE
-    )
+    gpus = {"a100_80gb_pcie4", "a100_80gb_sxm_pcie4", "a100_40gb_pcie4", "v100_pcie3", "h100_pcie5"}
+    assert gpus | {"h100_sxm_pcie5", "h200_sxm_pcie5", "gh200_c2c"} <= set(HARDWARE)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -47,10 +46,36 @@ def test_hardware_presets_load_and_time_a_graph(name):
     assert sum(op.duration_s for op in build_graph(model, hw).ops) > 0
 
 
-def test_efficiencies_are_the_same_on_every_preset():
-    effs = {name: (dict(Hardware.from_dict(load("hardware", name)).efficiency),
-                   Hardware.from_dict(load("hardware", name)).hbm_efficiency) for name in HARDWARE}
-    assert len({repr(v) for v in effs.values()}) == 1, effs
+SHARED_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "elementwise": 1.0}
+#: A per-GPU efficiency must cite its source in the preset file (issue 10).
+EFFICIENCY_SOURCES = {("attention", 0.35): "Shah et al. 2024"}
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_efficiencies_are_shared_or_cited_per_gpu(name):
+    hw = Hardware.from_dict(load("hardware", name))
+    text = (CONF / "hardware" / f"{name}.yaml").read_text()
+    assert hw.hbm_efficiency == 0.8 and "Shared value" in text
+    for op_class, value in hw.efficiency.items():
+        if value != SHARED_EFFICIENCY[op_class]:
+            assert EFFICIENCY_SOURCES[(op_class, value)] in text, (name, op_class, value)
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_every_preset_names_its_exact_sku(name):
+    hw = Hardware.from_dict(load("hardware", name))
+    assert hw.sku.startswith("NVIDIA ")
+    form = "SXM" if "sxm" in name else "PCIe" if name.startswith(("a100", "h100", "v100")) else ""
+    assert form in hw.sku, (name, hw.sku)
+
+
+def test_pcie_cards_carry_their_own_datasheet_figures():
+    h100 = Hardware.from_dict(load("hardware", "h100_pcie5"))
+    assert (h100.peak_flops_per_s["bf16"], h100.hbm_bytes_per_s, h100.link.name) == (756e12, 2.0e12, "pcie5_x16")
+    sxm = Hardware.from_dict(load("hardware", "h100_sxm_pcie5"))
+    assert (sxm.peak_flops_per_s["bf16"], sxm.hbm_bytes_per_s, sxm.link.name) == (989e12, 3.35e12, "pcie5_x16")
+    assert Hardware.from_dict(load("hardware", "a100_80gb_pcie4")).hbm_bytes_per_s == 1.935e12
+    assert Hardware.from_dict(load("hardware", "a100_80gb_sxm_pcie4")).hbm_bytes_per_s == 2.039e12
 
 
 def test_gh200_link_is_asymmetric():

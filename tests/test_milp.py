@@ -191,7 +191,7 @@ def test_relaxed_mode_reports_a_weaker_or_equal_bound_and_says_so():
 def test_infeasible_budget_names_the_op_and_the_bytes():
     graph = chain_graph(layers=2, ops_per_layer=3, seed=0)
     with pytest.raises(InfeasibleBudgetError, match=r"MILP infeasible: even recomputing every saved tensor, op '.*'"
-                       r" needs .* GB .*> budget") as info:
+                       r" needs .* (GiB|MiB|KiB|B) resident.*> budget") as info:
         MilpPlanner().plan(graph, _toy_hardware(), 1000)
     problem = build_bound_problem(graph, _toy_hardware(), 1000, "op")
     assert info.value.min_feasible_bytes == max(problem.floor_bytes)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
+from pipelines import tracking
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
@@ -50,8 +51,17 @@ def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pi
         GlobalHydra.instance().clear()
 
 
-def _under(path: str, root: Path) -> bool:
-    return Path(path.removeprefix("file://")).resolve().is_relative_to(root.resolve())
+def _artifact_files(run, store) -> set[str]:
+    """The run's artifacts as stored on disk (a sqlite client cannot list `mlflow-artifacts:` URIs;
+    the UI serves them from `--artifacts-destination`, see test_moved_store_still_serves_artifacts)."""
+    folder = tracking.local_artifact_dir(run.info.artifact_uri, store.artifact_root)
+    assert folder is not None and folder.resolve().is_relative_to(store.artifact_root.resolve())
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def _no_absolute_paths(params: dict[str, str]) -> None:
+    offending = {k: v for k, v in params.items() if v.startswith("/") or "://" in v}
+    assert not offending, offending
 
 
 def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
@@ -70,22 +80,34 @@ def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monk
 
     client = mlflow_store.client()
     experiment = client.get_experiment_by_name("test")
-    assert _under(experiment.artifact_location, tmp_path)
+    assert experiment.artifact_location == "mlflow-artifacts:/test"  # no path of this machine
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.tags["status"] == "ok" and run.data.tags["failure_reason"] == ""
+    assert run.info.run_name == "slackswap · tiny · a100_80gb_pcie4 · 0.5"
+    assert run.data.tags["status"] == "ok" and "reason" not in run.data.tags
+    assert "throughput" in run.data.tags["mlflow.note.content"]
     assert run.data.tags["choice.model"] == "tiny" and run.data.tags["choice.planner"] == "slackswap"
-    assert run.data.tags["git_commit"] and run.data.tags["slackswap_version"]
-    assert run.data.params["model.num_layers"] == "2"
-    assert run.data.params["hardware.link.name"]
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40 and run.data.tags["slackswap_version"]
+    assert run.data.tags["mlflow.source.name"] == "pipelines/run.py" and run.data.tags["mlflow.user"]
+    assert run.data.params["model.num_layers"] == "2"  # a single run has no parent: every param is here
+    assert run.data.params["hardware.link.name"] and run.data.params["planner"] == "slackswap"
     assert float(run.data.params["budget.fraction"]) == 0.5
+    assert not any(k.startswith("tracking.") for k in run.data.params)
+    _no_absolute_paths(run.data.params)
+    assert {(d.dataset.name, d.tags[0].value) for d in run.inputs.dataset_inputs} == {
+        ("tiny", "model"),
+        ("a100_80gb_pcie4", "hardware"),
+    }
     assert run.data.metrics["feasible"] == 1.0
     assert run.data.metrics["throughput_ratio"] == pytest.approx(metrics["throughput_ratio"])
-    assert _under(run.info.artifact_uri, tmp_path)
-    logged = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {*RUN_FILES, RESOLVED_CONFIG_FILE} <= logged
+    assert run.data.metrics["throughput_pct"] == pytest.approx(100 * metrics["throughput_ratio"])
+    assert run.data.metrics["budget_gib"] == pytest.approx(metrics["budget_bytes"] / 2**30)
+    assert {*RUN_FILES, RESOLVED_CONFIG_FILE} <= _artifact_files(run, mlflow_store)
+    # Stored once: the artifact is the run directory's file under a second name (a hard link).
+    artifact = tracking.local_artifact_dir(run.info.artifact_uri, mlflow_store.artifact_root) / "trace.json"
+    assert artifact.stat().st_ino == (run_dir / "trace.json").stat().st_ino
     found = client.search_runs([experiment.experiment_id], "params.`model.name` = 'tiny' and tags.status = 'ok'")
     assert [r.info.run_id for r in found] == [run.info.run_id]
 
@@ -120,6 +142,9 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
     assert len(records) == 6
     assert records[("slackswap", 0.5)]["status"] == "ok"
     assert records[("keep_all", 1.0)]["status"] == "ok"
+    # plots=auto in a sweep: the sweep plots above, no per-job timeline.png (docs/pipeline.md, "Plots").
+    ok_dir = Path(records[("slackswap", 0.5)]["run_dir"])
+    assert (ok_dir / "trace.json").is_file() and not (ok_dir / "timeline.png").exists()
     assert records[("keep_all", 0.5)]["status"] == "infeasible"
     assert "budget" in records[("keep_all", 0.5)]["failure_reason"]
     assert records[("no_such_planner", 0.5)]["status"] == "failed"
@@ -137,21 +162,36 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
     parent = client.get_run(parent_id)
     assert parent.info.status == "FINISHED"
     assert parent.data.metrics["jobs_total"] == 6 and parent.data.metrics["jobs_failed"] == 2
-    assert {"summary.csv", "summary.md", "throughput_vs_budget.png"} <= {
-        a.path for a in client.list_artifacts(parent_id)
-    }
+    assert {"summary.csv", "summary.md", "throughput_vs_budget.png"} <= _artifact_files(parent, mlflow_store)
+    assert parent.info.run_name.startswith("adhoc · ")
+    assert "planner.name" in parent.data.tags["mlflow.note.content"]
+    assert "summary.md" in experiment.tags["mlflow.note.content"]
+    # Constants once on the parent (the model is the same for every child), none of tracking.*.
+    assert parent.data.params["model.num_layers"] == "2" and "budget.fraction" not in parent.data.params
+    _no_absolute_paths(parent.data.params)
     children = client.search_runs([experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
     assert len(children) == 6
     by_status = {}
     for child in children:
         by_status.setdefault(child.data.tags["status"], []).append(child)
-        assert _under(child.info.artifact_uri, tmp_path)
+        _artifact_files(child, mlflow_store)
+        # Planner first, then only what the sweep varies; few params: filter keys + what varies.
+        assert child.info.run_name.split(" · ")[0] == child.data.params["planner.name"]
+        assert child.info.run_name.split(" · ")[1] == f"{float(child.data.params['budget.fraction']):g}"
+        assert set(child.data.params) == {"model", "hardware", "planner", "planner.name", "budget.fraction"}
     assert len(by_status["ok"]) == 3 and len(by_status["infeasible"]) == 1 and len(by_status["failed"]) == 2
-    assert all(c.info.status == "FAILED" for c in by_status["infeasible"] + by_status["failed"])
+    # An infeasible budget is a result: FINISHED, with its reason in the description and a tag.
     infeasible = by_status["infeasible"][0]
-    assert infeasible.data.metrics["feasible"] == 0.0 and infeasible.data.tags["failure_reason"]
-    assert "no_such_planner" in by_status["failed"][0].data.tags["failure_reason"]
-    assert "Sweep summary" in capsys.readouterr().out
+    assert infeasible.info.status == "FINISHED"
+    assert infeasible.data.tags["reason"] in infeasible.data.tags["mlflow.note.content"]
+    assert "Infeasible" in infeasible.data.tags["mlflow.note.content"]
+    assert infeasible.data.metrics["feasible"] == 0.0
+    assert {"budget_gib", "keep_all_peak_gib", "min_feasible_gib"} <= set(infeasible.data.metrics)
+    assert all(c.info.status == "FAILED" for c in by_status["failed"])
+    assert "no_such_planner" in by_status["failed"][0].data.tags["reason"]
+    out = capsys.readouterr().out
+    assert "Sweep summary" in out
+    assert f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning" in out
 
 
 def test_submitit_local_two_job_sweep(tmp_path, mlflow_store, monkeypatch) -> None:

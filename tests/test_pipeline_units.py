@@ -99,10 +99,24 @@ def test_paper_table_reports_deltas_best_baseline_and_missing_models() -> None:
     )
     md = aggregate.paper_table(frame, {"paper_reference": {"bert_large": 0.963, "gpt2_xl": 0.976, "llama7b": 0.996}})
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines()[4:7]}
-    assert rows["bert_large"][3:8] == ["96.3%", "95.0%", "-1.3", "-", "90.0% (capuchin)"]
-    assert rows["gpt2_xl"][4] == "-" and rows["gpt2_xl"][8].startswith("infeasible")
+    assert rows["bert_large"][3:9] == ["96.3%", "95.0%", "-1.3", "-", "-", "90.0% (capuchin)"]
+    assert rows["gpt2_xl"][4] == "-" and rows["gpt2_xl"][9].startswith("infeasible")
     assert rows["llama7b"][4] == "not run"
     assert aggregate.paper_table(frame, {}) == ""
+
+
+def test_paper_table_shows_the_reserved_peak_and_counts_plans_that_still_fit() -> None:
+    records = [
+        _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
+        _record("1", "bert_large", "capuchin", 0.5, "ok", 0.90),
+        _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
+    ]
+    for rec, reserved, fits in ((records[0], 2**30, False), (records[1], 2**29, True)):
+        rec.metrics.update({"peak_reserved_bytes": reserved, "fits_reserved": fits, "fragmentation_share": 0.25})
+    md = aggregate.paper_table(aggregate.records_to_frame(records), {"paper_reference": {"bert_large": 0.963}})
+    row = next(line for line in md.splitlines() if line.startswith("| bert_large"))
+    assert "| 1 (over budget, 25.0% fragmentation) |" in row
+    assert "1 of the 2 plans that fit their budget byte-exactly (50%) still fit" in md
 
 
 def test_bound_of_one_planner_gives_every_planner_of_the_same_problem_a_gap() -> None:
@@ -146,6 +160,42 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
     table = pd.read_csv(tmp_path / "summary.csv")
     assert list(table["budget_share"]) == [0.5, 0.5, 1.0, 1.0]
     assert "planner: does not fit" in (tmp_path / "summary.md").read_text()
+
+
+def test_aggregate_sweep_without_plots_writes_tables_only(tmp_path) -> None:
+    rec = _record("0", "tiny", "slackswap", 0.5, "ok", 0.97)
+    (tmp_path / "0").mkdir()
+    rec.write(tmp_path / "0")
+    result = aggregate.aggregate_sweep(tmp_path, {}, plots=False)
+    assert sorted(p.name for p in result.files) == ["summary.csv", "summary.md"]
+    assert not (tmp_path / "throughput_vs_budget.png").exists()
+
+
+def test_plot_level_auto_depends_on_the_mode_and_a_bad_value_is_named() -> None:
+    from pipelines.stages import plot_level
+    from slackswap.errors import ConfigError
+
+    assert plot_level({"plots": "auto"}, multirun=False) == "all"
+    assert plot_level({"plots": "auto"}, multirun=True) == "summary"
+    assert plot_level({"plots": "all"}, multirun=True) == "all"
+    assert plot_level({"plots": "none"}, multirun=False) == "none"
+    with pytest.raises(ConfigError, match="plots"):
+        plot_level({"plots": "some"}, multirun=False)
+
+
+def test_a_single_run_does_not_import_pandas_or_the_aggregation() -> None:
+    """Lazy imports: the job path of a single run (stages, job, callbacks) leaves pandas unloaded."""
+    import subprocess
+    import sys
+
+    from pipelines.schemas import REPO_ROOT
+
+    probe = (
+        "import sys, pipelines.run, pipelines.callbacks, pipelines.job, pipelines.stages\n"
+        "print(sorted(n for n in ('pandas', 'pipelines.aggregate', 'matplotlib') if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_aggregate_without_records_fails_loudly(tmp_path) -> None:
@@ -203,18 +253,16 @@ def test_one_requested_fraction_is_one_budget_group_across_models() -> None:
 
 
 def test_metrics_json_has_one_key_set_for_simulated_and_planner_infeasible_runs() -> None:
-    from slackswap.errors import InfeasibleBudgetError
     from slackswap.schedule import keep_all_plan
     from slackswap.simulate import simulate
-    from slackswap.simulate.metrics import compute_metrics, planner_infeasible_metrics
+    from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
     from slackswap.testing import aliasing_graph, toy_hardware
 
     graph, hw = aliasing_graph(), toy_hardware()
     ideal = simulate(graph, keep_all_plan(graph), hw, None)
     simulated = compute_metrics(simulate(graph, keep_all_plan(graph), hw, 10_000), ideal, plan_wall_s=0.1,
                                 sim_wall_s=0.2)
-    error = InfeasibleBudgetError("too small", min_feasible_bytes=500)
-    infeasible = planner_infeasible_metrics(error, ideal, 100, plan_wall_s=0.1)
+    infeasible = unsimulated_metrics(ideal, 100, "too small", min_feasible_bytes=500, plan_wall_s=0.1)
     assert set(simulated) == set(infeasible)
     assert infeasible["feasible"] is False and infeasible["infeasible_reason"] == "too small"
     assert infeasible["min_feasible_bytes"] == 500 and infeasible["step_s"] is None

@@ -1,21 +1,25 @@
 """Profile stage: the op graph of one training step of a transformer on a given GPU, built analytically.
 
 `build_graph(model, hardware)` emits forward (embedding, layers, head), loss, backward and, when
-`model.include_optimizer`, one Adam op per layer; every op is timed with the roofline model of
+`model.include_optimizer`, one optimizer-step op per layer (its bytes follow the training recipe,
+`slackswap.memory.static.optimizer_step_moved_bytes`); every op is timed with the roofline model of
 `slackswap.profile.timing`. Conventions and assumptions are in docs/profile.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from functools import lru_cache
 
 from slackswap.graph import NO_LAYER, Graph
 from slackswap.hardware import Hardware
+from slackswap.memory.static import optimizer_step_moved_bytes
+from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile.builder import GraphBuilder
 from slackswap.profile.layers import build_forward
 
-__all__ = ["build_graph", "state_bytes_per_param"]
+__all__ = ["build_graph", "default_training", "parameter_counts", "state_bytes_per_param"]
 
 
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
@@ -28,24 +32,42 @@ def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
     return (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
 
 
-def _adam_moved_bytes(n_params: int, dtype: str) -> int:
-    """Adam streams: read grads, read+write master weights and both moments, write the compute weights."""
-    w, g, state = state_bytes_per_param(dtype)
-    if dtype == "fp32":  # the fp32 weights are the master copy
-        return n_params * (g + 2 * state + 2 * w)
-    return n_params * (g + 2 * state + w)
+@lru_cache(maxsize=64)
+def parameter_counts(model: ModelConfig) -> tuple[int, int]:
+    """(parameters, largest parameter group) of the model's shape, counted exactly as `build_graph` does.
+
+    The static-memory model needs them whatever the graph's source (a traced graph shares the
+    analytic preset's shape). The largest group (a layer, or embeddings + head + final norm) is the
+    gather unit of ZeRO-3 / FSDP.
+    """
+    gb = GraphBuilder(None, model.dtype)  # the hardware only times ops in `finish`, never called here
+    fb = build_forward(model, gb)
+    return fb.params, max(fb.layer_params.values())
 
 
-def build_graph(model: ModelConfig, hardware: Hardware) -> Graph:
-    """The op graph of one training step of `model` on `hardware` (ops in keep-all execution order)."""
+def default_training(dtype: str) -> TrainingConfig:
+    """The recipe assumed when none is given: mixed-precision AdamW, or fp32 AdamW for an fp32 model."""
+    return TrainingConfig(precision="fp32" if dtype == "fp32" else "mixed")
+
+
+def build_graph(model: ModelConfig, hardware: Hardware, training: TrainingConfig | None = None) -> Graph:
+    """The op graph of one training step of `model` on `hardware` (ops in keep-all execution order).
+
+    `training` decides what the optimizer-step ops stream (AdamW or SGD, precision, the 1/N shard a
+    rank updates under ZeRO); None: `default_training(model.dtype)` (28 bytes per parameter).
+    """
     hardware.peak_for(model.dtype)  # reject a dtype the GPU has no peak for before building anything
+    training = default_training(model.dtype) if training is None else training
+    training.check_model_dtype(model.dtype)
     gb = GraphBuilder(hardware, model.dtype)
     fb = build_forward(model, gb)
     gb.backward()
     if model.include_optimizer:
         for layer in sorted(fb.layer_params, key=lambda n: (n == NO_LAYER, n)):
             name = "adam" if layer == NO_LAYER else f"L{layer}.adam"
-            gb.optimizer(name, layer, _adam_moved_bytes(fb.layer_params[layer], model.dtype))
+            if training.optimizer != "adamw":
+                name = name.replace("adam", training.optimizer)
+            gb.optimizer(name, layer, optimizer_step_moved_bytes(fb.layer_params[layer], training, model.dtype))
     w, g, state = state_bytes_per_param(model.dtype)
     return gb.finish(
         f"{model.name}@{hardware.name}",
@@ -53,5 +75,11 @@ def build_graph(model: ModelConfig, hardware: Hardware) -> Graph:
         weight_bytes=w * fb.params,
         weight_grad_bytes=g * fb.params,
         optimizer_state_bytes=state * fb.params,
-        meta={"model": asdict(model), "hardware": hardware.name, "num_params": fb.params},
+        meta={
+            "model": asdict(model),
+            "hardware": hardware.name,
+            "num_params": fb.params,
+            # The largest parameter group (a layer, or embeddings + head): ZeRO-3 / FSDP's gather unit.
+            "max_unit_params": max(fb.layer_params.values()),
+        },
     )

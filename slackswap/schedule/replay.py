@@ -68,7 +68,8 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     prefetch_end = [float("nan")] * n_pre
     step_start = [0.0] * n_steps
     step_end = [0.0] * n_steps
-    copy_ready = [float("nan")] * len(s.copies)
+    copies = s.copies
+    copy_ready = [float("nan")] * len(copies)
     next_off = next_pre = 0
 
     def issued_at(issue_after_step: int) -> float:
@@ -98,7 +99,7 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
         ready = now
         for c in s.step_reads[j]:
             if copy_ready[c] != copy_ready[c]:  # NaN: its prefetch has not started (validation prevents it)
-                raise PlanValidationError(f"step {j} ({step.op}) reads {s.copies[c].tensor!r} before its copy exists")
+                raise PlanValidationError(f"step {j} ({step.op}) reads {copies[c].tensor!r} before its copy exists")
             ready = max(ready, copy_ready[c])
         duration = ops[step.op].duration_s
         stall += ready - now
@@ -111,10 +112,10 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
         start_transfers(j)
 
     events: list[tuple[float, int]] = []
-    aliases_freed: list[float | None] = [None] * len(s.copies)
+    aliases_freed: list[float | None] = [None] * len(copies)
     # An alias copy is made after the copy it holds, so walking backwards settles every alias first.
-    for c in reversed(range(len(s.copies))):
-        copy = s.copies[c]
+    for c in reversed(range(len(copies))):
+        copy = copies[c]
         starts = prefetch_start if copy.source == "prefetch" else step_start
         alloc = starts[copy.source_index]
         last_read = step_end[copy.readers[-1]] if copy.readers else None

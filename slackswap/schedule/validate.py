@@ -18,6 +18,7 @@ op may not be read by any later step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slackswap.errors import GraphMismatchError, PlanValidationError
@@ -45,11 +46,29 @@ class Copy:
 
 @dataclass(frozen=True)
 class ResolvedSchedule:
-    copies: tuple[Copy, ...]
+    """Copies as flat parallel tuples indexed by copy id (the engine reads them in its inner loop);
+    `copies` gives them as `Copy` records."""
+
+    #: Per copy: tensor name, bytes, source ("run" / "recompute" / "prefetch"), source step or
+    #: prefetch index, reading steps in order, and the offload index (or None).
+    copy_tensor: tuple[str, ...]
+    copy_size: tuple[int, ...]
+    copy_source: tuple[str, ...]
+    copy_source_index: tuple[int, ...]
+    copy_readers: tuple[tuple[int, ...], ...]
+    copy_offload: tuple[int | None, ...]
+    #: Per copy: the copy an alias holds (or None); the last step that reads it or any alias holding
+    #: it, transitively (-1: none); and every offload it waits for before it is freed (its own and
+    #: its aliases'). The free rule of `schedule.memory` in the form the engine applies it.
+    copy_holds: tuple[int | None, ...]
+    copy_last_use: tuple[int, ...]
+    copy_wait_offloads: tuple[tuple[int, ...], ...]
     #: Per step: ids of the copies it reads (each once, in op input order).
     step_reads: tuple[tuple[int, ...], ...]
     #: Per step: ids of the copies it produces.
     step_writes: tuple[tuple[int, ...], ...]
+    #: Per step: bytes of the copies it produces (what it allocates when it starts).
+    step_alloc_bytes: tuple[int, ...]
     #: Per offload: id of the copy it moves to the host.
     offload_copy: tuple[int, ...]
     #: Per prefetch: id of the copy it produces on the device.
@@ -57,8 +76,18 @@ class ResolvedSchedule:
     #: Per prefetch: index into `plan.offloads` of its tensor's offload.
     prefetch_offload: tuple[int, ...]
     #: Bytes each offload / prefetch moves (the tensor's size, even for an alias that owns no storage).
-    offload_bytes: tuple[int, ...] = ()
-    prefetch_bytes: tuple[int, ...] = ()
+    offload_bytes: tuple[int, ...]
+    prefetch_bytes: tuple[int, ...]
+
+    @property
+    def copies(self) -> tuple[Copy, ...]:
+        return tuple(
+            Copy(*fields)
+            for fields in zip(
+                self.copy_tensor, self.copy_size, self.copy_source, self.copy_source_index, self.copy_readers,
+                self.copy_offload, self.copy_holds, strict=True,
+            )
+        )
 
 
 def validate_plan(graph: Graph, plan: Plan) -> None:
@@ -75,44 +104,53 @@ def _step_name(plan: Plan, j: int) -> str:
     return f"step {j} ({step.kind!s} {step.op!r})"
 
 
-def _check_steps(graph: Graph, plan: Plan) -> dict[str, int]:
-    """Steps name real ops, carry consistent outputs, and every op runs exactly once. Returns op -> run step."""
+def _check_steps(graph: Graph, plan: Plan) -> list[int]:
+    """Steps name real ops, carry consistent outputs, and every op runs exactly once.
+
+    Returns each step's role for `_check_reader_copies`: 0 recompute, 1 forward run, 2 other run."""
     if not plan.steps:
         _fail("has no compute steps")
+    op_by_name = graph.op_by_name
+    run, recompute = StepKind.RUN, StepKind.RECOMPUTE
+    forward_ops = {op.name for op in graph.ops if op.phase in FORWARD_PHASES}
     run_step: dict[str, int] = {}
+    roles: list[int] = []
     for j, step in enumerate(plan.steps):
-        op = graph.op_by_name.get(step.op)
+        name = step.op
+        op = op_by_name.get(name)
         if op is None:
-            _fail(f"step {j} names op {step.op!r}, which is not in graph {graph.name!r}")
-        if step.kind not in (StepKind.RUN, StepKind.RECOMPUTE):
-            _fail(f"step {j} ({step.op!r}) has unknown kind {step.kind!r}")
-        if step.kind == StepKind.RUN:
-            if tuple(step.outputs) != tuple(op.outputs):
+            _fail(f"step {j} names op {name!r}, which is not in graph {graph.name!r}")
+        kind = step.kind
+        if kind == run:
+            if step.outputs != op.outputs and tuple(step.outputs) != tuple(op.outputs):
                 _fail(
-                    f"step {j} runs op {op.name!r} with outputs {list(step.outputs)}; "
+                    f"step {j} runs op {name!r} with outputs {list(step.outputs)}; "
                     f"a run step materialises all of the op's outputs {list(op.outputs)}"
                 )
-            if op.name in run_step:
-                _fail(f"op {op.name!r} is run twice (steps {run_step[op.name]} and {j})")
-            run_step[op.name] = j
-        else:
-            if op.phase not in FORWARD_PHASES:
-                _fail(
-                    f"step {j} recomputes op {op.name!r} of phase {op.phase.value!r}; only forward ops are recomputed"
-                )
-            if op.name not in run_step:
-                _fail(f"step {j} recomputes op {op.name!r} before its run step")
+            if name in run_step:
+                _fail(f"op {name!r} is run twice (steps {run_step[name]} and {j})")
+            run_step[name] = j
+            roles.append(1 if name in forward_ops else 2)
+        elif kind == recompute:
+            if name not in forward_ops:
+                _fail(f"step {j} recomputes op {name!r} of phase {op.phase.value!r}; only forward ops are recomputed")
+            if name not in run_step:
+                _fail(f"step {j} recomputes op {name!r} before its run step")
             if not step.outputs:
-                _fail(f"step {j} recomputes op {op.name!r} but materialises no outputs")
+                _fail(f"step {j} recomputes op {name!r} but materialises no outputs")
             if len(set(step.outputs)) != len(step.outputs):
-                _fail(f"step {j} recomputes op {op.name!r} with duplicate outputs {list(step.outputs)}")
+                _fail(f"step {j} recomputes op {name!r} with duplicate outputs {list(step.outputs)}")
             for t in step.outputs:
                 if t not in op.outputs:
-                    _fail(f"step {j} recomputes op {op.name!r} with output {t!r}, which that op does not produce")
-    for op in graph.ops:
-        if op.name not in run_step:
-            _fail(f"never runs op {op.name!r}")
-    return run_step
+                    _fail(f"step {j} recomputes op {name!r} with output {t!r}, which that op does not produce")
+            roles.append(0)
+        else:
+            _fail(f"step {j} ({name!r}) has unknown kind {kind!r}")
+    if len(run_step) != len(graph.ops):
+        for op in graph.ops:
+            if op.name not in run_step:
+                _fail(f"never runs op {op.name!r}")
+    return roles
 
 
 def _check_decisions(graph: Graph, plan: Plan) -> None:
@@ -170,67 +208,64 @@ def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str
 
 def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     """Validate `plan` against `graph` and resolve the copy each step reads. Raises `PlanValidationError`
-    (`GraphMismatchError` when the plan was made for another graph)."""
+    (`GraphMismatchError` when the plan was made for another graph).
+
+    The rules that need no copies are checked first, then `_resolve_copies` walks the plan, then the
+    rules about which copy each reader reads and the FIFO order are checked on the result."""
     if plan.graph_fingerprint and plan.graph_fingerprint != graph.fingerprint:
         raise GraphMismatchError(
             f"plan of planner {plan.planner!r} was made for a graph with fingerprint {plan.graph_fingerprint}, "
             f"not for graph {graph.name!r} (fingerprint {graph.fingerprint})"
         )
-    _check_steps(graph, plan)
+    roles = _check_steps(graph, plan)
     _check_decisions(graph, plan)
     offload_of, _ = _check_transfers(graph, plan)
-    n = len(plan.steps)
-    tensors = graph.tensors
-    decisions = plan.decisions
+    s = _resolve_copies(graph, plan, offload_of)
+    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.copy_readers)
+    _check_fifo_order(plan, s.prefetch_copy, s.prefetch_offload, s.copy_readers)
+    return s
 
-    # Transfers bucketed by the position they are issued at (index 0 = before step 0).
-    offloads_at: list[list[int]] = [[] for _ in range(n + 1)]
-    prefetches_at: list[list[int]] = [[] for _ in range(n + 1)]
+
+def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> ResolvedSchedule:
+    """One walk in sequence order over flat lists (no object per copy). It fails only where a copy
+    cannot be resolved (a read or an offload of a tensor with no device copy, an offload of a
+    non-run copy, a recompute of a keep/swap tensor); the other rules are checked around it. The
+    simulator runs it for every plan, so it is written for speed like the engine's loop, and
+    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution."""
+    decisions = plan.decisions
+    distinct_inputs = graph.distinct_inputs
+    size_of = graph.size_bytes_of
+
+    # Transfers bucketed by the step they are issued after (-1: at time zero).
+    offloads_after: dict[int, list[int]] = {}
+    prefetches_after: dict[int, list[int]] = {}
     for k, tr in enumerate(plan.offloads):
-        offloads_at[tr.issue_after_step + 1].append(k)
+        offloads_after.setdefault(tr.issue_after_step, []).append(k)
     for k, tr in enumerate(plan.prefetches):
-        prefetches_at[tr.issue_after_step + 1].append(k)
+        prefetches_after.setdefault(tr.issue_after_step, []).append(k)
 
     c_tensor: list[str] = []
     c_source: list[str] = []
     c_index: list[int] = []
     c_readers: list[list[int]] = []
-    c_offload: list[int | None] = []
     c_size: list[int] = []
     c_holds: list[int | None] = []
     current: dict[str, int] = {}
+    tensors = graph.tensors
+    op_by_name = graph.op_by_name
+    has_aliases = graph.has_aliases
     overwritten: dict[int, str] = {}  # copy -> the in-place op that overwrote it
-    recomputed_ops = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE}
+    random_recomputed = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE and op_by_name[s.op].random}
     rng_state: dict[str, int] = {}  # random op -> the copy of its stashed RNG state
     offload_copy = [0] * len(plan.offloads)
     prefetch_copy = [0] * len(plan.prefetches)
     step_reads: list[tuple[int, ...]] = []
     step_writes: list[tuple[int, ...]] = []
+    step_alloc: list[int] = []
 
-    def new_copy(
-        t: str, source: str, index: int, size: int, holds: int | None = None, current_copy: bool = True
-    ) -> int:
-        c_tensor.append(t)
-        c_source.append(source)
-        c_index.append(index)
-        c_readers.append([])
-        c_offload.append(None)
-        c_size.append(size)
-        c_holds.append(holds)
-        if current_copy:
-            current[t] = len(c_tensor) - 1
-        return len(c_tensor) - 1
-
-    def step_copy(t: str, kind: str, j: int, current_copy: bool = True) -> int:
-        """A copy made by step j: an alias owns no bytes and holds the base copy the step read."""
-        base = tensors[t].base
-        if base:
-            return new_copy(t, kind, j, 0, holds=current[base], current_copy=current_copy)
-        return new_copy(t, kind, j, tensors[t].size_bytes, current_copy=current_copy)
-
-    def issue_transfers(bucket: int) -> None:
-        where = "at time zero" if bucket == 0 else f"after step {bucket - 1}"
-        for k in offloads_at[bucket]:
+    def issue_transfers(after: int) -> None:
+        where = "at time zero" if after < 0 else f"after step {after}"
+        for k in offloads_after.get(after, ()):
             t = plan.offloads[k].tensor
             c = current.get(t)
             if c is None:
@@ -240,89 +275,137 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
                     f"offloads tensor {t!r} {where} from its {c_source[c]} copy; "
                     "a swap offloads the copy its run step produced"
                 )
-            c_offload[c] = k
             offload_copy[k] = c
-        for k in prefetches_at[bucket]:
+        for k in prefetches_after.get(after, ()):
             t = plan.prefetches[k].tensor
-            prefetch_copy[k] = new_copy(t, "prefetch", k, tensors[t].size_bytes)
+            prefetch_copy[k] = current[t] = len(c_tensor)
+            c_tensor.append(t)
+            c_source.append("prefetch")
+            c_index.append(k)
+            c_readers.append([])
+            c_size.append(size_of[t])
+            c_holds.append(None)
 
-    issue_transfers(0)
+    def step_copy(t: str, source: str, j: int, current_copy: bool = True) -> int:
+        """A copy made by step j: an alias owns no bytes and holds the base copy the step read."""
+        c = len(c_tensor)
+        if current_copy:
+            current[t] = c
+        c_tensor.append(t)
+        c_source.append(source)
+        c_index.append(j)
+        c_readers.append([])
+        base = tensors[t].base if has_aliases else ""
+        c_size.append(0 if base else size_of[t])
+        c_holds.append(current[base] if base else None)
+        return c
+
+    issue_transfers(-1)
+    recompute = StepKind.RECOMPUTE
+    keep_or_swap = (Decision.KEEP, Decision.SWAP)
     for j, step in enumerate(plan.steps):
-        op = graph.op_by_name[step.op]
         reads = []
-        for t in dict.fromkeys(op.inputs):
+        for t in distinct_inputs[step.op]:
             c = current.get(t)
             if c is None:
                 _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
-            if c in overwritten:
+            if overwritten and c in overwritten:
                 _fail(f"{_step_name(plan, j)} reads tensor {t!r} after op {overwritten[c]!r} overwrote it in place")
             c_readers[c].append(j)
             reads.append(c)
-        if op.random and step.kind == StepKind.RECOMPUTE:
-            c = rng_state[op.name]
-            c_readers[c].append(j)
-            reads.append(c)
         writes = []
+        source = "recompute" if step.kind == recompute else "run"
         for t in step.outputs:
-            if step.kind == StepKind.RECOMPUTE:
-                decision = decisions.get(t)
-                if decision is not None and decision != Decision.RECOMPUTE:
-                    _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decision!s}")
-            writes.append(step_copy(t, str(step.kind), j))
-        if op.random and step.kind == StepKind.RECOMPUTE:
-            # The replayed kernel writes every output; the ones not materialised are scratch.
-            writes.extend(step_copy(t, "recompute", j, current_copy=False) for t in op.outputs if t not in step.outputs)
-        if op.random and step.kind == StepKind.RUN and op.name in recomputed_ops:
-            rng_state[op.name] = new_copy(f"{op.name}#rng_state", "run", j, RNG_STATE_BYTES, current_copy=False)
-            writes.append(rng_state[op.name])
-        if step.kind == StepKind.RUN:
-            for t in op.writes:
-                overwritten[current[t]] = op.name
+            if source == "recompute" and decisions.get(t) in keep_or_swap:
+                _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
+            writes.append(step_copy(t, source, j))
+        if random_recomputed and step.op in random_recomputed:
+            op = op_by_name[step.op]
+            if source == "recompute":
+                # The replayed kernel reads the stashed RNG state and writes every output again; the
+                # ones this step does not materialise are scratch, freed when it ends.
+                c = rng_state[op.name]
+                c_readers[c].append(j)
+                reads.append(c)
+                writes.extend(step_copy(t, source, j, current_copy=False) for t in op.outputs if t not in step.outputs)
+            else:
+                rng_state[op.name] = c = len(c_tensor)
+                c_tensor.append(f"{op.name}#rng_state")
+                c_source.append("run")
+                c_index.append(j)
+                c_readers.append([])
+                c_size.append(RNG_STATE_BYTES)
+                c_holds.append(None)
+                writes.append(c)
+        if source == "run" and has_aliases:
+            for t in op_by_name[step.op].writes:
+                overwritten[reads[distinct_inputs[step.op].index(t)]] = step.op
+        alloc = sum([c_size[c] for c in writes])
         step_reads.append(tuple(reads))
         step_writes.append(tuple(writes))
-        issue_transfers(j + 1)
+        step_alloc.append(alloc)
+        if j in offloads_after or j in prefetches_after:
+            issue_transfers(j)
+    c_offload: list[int | None] = [None] * len(c_tensor)
+    for k, c in enumerate(offload_copy):
+        c_offload[c] = k
 
-    _check_reader_copies(graph, plan, c_tensor, c_source, c_readers)
-    prefetch_offload = tuple(offload_of[tr.tensor] for tr in plan.prefetches)
-    _check_fifo_order(plan, prefetch_copy, prefetch_offload, c_readers)
+    prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
-    copies = tuple(
-        Copy(t, size, src, idx, tuple(rd), off, holds)
-        for t, size, src, idx, rd, off, holds in zip(
-            c_tensor, c_size, c_source, c_index, c_readers, c_offload, c_holds, strict=True
-        )
-    )
+    # The free rule with aliases: a copy lives until its last reader, its offload and every alias
+    # holding it are done. An alias is made after the copy it holds, so one backward walk settles it.
+    last_use = [r[-1] if r else -1 for r in c_readers]
+    wait_offloads: list[tuple[int, ...]] = [() if k is None else (k,) for k in c_offload]
+    if has_aliases:
+        for c in reversed(range(len(c_tensor))):
+            h = c_holds[c]
+            if h is not None:
+                last_use[h] = max(last_use[h], last_use[c])
+                wait_offloads[h] = wait_offloads[h] + wait_offloads[c]
+
     return ResolvedSchedule(
-        copies=copies,
+        copy_tensor=tuple(c_tensor),
+        copy_size=tuple(c_size),
+        copy_source=tuple(c_source),
+        copy_source_index=tuple(c_index),
+        copy_readers=tuple(map(tuple, c_readers)),
+        copy_offload=tuple(c_offload),
+        copy_holds=tuple(c_holds),
+        copy_last_use=tuple(last_use),
+        copy_wait_offloads=tuple(wait_offloads),
         step_reads=tuple(step_reads),
         step_writes=tuple(step_writes),
+        step_alloc_bytes=tuple(step_alloc),
         offload_copy=tuple(offload_copy),
         prefetch_copy=tuple(prefetch_copy),
         prefetch_offload=prefetch_offload,
-        offload_bytes=tuple(tensors[tr.tensor].size_bytes for tr in plan.offloads),
-        prefetch_bytes=tuple(tensors[tr.tensor].size_bytes for tr in plan.prefetches),
+        offload_bytes=tuple([size_of[tr.tensor] for tr in plan.offloads]),
+        prefetch_bytes=tuple([size_of[tr.tensor] for tr in plan.prefetches]),
     )
 
 
 def _check_reader_copies(
-    graph: Graph, plan: Plan, c_tensor: list[str], c_source: list[str], c_readers: list[list[int]]
+    plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str], c_readers: Sequence[Sequence[int]]
 ) -> None:
     """Each decision fixes which copy the forward and backward readers of a saved tensor read."""
     wanted = {Decision.KEEP: "run", Decision.SWAP: "prefetch", Decision.RECOMPUTE: "recompute"}
+    decisions = plan.decisions
     first_problem: tuple[int, str] | None = None
     for c, t in enumerate(c_tensor):
-        decision = plan.decisions.get(t)
+        decision = decisions.get(t)
         if decision is None:
             continue
+        source = c_source[c]
+        backward_need = wanted[decision]
         for j in c_readers[c]:
-            step = plan.steps[j]
-            if step.kind != StepKind.RUN:
+            role = roles[j]
+            if role == 0:
                 continue  # a recompute step may read any resident copy
-            forward = graph.op_by_name[step.op].phase in FORWARD_PHASES
-            need = "run" if forward else wanted[decision]
-            if c_source[c] == need:
+            need = "run" if role == 1 else backward_need
+            if source == need:
                 continue
-            role = "forward" if forward else "backward"
+            forward = role == 1
+            role_name = "forward" if forward else "backward"
             if decision == Decision.SWAP and forward:
                 why = "its prefetch is issued before this forward reader"
             elif decision == Decision.SWAP:
@@ -330,10 +413,10 @@ def _check_reader_copies(
             elif decision == Decision.RECOMPUTE and not forward:
                 why = "no recompute step materialises it between its forward use and this reader"
             else:
-                why = f"a {c_source[c]} copy exists where the {need} copy is required"
+                why = f"a {source} copy exists where the {need} copy is required"
             msg = (
-                f"{_step_name(plan, j)}, a {role} reader of {decision!s} tensor {t!r}, "
-                f"reads its {c_source[c]} copy: {why}"
+                f"{_step_name(plan, j)}, a {role_name} reader of {decision!s} tensor {t!r}, "
+                f"reads its {source} copy: {why}"
             )
             if first_problem is None or j < first_problem[0]:
                 first_problem = (j, msg)

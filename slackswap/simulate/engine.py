@@ -1,31 +1,44 @@
 """Discrete-event execution of a validated plan: one compute stream, copy engines, a byte-exact budget.
 
-The loop is a plain heapq of completion events over flat Python lists, not SimPy: a step of an
-80-layer model has ~10^4 events and must simulate in well under a second, and SimPy's generator
-processes cost several times more per event. tests/test_simulate_simpy.py checks this loop against
-an independent SimPy model of the same semantics. The semantics are in docs/simulation.md; the
-rules it shares with the planners' replay (copy resolution, transfer durations, the in-order engine
-queue, the free rule) come from `slackswap.schedule`, so the two cannot drift.
+The semantics are in docs/simulation.md. This is a list scheduler, not a general event queue: every
+stream runs a list in a fixed order (the compute steps; each direction's transfers, FIFO), so at any
+time at most one step and one transfer per engine are in flight, and what can start next is always
+the head of a list. The loop keeps those heads as plain integers and the few in-flight completions in
+a tiny heapq, over flat lists indexed by step, copy and transfer, all in local variables of one
+function (attribute and method lookups were most of the cost of the earlier object-per-event loop).
 
-Per time instant the loop first applies every completion at that time (frees, readiness), then
-starts what can start ("settle"): offloads in FIFO order, then the memory requests that are ready
-(the next compute step whose inputs are resident; the head prefetch once it is issued, its offload
-is done and an engine is free), tried in plan order (step j has key (j, 0); a prefetch issued
-after step i has key (i, 1, list index)); each one that fits is granted, one that does not waits
-without holding back the others. If no event is left in flight while work remains, no waiting
+The rules come from `slackswap.schedule` (copy resolution, transfer durations, the free rule of
+`schedule.memory`), as for the planners' replay. Facts of the plan that the schedule fixes are used
+instead of being tracked at run time:
+- a copy produced by a step is resident by the time any later step starts (steps finish in order),
+  so a step only ever waits for the prefetched copies it reads;
+- the readers of a copy finish in step order, so the free rule's "every reader has finished" holds
+  when its *last* reader finishes: the copy is freed then, or when its offload completes if that is
+  later (no per-copy reader counter). An alias copy (a view) owns no bytes and keeps the copy it
+  holds alive: the resolver folds that into `copy_last_use` (the last step reading the copy or an
+  alias of it) and `copy_wait_offloads` (its offload and its aliases'), so the loop stays the same.
+
+Per time instant the loop first applies every completion at that time (frees, readiness), in the
+order they were created, then starts what can start ("settle"): offloads in FIFO order, then the
+memory requests that are ready, tried in plan order (step j has key (j, 0); a prefetch issued after
+step i has key (i, 1, list index)); each one that fits is granted, one that does not waits without
+holding back the others. A ready prefetch was issued after a finished step i < j (j the next step),
+so it always comes first in plan order. If no event is left in flight while work remains, no waiting
 request can ever be served: the run is infeasible, and the first of them in plan order is named.
+
+tests/test_simulate_simpy.py checks this loop against an independent SimPy model of the same rules;
+`benchmarks/bench_simulate.py` times the two side by side.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
+from heapq import heappop, heappush
 
 from slackswap.errors import ConfigError, SlackSwapError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
-from slackswap.schedule.memory import is_freeable
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
 from slackswap.schedule.validate import ResolvedSchedule, resolve_schedule
 from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
@@ -44,303 +57,250 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     ):
         raise ConfigError("budget_bytes", budget_bytes, "must be a non-negative integer or None (no limit)")
     schedule = resolve_schedule(graph, plan)
-    return _Run(graph, plan, hardware, budget_bytes, schedule).run()
+    return _execute(graph, plan, hardware, budget_bytes, schedule)
 
 
 #: The one transfer formula (slackswap.schedule.transfer), under the name this module exported.
 transfer_duration_s = transfer_s
 
 
-class _Run:
-    """State of one simulation. Flat lists indexed by step / copy / transfer for speed."""
+def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | None, s: ResolvedSchedule) -> SimResult:
+    budget = math.inf if budget_bytes is None else budget_bytes
+    steps = plan.steps
+    n_steps = len(steps)
+    op_by_name = graph.op_by_name
+    step_dur = [op_by_name[st.op].duration_s for st in steps]
+    step_reads = s.step_reads
+    step_writes = s.step_writes
+    copy_size = s.copy_size
+    copy_tensor = s.copy_tensor
+    copy_readers = s.copy_readers
+    n_copies = len(copy_size)
+    step_alloc = s.step_alloc_bytes
+    last_reader = s.copy_last_use
+    # Per step: the copies whose last use it is (they free when it ends, or when their offloads do),
+    # in the order the step reads them, then copies kept alive by an alias the step reads.
+    free_after: dict[int, list[int]] = {}
+    for j, reads in enumerate(step_reads):
+        for c in reads:
+            if last_reader[c] == j:
+                free_after.setdefault(j, []).append(c)
+    for c, j in enumerate(last_reader):
+        if j >= 0 and c not in step_reads[j]:
+            free_after.setdefault(j, []).append(c)
+    offloads_left = [len(w) for w in s.copy_wait_offloads]
+    offload_waiters: list[list[int]] = [[] for _ in s.offload_copy]  # per offload: copies waiting for it
+    for c, waits in enumerate(s.copy_wait_offloads):
+        for k in waits:
+            offload_waiters[k].append(c)
+    # Per step: the prefetched copies it reads (the only inputs that can be late).
+    waits_on: dict[int, list[int]] = {}
+    for c in s.prefetch_copy:
+        for j in copy_readers[c]:
+            waits_on.setdefault(j, []).append(c)
+    produced = [False] * n_copies  # tracked for prefetched copies only
+    ready_s = [0.0] * n_copies
+    readers_done = [False] * n_copies  # producer and every reader have finished
 
-    def __init__(self, graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | None, s: ResolvedSchedule):
-        self.plan = plan
-        self.budget_bytes = budget_bytes
-        self.budget = math.inf if budget_bytes is None else budget_bytes
-        ops = graph.op_by_name
-        self.n_steps = len(plan.steps)
-        self.step_dur = [ops[st.op].duration_s for st in plan.steps]
-        self.step_reads = s.step_reads
-        self.step_writes = s.step_writes
-        self.copy_size = [c.size_bytes for c in s.copies]
-        self.step_alloc = [sum(self.copy_size[c] for c in w) for w in s.step_writes]
-        n_copies = len(s.copies)
-        self.copy_tensor = [c.tensor for c in s.copies]
-        self.copy_readers = [c.readers for c in s.copies]
-        self.remaining = [len(c.readers) for c in s.copies]
-        self.has_offload = [c.offload is not None for c in s.copies]
-        self.offload_done = [False] * n_copies
-        self.produced = [False] * n_copies
-        self.freed = [False] * n_copies
-        self.holds = [c.holds for c in s.copies]
-        self.aliases_left = [0] * n_copies
-        for held in self.holds:
-            if held is not None:
-                self.aliases_left[held] += 1
-        self.ready_s = [0.0] * n_copies
+    link = hardware.link
+    off_copy = s.offload_copy
+    n_off = len(off_copy)
+    off_issue = [t.issue_after_step for t in plan.offloads]
+    off_bytes = s.offload_bytes
+    off_dur = [d2h_s(b, hardware) for b in off_bytes]
+    off_finished = [False] * n_off
+    pre_copy = s.prefetch_copy
+    n_pre = len(pre_copy)
+    pre_issue = [t.issue_after_step for t in plan.prefetches]
+    pre_offload = s.prefetch_offload
+    pre_dur = [h2d_s(b, hardware) for b in s.prefetch_bytes]
 
-        link = hardware.link
-        self.d2h_engines = link.d2h_engines
-        self.h2d_engines = link.h2d_engines
-        self.off_copy = s.offload_copy
-        self.off_issue = [t.issue_after_step for t in plan.offloads]
-        self.off_dur = [d2h_s(b, hardware) for b in s.offload_bytes]
-        self.off_bytes = s.offload_bytes
-        self.pre_bytes = s.prefetch_bytes
-        self.off_finished = [False] * len(plan.offloads)
-        self.pre_copy = s.prefetch_copy
-        self.pre_issue = [t.issue_after_step for t in plan.prefetches]
-        self.pre_offload = s.prefetch_offload
-        self.pre_dur = [h2d_s(b, hardware) for b in s.prefetch_bytes]
+    recompute_kind = StepKind.RECOMPUTE  # compared with ==: a plan may carry plain strings
+    heap: list[tuple[float, int, int, int, int]] = []
+    seq = 0
+    in_use = 0
+    mem_t: list[float] = [0.0]
+    mem_b: list[int] = [0]
+    events: list[TraceEvent] = []
+    make = tuple.__new__  # TraceEvent is a NamedTuple: build it without the Python-level __new__
+    next_step = 0
+    step_running = False
+    last_done = -1  # highest finished step; steps finish in order
+    prev_end = 0.0
+    next_off = 0
+    next_pre = 0
+    d2h_free = list(range(link.d2h_engines))  # min-heaps of free engine ids
+    h2d_free = list(range(link.h2d_engines))
+    stall_prefetch = stall_memory = 0.0
+    compute_busy = recompute_busy = 0.0
+    end_s = 0.0
+    now = 0.0
+    while True:
+        # -- settle: start everything that can start at `now` --------------------------------
+        # Offloads first (nothing later in the settle can ready another one). Then, in plan order, the
+        # head prefetch and the next step; only a started prefetch can make another request ready (the
+        # next prefetch, on another free engine), so only then is the pair tried again.
+        while next_off < n_off and d2h_free and off_issue[next_off] <= last_done:
+            k = next_off
+            c = off_copy[k]
+            engine = heappop(d2h_free)
+            end = now + off_dur[k]
+            events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[c], off_bytes[k],
+                                            engine, 0.0, 0.0)))
+            end_s = end if end > end_s else end_s
+            next_off = k + 1
+            heappush(heap, (end, seq, _D2H_END, k, engine))
+            seq += 1
+        prefetched = True
+        while prefetched:
+            prefetched = False
+            k = next_pre
+            if k < n_pre and h2d_free and pre_issue[k] <= last_done and off_finished[pre_offload[k]]:
+                c = pre_copy[k]
+                size = copy_size[c]
+                if in_use + size <= budget:
+                    engine = heappop(h2d_free)
+                    if size:
+                        in_use += size
+                        mem_t.append(now)
+                        mem_b.append(in_use)
+                    end = now + pre_dur[k]
+                    events.append(make(TraceEvent, ("h2d", "prefetch", k, now, end, "", copy_tensor[c], size,
+                                                    engine, 0.0, 0.0)))
+                    end_s = end if end > end_s else end_s
+                    next_pre = k + 1
+                    heappush(heap, (end, seq, _H2D_END, k, engine))
+                    seq += 1
+                    prefetched = True
+            j = next_step
+            if not step_running and j < n_steps:
+                late = waits_on.get(j)
+                if late is None or all(produced[c] for c in late):
+                    size = step_alloc[j]
+                    if in_use + size <= budget:
+                        if late is None:
+                            held_from = prev_end
+                            wait_prefetch = 0.0
+                        else:
+                            inputs_ready = max([ready_s[c] for c in late])
+                            held_from = prev_end if prev_end >= inputs_ready else inputs_ready
+                            wait_prefetch = max(0.0, inputs_ready - prev_end)
+                        wait_memory = now - held_from
+                        stall_prefetch += wait_prefetch
+                        stall_memory += wait_memory
+                        if size:
+                            in_use += size
+                            mem_t.append(now)
+                            mem_b.append(in_use)
+                        end = now + step_dur[j]
+                        step = steps[j]
+                        recompute = step.kind == recompute_kind
+                        kind_name = "recompute" if recompute else "run"
+                        events.append(make(TraceEvent, ("compute", kind_name, j, now, end, step.op, "", size, 0,
+                                                        wait_prefetch, wait_memory)))
+                        compute_busy += end - now
+                        if recompute:
+                            recompute_busy += end - now
+                        end_s = end if end > end_s else end_s
+                        step_running = True
+                        next_step = j + 1
+                        heappush(heap, (end, seq, _COMPUTE_END, j, 0))
+                        seq += 1
+        if not heap:
+            break
+        # -- completions at the next instant, in creation order ----------------------------------
+        now = heap[0][0]
+        while heap and heap[0][0] == now:
+            _, _, kind, index, engine = heappop(heap)
+            if kind == _COMPUTE_END:
+                step_running = False
+                last_done = index
+                prev_end = now
+                for c in free_after.get(index, ()):
+                    if offloads_left[c]:
+                        readers_done[c] = True
+                    else:
+                        size = copy_size[c]
+                        if size:
+                            in_use -= size
+                            mem_t.append(now)
+                            mem_b.append(in_use)
+                for c in step_writes[index]:
+                    if last_reader[c] < 0:
+                        if offloads_left[c]:
+                            readers_done[c] = True  # freed when its offload completes
+                        else:
+                            size = copy_size[c]
+                            if size:
+                                in_use -= size
+                                mem_t.append(now)
+                                mem_b.append(in_use)
+            elif kind == _D2H_END:
+                off_finished[index] = True
+                heappush(d2h_free, engine)
+                for c in offload_waiters[index]:
+                    offloads_left[c] -= 1
+                    if readers_done[c] and not offloads_left[c]:
+                        size = copy_size[c]
+                        if size:
+                            in_use -= size
+                            mem_t.append(now)
+                            mem_b.append(in_use)
+            else:
+                c = pre_copy[index]
+                produced[c] = True
+                ready_s[c] = now
+                heappush(h2d_free, engine)
+                if last_reader[c] < 0:
+                    size = copy_size[c]
+                    if size:
+                        in_use -= size
+                        mem_t.append(now)
+                        mem_b.append(in_use)
 
-        self.heap: list[tuple[float, int, int, int, int]] = []
-        self.seq = 0
-        self.in_use = 0
-        self.mem_t: list[float] = [0.0]
-        self.mem_b: list[int] = [0]
-        self.events: list[TraceEvent] = []
-        self.next_step = 0
-        self.step_running = False
-        self.last_done = -1  # highest finished step; steps finish in order
-        self.prev_end = 0.0
-        self.next_off = 0
-        self.next_pre = 0
-        self.d2h_free = list(range(self.d2h_engines))  # min-heaps of free engine ids
-        self.h2d_free = list(range(self.h2d_engines))
-        self.stall_prefetch = 0.0
-        self.stall_memory = 0.0
-
-    # -- memory ---------------------------------------------------------------------------------
-    def _record(self, now: float) -> None:
-        self.mem_t.append(now)
-        self.mem_b.append(self.in_use)
-
-    def _maybe_free(self, c: int, now: float) -> None:
-        if not self.freed[c] and is_freeable(
-            self.produced[c], self.remaining[c], self.has_offload[c] and not self.offload_done[c], self.aliases_left[c]
-        ):
-            self.freed[c] = True
-            if self.copy_size[c]:
-                self.in_use -= self.copy_size[c]
-                self._record(now)
-            held = self.holds[c]
-            if held is not None:
-                self.aliases_left[held] -= 1
-                self._maybe_free(held, now)
-
-    def _allocate(self, size: int, now: float) -> None:
-        if size:
-            self.in_use += size
-            self._record(now)
-
-    def _push(self, time: float, kind: int, index: int, engine: int) -> None:
-        heapq.heappush(self.heap, (time, self.seq, kind, index, engine))
-        self.seq += 1
-
-    # -- completions ----------------------------------------------------------------------------
-    def _finish(self, now: float, kind: int, index: int, engine: int) -> None:
-        if kind == _COMPUTE_END:
-            self.step_running = False
-            self.last_done = index
-            self.prev_end = now
-            writes = self.step_writes[index]
-            for c in writes:
-                self.produced[c] = True
-                self.ready_s[c] = now
-            for c in self.step_reads[index]:
-                self.remaining[c] -= 1
-                self._maybe_free(c, now)
-            for c in writes:
-                self._maybe_free(c, now)
-        elif kind == _D2H_END:
-            c = self.off_copy[index]
-            self.offload_done[c] = True
-            self.off_finished[index] = True
-            heapq.heappush(self.d2h_free, engine)
-            self._maybe_free(c, now)
+    infeasibility = None
+    if next_step < n_steps or next_off < n_off or next_pre < n_pre:
+        # Nothing is in flight and work remains: name the first waiting request in plan order.
+        if next_pre < n_pre and h2d_free and pre_issue[next_pre] <= last_done and off_finished[pre_offload[next_pre]]:
+            c = pre_copy[next_pre]
+            first_reader = copy_readers[c][0]
+            infeasibility = Infeasibility("prefetch", (copy_tensor[c],), first_reader, steps[first_reader].op,
+                                          copy_size[c], in_use, budget_bytes, now)
+        elif next_step < n_steps and not step_running and all(produced[c] for c in waits_on.get(next_step, ())):
+            step = steps[next_step]
+            infeasibility = Infeasibility("step", tuple(step.outputs), next_step, step.op, step_alloc[next_step],
+                                          in_use, budget_bytes, now)
         else:
-            c = self.pre_copy[index]
-            self.produced[c] = True
-            self.ready_s[c] = now
-            heapq.heappush(self.h2d_free, engine)
-            self._maybe_free(c, now)
-
-    # -- starts -----------------------------------------------------------------------------------
-    def _compute_request(self) -> tuple[tuple[int, int, int], int] | None:
-        j = self.next_step
-        if self.step_running or j >= self.n_steps:
-            return None
-        produced = self.produced
-        for c in self.step_reads[j]:
-            if not produced[c]:
-                return None
-        return (j, 0, 0), self.step_alloc[j]
-
-    def _prefetch_request(self) -> tuple[tuple[int, int, int], int] | None:
-        k = self.next_pre
-        if k >= len(self.pre_copy) or not self.h2d_free:
-            return None
-        if self.pre_issue[k] > self.last_done or not self.off_finished[self.pre_offload[k]]:
-            return None
-        return (self.pre_issue[k], 1, k), self.copy_size[self.pre_copy[k]]
-
-    def _start_step(self, now: float) -> None:
-        j = self.next_step
-        reads = self.step_reads[j]
-        inputs_ready = max((self.ready_s[c] for c in reads), default=0.0)
-        held_from = max(self.prev_end, inputs_ready)
-        wait_prefetch = max(0.0, inputs_ready - self.prev_end)
-        wait_memory = now - held_from
-        self.stall_prefetch += wait_prefetch
-        self.stall_memory += wait_memory
-        self._allocate(self.step_alloc[j], now)
-        end = now + self.step_dur[j]
-        step = self.plan.steps[j]
-        self.events.append(
-            TraceEvent(
-                "compute",
-                str(step.kind),
-                j,
-                now,
-                end,
-                op=step.op,
-                size_bytes=self.step_alloc[j],
-                wait_prefetch_s=wait_prefetch,
-                wait_memory_s=wait_memory,
-            )
-        )
-        self.step_running = True
-        self.next_step = j + 1
-        self._push(end, _COMPUTE_END, j, 0)
-
-    def _start_prefetch(self, now: float) -> None:
-        k = self.next_pre
-        c = self.pre_copy[k]
-        engine = heapq.heappop(self.h2d_free)
-        self._allocate(self.copy_size[c], now)
-        end = now + self.pre_dur[k]
-        self.events.append(
-            TraceEvent(
-                "h2d", "prefetch", k, now, end, tensor=self.copy_tensor[c], size_bytes=self.pre_bytes[k], engine=engine
-            )
-        )
-        self.next_pre = k + 1
-        self._push(end, _H2D_END, k, engine)
-
-    def _settle(self, now: float) -> None:
-        progress = True
-        while progress:
-            progress = False
-            while (
-                self.next_off < len(self.off_copy) and self.d2h_free and self.off_issue[self.next_off] <= self.last_done
-            ):
-                k = self.next_off
-                c = self.off_copy[k]
-                engine = heapq.heappop(self.d2h_free)
-                end = now + self.off_dur[k]
-                self.events.append(
-                    TraceEvent(
-                        "d2h",
-                        "offload",
-                        k,
-                        now,
-                        end,
-                        tensor=self.copy_tensor[c],
-                        size_bytes=self.off_bytes[k],
-                        engine=engine,
-                    )
-                )
-                self.next_off = k + 1
-                self._push(end, _D2H_END, k, engine)
-                progress = True
-            requests = [r for r in (self._compute_request(), self._prefetch_request()) if r is not None]
-            requests.sort()
-            for key, size in requests:
-                if self.in_use + size > self.budget:
-                    continue  # this allocation waits; it does not hold back the other stream's
-                if key[1] == 0:
-                    self._start_step(now)
-                else:
-                    self._start_prefetch(now)
-                progress = True
-
-    # -- main loop --------------------------------------------------------------------------------
-    def run(self) -> SimResult:
-        now = 0.0
-        self._settle(now)
-        heap = self.heap
-        while heap:
-            now = heap[0][0]
-            while heap and heap[0][0] == now:
-                _, _, kind, index, engine = heapq.heappop(heap)
-                self._finish(now, kind, index, engine)
-            self._settle(now)
-        done = (
-            self.next_step == self.n_steps
-            and self.next_off == len(self.off_copy)
-            and self.next_pre == len(self.pre_copy)
-        )
-        infeasibility = None if done else self._deadlock(now)
-        return self._result(now, infeasibility)
-
-    def _deadlock(self, now: float) -> Infeasibility:
-        requests = sorted(r for r in (self._compute_request(), self._prefetch_request()) if r is not None)
-        if not requests:
             raise SlackSwapError(
-                f"simulator stalled at t={now} with no memory request pending (step {self.next_step}, "
-                f"offload {self.next_off}, prefetch {self.next_pre}); validation should have rejected this plan"
+                f"simulator stalled at t={now} with no memory request pending (step {next_step}, "
+                f"offload {next_off}, prefetch {next_pre}); validation should have rejected this plan"
             )
-        key, size = requests[0]
-        if key[1] == 0:
-            j = key[0]
-            step = self.plan.steps[j]
-            return Infeasibility("step", tuple(step.outputs), j, step.op, size, self.in_use, self.budget_bytes, now)
-        c = self.pre_copy[key[2]]
-        first_reader = self.copy_readers[c][0]
-        return Infeasibility(
-            "prefetch",
-            (self.copy_tensor[c],),
-            first_reader,
-            self.plan.steps[first_reader].op,
-            size,
-            self.in_use,
-            self.budget_bytes,
-            now,
-        )
-
-    def _result(self, now: float, inf: Infeasibility | None) -> SimResult:
-        events = self.events
-        compute = [e for e in events if e.stream == "compute"]
-        d2h = [e for e in events if e.stream == "d2h"]
-        h2d = [e for e in events if e.stream == "h2d"]
-        end_s = max((e.end_s for e in events), default=0.0)
-        plan = self.plan
-        reason = None if inf is None else _reason(inf)
-        return SimResult(
-            planner=plan.planner,
-            feasible=inf is None,
-            infeasible_reason=reason,
-            infeasibility=inf,
-            step_s=end_s if inf is None else None,
-            end_s=max(end_s, now),
-            budget_bytes=self.budget_bytes,
-            peak_activation_bytes=max(self.mem_b),
-            events=tuple(events),
-            memory_times_s=tuple(self.mem_t),
-            memory_bytes=tuple(self.mem_b),
-            compute_busy_s=sum(e.end_s - e.start_s for e in compute),
-            recompute_s=sum(e.end_s - e.start_s for e in compute if e.kind == StepKind.RECOMPUTE.value),
-            stall_prefetch_s=self.stall_prefetch,
-            stall_memory_s=self.stall_memory,
-            d2h_busy_s=_union_s(d2h),
-            h2d_busy_s=_union_s(h2d),
-            d2h_bytes=sum(e.size_bytes for e in d2h),
-            h2d_bytes=sum(e.size_bytes for e in h2d),
-            swapped_tensors=len(plan.tensors_with(Decision.SWAP)),
-            recomputed_tensors=len(plan.tensors_with(Decision.RECOMPUTE)),
-            bound_step_s=plan.bound_step_s,
-        )
+    d2h = [e for e in events if e.stream == "d2h"]
+    h2d = [e for e in events if e.stream == "h2d"]
+    return SimResult(
+        planner=plan.planner,
+        feasible=infeasibility is None,
+        infeasible_reason=None if infeasibility is None else _reason(infeasibility),
+        infeasibility=infeasibility,
+        step_s=end_s if infeasibility is None else None,
+        end_s=max(end_s, now),
+        budget_bytes=budget_bytes,
+        peak_activation_bytes=max(mem_b),
+        events=tuple(events),
+        memory_times_s=tuple(mem_t),
+        memory_bytes=tuple(mem_b),
+        compute_busy_s=compute_busy,
+        recompute_s=recompute_busy,
+        stall_prefetch_s=stall_prefetch,
+        stall_memory_s=stall_memory,
+        d2h_busy_s=_union_s(d2h),
+        h2d_busy_s=_union_s(h2d),
+        d2h_bytes=sum(e.size_bytes for e in d2h),
+        h2d_bytes=sum(e.size_bytes for e in h2d),
+        swapped_tensors=len(plan.tensors_with(Decision.SWAP)),
+        recomputed_tensors=len(plan.tensors_with(Decision.RECOMPUTE)),
+        bound_step_s=plan.bound_step_s,
+    )
 
 
 def _union_s(events: list[TraceEvent]) -> float:

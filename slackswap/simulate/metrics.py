@@ -1,6 +1,6 @@
 """metrics.json: the simulate stage's numbers under the names of docs/simulation.md section 5 (plain JSON
-values), for a simulated run (`compute_metrics`) and for a run whose planner found the budget
-infeasible (`planner_infeasible_metrics`), with one key set."""
+values), for a simulated run (`compute_metrics`) and for a run that ended infeasible before any
+simulation (`unsimulated_metrics`), with one key set."""
 
 from __future__ import annotations
 
@@ -36,11 +36,18 @@ def compute_metrics(
     return _metrics(ideal, result.budget_bytes, result=result, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
 
 
-def planner_infeasible_metrics(
-    error: InfeasibleBudgetError, ideal: SimResult, budget_bytes: int | None, *, plan_wall_s: float | None
+def unsimulated_metrics(
+    ideal: SimResult,
+    budget_bytes: int | None,
+    reason: str,
+    *,
+    min_feasible_bytes: int | None = None,
+    plan_wall_s: float | None = None,
 ) -> dict[str, object]:
-    """Metrics of a run whose planner raised InfeasibleBudgetError: the same keys as `compute_metrics`,
-    with everything a simulation would have given None (there was no plan to simulate)."""
+    """Metrics of a run that ended infeasible before any simulation (the planner raised
+    InfeasibleBudgetError, or static memory alone fills the device): the same keys as
+    `compute_metrics`, with everything a simulation would have given None."""
+    error = InfeasibleBudgetError(reason, min_feasible_bytes=min_feasible_bytes)
     return _metrics(ideal, budget_bytes, error=error, plan_wall_s=plan_wall_s, sim_wall_s=None)
 
 

@@ -17,6 +17,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.plan import Decision
+from slackswap.planners.base import gib
 from slackswap.planners.milp.model import MS_PER_S, BoundProblem
 
 #: scipy.optimize.milp status codes (HiGHS), for notes.
@@ -52,8 +53,8 @@ def infeasibility_reason(problem: BoundProblem, budget_bytes: int, op_names: tup
         return None
     return (
         f"MILP infeasible: even recomputing every saved tensor, op {op_names[worst]!r} needs "
-        f"{need / 1e9:.3f} GB resident at its start (its inputs, outputs and the unsaved tensors live "
-        f"across it) > budget {budget_bytes / 1e9:.3f} GB"
+        f"{gib(int(need))} resident at its start (its inputs, outputs and the unsaved tensors live "
+        f"across it) > budget {gib(budget_bytes)}"
     )
 
 

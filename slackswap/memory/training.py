@@ -1,0 +1,68 @@
+"""The training recipe that decides the static memory per GPU: optimizer, precision, gradient buffers, ZeRO.
+
+Validated here, in the library, so Hydra and a script reject the same values (`ConfigError` naming the
+field). The byte counts each choice implies are in `slackswap.memory.static`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slackswap.errors import ConfigError, reject_unknown_fields
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
+#: mixed: 16-bit parameters and gradients with fp32 master weights (Micikevicius et al. 2018; ZeRO's
+#: "mixed precision training" of section 3.1). pure16: parameters, gradients and optimizer state all in
+#: the model's 16-bit dtype, no master copy. fp32: everything in fp32.
+PRECISIONS: tuple[str, ...] = ("mixed", "pure16", "fp32")
+#: param: gradients in the parameters' dtype (PyTorch's `param.grad`). fp32: an fp32 gradient
+#: accumulation buffer (Megatron-LM's `main_grad`, `--accumulate-allreduce-grads-in-fp32`).
+GRAD_BUFFERS: tuple[str, ...] = ("param", "fp32")
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How one data-parallel rank holds the model's training state.
+
+    `zero_stage` (Rajbhandari et al. 2020, ZeRO, section 5): 1 shards the optimizer state, 2 also the
+    gradients, 3 also the parameters, each over `zero_shards` data-parallel GPUs. The default stage 3
+    is PyTorch FSDP's default `ShardingStrategy.FULL_SHARD`; with `zero_shards=1` nothing is sharded.
+    """
+
+    optimizer: str = "adamw"
+    precision: str = "mixed"
+    grad_buffers: str = "param"
+    zero_stage: int = 3
+    zero_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("training.optimizer", self.optimizer, f"unknown optimizer; known: {OPTIMIZERS}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("training.precision", self.precision, f"unknown recipe; known: {PRECISIONS}")
+        if self.grad_buffers not in GRAD_BUFFERS:
+            raise ConfigError("training.grad_buffers", self.grad_buffers, f"unknown; known: {GRAD_BUFFERS}")
+        stage = self.zero_stage
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in ZERO_STAGES:
+            raise ConfigError("training.zero_stage", self.zero_stage, f"must be one of {ZERO_STAGES}")
+        if not isinstance(self.zero_shards, int) or isinstance(self.zero_shards, bool) or self.zero_shards < 1:
+            raise ConfigError("training.zero_shards", self.zero_shards, "must be an integer >= 1")
+
+    def check_model_dtype(self, model_dtype: str) -> None:
+        """The recipe and the model's activation dtype must agree (fp32 recipe <=> fp32 model)."""
+        if (self.precision == "fp32") != (model_dtype == "fp32"):
+            raise ConfigError(
+                "training.precision",
+                self.precision,
+                f"does not match model.dtype={model_dtype!r} (fp32 recipe needs an fp32 model; "
+                "mixed and pure16 need a 16-bit model)",
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainingConfig:
+        data = dict(data)
+        reject_unknown_fields("training", data, cls.__dataclass_fields__)
+        return cls(**data)
