@@ -8,7 +8,7 @@ entry of `conf/config.yaml`'s defaults list, so every group preset is merged int
 - an unknown preset (`model=gpt5`) fails with Hydra's "Could not find 'model/gpt5'" plus the options.
 
 `ModelSchema`, `HardwareSchema` and `HostLinkSchema` mirror the library dataclasses field for field
-(tests/test_config_schema.py keeps them from drifting). Range checks (positive bandwidth, budget in
+(tests/test_config.py keeps them from drifting). Range checks (positive bandwidth, budget in
 (0, 1]) stay in the library (`from_dict` -> `ConfigError`), so a script and Hydra reject the same values.
 """
 

@@ -1,4 +1,4 @@
-"""profile -> plan -> simulate for one resolved config, writing the run-directory files of BRIEF §6.
+"""profile -> plan -> simulate for one resolved config, writing the run-directory files of docs/pipeline.md.
 
 Thin wiring only: every modelling decision lives in `slackswap/`. What this module adds is
 - validation of all inputs before any work (so a bad value fails with its field named),

@@ -3,7 +3,7 @@
 - `regen_chain`: the forward ops that must re-run to regenerate a saved tensor in backward, given
   which tensors are not on the device then (recompute-decided saved tensors and every non-saved
   forward tensor). Its summed `duration_s` is the tensor's cost to regenerate.
-- windows come from the keep-all timeline (`timeline.estimate_plan` of `keep_all_plan`): the forward
+- windows come from the keep-all timeline (`slackswap.schedule.replay.estimate_plan` of `keep_all_plan`): the forward
   window ends when the first backward op starts (the keep-all memory peak sits at that boundary:
   every saved activation is alive and the loss has allocated its outputs); the backward window is
   the rest of the step.
