@@ -13,9 +13,10 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
   regeneration cost: once a tensor is more expensive per byte than the last tensor the budget makes
   us recompute, it would be kept anyway, and among such tensors the slack is best spent on the ones
   it can hold the most bytes of (longest production-to-use window first). slackswap therefore also
-  tries that packing order over the tensors above the recompute tail, and over all tensors (when
-  the budget asks little, even cheap bytes swapped spare recompute), and keeps whichever of the three
-  swapped sets gives the shortest estimated step.
+  tries that packing order over the tensors above the recompute tail and over all tensors (when
+  the budget asks little, even cheap bytes swapped spare recompute), plus all tensors by bytes per
+  copy-second, and keeps whichever of the four swapped sets (these three and the seed-style
+  selection) gives the shortest estimated step (`swap_alternatives`).
 """
 
 from __future__ import annotations
