@@ -295,7 +295,15 @@ def log_presets(client, run_id: str, presets: Mapping[str, tuple[str, Mapping[st
             profile=body,
         )
         inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)]))
-    client.log_inputs(run_id, datasets=inputs)
+    try:
+        client.log_inputs(run_id, datasets=inputs)
+    except Exception as exc:
+        # MLflow checks whether the dataset exists, then inserts it: two jobs of a parallel sweep
+        # logging the same preset at once collide on the datasets table's unique key. The loser's
+        # second attempt finds the winner's row and only links it.
+        if "UNIQUE constraint" not in str(exc) and "already exists" not in str(exc):
+            raise
+        client.log_inputs(run_id, datasets=inputs)
 
 
 def log_params(client, run_id: str, params: Mapping[str, str]) -> None:

@@ -34,6 +34,15 @@ class PlanValidationError(SlackSwapError):
     """A plan that is not a complete, consistent schedule. The message names the first inconsistency."""
 
 
+class SolverError(SlackSwapError):
+    """A solver (HiGHS) failed or returned an unusable answer: a failure of the run, not a verdict on
+    the budget (an `InfeasibleBudgetError` is reserved for budgets shown not to fit)."""
+
+
+class GraphMismatchError(PlanValidationError):
+    """A plan made for one graph given with another: its graph fingerprint differs (names both)."""
+
+
 class InfeasibleBudgetError(SlackSwapError):
     """A planner cannot meet the budget. This is a recorded outcome of a run, not a crash."""
 

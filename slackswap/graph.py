@@ -13,10 +13,39 @@ Memory semantics the simulator relies on:
 - an activation gradient that receives several contributions (a residual branch) is produced by the
   first backward op that writes it; later contributors list it as an input (they accumulate into it
   in place), and the backward op of the tensor's forward producer is its last reader.
+
+What real (traced) programs add, with defaults that leave the analytic graphs as they were:
+- **views / aliases** (`Tensor.base`): a tensor may share the storage of another tensor, its base,
+  which its producer reads (a view: q/k/v split out of one qkv output, a reshape; or the result of
+  an in-place op). Bytes are counted once per storage: a device copy of an alias made by a run or
+  recompute step allocates nothing and keeps the storage of the base copy it was made from alive,
+  so a storage is freed when its last alias dies. A prefetched alias is a fresh storage of its own
+  `size_bytes` (what the offload copied).
+- **in-place writes** (`Op.writes`): inputs the op overwrites. Each written tensor has an output of
+  the op that aliases it (the new version, `base` = the written tensor); no op after the writer may
+  read the old version, and no recompute step after it either (the plan validator enforces it).
+- **random ops** (`Op.random`, dropout): a recompute of a random op replays the RNG state the op
+  used in forward (as PyTorch's checkpoint does with preserve_rng_state), so it draws the same mask.
+  Its cost: `RNG_STATE_BYTES` stashed on the device from the op's run step to its last recompute,
+  the op's time again, and every output of the op allocated for the recompute step (the mask is
+  regenerated even when only the dropped output is wanted; outputs not materialised are freed when
+  the step ends). docs/simulation.md section 4 states it; the simulator and the planners' replay
+  share it through `slackswap.schedule.validate`.
+- **layers** (`Op.layer`, `Tensor.layer`): the index of the repeated block (transformer layer) an op
+  or tensor belongs to, `NO_LAYER` outside the stack. Layer-based planners (full_recompute,
+  swap_only, selective_recompute) read it, and selective_recompute reads `Op.attention_core`; no
+  planner reads the free-form `role` tags, so a traced graph needs no analytic vocabulary.
+- **phase order**: all forward and loss ops come before every backward op, and optimizer ops come
+  last; `check_graph` enforces it (build_schedule relies on it).
+- **fingerprint** (`Graph.fingerprint`): a hash of the ops, tensors and sizes (not the timings). A
+  plan records the fingerprint of the graph it was made for, and the validator refuses a plan made
+  for another graph (`GraphMismatchError`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -46,6 +75,14 @@ FORWARD_PHASES: frozenset[Phase] = frozenset({Phase.FORWARD, Phase.LOSS})
 #: `layer` value of ops/tensors outside the transformer stack (embeddings, LM head, loss).
 NO_LAYER = -1
 
+#: Device bytes a random op's RNG state takes while it is stashed for a replay: the CUDA Philox
+#: generator's seed and offset, two 64-bit integers (what torch.cuda.get_rng_state() returns for
+#: the default generator is this state, 16 bytes).
+RNG_STATE_BYTES = 16
+
+#: Phase order `check_graph` enforces: forward and loss ops, then backward, then optimizer.
+_PHASE_RANK = {Phase.FORWARD: 0, Phase.LOSS: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
+
 
 @dataclass(frozen=True)
 class Tensor:
@@ -57,6 +94,9 @@ class Tensor:
     saved: bool
     #: Free-form role tag for reports (for example "softmax_out", "dropout_mask", "grad").
     role: str = ""
+    #: The tensor whose storage this one shares (a view, or the new version an in-place op writes);
+    #: "" for a tensor with its own storage. See the module docstring.
+    base: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,8 +112,15 @@ class Op:
     duration_s: float
     #: For backward ops: the forward op they differentiate. Empty otherwise.
     forward_op: str = ""
-    #: Free-form role tag (for example "qkv", "softmax", "fc1_bwd").
+    #: Free-form role tag for reports (for example "qkv", "softmax", "fc1_bwd"); planners never read it.
     role: str = ""
+    #: The op draws random numbers (dropout); a recompute replays its RNG state (module docstring).
+    random: bool = False
+    #: Inputs the op overwrites in place (module docstring).
+    writes: tuple[str, ...] = ()
+    #: The op lies inside the attention core (scores, softmax, its dropout, the PV product, or a fused
+    #: attention kernel): what selective recompute drops and regenerates.
+    attention_core: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +157,12 @@ class Graph:
         return MappingProxyType({op.name: tuple(dict.fromkeys(op.inputs)) for op in self.ops})
 
     @cached_property
+    def has_aliases(self) -> bool:
+        """Whether any tensor shares a storage or any op writes in place (the plan walk skips that
+        bookkeeping for the analytic graphs, which have neither)."""
+        return any(t.base for t in self.tensors.values()) or any(op.writes for op in self.ops)
+
+    @cached_property
     def size_bytes_of(self) -> Mapping[str, int]:
         """Tensor name -> bytes, cached for the same reason as `distinct_inputs`."""
         return MappingProxyType({name: t.size_bytes for name, t in self.tensors.items()})
@@ -120,6 +173,29 @@ class Graph:
         return tuple(
             self.tensors[t] for op in self.ops for t in op.outputs if self.tensors[t].saved
         )
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Hash of the ops (names, phases, inputs, outputs, random / in-place flags) and tensors (names,
+        sizes, producers, consumers, bases): what a plan's validity depends on, not the timings."""
+        payload = {
+            "ops": [[op.name, op.phase.value, op.inputs, op.outputs, op.forward_op, op.random, op.writes]
+                    for op in self.ops],
+            "tensors": sorted([t.name, t.size_bytes, t.producer, t.consumers, t.saved, t.base]
+                              for t in self.tensors.values()),
+        }
+        return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()[:16]
+
+    def owned_bytes(self, name: str) -> int:
+        """Device bytes a copy of `name` made by a step owns: 0 for an alias (it shares its base's storage)."""
+        tensor = self.tensors[name]
+        return 0 if tensor.base else tensor.size_bytes
+
+    def storage_root(self, name: str) -> str:
+        """The tensor that owns the storage `name` lives in (itself unless it is an alias)."""
+        while self.tensors[name].base:
+            name = self.tensors[name].base
+        return name
 
     @cached_property
     def forward_ops(self) -> tuple[Op, ...]:
@@ -150,9 +226,11 @@ class Graph:
 
 
 def check_graph(ops: Iterable[Op], tensors: Mapping[str, Tensor]) -> None:
-    """Structural checks: every tensor has one producer that runs before all of its consumers."""
+    """Structural checks: every tensor has one producer that runs before all of its consumers; the
+    phase order; aliases read by their producer; in-place writes with no reader of the old version."""
     from slackswap.errors import SlackSwapError
 
+    ops = tuple(ops)
     position: dict[str, int] = {}
     for i, op in enumerate(ops):
         if op.name in position:
@@ -160,6 +238,7 @@ def check_graph(ops: Iterable[Op], tensors: Mapping[str, Tensor]) -> None:
         position[op.name] = i
         if op.duration_s < 0:
             raise SlackSwapError(f"graph: op {op.name!r} has negative duration_s={op.duration_s}")
+
     for name, tensor in tensors.items():
         if name != tensor.name:
             raise SlackSwapError(f"graph: tensor key {name!r} != tensor.name {tensor.name!r}")
@@ -183,3 +262,42 @@ def check_graph(ops: Iterable[Op], tensors: Mapping[str, Tensor]) -> None:
         for t in op.outputs:
             if t not in tensors or tensors[t].producer != op.name:
                 raise SlackSwapError(f"graph: op {op.name!r} output {t!r} does not name it as producer")
+    highest_phase: Op | None = None
+    for op in ops:
+        if highest_phase is not None and _PHASE_RANK[op.phase] < _PHASE_RANK[highest_phase.phase]:
+            raise SlackSwapError(
+                f"graph: {op.phase.value} op {op.name!r} comes after {highest_phase.phase.value} op "
+                f"{highest_phase.name!r}; ops must be ordered forward/loss, then backward, then optimizer"
+            )
+        if highest_phase is None or _PHASE_RANK[op.phase] > _PHASE_RANK[highest_phase.phase]:
+            highest_phase = op
+    _check_aliases(ops, tensors, position)
+
+
+def _check_aliases(ops: tuple[Op, ...], tensors: Mapping[str, Tensor], position: Mapping[str, int]) -> None:
+    from slackswap.errors import SlackSwapError
+
+    for name, tensor in tensors.items():
+        if not tensor.base:
+            continue
+        if tensor.base not in tensors:
+            raise SlackSwapError(f"graph: tensor {name!r} has unknown base {tensor.base!r}")
+        producer = ops[position[tensor.producer]]
+        if tensor.base not in producer.inputs:
+            raise SlackSwapError(
+                f"graph: tensor {name!r} aliases {tensor.base!r}, which its producer {producer.name!r} does not read"
+            )
+    for op in ops:
+        for t in op.writes:
+            if t not in op.inputs:
+                raise SlackSwapError(f"graph: op {op.name!r} writes {t!r} in place but does not read it")
+            if not any(tensors[o].base == t for o in op.outputs):
+                raise SlackSwapError(
+                    f"graph: op {op.name!r} writes {t!r} in place but no output of it aliases {t!r} (base={t!r})"
+                )
+            late = [c for c in tensors[t].consumers if position[c] > position[op.name]]
+            if late:
+                raise SlackSwapError(
+                    f"graph: op {late[0]!r} reads {t!r} after op {op.name!r} overwrote it in place; "
+                    "it must read the new version"
+                )

@@ -10,6 +10,10 @@
 
 Which copy of a tensor a step reads is decided by sequence position: the latest production of that
 tensor (its run step, a recompute step, or a prefetch issued after an earlier step) before the step.
+
+`graph_fingerprint` names the graph the plan was made for (`Graph.fingerprint`); the validator
+refuses the plan on any other graph (`GraphMismatchError`). "" leaves it unchecked: hand-written
+plans in tests, and plan.json files of schema version 1, which did not record it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
-PLAN_SCHEMA_VERSION = 1
+#: 2 added `graph_fingerprint`; plan_io still reads version 1.
+PLAN_SCHEMA_VERSION = 2
 
 
 class Decision(StrEnum):
@@ -66,6 +71,8 @@ class Plan:
     bound_step_s: float | None = None
     #: Planner diagnostics (slack seconds, solver status, ...). Plain JSON-able values only.
     notes: Mapping[str, object] = field(default_factory=dict)
+    #: `Graph.fingerprint` of the graph the plan was made for; "" when unknown (module docstring).
+    graph_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "decisions", MappingProxyType(dict(self.decisions)))
@@ -86,6 +93,7 @@ class Plan:
             and self.prefetches == other.prefetches
             and self.bound_step_s == other.bound_step_s
             and dict(self.notes) == dict(other.notes)
+            and self.graph_fingerprint == other.graph_fingerprint
         )
 
     __hash__ = None  # type: ignore[assignment]

@@ -1,7 +1,8 @@
 """Schema-versioned JSON export of a Plan (`plan.json` in every run directory).
 
 `plan_from_dict(plan_to_dict(p)) == p` for every plan; an unknown schema version or a missing field
-is an error naming it, never a silent default.
+is an error naming it, never a silent default. Version 1 files (before `graph_fingerprint`) are still
+read: their plan has graph_fingerprint "" (unknown), which the validator does not check.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 from slackswap.errors import ConfigError
 from slackswap.plan import PLAN_SCHEMA_VERSION, ComputeStep, Decision, Direction, Plan, StepKind, Transfer
 
-_TOP_FIELDS = ("schema_version", "planner", "budget_bytes", "decisions", "steps", "offloads", "prefetches",
-               "bound_step_s", "notes")
+_V1_FIELDS = ("schema_version", "planner", "budget_bytes", "decisions", "steps", "offloads", "prefetches",
+              "bound_step_s", "notes")
+_FIELDS_BY_VERSION = {1: _V1_FIELDS, 2: (*_V1_FIELDS, "graph_fingerprint")}
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -30,18 +32,21 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "prefetches": [_transfer_to_dict(t) for t in plan.prefetches],
         "bound_step_s": plan.bound_step_s,
         "notes": dict(plan.notes),
+        "graph_fingerprint": plan.graph_fingerprint,
     }
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> Plan:
-    missing = [f for f in _TOP_FIELDS if f not in data]
+    version = data.get("schema_version")
+    if version not in _FIELDS_BY_VERSION:
+        raise ConfigError("plan.schema_version", version, f"this code reads versions {sorted(_FIELDS_BY_VERSION)}")
+    fields = _FIELDS_BY_VERSION[version]
+    missing = [f for f in fields if f not in data]
     if missing:
         raise ConfigError("plan", missing, "missing field(s)")
-    unknown = sorted(set(data) - set(_TOP_FIELDS))
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError("plan", unknown, "unknown field(s)")
-    if data["schema_version"] != PLAN_SCHEMA_VERSION:
-        raise ConfigError("plan.schema_version", data["schema_version"], f"this code reads {PLAN_SCHEMA_VERSION}")
     return Plan(
         planner=data["planner"],
         budget_bytes=data["budget_bytes"],
@@ -51,6 +56,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         prefetches=tuple(_transfer_from_dict(t) for t in data["prefetches"]),
         bound_step_s=data["bound_step_s"],
         notes=dict(data["notes"]),
+        graph_fingerprint=data.get("graph_fingerprint", ""),
     )
 
 

@@ -24,6 +24,8 @@ class OpSpec:
     outputs: tuple[str, ...]
     duration_s: float
     layer: int = 0
+    random: bool = False
+    writes: tuple[str, ...] = ()
 
 
 def fwd(name: str, inputs: Sequence[str], outputs: Sequence[str], duration_s: float, layer: int = 0) -> OpSpec:
@@ -34,8 +36,12 @@ def bwd(name: str, inputs: Sequence[str], outputs: Sequence[str], duration_s: fl
     return OpSpec(name, Phase.BACKWARD, tuple(inputs), tuple(outputs), duration_s, layer)
 
 
-def make_graph(specs: Sequence[OpSpec], sizes: Mapping[str, int], name: str = "toy") -> Graph:
-    """Build a Graph from ops in execution order; consumers and `saved` (read by a backward op) are derived."""
+def make_graph(
+    specs: Sequence[OpSpec], sizes: Mapping[str, int], name: str = "toy", bases: Mapping[str, str] | None = None
+) -> Graph:
+    """Build a Graph from ops in execution order; consumers and `saved` (read by a backward op) are derived.
+    `bases` maps an alias tensor to the tensor whose storage it shares."""
+    bases = bases or {}
     producer: dict[str, str] = {}
     consumers: dict[str, list[str]] = {}
     phase_of = {s.name: s.phase for s in specs}
@@ -54,6 +60,7 @@ def make_graph(specs: Sequence[OpSpec], sizes: Mapping[str, int], name: str = "t
             consumers=tuple(consumers.get(t, ())),
             layer=layer_of[t],
             saved=any(phase_of[c] == Phase.BACKWARD for c in consumers.get(t, ())),
+            base=bases.get(t, ""),
         )
         for t in producer
     }
@@ -68,6 +75,8 @@ def make_graph(specs: Sequence[OpSpec], sizes: Mapping[str, int], name: str = "t
             flops=0.0,
             moved_bytes=0,
             duration_s=s.duration_s,
+            random=s.random,
+            writes=s.writes,
         )
         for s in specs
     )
@@ -103,16 +112,21 @@ def toy_hardware(
     )
 
 
-def random_graph(rng: random.Random, max_layers: int = 4, max_size_bytes: int = 1000) -> Graph:
+def random_graph(
+    rng: random.Random, max_layers: int = 4, max_size_bytes: int = 1000, real_program: bool = False
+) -> Graph:
     """A layered forward chain with side tensors, a loss, and a mirrored backward pass.
 
     Forward op i reads the previous layer output and sometimes an older tensor; it produces a main
     output and sometimes a side tensor (a mask-like tensor only backward reads). Backward op i reads
     the incoming gradient and a random non-empty subset of forward op i's inputs and outputs.
+    With `real_program`, an op with a side tensor is sometimes random (dropout-like), and a layer's
+    main output is sometimes a view of its input (it aliases the previous main output's storage).
     """
     n = rng.randint(1, max_layers)
     specs: list[OpSpec] = []
     sizes: dict[str, int] = {}
+    bases: dict[str, str] = {}
 
     def dur() -> float:
         return rng.choice([0.25, 0.5, 1.0, 1.5, 2.0, 3.0])
@@ -136,7 +150,10 @@ def random_graph(rng: random.Random, max_layers: int = 4, max_size_bytes: int = 
             outs.append(f"m{i}")
         for t in outs:
             sizes[t] = size()
-        specs.append(fwd(f"f{i}", ins, outs, dur(), layer=i))
+        is_random = real_program and len(outs) > 1 and rng.random() < 0.5
+        if real_program and rng.random() < 0.3:
+            bases[outs[0]] = prev
+        specs.append(OpSpec(f"f{i}", Phase.FORWARD, tuple(ins), tuple(outs), dur(), i, random=is_random))
         fwd_io.append((tuple(ins), tuple(outs)))
         produced.extend(outs)
         prev = outs[0]
@@ -152,7 +169,35 @@ def random_graph(rng: random.Random, max_layers: int = 4, max_size_bytes: int = 
         specs.append(bwd(f"b{i}", (grad, *[t for t in picked if t != grad]), (out,), dur(), layer=i))
         grad = out
     specs.append(bwd("b_embed", (grad,), (), dur()))
-    return make_graph(specs, sizes, name=f"random{n}")
+    return make_graph(specs, sizes, name=f"random{n}", bases=bases)
+
+
+def aliasing_graph() -> Graph:
+    """A hand-made attention-like step with what traced programs have: q/k/v views of one qkv storage,
+    a random dropout op (output + mask), and an in-place ReLU whose result aliases its input.
+
+    Sizes (bytes): x 100, qkv 300 (q, k, v: views of 100 each), s 50, drop 50 + mask 25, ctx 100
+    (relu_ writes it in place: `act` aliases it), loss 1, gradients 10.
+    """
+    specs = [
+        fwd("embed", (), ("x",), 1.0),
+        fwd("qkv", ("x",), ("qkv",), 1.0),
+        fwd("split", ("qkv",), ("q", "k", "v"), 1.0),
+        fwd("scores", ("q", "k"), ("s",), 1.0),
+        OpSpec("drop", Phase.FORWARD, ("s",), ("sd", "mask"), 1.0, random=True),
+        fwd("pv", ("sd", "v"), ("ctx",), 1.0),
+        OpSpec("relu_", Phase.FORWARD, ("ctx",), ("act",), 1.0, writes=("ctx",)),
+        OpSpec("loss", Phase.LOSS, ("act",), ("loss",), 1.0),
+        bwd("relu_bwd", ("loss", "act"), ("g_ctx",), 1.0),
+        bwd("pv_bwd", ("g_ctx", "sd", "v"), ("g_sd",), 1.0),
+        bwd("drop_bwd", ("g_sd", "mask"), ("g_s",), 1.0),
+        bwd("scores_bwd", ("g_s", "q", "k"), ("g_qkv",), 1.0),
+        bwd("qkv_bwd", ("g_qkv", "x"), (), 1.0),
+    ]
+    sizes = {"x": 100, "qkv": 300, "q": 100, "k": 100, "v": 100, "s": 50, "sd": 50, "mask": 25, "ctx": 100,
+             "act": 100, "loss": 1, "g_ctx": 10, "g_sd": 10, "g_s": 10, "g_qkv": 10}
+    bases = {"q": "qkv", "k": "qkv", "v": "qkv", "act": "ctx"}
+    return make_graph(specs, sizes, name="aliasing", bases=bases)
 
 
 def schedule_from_decisions(

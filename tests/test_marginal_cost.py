@@ -95,3 +95,66 @@ def test_incremental_chains_on_chains_through_unsaved_tensors(seed):
     candidates = recompute_candidates(graph, analysis, set())
     assert len(candidates) > 2
     assert order_by_marginal_cost(graph, analysis, candidates) == order_by_walking_chains(graph, analysis, candidates)
+
+
+def group_order_by_walking_chains(graph, analysis, candidates):
+    """The definition of slackswap's group ranking: after each pick, every group whose chains touch a
+    newly covered op or read a picked tensor is re-chained from scratch and re-priced."""
+    dur = {op.name: op.duration_s for op in graph.ops}
+    rank = {t: i for i, t in enumerate(candidates)}
+    members = {}
+    for t in candidates:
+        members.setdefault(graph.tensors[t].producer, []).append(t)
+    missing, covered = set(), set()
+    chain = {t: analysis.tensors[t].regen_ops for t in candidates}
+    users = {}
+
+    def index(group):
+        for t in members[group]:
+            for o in chain[t]:
+                users.setdefault(o, set()).add(group)
+
+    for group in members:
+        index(group)
+
+    def key(group):
+        ops = {o for t in members[group] for o in chain[t]} - covered
+        return sum(dur[o] for o in ops) / sum(max(analysis.tensors[t].size_bytes, 1) for t in members[group])
+
+    version = dict.fromkeys(members, 0)
+    heap = [(key(g), min(rank[t] for t in ts), 0, g) for g, ts in members.items()]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, _, v, group = heapq.heappop(heap)
+        if v != version[group] or not members[group]:
+            continue
+        picked = members[group]
+        members[group] = []
+        order.extend(picked)
+        missing.update(picked)
+        new_ops = {o for t in picked for o in chain[t]} - covered
+        covered.update(new_ops)
+        touched = set(new_ops) | {c for t in picked for c in graph.tensors[t].consumers}
+        for g in set().union(*(users.get(o, ()) for o in touched)) - {group}:
+            if not members[g]:
+                continue
+            for t in members[g]:
+                chain[t] = regen_chain(graph, t, missing)
+            index(g)
+            version[g] += 1
+            heapq.heappush(heap, (key(g), min(rank[t] for t in members[g]), version[g], g))
+    return order
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_group_ranking_gives_the_order_of_the_definition(seed):
+    from slackswap.planners.strategies.slackswap import order_by_group_marginal_cost
+
+    rng = random.Random(seed)
+    graph = chained_layers_graph(rng) if seed % 2 else random_graph(rng, max_layers=6)
+    analysis = analyse(graph, toy_hardware(100.0, 100.0, 0.0, 1, 1))
+    candidates = recompute_candidates(graph, analysis, set())
+    assert order_by_group_marginal_cost(graph, analysis, candidates) == group_order_by_walking_chains(
+        graph, analysis, candidates
+    )

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from slackswap.errors import ConfigError
+from slackswap.plan import PLAN_SCHEMA_VERSION
 from slackswap.plan_io import plan_from_dict, plan_to_dict, read_plan_json, write_plan_json
 from slackswap.schedule.build import build_schedule
 from slackswap.testing import random_decisions, random_graph, toy_hardware
@@ -24,7 +25,18 @@ def test_round_trip_through_a_file_gives_an_equal_plan(tmp_path):
     plan = _plan()
     path = write_plan_json(plan, tmp_path / "plan.json")
     assert read_plan_json(path) == plan
-    assert json.loads(path.read_text())["schema_version"] == 1
+    assert json.loads(path.read_text())["schema_version"] == PLAN_SCHEMA_VERSION == 2
+    assert read_plan_json(path).graph_fingerprint == plan.graph_fingerprint != ""
+
+
+def test_a_version_1_file_is_read_with_an_unknown_fingerprint():
+    data = plan_to_dict(_plan())
+    data["schema_version"] = 1
+    del data["graph_fingerprint"]
+    assert plan_from_dict(data).graph_fingerprint == ""
+    data["graph_fingerprint"] = "abc"  # a version-2 field in a version-1 file is not accepted silently
+    with pytest.raises(ConfigError, match="graph_fingerprint"):
+        plan_from_dict(data)
 
 
 def test_unknown_schema_version_is_rejected():

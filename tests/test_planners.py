@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 
@@ -25,8 +26,8 @@ from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate import simulate, validate_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-PLANNERS = ("keep_all", "slackswap", "slackswap_seed", "full_recompute", "selective_recompute",
-            "recompute_knapsack", "swap_only", "capuchin", "dtr", "memo")
+#: Every registered planner but milp (its time-limited solves have their own tests in test_milp.py).
+PLANNERS = tuple(p for p in available_planners() if p != "milp")
 
 
 def _model(name: str, **over) -> ModelConfig:
@@ -51,10 +52,32 @@ def _plan_or_none(name, fraction, graph=GRAPH, peak=PEAK):
     return plan, budget
 
 
+def _largest_op_need_bytes(graph) -> int:
+    """Bytes one op needs resident at once (its distinct inputs and its outputs): no plan fits below."""
+    return max(sum(graph.owned_bytes(t) for t in {*op.inputs, *op.outputs}) for op in graph.ops)
+
+
+@functools.cache
+def _bisected_minimum(name: str) -> float | None:
+    return min_feasible_fraction(get_planner(name), GRAPH, HW, PEAK, tol=0.01).fraction
+
+
 @pytest.mark.parametrize(("name", "fraction"), list(itertools.product(PLANNERS, (0.3, 0.5, 0.7))))
 def test_plan_is_valid_and_fits_the_budget_in_the_simulator(name, fraction):
+    """Never vacuous: a returned plan must run within the budget in the simulator; a raise must come
+    at a budget shown infeasible for the planner (below its bisected minimum) or for any plan (below
+    the largest single op's need)."""
     plan, budget = _plan_or_none(name, fraction)
     if plan is None:
+        minimum = _bisected_minimum(name)
+        below_minimum = minimum is None or fraction < minimum
+        assert below_minimum or budget < _largest_op_need_bytes(GRAPH), (
+            f"{name} raised at {fraction:.0%} although it plans at {minimum:.1%} of the keep-all peak"
+        )
+        if minimum is not None:  # and the minimum it reports is real: that plan fits in the simulator
+            plan_at_min, budget_at_min = _plan_or_none(name, minimum)
+            assert plan_at_min is not None
+            assert simulate(GRAPH, plan_at_min, HW, budget_at_min).feasible
         return
     validate_plan(GRAPH, plan)
     result = simulate(GRAPH, plan, HW, budget)
@@ -250,3 +273,16 @@ def test_slackswap_plan_says_why_each_tensor_is_swapped_or_recomputed(tmp_path):
     assert plan.notes["swap_set"] in plan.notes["why"][plan.tensors_with(Decision.SWAP)[0]]
     write_plan_json(plan, tmp_path / "plan.json")
     assert read_plan_json(tmp_path / "plan.json").notes["why"] == plan.notes["why"]
+
+
+def test_a_highs_failure_in_the_knapsack_is_a_solver_failure_not_an_infeasible_budget(monkeypatch):
+    import types
+
+    import slackswap.planners.strategies.recompute_knapsack as knapsack
+    from slackswap.errors import SolverError
+
+    failed = types.SimpleNamespace(success=False, status=1, message="time limit reached", x=None)
+    monkeypatch.setattr(knapsack, "milp", lambda **_: failed)
+    with pytest.raises(SolverError, match="HiGHS failed on the knapsack \\(status 1\\): time limit reached"):
+        knapsack.solve_knapsack([10, 20], [1.0, 2.0], 15)
+    assert not issubclass(SolverError, InfeasibleBudgetError)

@@ -92,6 +92,7 @@ def test_four_processes_on_a_fresh_store_ten_times_lose_no_run(tmp_path) -> None
         for proc in procs:
             proc.join(60)
         errors += [f"round {round_no}: {text}" for status, text in outcomes if status == "error"]
+        assert not errors, errors
         run_ids = {text for status, text in outcomes if status == "ok"}
 
         with sqlite3.connect(folder / "mlflow.db") as conn:
@@ -573,3 +574,20 @@ def test_one_budget_draws_no_throughput_curve(tmp_path) -> None:
     assert not (tmp_path / "throughput_vs_budget.png").exists()
     assert (tmp_path / "planner_comparison.png").is_file()
     assert all(p.name != "throughput_vs_budget.png" for p in result.files)
+
+
+def test_preset_inputs_survive_a_parallel_job_logging_the_same_preset() -> None:
+    """Seen with the real server: two joblib workers inserted the same dataset row at once and one
+    job failed with `UNIQUE constraint failed: datasets...`."""
+    from pipelines import tracking
+
+    class RacingClient:
+        calls = 0
+
+        def log_inputs(self, run_id, datasets):
+            RacingClient.calls += 1
+            if RacingClient.calls == 1:
+                raise RuntimeError("UNIQUE constraint failed: datasets.experiment_id, datasets.name")
+
+    tracking.log_presets(RacingClient(), "run", {"model": ("tiny", {"num_layers": 2})})
+    assert RacingClient.calls == 2

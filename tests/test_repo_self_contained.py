@@ -55,12 +55,8 @@ def test_every_cited_doc_exists() -> None:
         for m in re.finditer(r"\bdocs/[\w-]+\.md\b", p.read_text(errors="replace"))
     }
     assert {"docs/contract.md", "docs/seed.md", "docs/hardware.md"} <= cited
-    missing = sorted(c for c in cited if not (REPO_ROOT / c).is_file() and c not in PENDING_DOCS)
+    missing = sorted(c for c in cited if not (REPO_ROOT / c).is_file())
     assert not missing, missing
-
-
-#: Cited docs that exist on a branch not merged yet. Delete the entry once the file is on main.
-PENDING_DOCS = {"docs/runtime.md": "on branch i9 (commit 44b3857), cited by slackswap/runtime and conf/train.yaml"}
 
 
 def test_contract_doc_lists_every_metric_the_pipeline_test_checks() -> None:

@@ -2,7 +2,8 @@
 
 Whenever a plan never waits for memory (no budget, or a budget at the replay's peak), step time and
 peak of `estimate_plan` and `simulate` are equal, to the bit, over random graphs, random plans (from
-build_schedule and with transfers at random valid positions) and 1-3 copy engines per direction.
+build_schedule and with transfers at random valid positions) and 1-3 copy engines per direction, on
+plain graphs and on graphs with views and random (dropout-like) ops.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def _assert_agree(graph, plan, hw) -> None:
     st.integers(1, 3),
     st.integers(1, 3),
     st.sampled_from(["alap", "layer_ahead", "random"]),
+    st.booleans(),
 )
-def test_replay_equals_simulator_on_random_plans_with_1_to_3_engines(rng, d2h_engines, h2d_engines, source):
-    graph = random_graph(rng, max_layers=6)
+def test_replay_equals_simulator_on_random_plans_with_1_to_3_engines(rng, d2h_engines, h2d_engines, source, real):
+    graph = random_graph(rng, max_layers=6, real_program=real)
     hw = toy_hardware(
         d2h_bytes_per_s=rng.choice([50.0, 500.0, 5000.0]),
         h2d_bytes_per_s=rng.choice([50.0, 500.0, 5000.0]),
@@ -58,7 +60,7 @@ def test_replay_equals_simulator_on_many_seeded_plans():
     differences = 0
     for seed in range(100):
         rng = random.Random(seed)
-        graph = random_graph(rng, max_layers=8)
+        graph = random_graph(rng, max_layers=8, real_program=seed % 2 == 1)
         decisions = {t.name: Decision.SWAP if rng.random() < 0.7 else Decision.KEEP for t in graph.saved_tensors}
         for engines in (1, 2, 3):
             hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0, latency_s=0.05,

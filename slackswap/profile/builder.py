@@ -61,6 +61,7 @@ class GraphBuilder:
         self._tensors: dict[str, _TensorRec] = {}
         self._ops: list[tuple] = []  # Op constructor arguments, in execution order
         self._forward: list[_ForwardRec] = []
+        self._flags: dict[str, dict[str, bool]] = {}  # forward op -> Op keyword flags (random, attention_core)
 
     # -- forward -----------------------------------------------------------------------------------
 
@@ -89,8 +90,12 @@ class GraphBuilder:
         bwd_flops: float = 0.0,
         bwd_extra_bytes: int = 0,
         phase: Phase = Phase.FORWARD,
+        random: bool = False,
+        attention_core: bool = False,
     ) -> None:
-        """Record a forward op. `extra_bytes` is HBM traffic of non-graph data (weights, parameters)."""
+        """Record a forward op. `extra_bytes` is HBM traffic of non-graph data (weights, parameters);
+        `random` and `attention_core` are the Op flags of the same name (slackswap/graph.py)."""
+        self._flags[name] = {"random": random, "attention_core": attention_core}
         for t in outputs:
             self._tensors[t].producer = name
         for t in bwd_reads:
@@ -154,7 +159,8 @@ class GraphBuilder:
         for (op_name, phase, op_class, layer, inputs, outputs, flops, extra, forward_op, role) in self._ops:
             moved = extra + sum(tensors[t].size_bytes for t in inputs) + sum(tensors[t].size_bytes for t in outputs)
             duration = op_duration_s(flops, moved, op_class, self.dtype, self.hardware)
-            ops.append(Op(op_name, phase, op_class, layer, inputs, outputs, flops, moved, duration, forward_op, role))
+            ops.append(Op(op_name, phase, op_class, layer, inputs, outputs, flops, moved, duration, forward_op, role,
+                          **self._flags.get(op_name, {})))
         out: dict[str, Tensor] = {}
         for t_name, rec in tensors.items():
             bwd_readers = [c for c in rec.consumers if op_phase[c] == Phase.BACKWARD]

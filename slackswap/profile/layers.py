@@ -97,16 +97,22 @@ class FamilyBuilder:
         self.g.forward(name, OpClass.ELEMENTWISE, layer, (x,), (y,), role=role, bwd_reads=(x,))
         return y
 
-    def dropout(self, name: str, layer: int, x: str, n_elements: int, *, role: str) -> str:
-        """Dropout: output plus a 1-byte mask; backward reads only the mask."""
+    def dropout(
+        self, name: str, layer: int, x: str, n_elements: int, *, role: str, attention_core: bool = False
+    ) -> str:
+        """Dropout: output plus a 1-byte mask; backward reads only the mask. A random op."""
         y = self.g.tensor(f"{name}.out", self.g.size(x), f"{role}_out")
         mask = self.g.tensor(f"{name}.mask", n_elements * MASK_BYTES_PER_ELEMENT, "dropout_mask",
                              differentiable=False)
-        self.g.forward(name, OpClass.ELEMENTWISE, layer, (x,), (y, mask), role=role, bwd_reads=(mask,))
+        self.g.forward(name, OpClass.ELEMENTWISE, layer, (x,), (y, mask), role=role, bwd_reads=(mask,), random=True,
+                       attention_core=attention_core)
         return y
 
-    def maybe_dropout(self, name: str, layer: int, x: str, n_elements: int, *, role: str) -> str:
-        return self.dropout(name, layer, x, n_elements, role=role) if self.m.dropout else x
+    def maybe_dropout(self, name: str, layer: int, x: str, n_elements: int, *, role: str,
+                      attention_core: bool = False) -> str:
+        if not self.m.dropout:
+            return x
+        return self.dropout(name, layer, x, n_elements, role=role, attention_core=attention_core)
 
     def add(self, name: str, layer: int, a: str, b: str) -> str:
         """Residual add: backward needs no forward tensor."""
@@ -134,19 +140,21 @@ class FamilyBuilder:
             # Attention dropout inside the flash kernel regenerates its mask from the RNG state: no mask tensor.
             self.g.forward(f"{p}.flash", OpClass.ATTENTION, layer, (q, k, v), (ctx, lse), role="flash_attn",
                            flops=2 * core_flops, bwd_reads=(q, k, v, ctx, lse),
-                           bwd_flops=FLASH_BWD_FLOPS_FACTOR * 2 * core_flops)
+                           bwd_flops=FLASH_BWD_FLOPS_FACTOR * 2 * core_flops, random=self.m.dropout,
+                           attention_core=True)
             return ctx
         scores = self.g.tensor(f"{p}.qk.out", s.scores() * s.elt, "attn_scores")
         self.g.forward(f"{p}.qk", OpClass.ATTENTION, layer, (q, k), (scores,), role="qk_bmm",
-                       flops=core_flops, bwd_reads=(q, k), bwd_flops=2 * core_flops)
+                       flops=core_flops, bwd_reads=(q, k), bwd_flops=2 * core_flops, attention_core=True)
         # Scale and causal/padding mask are fused into the softmax kernel, as in Megatron.
         probs = self.g.tensor(f"{p}.softmax.out", s.scores() * s.elt, "softmax_out")
         self.g.forward(f"{p}.softmax", OpClass.ELEMENTWISE, layer, (scores,), (probs,), role="softmax",
-                       bwd_reads=(probs,))
-        probs = self.maybe_dropout(f"{p}.attn_drop", layer, probs, s.scores(), role="softmax_dropout")
+                       bwd_reads=(probs,), attention_core=True)
+        probs = self.maybe_dropout(f"{p}.attn_drop", layer, probs, s.scores(), role="softmax_dropout",
+                                   attention_core=True)
         ctx = self.g.tensor(f"{p}.pv.out", s.act(self.m.hidden_size), "attn_ctx")
         self.g.forward(f"{p}.pv", OpClass.ATTENTION, layer, (probs, v), (ctx,), role="pv_bmm",
-                       flops=core_flops, bwd_reads=(probs, v), bwd_flops=2 * core_flops)
+                       flops=core_flops, bwd_reads=(probs, v), bwd_flops=2 * core_flops, attention_core=True)
         return ctx
 
     def qkv(self, p: str, layer: int, x: str, *, bias: bool) -> tuple[str, str, str]:

@@ -39,7 +39,11 @@ def simulated_saved_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, ins
     """Peak of saved bytes on the device when the simulator executes `plan` (no budget)."""
     from slackswap.simulate import simulate
 
-    result = simulate(saved_only(graph), plan, instant_link(hardware) if instant else hardware, None)
+    weighed = saved_only(graph)
+    # The same ops and tensors with other weights: the plan is re-addressed to the re-weighed graph on
+    # purpose (its fingerprint covers sizes, so the plan's own fingerprint would be refused).
+    plan = replace(plan, graph_fingerprint=weighed.fingerprint)
+    result = simulate(weighed, plan, instant_link(hardware) if instant else hardware, None)
     return result.peak_activation_bytes
 
 

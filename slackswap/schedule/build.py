@@ -50,6 +50,7 @@ def keep_all_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
         budget_bytes=budget_bytes,
         decisions={t.name: Decision.KEEP for t in graph.saved_tensors},
         steps=tuple(ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops),
+        graph_fingerprint=graph.fingerprint,
     )
 
 
@@ -147,6 +148,7 @@ def build_schedule(
         prefetches=prefetches,
         bound_step_s=bound_step_s,
         notes=dict(notes or {}),
+        graph_fingerprint=graph.fingerprint,
     )
 
 

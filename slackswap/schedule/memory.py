@@ -1,9 +1,11 @@
 """The free rule: when a device copy of a tensor gives its bytes back.
 
 A copy is allocated when the step that produces it starts (a run or recompute step) or when its
-prefetch starts. It is freed once three things hold: it has been produced (its step or prefetch
-finished), every step that reads it has finished, and its offload (if any) has finished. A copy
-nobody reads is freed when its producer finishes. At one instant, frees happen before allocations.
+prefetch starts. It is freed once four things hold: it has been produced (its step or prefetch
+finished), every step that reads it has finished, its offload (if any) has finished, and every alias
+copy that shares its storage (a view of it, the new version an in-place op wrote) has been freed.
+A copy nobody reads is freed when its producer finishes. At one instant, frees happen before
+allocations.
 
 The simulator applies the rule event by event (`is_freeable`); the replay computes the instant
 directly (`free_time_s`). Both live here so they cannot disagree.
@@ -12,14 +14,16 @@ directly (`free_time_s`). Both live here so they cannot disagree.
 from __future__ import annotations
 
 
-def is_freeable(produced: bool, readers_left: int, offload_pending: bool) -> bool:
-    return produced and readers_left == 0 and not offload_pending
+def is_freeable(produced: bool, readers_left: int, offload_pending: bool, aliases_left: int = 0) -> bool:
+    return produced and readers_left == 0 and not offload_pending and aliases_left == 0
 
 
-def free_time_s(produced_end_s: float, last_read_end_s: float | None, offload_end_s: float | None) -> float:
-    """The instant `is_freeable` first holds, given when each of its conditions is met."""
-    return max(
-        produced_end_s,
-        produced_end_s if last_read_end_s is None else last_read_end_s,
-        produced_end_s if offload_end_s is None else offload_end_s,
-    )
+def free_time_s(
+    produced_end_s: float,
+    last_read_end_s: float | None,
+    offload_end_s: float | None,
+    aliases_freed_s: float | None = None,
+) -> float:
+    """The instant `is_freeable` first holds, given when each of its conditions is met (None: never
+    constrains: no reader, no offload, no alias)."""
+    return max([produced_end_s, *(t for t in (last_read_end_s, offload_end_s, aliases_freed_s) if t is not None)])

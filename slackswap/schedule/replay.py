@@ -82,8 +82,8 @@ def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     n_steps = len(plan.steps)
     n_off, n_pre = len(plan.offloads), len(plan.prefetches)
     copy_size = s.copy_size
-    off_dur = [d2h_s(copy_size[c], hardware) for c in s.offload_copy]
-    pre_dur = [h2d_s(copy_size[c], hardware) for c in s.prefetch_copy]
+    off_dur = [d2h_s(b, hardware) for b in s.offload_bytes]
+    pre_dur = [h2d_s(b, hardware) for b in s.prefetch_bytes]
     d2h = CopyQueue(hardware.link.d2h_engines)
     h2d = CopyQueue(hardware.link.h2d_engines)
     offload_end = [float("nan")] * n_off
@@ -148,19 +148,25 @@ def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
 
     # Peak: frees at an instant come before allocations. Allocations and frees are sorted apart (plain
     # tuple sorts, no key function) and merged: before each allocation, every free at or before its
-    # instant is applied. Only an allocation can raise the peak.
+    # instant is applied. Only an allocation can raise the peak. An alias copy owns no bytes but keeps
+    # the copy it holds alive; it is made after that copy, so walking backwards settles every alias first.
     allocs: list[tuple[float, int]] = []
     frees: list[tuple[float, int]] = []
-    for c, (source, index, readers, offload, size) in enumerate(
-        zip(s.copy_source, s.copy_source_index, s.copy_readers, s.copy_offload, copy_size, strict=True)
-    ):
-        if not size:
-            continue
-        alloc = prefetch_start[index] if source == "prefetch" else step_start[index]
+    aliases_freed: list[float | None] = [None] * len(copy_size)
+    for c in reversed(range(len(copy_size))):
+        index, readers, offload = s.copy_source_index[c], s.copy_readers[c], s.copy_offload[c]
+        alloc = prefetch_start[index] if s.copy_source[c] == "prefetch" else step_start[index]
         last_read = step_end[readers[-1]] if readers else None
         offloaded = None if offload is None else offload_end[offload]
-        allocs.append((alloc, size))
-        frees.append((free_time_s(copy_ready[c], last_read, offloaded), size))
+        free = free_time_s(copy_ready[c], last_read, offloaded, aliases_freed[c])
+        holds = s.copy_holds[c]
+        if holds is not None:
+            held = aliases_freed[holds]
+            aliases_freed[holds] = free if held is None else max(held, free)
+        size = copy_size[c]
+        if size:
+            allocs.append((alloc, size))
+            frees.append((free, size))
     allocs.sort()
     frees.sort()
     current = peak = 0

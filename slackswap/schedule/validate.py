@@ -8,6 +8,12 @@ simulation can never disagree about which copy a step reads. The first inconsist
 
 Sequence positions: step j sits at position j; a transfer with `issue_after_step = i` sits between
 step i and step i + 1 (offloads before prefetches, each list in plan order); i = -1 is before step 0.
+
+The copies also carry what real programs add (slackswap/graph.py): an alias made by a step has no
+bytes of its own and holds the base copy it was made from; a recompute of a random op reads the RNG
+state its run step stashed (a copy named `<op>#rng_state`) and allocates every output of the op,
+the ones it does not materialise as scratch freed when it ends; a copy overwritten by an in-place
+op may not be read by any later step.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from slackswap.errors import PlanValidationError
-from slackswap.graph import FORWARD_PHASES, Graph
+from slackswap.errors import GraphMismatchError, PlanValidationError
+from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph
 from slackswap.plan import Decision, Direction, Plan, StepKind
 
 
@@ -34,6 +40,8 @@ class Copy:
     readers: tuple[int, ...]
     #: Index into `plan.offloads` that copies it to the host, or None.
     offload: int | None
+    #: For an alias made by a step: the copy whose storage it shares, kept alive while this one lives.
+    holds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,12 @@ class ResolvedSchedule:
     copy_source_index: tuple[int, ...]
     copy_readers: tuple[tuple[int, ...], ...]
     copy_offload: tuple[int | None, ...]
+    #: Per copy: the copy an alias holds (or None); the last step that reads it or any alias holding
+    #: it, transitively (-1: none); and every offload it waits for before it is freed (its own and
+    #: its aliases'). The free rule of `schedule.memory` in the form the engine applies it.
+    copy_holds: tuple[int | None, ...]
+    copy_last_use: tuple[int, ...]
+    copy_wait_offloads: tuple[tuple[int, ...], ...]
     #: Per step: ids of the copies it reads (each once, in op input order).
     step_reads: tuple[tuple[int, ...], ...]
     #: Per step: ids of the copies it produces.
@@ -61,6 +75,9 @@ class ResolvedSchedule:
     prefetch_copy: tuple[int, ...]
     #: Per prefetch: index into `plan.offloads` of its tensor's offload.
     prefetch_offload: tuple[int, ...]
+    #: Bytes each offload / prefetch moves (the tensor's size, even for an alias that owns no storage).
+    offload_bytes: tuple[int, ...]
+    prefetch_bytes: tuple[int, ...]
 
     @property
     def copies(self) -> tuple[Copy, ...]:
@@ -68,7 +85,7 @@ class ResolvedSchedule:
             Copy(*fields)
             for fields in zip(
                 self.copy_tensor, self.copy_size, self.copy_source, self.copy_source_index, self.copy_readers,
-                self.copy_offload, strict=True,
+                self.copy_offload, self.copy_holds, strict=True,
             )
         )
 
@@ -190,10 +207,16 @@ def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str
 
 
 def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
-    """Validate `plan` against `graph` and resolve the copy each step reads. Raises `PlanValidationError`.
+    """Validate `plan` against `graph` and resolve the copy each step reads. Raises `PlanValidationError`
+    (`GraphMismatchError` when the plan was made for another graph).
 
     The rules that need no copies are checked first, then `_resolve_copies` walks the plan, then the
     rules about which copy each reader reads and the FIFO order are checked on the result."""
+    if plan.graph_fingerprint and plan.graph_fingerprint != graph.fingerprint:
+        raise GraphMismatchError(
+            f"plan of planner {plan.planner!r} was made for a graph with fingerprint {plan.graph_fingerprint}, "
+            f"not for graph {graph.name!r} (fingerprint {graph.fingerprint})"
+        )
     roles = _check_steps(graph, plan)
     _check_decisions(graph, plan)
     offload_of, _ = _check_transfers(graph, plan)
@@ -239,7 +262,15 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     c_source: list[str] = []
     c_index: list[int] = []
     c_readers: list[list[int]] = []
+    c_size: list[int] = []
+    c_holds: list[int | None] = []
     current: dict[str, int] = {}
+    tensors = graph.tensors
+    op_by_name = graph.op_by_name
+    has_aliases = graph.has_aliases
+    overwritten: dict[int, str] = {}  # copy -> the in-place op that overwrote it
+    random_recomputed = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE and op_by_name[s.op].random}
+    rng_state: dict[str, int] = {}  # random op -> the copy of its stashed RNG state
     offload_copy = [0] * len(plan.offloads)
     prefetch_copy = [0] * len(plan.prefetches)
     step_reads: list[tuple[int, ...]] = []
@@ -266,6 +297,22 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             c_source.append("prefetch")
             c_index.append(k)
             c_readers.append([])
+            c_size.append(size_of[t])
+            c_holds.append(None)
+
+    def step_copy(t: str, source: str, j: int, current_copy: bool = True) -> int:
+        """A copy made by step j: an alias owns no bytes and holds the base copy the step read."""
+        c = len(c_tensor)
+        if current_copy:
+            current[t] = c
+        c_tensor.append(t)
+        c_source.append(source)
+        c_index.append(j)
+        c_readers.append([])
+        base = tensors[t].base if has_aliases else ""
+        c_size.append(0 if base else size_of[t])
+        c_holds.append(current[base] if base else None)
+        return c
 
     issue_transfers(-1)
     recompute = StepKind.RECOMPUTE
@@ -276,26 +323,38 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             c = current.get(t)
             if c is None:
                 _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
+            if overwritten and c in overwritten:
+                _fail(f"{_step_name(plan, j)} reads tensor {t!r} after op {overwritten[c]!r} overwrote it in place")
             c_readers[c].append(j)
             reads.append(c)
         writes = []
-        if step.kind == recompute:
-            source = "recompute"
-            alloc = 0
-            for t in step.outputs:
-                if decisions.get(t) in keep_or_swap:
-                    _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
-                alloc += size_of[t]
-        else:
-            source = "run"
-            alloc = run_alloc[step.op]  # a run step materialises exactly its op's outputs (checked before)
+        source = "recompute" if step.kind == recompute else "run"
         for t in step.outputs:
-            current[t] = c = len(c_tensor)
-            c_tensor.append(t)
-            c_source.append(source)
-            c_index.append(j)
-            c_readers.append([])
-            writes.append(c)
+            if source == "recompute" and decisions.get(t) in keep_or_swap:
+                _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
+            writes.append(step_copy(t, source, j))
+        if random_recomputed and step.op in random_recomputed:
+            op = op_by_name[step.op]
+            if source == "recompute":
+                # The replayed kernel reads the stashed RNG state and writes every output again; the
+                # ones this step does not materialise are scratch, freed when it ends.
+                c = rng_state[op.name]
+                c_readers[c].append(j)
+                reads.append(c)
+                writes.extend(step_copy(t, source, j, current_copy=False) for t in op.outputs if t not in step.outputs)
+            else:
+                rng_state[op.name] = c = len(c_tensor)
+                c_tensor.append(f"{op.name}#rng_state")
+                c_source.append("run")
+                c_index.append(j)
+                c_readers.append([])
+                c_size.append(RNG_STATE_BYTES)
+                c_holds.append(None)
+                writes.append(c)
+        if source == "run" and has_aliases:
+            for t in op_by_name[step.op].writes:
+                overwritten[reads[distinct_inputs[step.op].index(t)]] = step.op
+        alloc = sum([c_size[c] for c in writes])
         step_reads.append(tuple(reads))
         step_writes.append(tuple(writes))
         step_alloc.append(alloc)
@@ -307,19 +366,35 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
 
     prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
+    # The free rule with aliases: a copy lives until its last reader, its offload and every alias
+    # holding it are done. An alias is made after the copy it holds, so one backward walk settles it.
+    last_use = [r[-1] if r else -1 for r in c_readers]
+    wait_offloads: list[tuple[int, ...]] = [() if k is None else (k,) for k in c_offload]
+    if has_aliases:
+        for c in reversed(range(len(c_tensor))):
+            h = c_holds[c]
+            if h is not None:
+                last_use[h] = max(last_use[h], last_use[c])
+                wait_offloads[h] = wait_offloads[h] + wait_offloads[c]
+
     return ResolvedSchedule(
         copy_tensor=tuple(c_tensor),
-        copy_size=tuple([size_of[t] for t in c_tensor]),
+        copy_size=tuple(c_size),
         copy_source=tuple(c_source),
         copy_source_index=tuple(c_index),
         copy_readers=tuple(map(tuple, c_readers)),
         copy_offload=tuple(c_offload),
+        copy_holds=tuple(c_holds),
+        copy_last_use=tuple(last_use),
+        copy_wait_offloads=tuple(wait_offloads),
         step_reads=tuple(step_reads),
         step_writes=tuple(step_writes),
         step_alloc_bytes=tuple(step_alloc),
         offload_copy=tuple(offload_copy),
         prefetch_copy=tuple(prefetch_copy),
         prefetch_offload=prefetch_offload,
+        offload_bytes=tuple([size_of[tr.tensor] for tr in plan.offloads]),
+        prefetch_bytes=tuple([size_of[tr.tensor] for tr in plan.prefetches]),
     )
 
 

@@ -14,7 +14,9 @@ instead of being tracked at run time:
   so a step only ever waits for the prefetched copies it reads;
 - the readers of a copy finish in step order, so the free rule's "every reader has finished" holds
   when its *last* reader finishes: the copy is freed then, or when its offload completes if that is
-  later (no per-copy reader counter).
+  later (no per-copy reader counter). An alias copy (a view) owns no bytes and keeps the copy it
+  holds alive: the resolver folds that into `copy_last_use` (the last step reading the copy or an
+  alias of it) and `copy_wait_offloads` (its offload and its aliases'), so the loop stays the same.
 
 Per time instant the loop first applies every completion at that time (frees, readiness), in the
 order they were created, then starts what can start ("settle"): offloads in FIFO order, then the
@@ -75,10 +77,22 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     copy_readers = s.copy_readers
     n_copies = len(copy_size)
     step_alloc = s.step_alloc_bytes
-    last_reader = [r[-1] if r else -1 for r in copy_readers]
-    has_offload = [False] * n_copies
-    for c in s.offload_copy:
-        has_offload[c] = True
+    last_reader = s.copy_last_use
+    # Per step: the copies whose last use it is (they free when it ends, or when their offloads do),
+    # in the order the step reads them, then copies kept alive by an alias the step reads.
+    free_after: dict[int, list[int]] = {}
+    for j, reads in enumerate(step_reads):
+        for c in reads:
+            if last_reader[c] == j:
+                free_after.setdefault(j, []).append(c)
+    for c, j in enumerate(last_reader):
+        if j >= 0 and c not in step_reads[j]:
+            free_after.setdefault(j, []).append(c)
+    offloads_left = [len(w) for w in s.copy_wait_offloads]
+    offload_waiters: list[list[int]] = [[] for _ in s.offload_copy]  # per offload: copies waiting for it
+    for c, waits in enumerate(s.copy_wait_offloads):
+        for k in waits:
+            offload_waiters[k].append(c)
     # Per step: the prefetched copies it reads (the only inputs that can be late).
     waits_on: dict[int, list[int]] = {}
     for c in s.prefetch_copy:
@@ -86,20 +100,20 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             waits_on.setdefault(j, []).append(c)
     produced = [False] * n_copies  # tracked for prefetched copies only
     ready_s = [0.0] * n_copies
-    offload_done = [False] * n_copies
     readers_done = [False] * n_copies  # producer and every reader have finished
 
     link = hardware.link
     off_copy = s.offload_copy
     n_off = len(off_copy)
     off_issue = [t.issue_after_step for t in plan.offloads]
-    off_dur = [d2h_s(copy_size[c], hardware) for c in off_copy]
+    off_bytes = s.offload_bytes
+    off_dur = [d2h_s(b, hardware) for b in off_bytes]
     off_finished = [False] * n_off
     pre_copy = s.prefetch_copy
     n_pre = len(pre_copy)
     pre_issue = [t.issue_after_step for t in plan.prefetches]
     pre_offload = s.prefetch_offload
-    pre_dur = [h2d_s(copy_size[c], hardware) for c in pre_copy]
+    pre_dur = [h2d_s(b, hardware) for b in s.prefetch_bytes]
 
     recompute_kind = StepKind.RECOMPUTE  # compared with ==: a plan may carry plain strings
     heap: list[tuple[float, int, int, int, int]] = []
@@ -131,7 +145,7 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             c = off_copy[k]
             engine = heappop(d2h_free)
             end = now + off_dur[k]
-            events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[c], copy_size[c],
+            events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[c], off_bytes[k],
                                             engine, 0.0, 0.0)))
             end_s = end if end > end_s else end_s
             next_off = k + 1
@@ -202,19 +216,18 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                 step_running = False
                 last_done = index
                 prev_end = now
-                for c in step_reads[index]:
-                    if last_reader[c] == index:
-                        if has_offload[c] and not offload_done[c]:
-                            readers_done[c] = True
-                        else:
-                            size = copy_size[c]
-                            if size:
-                                in_use -= size
-                                mem_t.append(now)
-                                mem_b.append(in_use)
+                for c in free_after.get(index, ()):
+                    if offloads_left[c]:
+                        readers_done[c] = True
+                    else:
+                        size = copy_size[c]
+                        if size:
+                            in_use -= size
+                            mem_t.append(now)
+                            mem_b.append(in_use)
                 for c in step_writes[index]:
                     if last_reader[c] < 0:
-                        if has_offload[c]:
+                        if offloads_left[c]:
                             readers_done[c] = True  # freed when its offload completes
                         else:
                             size = copy_size[c]
@@ -223,16 +236,16 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                                 mem_t.append(now)
                                 mem_b.append(in_use)
             elif kind == _D2H_END:
-                c = off_copy[index]
-                offload_done[c] = True
                 off_finished[index] = True
                 heappush(d2h_free, engine)
-                if readers_done[c]:
-                    size = copy_size[c]
-                    if size:
-                        in_use -= size
-                        mem_t.append(now)
-                        mem_b.append(in_use)
+                for c in offload_waiters[index]:
+                    offloads_left[c] -= 1
+                    if readers_done[c] and not offloads_left[c]:
+                        size = copy_size[c]
+                        if size:
+                            in_use -= size
+                            mem_t.append(now)
+                            mem_b.append(in_use)
             else:
                 c = pre_copy[index]
                 produced[c] = True

@@ -111,7 +111,7 @@ def saved_infos(graph: Graph, hardware: Hardware) -> tuple[SavedInfo, ...]:
         out.append(
             SavedInfo(
                 name=t.name,
-                size_bytes=t.size_bytes,
+                size_bytes=graph.owned_bytes(t.name),
                 producer=index[t.producer],
                 first_bwd=min(bwd),
                 last_reader=max(readers),
@@ -138,8 +138,8 @@ def fixed_bytes_per_op(graph: Graph) -> list[int]:
             continue
         start = index[t.producer]
         end = max((index[c] for c in t.consumers), default=start)
-        diff[start] += t.size_bytes
-        diff[end + 1] -= t.size_bytes
+        diff[start] += graph.owned_bytes(t.name)
+        diff[end + 1] -= graph.owned_bytes(t.name)
     return list(np.cumsum(diff[:-1]).astype(np.int64).tolist())
 
 
@@ -179,7 +179,7 @@ def chain_producers(graph: Graph, name: str) -> tuple[int, ...]:
 
 
 def chain_intermediate_bytes(graph: Graph, name: str) -> int:
-    return sum(graph.tensors[t].size_bytes for t in set(_chain_tensors(graph, name)[1]))
+    return sum(graph.owned_bytes(t) for t in set(_chain_tensors(graph, name)[1]))
 
 
 def chain_cut_pairs(graph: Graph, saved: Sequence[SavedInfo]) -> tuple[tuple[int, int, int, int, int], ...]:
@@ -541,8 +541,8 @@ def keep_all_peak_bytes(graph: Graph) -> int:
     for t in graph.tensors.values():
         start = index[t.producer]
         end = max((index[c] for c in t.consumers), default=start)
-        diff[start] += t.size_bytes
-        diff[end + 1] -= t.size_bytes
+        diff[start] += graph.owned_bytes(t.name)
+        diff[end + 1] -= graph.owned_bytes(t.name)
     return int(np.max(np.cumsum(diff[:-1])))
 
 

@@ -1,7 +1,7 @@
 """`milp`: the exact optimum of a joint keep/swap/recompute MILP (HiGHS), and a lower bound on step time.
 
 Two products (docs/milp.md):
-- `Plan.bound_step_s`: the optimum (a dual bound) of the bound problem of `milp_model`, every
+- `Plan.bound_step_s`: the optimum (a dual bound) of the bound problem of `milp.model`, every
   constraint of which is a necessary condition of any simulated execution of a valid plan whose run
   steps follow graph order. Exact MILP for models of up to `exact_max_layers` layers; beyond that the
   LP relaxation's optimum (and the MIP dual bound if a time-limited MILP improves on it).

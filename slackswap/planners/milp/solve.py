@@ -1,4 +1,4 @@
-"""Solve the bound problem of `milp_model` with HiGHS (scipy.optimize.milp) and read the answer back.
+"""Solve the bound problem of `milp.model` with HiGHS (scipy.optimize.milp) and read the answer back.
 
 The lower bound we report is always a DUAL bound (the LP relaxation's optimum, or HiGHS's MIP dual
 bound), never an incumbent's objective, so a time limit or a nonzero MIP gap weakens it but never
@@ -15,7 +15,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from slackswap.errors import InfeasibleBudgetError
+from slackswap.errors import InfeasibleBudgetError, SolverError
 from slackswap.plan import Decision
 from slackswap.planners.base import gib
 from slackswap.planners.milp.model import MS_PER_S, BoundProblem
@@ -106,7 +106,7 @@ def solve(
     elif res.status == 2:
         raise InfeasibleBudgetError(f"MILP infeasible (HiGHS: {res.message})")
     if status not in (STATUS_TEXT[0], STATUS_TEXT[1]):
-        raise RuntimeError(f"HiGHS failed on the milp bound problem: status {status}, {res.message}")
+        raise SolverError(f"HiGHS failed on the milp bound problem: status {status}, {res.message}")
     if integral:
         dual = getattr(res, "mip_dual_bound", None)
         if dual is None or not np.isfinite(dual):

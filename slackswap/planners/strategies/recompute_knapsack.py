@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.errors import ConfigError, InfeasibleBudgetError, SolverError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
@@ -55,11 +55,15 @@ def solve_knapsack(sizes: Sequence[int], costs: Sequence[float], need_bytes: int
         options={"mip_rel_gap": 0.0},
     )
     if not result.success:
-        raise InfeasibleBudgetError(f"recompute_knapsack: HiGHS failed on the knapsack: {result.message}")
+        if result.status == 2:  # proven infeasible (the sum check above makes this unexpected)
+            raise InfeasibleBudgetError(f"recompute_knapsack: HiGHS proved the knapsack infeasible: {result.message}")
+        raise SolverError(
+            f"recompute_knapsack: HiGHS failed on the knapsack (status {result.status}): {result.message}"
+        )
     taken = np.rint(result.x).astype(int)
     chosen = [i for k, n in zip(keys, taken, strict=True) for i in groups[k][:n]]
     if sum(sizes[i] for i in chosen) < need_bytes:
-        raise InfeasibleBudgetError("recompute_knapsack: HiGHS returned a knapsack that does not cover the need")
+        raise SolverError("recompute_knapsack: HiGHS returned a knapsack that does not cover the need")
     return chosen
 
 

@@ -18,13 +18,10 @@ from slackswap.planners.registry import register_planner
 from slackswap.planners.support.fit import over_budget, scheduled_peak
 from slackswap.planners.support.greedy import smallest_fitting_count
 
-#: Op roles (set by slackswap.profile) that make up the attention core.
-ATTENTION_CORE_ROLES: frozenset[str] = frozenset({"qk_bmm", "softmax", "softmax_dropout", "pv_bmm", "flash_attn"})
-
 
 def attention_core_tensors(graph: Graph) -> dict[int, list[str]]:
     """Per layer, the saved tensors produced inside the attention core and read by nothing outside it."""
-    core_ops = {op.name for op in graph.ops if op.role in ATTENTION_CORE_ROLES and op.phase == Phase.FORWARD}
+    core_ops = {op.name for op in graph.ops if op.attention_core and op.phase == Phase.FORWARD}
     out: dict[int, list[str]] = {}
     for t in graph.saved_tensors:
         if t.producer not in core_ops:

@@ -13,9 +13,10 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
   regeneration cost: once a tensor is more expensive per byte than the last tensor the budget makes
   us recompute, it would be kept anyway, and among such tensors the slack is best spent on the ones
   it can hold the most bytes of (longest production-to-use window first). slackswap therefore also
-  tries that packing order over the tensors above the recompute tail, and over all tensors (when
-  the budget asks little, even cheap bytes swapped spare recompute), and keeps whichever of the three
-  swapped sets gives the shortest estimated step.
+  tries that packing order over the tensors above the recompute tail and over all tensors (when
+  the budget asks little, even cheap bytes swapped spare recompute), plus all tensors by bytes per
+  copy-second, and keeps whichever of the four swapped sets (these three and the seed-style
+  selection) gives the shortest estimated step (`swap_alternatives`).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def order_by_group_marginal_cost(
     per byte as the pair really is and a costlier tensor (a GeLU output) is taken first. Here a
     group is the remaining candidates of one producer op; its price is the time of the ops its
     members' chains add (not yet re-run for an earlier pick) over the group's bytes, and a group is
-    taken whole. After each pick the groups whose chains share newly covered ops are re-priced
+    taken whole. After each pick the groups whose chains touch the newly covered ops are re-priced
     (lazy heap with versions), as in the per-tensor ranking.
     `prices`, if given, receives each tensor's group price (s per byte) at the time it was taken.
     """
@@ -117,10 +118,12 @@ def order_by_group_marginal_cost(
         order.extend(picked)
         new_ops = {o for t in picked for o in chain[t]} - covered
         covered.update(new_ops)
-        # As in `order_by_marginal_cost`: a pick lengthens the chains that read a picked tensor by
-        # that tensor's chain, all of it now covered, so no price changes by it and chains are not
-        # re-walked; only the groups sharing newly covered ops are re-priced.
-        for g in set().union(*(users.get(o, ()) for o in new_ops)) - {group}:
+        # A pick lengthens the chains that read a picked tensor by exactly the picked chains, whose ops
+        # it has just covered: no price changes, so chains are not re-walked (as in
+        # `order_by_marginal_cost`; on traced graphs the re-walk made planning quadratic). Only groups
+        # sharing newly covered ops get a new price.
+        affected = set().union(*(users.get(o, ()) for o in new_ops)) - {group}
+        for g in affected:
             if not members[g]:
                 continue
             version[g] += 1

@@ -3,7 +3,7 @@
 - `regen_chain`: the forward ops that must re-run to regenerate a saved tensor in backward, given
   which tensors are not on the device then (recompute-decided saved tensors and every non-saved
   forward tensor). Its summed `duration_s` is the tensor's cost to regenerate.
-- windows come from the keep-all timeline (`timeline.estimate_plan` of `keep_all_plan`): the forward
+- windows come from the keep-all timeline (`slackswap.schedule.replay.estimate_plan` of `keep_all_plan`): the forward
   window ends when the first backward op starts (the keep-all memory peak sits at that boundary:
   every saved activation is alive and the loss has allocated its outputs); the backward window is
   the rest of the step.
@@ -28,7 +28,8 @@ import numpy as np
 from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.hardware import Hardware
 from slackswap.schedule.build import keep_all_plan
-from slackswap.schedule.replay import PlanTimeline, d2h_s, estimate_plan, h2d_s
+from slackswap.schedule.replay import PlanTimeline, estimate_plan
+from slackswap.schedule.transfer import d2h_s, h2d_s
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
         chain = regen_chain(graph, t.name, ())
         infos[t.name] = TensorInfo(
             name=t.name,
-            size_bytes=t.size_bytes,
+            size_bytes=graph.owned_bytes(t.name),
             layer=producer.layer,
             ready_s=timeline.step_end_s[graph.op_index[t.producer]],
             first_backward_use_s=first_bwd[t.name],

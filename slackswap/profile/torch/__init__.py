@@ -72,7 +72,7 @@ def spec_for_family(model: ModelConfig, **options: Any) -> TorchSpec:
 
 def profile_source(model: ModelConfig, hardware: Hardware, training: TrainingConfig | None = None,
                    **options: Any) -> Graph:
-    """The `torch` profile source (slackswap.profile.sources): `options` are TorchSpec fields; without
+    """The torch profile source as one function of (model, hardware, training): `options` are TorchSpec fields; without
     a builder, the model's family decides (`spec_for_family`)."""
     spec = TorchSpec.from_dict(options) if "builder" in options else spec_for_family(model, **options)
     return build_torch_graph(model, spec, hardware, training)
