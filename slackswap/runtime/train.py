@@ -8,6 +8,7 @@ runtime's saved-bytes ledger on the CPU, where no allocator counts.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,13 +53,9 @@ def _grad_step(w: Workload, batch: torch.Tensor, seed: int, run=None) -> tuple[t
     torch.manual_seed(seed)
     for p in w.model.parameters():
         p.grad = None
-    if run is None:
+    with run or contextlib.nullcontext():
         loss = token_loss(batch)(w.model(batch))
         loss.backward()
-    else:
-        with run:
-            loss = token_loss(batch)(w.model(batch))
-            loss.backward()
     grads = [p.grad.detach().clone() for p in w.model.parameters() if p.grad is not None]
     for p in w.model.parameters():
         p.grad = None
@@ -99,13 +96,9 @@ def train_steps(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        if run is None:
+        with run or contextlib.nullcontext():
             loss = token_loss(batch)(w.model(batch))
             loss.backward()
-        else:
-            with run:
-                loss = token_loss(batch)(w.model(batch))
-                loss.backward()
         _sync(device)
         step_s = time.perf_counter() - t0
         optimizer.step()

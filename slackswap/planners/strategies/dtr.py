@@ -37,6 +37,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
+from slackswap.planners.support.analysis import regen_walk
 from slackswap.schedule.build import build_schedule, keep_all_plan
 from slackswap.schedule.replay import estimate_plan
 
@@ -57,22 +58,7 @@ def _chain_cost(graph: Graph, tensor: str, evicted: set[str]) -> tuple[float, fr
 
     The chain walks back through evicted tensors and non-saved forward tensors (gone after forward);
     it stops at resident saved tensors: the `frontier`, whose eviction changes this cost."""
-    ops: set[str] = set()
-    frontier: set[str] = set()
-    stack = [tensor]
-    seen: set[str] = set()
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        producer = graph.op_by_name[graph.tensors[name].producer]
-        ops.add(producer.name)
-        for t in producer.inputs:
-            if t in evicted or not graph.tensors[t].saved:
-                stack.append(t)
-            else:
-                frontier.add(t)
+    ops, frontier = regen_walk(graph, tensor, evicted)
     return sum(graph.op_by_name[o].duration_s for o in ops), frozenset(frontier)
 
 

@@ -90,10 +90,12 @@ def boundary_tensors(graph: Graph) -> frozenset[str]:
     return frozenset(out)
 
 
-def regen_chain(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[str, ...]:
-    """Forward ops (in forward order) that regenerate `tensor` when the saved tensors in `missing`
-    and all non-saved forward tensors are off the device. `tensor` itself counts as missing."""
+def regen_walk(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[set[str], set[str]]:
+    """(forward ops that regenerate `tensor`, saved tensors the walk stops at) when the saved tensors in
+    `missing` and all non-saved forward tensors are off the device. `tensor` itself counts as missing.
+    The stop set is what DTR's cost depends on: evicting one of them lengthens the chain."""
     ops: set[str] = set()
+    frontier: set[str] = set()
     stack = [tensor]
     seen = set()
     while stack:
@@ -106,6 +108,14 @@ def regen_chain(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[st
         for t in producer.inputs:
             if t == tensor or t in missing or not graph.tensors[t].saved:
                 stack.append(t)
+            else:
+                frontier.add(t)
+    return ops, frontier
+
+
+def regen_chain(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[str, ...]:
+    """Forward ops (in forward order) that regenerate `tensor` (see `regen_walk`)."""
+    ops, _ = regen_walk(graph, tensor, missing)
     return tuple(sorted(ops, key=graph.op_index.__getitem__))
 
 
