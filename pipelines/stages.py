@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.records import RunStatus
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
@@ -25,11 +26,6 @@ from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
 from slackswap.profile.torch.spec import TorchSpec
 
-STATUS_OK = "ok"
-STATUS_INFEASIBLE = "infeasible"
-STATUS_FAILED = "failed"
-#: Interrupted (SIGINT / SIGTERM) while it ran; the MLflow run is KILLED.
-STATUS_KILLED = "killed"
 PLOT_LEVELS: tuple[str, ...] = ("auto", "all", "summary", "none")
 
 
@@ -167,7 +163,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
 
 @dataclass
 class Outcome:
-    status: str
+    status: RunStatus
     failure_reason: str
     metrics: dict[str, Any]
     timings_s: dict[str, float]
@@ -188,7 +184,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     from slackswap.plan_io import write_plan_json
     from slackswap.planners.registry import get_planner
     from slackswap.profile.report import write_profile_csv
-    from slackswap.simulate.metrics import compute_metrics
+    from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
     from slackswap.simulate.trace import write_trace_json
 
     base, hit = baseline(inputs, resolved)
@@ -207,21 +203,12 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
 
     keep_all_peak_bytes = int(ideal.peak_activation_bytes)
     capacity = device_capacity(inputs)
-    static_metrics = _static_metrics(capacity)
     if inputs.budget.device and not capacity.fits:
         # Static memory alone fills the device: a result (infeasible), reported term by term.
         reason = capacity_reason(capacity, _suggest_shards(inputs))
-        metrics = {
-            "feasible": False,
-            "infeasible_reason": reason,
-            "budget_bytes": None,
-            "keep_all_peak_bytes": keep_all_peak_bytes,
-            "ideal_step_s": ideal.step_s,
-            **static_metrics,
-            "headroom_bytes": capacity.activation_capacity_bytes,
-        }
+        metrics = run_metrics(inputs, base, capacity, unsimulated_metrics(ideal, None, reason))
         _write_json(run_dir / "metrics.json", metrics)
-        return Outcome(STATUS_INFEASIBLE, f"device memory: {reason}", metrics, timings)
+        return Outcome(RunStatus.INFEASIBLE, f"device memory: {reason}", metrics, timings)
     budget_bytes = inputs.budget.resolve_bytes(keep_all_peak_bytes, capacity.activation_capacity_bytes)
     planner = get_planner(inputs.planner_name, **inputs.planner_options)
 
@@ -237,41 +224,21 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
             margin_fraction=inputs.plan_margin_fraction,
         )
     except InfeasibleBudgetError as exc:
-        plan_wall_s = time.perf_counter() - t0
-        timings["plan_s"] = plan_wall_s
-        # No plan, so nothing to simulate: only the quantities that exist are reported.
-        metrics = {
-            "feasible": False,
-            "infeasible_reason": exc.reason,
-            "budget_bytes": budget_bytes,
-            "keep_all_peak_bytes": keep_all_peak_bytes,
-            "ideal_step_s": ideal.step_s,
-            "plan_wall_s": plan_wall_s,
-            **static_metrics,
-            "headroom_bytes": capacity.activation_capacity_bytes,
-        }
-        if exc.min_feasible_bytes is not None:
-            metrics["min_feasible_bytes"] = exc.min_feasible_bytes
-        metrics |= _source_metrics(base)
+        timings["plan_s"] = plan_wall_s = time.perf_counter() - t0
+        # No plan, so nothing to simulate: what a simulation would give is None.
+        simulation = unsimulated_metrics(
+            ideal, budget_bytes, exc.reason, min_feasible_bytes=exc.min_feasible_bytes, plan_wall_s=plan_wall_s
+        )
+        metrics = run_metrics(inputs, base, capacity, simulation)
         _write_json(run_dir / "metrics.json", metrics)
-        return Outcome(STATUS_INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
-    plan, result, report = fitted.plan, fitted.result, fitted.report
+        return Outcome(RunStatus.INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
+    plan, result = fitted.plan, fitted.result
     timings["plan_s"] = plan_wall_s = fitted.plan_wall_s
     timings["sim_s"] = sim_wall_s = fitted.sim_wall_s
     write_plan_json(plan, run_dir / "plan.json")
 
-    metrics = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
-    metrics |= static_metrics
-    peak = int(result.peak_activation_bytes)
-    if report is not None:
-        metrics |= report.metrics()
-        peak = report.peak_reserved_bytes
-    # What the device has left at this run's peak (reserved peak when the allocator is modelled).
-    metrics["headroom_bytes"] = capacity.activation_capacity_bytes - peak
-    if fitted.planning_budget_bytes != budget_bytes:
-        metrics["planning_budget_bytes"] = fitted.planning_budget_bytes
-        metrics["planning_rounds"] = fitted.rounds
-    metrics |= _source_metrics(base)
+    simulation = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
+    metrics = run_metrics(inputs, base, capacity, simulation, fitted)
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
@@ -286,8 +253,8 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
     if result.feasible:
-        return Outcome(STATUS_OK, "", metrics, timings, facts)
-    return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+        return Outcome(RunStatus.OK, "", metrics, timings, facts)
+    return Outcome(RunStatus.INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
 
 
 #: The bytes of profile.csv and graph.json per baseline key: every job of a workload writes the same
@@ -328,6 +295,33 @@ def _suggest_shards(inputs: Inputs) -> tuple[int, int] | None:
     )
 
 
+def run_metrics(
+    inputs: Inputs, base: Baseline, capacity: Any, simulation: Mapping[str, Any], fitted: Any = None
+) -> dict[str, Any]:
+    """metrics.json, built here only, with one key set for every outcome of one config (ok, planner
+    infeasible, device infeasible): the simulation's keys (`slackswap.simulate.metrics`), the device's
+    static split, the allocator replay's keys when the allocator is modelled, the planning budget, and
+    the real-vs-analytic peaks when the graph is traced. What an outcome did not compute is None.
+
+    `fitted` is the `slackswap.memory.fit` result of a planned and simulated run; None when no plan
+    was made.
+    """
+    from slackswap.memory.replay import AllocatorReport
+
+    report = None if fitted is None else fitted.report
+    metrics = dict(simulation) | _static_metrics(capacity)
+    if inputs.allocator == "caching":
+        metrics |= dict.fromkeys(AllocatorReport.METRIC_KEYS) if report is None else report.metrics()
+    # What the device has left at this run's peak (reserved peak when the allocator is modelled); with
+    # no plan, all of the activation capacity.
+    peak = simulation["peak_activation_bytes"] if report is None else report.peak_reserved_bytes
+    metrics["headroom_bytes"] = capacity.activation_capacity_bytes - (peak or 0)
+    metrics["planning_budget_bytes"] = None if fitted is None else fitted.planning_budget_bytes
+    metrics["planning_rounds"] = None if fitted is None else fitted.rounds
+    metrics |= _source_metrics(base)
+    return metrics
+
+
 def _static_metrics(capacity: Any) -> dict[str, Any]:
     """Static bytes per GPU by term, and the device's split: reported by every run, whatever the budget."""
     static = capacity.static
@@ -342,7 +336,7 @@ def _static_metrics(capacity: Any) -> dict[str, Any]:
 
 
 def _source_metrics(base: Baseline) -> dict[str, Any]:
-    """A traced graph's keep-all peak against the analytic graph's of the same shape (empty if analytic)."""
+    """A traced graph's keep-all peak against the analytic graph's of the same shape (no keys if analytic)."""
     if base.analytic_peak_bytes is None:
         return {}
     peak = int(base.ideal.peak_activation_bytes)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
+from dataclasses import replace
 
 import pandas as pd
 import pytest
 
 from pipelines import aggregate, tracking
-from pipelines.job import RECORD_FILE
+from pipelines.records import RunRecord, RunStatus
 
 
 def test_flatten_params_nested_none_and_lists() -> None:
@@ -38,7 +38,7 @@ def _record(
     status: str,
     ratio: float | None,
     bound_step_s: float | None = None,
-) -> dict:
+) -> RunRecord:
     metrics = {
         "keep_all_peak_bytes": 1000,
         "budget_bytes": int(1000 * fraction),
@@ -50,18 +50,21 @@ def _record(
         metrics["step_s"] = 1.0 / ratio
     if bound_step_s is not None:
         metrics["bound_step_s"] = bound_step_s
-    return {
-        "job": job,
-        "model": model,
-        "hardware": "gpu",
-        "planner": planner,
-        "budget_fraction": fraction,
-        "budget_bytes_requested": None,
-        "status": status,
-        "failure_reason": "" if status == "ok" else "planner: does not fit",
-        "mlflow_run_id": None,
-        "metrics": metrics,
-    }
+    return RunRecord(
+        run_name=f"{planner} {model}",
+        choices={"model": model, "planner": planner},
+        model=model,
+        hardware="gpu",
+        planner=planner,
+        planner_name=planner,
+        budget_fraction=fraction,
+        budget_bytes_requested=None,
+        run_dir=f"sweep/{job}",
+        status=RunStatus(status),
+        failure_reason="" if status == "ok" else "planner: does not fit",
+        metrics=metrics,
+        job=job,
+    )
 
 
 def test_paper_table_reports_deltas_best_baseline_and_missing_models() -> None:
@@ -88,7 +91,7 @@ def test_paper_table_shows_the_reserved_peak_and_counts_plans_that_still_fit() -
         _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
     ]
     for rec, reserved, fits in ((records[0], 2**30, False), (records[1], 2**29, True)):
-        rec["metrics"] |= {"peak_reserved_bytes": reserved, "fits_reserved": fits, "fragmentation_share": 0.25}
+        rec.metrics.update({"peak_reserved_bytes": reserved, "fits_reserved": fits, "fragmentation_share": 0.25})
     md = aggregate.paper_table(aggregate.records_to_frame(records), {"paper_reference": {"bert_large": 0.963}})
     row = next(line for line in md.splitlines() if line.startswith("| bert_large"))
     assert "| 1 (over budget, 25.0% fragmentation) |" in row
@@ -126,8 +129,8 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
         _record("3", "tiny", "keep_all", 1.0, "ok", 1.0),
     ]
     for rec in records:
-        (tmp_path / rec["job"]).mkdir()
-        (tmp_path / rec["job"] / RECORD_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "job"}))
+        (tmp_path / rec.job).mkdir()
+        rec.write(tmp_path / rec.job)
     result = aggregate.aggregate_sweep(tmp_path, {})
     assert result.status_counts == {"ok": 3, "infeasible": 1}
     assert not result.paper_table_md
@@ -141,7 +144,7 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
 def test_aggregate_sweep_without_plots_writes_tables_only(tmp_path) -> None:
     rec = _record("0", "tiny", "slackswap", 0.5, "ok", 0.97)
     (tmp_path / "0").mkdir()
-    (tmp_path / "0" / RECORD_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "job"}))
+    rec.write(tmp_path / "0")
     result = aggregate.aggregate_sweep(tmp_path, {}, plots=False)
     assert sorted(p.name for p in result.files) == ["summary.csv", "summary.md"]
     assert not (tmp_path / "throughput_vs_budget.png").exists()
@@ -205,9 +208,9 @@ def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None
         _record("1", "bert_large", "milp", 0.5, "ok", 0.95, bound_step_s=1.0 / 0.96),
         _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
     ]
-    for rec, run_id in zip(records, run_ids, strict=True):
-        rec["mlflow_run_id"] = run_id
-        tracking.end_run(client, run_id, rec["status"])
+    records = [replace(rec, mlflow_run_id=run_id) for rec, run_id in zip(records, run_ids, strict=True)]
+    for rec in records:
+        tracking.end_run(client, rec.mlflow_run_id, rec.status)
     frame = aggregate.records_to_frame(records)
     assert tracking.backfill_bound_gaps(client, frame) == 2
     slack = client.get_run(run_ids[0]).data.metrics
@@ -222,7 +225,7 @@ def test_one_requested_fraction_is_one_budget_group_across_models() -> None:
         _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
         _record("1", "gpt2_xl", "slackswap", 0.5, "ok", 0.9),
     ]
-    records[1]["metrics"] |= {"keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)}
+    records[1].metrics.update({"keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)})
     frame = aggregate.records_to_frame(records)
     assert list(frame["budget_share"]) == [0.5, 0.5]
 
