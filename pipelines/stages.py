@@ -52,7 +52,10 @@ class Inputs:
     plan_margin_fraction: float = 0.0
     #: Draw this run's timeline.png (plots level "all").
     draw_timeline: bool = True
-    #: Set when the model preset has a `torch` node: the graph is traced from the real model.
+    #: `slackswap.profile.sources` name and options (a preset's `torch` node selects `torch`).
+    profile_source: str = "analytic"
+    profile_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Set when the source is `torch`: the graph is traced from the real model.
     torch_spec: TorchSpec | None = None
 
 
@@ -81,10 +84,16 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
     planner = resolved["planner"]
     if not isinstance(planner.get("name"), str) or not planner["name"]:
         raise ConfigError("planner.name", planner.get("name"), "must be a non-empty planner name")
+    from slackswap.profile.sources import select_source
+    from slackswap.profile.torch import spec_from_options
+
     model = dict(resolved["model"])
     torch_node = model.pop("torch", None)
+    profile = resolved["profile"]
+    source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
+    model_config = ModelConfig.from_dict(model)
     inputs = Inputs(
-        model=ModelConfig.from_dict(model),
+        model=model_config,
         hardware=Hardware.from_dict(resolved["hardware"]),
         budget=Budget.from_dict(resolved["budget"]),
         planner_name=planner["name"],
@@ -92,7 +101,9 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
         training=TrainingConfig.from_dict(resolved.get("training") or {}),
         **_simulate_options(resolved.get("simulate")),
         draw_timeline=plot_level(resolved, multirun) == "all",
-        torch_spec=None if torch_node is None else TorchSpec.from_dict(torch_node),
+        profile_source=source,
+        profile_options=options,
+        torch_spec=spec_from_options(model_config, options) if source == "torch" else None,
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
@@ -129,25 +140,29 @@ _BASELINES: dict[str, Baseline] = {}
 
 def _baseline_key(resolved: Mapping[str, Any]) -> str:
     # The training recipe shapes the optimizer-step ops (when the model includes them).
-    node = {"model": resolved["model"], "hardware": resolved["hardware"], "training": resolved.get("training")}
+    node = {
+        "model": resolved["model"],
+        "hardware": resolved["hardware"],
+        "training": resolved.get("training"),
+        "profile": resolved.get("profile"),
+    }
     return json.dumps(node, sort_keys=True)
 
 
 def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, bool]:
-    """(baseline, cache_hit). Keyed on the full resolved model and hardware nodes, not preset names."""
+    """(baseline, cache_hit). Keyed on the full resolved model, hardware, training and profile nodes,
+    not preset names."""
     key = _baseline_key(resolved)
     if key in _BASELINES:
         return _BASELINES[key], True
     from slackswap.profile import build_graph
+    from slackswap.profile.sources import profile_graph
     from slackswap.simulate.metrics import simulate_ideal
 
     t0 = time.perf_counter()
-    if inputs.torch_spec is None:
-        graph = build_graph(inputs.model, inputs.hardware, inputs.training)
-    else:
-        from slackswap.profile.torch import build_torch_graph
-
-        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware, inputs.training)
+    graph = profile_graph(
+        inputs.profile_source, inputs.model, inputs.hardware, inputs.training, **inputs.profile_options
+    )
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()

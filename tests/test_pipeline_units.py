@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -242,3 +243,99 @@ def test_a_long_sweep_description_is_cut_at_mlflows_limit():
     assert len(client.value) == tracking.EXPERIMENT_TAG_MAX_CHARS and client.value.endswith("artifacts)")
     tracking.set_experiment_description(client, "1", "short")
     assert client.value == "short"
+
+
+def test_run_record_round_trips_and_reads_a_record_written_before_the_type() -> None:
+    from slackswap.errors import ConfigError
+
+    record = _record("7", "tiny", "slackswap", 0.5, "infeasible", None)
+    data = record.to_dict()
+    assert "job" not in data and data["status"] == "infeasible"  # the job is the folder, never written
+    assert RunRecord.from_dict(json.loads(json.dumps(data)), job="7") == record
+    # Today's keys, as job.py wrote them as a plain dict: they still read.
+    old = {
+        "run_name": "slackswap 50%", "choices": {"model": "tiny"}, "model": "tiny", "hardware": "gpu",
+        "planner": "slackswap", "planner_name": "slackswap", "budget_fraction": 0.5, "budget_bytes_requested": None,
+        "run_dir": "outputs/x", "mlflow_run_id": None, "status": "killed", "failure_reason": "interrupted",
+        "metrics": {}, "facts": {}, "timings_s": {"profile_s": 0.1},
+    }  # fmt: skip
+    assert set(old) == set(data)
+    assert RunRecord.from_dict(old).status is RunStatus.KILLED
+    with pytest.raises(ConfigError) as bad_status:
+        RunRecord.from_dict(old | {"status": "done"})
+    assert bad_status.value.field == "run_record.status" and bad_status.value.value == "done"
+    with pytest.raises(ConfigError, match="throughput"):
+        RunRecord.from_dict(old | {"throughput": 0.9})
+    with pytest.raises(ConfigError, match="run_name"):
+        RunRecord.from_dict({k: v for k, v in old.items() if k != "run_name"})
+
+
+def test_run_status_values_are_the_strings_of_json_files_and_mlflow_tags(tmp_path) -> None:
+    assert [s.value for s in RunStatus] == ["ok", "infeasible", "failed", "killed"]
+    assert json.dumps({"status": RunStatus.INFEASIBLE}) == '{"status": "infeasible"}'
+    assert f"{RunStatus.KILLED:>8}" == "  killed" and str(RunStatus.FAILED) == "failed"
+    assert set(tracking.MLFLOW_STATUS) == set(RunStatus)
+    assert {s: tracking.MLFLOW_STATUS[s] for s in ("ok", "failed")} == {"ok": "FINISHED", "failed": "FAILED"}
+    path = _record("0", "tiny", "slackswap", 0.5, "ok", 0.9).write(tmp_path)
+    assert json.loads(path.read_text())["status"] == "ok"
+
+
+def _stage_outcome(tmp_path, name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipelines import schemas, stages
+
+    with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "tracking=off", "plots=none"])
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    outcome = stages.execute(stages.validate_inputs(resolved), resolved, run_dir, {})
+    assert json.loads((run_dir / "metrics.json").read_text()) == outcome.metrics
+    return outcome
+
+
+@pytest.mark.parametrize("allocator", ["none", "caching"])
+def test_metrics_have_one_key_set_for_every_outcome(tmp_path, allocator) -> None:
+    common = [f"simulate.allocator={allocator}"]
+    ok = _stage_outcome(tmp_path, "ok", [*common, "model=tiny", "planner=keep_all", "budget.fraction=1.0"])
+    planner = _stage_outcome(tmp_path, "planner", [*common, "model=tiny", "planner=keep_all", "budget.fraction=0.5"])
+    device = _stage_outcome(tmp_path, "device", [*common, "model=llama7b", "budget=device"])
+    assert ok.status == RunStatus.OK
+    assert planner.status == RunStatus.INFEASIBLE and planner.failure_reason.startswith("planner:")
+    assert device.status == RunStatus.INFEASIBLE and device.failure_reason.startswith("device memory:")
+    assert set(ok.metrics) == set(planner.metrics) == set(device.metrics)
+    assert ("peak_reserved_bytes" in ok.metrics) == (allocator == "caching")
+    # What an outcome did not compute is None, not left out and not made up.
+    assert ok.metrics["step_s"] > 0 and planner.metrics["step_s"] is None and device.metrics["step_s"] is None
+    assert device.metrics["budget_bytes"] is None and planner.metrics["budget_bytes"] > 0
+    assert planner.metrics["headroom_bytes"] == planner.metrics["activation_capacity_bytes"]
+
+
+def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipelines import schemas, stages
+    from slackswap.errors import ConfigError
+    from slackswap.profile.sources import select_source
+
+    def resolved(overrides):
+        with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[*overrides, "tracking=off"])
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+    analytic = stages.validate_inputs(resolved(["model=tiny"]))
+    assert (analytic.profile_source, analytic.torch_spec) == ("analytic", None)
+    # A traced preset's `torch` node selects the torch source and is its options (no torch import here).
+    traced = stages.validate_inputs(resolved(["model=tiny_torch"]))
+    assert traced.profile_source == "torch" and traced.profile_options["builder"] == "tiny_gpt"
+    assert traced.torch_spec.builder == "tiny_gpt"
+    family = stages.validate_inputs(resolved(["model=gpt2_xl", "profile=torch", "+profile.options.attention=eager"]))
+    assert (family.torch_spec.builder, family.torch_spec.attention) == ("hf_gpt2", "eager")
+    with pytest.raises(ConfigError) as unknown:
+        stages.validate_inputs(resolved(["model=tiny", "profile.source=measured"]))
+    assert unknown.value.field == "profile.source" and unknown.value.value == "measured"
+    with pytest.raises(ConfigError, match="profile.options"):
+        select_source("analytic", {"attention": "eager"}, {"builder": "tiny_gpt"})
