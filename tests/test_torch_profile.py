@@ -215,3 +215,21 @@ def test_an_analytic_preset_traces_with_its_family_class():
     assert graph.meta["torch"]["builder"] == "hf_llama" and graph.meta["semantics"] == "cpu"
     with pytest.raises(ConfigError, match="model.torch.attention"):
         profile_source(model, HW, attention="flash")
+
+
+def test_graph_marks_random_ops_in_place_versions_and_the_attention_core():
+    from slackswap.profile.torch.assemble import _REAL_PROGRAM_FIELDS
+
+    if not _REAL_PROGRAM_FIELDS:
+        pytest.skip("slackswap.graph predates issue 13's Op.random / Op.writes / Tensor.base")
+    cpu = build_torch_graph(small("gpt2"), TorchSpec("hf_gpt2", semantics="cpu"), HW)
+    writers = [op for op in cpu.ops if op.writes]
+    assert {op.name.rsplit(":", 1)[1] for op in writers} == {"bernoulli_", "div_"}  # the CPU dropout noise
+    for op in writers:  # each write outputs the next version, an alias of the written one
+        assert [cpu.tensors[o].base for o in op.outputs] == list(op.writes)
+    noise = [t for t in cpu.saved_tensors if "/empty_like#" in t.name]
+    assert noise and all(t.base and t.producer.endswith(":div_") for t in noise)  # the scaled noise is saved
+    cuda = build_torch_graph(small("gpt2"), TorchSpec("hf_gpt2", semantics="cuda"), HW)
+    assert {op.role for op in cuda.ops if op.random} >= {"native_dropout", "softmax_dropout"}
+    assert {op.role for op in cuda.ops if op.attention_core} == {"qk_bmm", "softmax", "softmax_dropout", "attn_core",
+                                                                   "pv_bmm"}

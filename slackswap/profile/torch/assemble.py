@@ -1,15 +1,18 @@
 """Turn a `Trace` into the `slackswap.graph.Graph` the planners and the simulator take, timed on a GPU.
 
-One graph tensor per storage created by a recorded op (weight gradients excepted); its consumers are
-the ops that read it (a view of it, an in-place write into it, or, in backward, an unpack of it).
-An in-place op lists the storage it writes among its inputs and creates nothing (today's graph has
-one producer per tensor). Saved tensors are attributed to the layer of their first backward reader,
-as the analytic builder does (docs/profile.md), so per-layer saved bytes compare one to one.
+One graph tensor per storage created by a recorded op (weight gradients excepted) and version of it:
+its consumers are the ops that read it (through any view of it, or, in backward, an unpack of it). An
+op that writes a storage in place reads its current version, lists it in `Op.writes` and outputs the
+next version, an alias (`Tensor.base`) of the same storage (slackswap.graph's in-place semantics).
+Views are not graph tensors at all: they read their storage. Random ops (`Op.random`: dropout, fused
+attention with dropout) and the attention core (`Op.attention_core`) are marked. Saved tensors are
+attributed to the layer of their first backward reader, as the analytic builder does
+(docs/profile.md), so per-layer saved bytes compare one to one.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
@@ -21,11 +24,17 @@ from slackswap.profile.torch.tracer import Trace
 
 #: Roles `selective_recompute` treats as the attention core (slackswap.planners.selective_recompute).
 QK, PV, SOFTMAX, DROPOUT, CORE, FLASH = "qk_bmm", "pv_bmm", "softmax", "softmax_dropout", "attn_core", "flash_attn"
+ATTENTION_CORE_ROLES = frozenset({QK, PV, SOFTMAX, DROPOUT, CORE, FLASH})
 _DROPOUT_ATEN = frozenset({"native_dropout", "bernoulli_", "bernoulli", "empty_like", "div_"})
 _FUSED_ATTENTION = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
 })
+
+
+#: Whether slackswap.graph has issue 13's fields for real programs (Op.random/writes/attention_core,
+#: Tensor.base). Until it does, an in-place write is only a read of the storage and the flags are dropped.
+_REAL_PROGRAM_FIELDS = "writes" in Op.__dataclass_fields__
 
 
 def op_name(index: int, phase: Phase, module: str, aten: str) -> str:
@@ -58,6 +67,9 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                      training: TrainingConfig | None = None, include_optimizer: bool = False) -> Graph:
     """The traced step as a Graph, each op timed with the roofline of `slackswap.profile.timing`.
 
+    A storage written in place gets one graph tensor per version (module docstring): the op that writes
+    it lists the old version in `Op.writes` and outputs the new one (`Tensor.base` = the old version);
+    later ops read the newest. The last version carries the storage's identity, earlier ones `@v<i>`.
     `include_optimizer`: end with one optimizer-step op per layer (and one for the rest) streaming the
     bytes of `training`'s recipe for that layer's traced parameters, as the analytic graph does.
     """
@@ -67,17 +79,39 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
     graph_keys = {k for k in storages if k not in trace.weight_grads}
     names = {op.index: op_name(op.index, op.phase, op.module, op.aten) for op in trace.ops}
     roles = forward_roles(trace)
-    consumers: dict[int, list[int]] = defaultdict(list)
+    last_version = Counter(k for op in trace.ops for k in op.writes if k in graph_keys and _REAL_PROGRAM_FIELDS)
+    version: dict[int, int] = defaultdict(int)
+
+    def current(key: int) -> str:
+        v = version[key]
+        return storages[key].name if v == last_version[key] else f"{storages[key].name}@v{v}"
+
+    # tensor name -> (storage key, producer op index, base tensor name)
+    made: dict[str, tuple[int, int, str]] = {}
+    consumers: dict[str, list[int]] = defaultdict(list)
     ops: list[Op] = []
     for op in trace.ops:
-        inputs = tuple(storages[k].name for k in op.reads if k in graph_keys)
-        outputs = tuple(storages[k].name for k in op.creates if k in graph_keys)
-        for k in op.reads:
+        inputs = tuple(current(k) for k in op.reads if k in graph_keys)
+        for t in inputs:
+            consumers[t].append(op.index)
+        outputs, writes = [], []
+        for k in op.creates:
             if k in graph_keys:
-                consumers[k].append(op.index)
+                outputs.append(current(k))
+                made[current(k)] = (k, op.index, "")
+        for k in op.writes:
+            if k in graph_keys and _REAL_PROGRAM_FIELDS:
+                old = current(k)
+                version[k] += 1
+                writes.append(old)
+                outputs.append(current(k))
+                made[current(k)] = (k, op.index, old)
         duration = op_duration_s(op.flops, op.moved_bytes, op.op_class, trace.dtype, hardware)
-        ops.append(Op(names[op.index], op.phase, op.op_class, op.layer, inputs, outputs, op.flops, op.moved_bytes,
-                      duration, "", roles.get(op.index, op.aten)))
+        role = roles.get(op.index, op.aten)
+        flags = dict(random=op.random, writes=tuple(writes), attention_core=role in ATTENTION_CORE_ROLES) \
+            if _REAL_PROGRAM_FIELDS else {}
+        ops.append(Op(names[op.index], op.phase, op.op_class, op.layer, inputs, tuple(outputs), op.flops,
+                      op.moved_bytes, duration, "", role, **flags))
     if include_optimizer:
         for layer in sorted(trace.layer_params, key=lambda n: (n == NO_LAYER, n)):
             opt = training.optimizer.replace("adamw", "adam")
@@ -87,10 +121,10 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                           op_duration_s(0.0, moved, OpClass.ELEMENTWISE, trace.dtype, hardware), "", "optimizer"))
     op_by_index = {op.index: op for op in trace.ops}
     tensors: dict[str, Tensor] = {}
-    for k in graph_keys:
+    for t_name, (k, producer_index, base) in made.items():
         st = storages[k]
-        producer = op_by_index[st.producer]
-        readers = [op_by_index[c] for c in consumers[k]]
+        producer = op_by_index[producer_index]
+        readers = [op_by_index[c] for c in consumers[t_name]]
         bwd_layers = [r.layer for r in readers if r.phase == Phase.BACKWARD]
         saved = producer.phase in FORWARD_PHASES and bool(bwd_layers)
         layer = producer.layer
@@ -98,8 +132,9 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
             in_stack = [x for x in bwd_layers if x != NO_LAYER]
             layer = in_stack[0] if in_stack else NO_LAYER
         role = f"{producer.aten}:{st.dtype}" if producer.phase != Phase.BACKWARD else "grad"
-        tensors[st.name] = Tensor(st.name, st.size_bytes, names[st.producer], tuple(names[c] for c in consumers[k]),
-                                  layer, saved, role)
+        alias = {"base": base} if _REAL_PROGRAM_FIELDS else {}
+        tensors[t_name] = Tensor(t_name, st.size_bytes, names[producer_index],
+                                 tuple(names[c] for c in consumers[t_name]), layer, saved, role, **alias)
     state = state_bytes_per_param(trace.dtype)[2]
     info = {"source": "torch", "semantics": trace.semantics, "num_params": trace.num_params,
             "max_unit_params": max(trace.layer_params.values(), default=0),
