@@ -329,10 +329,13 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         f"planner      {record.planner} ({record.planner_name})",
     ]
     if m.get("analytic_keep_all_peak_bytes") is not None:
-        torch_node = resolved["model"].get("torch") or {}
+        # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
+        torch_node = resolved["model"].get("torch") or resolved["profile"].get("options") or {}
         lines.append(
-            f"profile      traced {torch_node.get('builder')} ({torch_node.get('attention')} attention, "
-            f"{torch_node.get('semantics')} kernels): real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
+            f"profile      traced {torch_node.get('builder', resolved['model']['family'])} "
+            f"({torch_node.get('attention', 'default')} attention, "
+            f"{torch_node.get('semantics', 'default')} kernels): "
+            f"real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
             f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
     lines += [
         f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else ""),
