@@ -270,16 +270,20 @@ def _keep_or_set_aside_earlier(ctx: JobContext, resolved_yaml: str) -> RunRecord
 
     The job's folder already holds a finished result (ok or infeasible) of the same resolved config:
     return that record, and the job is not run again (no second MLflow run). Anything else already there
-    (a failed or killed attempt, or another config under the same job number) is moved to
-    `<sweep dir>/superseded/<job>-<n>/` before the job runs, so it is kept but not aggregated.
+    (a failed or killed attempt, another config under the same job number, or a record this version
+    cannot read) is moved to `<sweep dir>/superseded/<job>-<n>/` before the job runs, so it is kept but
+    not aggregated.
     """
     record_path = ctx.run_dir / RECORD_FILE
     if not record_path.is_file():
         return None
-    earlier = RunRecord.read(record_path)
+    try:
+        earlier = RunRecord.read(record_path)
+    except ValueError:  # not JSON, or not a RunRecord (ConfigError): kept aside, never reused
+        earlier = None
     config_path = ctx.run_dir / RESOLVED_CONFIG_FILE
     same_config = config_path.is_file() and config_path.read_text() == resolved_yaml
-    if same_config and earlier.status in REUSABLE_STATUSES:
+    if same_config and earlier is not None and earlier.status in REUSABLE_STATUSES:
         return earlier
     aside_root = ctx.sweep_dir / SUPERSEDED_DIR
     aside_root.mkdir(exist_ok=True)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from pipelines import aggregate, tracking
-from pipelines.records import RunRecord, RunStatus
+from pipelines.records import RECORD_FILE, RunRecord, RunStatus
 
 
 def test_flatten_params_nested_none_and_lists() -> None:
@@ -339,3 +339,21 @@ def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None
     assert unknown.value.field == "profile.source" and unknown.value.value == "measured"
     with pytest.raises(ConfigError, match="profile.options"):
         select_source("analytic", {"attention": "eager"}, {"builder": "tiny_gpt"})
+
+
+def test_a_rerun_keeps_a_finished_record_and_sets_aside_one_it_cannot_read(tmp_path) -> None:
+    from pipelines.job import RESOLVED_CONFIG_FILE, SUPERSEDED_DIR, JobContext, _keep_or_set_aside_earlier
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        ctx = JobContext(run_dir=sweep / job, multirun=True, sweep_dir=sweep, choices={})
+        ctx.run_dir.mkdir(parents=True)
+        (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text("model: tiny\n")
+    finished = _record("0", "tiny", "slackswap", 0.5, "ok", 0.9)
+    finished.write(sweep / "0")
+    (sweep / "1" / RECORD_FILE).write_text(json.dumps(finished.to_dict() | {"extra": 1}))
+    kept = _keep_or_set_aside_earlier(JobContext(sweep / "0", True, sweep, {}), "model: tiny\n")
+    assert kept == replace(finished, job="")
+    assert _keep_or_set_aside_earlier(JobContext(sweep / "1", True, sweep, {}), "model: tiny\n") is None
+    assert not (sweep / "1" / RECORD_FILE).exists()
+    assert json.loads((sweep / SUPERSEDED_DIR / "1-1" / RECORD_FILE).read_text())["extra"] == 1
