@@ -125,6 +125,7 @@ def run_job(cfg: DictConfig) -> RunRecord:
         budget_bytes_requested=resolved["budget"]["bytes"],
         run_dir=str(ctx.run_dir),
     )
+    # Filled in place as the job goes; every replace() below keeps this same dict.
     timings = record.timings_s
     if config_error is not None:
         record = replace(record, status=RunStatus.FAILED, failure_reason=f"ConfigError: {config_error}")
