@@ -7,7 +7,6 @@ works with `tracking=off`, and a job that failed still contributes its row with 
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from pipelines.job import RECORD_FILE
+from pipelines.records import RECORD_FILE, RunRecord, RunStatus
 
 METRIC_COLUMNS = (
     "throughput_ratio",
@@ -58,37 +57,38 @@ class AggregateResult:
     status_counts: Mapping[str, int]
 
 
-def load_records(sweep_dir: Path) -> list[dict[str, Any]]:
+def load_records(sweep_dir: Path) -> list[RunRecord]:
     paths = sorted(sweep_dir.glob(f"*/{RECORD_FILE}"), key=lambda p: _job_sort_key(p.parent.name))
-    return [json.loads(p.read_text()) | {"job": p.parent.name} for p in paths]
+    return [RunRecord.read(p, job=p.parent.name) for p in paths]
 
 
 def _job_sort_key(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (1 << 30, name)
 
 
-def records_to_frame(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+def records_to_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
     rows = []
     for rec in records:
-        m = rec["metrics"]
+        m = rec.metrics
         row = {
-            "job": rec["job"],
-            "model": rec["model"],
-            "hardware": rec["hardware"],
-            "planner": rec["planner"],
-            "budget_fraction": rec["budget_fraction"],
-            "budget_bytes_requested": rec["budget_bytes_requested"],
-            "status": rec["status"],
+            "job": rec.job,
+            "model": rec.model,
+            "hardware": rec.hardware,
+            "planner": rec.planner,
+            "budget_fraction": rec.budget_fraction,
+            "budget_bytes_requested": rec.budget_bytes_requested,
+            # Plain strings in the table (a RunStatus compares equal to its value).
+            "status": None if rec.status is None else str(rec.status),
         }
         row |= {col: m.get(col) for col in METRIC_COLUMNS}
         # The x axis of the curves: budget / keep-all peak, also defined for absolute-byte budgets.
         peak, budget = m.get("keep_all_peak_bytes"), m.get("budget_bytes")
         # Rounded so that one requested fraction is one group across models: budget_bytes is floored
         # to whole bytes, so the exact share differs by ~1e-10 from model to model.
-        share = budget / peak if peak and budget is not None else rec["budget_fraction"]
+        share = budget / peak if peak and budget is not None else rec.budget_fraction
         row["budget_share"] = None if share is None else round(share, 4)
-        row["failure_reason"] = rec["failure_reason"]
-        row["mlflow_run_id"] = rec["mlflow_run_id"]
+        row["failure_reason"] = rec.failure_reason
+        row["mlflow_run_id"] = rec.mlflow_run_id
         rows.append(row)
     columns = ["job", "model", "hardware", "planner", "budget_fraction", "budget_bytes_requested", "status"]
     columns += [*METRIC_COLUMNS, "budget_share", "failure_reason", "mlflow_run_id"]
@@ -192,14 +192,14 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
                 & (frame["hardware"] == r.hardware)
                 & (frame["budget_share"] == r.budget_share)
                 & (frame["planner"] != ours_planner)
-                & (frame["status"] == "ok")
+                & (frame["status"] == RunStatus.OK)
             ]
             if others.empty:
                 best = "-"
             else:
                 top = others.loc[others["throughput_ratio"].idxmax()]
                 best = f"{top['throughput_ratio']:.1%} ({top['planner']})"
-            ok = r.status == "ok"
+            ok = r.status == RunStatus.OK
             delta = f"{(r.throughput_ratio - paper_value) * 100:+.1f}" if ok else "-"
             status = r.status if ok else f"{r.status}: {r.failure_reason}"
             rows.append(
@@ -238,7 +238,7 @@ def _reserved_cell(r: Any) -> str:
 
 def _fragmentation_note(frame: pd.DataFrame) -> str:
     """How many of the plans that fit byte-exactly still fit once the caching allocator is counted."""
-    ok = frame[(frame["status"] == "ok") & frame["fits_reserved"].notna()]
+    ok = frame[(frame["status"] == RunStatus.OK) & frame["fits_reserved"].notna()]
     if ok.empty:
         return ""
     still = int(ok["fits_reserved"].astype(bool).sum())
@@ -257,7 +257,7 @@ def _planner_margins(frame: pd.DataFrame, models: Sequence[str], ours_planner: s
         return ""
     ours = {
         (r.model, r.hardware, r.budget_share): r.throughput_ratio
-        for r in sub[(sub["planner"] == ours_planner) & (sub["status"] == "ok")].itertuples()
+        for r in sub[(sub["planner"] == ours_planner) & (sub["status"] == RunStatus.OK)].itertuples()
     }
     workloads = sorted({(r.model, r.hardware, r.budget_share) for r in sub.itertuples()}, key=str)
     header = ["planner", *[f"{m} ({h}, {b:.0%})" for m, h, b in workloads]]
@@ -275,7 +275,7 @@ def _planner_margins(frame: pd.DataFrame, models: Sequence[str], ours_planner: s
                 cells.append("not run")
                 continue
             r = hit.iloc[0]
-            if r["status"] != "ok":
+            if r["status"] != RunStatus.OK:
                 cells.append(str(r["status"]))
                 continue
             cell = _fmt(r["throughput_ratio"], "pct")
@@ -308,11 +308,11 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
     colors = {p: plt.cm.tab10(i % 10) for i, p in enumerate(planners)}
     for ax, ((model, hardware), sub) in zip(axes.flat, panels, strict=False):
         # Zoom on the feasible ratios (planners differ by a few points); infeasible runs sit on the floor.
-        ok_ratios = pd.to_numeric(sub.loc[sub["status"] == "ok", "throughput_ratio"], errors="coerce").dropna()
+        ok_ratios = pd.to_numeric(sub.loc[sub["status"] == RunStatus.OK, "throughput_ratio"], errors="coerce").dropna()
         floor = max(0.0, math.floor((ok_ratios.min() if len(ok_ratios) else 0.0) * 20 - 1) / 20)
         for planner, rows_p in sub.groupby("planner", sort=True):
-            ok = rows_p[rows_p["status"] == "ok"].sort_values("budget_share")
-            bad = rows_p[rows_p["status"] != "ok"]
+            ok = rows_p[rows_p["status"] == RunStatus.OK].sort_values("budget_share")
+            bad = rows_p[rows_p["status"] != RunStatus.OK]
             ax.plot(ok["budget_share"], ok["throughput_ratio"], "o-", color=colors[planner], label=planner, ms=4)
             ax.plot(bad["budget_share"], [floor] * len(bad), "x", color=colors[planner], ms=7)
         ax.set_title(f"{model} on {hardware}", fontsize=10)
@@ -354,7 +354,9 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
             for model, hardware in workloads:
                 hit = sub[(sub["model"] == model) & (sub["hardware"] == hardware) & (sub["planner"] == planner)]
                 heights.append(
-                    float(hit["throughput_ratio"].iloc[0]) if len(hit) and hit["status"].iloc[0] == "ok" else math.nan
+                    float(hit["throughput_ratio"].iloc[0])
+                    if len(hit) and hit["status"].iloc[0] == RunStatus.OK
+                    else math.nan
                 )
             xs = [j + (i - (len(planners) - 1) / 2) * width for j in range(len(workloads))]
             ax.bar(xs, heights, width=width, label=planner, color=plt.cm.tab10(i % 10))

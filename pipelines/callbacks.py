@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines import faults, presentation, tracking
 from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
 from pipelines.progress import read_progress
+from pipelines.records import RunRecord, RunStatus
 from pipelines.schemas import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -140,10 +141,7 @@ class SweepCallback(Callback):
                 parent["run_id"],
                 {
                     "jobs_total": sum(counts.values()),
-                    "jobs_ok": counts.get("ok", 0),
-                    "jobs_infeasible": counts.get("infeasible", 0),
-                    "jobs_failed": counts.get("failed", 0),
-                    "jobs_killed": counts.get("killed", 0),
+                    **job_count_metrics(counts),
                     "sweep_wall_s": time.perf_counter() - self._t_start if self._t_start else None,
                 },
             )
@@ -159,7 +157,7 @@ class SweepCallback(Callback):
             )
             tracking.log_tags(client, parent["run_id"], {tracking.NOTE_TAG: note})
             tracking.set_experiment_description(client, parent["experiment_id"], note)
-            tracking.end_run(client, parent["run_id"], "ok")
+            tracking.end_run(client, parent["run_id"], RunStatus.OK)
             faults.done_in_flight(parent["run_id"])
             print(ui_hint(parent))
             print(f"aggregate: {sweep_dir} (MLflow parent run {parent['run_id']})")
@@ -183,19 +181,24 @@ def _swept_text(varying: Sequence[str], sweeper_params: Mapping[str, Any], task:
     return {key: written.get(key, "?") for key in presentation.planner_first(varying)}
 
 
-def place_params(client, parent_run_id: str, sweep_dir: Path, records: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+def job_count_metrics(counts: Mapping[str, int]) -> dict[str, int]:
+    """`jobs_<status>` for every RunStatus, 0 when no job ended so."""
+    return {f"jobs_{status}": counts.get(status, 0) for status in RunStatus}
+
+
+def place_params(client, parent_run_id: str, sweep_dir: Path, records: Sequence[RunRecord]) -> dict[str, str]:
     """Log the params constant over the sweep once, on the parent, and on each child the keys that
     vary that it does not carry yet (a child logs only filter keys and swept leaves while it runs).
     Returns {varying key: its values} for the description."""
     per_job: list[dict[str, str]] = []
     run_ids: list[str | None] = []
     for record in records:
-        path = sweep_dir / record["job"] / RESOLVED_CONFIG_FILE
+        path = sweep_dir / record.job / RESOLVED_CONFIG_FILE
         if not path.is_file():
             continue
         resolved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         per_job.append(presentation.config_params(tracking.flatten_params(resolved)))
-        run_ids.append(record.get("mlflow_run_id"))
+        run_ids.append(record.mlflow_run_id)
     constant, varying = presentation.split_params(per_job)
     tracking.log_params(client, parent_run_id, constant)
     for run_id, params in zip(run_ids, per_job, strict=True):
@@ -248,7 +251,7 @@ def sweep_exit_code() -> int:
     state = ACTIVE_SWEEP
     if state is None or not state.finished:
         return 0
-    failed = state.status_counts.get("failed", 0) + state.status_counts.get("killed", 0)
+    failed = state.status_counts.get(RunStatus.FAILED, 0) + state.status_counts.get(RunStatus.KILLED, 0)
     if failed:
         total = sum(state.status_counts.values())
         print(f"{failed} of {total} jobs failed (see summary.md in {state.sweep_dir})", file=sys.stderr)
@@ -284,7 +287,7 @@ def close_interrupted(exc: faults.Interrupted) -> str:
             client = tracking.open_client(parent["tracking_uri"])
             _kill_running_children(client, parent)
             counts = result.status_counts if result is not None else {}
-            metrics = {f"jobs_{status}": counts.get(status, 0) for status in ("ok", "infeasible", "failed", "killed")}
+            metrics = job_count_metrics(counts)
             metrics["jobs_total"] = sum(counts.values())
             tracking.log_metrics(client, parent["run_id"], metrics)
             if result is not None:

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from pipelines.records import RunStatus
+
 
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived. A KeyboardInterrupt, so libraries that clean up on Ctrl-C (joblib)
@@ -75,7 +77,7 @@ def kill_run(client: Any, run_id: str) -> None:
     """Mark one run KILLED, with the tag status=killed (best effort: the interrupt may have hit the
     store itself)."""
     try:
-        client.set_tag(run_id, "status", "killed")
+        client.set_tag(run_id, "status", str(RunStatus.KILLED))
         client.set_terminated(run_id, status="KILLED")
     except Exception as exc:
         print(f"warning: could not mark MLflow run {run_id} KILLED: {exc}", file=sys.stderr)

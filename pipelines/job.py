@@ -18,7 +18,7 @@ import json
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines import faults, presentation, progress, stages, tracking
 from pipelines.presentation import gib
+from pipelines.records import FINISHED_STATUSES, RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
 
 PARENT_FILE = "mlflow_parent.json"
-RECORD_FILE = "run_record.json"
 RESOLVED_CONFIG_FILE = "config.resolved.yaml"
 TRACEBACK_FILE = "traceback.txt"
 #: MLflow tag values are limited in length; the full reason is always in run_record.json.
@@ -92,11 +92,7 @@ def _unresolved(cfg: DictConfig) -> dict[str, Any]:
     return data
 
 
-def _write_record(run_dir: Path, record: Mapping[str, Any]) -> None:
-    (run_dir / RECORD_FILE).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-
-
-def run_job(cfg: DictConfig) -> dict[str, Any]:
+def run_job(cfg: DictConfig) -> RunRecord:
     t_start = time.perf_counter()
     ctx = JobContext.from_hydra()
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
@@ -118,74 +114,74 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     parent = read_parent(ctx.sweep_dir) if ctx.multirun and track.get("enabled") else None
     # Planner first, then only what varies in the sweep (all four parts for a single run).
     name = presentation.run_name(parent.get("varying") if parent else None, ctx.choices, resolved)
-    record: dict[str, Any] = {
-        "run_name": name,
-        "choices": dict(ctx.choices),
-        "model": ctx.choices.get("model"),
-        "hardware": ctx.choices.get("hardware"),
-        # The preset name, qualified when a sweep overrides `planner.name` of one preset.
-        "planner": _planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
-        "planner_name": resolved["planner"]["name"],
-        "budget_fraction": resolved["budget"]["fraction"],
-        "budget_bytes_requested": resolved["budget"]["bytes"],
-        "run_dir": str(ctx.run_dir),
-        "mlflow_run_id": None,
-        "status": None,
-        "failure_reason": "",
-        "metrics": {},
-        "facts": {},
-        "timings_s": {},
-    }
-    timings = record["timings_s"]
+    record = RunRecord(
+        run_name=name,
+        choices=dict(ctx.choices),
+        model=ctx.choices.get("model"),
+        hardware=ctx.choices.get("hardware"),
+        planner=_planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
+        planner_name=resolved["planner"]["name"],
+        budget_fraction=resolved["budget"]["fraction"],
+        budget_bytes_requested=resolved["budget"]["bytes"],
+        run_dir=str(ctx.run_dir),
+    )
+    # Filled in place as the job goes; every replace() below keeps this same dict.
+    timings = record.timings_s
     if config_error is not None:
-        record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"ConfigError: {config_error}"
+        record = replace(record, status=RunStatus.FAILED, failure_reason=f"ConfigError: {config_error}")
         if not ctx.multirun:
             # No MLflow run and no stage: the folder keeps only the record, which says why it exists.
-            _write_record(ctx.run_dir, record)
+            record.write(ctx.run_dir)
             raise config_error
 
-    client = run_id = None
+    client = None
     artifact_root = track.get("artifact_location")
     error: BaseException | None = None
     try:
         t0 = time.perf_counter()
         try:
             if track.get("enabled"):
-                client, run_id, artifact_root = _start_tracking(ctx, record, resolved, parent, artifact_root)
+                client, run_id, artifact_root = _start_run(ctx, record, track, parent, artifact_root)
+                record = replace(record, mlflow_run_id=run_id)
+                _log_params(client, ctx, record, resolved, parent)
                 timings["mlflow_start_s"] = time.perf_counter() - t0
         except Exception as exc:
             if not ctx.multirun:
                 raise
             client = None  # a job of a sweep records its failure; the sweep goes on
-            if record["status"] is None:
-                record["status"] = stages.STATUS_FAILED
-                record["failure_reason"] = f"MLflow: {type(exc).__name__}: {exc}"
-        if record["status"] is None:  # no config error, no tracking error: run the stages
+            if record.status is None:
+                record = replace(record, status=RunStatus.FAILED, failure_reason=f"MLflow: {type(exc).__name__}: {exc}")
+        if record.status is None:  # no config error, no tracking error: run the stages
             try:
                 outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
-                record["status"], record["failure_reason"] = outcome.status, outcome.failure_reason
-                record["metrics"], record["facts"] = outcome.metrics, outcome.facts
+                record = replace(
+                    record,
+                    status=outcome.status,
+                    failure_reason=outcome.failure_reason,
+                    metrics=outcome.metrics,
+                    facts=outcome.facts,
+                )
             except Exception as exc:  # recorded below; re-raised for a single run
                 error = exc
-                record["status"], record["failure_reason"] = stages.STATUS_FAILED, f"{type(exc).__name__}: {exc}"
+                record = replace(record, status=RunStatus.FAILED, failure_reason=f"{type(exc).__name__}: {exc}")
                 (ctx.run_dir / TRACEBACK_FILE).write_text(traceback.format_exc())
-        _write_record(ctx.run_dir, record)
+        record.write(ctx.run_dir)
         if client is not None:
             t0 = time.perf_counter()
-            logging_error = _log_outcome(client, run_id, record, resolved, ctx.run_dir, artifact_root)
+            record, logging_error = _log_outcome(client, record, resolved, ctx.run_dir, artifact_root)
             if logging_error is not None and error is None:
                 error = logging_error
             timings["mlflow_log_s"] = time.perf_counter() - t0
     except KeyboardInterrupt:
         # Wherever it landed (MLflow calls included): the record and the run say killed.
-        record["status"], record["failure_reason"] = stages.STATUS_KILLED, "interrupted (SIGINT or SIGTERM)"
-        _write_record(ctx.run_dir, record)
-        if record["mlflow_run_id"]:
-            faults.kill_in_flight_run(record["mlflow_run_id"])
+        record = replace(record, status=RunStatus.KILLED, failure_reason="interrupted (SIGINT or SIGTERM)")
+        record.write(ctx.run_dir)
+        if record.mlflow_run_id:
+            faults.kill_in_flight_run(record.mlflow_run_id)
         raise
     timings["job_total_s"] = time.perf_counter() - t_start
     # Rewrite with the final timings (the copy logged to MLflow lacks only the logging time itself).
-    _write_record(ctx.run_dir, record)
+    record.write(ctx.run_dir)
 
     print(format_summary(record, resolved) if not ctx.multirun else progress.job_line(ctx, record))
     if error is not None and not ctx.multirun:
@@ -193,94 +189,102 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     return record
 
 
-def _start_tracking(ctx: JobContext, record: dict[str, Any], resolved: Mapping[str, Any], parent, artifact_root):
-    """Create this job's MLflow run (a child of the sweep's parent in a multirun) and log its params.
-    Returns (client, run_id, artifact_root)."""
-    track = resolved["tracking"]
-    name = record["run_name"]
-    flat = presentation.config_params(tracking.flatten_params(resolved))
+def _start_run(ctx: JobContext, record: RunRecord, track: Mapping[str, Any], parent, artifact_root):
+    """Create this job's MLflow run (a child of the sweep's parent in a multirun), tracked in flight
+    so an interrupt marks it KILLED. Returns (client, run_id, artifact_root)."""
     if parent is not None:
         client = tracking.open_client(parent["tracking_uri"])
         experiment_id, parent_run_id = parent["experiment_id"], parent["run_id"]
         artifact_root = parent.get("artifact_root", artifact_root)
-        # Constants go to the parent at the end of the sweep (callbacks.SweepCallback): a child
-        # carries the filter keys and what its sweep varies.
-        params = presentation.filter_params(ctx.choices, record["planner"], resolved)
-        params |= presentation.swept_value_params(parent.get("varying", ()), flat)
     else:
         client = tracking.open_client(track["uri"])
         experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
         parent_run_id = None
-        params = presentation.filter_params(ctx.choices, record["planner"], resolved) | flat
-    run_id = tracking.start_run(client, experiment_id, name, _choice_tags(ctx.choices), parent_run_id)
+    run_id = tracking.start_run(client, experiment_id, record.run_name, _choice_tags(ctx.choices), parent_run_id)
     faults.track_in_flight(client, run_id)
-    record["mlflow_run_id"] = run_id
+    return client, run_id, artifact_root
+
+
+def _log_params(client, ctx: JobContext, record: RunRecord, resolved: Mapping[str, Any], parent) -> None:
+    """The run's params and presets; a failure here ends the run FAILED before it is re-raised."""
+    flat = presentation.config_params(tracking.flatten_params(resolved))
+    params = presentation.filter_params(ctx.choices, record.planner, resolved)
+    if parent is not None:
+        # Constants go to the parent at the end of the sweep (callbacks.SweepCallback): a child
+        # carries the filter keys and what its sweep varies.
+        params |= presentation.swept_value_params(parent.get("varying", ()), flat)
+    else:
+        params |= flat
     try:
-        tracking.log_params(client, run_id, params)
+        tracking.log_params(client, record.mlflow_run_id, params)
         tracking.log_presets(
             client,
-            run_id,
+            record.mlflow_run_id,
             {g: (ctx.choices.get(g, resolved[g]["name"]), resolved[g]) for g in ("model", "hardware")},
         )
     except Exception:
         with contextlib.suppress(Exception):
-            tracking.end_run(client, run_id, stages.STATUS_FAILED)
-        faults.done_in_flight(run_id)
+            tracking.end_run(client, record.mlflow_run_id, RunStatus.FAILED)
+        faults.done_in_flight(record.mlflow_run_id)
         raise
-    return client, run_id, artifact_root
 
 
 def _log_outcome(
-    client, run_id: str, record: dict[str, Any], resolved: Mapping[str, Any], run_dir: Path, artifact_root
-) -> Exception | None:
+    client, record: RunRecord, resolved: Mapping[str, Any], run_dir: Path, artifact_root
+) -> tuple[RunRecord, Exception | None]:
     """Metrics, tags and artifacts, then end the run. A run whose results did not reach the store is
     `failed` (never FINISHED with status ok): the record and the run's tags say what failed. Returns
-    that logging error, if any."""
+    the record as it ended and that logging error, if any."""
+    run_id = record.mlflow_run_id
     logging_error: Exception | None = None
     try:
-        tracking.log_metrics(client, run_id, presentation.with_units(record["metrics"]))
+        tracking.log_metrics(client, run_id, presentation.with_units(record.metrics))
         tracking.log_tags(client, run_id, _outcome_tags(record, resolved))
         tracking.store_artifacts(client, run_id, run_dir, artifact_root)
     except Exception as exc:
         logging_error = exc
-        record["status"] = stages.STATUS_FAILED
-        record["failure_reason"] = f"MLflow logging failed: {type(exc).__name__}: {exc}"
-        _write_record(run_dir, record)
+        reason = f"MLflow logging failed: {type(exc).__name__}: {exc}"
+        record = replace(record, status=RunStatus.FAILED, failure_reason=reason)
+        record.write(run_dir)
         with contextlib.suppress(Exception):  # best effort: the store may be what failed
             tracking.log_tags(client, run_id, _outcome_tags(record, resolved))
     finally:
-        tracking.end_run(client, run_id, record["status"])
+        tracking.end_run(client, run_id, record.status)
         faults.done_in_flight(run_id)
-    return logging_error
+    return record, logging_error
 
 
-def _outcome_tags(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> dict[str, str]:
-    tags = {"status": record["status"], tracking.NOTE_TAG: presentation.child_description(record, resolved)}
-    if record["failure_reason"]:
-        tags["reason"] = _clip(record["failure_reason"])
+def _outcome_tags(record: RunRecord, resolved: Mapping[str, Any]) -> dict[str, str]:
+    tags = {"status": str(record.status), tracking.NOTE_TAG: presentation.child_description(record, resolved)}
+    if record.failure_reason:
+        tags["reason"] = _clip(record.failure_reason)
     return tags
 
 
 #: Outcomes a re-run of the same sweep into the same folder keeps instead of running the job again.
-REUSABLE_STATUSES = (stages.STATUS_OK, stages.STATUS_INFEASIBLE)
+REUSABLE_STATUSES = FINISHED_STATUSES
 SUPERSEDED_DIR = "superseded"
 
 
-def _keep_or_set_aside_earlier(ctx: JobContext, resolved_yaml: str) -> dict[str, Any] | None:
+def _keep_or_set_aside_earlier(ctx: JobContext, resolved_yaml: str) -> RunRecord | None:
     """A sweep re-run into its own folder neither duplicates nor loses results.
 
     The job's folder already holds a finished result (ok or infeasible) of the same resolved config:
     return that record, and the job is not run again (no second MLflow run). Anything else already there
-    (a failed or killed attempt, or another config under the same job number) is moved to
-    `<sweep dir>/superseded/<job>-<n>/` before the job runs, so it is kept but not aggregated.
+    (a failed or killed attempt, another config under the same job number, or a record this version
+    cannot read) is moved to `<sweep dir>/superseded/<job>-<n>/` before the job runs, so it is kept but
+    not aggregated.
     """
     record_path = ctx.run_dir / RECORD_FILE
     if not record_path.is_file():
         return None
-    earlier = json.loads(record_path.read_text())
+    try:
+        earlier = RunRecord.read(record_path)
+    except ValueError:  # not JSON, or not a RunRecord (ConfigError): kept aside, never reused
+        earlier = None
     config_path = ctx.run_dir / RESOLVED_CONFIG_FILE
     same_config = config_path.is_file() and config_path.read_text() == resolved_yaml
-    if same_config and earlier.get("status") in REUSABLE_STATUSES:
+    if same_config and earlier is not None and earlier.status in REUSABLE_STATUSES:
         return earlier
     aside_root = ctx.sweep_dir / SUPERSEDED_DIR
     aside_root.mkdir(exist_ok=True)
@@ -307,36 +311,39 @@ def _clip(text: str) -> str:
     return text[:MAX_TAG_CHARS] + f" ... [truncated; full text in {RECORD_FILE}]"
 
 
-def format_one_line(record: Mapping[str, Any]) -> str:
-    m = record["metrics"]
+def format_one_line(record: RunRecord) -> str:
+    m = record.metrics
     ratio = m.get("throughput_ratio")
     shown = f"{ratio:.1%}" if isinstance(ratio, (int, float)) else "n/a"
-    tail = f"  ({record['failure_reason']})" if record["failure_reason"] else ""
-    return f"[{record['status']:>10}] {record['run_name']}: throughput retained {shown}{tail}"
+    tail = f"  ({record.failure_reason})" if record.failure_reason else ""
+    return f"[{record.status:>10}] {record.run_name}: throughput retained {shown}{tail}"
 
 
-def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> str:
-    m = record["metrics"]
-    facts = record["facts"]
+def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
+    m = record.metrics
+    facts = record.facts
     ratio = m.get("throughput_ratio")
     lines = [
-        f"model        {record['model']} ({resolved['model']['name']})",
-        f"hardware     {record['hardware']} ({resolved['hardware']['name']}, "
+        f"model        {record.model} ({resolved['model']['name']})",
+        f"hardware     {record.hardware} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
         f"budget       {gib(m.get('budget_bytes'))} "
         f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}"
         f"{', device' if resolved['budget'].get('device') else ''}) "
         f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
-        f"planner      {record['planner']} ({record['planner_name']})",
+        f"planner      {record.planner} ({record.planner_name})",
     ]
     if m.get("analytic_keep_all_peak_bytes") is not None:
-        torch_node = resolved["model"].get("torch") or {}
+        # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
+        torch_node = resolved["model"].get("torch") or resolved["profile"].get("options") or {}
         lines.append(
-            f"profile      traced {torch_node.get('builder')} ({torch_node.get('attention')} attention, "
-            f"{torch_node.get('semantics')} kernels): real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
+            f"profile      traced {torch_node.get('builder', resolved['model']['family'])} "
+            f"({torch_node.get('attention', 'default')} attention, "
+            f"{torch_node.get('semantics', 'default')} kernels): "
+            f"real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
             f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
     lines += [
-        f"status       {record['status']}" + (f": {record['failure_reason']}" if record["failure_reason"] else ""),
+        f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else ""),
     ]
     if ratio is not None:
         lines += [
@@ -368,7 +375,7 @@ def format_summary(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> st
             f"reserve {gib(m.get('reserve_bytes'))}, headroom {gib(m.get('headroom_bytes'))} "
             f"of {gib(m.get('device_memory_bytes'))}"
         )
-    lines.append(f"run dir      {record['run_dir']}")
-    if record["mlflow_run_id"]:
-        lines.append(f"mlflow run   {record['mlflow_run_id']} ({resolved['tracking']['uri']})")
+    lines.append(f"run dir      {record.run_dir}")
+    if record.mlflow_run_id:
+        lines.append(f"mlflow run   {record.mlflow_run_id} ({resolved['tracking']['uri']})")
     return "\n".join(lines)

@@ -19,6 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pipelines.records import RunRecord, RunStatus
+
 SEPARATOR = " · "
 GIB = 2**30
 #: Flattened config keys that are never params (where the run is logged: machine-specific paths).
@@ -150,23 +152,23 @@ def _pct(value: Any) -> str:
     return f"{100 * value:.2f} %" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
 
 
-def child_description(record: Mapping[str, Any], resolved: Mapping[str, Any]) -> str:
+def child_description(record: RunRecord, resolved: Mapping[str, Any]) -> str:
     """Markdown for `mlflow.note.content`: the outcome first, then what ran and where to look."""
-    m = record.get("metrics") or {}
-    status = record.get("status")
+    m = record.metrics
+    status = record.status
     what = (
-        f"**{record.get('planner')}** on {record.get('model')} / {record.get('hardware')}, "
+        f"**{record.planner}** on {record.model} / {record.hardware}, "
         f"budget {gib(m.get('budget_bytes'))} (fraction {resolved['budget'].get('fraction')}) "
         f"of the keep-all peak {gib(m.get('keep_all_peak_bytes'))}."
     )
-    reason = record.get("failure_reason") or ""
-    if status == "ok":
+    reason = record.failure_reason
+    if status == RunStatus.OK:
         head = (
             f"**OK**: throughput {_pct(m.get('throughput_ratio'))} of ideal, step {m.get('step_s', math.nan):.4f} s "
             f"(ideal {m.get('ideal_step_s', math.nan):.4f} s), peak {gib(m.get('peak_activation_bytes'))}; "
             f"{m.get('swapped_tensors')} tensors swapped, {m.get('recomputed_tensors')} recomputed."
         )
-    elif status == "infeasible":
+    elif status == RunStatus.INFEASIBLE:
         known = [f"budget {gib(m.get('budget_bytes'))}", f"keep-all peak {gib(m.get('keep_all_peak_bytes'))}"]
         if m.get("min_feasible_bytes") is not None:
             known.append(f"smallest feasible budget {gib(m['min_feasible_bytes'])}")
@@ -174,7 +176,7 @@ def child_description(record: Mapping[str, Any], resolved: Mapping[str, Any]) ->
             "**Infeasible budget** (a result, not a crash: the run finished). "
             f"Reason: {reason}\n\nKnown: {', '.join(known)}."
         )
-    elif status == "killed":
+    elif status == RunStatus.KILLED:
         head = f"**Killed** before it finished. {reason}".rstrip()
     else:
         head = f"**Failed**: {reason}\n\nThe traceback, if any, is the artifact `traceback.txt`."

@@ -2,7 +2,8 @@
 
 Prints the per-layer breakdown (`slackswap.profile.report.format_breakdown`) and writes profile.csv
 and graph.json into the Hydra run directory. No planner, no simulator, no MLflow: a quick look at what
-a model's step costs on a GPU before planning anything. With a traced preset (`model=hf_gpt2_xl`) the
+a model's step costs on a GPU before planning anything. The graph comes from the `profile` source
+(`profile=analytic` by default). With a traced preset (`model=hf_gpt2_xl`) the
 breakdown is the real model's, and profile.csv compares each layer with the analytic graph's bytes.
 """
 
@@ -18,7 +19,6 @@ import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_
 from pipelines.stages import analytic_twin
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
-from slackswap.profile.torch.spec import TorchSpec
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -26,20 +26,19 @@ def main(cfg: DictConfig) -> None:
     from slackswap.graph_io import write_graph_json
     from slackswap.profile import build_graph
     from slackswap.profile.report import format_breakdown, write_profile_csv
+    from slackswap.profile.sources import profile_graph, select_source
+    from slackswap.profile.torch import spec_from_options
 
     node = OmegaConf.to_container(cfg.model, resolve=True)
     torch_node = node.pop("torch", None)
+    profile = OmegaConf.to_container(cfg.profile, resolve=True)
+    source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
     model = ModelConfig.from_dict(node)
     hardware = Hardware.from_dict(OmegaConf.to_container(cfg.hardware, resolve=True))
+    graph = profile_graph(source, model, hardware, **options)
     reference = None
-    if torch_node is None:
-        graph = build_graph(model, hardware)
-    else:
-        from slackswap.profile.torch import build_torch_graph
-
-        spec = TorchSpec.from_dict(torch_node)
-        graph = build_torch_graph(model, spec, hardware)
-        reference = build_graph(analytic_twin(model, spec), hardware)
+    if source == "torch":
+        reference = build_graph(analytic_twin(model, spec_from_options(model, options)), hardware)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     write_profile_csv(graph, run_dir / "profile.csv", reference=reference)
     write_graph_json(graph, run_dir / "graph.json")

@@ -87,6 +87,15 @@ class HardwareSchema:
 
 
 @dataclass
+class ProfileSchema:
+    """Where the op graph comes from: a `slackswap.profile.sources` name plus its keyword options. A
+    model preset's `torch` node selects the `torch` source instead (docs/pipeline.md)."""
+
+    source: str = MISSING
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class PlannerSchema:
     """A planner preset: a registry name plus free-form keyword options for its constructor."""
 
@@ -159,6 +168,7 @@ class ExperimentSchema:
 class SlackSwapConfig:
     model: ModelSchema = MISSING
     hardware: HardwareSchema = MISSING
+    profile: ProfileSchema = MISSING
     planner: PlannerSchema = MISSING
     budget: BudgetSchema = MISSING
     training: TrainingSchema = MISSING

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.records import RunStatus
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
@@ -25,11 +26,6 @@ from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
 from slackswap.profile.torch.spec import TorchSpec
 
-STATUS_OK = "ok"
-STATUS_INFEASIBLE = "infeasible"
-STATUS_FAILED = "failed"
-#: Interrupted (SIGINT / SIGTERM) while it ran; the MLflow run is KILLED.
-STATUS_KILLED = "killed"
 PLOT_LEVELS: tuple[str, ...] = ("auto", "all", "summary", "none")
 
 
@@ -56,7 +52,10 @@ class Inputs:
     plan_margin_fraction: float = 0.0
     #: Draw this run's timeline.png (plots level "all").
     draw_timeline: bool = True
-    #: Set when the model preset has a `torch` node: the graph is traced from the real model.
+    #: `slackswap.profile.sources` name and options (a preset's `torch` node selects `torch`).
+    profile_source: str = "analytic"
+    profile_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Set when the source is `torch`: the graph is traced from the real model.
     torch_spec: TorchSpec | None = None
 
 
@@ -85,10 +84,16 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
     planner = resolved["planner"]
     if not isinstance(planner.get("name"), str) or not planner["name"]:
         raise ConfigError("planner.name", planner.get("name"), "must be a non-empty planner name")
+    from slackswap.profile.sources import select_source
+    from slackswap.profile.torch import spec_from_options
+
     model = dict(resolved["model"])
     torch_node = model.pop("torch", None)
+    profile = resolved["profile"]
+    source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
+    model_config = ModelConfig.from_dict(model)
     inputs = Inputs(
-        model=ModelConfig.from_dict(model),
+        model=model_config,
         hardware=Hardware.from_dict(resolved["hardware"]),
         budget=Budget.from_dict(resolved["budget"]),
         planner_name=planner["name"],
@@ -96,7 +101,9 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
         training=TrainingConfig.from_dict(resolved.get("training") or {}),
         **_simulate_options(resolved.get("simulate")),
         draw_timeline=plot_level(resolved, multirun) == "all",
-        torch_spec=None if torch_node is None else TorchSpec.from_dict(torch_node),
+        profile_source=source,
+        profile_options=options,
+        torch_spec=spec_from_options(model_config, options) if source == "torch" else None,
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
@@ -133,25 +140,29 @@ _BASELINES: dict[str, Baseline] = {}
 
 def _baseline_key(resolved: Mapping[str, Any]) -> str:
     # The training recipe shapes the optimizer-step ops (when the model includes them).
-    node = {"model": resolved["model"], "hardware": resolved["hardware"], "training": resolved.get("training")}
+    node = {
+        "model": resolved["model"],
+        "hardware": resolved["hardware"],
+        "training": resolved.get("training"),
+        "profile": resolved.get("profile"),
+    }
     return json.dumps(node, sort_keys=True)
 
 
 def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, bool]:
-    """(baseline, cache_hit). Keyed on the full resolved model and hardware nodes, not preset names."""
+    """(baseline, cache_hit). Keyed on the full resolved model, hardware, training and profile nodes,
+    not preset names."""
     key = _baseline_key(resolved)
     if key in _BASELINES:
         return _BASELINES[key], True
     from slackswap.profile import build_graph
+    from slackswap.profile.sources import profile_graph
     from slackswap.simulate.metrics import simulate_ideal
 
     t0 = time.perf_counter()
-    if inputs.torch_spec is None:
-        graph = build_graph(inputs.model, inputs.hardware, inputs.training)
-    else:
-        from slackswap.profile.torch import build_torch_graph
-
-        graph = build_torch_graph(inputs.model, inputs.torch_spec, inputs.hardware, inputs.training)
+    graph = profile_graph(
+        inputs.profile_source, inputs.model, inputs.hardware, inputs.training, **inputs.profile_options
+    )
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, inputs.hardware)
     t2 = time.perf_counter()
@@ -167,7 +178,7 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
 
 @dataclass
 class Outcome:
-    status: str
+    status: RunStatus
     failure_reason: str
     metrics: dict[str, Any]
     timings_s: dict[str, float]
@@ -188,7 +199,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     from slackswap.plan_io import write_plan_json
     from slackswap.planners.registry import get_planner
     from slackswap.profile.report import write_profile_csv
-    from slackswap.simulate.metrics import compute_metrics
+    from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
     from slackswap.simulate.trace import write_trace_json
 
     base, hit = baseline(inputs, resolved)
@@ -207,21 +218,12 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
 
     keep_all_peak_bytes = int(ideal.peak_activation_bytes)
     capacity = device_capacity(inputs)
-    static_metrics = _static_metrics(capacity)
     if inputs.budget.device and not capacity.fits:
         # Static memory alone fills the device: a result (infeasible), reported term by term.
         reason = capacity_reason(capacity, _suggest_shards(inputs))
-        metrics = {
-            "feasible": False,
-            "infeasible_reason": reason,
-            "budget_bytes": None,
-            "keep_all_peak_bytes": keep_all_peak_bytes,
-            "ideal_step_s": ideal.step_s,
-            **static_metrics,
-            "headroom_bytes": capacity.activation_capacity_bytes,
-        }
+        metrics = run_metrics(inputs, base, capacity, unsimulated_metrics(ideal, None, reason))
         _write_json(run_dir / "metrics.json", metrics)
-        return Outcome(STATUS_INFEASIBLE, f"device memory: {reason}", metrics, timings)
+        return Outcome(RunStatus.INFEASIBLE, f"device memory: {reason}", metrics, timings)
     budget_bytes = inputs.budget.resolve_bytes(keep_all_peak_bytes, capacity.activation_capacity_bytes)
     planner = get_planner(inputs.planner_name, **inputs.planner_options)
 
@@ -237,41 +239,21 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
             margin_fraction=inputs.plan_margin_fraction,
         )
     except InfeasibleBudgetError as exc:
-        plan_wall_s = time.perf_counter() - t0
-        timings["plan_s"] = plan_wall_s
-        # No plan, so nothing to simulate: only the quantities that exist are reported.
-        metrics = {
-            "feasible": False,
-            "infeasible_reason": exc.reason,
-            "budget_bytes": budget_bytes,
-            "keep_all_peak_bytes": keep_all_peak_bytes,
-            "ideal_step_s": ideal.step_s,
-            "plan_wall_s": plan_wall_s,
-            **static_metrics,
-            "headroom_bytes": capacity.activation_capacity_bytes,
-        }
-        if exc.min_feasible_bytes is not None:
-            metrics["min_feasible_bytes"] = exc.min_feasible_bytes
-        metrics |= _source_metrics(base)
+        timings["plan_s"] = plan_wall_s = time.perf_counter() - t0
+        # No plan, so nothing to simulate: what a simulation would give is None.
+        simulation = unsimulated_metrics(
+            ideal, budget_bytes, exc.reason, min_feasible_bytes=exc.min_feasible_bytes, plan_wall_s=plan_wall_s
+        )
+        metrics = run_metrics(inputs, base, capacity, simulation)
         _write_json(run_dir / "metrics.json", metrics)
-        return Outcome(STATUS_INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
-    plan, result, report = fitted.plan, fitted.result, fitted.report
+        return Outcome(RunStatus.INFEASIBLE, f"planner: {exc.reason}", metrics, timings)
+    plan, result = fitted.plan, fitted.result
     timings["plan_s"] = plan_wall_s = fitted.plan_wall_s
     timings["sim_s"] = sim_wall_s = fitted.sim_wall_s
     write_plan_json(plan, run_dir / "plan.json")
 
-    metrics = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
-    metrics |= static_metrics
-    peak = int(result.peak_activation_bytes)
-    if report is not None:
-        metrics |= report.metrics()
-        peak = report.peak_reserved_bytes
-    # What the device has left at this run's peak (reserved peak when the allocator is modelled).
-    metrics["headroom_bytes"] = capacity.activation_capacity_bytes - peak
-    if fitted.planning_budget_bytes != budget_bytes:
-        metrics["planning_budget_bytes"] = fitted.planning_budget_bytes
-        metrics["planning_rounds"] = fitted.rounds
-    metrics |= _source_metrics(base)
+    simulation = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
+    metrics = run_metrics(inputs, base, capacity, simulation, fitted)
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
@@ -286,8 +268,8 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
     if result.feasible:
-        return Outcome(STATUS_OK, "", metrics, timings, facts)
-    return Outcome(STATUS_INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+        return Outcome(RunStatus.OK, "", metrics, timings, facts)
+    return Outcome(RunStatus.INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
 
 
 #: The bytes of profile.csv and graph.json per baseline key: every job of a workload writes the same
@@ -328,6 +310,33 @@ def _suggest_shards(inputs: Inputs) -> tuple[int, int] | None:
     )
 
 
+def run_metrics(
+    inputs: Inputs, base: Baseline, capacity: Any, simulation: Mapping[str, Any], fitted: Any = None
+) -> dict[str, Any]:
+    """metrics.json, built here only, with one key set for every outcome of one config (ok, planner
+    infeasible, device infeasible): the simulation's keys (`slackswap.simulate.metrics`), the device's
+    static split, the allocator replay's keys when the allocator is modelled, the planning budget, and
+    the real-vs-analytic peaks when the graph is traced. What an outcome did not compute is None.
+
+    `fitted` is the `slackswap.memory.fit` result of a planned and simulated run; None when no plan
+    was made.
+    """
+    from slackswap.memory.replay import AllocatorReport
+
+    report = None if fitted is None else fitted.report
+    metrics = dict(simulation) | _static_metrics(capacity)
+    if inputs.allocator == "caching":
+        metrics |= dict.fromkeys(AllocatorReport.METRIC_KEYS) if report is None else report.metrics()
+    # What the device has left at this run's peak (reserved peak when the allocator is modelled); with
+    # no plan, all of the activation capacity.
+    peak = simulation["peak_activation_bytes"] if report is None else report.peak_reserved_bytes
+    metrics["headroom_bytes"] = capacity.activation_capacity_bytes - (peak or 0)
+    metrics["planning_budget_bytes"] = None if fitted is None else fitted.planning_budget_bytes
+    metrics["planning_rounds"] = None if fitted is None else fitted.rounds
+    metrics |= _source_metrics(base)
+    return metrics
+
+
 def _static_metrics(capacity: Any) -> dict[str, Any]:
     """Static bytes per GPU by term, and the device's split: reported by every run, whatever the budget."""
     static = capacity.static
@@ -342,7 +351,7 @@ def _static_metrics(capacity: Any) -> dict[str, Any]:
 
 
 def _source_metrics(base: Baseline) -> dict[str, Any]:
-    """A traced graph's keep-all peak against the analytic graph's of the same shape (empty if analytic)."""
+    """A traced graph's keep-all peak against the analytic graph's of the same shape (no keys if analytic)."""
     if base.analytic_peak_bytes is None:
         return {}
     peak = int(base.ideal.peak_activation_bytes)

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import slackswap
+from pipelines.records import RunStatus
 from pipelines.schemas import REPO_ROOT
 
 #: Tag keys MLflow's UI understands.
@@ -37,7 +38,12 @@ NOTE_TAG = "mlflow.note.content"  # the run's (or experiment's) Description in t
 PROXIED_SCHEME = "mlflow-artifacts"
 
 #: Our job outcomes -> MLflow run status. An infeasible budget is a result, so the run FINISHED.
-MLFLOW_STATUS = {"ok": "FINISHED", "infeasible": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+MLFLOW_STATUS = {
+    RunStatus.OK: "FINISHED",
+    RunStatus.INFEASIBLE: "FINISHED",
+    RunStatus.FAILED: "FAILED",
+    RunStatus.KILLED: "KILLED",
+}
 
 
 def flatten_params(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -404,6 +410,6 @@ def backfill_bound_gaps(client, frame) -> int:
     return updated
 
 
-def end_run(client, run_id: str, status: str) -> None:
-    """End a run with the MLflow status of our outcome `status` (ok, infeasible, failed, killed)."""
+def end_run(client, run_id: str, status: RunStatus) -> None:
+    """End a run with the MLflow status of our outcome `status`."""
     client.set_terminated(run_id, status=MLFLOW_STATUS[status])

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import pipelines.schemas  # noqa: F401  (registers the schemas and the repo_root resolver)
 from pipelines import tracking
+from pipelines.records import RunStatus
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
@@ -73,12 +74,12 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     budget_bytes = budget.resolve_bytes(ideal.peak_activation_bytes)
     print(f"[train] captured {len(graph.ops)} ops, {len(graph.saved_tensors)} saved tensors in {capture_s:.1f} s; "
           f"keep-all peak {ideal.peak_activation_bytes} B, budget {budget_bytes} B", flush=True)
-    figures: dict[str, Any] = {"status": "ok", "capture_s": capture_s, "budget_bytes": budget_bytes,
+    figures: dict[str, Any] = {"status": RunStatus.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
                                "keep_all_peak_bytes": ideal.peak_activation_bytes}
     try:
         plan = get_planner(planner["name"], **dict(planner.get("options") or {})).plan(graph, hardware, budget_bytes)
     except InfeasibleBudgetError as exc:
-        figures.update(status="infeasible", infeasible_reason=str(exc))
+        figures.update(status=RunStatus.INFEASIBLE, infeasible_reason=str(exc))
         print(f"[train] infeasible: {exc}", flush=True)
         return figures
     sim = simulate(graph, plan, hardware, budget_bytes)
@@ -134,7 +135,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         name = f"train:{resolved['model']['name']}:{resolved['planner']['name']}:{resolved['train']['device']}"
         run_id = tracking.start_run(client, experiment_id, name, {"kind": "train"}, None)
         tracking.log_params(client, run_id, tracking.flatten_params(resolved))
-    status = "failed"
+    status = RunStatus.FAILED
     try:
         figures = run_training(resolved, run_dir)
         status = figures["status"]
@@ -146,10 +147,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                                                    strict=True)):
                 client.log_metric(run_id, "step_loss", loss, step=i)
                 client.log_metric(run_id, "step_time_s", step_s, step=i)
-            tracking.log_tags(client, run_id, {"status": figures["status"]})
+            tracking.log_tags(client, run_id, {"status": str(status)})
             if (run_dir / "train.json").exists():
                 tracking.store_artifacts(client, run_id, [run_dir / "train.json"], track["artifact_location"])
         return figures
+    except KeyboardInterrupt:
+        status = RunStatus.KILLED
+        raise
     finally:
         if client is not None:
             tracking.end_run(client, run_id, status)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from pipelines import schemas, stages
+from pipelines.records import RunStatus
 from slackswap.memory.fit import plan_and_simulate
 from slackswap.simulate import simulate
 from slackswap.testing import random_graph, random_valid_plan, toy_hardware
@@ -28,7 +29,7 @@ def _inputs(overrides: list[str]):
 def test_llama7b_adamw_on_one_a100_80gb_is_infeasible_with_its_terms(tmp_path):
     inputs, resolved = _inputs(["model=llama7b", "budget=device"])
     outcome = stages.execute(inputs, resolved, tmp_path, {})
-    assert outcome.status == stages.STATUS_INFEASIBLE
+    assert outcome.status == RunStatus.INFEASIBLE
     reason = outcome.failure_reason
     for text in ("params 12.55 GiB", "grads 12.55 GiB", "master 25.10 GiB", "optimizer_state 50.21 GiB",
                  "100.41 GiB static", "training.zero_stage=3 training.zero_shards=2"):
@@ -43,7 +44,7 @@ def test_llama7b_with_eight_shards_runs_with_the_device_remainder_as_budget(tmp_
     inputs, resolved = _inputs(overrides)
     outcome = stages.execute(inputs, resolved, tmp_path, {})
     m = outcome.metrics
-    assert outcome.status == stages.STATUS_OK
+    assert outcome.status == RunStatus.OK
     assert m["budget_bytes"] == m["activation_capacity_bytes"] == 85_899_345_920 - (1 << 30) - m["static_bytes"]
     assert m["headroom_bytes"] == m["activation_capacity_bytes"] - m["peak_reserved_bytes"]
     assert m["peak_reserved_bytes"] >= m["peak_activation_bytes"] and m["fits_reserved"] is True

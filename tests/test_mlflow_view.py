@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from pipelines import presentation, tracking
+from pipelines.records import RunRecord, RunStatus
 
 RESOLVED = {
     "model": {"name": "gpt2_xl", "num_layers": 48},
@@ -76,14 +77,20 @@ def test_status_mapping_infeasible_is_a_finished_run() -> None:
 
 
 def test_descriptions_say_the_outcome_and_what_is_known() -> None:
-    record = {
-        "status": "infeasible",
-        "failure_reason": "planner: needs 2.0 GiB",
-        "planner": "keep_all",
-        "model": "gpt2_xl",
-        "hardware": "a100",
-        "metrics": {"budget_bytes": 2**30, "keep_all_peak_bytes": 2**31, "min_feasible_bytes": 3 * 2**29},
-    }
+    record = RunRecord(
+        run_name="keep_all gpt2_xl",
+        choices={},
+        model="gpt2_xl",
+        hardware="a100",
+        planner="keep_all",
+        planner_name="keep_all",
+        budget_fraction=0.5,
+        budget_bytes_requested=None,
+        run_dir="run",
+        status=RunStatus.INFEASIBLE,
+        failure_reason="planner: needs 2.0 GiB",
+        metrics={"budget_bytes": 2**30, "keep_all_peak_bytes": 2**31, "min_feasible_bytes": 3 * 2**29},
+    )
     text = presentation.child_description(record, RESOLVED)
     assert "Infeasible" in text and "planner: needs 2.0 GiB" in text
     assert "1.000 GiB" in text and "2.000 GiB" in text and "1.500 GiB" in text

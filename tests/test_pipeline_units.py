@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pandas as pd
 import pytest
 
 from pipelines import aggregate, tracking
-from pipelines.job import RECORD_FILE
+from pipelines.records import RECORD_FILE, RunRecord, RunStatus
 
 
 def test_flatten_params_nested_none_and_lists() -> None:
@@ -38,7 +39,7 @@ def _record(
     status: str,
     ratio: float | None,
     bound_step_s: float | None = None,
-) -> dict:
+) -> RunRecord:
     metrics = {
         "keep_all_peak_bytes": 1000,
         "budget_bytes": int(1000 * fraction),
@@ -50,18 +51,21 @@ def _record(
         metrics["step_s"] = 1.0 / ratio
     if bound_step_s is not None:
         metrics["bound_step_s"] = bound_step_s
-    return {
-        "job": job,
-        "model": model,
-        "hardware": "gpu",
-        "planner": planner,
-        "budget_fraction": fraction,
-        "budget_bytes_requested": None,
-        "status": status,
-        "failure_reason": "" if status == "ok" else "planner: does not fit",
-        "mlflow_run_id": None,
-        "metrics": metrics,
-    }
+    return RunRecord(
+        run_name=f"{planner} {model}",
+        choices={"model": model, "planner": planner},
+        model=model,
+        hardware="gpu",
+        planner=planner,
+        planner_name=planner,
+        budget_fraction=fraction,
+        budget_bytes_requested=None,
+        run_dir=f"sweep/{job}",
+        status=RunStatus(status),
+        failure_reason="" if status == "ok" else "planner: does not fit",
+        metrics=metrics,
+        job=job,
+    )
 
 
 def test_paper_table_reports_deltas_best_baseline_and_missing_models() -> None:
@@ -88,7 +92,7 @@ def test_paper_table_shows_the_reserved_peak_and_counts_plans_that_still_fit() -
         _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
     ]
     for rec, reserved, fits in ((records[0], 2**30, False), (records[1], 2**29, True)):
-        rec["metrics"] |= {"peak_reserved_bytes": reserved, "fits_reserved": fits, "fragmentation_share": 0.25}
+        rec.metrics.update({"peak_reserved_bytes": reserved, "fits_reserved": fits, "fragmentation_share": 0.25})
     md = aggregate.paper_table(aggregate.records_to_frame(records), {"paper_reference": {"bert_large": 0.963}})
     row = next(line for line in md.splitlines() if line.startswith("| bert_large"))
     assert "| 1 (over budget, 25.0% fragmentation) |" in row
@@ -126,8 +130,8 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
         _record("3", "tiny", "keep_all", 1.0, "ok", 1.0),
     ]
     for rec in records:
-        (tmp_path / rec["job"]).mkdir()
-        (tmp_path / rec["job"] / RECORD_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "job"}))
+        (tmp_path / rec.job).mkdir()
+        rec.write(tmp_path / rec.job)
     result = aggregate.aggregate_sweep(tmp_path, {})
     assert result.status_counts == {"ok": 3, "infeasible": 1}
     assert not result.paper_table_md
@@ -141,7 +145,7 @@ def test_aggregate_sweep_writes_summary_and_plots(tmp_path) -> None:
 def test_aggregate_sweep_without_plots_writes_tables_only(tmp_path) -> None:
     rec = _record("0", "tiny", "slackswap", 0.5, "ok", 0.97)
     (tmp_path / "0").mkdir()
-    (tmp_path / "0" / RECORD_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "job"}))
+    rec.write(tmp_path / "0")
     result = aggregate.aggregate_sweep(tmp_path, {}, plots=False)
     assert sorted(p.name for p in result.files) == ["summary.csv", "summary.md"]
     assert not (tmp_path / "throughput_vs_budget.png").exists()
@@ -205,9 +209,9 @@ def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None
         _record("1", "bert_large", "milp", 0.5, "ok", 0.95, bound_step_s=1.0 / 0.96),
         _record("2", "bert_large", "swap_only", 0.5, "infeasible", None),
     ]
-    for rec, run_id in zip(records, run_ids, strict=True):
-        rec["mlflow_run_id"] = run_id
-        tracking.end_run(client, run_id, rec["status"])
+    records = [replace(rec, mlflow_run_id=run_id) for rec, run_id in zip(records, run_ids, strict=True)]
+    for rec in records:
+        tracking.end_run(client, rec.mlflow_run_id, rec.status)
     frame = aggregate.records_to_frame(records)
     assert tracking.backfill_bound_gaps(client, frame) == 2
     slack = client.get_run(run_ids[0]).data.metrics
@@ -222,7 +226,7 @@ def test_one_requested_fraction_is_one_budget_group_across_models() -> None:
         _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
         _record("1", "gpt2_xl", "slackswap", 0.5, "ok", 0.9),
     ]
-    records[1]["metrics"] |= {"keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)}
+    records[1].metrics.update({"keep_all_peak_bytes": 1_000_003, "budget_bytes": int(0.5 * 1_000_003)})
     frame = aggregate.records_to_frame(records)
     assert list(frame["budget_share"]) == [0.5, 0.5]
 
@@ -239,3 +243,117 @@ def test_a_long_sweep_description_is_cut_at_mlflows_limit():
     assert len(client.value) == tracking.EXPERIMENT_TAG_MAX_CHARS and client.value.endswith("artifacts)")
     tracking.set_experiment_description(client, "1", "short")
     assert client.value == "short"
+
+
+def test_run_record_round_trips_and_reads_a_record_written_before_the_type() -> None:
+    from slackswap.errors import ConfigError
+
+    record = _record("7", "tiny", "slackswap", 0.5, "infeasible", None)
+    data = record.to_dict()
+    assert "job" not in data and data["status"] == "infeasible"  # the job is the folder, never written
+    assert RunRecord.from_dict(json.loads(json.dumps(data)), job="7") == record
+    # Today's keys, as job.py wrote them as a plain dict: they still read.
+    old = {
+        "run_name": "slackswap 50%", "choices": {"model": "tiny"}, "model": "tiny", "hardware": "gpu",
+        "planner": "slackswap", "planner_name": "slackswap", "budget_fraction": 0.5, "budget_bytes_requested": None,
+        "run_dir": "outputs/x", "mlflow_run_id": None, "status": "killed", "failure_reason": "interrupted",
+        "metrics": {}, "facts": {}, "timings_s": {"profile_s": 0.1},
+    }  # fmt: skip
+    assert set(old) == set(data)
+    assert RunRecord.from_dict(old).status is RunStatus.KILLED
+    with pytest.raises(ConfigError) as bad_status:
+        RunRecord.from_dict(old | {"status": "done"})
+    assert bad_status.value.field == "run_record.status" and bad_status.value.value == "done"
+    with pytest.raises(ConfigError, match="throughput"):
+        RunRecord.from_dict(old | {"throughput": 0.9})
+    with pytest.raises(ConfigError, match="run_name"):
+        RunRecord.from_dict({k: v for k, v in old.items() if k != "run_name"})
+
+
+def test_run_status_values_are_the_strings_of_json_files_and_mlflow_tags(tmp_path) -> None:
+    assert [s.value for s in RunStatus] == ["ok", "infeasible", "failed", "killed"]
+    assert json.dumps({"status": RunStatus.INFEASIBLE}) == '{"status": "infeasible"}'
+    assert f"{RunStatus.KILLED:>8}" == "  killed" and str(RunStatus.FAILED) == "failed"
+    assert set(tracking.MLFLOW_STATUS) == set(RunStatus)
+    assert {s: tracking.MLFLOW_STATUS[s] for s in ("ok", "failed")} == {"ok": "FINISHED", "failed": "FAILED"}
+    path = _record("0", "tiny", "slackswap", 0.5, "ok", 0.9).write(tmp_path)
+    assert json.loads(path.read_text())["status"] == "ok"
+
+
+def _stage_outcome(tmp_path, name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipelines import schemas, stages
+
+    with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "tracking=off", "plots=none"])
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    outcome = stages.execute(stages.validate_inputs(resolved), resolved, run_dir, {})
+    assert json.loads((run_dir / "metrics.json").read_text()) == outcome.metrics
+    return outcome
+
+
+@pytest.mark.parametrize("allocator", ["none", "caching"])
+def test_metrics_have_one_key_set_for_every_outcome(tmp_path, allocator) -> None:
+    common = [f"simulate.allocator={allocator}"]
+    ok = _stage_outcome(tmp_path, "ok", [*common, "model=tiny", "planner=keep_all", "budget.fraction=1.0"])
+    planner = _stage_outcome(tmp_path, "planner", [*common, "model=tiny", "planner=keep_all", "budget.fraction=0.5"])
+    device = _stage_outcome(tmp_path, "device", [*common, "model=llama7b", "budget=device"])
+    assert ok.status == RunStatus.OK
+    assert planner.status == RunStatus.INFEASIBLE and planner.failure_reason.startswith("planner:")
+    assert device.status == RunStatus.INFEASIBLE and device.failure_reason.startswith("device memory:")
+    assert set(ok.metrics) == set(planner.metrics) == set(device.metrics)
+    assert ("peak_reserved_bytes" in ok.metrics) == (allocator == "caching")
+    # What an outcome did not compute is None, not left out and not made up.
+    assert ok.metrics["step_s"] > 0 and planner.metrics["step_s"] is None and device.metrics["step_s"] is None
+    assert device.metrics["budget_bytes"] is None and planner.metrics["budget_bytes"] > 0
+    assert planner.metrics["headroom_bytes"] == planner.metrics["activation_capacity_bytes"]
+
+
+def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipelines import schemas, stages
+    from slackswap.errors import ConfigError
+    from slackswap.profile.sources import select_source
+
+    def resolved(overrides):
+        with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[*overrides, "tracking=off"])
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+    analytic = stages.validate_inputs(resolved(["model=tiny"]))
+    assert (analytic.profile_source, analytic.torch_spec) == ("analytic", None)
+    # A traced preset's `torch` node selects the torch source and is its options (no torch import here).
+    traced = stages.validate_inputs(resolved(["model=tiny_torch"]))
+    assert traced.profile_source == "torch" and traced.profile_options["builder"] == "tiny_gpt"
+    assert traced.torch_spec.builder == "tiny_gpt"
+    family = stages.validate_inputs(resolved(["model=gpt2_xl", "profile=torch", "+profile.options.attention=eager"]))
+    assert (family.torch_spec.builder, family.torch_spec.attention) == ("hf_gpt2", "eager")
+    with pytest.raises(ConfigError) as unknown:
+        stages.validate_inputs(resolved(["model=tiny", "profile.source=measured"]))
+    assert unknown.value.field == "profile.source" and unknown.value.value == "measured"
+    with pytest.raises(ConfigError, match="profile.options"):
+        select_source("analytic", {"attention": "eager"}, {"builder": "tiny_gpt"})
+
+
+def test_a_rerun_keeps_a_finished_record_and_sets_aside_one_it_cannot_read(tmp_path) -> None:
+    from pipelines.job import RESOLVED_CONFIG_FILE, SUPERSEDED_DIR, JobContext, _keep_or_set_aside_earlier
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        ctx = JobContext(run_dir=sweep / job, multirun=True, sweep_dir=sweep, choices={})
+        ctx.run_dir.mkdir(parents=True)
+        (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text("model: tiny\n")
+    finished = _record("0", "tiny", "slackswap", 0.5, "ok", 0.9)
+    finished.write(sweep / "0")
+    (sweep / "1" / RECORD_FILE).write_text(json.dumps(finished.to_dict() | {"extra": 1}))
+    kept = _keep_or_set_aside_earlier(JobContext(sweep / "0", True, sweep, {}), "model: tiny\n")
+    assert kept == replace(finished, job="")
+    assert _keep_or_set_aside_earlier(JobContext(sweep / "1", True, sweep, {}), "model: tiny\n") is None
+    assert not (sweep / "1" / RECORD_FILE).exists()
+    assert json.loads((sweep / SUPERSEDED_DIR / "1-1" / RECORD_FILE).read_text())["extra"] == 1

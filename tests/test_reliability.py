@@ -563,6 +563,7 @@ def test_one_budget_draws_no_throughput_curve(tmp_path) -> None:
     for job, planner in enumerate(("slackswap", "capuchin")):
         (tmp_path / str(job)).mkdir()
         record = {
+            "run_name": planner, "choices": {}, "planner_name": planner, "run_dir": str(tmp_path / str(job)),
             "model": "tiny", "hardware": "gpu", "planner": planner, "budget_fraction": 0.5,
             "budget_bytes_requested": None, "status": "ok", "failure_reason": "", "mlflow_run_id": None,
             "metrics": {"keep_all_peak_bytes": 1000, "budget_bytes": 500, "throughput_ratio": 0.9, "step_s": 1.1,

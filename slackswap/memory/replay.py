@@ -62,6 +62,16 @@ class AllocatorReport:
             return 0.0
         return 1.0 - self.peak_allocated_bytes / self.peak_reserved_bytes
 
+    #: The keys of `metrics()`: a run that was never replayed reports them as None.
+    METRIC_KEYS = (
+        "peak_reserved_bytes",
+        "peak_block_bytes",
+        "fragmentation_share",
+        "fits_reserved",
+        "allocator_oom_reason",
+        "allocator_segments",
+    )
+
     def metrics(self) -> dict[str, object]:
         return {
             "peak_reserved_bytes": self.peak_reserved_bytes,

@@ -1,4 +1,6 @@
-"""metrics.json: the simulate stage's numbers under the names of docs/contract.md (plain JSON values)."""
+"""metrics.json: the simulate stage's numbers under the names of docs/contract.md (plain JSON values),
+for a simulated run (`compute_metrics`) and for a run that ended infeasible before any simulation
+(`unsimulated_metrics`), with one key set."""
 
 from __future__ import annotations
 
@@ -24,45 +26,79 @@ def compute_metrics(
     plan_wall_s: float | None,
     sim_wall_s: float | None,
 ) -> dict[str, object]:
-    """Metrics of one run. `ideal` is keep-all simulated with no budget (its peak is the keep-all peak).
+    """Metrics of one simulated run. `ideal` is keep-all simulated with no budget (its peak is the
+    keep-all peak).
 
     Unknowns are None, never a made-up number: an infeasible run has no step time, so `step_s`,
-    `throughput_ratio` and `optimality_gap` are None. `bound_step_s` / `optimality_gap` appear only
-    when the plan carries a bound.
+    `throughput_ratio` and `optimality_gap` are None, and a plan without a bound has `bound_step_s`
+    and `optimality_gap` None.
     """
+    return _metrics(ideal, result.budget_bytes, result=result, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
+
+
+def unsimulated_metrics(
+    ideal: SimResult,
+    budget_bytes: int | None,
+    reason: str,
+    *,
+    min_feasible_bytes: int | None = None,
+    plan_wall_s: float | None = None,
+) -> dict[str, object]:
+    """Metrics of a run that ended infeasible before any simulation (the planner raised
+    InfeasibleBudgetError, or static memory alone fills the device): the same keys as
+    `compute_metrics`, everything a simulation would have given None."""
+    return _metrics(
+        ideal, budget_bytes, reason=reason, min_feasible_bytes=min_feasible_bytes, plan_wall_s=plan_wall_s
+    )
+
+
+def _metrics(
+    ideal: SimResult,
+    budget_bytes: int | None,
+    *,
+    result: SimResult | None = None,
+    reason: str | None = None,
+    min_feasible_bytes: int | None = None,
+    plan_wall_s: float | None,
+    sim_wall_s: float | None = None,
+) -> dict[str, object]:
+    """The simulation's part of metrics.json, built here only: one key set for every outcome."""
     if not ideal.feasible or ideal.budget_bytes is not None:
         raise ConfigError(
             "ideal.budget_bytes", ideal.budget_bytes, "ideal must be keep-all simulated with no budget (None)"
         )
-    step_s = result.step_s
+    r = result
+    step_s = None if r is None else r.step_s
+    bound_step_s = None if r is None else r.bound_step_s
+
     metrics: dict[str, object] = {
-        "feasible": bool(result.feasible),
-        "infeasible_reason": result.infeasible_reason,
+        "feasible": bool(r is not None and r.feasible),
+        "infeasible_reason": reason if r is None else r.infeasible_reason,
+        "min_feasible_bytes": min_feasible_bytes,
         "throughput_ratio": None if step_s is None else _ratio(ideal.step_s, step_s),
         "step_s": step_s,
         "ideal_step_s": ideal.step_s,
-        "peak_activation_bytes": int(result.peak_activation_bytes),
+        "peak_activation_bytes": None if r is None else int(r.peak_activation_bytes),
         "keep_all_peak_bytes": int(ideal.peak_activation_bytes),
-        "budget_bytes": result.budget_bytes,
-        "recompute_s": result.recompute_s,
-        "stall_s": result.stall_s,
-        "stall_prefetch_s": result.stall_prefetch_s,
-        "stall_memory_s": result.stall_memory_s,
-        "compute_busy_s": result.compute_busy_s,
-        "d2h_bytes": int(result.d2h_bytes),
-        "h2d_bytes": int(result.h2d_bytes),
-        "d2h_busy_s": result.d2h_busy_s,
-        "h2d_busy_s": result.h2d_busy_s,
-        "swapped_tensors": int(result.swapped_tensors),
-        "recomputed_tensors": int(result.recomputed_tensors),
+        "budget_bytes": budget_bytes,
+        "recompute_s": None if r is None else r.recompute_s,
+        "stall_s": None if r is None else r.stall_s,
+        "stall_prefetch_s": None if r is None else r.stall_prefetch_s,
+        "stall_memory_s": None if r is None else r.stall_memory_s,
+        "compute_busy_s": None if r is None else r.compute_busy_s,
+        "d2h_bytes": None if r is None else int(r.d2h_bytes),
+        "h2d_bytes": None if r is None else int(r.h2d_bytes),
+        "d2h_busy_s": None if r is None else r.d2h_busy_s,
+        "h2d_busy_s": None if r is None else r.h2d_busy_s,
+        "swapped_tensors": None if r is None else int(r.swapped_tensors),
+        "recomputed_tensors": None if r is None else int(r.recomputed_tensors),
+        "bound_step_s": bound_step_s,
+        "optimality_gap": (
+            None if step_s is None or bound_step_s is None else _ratio(step_s - bound_step_s, bound_step_s)
+        ),
         "plan_wall_s": plan_wall_s,
         "sim_wall_s": sim_wall_s,
     }
-    if result.bound_step_s is not None:
-        metrics["bound_step_s"] = result.bound_step_s
-        metrics["optimality_gap"] = (
-            None if step_s is None else _ratio(step_s - result.bound_step_s, result.bound_step_s)
-        )
     for name, value in metrics.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"metrics.{name}", value, "is not finite")

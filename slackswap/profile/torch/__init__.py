@@ -18,7 +18,7 @@ from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile.torch.spec import TorchSpec
 
-__all__ = ["TorchSpec", "build_torch_graph", "profile_source", "spec_for_family", "trace_model"]
+__all__ = ["TorchSpec", "build_torch_graph", "profile_source", "spec_for_family", "spec_from_options", "trace_model"]
 
 #: The transformers builder of each analytic family (`profile=torch` with an analytic model preset).
 FAMILY_BUILDERS = {"bert": "hf_bert", "gpt2": "hf_gpt2", "llama": "hf_llama"}
@@ -70,9 +70,14 @@ def spec_for_family(model: ModelConfig, **options: Any) -> TorchSpec:
     return TorchSpec.from_dict(fields)
 
 
+def spec_from_options(model: ModelConfig, options: dict[str, Any]) -> TorchSpec:
+    """The TorchSpec of the torch source's options: TorchSpec fields; without a builder, the model's
+    family decides (`spec_for_family`)."""
+    return TorchSpec.from_dict(options) if "builder" in options else spec_for_family(model, **options)
+
+
 def profile_source(model: ModelConfig, hardware: Hardware, training: TrainingConfig | None = None,
                    **options: Any) -> Graph:
-    """The torch profile source as one function of (model, hardware, training): `options` are TorchSpec fields; without
-    a builder, the model's family decides (`spec_for_family`)."""
-    spec = TorchSpec.from_dict(options) if "builder" in options else spec_for_family(model, **options)
-    return build_torch_graph(model, spec, hardware, training)
+    """The torch profile source (`slackswap.profile.sources`, name `torch`) as one function of
+    (model, hardware, training): `options` as in `spec_from_options`."""
+    return build_torch_graph(model, spec_from_options(model, options), hardware, training)

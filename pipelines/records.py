@@ -1,0 +1,97 @@
+"""The typed record of one job: what `run_record.json` holds, and the outcome vocabulary.
+
+One `RunRecord` type and one `RunStatus` enum, shared by the job (builds and writes the record),
+tracking (tags and ends the MLflow run from its status) and aggregate (reads a sweep's records
+back). The JSON keys are the dataclass fields, so a record read back is the record written, and
+`RunStatus` is a StrEnum so the strings in JSON files and MLflow tags are the same as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from slackswap.errors import ConfigError, reject_unknown_fields
+
+RECORD_FILE = "run_record.json"
+
+
+class RunStatus(StrEnum):
+    #: The plan fits the budget and was simulated.
+    OK = "ok"
+    #: The planner raised InfeasibleBudgetError, static memory fills the device, or the simulator found
+    #: the plan does not fit: a result, not a crash.
+    INFEASIBLE = "infeasible"
+    #: Any other exception (a bad config value, a bug, a solver failure, MLflow unreachable).
+    FAILED = "failed"
+    #: Interrupted (SIGINT / SIGTERM) while it ran; the MLflow run is KILLED.
+    KILLED = "killed"
+
+
+#: Outcomes that are results of the experiment (a re-run of the sweep keeps them).
+FINISHED_STATUSES = (RunStatus.OK, RunStatus.INFEASIBLE)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_name: str
+    choices: Mapping[str, str]
+    model: str | None
+    hardware: str | None
+    #: The preset name, qualified when a sweep overrides `planner.name` of one preset.
+    planner: str
+    planner_name: str
+    budget_fraction: float | None
+    budget_bytes_requested: int | None
+    run_dir: str
+    mlflow_run_id: str | None = None
+    #: None only while the job runs.
+    status: RunStatus | None = None
+    failure_reason: str = ""
+    #: metrics.json of the run (pipelines.stages.run_metrics builds it).
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    #: Human-readable facts for the printed summary (swapped / recomputed tensors, ...).
+    facts: Mapping[str, Any] = field(default_factory=dict)
+    #: Wall-clock seconds per stage, filled in place as the job goes, so a job that fails midway
+    #: still says where its time went.
+    timings_s: dict[str, float] = field(default_factory=dict)
+    #: The job's folder name in a sweep directory: set when a sweep's records are read, never written.
+    job: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["job"]
+        out["status"] = None if self.status is None else self.status.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], job: str = "") -> RunRecord:
+        """Inverse of `to_dict`. An unknown field, a missing field without a default or an unknown
+        status is a ConfigError naming it."""
+        written = [f for f in fields(cls) if f.name != "job"]
+        reject_unknown_fields("run_record", data, [f.name for f in written])
+        required = [f.name for f in written if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ConfigError("run_record", missing, "missing field(s)")
+        status = data.get("status")
+        if status is not None:
+            try:
+                status = RunStatus(status)
+            except ValueError:
+                known = [s.value for s in RunStatus]
+                raise ConfigError("run_record.status", status, f"must be one of {known}") from None
+        return cls(**{**data, "status": status, "job": job})
+
+    def write(self, run_dir: Path) -> Path:
+        path = Path(run_dir) / RECORD_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, path: Path, job: str = "") -> RunRecord:
+        return cls.from_dict(json.loads(Path(path).read_text()), job=job)
