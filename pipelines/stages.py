@@ -194,11 +194,11 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     time went.
     """
     from slackswap.graph_io import write_graph_json
-    from slackswap.memory.fit import plan_and_simulate
     from slackswap.memory.static import capacity_reason
     from slackswap.plan_io import write_plan_json
     from slackswap.planners.registry import get_planner
     from slackswap.profile.report import write_profile_csv
+    from slackswap.simulate.fit import plan_and_simulate
     from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
     from slackswap.simulate.trace import write_trace_json
 
@@ -318,7 +318,7 @@ def run_metrics(
     static split, the allocator replay's keys when the allocator is modelled, the planning budget, and
     the real-vs-analytic peaks when the graph is traced. What an outcome did not compute is None.
 
-    `fitted` is the `slackswap.memory.fit` result of a planned and simulated run; None when no plan
+    `fitted` is the `slackswap.simulate.fit` result of a planned and simulated run; None when no plan
     was made.
     """
     from slackswap.memory.replay import AllocatorReport

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 
 from pipelines import schemas, stages
 from pipelines.records import RunStatus
-from slackswap.memory.fit import plan_and_simulate
 from slackswap.simulate import simulate
+from slackswap.simulate.fit import plan_and_simulate
 from slackswap.testing import random_graph, random_valid_plan, toy_hardware
 
 CONF = schemas.REPO_ROOT / "conf"

@@ -21,7 +21,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.memory.replay import AllocatorReport, allocator_report
 from slackswap.plan import Plan
-from slackswap.simulate import simulate
+from slackswap.simulate.engine import simulate
 from slackswap.simulate.result import SimResult
 
 
