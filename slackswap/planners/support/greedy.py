@@ -91,11 +91,19 @@ def fit_prefix(
     prefetch: str = "alap",
     notes: Callable[[int], Mapping[str, object]] | None = None,
     what: str = "",
-) -> Plan:
+    hopeless: Callable[[int], bool] | None = None,
+) -> Plan | None:
     """The plan recomputing the shortest fitting prefix of `order` on top of `base` decisions.
 
     Raises InfeasibleBudgetError when even the whole of `order` does not fit (`what` describes the
     plan tried, for the message).
+
+    `hopeless(k)`, if given, is asked whenever the search learns that the prefix it will return is
+    at least k long (k = 0 before the first probe, k = x + 1 after a probe of x does not fit: the
+    returned prefix is always longer than every non-fitting probe of the final bracket). True stops
+    the search and returns None. A caller comparing alternatives passes "a prefix this long cannot
+    beat the best plan so far", which spares the probes of a losing alternative (each is a build and a
+    replay of the whole schedule) without changing which plan wins.
     """
     cache: dict[int, tuple[Plan, int]] = {}
 
@@ -115,6 +123,8 @@ def fit_prefix(
         return cache[k]
 
     n = len(order)
+    if hopeless is not None and hopeless(0):
+        return None
 
     def infeasible() -> InfeasibleBudgetError:
         return over_budget(planner, budget_bytes, probe(n)[1], what or "its most frugal plan")
@@ -130,6 +140,10 @@ def fit_prefix(
             guess = k
             break
         freed += analysis.tensors[t].size_bytes
+    def gives_up(failed: int) -> bool:
+        """A probe of `failed` did not fit: the answer is longer; is that already hopeless?"""
+        return hopeless is not None and hopeless(failed + 1)
+
     step = max(1, n // 64)
     if probe(guess)[1] <= budget_bytes:
         hi = guess
@@ -137,20 +151,28 @@ def fit_prefix(
         while lo >= 0 and probe(lo)[1] <= budget_bytes:
             hi, lo, step = lo, lo - 2 * step, 2 * step
         lo = max(lo, -1)
+        if lo >= 0 and gives_up(lo):
+            return None
     else:
         if guess == n:
             raise infeasible()
+        if gives_up(guess):
+            return None
         lo = guess
         hi = min(n, guess + step)
         while probe(hi)[1] > budget_bytes:
             if hi == n:
                 raise infeasible()
+            if gives_up(hi):
+                return None
             lo, hi, step = hi, min(n, hi + 2 * step), 2 * step
     while hi - lo > 1:  # invariant: probe(hi) fits; lo == -1 or probe(lo) does not
         mid = (lo + hi) // 2
         if probe(mid)[1] <= budget_bytes:
             hi = mid
         else:
+            if gives_up(mid):
+                return None
             lo = mid
     return probe(hi)[0]
 

@@ -1,0 +1,106 @@
+"""The planners' speed-ups (issue 12) leave every plan as it was.
+
+Each shortcut is checked against the definition it replaces, on random graphs: the plan with the
+shortcut must equal the plan without it, and every bound a shortcut relies on must hold.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slackswap.errors import InfeasibleBudgetError, SlackSwapError
+from slackswap.hardware import Hardware
+from slackswap.model_config import ModelConfig
+from slackswap.plan import Decision
+from slackswap.planners.registry import get_planner
+from slackswap.planners.support import swap_recompute
+from slackswap.planners.support.analysis import analyse
+from slackswap.profile import build_graph
+from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
+from slackswap.testing import random_decisions, random_graph, toy_hardware
+from tests.fingerprints import _yaml
+
+
+def _plan_or_reason(planner, graph, hw, budget):
+    """The plan, or the error it raised (slackswap_seed and capuchin may pick a gradient to recompute
+    on `random_graph`s, whose gradients have backward readers: the build rejects it)."""
+    try:
+        plan = planner.plan(graph, hw, budget)
+    except InfeasibleBudgetError as exc:
+        return ("infeasible", exc.reason)
+    except SlackSwapError as exc:
+        return ("error", str(exc))
+    return (plan.decisions, plan.steps, plan.offloads, plan.prefetches, plan.notes)
+
+
+def _cases(seeds: range) -> list[tuple]:
+    """Random graphs, and 2-layer analytic presets with slow and fast links, at several budgets."""
+    graphs = []
+    for seed in seeds:
+        rng = random.Random(seed)
+        graph = random_graph(rng, max_layers=8, real_program=seed % 2 == 1)
+        graphs.append((graph, toy_hardware(rng.choice([20.0, 200.0, 2000.0]), rng.choice([20.0, 200.0, 2000.0]),
+                                           rng.choice([0.0, 0.05]))))
+    a100 = Hardware.from_dict(_yaml("hardware", "a100_80gb_pcie4"))
+    slow = replace(a100, link=replace(a100.link, d2h_effective_bytes_per_s=a100.link.d2h_effective_bytes_per_s / 8,
+                                      h2d_effective_bytes_per_s=a100.link.h2d_effective_bytes_per_s / 8))
+    for model in ("tiny", "bert_large", "gpt2_xl", "llama2_70b"):
+        graph = build_graph(ModelConfig.from_dict({**_yaml("model", model), "num_layers": 2}), a100)
+        graphs += [(graph, a100), (graph, slow)]
+    cases = []
+    for graph, hw in graphs:
+        peak = estimate_plan(graph, keep_all_plan(graph), hw).peak_bytes
+        cases += [(graph, hw, int(fraction * peak)) for fraction in (0.3, 0.5, 0.7, 0.9)]
+    return cases
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.randoms(use_true_random=False), st.booleans())
+def test_step_lower_bound_holds_for_any_schedule(rng, real):
+    """`step_lower_bounds_s`: keep-all step + one re-run of each recomputed tensor's producer is at
+    most the replayed step of any schedule recomputing those tensors (with anything else swapped or
+    recomputed too)."""
+    graph = random_graph(rng, max_layers=6, real_program=real)
+    hw = toy_hardware(rng.choice([50.0, 500.0]), rng.choice([50.0, 500.0]), rng.choice([0.0, 0.1]))
+    analysis = analyse(graph, hw)
+    decisions = random_decisions(graph, rng)
+    recomputed = [t for t, d in decisions.items() if d == Decision.RECOMPUTE]
+    rng.shuffle(recomputed)
+    bounds = swap_recompute.step_lower_bounds_s(graph, analysis, recomputed)
+    assert bounds[0] == analysis.ideal_step_s
+    assert all(a <= b for a, b in zip(bounds, bounds[1:], strict=False))
+    step_s = estimate_plan(graph, build_schedule(graph, decisions, planner="t", budget_bytes=None, hardware=hw),
+                           hw).step_s
+    assert bounds[-1] <= step_s
+    assert bounds[0] <= estimate_plan(graph, keep_all_plan(graph), hw).step_s
+
+
+def test_dropping_swapped_sets_that_cannot_win_keeps_the_plan(monkeypatch):
+    """`SwapThenRecompute` stops a swapped set's prefix search once it cannot beat the best plan so far
+    (only slackswap tries several sets); the plan (and the error, when none fits) must be the one of
+    the full search."""
+    planner = get_planner("slackswap")
+    cases = _cases(range(30))
+    real_cannot_beat = swap_recompute._cannot_beat
+    gave_up = []
+
+    def counting(*args):
+        hopeless = real_cannot_beat(*args)
+
+        def asked(k):
+            gave_up.append(hopeless(k))
+            return gave_up[-1]
+
+        return asked
+
+    monkeypatch.setattr(swap_recompute, "_cannot_beat", counting)
+    pruned = [_plan_or_reason(planner, *case) for case in cases]
+    monkeypatch.setattr(swap_recompute, "_cannot_beat", lambda *args: lambda k: False)
+    full = [_plan_or_reason(planner, *case) for case in cases]
+    assert pruned == full
+    assert sum(gave_up) >= 5  # the shortcut did fire
+    assert sum(p[0] not in ("infeasible", "error") for p in full) > len(cases) // 4
