@@ -6,9 +6,11 @@ shortcut must equal the plan without it, and every bound a shortcut relies on mu
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +19,8 @@ from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
 from slackswap.planners.registry import get_planner
-from slackswap.planners.support import swap_recompute
+from slackswap.planners.strategies import swap_only
+from slackswap.planners.support import greedy, swap_recompute
 from slackswap.planners.support.analysis import analyse
 from slackswap.profile import build_graph
 from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
@@ -104,3 +107,46 @@ def test_dropping_swapped_sets_that_cannot_win_keeps_the_plan(monkeypatch):
     assert pruned == full
     assert sum(gave_up) >= 5  # the shortcut did fire
     assert sum(p[0] not in ("infeasible", "error") for p in full) > len(cases) // 4
+
+
+def _bisect(lo, hi, holds, guess):
+    """The search `first_true` replaced: bisection of (lo, hi], the guess unused."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-1, 60), st.integers(0, 60), st.integers(-5, 70))
+def test_first_true_finds_the_boundary_from_any_guess(lo, span, guess):
+    hi = lo + 1 + span
+    for answer in range(lo + 1, hi + 1):
+        calls = []
+
+        def holds(k, answer=answer, calls=calls):
+            assert lo < k <= hi
+            calls.append(k)
+            return k >= answer
+
+        assert greedy.first_true(lo, hi, holds, guess) == answer == _bisect(lo, hi, holds, guess)
+        distance = abs(answer - min(max(guess, lo + 1), hi))
+        calls.clear()
+        greedy.first_true(lo, hi, holds, guess)
+        assert len(calls) <= 2 * math.log2(distance + 1) + 2
+
+
+@pytest.mark.parametrize("name", ["swap_only", "selective_recompute"])
+def test_layer_count_search_from_the_guess_gives_the_bisection_plan(name, monkeypatch):
+    """swap_only and selective_recompute search their layer count from the byte-count guess; on
+    random graphs and small presets the plan is the one bisection found."""
+    options = {"memory_waits": False} if name == "swap_only" else {}
+    cases = _cases(range(30))
+    planners = [get_planner(name), get_planner(name, **options)]
+    guessed = [_plan_or_reason(p, *case) for case in cases for p in planners]
+    monkeypatch.setattr(greedy, "first_true", _bisect)
+    monkeypatch.setattr(swap_only, "first_true", _bisect)
+    bisected = [_plan_or_reason(p, *case) for case in cases for p in planners]
+    assert guessed == bisected
+    counts = [p[4].get("offloaded_layers", p[4].get("recomputed_layers")) for p in guessed if p[0] != "infeasible"]
+    assert len([c for c in counts if c]) >= 10  # plans the search had to find a layer count for
