@@ -19,10 +19,13 @@ from slackswap.graph import FORWARD_PHASES
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
+from slackswap.planners.base import gib
 from slackswap.planners.registry import get_planner
-from slackswap.planners.strategies import dtr, swap_only
+from slackswap.planners.strategies import dtr, recompute_knapsack, swap_only
 from slackswap.planners.support import greedy, swap_recompute
 from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.fit import scheduled_peak
+from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.profile import build_graph
 from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
 from slackswap.testing import random_decisions, random_graph, toy_hardware
@@ -250,3 +253,70 @@ def test_dtr_candidate_heaps_choose_as_the_scan_does():
             assert heaps == _evictions_or_where_stuck(_dtr_evictions_by_scanning, graph, hw, budget)
             replays += heaps[0] != "cannot fit" and heaps[1] > 0
     assert replays >= 200  # replays that evicted something
+
+
+def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):
+    """`RecomputeKnapsack.plan` before it remembered the peak of a set chosen again."""
+    analysis = analyse(graph, hw)
+    unconstrained = keep_all_if_it_fits(graph, hw, analysis, budget_bytes, "recompute_knapsack")
+    if unconstrained is not None:
+        return unconstrained
+    candidates = recompute_candidates(graph, analysis, set())
+    sizes = [analysis.tensors[t].size_bytes for t in candidates]
+    costs = [analysis.tensors[t].regen_s for t in candidates]
+    need = analysis.keep_all_peak_bytes - budget_bytes
+    for round_ in range(max_rounds):
+        chosen = recompute_knapsack.solve_knapsack(sizes, costs, need)
+        if chosen is None:
+            raise InfeasibleBudgetError("no set")
+        decisions = {t: Decision.KEEP for t in analysis.tensors}
+        decisions.update({candidates[i]: Decision.RECOMPUTE for i in chosen})
+        plan, peak = scheduled_peak(
+            graph, decisions, planner="recompute_knapsack", budget_bytes=budget_bytes, hardware=hw,
+            notes={"knapsack_need_bytes": need, "knapsack_rounds": round_ + 1,
+                   "knapsack_recompute_s": sum(costs[i] for i in chosen)},
+        )
+        if peak <= budget_bytes:
+            return plan
+        need += peak - budget_bytes
+    raise InfeasibleBudgetError(f"after {max_rounds} rounds the plan still peaks at {peak}")
+
+
+@pytest.mark.parametrize("max_rounds", [2, 30])
+def test_knapsack_rounds_that_choose_a_set_again_keep_the_outcome(monkeypatch, max_rounds):
+    """recompute_knapsack does not rebuild the schedule of a set it chose before; the plan, or the
+    peak it reports when no round fits, is that of rebuilding every round. The solver is made to
+    repeat itself (it returns the previous set while that still covers the need) so the shortcut is
+    exercised."""
+    real_solve = recompute_knapsack.solve_knapsack
+    last: list[list[int]] = []
+
+    def sticky(sizes, costs, need):
+        if last and sum(sizes[i] for i in last[-1]) >= need:
+            return list(last[-1])
+        last.append(real_solve(sizes, costs, need))
+        return last[-1]
+
+    monkeypatch.setattr(recompute_knapsack, "solve_knapsack", sticky)
+    planner = get_planner("recompute_knapsack", max_rounds=max_rounds)
+    outcomes = []
+    for graph, hw, budget in _cases(range(20)):
+        last.clear()
+        new = _plan_or_reason(planner, graph, hw, budget)
+        last.clear()
+        try:
+            old = _knapsack_rebuilding_every_round(graph, hw, budget, max_rounds)
+            old = (old.decisions, old.steps, old.offloads, old.prefetches, old.notes)
+        except InfeasibleBudgetError as exc:
+            old = ("infeasible", exc.reason)
+        except SlackSwapError as exc:
+            old = ("error", str(exc))
+        if old[0] == "infeasible":
+            assert new[0] == "infeasible"
+            if "rounds" in old[1]:
+                assert f"still peaks at {gib(int(old[1].split()[-1]))}" in new[1]
+        else:
+            assert new == old
+        outcomes.append(new[0])
+    assert outcomes.count("infeasible") > 0
+    assert len(outcomes) - outcomes.count("infeasible") - outcomes.count("error") > 10
