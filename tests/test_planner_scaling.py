@@ -22,7 +22,7 @@ from slackswap.plan import Decision
 from slackswap.planners.base import gib
 from slackswap.planners.registry import get_planner
 from slackswap.planners.strategies import dtr, recompute_knapsack, swap_only
-from slackswap.planners.support import greedy, swap_recompute
+from slackswap.planners.support import analysis, greedy, swap_recompute
 from slackswap.planners.support.analysis import analyse
 from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
@@ -320,3 +320,35 @@ def test_knapsack_rounds_that_choose_a_set_again_keep_the_outcome(monkeypatch, m
         outcomes.append(new[0])
     assert outcomes.count("infeasible") > 0
     assert len(outcomes) - outcomes.count("infeasible") - outcomes.count("error") > 10
+
+
+def _regen_walk_by_graph_lookups(graph, tensor, missing):
+    """`analysis.regen_walk` before its lookup tables."""
+    ops, frontier, stack, seen = set(), set(), [tensor], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        producer = graph.op_by_name[graph.tensors[name].producer]
+        ops.add(producer.name)
+        for t in producer.inputs:
+            if t == tensor or t in missing or not graph.tensors[t].saved:
+                stack.append(t)
+            else:
+                frontier.add(t)
+    return ops, frontier
+
+
+def test_regen_walk_builds_the_same_sets_in_the_same_order():
+    """DTR sums a chain's op times in the set's iteration order; the walk must build the very same
+    sets (same insertions in the same order), not just equal ones, so every float stays the same."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        graph = random_graph(rng, max_layers=10, real_program=seed % 2 == 1)
+        saved = [t.name for t in graph.saved_tensors]
+        for t in saved:
+            missing = {m for m in saved if rng.random() < 0.5}
+            ops, frontier = analysis.regen_walk(graph, t, missing)
+            ref_ops, ref_frontier = _regen_walk_by_graph_lookups(graph, t, missing)
+            assert (list(ops), list(frontier)) == (list(ref_ops), list(ref_frontier))
