@@ -28,6 +28,7 @@ from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.profile import build_graph
 from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
+from slackswap.schedule.memory import free_time_s
 from slackswap.testing import random_decisions, random_graph, toy_hardware
 from tests.fingerprints import _yaml
 
@@ -352,3 +353,14 @@ def test_regen_walk_builds_the_same_sets_in_the_same_order():
             ops, frontier = analysis.regen_walk(graph, t, missing)
             ref_ops, ref_frontier = _regen_walk_by_graph_lookups(graph, t, missing)
             assert (list(ops), list(frontier)) == (list(ref_ops), list(ref_frontier))
+
+
+_instants = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1.5]))
+
+
+@given(st.one_of(st.floats(allow_nan=True), st.sampled_from([0.0, -0.0, 1.5])), _instants, _instants, _instants)
+def test_free_time_is_the_max_of_the_given_instants(produced, last_read, offload, aliases):
+    """`memory.free_time_s`, written out for speed, returns the very object `max` returns."""
+    expected = max([produced, *(t for t in (last_read, offload, aliases) if t is not None)])
+    got = free_time_s(produced, last_read, offload, aliases)
+    assert got is expected or (got == expected and math.copysign(1, got) == math.copysign(1, expected))
