@@ -166,6 +166,7 @@ def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     except ImportError as exc:  # the torch extra is optional
         return {"skipped": f"torch profile source unavailable: {exc}"}
     from slackswap.planners.registry import available_planners
+    from slackswap.schedule.validate import resolve_schedule
 
     data = {**yaml.safe_load((CONF / "model" / "llama2_70b.yaml").read_text())}
     hf = yaml.safe_load((CONF / "model" / "hf_llama2_70b.yaml").read_text())
@@ -177,7 +178,9 @@ def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     for n in layers:
         g = build_torch_graph(ModelConfig.from_dict({**data, "num_layers": n}), spec, hw)
         ops[n] = len(g.ops)
-        budget = int(0.5 * simulate(g, keep_all_plan(g), hw, None).peak_activation_bytes)
+        keep = keep_all_plan(g)
+        budget = int(0.5 * simulate(g, keep, hw, None).peak_activation_bytes)
+        fns["reference", n] = lambda g=g, keep=keep: [resolve_schedule(g, keep) for _ in range(20)]
         for name in names:
             planner = get_planner(name)
 
@@ -187,14 +190,17 @@ def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
 
             fns[name, n] = run
     best = best_of(fns, repeats)
+    k_ref = fit_exponent(layers, [best["reference", n] for n in layers])
     rows = {}
-    print(f"\ntraced llama2_70b (hf_llama2_70b): planning CPU time [s] vs layers (ops: {ops})")
-    print(f"{'planner':22s}" + "".join(f"{n:>9d}" for n in layers) + f"{'k':>7s}")
-    for name in names:
+    print(f"\ntraced llama2_70b (hf_llama2_70b): planning CPU time [s] vs layers (ops: {ops}, best of {repeats})")
+    print(f"{'planner':22s}" + "".join(f"{n:>9d}" for n in layers) + f"{'k':>7s}{'k_excess':>9s}")
+    for name in ["reference", *names]:
         times = [best[name, n] for n in layers]
-        rows[name] = {"layers": list(layers), "cpu_s": times, "k": fit_exponent(layers, times)}
-        print(f"{name:22s}" + "".join(f"{t:9.3f}" for t in times) + f"{rows[name]['k']:7.2f}")
-    return {"planners": rows, "ops": ops, "repeats": repeats}
+        k = fit_exponent(layers, times)
+        rows[name] = {"layers": list(layers), "cpu_s": times, "k": k, "k_excess": k - k_ref + 1}
+        print(f"{name:22s}" + "".join(f"{t:9.3f}" for t in times) + f"{k:7.2f}{k - k_ref + 1:9.2f}")
+    return {"planners": rows, "ops": ops, "repeats": repeats, "k_reference": k_ref,
+            "verdict": verdict(rows, k_ref, layers)}
 
 
 def seed_table(hw: Hardware) -> list[dict]:
@@ -262,7 +268,7 @@ def run(quick: bool = False) -> dict:
         "machine_at_start": start,
         "scaling": scaling(hw, QUICK_SCALING_LAYERS if quick else SCALING_LAYERS, 2 if quick else 3),
         "other_budgets": other_budgets(hw, QUICK_SCALING_LAYERS if quick else SCALING_LAYERS, 2),
-        "traced_scaling": traced_scaling(hw, QUICK_TRACED_LAYERS if quick else TRACED_LAYERS, 2),
+        "traced_scaling": traced_scaling(hw, QUICK_TRACED_LAYERS if quick else TRACED_LAYERS, 3),
         "seed_setting": seed_table(hw),
         "min_budget_fraction": None if quick else min_budgets(hw),
         "machine_at_end": machine(),
