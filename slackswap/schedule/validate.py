@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from slackswap.errors import GraphMismatchError, PlanValidationError
 from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph
@@ -47,15 +48,19 @@ class Copy:
 @dataclass(frozen=True)
 class ResolvedSchedule:
     """Copies as flat parallel tuples indexed by copy id (the engine reads them in its inner loop);
-    `copies` gives them as `Copy` records."""
+    `copies` gives them as `Copy` records.
+
+    Which steps read a copy is stored once, per step (`step_reads`); `copy_readers` inverts it on
+    first use. The simulator never needs the inverse: it frees a copy at `copy_last_use` and waits
+    only for prefetched copies (`prefetch_readers`), so building a list per copy would be work the
+    hot path throws away."""
 
     #: Per copy: tensor name, bytes, source ("run" / "recompute" / "prefetch"), source step or
-    #: prefetch index, reading steps in order, and the offload index (or None).
+    #: prefetch index, and the offload index (or None).
     copy_tensor: tuple[str, ...]
     copy_size: tuple[int, ...]
     copy_source: tuple[str, ...]
     copy_source_index: tuple[int, ...]
-    copy_readers: tuple[tuple[int, ...], ...]
     copy_offload: tuple[int | None, ...]
     #: Per copy: the copy an alias holds (or None); the last step that reads it or any alias holding
     #: it, transitively (-1: none); and every offload it waits for before it is freed (its own and
@@ -75,9 +80,20 @@ class ResolvedSchedule:
     prefetch_copy: tuple[int, ...]
     #: Per prefetch: index into `plan.offloads` of its tensor's offload.
     prefetch_offload: tuple[int, ...]
+    #: Per prefetch: the steps that read its copy, in order.
+    prefetch_readers: tuple[tuple[int, ...], ...]
     #: Bytes each offload / prefetch moves (the tensor's size, even for an alias that owns no storage).
     offload_bytes: tuple[int, ...]
     prefetch_bytes: tuple[int, ...]
+
+    @cached_property
+    def copy_readers(self) -> tuple[tuple[int, ...], ...]:
+        """Per copy: the steps that read it, in order."""
+        readers: list[list[int]] = [[] for _ in self.copy_tensor]
+        for j, reads in enumerate(self.step_reads):
+            for c in reads:
+                readers[c].append(j)
+        return tuple(map(tuple, readers))
 
     @property
     def copies(self) -> tuple[Copy, ...]:
@@ -221,21 +237,21 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     _check_decisions(graph, plan)
     offload_of, _ = _check_transfers(graph, plan)
     s = _resolve_copies(graph, plan, offload_of)
-    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.copy_readers)
-    _check_fifo_order(plan, s.prefetch_copy, s.prefetch_offload, s.copy_readers)
+    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.step_reads)
+    _check_fifo_order(plan, s.prefetch_offload, s.prefetch_readers)
     return s
 
 
-def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, int], dict[str, int]]:
-    """(op -> distinct inputs, tensor -> bytes, op -> bytes of its outputs) as plain dicts, cached on
-    the graph (derived data of a frozen object, like its cached properties): looked up per step."""
+def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, int], dict[str, str]]:
+    """(op -> distinct inputs, tensor -> bytes, tensor -> base ("" when it owns its storage)) as plain
+    dicts, cached on the graph (derived data of a frozen object, like its cached properties): the walk
+    looks them up for every step of every plan."""
     cached = graph.__dict__.get("_walk_tables")
     if cached is None:
-        size_of = dict(graph.size_bytes_of)
         cached = (
             dict(graph.distinct_inputs),
-            size_of,
-            {op.name: sum(size_of[t] for t in op.outputs) for op in graph.ops},
+            dict(graph.size_bytes_of),
+            {name: t.base for name, t in graph.tensors.items()},
         )
         graph.__dict__["_walk_tables"] = cached
     return cached
@@ -246,9 +262,14 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     cannot be resolved (a read or an offload of a tensor with no device copy, an offload of a
     non-run copy, a recompute of a keep/swap tensor); the other rules are checked around it. The
     simulator runs it for every plan, so it is written for speed like the engine's loop, and
-    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution."""
+    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution:
+    a step's reads are one C-level `map` over the current-copy dict (a miss falls back to
+    `_unreadable`, which names the first bad input), its outputs are appended inline, and what only
+    real programs have (views, in-place writes, RNG states of recomputed random ops) costs a flag
+    test per step on the analytic graphs."""
     decisions = plan.decisions
-    distinct_inputs, size_of, run_alloc = _walk_tables(graph)
+    inputs_of, size_of, base_of = _walk_tables(graph)
+    steps = plan.steps
 
     # Transfers bucketed by the step they are issued after (-1: at time zero).
     offloads_after: dict[int, list[int]] = {}
@@ -257,19 +278,21 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         offloads_after.setdefault(tr.issue_after_step, []).append(k)
     for k, tr in enumerate(plan.prefetches):
         prefetches_after.setdefault(tr.issue_after_step, []).append(k)
+    issue_points = offloads_after.keys() | prefetches_after.keys()
 
     c_tensor: list[str] = []
     c_source: list[str] = []
     c_index: list[int] = []
-    c_readers: list[list[int]] = []
     c_size: list[int] = []
-    c_holds: list[int | None] = []
+    c_holds: list[int | None] = []  # filled only when the graph has aliases; all None otherwise
+    last_use: list[int] = []  # per copy: the last step that reads it (-1: none)
+    pre_readers: dict[int, list[int]] = {}  # prefetched copy -> the steps that read it
     current: dict[str, int] = {}
-    tensors = graph.tensors
+    copy_of = current.__getitem__
     op_by_name = graph.op_by_name
     has_aliases = graph.has_aliases
     overwritten: dict[int, str] = {}  # copy -> the in-place op that overwrote it
-    random_recomputed = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE and op_by_name[s.op].random}
+    random_recomputed = {s.op for s in steps if s.kind == StepKind.RECOMPUTE and op_by_name[s.op].random}
     rng_state: dict[str, int] = {}  # random op -> the copy of its stashed RNG state
     offload_copy = [0] * len(plan.offloads)
     prefetch_copy = [0] * len(plan.prefetches)
@@ -296,71 +319,91 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             c_tensor.append(t)
             c_source.append("prefetch")
             c_index.append(k)
-            c_readers.append([])
             c_size.append(size_of[t])
-            c_holds.append(None)
+            last_use.append(-1)
+            pre_readers[prefetch_copy[k]] = []
+            if has_aliases:
+                c_holds.append(None)
 
-    def step_copy(t: str, source: str, j: int, current_copy: bool = True) -> int:
-        """A copy made by step j: an alias owns no bytes and holds the base copy the step read."""
+    def new_copy(t: str, source: str, j: int, size: int, holds: int | None) -> int:
+        """A copy made by step j that is not the tensor's current copy (RNG state, scratch outputs)."""
         c = len(c_tensor)
-        if current_copy:
-            current[t] = c
         c_tensor.append(t)
         c_source.append(source)
         c_index.append(j)
-        c_readers.append([])
-        base = tensors[t].base if has_aliases else ""
-        c_size.append(0 if base else size_of[t])
-        c_holds.append(current[base] if base else None)
+        c_size.append(size)
+        last_use.append(-1)
+        if has_aliases:
+            c_holds.append(holds)
         return c
 
     issue_transfers(-1)
     recompute = StepKind.RECOMPUTE
     keep_or_swap = (Decision.KEEP, Decision.SWAP)
-    for j, step in enumerate(plan.steps):
-        reads = []
-        for t in distinct_inputs[step.op]:
-            c = current.get(t)
-            if c is None:
-                _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
-            if overwritten and c in overwritten:
-                _fail(f"{_step_name(plan, j)} reads tensor {t!r} after op {overwritten[c]!r} overwrote it in place")
-            c_readers[c].append(j)
-            reads.append(c)
-        writes = []
+    for j, step in enumerate(steps):
+        name = step.op
+        inputs = inputs_of[name]
+        try:
+            reads = tuple(map(copy_of, inputs))
+        except KeyError:
+            _unreadable(plan, j, inputs, current, overwritten)
+        if overwritten:
+            for c in reads:
+                if c in overwritten:
+                    _unreadable(plan, j, inputs, current, overwritten)
+        for c in reads:
+            last_use[c] = j
+            if c in pre_readers:
+                pre_readers[c].append(j)
         source = "recompute" if step.kind == recompute else "run"
+        writes = []
+        alloc = 0
         for t in step.outputs:
             if source == "recompute" and decisions.get(t) in keep_or_swap:
                 _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
-            writes.append(step_copy(t, source, j))
-        if random_recomputed and step.op in random_recomputed:
-            op = op_by_name[step.op]
+            # An alias (a view) owns no bytes and holds the base copy the step read.
+            base = base_of[t] if has_aliases else ""
+            size = 0 if base else size_of[t]
+            c = current[t] = len(c_tensor)
+            c_tensor.append(t)
+            c_source.append(source)
+            c_index.append(j)
+            c_size.append(size)
+            last_use.append(-1)
+            if has_aliases:
+                c_holds.append(current[base] if base else None)
+            writes.append(c)
+            alloc += size
+        if random_recomputed and name in random_recomputed:
+            op = op_by_name[name]
             if source == "recompute":
                 # The replayed kernel reads the stashed RNG state and writes every output again; the
                 # ones this step does not materialise are scratch, freed when it ends.
-                c = rng_state[op.name]
-                c_readers[c].append(j)
-                reads.append(c)
-                writes.extend(step_copy(t, source, j, current_copy=False) for t in op.outputs if t not in step.outputs)
+                c = rng_state[name]
+                last_use[c] = j
+                reads += (c,)
+                for t in op.outputs:
+                    if t not in step.outputs:
+                        base = base_of[t] if has_aliases else ""
+                        size = 0 if base else size_of[t]
+                        writes.append(new_copy(t, source, j, size, current[base] if base else None))
+                        alloc += size
             else:
-                rng_state[op.name] = c = len(c_tensor)
-                c_tensor.append(f"{op.name}#rng_state")
-                c_source.append("run")
-                c_index.append(j)
-                c_readers.append([])
-                c_size.append(RNG_STATE_BYTES)
-                c_holds.append(None)
+                rng_state[name] = c = new_copy(f"{name}#rng_state", "run", j, RNG_STATE_BYTES, None)
                 writes.append(c)
-        if source == "run" and has_aliases:
-            for t in op_by_name[step.op].writes:
-                overwritten[reads[distinct_inputs[step.op].index(t)]] = step.op
-        alloc = sum([c_size[c] for c in writes])
-        step_reads.append(tuple(reads))
+                alloc += RNG_STATE_BYTES
+        if has_aliases and source == "run":
+            for t in op_by_name[name].writes:
+                overwritten[reads[inputs.index(t)]] = name
+        step_reads.append(reads)
         step_writes.append(tuple(writes))
         step_alloc.append(alloc)
-        if j in offloads_after or j in prefetches_after:
+        if j in issue_points:
             issue_transfers(j)
-    c_offload: list[int | None] = [None] * len(c_tensor)
+    n_copies = len(c_tensor)
+    if not has_aliases:
+        c_holds = [None] * n_copies
+    c_offload: list[int | None] = [None] * n_copies
     for k, c in enumerate(offload_copy):
         c_offload[c] = k
 
@@ -368,10 +411,9 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
 
     # The free rule with aliases: a copy lives until its last reader, its offload and every alias
     # holding it are done. An alias is made after the copy it holds, so one backward walk settles it.
-    last_use = [r[-1] if r else -1 for r in c_readers]
     wait_offloads: list[tuple[int, ...]] = [() if k is None else (k,) for k in c_offload]
     if has_aliases:
-        for c in reversed(range(len(c_tensor))):
+        for c in reversed(range(n_copies)):
             h = c_holds[c]
             if h is not None:
                 last_use[h] = max(last_use[h], last_use[c])
@@ -382,7 +424,6 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         copy_size=tuple(c_size),
         copy_source=tuple(c_source),
         copy_source_index=tuple(c_index),
-        copy_readers=tuple(map(tuple, c_readers)),
         copy_offload=tuple(c_offload),
         copy_holds=tuple(c_holds),
         copy_last_use=tuple(last_use),
@@ -393,32 +434,53 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         offload_copy=tuple(offload_copy),
         prefetch_copy=tuple(prefetch_copy),
         prefetch_offload=prefetch_offload,
+        prefetch_readers=tuple([tuple(pre_readers[c]) for c in prefetch_copy]),
         offload_bytes=tuple([size_of[tr.tensor] for tr in plan.offloads]),
         prefetch_bytes=tuple([size_of[tr.tensor] for tr in plan.prefetches]),
     )
 
 
-def _check_reader_copies(
-    plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str], c_readers: Sequence[Sequence[int]]
+def _unreadable(
+    plan: Plan, j: int, inputs: tuple[str, ...], current: dict[str, int], overwritten: dict[int, str]
 ) -> None:
-    """Each decision fixes which copy the forward and backward readers of a saved tensor read."""
+    """Name the first input step j cannot read, in input order (the walk's fast path only knows that
+    one of them failed)."""
+    for t in inputs:
+        c = current.get(t)
+        if c is None:
+            _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
+        if c in overwritten:
+            _fail(f"{_step_name(plan, j)} reads tensor {t!r} after op {overwritten[c]!r} overwrote it in place")
+    raise AssertionError("unreachable: every input of the step is readable")
+
+
+def _check_reader_copies(
+    plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str],
+    step_reads: Sequence[Sequence[int]],
+) -> None:
+    """Each decision fixes which copy the forward and backward readers of a saved tensor read.
+
+    Names the first problem in step order (the lowest copy id among one step's problems)."""
     wanted = {Decision.KEEP: "run", Decision.SWAP: "prefetch", Decision.RECOMPUTE: "recompute"}
     decisions = plan.decisions
-    first_problem: tuple[int, str] | None = None
-    for c, t in enumerate(c_tensor):
-        decision = decisions.get(t)
-        if decision is None:
-            continue
-        source = c_source[c]
-        backward_need = wanted[decision]
-        for j in c_readers[c]:
-            role = roles[j]
-            if role == 0:
-                continue  # a recompute step may read any resident copy
-            need = "run" if role == 1 else backward_need
-            if source == need:
+    for j, reads in enumerate(step_reads):
+        role = roles[j]
+        if role == 0:
+            continue  # a recompute step may read any resident copy
+        forward = role == 1
+        problem = None
+        for c in reads:
+            decision = decisions.get(c_tensor[c])
+            if decision is None or c_source[c] == ("run" if forward else wanted[decision]):
                 continue
-            forward = role == 1
+            if problem is None or c < problem:
+                problem = c
+        if problem is not None:
+            c = problem
+            t = c_tensor[c]
+            decision = decisions[t]
+            source = c_source[c]
+            need = "run" if forward else wanted[decision]
             role_name = "forward" if forward else "backward"
             if decision == Decision.SWAP and forward:
                 why = "its prefetch is issued before this forward reader"
@@ -428,18 +490,14 @@ def _check_reader_copies(
                 why = "no recompute step materialises it between its forward use and this reader"
             else:
                 why = f"a {source} copy exists where the {need} copy is required"
-            msg = (
+            _fail(
                 f"{_step_name(plan, j)}, a {role_name} reader of {decision!s} tensor {t!r}, "
                 f"reads its {source} copy: {why}"
             )
-            if first_problem is None or j < first_problem[0]:
-                first_problem = (j, msg)
-    if first_problem is not None:
-        _fail(first_problem[1])
 
 
 def _check_fifo_order(
-    plan: Plan, prefetch_copy: list[int], prefetch_offload: tuple[int, ...], c_readers: list[list[int]]
+    plan: Plan, prefetch_offload: Sequence[int], prefetch_readers: Sequence[Sequence[int]]
 ) -> None:
     """A transfer starts no earlier than the one before it in its FIFO list, and a prefetch no earlier
     than its offload. If that pushes a prefetch past its first reader, the plan deadlocks by construction."""
@@ -451,7 +509,7 @@ def _check_fifo_order(
     last = -1
     for k, tr in enumerate(plan.prefetches):
         last = max(last, tr.issue_after_step, off_effective[prefetch_offload[k]])
-        readers = c_readers[prefetch_copy[k]]
+        readers = prefetch_readers[k]
         if readers and readers[0] <= last:
             _fail(
                 f"prefetch {k} of tensor {tr.tensor!r} cannot start before step {last} finishes "

@@ -74,7 +74,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     step_writes = s.step_writes
     copy_size = s.copy_size
     copy_tensor = s.copy_tensor
-    copy_readers = s.copy_readers
     n_copies = len(copy_size)
     step_alloc = s.step_alloc_bytes
     last_reader = s.copy_last_use
@@ -95,8 +94,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             offload_waiters[k].append(c)
     # Per step: the prefetched copies it reads (the only inputs that can be late).
     waits_on: dict[int, list[int]] = {}
-    for c in s.prefetch_copy:
-        for j in copy_readers[c]:
+    for c, readers in zip(s.prefetch_copy, s.prefetch_readers, strict=True):
+        for j in readers:
             waits_on.setdefault(j, []).append(c)
     produced = [False] * n_copies  # tracked for prefetched copies only
     ready_s = [0.0] * n_copies
@@ -263,7 +262,7 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         # Nothing is in flight and work remains: name the first waiting request in plan order.
         if next_pre < n_pre and h2d_free and pre_issue[next_pre] <= last_done and off_finished[pre_offload[next_pre]]:
             c = pre_copy[next_pre]
-            first_reader = copy_readers[c][0]
+            first_reader = s.prefetch_readers[next_pre][0]
             infeasibility = Infeasibility("prefetch", (copy_tensor[c],), first_reader, steps[first_reader].op,
                                           copy_size[c], in_use, budget_bytes, now)
         elif next_step < n_steps and not step_running and all(produced[c] for c in waits_on.get(next_step, ())):
