@@ -262,11 +262,12 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     cannot be resolved (a read or an offload of a tensor with no device copy, an offload of a
     non-run copy, a recompute of a keep/swap tensor); the other rules are checked around it. The
     simulator runs it for every plan, so it is written for speed like the engine's loop, and
-    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution:
-    a step's reads are one C-level `map` over the current-copy dict (a miss falls back to
-    `_unreadable`, which names the first bad input), its outputs are appended inline, and what only
-    real programs have (views, in-place writes, RNG states of recomputed random ops) costs a flag
-    test per step on the analytic graphs."""
+    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution.
+    Reads and outputs are handled inline (a read of a tensor with no copy falls back to `_unreadable`,
+    which names the first bad input); a step's reads and writes are built as tuples directly; no list
+    per copy is kept (a copy's readers are only recorded as its last use, and for prefetched copies);
+    and what only real programs have (views, in-place writes, RNG states of recomputed random ops)
+    costs a flag test per step on the analytic graphs."""
     decisions = plan.decisions
     inputs_of, size_of, base_of = _walk_tables(graph)
     steps = plan.steps
@@ -288,7 +289,6 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     last_use: list[int] = []  # per copy: the last step that reads it (-1: none)
     pre_readers: dict[int, list[int]] = {}  # prefetched copy -> the steps that read it
     current: dict[str, int] = {}
-    copy_of = current.__getitem__
     op_by_name = graph.op_by_name
     has_aliases = graph.has_aliases
     overwritten: dict[int, str] = {}  # copy -> the in-place op that overwrote it
@@ -343,20 +343,22 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     for j, step in enumerate(steps):
         name = step.op
         inputs = inputs_of[name]
+        reads = ()
         try:
-            reads = tuple(map(copy_of, inputs))
+            for t in inputs:
+                c = current[t]
+                reads += (c,)
+                last_use[c] = j
+                if c in pre_readers:
+                    pre_readers[c].append(j)
         except KeyError:
             _unreadable(plan, j, inputs, current, overwritten)
         if overwritten:
             for c in reads:
                 if c in overwritten:
                     _unreadable(plan, j, inputs, current, overwritten)
-        for c in reads:
-            last_use[c] = j
-            if c in pre_readers:
-                pre_readers[c].append(j)
         source = "recompute" if step.kind == recompute else "run"
-        writes = []
+        writes = ()
         alloc = 0
         for t in step.outputs:
             if source == "recompute" and decisions.get(t) in keep_or_swap:
@@ -372,7 +374,7 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             last_use.append(-1)
             if has_aliases:
                 c_holds.append(current[base] if base else None)
-            writes.append(c)
+            writes += (c,)
             alloc += size
         if random_recomputed and name in random_recomputed:
             op = op_by_name[name]
@@ -386,17 +388,17 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
                     if t not in step.outputs:
                         base = base_of[t] if has_aliases else ""
                         size = 0 if base else size_of[t]
-                        writes.append(new_copy(t, source, j, size, current[base] if base else None))
+                        writes += (new_copy(t, source, j, size, current[base] if base else None),)
                         alloc += size
             else:
                 rng_state[name] = c = new_copy(f"{name}#rng_state", "run", j, RNG_STATE_BYTES, None)
-                writes.append(c)
+                writes += (c,)
                 alloc += RNG_STATE_BYTES
         if has_aliases and source == "run":
             for t in op_by_name[name].writes:
                 overwritten[reads[inputs.index(t)]] = name
         step_reads.append(reads)
-        step_writes.append(tuple(writes))
+        step_writes.append(writes)
         step_alloc.append(alloc)
         if j in issue_points:
             issue_transfers(j)
@@ -404,14 +406,15 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     if not has_aliases:
         c_holds = [None] * n_copies
     c_offload: list[int | None] = [None] * n_copies
+    wait_offloads: list[tuple[int, ...]] = [()] * n_copies
     for k, c in enumerate(offload_copy):
         c_offload[c] = k
+        wait_offloads[c] = (k,)
 
     prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
     # The free rule with aliases: a copy lives until its last reader, its offload and every alias
     # holding it are done. An alias is made after the copy it holds, so one backward walk settles it.
-    wait_offloads: list[tuple[int, ...]] = [() if k is None else (k,) for k in c_offload]
     if has_aliases:
         for c in reversed(range(n_copies)):
             h = c_holds[c]

@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from heapq import heappop, heappush
-from itertools import repeat
 
 from slackswap.errors import ConfigError, SlackSwapError
 from slackswap.graph import Graph
@@ -144,7 +143,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     in_use = 0
     mem_t: list[float] = [0.0]
     mem_b: list[int] = [0]
-    rows: list[tuple] = []  # TraceEvent fields, in creation order; made TraceEvents at the end
+    events: list[TraceEvent] = []
+    make = tuple.__new__  # TraceEvent is a NamedTuple: build it without the Python-level __new__
     next_step = 0
     step_running = False
     step_end = 0.0  # end and creation order of the running step
@@ -174,7 +174,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             engine = heappop(d2h_free)
             end = now + off_dur[k]
             size = off_bytes[k]
-            rows.append(("d2h", "offload", k, now, end, "", copy_tensor[off_copy[k]], size, engine, 0.0, 0.0))
+            events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[off_copy[k]], size, engine,
+                                            0.0, 0.0)))
             if now > d2h_to:
                 d2h_busy += d2h_to - d2h_from
                 d2h_from = now
@@ -200,7 +201,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                         mem_t.append(now)
                         mem_b.append(in_use)
                     end = now + pre_dur[k]
-                    rows.append(("h2d", "prefetch", k, now, end, "", copy_tensor[c], size, engine, 0.0, 0.0))
+                    events.append(make(TraceEvent, ("h2d", "prefetch", k, now, end, "", copy_tensor[c], size, engine,
+                                                    0.0, 0.0)))
                     if now > h2d_to:
                         h2d_busy += h2d_to - h2d_from
                         h2d_from = now
@@ -236,12 +238,12 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                         end = now + step_dur[j]
                         step = steps[j]
                         if step.kind == recompute_kind:
-                            rows.append(("compute", "recompute", j, now, end, step.op, "", size, 0,
-                                         wait_prefetch, wait_memory))
+                            events.append(make(TraceEvent, ("compute", "recompute", j, now, end, step.op, "", size, 0,
+                                                            wait_prefetch, wait_memory)))
                             recompute_busy += end - now
                         else:
-                            rows.append(("compute", "run", j, now, end, step.op, "", size, 0, wait_prefetch,
-                                         wait_memory))
+                            events.append(make(TraceEvent, ("compute", "run", j, now, end, step.op, "", size, 0,
+                                                            wait_prefetch, wait_memory)))
                         compute_busy += end - now
                         end_s = end if end > end_s else end_s
                         step_running = True
@@ -330,8 +332,7 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         end_s=max(end_s, now),
         budget_bytes=budget_bytes,
         peak_activation_bytes=max(mem_b),
-        # TraceEvent is a NamedTuple: made from the rows in C, without its Python-level __new__.
-        events=tuple(map(tuple.__new__, repeat(TraceEvent), rows)),
+        events=tuple(events),
         memory_times_s=tuple(mem_t),
         memory_bytes=tuple(mem_b),
         compute_busy_s=compute_busy,
