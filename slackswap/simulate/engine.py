@@ -3,9 +3,13 @@
 The semantics are in docs/simulation.md. This is a list scheduler, not a general event queue: every
 stream runs a list in a fixed order (the compute steps; each direction's transfers, FIFO), so at any
 time at most one step and one transfer per engine are in flight, and what can start next is always
-the head of a list. The loop keeps those heads as plain integers and the few in-flight completions in
-a tiny heapq, over flat lists indexed by step, copy and transfer, all in local variables of one
-function (attribute and method lookups were most of the cost of the earlier object-per-event loop).
+the head of a list. The loop keeps those heads as plain integers, the running step's end in a local,
+and the few copies in flight in a tiny heapq, over flat lists indexed by step, copy and transfer, all
+in local variables of one function (attribute and method lookups were most of the cost of the earlier
+object-per-event loop). What it records per event is what the run decides (start, end, a step's
+waits, a copy's engine), stored by index into preallocated lists; `EventLog` makes TraceEvents of
+them on first use (building one per event in the loop cost more than the scheduling). The busy time
+and bytes of each copy direction are summed as copies start (they start in time order).
 
 The rules come from `slackswap.schedule` (copy resolution, transfer durations, the free rule of
 `schedule.memory`), as for the planners' replay. Facts of the plan that the schedule fixes are used
@@ -19,12 +23,13 @@ instead of being tracked at run time:
   alias of it) and `copy_wait_offloads` (its offload and its aliases'), so the loop stays the same.
 
 Per time instant the loop first applies every completion at that time (frees, readiness), in the
-order they were created, then starts what can start ("settle"): offloads in FIFO order, then the
-memory requests that are ready, tried in plan order (step j has key (j, 0); a prefetch issued after
-step i has key (i, 1, list index)); each one that fits is granted, one that does not waits without
-holding back the others. A ready prefetch was issued after a finished step i < j (j the next step),
-so it always comes first in plan order. If no event is left in flight while work remains, no waiting
-request can ever be served: the run is infeasible, and the first of them in plan order is named.
+order they were created (the running step carries its creation number), then starts what can start
+("settle"): offloads in FIFO order, then the memory requests that are ready, tried in plan order
+(step j has key (j, 0); a prefetch issued after step i has key (i, 1, list index)); each one that
+fits is granted, one that does not waits without holding back the others. A ready prefetch was
+issued after a finished step i < j (j the next step), so it always comes first in plan order. If no
+event is left in flight while work remains, no waiting request can ever be served: the run is
+infeasible, and the first of them in plan order is named.
 
 tests/test_simulate_simpy.py checks this loop against an independent SimPy model of the same rules;
 `benchmarks/bench_simulate.py` times the two side by side.
@@ -42,7 +47,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
 from slackswap.schedule.validate import ResolvedSchedule, resolve_schedule
-from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
+from slackswap.simulate.result import EventLog, Infeasibility, SimResult
 
 _D2H_END, _H2D_END = 1, 2
 
@@ -143,8 +148,20 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     in_use = 0
     mem_t: list[float] = [0.0]
     mem_b: list[int] = [0]
-    events: list[TraceEvent] = []
-    make = tuple.__new__  # TraceEvent is a NamedTuple: build it without the Python-level __new__
+    # The events, as `EventLog` keeps them: per stream, when each started and ended (a step's waits, a
+    # copy's engine), and the order in which they started.
+    step_start = [0.0] * n_steps
+    step_stop = [0.0] * n_steps
+    step_wait_prefetch = [0.0] * n_steps
+    step_wait_memory = [0.0] * n_steps
+    off_start = [0.0] * n_off
+    off_end = [0.0] * n_off
+    off_engine = [0] * n_off
+    pre_start = [0.0] * n_pre
+    pre_end = [0.0] * n_pre
+    pre_engine = [0] * n_pre
+    order: list[int] = []
+    pre_code = n_steps + n_off
     next_step = 0
     step_running = False
     step_end = 0.0  # end and creation order of the running step
@@ -174,8 +191,10 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             engine = heappop(d2h_free)
             end = now + off_dur[k]
             size = off_bytes[k]
-            events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[off_copy[k]], size, engine,
-                                            0.0, 0.0)))
+            off_start[k] = now
+            off_end[k] = end
+            off_engine[k] = engine
+            order.append(n_steps + k)
             if now > d2h_to:
                 d2h_busy += d2h_to - d2h_from
                 d2h_from = now
@@ -201,8 +220,10 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                         mem_t.append(now)
                         mem_b.append(in_use)
                     end = now + pre_dur[k]
-                    events.append(make(TraceEvent, ("h2d", "prefetch", k, now, end, "", copy_tensor[c], size, engine,
-                                                    0.0, 0.0)))
+                    pre_start[k] = now
+                    pre_end[k] = end
+                    pre_engine[k] = engine
+                    order.append(pre_code + k)
                     if now > h2d_to:
                         h2d_busy += h2d_to - h2d_from
                         h2d_from = now
@@ -223,27 +244,25 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                     if in_use + size <= budget:
                         if late is None:
                             held_from = prev_end
-                            wait_prefetch = 0.0
                         else:
                             inputs_ready = max([ready_s[c] for c in late])
                             held_from = prev_end if prev_end >= inputs_ready else inputs_ready
                             wait_prefetch = max(0.0, inputs_ready - prev_end)
+                            stall_prefetch += wait_prefetch
+                            step_wait_prefetch[j] = wait_prefetch
                         wait_memory = now - held_from
-                        stall_prefetch += wait_prefetch
                         stall_memory += wait_memory
+                        step_wait_memory[j] = wait_memory
                         if size:
                             in_use += size
                             mem_t.append(now)
                             mem_b.append(in_use)
                         end = now + step_dur[j]
-                        step = steps[j]
-                        if step.kind == recompute_kind:
-                            events.append(make(TraceEvent, ("compute", "recompute", j, now, end, step.op, "", size, 0,
-                                                            wait_prefetch, wait_memory)))
+                        step_start[j] = now
+                        step_stop[j] = end
+                        order.append(j)
+                        if steps[j].kind == recompute_kind:
                             recompute_busy += end - now
-                        else:
-                            events.append(make(TraceEvent, ("compute", "run", j, now, end, step.op, "", size, 0,
-                                                            wait_prefetch, wait_memory)))
                         compute_busy += end - now
                         end_s = end if end > end_s else end_s
                         step_running = True
@@ -332,7 +351,13 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         end_s=max(end_s, now),
         budget_bytes=budget_bytes,
         peak_activation_bytes=max(mem_b),
-        events=tuple(events),
+        events=EventLog(
+            steps=steps, step_bytes=step_alloc, step_start_s=step_start, step_end_s=step_stop,
+            step_wait_prefetch_s=step_wait_prefetch, step_wait_memory_s=step_wait_memory,
+            offloads=plan.offloads, offload_bytes=off_bytes, offload_start_s=off_start, offload_end_s=off_end,
+            offload_engine=off_engine, prefetches=plan.prefetches, prefetch_bytes=s.prefetch_bytes,
+            prefetch_start_s=pre_start, prefetch_end_s=pre_end, prefetch_engine=pre_engine, order=order,
+        ),
         memory_times_s=tuple(mem_t),
         memory_bytes=tuple(mem_b),
         compute_busy_s=compute_busy,
