@@ -50,10 +50,13 @@ class ResolvedSchedule:
     """Copies as flat parallel tuples indexed by copy id (the engine reads them in its inner loop);
     `copies` gives them as `Copy` records.
 
-    Which steps read a copy is stored once, per step (`step_reads`); `copy_readers` inverts it on
-    first use. The simulator never needs the inverse: it frees a copy at `copy_last_use` and waits
-    only for prefetched copies (`prefetch_readers`), so building a list per copy would be work the
-    hot path throws away."""
+    What each step reads and writes is stored flat: all reads in one tuple (`read_copies`, step j's
+    from `read_starts[j]` to `read_starts[j + 1]`), and a step's outputs are consecutive copy ids
+    (`write_starts[j]` up to `write_stops[j]`). `step_reads`, `step_writes` and `copy_readers` (who
+    reads a copy) are derived from them on first use. Why: the simulator needs none of the three; it
+    frees a copy at `copy_last_use` and waits only for prefetched copies (`prefetch_readers`), and a
+    tuple per step and a list per copy were most of the objects the walk made (the cyclic GC's passes
+    over them cost as much again)."""
 
     #: Per copy: tensor name, bytes, source ("run" / "recompute" / "prefetch"), source step or
     #: prefetch index, and the offload index (or None).
@@ -68,10 +71,13 @@ class ResolvedSchedule:
     copy_holds: tuple[int | None, ...]
     copy_last_use: tuple[int, ...]
     copy_wait_offloads: tuple[tuple[int, ...], ...]
-    #: Per step: ids of the copies it reads (each once, in op input order).
-    step_reads: tuple[tuple[int, ...], ...]
-    #: Per step: ids of the copies it produces.
-    step_writes: tuple[tuple[int, ...], ...]
+    #: The copies each step reads (each once, in op input order), all steps in order, and where each
+    #: step's reads start (one entry more than steps: step j reads read_copies[read_starts[j]:read_starts[j + 1]]).
+    read_copies: tuple[int, ...]
+    read_starts: tuple[int, ...]
+    #: Per step: the ids of the copies it produces are write_starts[j] <= c < write_stops[j].
+    write_starts: tuple[int, ...]
+    write_stops: tuple[int, ...]
     #: Per step: bytes of the copies it produces (what it allocates when it starts).
     step_alloc_bytes: tuple[int, ...]
     #: Per offload: id of the copy it moves to the host.
@@ -85,6 +91,17 @@ class ResolvedSchedule:
     #: Bytes each offload / prefetch moves (the tensor's size, even for an alias that owns no storage).
     offload_bytes: tuple[int, ...]
     prefetch_bytes: tuple[int, ...]
+
+    @cached_property
+    def step_reads(self) -> tuple[tuple[int, ...], ...]:
+        """Per step: ids of the copies it reads (each once, in op input order)."""
+        flat, starts = self.read_copies, self.read_starts
+        return tuple([flat[a:b] for a, b in zip(starts, starts[1:], strict=False)])
+
+    @cached_property
+    def step_writes(self) -> tuple[tuple[int, ...], ...]:
+        """Per step: ids of the copies it produces."""
+        return tuple([tuple(range(a, b)) for a, b in zip(self.write_starts, self.write_stops, strict=True)])
 
     @cached_property
     def copy_readers(self) -> tuple[tuple[int, ...], ...]:
@@ -237,7 +254,7 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     _check_decisions(graph, plan)
     offload_of, _ = _check_transfers(graph, plan)
     s = _resolve_copies(graph, plan, offload_of)
-    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.step_reads)
+    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.read_copies, s.read_starts)
     _check_fifo_order(plan, s.prefetch_offload, s.prefetch_readers)
     return s
 
@@ -264,10 +281,10 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     simulator runs it for every plan, so it is written for speed like the engine's loop, and
     `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution.
     Reads and outputs are handled inline (a read of a tensor with no copy falls back to `_unreadable`,
-    which names the first bad input); a step's reads and writes are built as tuples directly; no list
-    per copy is kept (a copy's readers are only recorded as its last use, and for prefetched copies);
-    and what only real programs have (views, in-place writes, RNG states of recomputed random ops)
-    costs a flag test per step on the analytic graphs."""
+    which names the first bad input); reads are appended to one flat list, a step's outputs get
+    consecutive ids; no list per copy is kept (a copy's readers are only recorded as its last use, and
+    for prefetched copies); and what only real programs have (views, in-place writes, RNG states of
+    recomputed random ops) costs a flag test per step on the analytic graphs."""
     decisions = plan.decisions
     inputs_of, size_of, base_of = _walk_tables(graph)
     steps = plan.steps
@@ -296,8 +313,10 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     rng_state: dict[str, int] = {}  # random op -> the copy of its stashed RNG state
     offload_copy = [0] * len(plan.offloads)
     prefetch_copy = [0] * len(plan.prefetches)
-    step_reads: list[tuple[int, ...]] = []
-    step_writes: list[tuple[int, ...]] = []
+    read_copies: list[int] = []
+    read_starts: list[int] = [0]
+    write_starts: list[int] = []
+    write_stops: list[int] = []
     step_alloc: list[int] = []
 
     def issue_transfers(after: int) -> None:
@@ -343,22 +362,22 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     for j, step in enumerate(steps):
         name = step.op
         inputs = inputs_of[name]
-        reads = ()
+        first_read = len(read_copies)
         try:
             for t in inputs:
                 c = current[t]
-                reads += (c,)
+                read_copies.append(c)
                 last_use[c] = j
                 if c in pre_readers:
                     pre_readers[c].append(j)
         except KeyError:
             _unreadable(plan, j, inputs, current, overwritten)
         if overwritten:
-            for c in reads:
+            for c in read_copies[first_read:]:
                 if c in overwritten:
                     _unreadable(plan, j, inputs, current, overwritten)
         source = "recompute" if step.kind == recompute else "run"
-        writes = ()
+        write_starts.append(len(c_tensor))
         alloc = 0
         for t in step.outputs:
             if source == "recompute" and decisions.get(t) in keep_or_swap:
@@ -374,7 +393,6 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             last_use.append(-1)
             if has_aliases:
                 c_holds.append(current[base] if base else None)
-            writes += (c,)
             alloc += size
         if random_recomputed and name in random_recomputed:
             op = op_by_name[name]
@@ -383,22 +401,21 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
                 # ones this step does not materialise are scratch, freed when it ends.
                 c = rng_state[name]
                 last_use[c] = j
-                reads += (c,)
+                read_copies.append(c)
                 for t in op.outputs:
                     if t not in step.outputs:
                         base = base_of[t] if has_aliases else ""
                         size = 0 if base else size_of[t]
-                        writes += (new_copy(t, source, j, size, current[base] if base else None),)
+                        new_copy(t, source, j, size, current[base] if base else None)
                         alloc += size
             else:
-                rng_state[name] = c = new_copy(f"{name}#rng_state", "run", j, RNG_STATE_BYTES, None)
-                writes += (c,)
+                rng_state[name] = new_copy(f"{name}#rng_state", "run", j, RNG_STATE_BYTES, None)
                 alloc += RNG_STATE_BYTES
         if has_aliases and source == "run":
             for t in op_by_name[name].writes:
-                overwritten[reads[inputs.index(t)]] = name
-        step_reads.append(reads)
-        step_writes.append(writes)
+                overwritten[read_copies[first_read + inputs.index(t)]] = name
+        read_starts.append(len(read_copies))
+        write_stops.append(len(c_tensor))
         step_alloc.append(alloc)
         if j in issue_points:
             issue_transfers(j)
@@ -431,8 +448,10 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         copy_holds=tuple(c_holds),
         copy_last_use=tuple(last_use),
         copy_wait_offloads=tuple(wait_offloads),
-        step_reads=tuple(step_reads),
-        step_writes=tuple(step_writes),
+        read_copies=tuple(read_copies),
+        read_starts=tuple(read_starts),
+        write_starts=tuple(write_starts),
+        write_stops=tuple(write_stops),
         step_alloc_bytes=tuple(step_alloc),
         offload_copy=tuple(offload_copy),
         prefetch_copy=tuple(prefetch_copy),
@@ -459,20 +478,19 @@ def _unreadable(
 
 def _check_reader_copies(
     plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str],
-    step_reads: Sequence[Sequence[int]],
+    read_copies: Sequence[int], read_starts: Sequence[int],
 ) -> None:
     """Each decision fixes which copy the forward and backward readers of a saved tensor read.
 
     Names the first problem in step order (the lowest copy id among one step's problems)."""
     wanted = {Decision.KEEP: "run", Decision.SWAP: "prefetch", Decision.RECOMPUTE: "recompute"}
     decisions = plan.decisions
-    for j, reads in enumerate(step_reads):
-        role = roles[j]
+    for j, role in enumerate(roles):
         if role == 0:
             continue  # a recompute step may read any resident copy
         forward = role == 1
         problem = None
-        for c in reads:
+        for c in read_copies[read_starts[j]:read_starts[j + 1]]:
             decision = decisions.get(c_tensor[c])
             if decision is None or c_source[c] == ("run" if forward else wanted[decision]):
                 continue

@@ -85,35 +85,45 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     n_steps = len(steps)
     duration_of = _durations(graph)
     step_dur = [duration_of[st.op] for st in steps]
-    step_reads = s.step_reads
-    step_writes = s.step_writes
+    read_copies = s.read_copies
+    read_starts = s.read_starts
     copy_size = s.copy_size
     copy_tensor = s.copy_tensor
     n_copies = len(copy_size)
     step_alloc = s.step_alloc_bytes
     last_use = s.copy_last_use
-    # When step j ends, the copies it reads whose last use it is, then the copies an alias it reads
-    # kept alive (last use j, not read by j), then its outputs nobody reads are released (freed, or
-    # marked to be freed by their offloads), in that order. The first and last kind are found from
-    # `last_use` as the step ends (u == j, u < 0); only the alias kind needs a table.
-    held_until: list[tuple[int, ...]] = [()] * n_steps
+    # When step j ends, the copies it reads whose last use it is (found from `last_use` as it ends),
+    # then the copies an alias it read kept alive (last use j, not read by j), then its outputs nobody
+    # reads are released (freed, or marked to be freed by their offloads), in that order. The last
+    # two kinds are rare: they are listed per step here.
+    released_after: list[tuple[int, ...]] = [()] * n_steps
     if graph.has_aliases:
         for c, j in enumerate(last_use):
-            if j >= 0 and c not in step_reads[j]:
-                held_until[j] += (c,)
+            if j >= 0 and c not in read_copies[read_starts[j]:read_starts[j + 1]]:
+                released_after[j] += (c,)
+    copy_source = s.copy_source
+    copy_step = s.copy_source_index
+    c = -1
+    try:
+        while True:
+            c = last_use.index(-1, c + 1)  # scans in C; copies nobody reads are few
+            if copy_source[c] != "prefetch":  # a prefetched copy nobody reads is freed when it lands
+                released_after[copy_step[c]] += (c,)
+    except ValueError:
+        pass
     # Per offload: the copies waiting for it before they can be freed (the copy it moves, and the copies
     # that copy holds, transitively), in copy order; and per copy the number of offloads still awaited.
     copy_holds = s.copy_holds
     offloads_left = [0] * n_copies
     offload_waiters: list[list[int]] = []
     for c in s.offload_copy:
-        chain = []
+        waiting = []
         while c is not None:
-            chain.append(c)
+            waiting.append(c)
             offloads_left[c] += 1
             c = copy_holds[c]
-        chain.reverse()
-        offload_waiters.append(chain)
+        waiting.reverse()
+        offload_waiters.append(waiting)
     # Per step: the prefetched copies it reads (the only inputs that can be late), or None.
     waits_on: list[list[int] | None] = [None] * n_steps
     for c, readers in zip(s.prefetch_copy, s.prefetch_readers, strict=True):
@@ -310,9 +320,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                 step_due = step_running = False
                 j = last_done = next_step - 1
                 prev_end = now
-                for c in step_reads[j] + held_until[j] + step_writes[j]:
-                    u = last_use[c]
-                    if u == j or u < 0:  # its last reader, or an output nobody reads
+                for c in read_copies[read_starts[j]:read_starts[j + 1]]:
+                    if last_use[c] == j:
                         if offloads_left[c]:
                             readers_done[c] = True  # freed when its offloads complete
                         else:
@@ -321,6 +330,15 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                                 in_use -= size
                                 mem_t.append(now)
                                 mem_b.append(in_use)
+                for c in released_after[j]:
+                    if offloads_left[c]:
+                        readers_done[c] = True
+                    else:
+                        size = copy_size[c]
+                        if size:
+                            in_use -= size
+                            mem_t.append(now)
+                            mem_b.append(in_use)
             else:
                 break
 
