@@ -69,3 +69,11 @@ def test_flat_fields_agree_with_the_per_step_views_on_real_programs(rng, layers)
         assert last >= own
         if last > own:
             assert any(s.copy_holds[a] == c and s.copy_last_use[a] == last for a in range(len(s.copy_tensor)))
+    # Offloads a copy waits for: its own and those of every alias up the chain that holds it.
+    expected: list[set[int]] = [set() for _ in s.copy_tensor]
+    for k, c in enumerate(s.offload_copy):
+        while c is not None:
+            expected[c].add(k)
+            c = s.copy_holds[c]
+    assert [set(w) for w in s.copy_wait_offloads] == expected
+    assert all(len(w) == len(set(w)) for w in s.copy_wait_offloads)

@@ -70,7 +70,6 @@ class ResolvedSchedule:
     #: its aliases'). The free rule of `schedule.memory` in the form the engine applies it.
     copy_holds: tuple[int | None, ...]
     copy_last_use: tuple[int, ...]
-    copy_wait_offloads: tuple[tuple[int, ...], ...]
     #: The copies each step reads (each once, in op input order), all steps in order, and where each
     #: step's reads start (one entry more than steps: step j reads read_copies[read_starts[j]:read_starts[j + 1]]).
     read_copies: tuple[int, ...]
@@ -86,11 +85,35 @@ class ResolvedSchedule:
     prefetch_copy: tuple[int, ...]
     #: Per prefetch: index into `plan.offloads` of its tensor's offload.
     prefetch_offload: tuple[int, ...]
-    #: Per prefetch: the steps that read its copy, in order.
-    prefetch_readers: tuple[tuple[int, ...], ...]
+    #: Every read of a prefetched copy (the only reads that can wait), in step order: the reading step
+    #: and the copy. `prefetch_readers` is derived from them.
+    prefetched_read_steps: tuple[int, ...]
+    prefetched_read_copies: tuple[int, ...]
     #: Bytes each offload / prefetch moves (the tensor's size, even for an alias that owns no storage).
     offload_bytes: tuple[int, ...]
     prefetch_bytes: tuple[int, ...]
+
+    @cached_property
+    def copy_wait_offloads(self) -> tuple[tuple[int, ...], ...]:
+        """Per copy: every offload it waits for before it is freed (its own, then its aliases'). An
+        alias is made after the copy it holds, so one backward walk settles it."""
+        waits: list[tuple[int, ...]] = [()] * len(self.copy_tensor)
+        for k, c in enumerate(self.offload_copy):
+            waits[c] = (k,)
+        holds = self.copy_holds
+        for c in reversed(range(len(waits))):
+            h = holds[c]
+            if h is not None:
+                waits[h] = waits[h] + waits[c]
+        return tuple(waits)
+
+    @cached_property
+    def prefetch_readers(self) -> tuple[tuple[int, ...], ...]:
+        """Per prefetch: the steps that read its copy, in order."""
+        readers: dict[int, list[int]] = {c: [] for c in self.prefetch_copy}
+        for j, c in zip(self.prefetched_read_steps, self.prefetched_read_copies, strict=True):
+            readers[c].append(j)
+        return tuple([tuple(readers[c]) for c in self.prefetch_copy])
 
     @cached_property
     def step_reads(self) -> tuple[tuple[int, ...], ...]:
@@ -289,14 +312,18 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     inputs_of, size_of, base_of = _walk_tables(graph)
     steps = plan.steps
 
-    # Transfers bucketed by the step they are issued after (-1: at time zero).
-    offloads_after: dict[int, list[int]] = {}
-    prefetches_after: dict[int, list[int]] = {}
-    for k, tr in enumerate(plan.offloads):
-        offloads_after.setdefault(tr.issue_after_step, []).append(k)
-    for k, tr in enumerate(plan.prefetches):
-        prefetches_after.setdefault(tr.issue_after_step, []).append(k)
-    issue_points = offloads_after.keys() | prefetches_after.keys()
+    # Each transfer list in the order of the steps that issue them (list order among one step's), with
+    # a sentinel issue step no step reaches; `next_issue` is the first step after which one is issued.
+    # `_check_transfers` has checked every issue step is in [-1, len(steps) - 1].
+    off_issue = [tr.issue_after_step for tr in plan.offloads]
+    pre_issue = [tr.issue_after_step for tr in plan.prefetches]
+    off_queue = sorted(range(len(off_issue)), key=off_issue.__getitem__)
+    pre_queue = sorted(range(len(pre_issue)), key=pre_issue.__getitem__)
+    off_issue.append(len(steps))
+    pre_issue.append(len(steps))
+    off_queue.append(len(off_queue))
+    pre_queue.append(len(pre_queue))
+    off_next = pre_next = 0  # positions in the queues
 
     c_tensor: list[str] = []
     c_source: list[str] = []
@@ -304,7 +331,9 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     c_size: list[int] = []
     c_holds: list[int | None] = []  # filled only when the graph has aliases; all None otherwise
     last_use: list[int] = []  # per copy: the last step that reads it (-1: none)
-    pre_readers: dict[int, list[int]] = {}  # prefetched copy -> the steps that read it
+    prefetched: set[int] = set()  # the prefetched copies
+    prefetched_read_steps: list[int] = []
+    prefetched_read_copies: list[int] = []
     current: dict[str, int] = {}
     op_by_name = graph.op_by_name
     has_aliases = graph.has_aliases
@@ -319,9 +348,13 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     write_stops: list[int] = []
     step_alloc: list[int] = []
 
-    def issue_transfers(after: int) -> None:
+    def issue_transfers(after: int) -> int:
+        """Resolve the transfers issued after step `after`; return the next step that issues one."""
+        nonlocal off_next, pre_next
         where = "at time zero" if after < 0 else f"after step {after}"
-        for k in offloads_after.get(after, ()):
+        while off_issue[off_queue[off_next]] == after:
+            k = off_queue[off_next]
+            off_next += 1
             t = plan.offloads[k].tensor
             c = current.get(t)
             if c is None:
@@ -332,7 +365,9 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
                     "a swap offloads the copy its run step produced"
                 )
             offload_copy[k] = c
-        for k in prefetches_after.get(after, ()):
+        while pre_issue[pre_queue[pre_next]] == after:
+            k = pre_queue[pre_next]
+            pre_next += 1
             t = plan.prefetches[k].tensor
             prefetch_copy[k] = current[t] = len(c_tensor)
             c_tensor.append(t)
@@ -340,9 +375,10 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             c_index.append(k)
             c_size.append(size_of[t])
             last_use.append(-1)
-            pre_readers[prefetch_copy[k]] = []
+            prefetched.add(prefetch_copy[k])
             if has_aliases:
                 c_holds.append(None)
+        return min(off_issue[off_queue[off_next]], pre_issue[pre_queue[pre_next]])
 
     def new_copy(t: str, source: str, j: int, size: int, holds: int | None) -> int:
         """A copy made by step j that is not the tensor's current copy (RNG state, scratch outputs)."""
@@ -356,7 +392,7 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
             c_holds.append(holds)
         return c
 
-    issue_transfers(-1)
+    next_issue = issue_transfers(-1)
     recompute = StepKind.RECOMPUTE
     keep_or_swap = (Decision.KEEP, Decision.SWAP)
     for j, step in enumerate(steps):
@@ -368,8 +404,9 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
                 c = current[t]
                 read_copies.append(c)
                 last_use[c] = j
-                if c in pre_readers:
-                    pre_readers[c].append(j)
+                if c in prefetched:
+                    prefetched_read_steps.append(j)
+                    prefetched_read_copies.append(c)
         except KeyError:
             _unreadable(plan, j, inputs, current, overwritten)
         if overwritten:
@@ -417,27 +454,25 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         read_starts.append(len(read_copies))
         write_stops.append(len(c_tensor))
         step_alloc.append(alloc)
-        if j in issue_points:
-            issue_transfers(j)
+        if j == next_issue:
+            next_issue = issue_transfers(j)
     n_copies = len(c_tensor)
     if not has_aliases:
         c_holds = [None] * n_copies
     c_offload: list[int | None] = [None] * n_copies
-    wait_offloads: list[tuple[int, ...]] = [()] * n_copies
     for k, c in enumerate(offload_copy):
         c_offload[c] = k
-        wait_offloads[c] = (k,)
 
     prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
     # The free rule with aliases: a copy lives until its last reader, its offload and every alias
-    # holding it are done. An alias is made after the copy it holds, so one backward walk settles it.
+    # holding it are done (the offloads: `copy_wait_offloads`). An alias is made after the copy it
+    # holds, so one backward walk settles the last use.
     if has_aliases:
         for c in reversed(range(n_copies)):
             h = c_holds[c]
             if h is not None:
                 last_use[h] = max(last_use[h], last_use[c])
-                wait_offloads[h] = wait_offloads[h] + wait_offloads[c]
 
     return ResolvedSchedule(
         copy_tensor=tuple(c_tensor),
@@ -447,7 +482,6 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         copy_offload=tuple(c_offload),
         copy_holds=tuple(c_holds),
         copy_last_use=tuple(last_use),
-        copy_wait_offloads=tuple(wait_offloads),
         read_copies=tuple(read_copies),
         read_starts=tuple(read_starts),
         write_starts=tuple(write_starts),
@@ -456,7 +490,8 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         offload_copy=tuple(offload_copy),
         prefetch_copy=tuple(prefetch_copy),
         prefetch_offload=prefetch_offload,
-        prefetch_readers=tuple([tuple(pre_readers[c]) for c in prefetch_copy]),
+        prefetched_read_steps=tuple(prefetched_read_steps),
+        prefetched_read_copies=tuple(prefetched_read_copies),
         offload_bytes=tuple([size_of[tr.tensor] for tr in plan.offloads]),
         prefetch_bytes=tuple([size_of[tr.tensor] for tr in plan.prefetches]),
     )

@@ -124,15 +124,11 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             c = copy_holds[c]
         waiting.reverse()
         offload_waiters.append(waiting)
-    # Per step: the prefetched copies it reads (the only inputs that can be late), or None.
-    waits_on: list[list[int] | None] = [None] * n_steps
-    for c, readers in zip(s.prefetch_copy, s.prefetch_readers, strict=True):
-        for j in readers:
-            late = waits_on[j]
-            if late is None:
-                waits_on[j] = [c]
-            else:
-                late.append(c)
+    # The reads of prefetched copies (the only inputs that can be late), in step order, with a sentinel
+    # step: the next step's are at `next_late` onwards, if any.
+    late_steps = s.prefetched_read_steps + (n_steps,)
+    late_copies = s.prefetched_read_copies
+    next_late = 0
     produced = [False] * n_copies  # tracked for prefetched copies only
     ready_s = [0.0] * n_copies
     readers_done = [False] * n_copies  # producer and every reader have finished
@@ -248,7 +244,13 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                     prefetched = True
             j = next_step
             if not step_running and j < n_steps:
-                late = waits_on[j]
+                if late_steps[next_late] == j:
+                    late_stop = next_late + 1
+                    while late_steps[late_stop] == j:
+                        late_stop += 1
+                    late = late_copies[next_late:late_stop]
+                else:
+                    late = None
                 if late is None or all(produced[c] for c in late):
                     size = step_alloc[j]
                     if in_use + size <= budget:
@@ -260,6 +262,7 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                             wait_prefetch = max(0.0, inputs_ready - prev_end)
                             stall_prefetch += wait_prefetch
                             step_wait_prefetch[j] = wait_prefetch
+                            next_late = late_stop
                         wait_memory = now - held_from
                         stall_memory += wait_memory
                         step_wait_memory[j] = wait_memory
@@ -350,7 +353,9 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             first_reader = s.prefetch_readers[next_pre][0]
             infeasibility = Infeasibility("prefetch", (copy_tensor[c],), first_reader, steps[first_reader].op,
                                           copy_size[c], in_use, budget_bytes, now)
-        elif next_step < n_steps and not step_running and all(produced[c] for c in waits_on[next_step] or ()):
+        elif next_step < n_steps and not step_running and all(
+            produced[c] for j, c in zip(late_steps, late_copies, strict=False) if j == next_step
+        ):
             step = steps[next_step]
             infeasibility = Infeasibility("step", tuple(step.outputs), next_step, step.op, step_alloc[next_step],
                                           in_use, budget_bytes, now)
