@@ -166,9 +166,8 @@ def _check_steps(graph: Graph, plan: Plan) -> list[int]:
     Returns each step's role for `_check_reader_copies`: 0 recompute, 1 forward run, 2 other run."""
     if not plan.steps:
         _fail("has no compute steps")
-    op_by_name = graph.op_by_name
+    _, _, _, op_by_name, forward_ops, _ = _graph_tables(graph)
     run, recompute = StepKind.RUN, StepKind.RECOMPUTE
-    forward_ops = {op.name for op in graph.ops if op.phase in FORWARD_PHASES}
     run_step: dict[str, int] = {}
     roles: list[int] = []
     for j, step in enumerate(plan.steps):
@@ -210,7 +209,13 @@ def _check_steps(graph: Graph, plan: Plan) -> list[int]:
 
 
 def _check_decisions(graph: Graph, plan: Plan) -> None:
-    saved = {t.name for t in graph.saved_tensors}
+    saved = _graph_tables(graph)[5]
+    decisions = plan.decisions
+    try:
+        if decisions.keys() == saved and set(decisions.values()) <= _DECISIONS:
+            return  # one decision per saved tensor, each keep/swap/recompute: set operations in C
+    except TypeError:
+        pass  # an unhashable decision: the loops below name it
     for t in graph.saved_tensors:
         if t.name not in plan.decisions:
             _fail(f"has no decision (keep/swap/recompute) for saved tensor {t.name!r}")
@@ -219,6 +224,9 @@ def _check_decisions(graph: Graph, plan: Plan) -> None:
             _fail(f"decides {decision!r} for tensor {name!r}, which is not a saved tensor of the graph")
         if decision not in (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE):
             _fail(f"decision for tensor {name!r} is {decision!r}, not keep/swap/recompute")
+
+
+_DECISIONS = frozenset(Decision)
 
 
 def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str, int]]:
@@ -286,14 +294,23 @@ def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, in
     """(op -> distinct inputs, tensor -> bytes, tensor -> base ("" when it owns its storage)) as plain
     dicts, cached on the graph (derived data of a frozen object, like its cached properties): the walk
     looks them up for every step of every plan."""
-    cached = graph.__dict__.get("_walk_tables")
+    return _graph_tables(graph)[:3]
+
+
+def _graph_tables(graph: Graph) -> tuple:
+    """`_walk_tables`, then what the checks look up per step or tensor: op name -> Op (a plain dict),
+    the names of the forward ops, and the names of the saved tensors (frozensets)."""
+    cached = graph.__dict__.get("_validate_tables")
     if cached is None:
         cached = (
             dict(graph.distinct_inputs),
             dict(graph.size_bytes_of),
             {name: t.base for name, t in graph.tensors.items()},
+            dict(graph.op_by_name),
+            frozenset(op.name for op in graph.ops if op.phase in FORWARD_PHASES),
+            frozenset(t.name for t in graph.saved_tensors),
         )
-        graph.__dict__["_walk_tables"] = cached
+        graph.__dict__["_validate_tables"] = cached
     return cached
 
 
