@@ -94,3 +94,58 @@ def test_compose_once_loader_pickles_as_the_plain_loader_and_hands_a_config_out_
     loader.compose_and_keep(master, ["a=2"])
     # A joblib/submitit worker gets the plain loader, not the kept configs.
     assert type(pickle.loads(pickle.dumps(loader))) is FakeLoader
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["+experiment=paper"], ["model=hf_gpt2_2l", "planner=milp"], ["budget=absolute", "simulate.allocator=caching"]],
+)
+def test_resolved_yaml_is_the_text_omegaconf_writes(overrides) -> None:
+    from hydra import compose, initialize
+
+    import pipelines.schemas  # noqa: F401  (root schema, repo_root resolver)
+    from pipelines.job import resolve_config, resolved_yaml
+
+    with initialize(version_base="1.3", config_path="../conf"):
+        resolved = resolve_config(compose("config", overrides))
+    assert resolved_yaml(resolved) == OmegaConf.to_yaml(resolved)
+
+
+def test_results_go_in_one_batch_and_split_only_at_mlflows_limits(mlflow_store, monkeypatch) -> None:
+    from pipelines import tracking
+
+    client = tracking.open_client(mlflow_store.uri)
+    experiment_id = tracking.ensure_experiment(client, "batches", str(mlflow_store.artifact_root))
+    batches: list[tuple[int, int]] = []
+    original = type(client).log_batch
+
+    def counted(self, run_id, metrics=(), params=(), tags=(), **kwargs):
+        batches.append((len(metrics), len(tags)))
+        return original(self, run_id, metrics=metrics, params=params, tags=tags, **kwargs)
+
+    monkeypatch.setattr(type(client), "log_batch", counted)
+    small = tracking.create_run(client, experiment_id, "small", {}, None).run_id
+    tracking.log_results(client, small, {"a": 1, "b": True, "none": None}, {"status": "ok"})
+    assert batches == [(2, 1)]
+
+    batches.clear()
+    big = tracking.create_run(client, experiment_id, "big", {}, None).run_id
+    metrics = {f"m{i}": float(i) for i in range(1500)}
+    tags = {f"t{i}": str(i) for i in range(150)}
+    tracking.log_results(client, big, metrics, tags)
+    assert all(m <= 1000 and t <= 100 and m + t <= 1000 for m, t in batches) and len(batches) == 2
+    run = client.get_run(big)
+    assert run.data.metrics == metrics and {k: run.data.tags[k] for k in tags} == tags
+
+
+def test_child_params_reads_every_child_of_a_parent(mlflow_store) -> None:
+    from pipelines import tracking
+
+    client = tracking.open_client(mlflow_store.uri)
+    experiment_id = tracking.ensure_experiment(client, "children", str(mlflow_store.artifact_root))
+    parent = tracking.start_run(client, experiment_id, "parent", {}, None)
+    children = [tracking.start_run(client, experiment_id, f"c{i}", {}, parent) for i in range(3)]
+    tracking.start_run(client, experiment_id, "not a child", {}, None)
+    for i, child in enumerate(children):
+        tracking.log_params(client, child, {"i": str(i)})
+    assert tracking.child_params(client, parent) == {child: {"i": str(i)} for i, child in enumerate(children)}
