@@ -149,3 +149,23 @@ def test_child_params_reads_every_child_of_a_parent(mlflow_store) -> None:
     for i, child in enumerate(children):
         tracking.log_params(client, child, {"i": str(i)})
     assert tracking.child_params(client, parent) == {child: {"i": str(i)} for i, child in enumerate(children)}
+
+
+def test_a_single_run_with_a_fast_planner_does_not_import_scipys_solvers(tmp_path) -> None:
+    """scipy.optimize and scipy.sparse (~0.4 s) are imported by milp and recompute_knapsack when they
+    solve, not by the planner registry every job loads."""
+    import subprocess
+    import sys
+
+    from pipelines.schemas import REPO_ROOT
+
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['pipelines/run.py', 'model=tiny', 'tracking=off', 'plots=none', 'hydra.run.dir={tmp_path}/run']\n"
+        "try:\n    runpy.run_module('pipelines.run', run_name='__main__')\n"
+        "except SystemExit as exc:\n    code = exc.code\n"
+        "print('CODE', code, sorted(n for n in ('scipy.optimize', 'scipy.sparse') if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "CODE 0 []"
+    assert (tmp_path / "run" / "metrics.json").is_file()
