@@ -169,3 +169,37 @@ def test_a_single_run_with_a_fast_planner_does_not_import_scipys_solvers(tmp_pat
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "CODE 0 []"
     assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize("other_thread", [False, True])
+def test_exit_process_runs_atexit_flushes_and_keeps_the_code(tmp_path, other_thread) -> None:
+    import subprocess
+    import sys
+
+    from pipelines.schemas import REPO_ROOT
+
+    marker = tmp_path / "atexit_ran"
+    probe = (
+        "import atexit, pathlib, sys, threading, time\n"
+        "from pipelines import faults\n"
+        f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('yes'))\n"
+        f"if {other_thread}:\n    threading.Thread(target=time.sleep, args=(0.2,)).start()\n"
+        "sys.stdout.write('unflushed output')\n"
+        "faults.exit_process(3)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert out.returncode == 3 and out.stdout == "unflushed output" and marker.read_text() == "yes", out.stderr
+
+
+def test_the_cli_exit_code_and_output_survive_the_fast_exit(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from pipelines.schemas import REPO_ROOT
+
+    base = [sys.executable, "-m", "pipelines.run", "model=tiny", "tracking=off", "plots=none"]
+    ok = subprocess.run([*base, f"hydra.run.dir={tmp_path}/ok"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.rstrip().endswith(f"run dir      {tmp_path}/ok"), ok.stdout
+    bad = subprocess.run([*base, "budget.fraction=7", f"hydra.run.dir={tmp_path}/bad"], cwd=REPO_ROOT,
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: budget.fraction=7.0")
