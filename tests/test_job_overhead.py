@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra.errors import MissingConfigException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from tests.test_pipeline import _run_cli
@@ -42,38 +43,71 @@ def _counting_compositions(monkeypatch) -> list[list[str]]:
     return calls
 
 
-def _job_files(sweep: Path) -> dict[str, str]:
-    """Each job's Hydra config, overrides and resolved config (no paths of the sweep folder in them)."""
+def _job_files(sweep: Path) -> dict[str, Any]:
+    """Each job's Hydra config, overrides and resolved config, and its hydra node less what names the
+    sweep folder or the sweeper."""
+    import yaml
+
     names = (".hydra/config.yaml", ".hydra/overrides.yaml", "config.resolved.yaml")
-    return {f"{job.name}/{name}": (job / name).read_text() for job in sorted(sweep.glob("[0-9]*")) for name in names}
+    files: dict[str, Any] = {}
+    for job in sorted(sweep.glob("[0-9]*")):
+        files |= {f"{job.name}/{name}": (job / name).read_text() for name in names}
+        hydra_node = yaml.safe_load((job / ".hydra" / "hydra.yaml").read_text())["hydra"]
+        for key in ("sweeper", "sweep", "run"):
+            del hydra_node[key]
+        del hydra_node["runtime"]["choices"]["hydra/sweeper"], hydra_node["runtime"]["output_dir"]
+        del hydra_node["overrides"]["hydra"]  # the command lines' hydra/sweeper= and hydra.sweep.dir=
+        files[f"{job.name}/hydra.yaml"] = hydra_node
+    return files
 
 
 def test_each_job_config_is_composed_once_and_is_the_same_as_the_basic_sweepers(tmp_path, monkeypatch) -> None:
     calls = _counting_compositions(monkeypatch)
     assert _run_cli(monkeypatch, _sweep_args(tmp_path, "once", "slackswap")) == 0
-    once = list(calls)
-    # Four jobs, each composed by the sweeper's check only: the launcher got the kept configs.
-    assert len(once) == 4 and len({tuple(c) for c in once}) == 4
+    # Four jobs, two planners (config groups) x two fractions (plain values): one composition per
+    # planner, by the sweeper's check; the other fraction set on it; the launcher got the kept configs.
+    assert sorted(o for c in calls for o in c if o.startswith("planner=")) == [
+        "planner=full_recompute",
+        "planner=swap_only",
+    ]
 
     calls.clear()
     assert _run_cli(monkeypatch, _sweep_args(tmp_path, "twice", "basic")) == 0
     assert len(calls) == 8  # Hydra's basic sweeper: the check, then the launcher again
 
     once_files, twice_files = _job_files(tmp_path / "once"), _job_files(tmp_path / "twice")
-    assert len(once_files) == 12
-    # The kept configs are what a fresh composition gives, down to the resolved config of each job
-    # (the one difference allowed: the sweeper's name in the job's hydra choices is not in these files).
+    assert len(once_files) == 16
+    # The kept and derived configs are what a fresh composition gives, down to the resolved config of
+    # each job and its hydra node (overrides, override_dirname, choices).
     assert once_files == twice_files
+    derived = [f for f in once_files if f.endswith("hydra.yaml") and "budget.fraction=1.0" in str(once_files[f])]
+    assert len(derived) == 2 and all("budget.fraction=0.5" not in str(once_files[f]) for f in derived)
 
 
-def test_a_bad_override_still_fails_before_any_job_runs(tmp_path, monkeypatch) -> None:
-    args = [a for a in _sweep_args(tmp_path, "bad", "slackswap") if not a.startswith("planner=")]
-    with pytest.raises(MissingConfigException, match="no_such_preset"):
-        _run_cli(monkeypatch, [*args, "planner=swap_only,no_such_preset"])
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("planner=swap_only,no_such_preset", MissingConfigException),
+        ("budget.fraction=0.5,abc", ConfigCompositionException),
+    ],
+)
+def test_a_bad_override_still_fails_before_any_job_runs(tmp_path, monkeypatch, override, error) -> None:
+    """A bad preset, and a bad plain value in a job derived from another's config, fail as Hydra fails."""
+    key = override.split("=")[0]
+    args = [a for a in _sweep_args(tmp_path, "bad", "slackswap") if not a.startswith(f"{key}=")]
+    with pytest.raises(error, match=override.split(",")[-1]):
+        _run_cli(monkeypatch, [*args, override])
     assert not list((tmp_path / "bad").glob("[0-9]*/config.resolved.yaml"))  # no job started
 
 
+class FakeRepository:
+    def group_exists(self, name: str) -> bool:
+        return False
+
+
 class FakeLoader:
+    repository = FakeRepository()
+
     def __init__(self) -> None:
         self.n = 0
 
@@ -91,7 +125,8 @@ def test_compose_once_loader_pickles_as_the_plain_loader_and_hands_a_config_out_
     assert loader.load_sweep_config(master, ["a=1"]).n == 1  # the kept one
     assert loader.load_sweep_config(master, ["a=1"]).n == 2  # handed out once: a second request composes
     assert loader.compositions == 2
-    loader.compose_and_keep(master, ["a=2"])
+    loader.compose_and_keep(master, ["a=2"])  # same shape, but no hydra node to record it in: composed
+    assert loader.compositions == 3 and loader.load_sweep_config(master, ["a=2"]).n == 3
     # A joblib/submitit worker gets the plain loader, not the kept configs.
     assert type(pickle.loads(pickle.dumps(loader))) is FakeLoader
 
