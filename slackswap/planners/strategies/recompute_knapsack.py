@@ -18,7 +18,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slackswap.errors import ConfigError, InfeasibleBudgetError, SolverError
 from slackswap.graph import Graph
@@ -29,6 +28,14 @@ from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import analyse
 from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
+
+
+def milp(**kwargs):
+    """scipy.optimize.milp, imported when a knapsack is solved (scipy.optimize takes ~0.4 s to import),
+    not by every process that loads the planner registry."""
+    from scipy.optimize import milp as scipy_milp
+
+    return scipy_milp(**kwargs)
 
 
 def solve_knapsack(sizes: Sequence[int], costs: Sequence[float], need_bytes: int) -> list[int] | None:
@@ -47,6 +54,8 @@ def solve_knapsack(sizes: Sequence[int], costs: Sequence[float], need_bytes: int
     cost = np.array([c for _, c in keys], dtype=float)
     count = np.array([len(groups[k]) for k in keys], dtype=float)
     need = -(-need_bytes // scale)
+    from scipy.optimize import Bounds, LinearConstraint
+
     result = milp(
         c=cost,
         constraints=LinearConstraint(size[np.newaxis, :], lb=need, ub=np.inf),
