@@ -126,9 +126,9 @@ def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
 
     # Only prefetched copies can be late: a copy a step produced is ready before any later step starts.
     waits_on: dict[int, list[int]] = {}
-    for c in s.prefetch_copy:
-        for j in s.copy_readers[c]:
-            waits_on.setdefault(j, []).append(c)
+    for j, c in zip(s.prefetched_read_steps, s.prefetched_read_copies, strict=True):
+        waits_on.setdefault(j, []).append(c)
+    write_starts, write_stops = s.write_starts, s.write_stops
     off_issue = [t.issue_after_step for t in plan.offloads]
     pre_issue = [t.issue_after_step for t in plan.prefetches]
     start_transfers(-1)
@@ -150,7 +150,7 @@ def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
             recompute += duration
         step_start[j], step_end[j] = ready, ready + duration
         now = step_end[j]
-        for c in s.step_writes[j]:
+        for c in range(write_starts[j], write_stops[j]):
             copy_ready[c] = now
         if (next_off < n_off and off_issue[next_off] <= j) or (next_pre < n_pre and pre_issue[next_pre] <= j):
             start_transfers(j)
@@ -159,13 +159,17 @@ def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     # tuple sorts, no key function) and merged: before each allocation, every free at or before its
     # instant is applied. Only an allocation can raise the peak. An alias copy owns no bytes but keeps
     # the copy it holds alive; it is made after that copy, so walking backwards settles every alias first.
+    # `copy_last_use` is the last step reading the copy or an alias holding it: steps end in order and an
+    # alias is freed no earlier than its own last reader ends, so the free instant is the same as with
+    # the copy's own last reader.
+    last_use = s.copy_last_use
     allocs: list[tuple[float, int]] = []
     frees: list[tuple[float, int]] = []
     aliases_freed: list[float | None] = [None] * len(copy_size)
     for c in reversed(range(len(copy_size))):
-        index, readers, offload = s.copy_source_index[c], s.copy_readers[c], s.copy_offload[c]
+        index, last, offload = s.copy_source_index[c], last_use[c], s.copy_offload[c]
         alloc = prefetch_start[index] if s.copy_source[c] == "prefetch" else step_start[index]
-        last_read = step_end[readers[-1]] if readers else None
+        last_read = step_end[last] if last >= 0 else None
         offloaded = None if offload is None else offload_end[offload]
         free = free_time_s(copy_ready[c], last_read, offloaded, aliases_freed[c])
         holds = s.copy_holds[c]
