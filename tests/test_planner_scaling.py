@@ -29,6 +29,7 @@ from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_can
 from slackswap.profile import build_graph
 from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
 from slackswap.schedule.memory import free_time_s
+from slackswap.schedule.replay import peak_bytes
 from slackswap.testing import random_decisions, random_graph, toy_hardware
 from tests.fingerprints import _yaml
 
@@ -364,3 +365,30 @@ def test_free_time_is_the_max_of_the_given_instants(produced, last_read, offload
     expected = max([produced, *(t for t in (last_read, offload, aliases) if t is not None)])
     got = free_time_s(produced, last_read, offload, aliases)
     assert got is expected or (got == expected and math.copysign(1, got) == math.copysign(1, expected))
+
+
+def _peak_by_merging(alloc_s, free_s, size_bytes):
+    """The replay's peak before `replay.peak_bytes`: allocations and frees as sorted tuples, merged."""
+    allocs = sorted((a, s) for a, s in zip(alloc_s, size_bytes, strict=True) if s)
+    frees = sorted((f, s) for f, s in zip(free_s, size_bytes, strict=True) if s)
+    current = peak = 0
+    peak_time = 0.0
+    k = 0
+    for time_s, size in allocs:
+        while k < len(frees) and frees[k][0] <= time_s:
+            current -= frees[k][1]
+            k += 1
+        current += size
+        if current > peak:
+            peak, peak_time = current, time_s
+    return peak, peak_time
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3), st.sampled_from([0, 0, 1, 7, 2**40])), max_size=40))
+def test_peak_bytes_is_the_merge_of_sorted_events(copies):
+    """Copies alive from a to a + d (ties and zero-length lives on purpose, zero-byte copies too)."""
+    alloc_s = [a / 4 for a, _, _ in copies]
+    free_s = [(a + d) / 4 for a, d, _ in copies]
+    sizes = [s for _, _, s in copies]
+    assert peak_bytes(alloc_s, free_s, sizes) == _peak_by_merging(alloc_s, free_s, sizes)
