@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +33,12 @@ from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
 from slackswap.schedule.memory import free_time_s
 from slackswap.schedule.replay import peak_bytes
 from slackswap.testing import random_decisions, random_graph, toy_hardware
-from tests.fingerprints import _yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _yaml(group: str, name: str) -> dict:
+    return yaml.safe_load((ROOT / "conf" / group / f"{name}.yaml").read_text())
 
 
 def _plan_or_reason(planner, graph, hw, budget):
