@@ -55,13 +55,18 @@ class DtrCannotFit(Exception):
         self.in_use_bytes = in_use_bytes
 
 
-def _chain_cost(graph: Graph, tensor: str, evicted: set[str]) -> tuple[float, frozenset[str]]:
+def _chain_cost(
+    graph: Graph, tensor: str, evicted: set[str], duration: dict[str, float] | None = None
+) -> tuple[float, set[str]]:
     """(c(t) + costs of its upstream evicted neighbourhood, saved inputs the chain stops at).
 
     The chain walks back through evicted tensors and non-saved forward tensors (gone after forward);
-    it stops at resident saved tensors: the `frontier`, whose eviction changes this cost."""
+    it stops at resident saved tensors: the `frontier`, whose eviction changes this cost. `duration`
+    (op -> seconds) spares the op lookups; the sum runs over the same set in the same order."""
     ops, frontier = regen_walk(graph, tensor, evicted)
-    return sum(graph.op_by_name[o].duration_s for o in ops), frozenset(frontier)
+    if duration is None:
+        return sum(graph.op_by_name[o].duration_s for o in ops), frontier
+    return sum([duration[o] for o in ops]), frontier
 
 
 def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[set[str], int, int]:
@@ -109,8 +114,10 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
             cost_cache.pop(user, None)
             candidates.cost_changed(user)
 
+    duration = {op.name: op.duration_s for op in graph.ops}
+
     def cost(t: str) -> float:
-        c, frontier = _chain_cost(graph, t, evicted)
+        c, frontier = _chain_cost(graph, t, evicted, duration)
         cost_cache[t] = c
         for f in frontier:
             frontier_users.setdefault(f, set()).add(t)
