@@ -140,6 +140,7 @@ def fit_prefix(
             guess = k
             break
         freed += analysis.tensors[t].size_bytes
+
     def gives_up(failed: int) -> bool:
         """A probe of `failed` did not fit: the answer is longer; is that already hopeless?"""
         return hopeless is not None and hopeless(failed + 1)
