@@ -94,36 +94,38 @@ def regen_walk(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[set
     """(forward ops that regenerate `tensor`, saved tensors the walk stops at) when the saved tensors in
     `missing` and all non-saved forward tensors are off the device. `tensor` itself counts as missing.
     The stop set is what DTR's cost depends on: evicting one of them lengthens the chain."""
-    producer_of, saved = _walk_tables(graph)
+    producer_of = _walk_table(graph)
     ops: set[str] = set()
     frontier: set[str] = set()
     stack = [tensor]
-    seen = set()
+    seen: set[str] = set()
+    pop, push, visit, use, stop = stack.pop, stack.append, seen.add, ops.add, frontier.add
     while stack:
-        name = stack.pop()
+        name = pop()
         if name in seen:
             continue
-        seen.add(name)
+        visit(name)
         producer, inputs = producer_of[name]
-        ops.add(producer)
-        for t in inputs:
-            if t == tensor or t in missing or t not in saved:
-                stack.append(t)
+        use(producer)
+        for t, is_saved in inputs:
+            if not is_saved or t == tensor or t in missing:
+                push(t)
             else:
-                frontier.add(t)
+                stop(t)
     return ops, frontier
 
 
-def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, tuple[str, ...]]], frozenset[str]]:
-    """(tensor -> (producer op, its inputs), saved tensors), cached on the graph (derived data of a
-    frozen object): DTR walks chains after every eviction, and on traced graphs, where evicted
-    regions chain across layers, those walks are most of its time."""
-    cached = graph.__dict__.get("_regen_walk_tables")
+def _walk_table(graph: Graph) -> dict[str, tuple[str, tuple[tuple[str, bool], ...]]]:
+    """Tensor -> (its producer op, that op's inputs each with whether it is saved), cached on the
+    graph (derived data of a frozen object): DTR walks chains after every eviction, and on traced
+    graphs, where evicted regions chain across layers, those walks are most of its time."""
+    cached = graph.__dict__.get("_regen_walk_table")
     if cached is None:
-        op_by_name = graph.op_by_name
-        producer_of = {name: (t.producer, op_by_name[t.producer].inputs) for name, t in graph.tensors.items()}
-        saved = frozenset(name for name, t in graph.tensors.items() if t.saved)
-        cached = graph.__dict__["_regen_walk_tables"] = (producer_of, saved)
+        tensors, op_by_name = graph.tensors, graph.op_by_name
+        cached = graph.__dict__["_regen_walk_table"] = {
+            name: (t.producer, tuple((i, tensors[i].saved) for i in op_by_name[t.producer].inputs))
+            for name, t in tensors.items()
+        }
     return cached
 
 
