@@ -27,6 +27,11 @@ Departures from the paper (docs/planners.md):
   rebuild t with the tensors evicted so far missing (the cost a rematerialisation of t pays);
 - staleness uses the keep-all timeline's clock (rematerialisation time is not added to it);
 - no swapping (DTR never swaps).
+
+Cost (docs/planners.md, "Planning cost"): each eviction looks at one candidate per (cost, size)
+group (`_Candidates`), and each chain whose frontier was evicted is walked again. On the analytic
+presets chains are 2-3 ops and the replay is linear in depth; on traced graphs, whose residual stream
+is not saved, a chain through evicted tensors runs back across layers and the walks grow as L^2.
 """
 
 from __future__ import annotations
