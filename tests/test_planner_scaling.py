@@ -42,8 +42,9 @@ def _yaml(group: str, name: str) -> dict:
 
 
 def _plan_or_reason(planner, graph, hw, budget):
-    """The plan, or the error it raised (slackswap_seed and capuchin may pick a gradient to recompute
-    on `random_graph`s, whose gradients have backward readers: the build rejects it)."""
+    """The plan, or the error it raised (on `random_graph`s, whose gradients have backward readers and
+    so count as saved, most planners but slackswap pick a gradient to recompute and the build rejects
+    it: an old limitation, outside issue 12; the presets and traced graphs save no gradient)."""
     try:
         plan = planner.plan(graph, hw, budget)
     except InfeasibleBudgetError as exc:
@@ -82,12 +83,12 @@ def test_step_lower_bound_holds_for_any_schedule(rng, real):
     recomputed too)."""
     graph = random_graph(rng, max_layers=6, real_program=real)
     hw = toy_hardware(rng.choice([50.0, 500.0]), rng.choice([50.0, 500.0]), rng.choice([0.0, 0.1]))
-    analysis = analyse(graph, hw)
+    profile = analyse(graph, hw)
     decisions = random_decisions(graph, rng)
     recomputed = [t for t, d in decisions.items() if d == Decision.RECOMPUTE]
     rng.shuffle(recomputed)
-    bounds = swap_recompute.step_lower_bounds_s(graph, analysis, recomputed)
-    assert bounds[0] == analysis.ideal_step_s
+    bounds = swap_recompute.step_lower_bounds_s(graph, profile, recomputed)
+    assert bounds[0] == profile.ideal_step_s
     assert all(a <= b for a, b in zip(bounds, bounds[1:], strict=False))
     step_s = estimate_plan(graph, build_schedule(graph, decisions, planner="t", budget_bytes=None, hardware=hw),
                            hw).step_s
@@ -266,19 +267,19 @@ def test_dtr_candidate_heaps_choose_as_the_scan_does():
 
 def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):
     """`RecomputeKnapsack.plan` before it remembered the peak of a set chosen again."""
-    analysis = analyse(graph, hw)
-    unconstrained = keep_all_if_it_fits(graph, hw, analysis, budget_bytes, "recompute_knapsack")
+    profile = analyse(graph, hw)
+    unconstrained = keep_all_if_it_fits(graph, hw, profile, budget_bytes, "recompute_knapsack")
     if unconstrained is not None:
         return unconstrained
-    candidates = recompute_candidates(graph, analysis, set())
-    sizes = [analysis.tensors[t].size_bytes for t in candidates]
-    costs = [analysis.tensors[t].regen_s for t in candidates]
-    need = analysis.keep_all_peak_bytes - budget_bytes
+    candidates = recompute_candidates(graph, profile, set())
+    sizes = [profile.tensors[t].size_bytes for t in candidates]
+    costs = [profile.tensors[t].regen_s for t in candidates]
+    need = profile.keep_all_peak_bytes - budget_bytes
     for round_ in range(max_rounds):
         chosen = recompute_knapsack.solve_knapsack(sizes, costs, need)
         if chosen is None:
             raise InfeasibleBudgetError("no set")
-        decisions = {t: Decision.KEEP for t in analysis.tensors}
+        decisions = {t: Decision.KEEP for t in profile.tensors}
         decisions.update({candidates[i]: Decision.RECOMPUTE for i in chosen})
         plan, peak = scheduled_peak(
             graph, decisions, planner="recompute_knapsack", budget_bytes=budget_bytes, hardware=hw,
