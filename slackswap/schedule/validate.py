@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from slackswap.errors import GraphMismatchError, PlanValidationError
 from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph
@@ -47,26 +48,35 @@ class Copy:
 @dataclass(frozen=True)
 class ResolvedSchedule:
     """Copies as flat parallel tuples indexed by copy id (the engine reads them in its inner loop);
-    `copies` gives them as `Copy` records."""
+    `copies` gives them as `Copy` records.
+
+    What each step reads and writes is stored flat: all reads in one tuple (`read_copies`, step j's
+    from `read_starts[j]` to `read_starts[j + 1]`), and a step's outputs are consecutive copy ids
+    (`write_starts[j]` up to `write_stops[j]`). `step_reads`, `step_writes` and `copy_readers` (who
+    reads a copy) are derived from them on first use. Why: the simulator needs none of the three; it
+    frees a copy at `copy_last_use` and waits only for prefetched copies (`prefetch_readers`), and a
+    tuple per step and a list per copy were most of the objects the walk made (the cyclic GC's passes
+    over them cost as much again)."""
 
     #: Per copy: tensor name, bytes, source ("run" / "recompute" / "prefetch"), source step or
-    #: prefetch index, reading steps in order, and the offload index (or None).
+    #: prefetch index, and the offload index (or None).
     copy_tensor: tuple[str, ...]
     copy_size: tuple[int, ...]
     copy_source: tuple[str, ...]
     copy_source_index: tuple[int, ...]
-    copy_readers: tuple[tuple[int, ...], ...]
     copy_offload: tuple[int | None, ...]
     #: Per copy: the copy an alias holds (or None); the last step that reads it or any alias holding
     #: it, transitively (-1: none); and every offload it waits for before it is freed (its own and
     #: its aliases'). The free rule of `schedule.memory` in the form the engine applies it.
     copy_holds: tuple[int | None, ...]
     copy_last_use: tuple[int, ...]
-    copy_wait_offloads: tuple[tuple[int, ...], ...]
-    #: Per step: ids of the copies it reads (each once, in op input order).
-    step_reads: tuple[tuple[int, ...], ...]
-    #: Per step: ids of the copies it produces.
-    step_writes: tuple[tuple[int, ...], ...]
+    #: The copies each step reads (each once, in op input order), all steps in order, and where each
+    #: step's reads start (one entry more than steps: step j reads read_copies[read_starts[j]:read_starts[j + 1]]).
+    read_copies: tuple[int, ...]
+    read_starts: tuple[int, ...]
+    #: Per step: the ids of the copies it produces are write_starts[j] <= c < write_stops[j].
+    write_starts: tuple[int, ...]
+    write_stops: tuple[int, ...]
     #: Per step: bytes of the copies it produces (what it allocates when it starts).
     step_alloc_bytes: tuple[int, ...]
     #: Per offload: id of the copy it moves to the host.
@@ -75,9 +85,55 @@ class ResolvedSchedule:
     prefetch_copy: tuple[int, ...]
     #: Per prefetch: index into `plan.offloads` of its tensor's offload.
     prefetch_offload: tuple[int, ...]
+    #: Every read of a prefetched copy (the only reads that can wait), in step order: the reading step
+    #: and the copy. `prefetch_readers` is derived from them.
+    prefetched_read_steps: tuple[int, ...]
+    prefetched_read_copies: tuple[int, ...]
     #: Bytes each offload / prefetch moves (the tensor's size, even for an alias that owns no storage).
     offload_bytes: tuple[int, ...]
     prefetch_bytes: tuple[int, ...]
+
+    @cached_property
+    def copy_wait_offloads(self) -> tuple[tuple[int, ...], ...]:
+        """Per copy: every offload it waits for before it is freed (its own, then its aliases'). An
+        alias is made after the copy it holds, so one backward walk settles it."""
+        waits: list[tuple[int, ...]] = [()] * len(self.copy_tensor)
+        for k, c in enumerate(self.offload_copy):
+            waits[c] = (k,)
+        holds = self.copy_holds
+        for c in reversed(range(len(waits))):
+            h = holds[c]
+            if h is not None:
+                waits[h] = waits[h] + waits[c]
+        return tuple(waits)
+
+    @cached_property
+    def prefetch_readers(self) -> tuple[tuple[int, ...], ...]:
+        """Per prefetch: the steps that read its copy, in order."""
+        readers: dict[int, list[int]] = {c: [] for c in self.prefetch_copy}
+        for j, c in zip(self.prefetched_read_steps, self.prefetched_read_copies, strict=True):
+            readers[c].append(j)
+        return tuple([tuple(readers[c]) for c in self.prefetch_copy])
+
+    @cached_property
+    def step_reads(self) -> tuple[tuple[int, ...], ...]:
+        """Per step: ids of the copies it reads (each once, in op input order)."""
+        flat, starts = self.read_copies, self.read_starts
+        return tuple([flat[a:b] for a, b in zip(starts, starts[1:], strict=False)])
+
+    @cached_property
+    def step_writes(self) -> tuple[tuple[int, ...], ...]:
+        """Per step: ids of the copies it produces."""
+        return tuple([tuple(range(a, b)) for a, b in zip(self.write_starts, self.write_stops, strict=True)])
+
+    @cached_property
+    def copy_readers(self) -> tuple[tuple[int, ...], ...]:
+        """Per copy: the steps that read it, in order."""
+        readers: list[list[int]] = [[] for _ in self.copy_tensor]
+        for j, reads in enumerate(self.step_reads):
+            for c in reads:
+                readers[c].append(j)
+        return tuple(map(tuple, readers))
 
     @property
     def copies(self) -> tuple[Copy, ...]:
@@ -110,9 +166,8 @@ def _check_steps(graph: Graph, plan: Plan) -> list[int]:
     Returns each step's role for `_check_reader_copies`: 0 recompute, 1 forward run, 2 other run."""
     if not plan.steps:
         _fail("has no compute steps")
-    op_by_name = graph.op_by_name
+    _, _, _, op_by_name, forward_ops, _ = _graph_tables(graph)
     run, recompute = StepKind.RUN, StepKind.RECOMPUTE
-    forward_ops = {op.name for op in graph.ops if op.phase in FORWARD_PHASES}
     run_step: dict[str, int] = {}
     roles: list[int] = []
     for j, step in enumerate(plan.steps):
@@ -154,7 +209,13 @@ def _check_steps(graph: Graph, plan: Plan) -> list[int]:
 
 
 def _check_decisions(graph: Graph, plan: Plan) -> None:
-    saved = {t.name for t in graph.saved_tensors}
+    saved = _graph_tables(graph)[5]
+    decisions = plan.decisions
+    try:
+        if decisions.keys() == saved and set(decisions.values()) <= _DECISIONS:
+            return  # one decision per saved tensor, each keep/swap/recompute: set operations in C
+    except TypeError:
+        pass  # an unhashable decision: the loops below name it
     for t in graph.saved_tensors:
         if t.name not in plan.decisions:
             _fail(f"has no decision (keep/swap/recompute) for saved tensor {t.name!r}")
@@ -163,6 +224,9 @@ def _check_decisions(graph: Graph, plan: Plan) -> None:
             _fail(f"decides {decision!r} for tensor {name!r}, which is not a saved tensor of the graph")
         if decision not in (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE):
             _fail(f"decision for tensor {name!r} is {decision!r}, not keep/swap/recompute")
+
+
+_DECISIONS = frozenset(Decision)
 
 
 def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str, int]]:
@@ -221,23 +285,32 @@ def resolve_schedule(graph: Graph, plan: Plan) -> ResolvedSchedule:
     _check_decisions(graph, plan)
     offload_of, _ = _check_transfers(graph, plan)
     s = _resolve_copies(graph, plan, offload_of)
-    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.copy_readers)
-    _check_fifo_order(plan, s.prefetch_copy, s.prefetch_offload, s.copy_readers)
+    _check_reader_copies(plan, roles, s.copy_tensor, s.copy_source, s.read_copies, s.read_starts)
+    _check_fifo_order(plan, s.prefetch_offload, s.prefetch_readers)
     return s
 
 
-def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, int], dict[str, int]]:
-    """(op -> distinct inputs, tensor -> bytes, op -> bytes of its outputs) as plain dicts, cached on
-    the graph (derived data of a frozen object, like its cached properties): looked up per step."""
-    cached = graph.__dict__.get("_walk_tables")
+def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, int], dict[str, str]]:
+    """(op -> distinct inputs, tensor -> bytes, tensor -> base ("" when it owns its storage)) as plain
+    dicts, cached on the graph (derived data of a frozen object, like its cached properties): the walk
+    looks them up for every step of every plan."""
+    return _graph_tables(graph)[:3]
+
+
+def _graph_tables(graph: Graph) -> tuple:
+    """`_walk_tables`, then what the checks look up per step or tensor: op name -> Op (a plain dict),
+    the names of the forward ops, and the names of the saved tensors (frozensets)."""
+    cached = graph.__dict__.get("_validate_tables")
     if cached is None:
-        size_of = dict(graph.size_bytes_of)
         cached = (
             dict(graph.distinct_inputs),
-            size_of,
-            {op.name: sum(size_of[t] for t in op.outputs) for op in graph.ops},
+            dict(graph.size_bytes_of),
+            {name: t.base for name, t in graph.tensors.items()},
+            dict(graph.op_by_name),
+            frozenset(op.name for op in graph.ops if op.phase in FORWARD_PHASES),
+            frozenset(t.name for t in graph.saved_tensors),
         )
-        graph.__dict__["_walk_tables"] = cached
+        graph.__dict__["_validate_tables"] = cached
     return cached
 
 
@@ -246,40 +319,59 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     cannot be resolved (a read or an offload of a tensor with no device copy, an offload of a
     non-run copy, a recompute of a keep/swap tensor); the other rules are checked around it. The
     simulator runs it for every plan, so it is written for speed like the engine's loop, and
-    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution."""
+    `benchmarks/bench_simulate.py` times it with the engine against the SimPy peer's own resolution.
+    Reads and outputs are handled inline (a read of a tensor with no copy falls back to `_unreadable`,
+    which names the first bad input); reads are appended to one flat list, a step's outputs get
+    consecutive ids; no list per copy is kept (a copy's readers are only recorded as its last use, and
+    for prefetched copies); and what only real programs have (views, in-place writes, RNG states of
+    recomputed random ops) costs a flag test per step on the analytic graphs."""
     decisions = plan.decisions
-    distinct_inputs, size_of, run_alloc = _walk_tables(graph)
+    inputs_of, size_of, base_of = _walk_tables(graph)
+    steps = plan.steps
 
-    # Transfers bucketed by the step they are issued after (-1: at time zero).
-    offloads_after: dict[int, list[int]] = {}
-    prefetches_after: dict[int, list[int]] = {}
-    for k, tr in enumerate(plan.offloads):
-        offloads_after.setdefault(tr.issue_after_step, []).append(k)
-    for k, tr in enumerate(plan.prefetches):
-        prefetches_after.setdefault(tr.issue_after_step, []).append(k)
+    # Each transfer list in the order of the steps that issue them (list order among one step's), with
+    # a sentinel issue step no step reaches; `next_issue` is the first step after which one is issued.
+    # `_check_transfers` has checked every issue step is in [-1, len(steps) - 1].
+    off_issue = [tr.issue_after_step for tr in plan.offloads]
+    pre_issue = [tr.issue_after_step for tr in plan.prefetches]
+    off_queue = sorted(range(len(off_issue)), key=off_issue.__getitem__)
+    pre_queue = sorted(range(len(pre_issue)), key=pre_issue.__getitem__)
+    off_issue.append(len(steps))
+    pre_issue.append(len(steps))
+    off_queue.append(len(off_queue))
+    pre_queue.append(len(pre_queue))
+    off_next = pre_next = 0  # positions in the queues
 
     c_tensor: list[str] = []
     c_source: list[str] = []
     c_index: list[int] = []
-    c_readers: list[list[int]] = []
     c_size: list[int] = []
-    c_holds: list[int | None] = []
+    c_holds: list[int | None] = []  # filled only when the graph has aliases; all None otherwise
+    last_use: list[int] = []  # per copy: the last step that reads it (-1: none)
+    prefetched: set[int] = set()  # the prefetched copies
+    prefetched_read_steps: list[int] = []
+    prefetched_read_copies: list[int] = []
     current: dict[str, int] = {}
-    tensors = graph.tensors
     op_by_name = graph.op_by_name
     has_aliases = graph.has_aliases
     overwritten: dict[int, str] = {}  # copy -> the in-place op that overwrote it
-    random_recomputed = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE and op_by_name[s.op].random}
+    random_recomputed = {s.op for s in steps if s.kind == StepKind.RECOMPUTE and op_by_name[s.op].random}
     rng_state: dict[str, int] = {}  # random op -> the copy of its stashed RNG state
     offload_copy = [0] * len(plan.offloads)
     prefetch_copy = [0] * len(plan.prefetches)
-    step_reads: list[tuple[int, ...]] = []
-    step_writes: list[tuple[int, ...]] = []
+    read_copies: list[int] = []
+    read_starts: list[int] = [0]
+    write_starts: list[int] = []
+    write_stops: list[int] = []
     step_alloc: list[int] = []
 
-    def issue_transfers(after: int) -> None:
+    def issue_transfers(after: int) -> int:
+        """Resolve the transfers issued after step `after`; return the next step that issues one."""
+        nonlocal off_next, pre_next
         where = "at time zero" if after < 0 else f"after step {after}"
-        for k in offloads_after.get(after, ()):
+        while off_issue[off_queue[off_next]] == after:
+            k = off_queue[off_next]
+            off_next += 1
             t = plan.offloads[k].tensor
             c = current.get(t)
             if c is None:
@@ -290,135 +382,178 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
                     "a swap offloads the copy its run step produced"
                 )
             offload_copy[k] = c
-        for k in prefetches_after.get(after, ()):
+        while pre_issue[pre_queue[pre_next]] == after:
+            k = pre_queue[pre_next]
+            pre_next += 1
             t = plan.prefetches[k].tensor
             prefetch_copy[k] = current[t] = len(c_tensor)
             c_tensor.append(t)
             c_source.append("prefetch")
             c_index.append(k)
-            c_readers.append([])
             c_size.append(size_of[t])
-            c_holds.append(None)
+            last_use.append(-1)
+            prefetched.add(prefetch_copy[k])
+            if has_aliases:
+                c_holds.append(None)
+        return min(off_issue[off_queue[off_next]], pre_issue[pre_queue[pre_next]])
 
-    def step_copy(t: str, source: str, j: int, current_copy: bool = True) -> int:
-        """A copy made by step j: an alias owns no bytes and holds the base copy the step read."""
+    def new_copy(t: str, source: str, j: int, size: int, holds: int | None) -> int:
+        """A copy made by step j that is not the tensor's current copy (RNG state, scratch outputs)."""
         c = len(c_tensor)
-        if current_copy:
-            current[t] = c
         c_tensor.append(t)
         c_source.append(source)
         c_index.append(j)
-        c_readers.append([])
-        base = tensors[t].base if has_aliases else ""
-        c_size.append(0 if base else size_of[t])
-        c_holds.append(current[base] if base else None)
+        c_size.append(size)
+        last_use.append(-1)
+        if has_aliases:
+            c_holds.append(holds)
         return c
 
-    issue_transfers(-1)
+    next_issue = issue_transfers(-1)
     recompute = StepKind.RECOMPUTE
     keep_or_swap = (Decision.KEEP, Decision.SWAP)
-    for j, step in enumerate(plan.steps):
-        reads = []
-        for t in distinct_inputs[step.op]:
-            c = current.get(t)
-            if c is None:
-                _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
-            if overwritten and c in overwritten:
-                _fail(f"{_step_name(plan, j)} reads tensor {t!r} after op {overwritten[c]!r} overwrote it in place")
-            c_readers[c].append(j)
-            reads.append(c)
-        writes = []
+    for j, step in enumerate(steps):
+        name = step.op
+        inputs = inputs_of[name]
+        first_read = len(read_copies)
+        try:
+            for t in inputs:
+                c = current[t]
+                read_copies.append(c)
+                last_use[c] = j
+                if c in prefetched:
+                    prefetched_read_steps.append(j)
+                    prefetched_read_copies.append(c)
+        except KeyError:
+            _unreadable(plan, j, inputs, current, overwritten)
+        if overwritten:
+            for c in read_copies[first_read:]:
+                if c in overwritten:
+                    _unreadable(plan, j, inputs, current, overwritten)
         source = "recompute" if step.kind == recompute else "run"
+        write_starts.append(len(c_tensor))
+        alloc = 0
         for t in step.outputs:
             if source == "recompute" and decisions.get(t) in keep_or_swap:
                 _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
-            writes.append(step_copy(t, source, j))
-        if random_recomputed and step.op in random_recomputed:
-            op = op_by_name[step.op]
+            # An alias (a view) owns no bytes and holds the base copy the step read.
+            base = base_of[t] if has_aliases else ""
+            size = 0 if base else size_of[t]
+            c = current[t] = len(c_tensor)
+            c_tensor.append(t)
+            c_source.append(source)
+            c_index.append(j)
+            c_size.append(size)
+            last_use.append(-1)
+            if has_aliases:
+                c_holds.append(current[base] if base else None)
+            alloc += size
+        if random_recomputed and name in random_recomputed:
+            op = op_by_name[name]
             if source == "recompute":
                 # The replayed kernel reads the stashed RNG state and writes every output again; the
                 # ones this step does not materialise are scratch, freed when it ends.
-                c = rng_state[op.name]
-                c_readers[c].append(j)
-                reads.append(c)
-                writes.extend(step_copy(t, source, j, current_copy=False) for t in op.outputs if t not in step.outputs)
+                c = rng_state[name]
+                last_use[c] = j
+                read_copies.append(c)
+                for t in op.outputs:
+                    if t not in step.outputs:
+                        base = base_of[t] if has_aliases else ""
+                        size = 0 if base else size_of[t]
+                        new_copy(t, source, j, size, current[base] if base else None)
+                        alloc += size
             else:
-                rng_state[op.name] = c = len(c_tensor)
-                c_tensor.append(f"{op.name}#rng_state")
-                c_source.append("run")
-                c_index.append(j)
-                c_readers.append([])
-                c_size.append(RNG_STATE_BYTES)
-                c_holds.append(None)
-                writes.append(c)
-        if source == "run" and has_aliases:
-            for t in op_by_name[step.op].writes:
-                overwritten[reads[distinct_inputs[step.op].index(t)]] = step.op
-        alloc = sum([c_size[c] for c in writes])
-        step_reads.append(tuple(reads))
-        step_writes.append(tuple(writes))
+                rng_state[name] = new_copy(f"{name}#rng_state", "run", j, RNG_STATE_BYTES, None)
+                alloc += RNG_STATE_BYTES
+        if has_aliases and source == "run":
+            for t in op_by_name[name].writes:
+                overwritten[read_copies[first_read + inputs.index(t)]] = name
+        read_starts.append(len(read_copies))
+        write_stops.append(len(c_tensor))
         step_alloc.append(alloc)
-        if j in offloads_after or j in prefetches_after:
-            issue_transfers(j)
-    c_offload: list[int | None] = [None] * len(c_tensor)
+        if j == next_issue:
+            next_issue = issue_transfers(j)
+    n_copies = len(c_tensor)
+    if not has_aliases:
+        c_holds = [None] * n_copies
+    c_offload: list[int | None] = [None] * n_copies
     for k, c in enumerate(offload_copy):
         c_offload[c] = k
 
     prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
     # The free rule with aliases: a copy lives until its last reader, its offload and every alias
-    # holding it are done. An alias is made after the copy it holds, so one backward walk settles it.
-    last_use = [r[-1] if r else -1 for r in c_readers]
-    wait_offloads: list[tuple[int, ...]] = [() if k is None else (k,) for k in c_offload]
+    # holding it are done (the offloads: `copy_wait_offloads`). An alias is made after the copy it
+    # holds, so one backward walk settles the last use.
     if has_aliases:
-        for c in reversed(range(len(c_tensor))):
+        for c in reversed(range(n_copies)):
             h = c_holds[c]
             if h is not None:
                 last_use[h] = max(last_use[h], last_use[c])
-                wait_offloads[h] = wait_offloads[h] + wait_offloads[c]
 
     return ResolvedSchedule(
         copy_tensor=tuple(c_tensor),
         copy_size=tuple(c_size),
         copy_source=tuple(c_source),
         copy_source_index=tuple(c_index),
-        copy_readers=tuple(map(tuple, c_readers)),
         copy_offload=tuple(c_offload),
         copy_holds=tuple(c_holds),
         copy_last_use=tuple(last_use),
-        copy_wait_offloads=tuple(wait_offloads),
-        step_reads=tuple(step_reads),
-        step_writes=tuple(step_writes),
+        read_copies=tuple(read_copies),
+        read_starts=tuple(read_starts),
+        write_starts=tuple(write_starts),
+        write_stops=tuple(write_stops),
         step_alloc_bytes=tuple(step_alloc),
         offload_copy=tuple(offload_copy),
         prefetch_copy=tuple(prefetch_copy),
         prefetch_offload=prefetch_offload,
+        prefetched_read_steps=tuple(prefetched_read_steps),
+        prefetched_read_copies=tuple(prefetched_read_copies),
         offload_bytes=tuple([size_of[tr.tensor] for tr in plan.offloads]),
         prefetch_bytes=tuple([size_of[tr.tensor] for tr in plan.prefetches]),
     )
 
 
-def _check_reader_copies(
-    plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str], c_readers: Sequence[Sequence[int]]
+def _unreadable(
+    plan: Plan, j: int, inputs: tuple[str, ...], current: dict[str, int], overwritten: dict[int, str]
 ) -> None:
-    """Each decision fixes which copy the forward and backward readers of a saved tensor read."""
+    """Name the first input step j cannot read, in input order (the walk's fast path only knows that
+    one of them failed)."""
+    for t in inputs:
+        c = current.get(t)
+        if c is None:
+            _fail(f"{_step_name(plan, j)} reads tensor {t!r}, which has no device copy at that point")
+        if c in overwritten:
+            _fail(f"{_step_name(plan, j)} reads tensor {t!r} after op {overwritten[c]!r} overwrote it in place")
+    raise AssertionError("unreachable: every input of the step is readable")
+
+
+def _check_reader_copies(
+    plan: Plan, roles: list[int], c_tensor: Sequence[str], c_source: Sequence[str],
+    read_copies: Sequence[int], read_starts: Sequence[int],
+) -> None:
+    """Each decision fixes which copy the forward and backward readers of a saved tensor read.
+
+    Names the first problem in step order (the lowest copy id among one step's problems)."""
     wanted = {Decision.KEEP: "run", Decision.SWAP: "prefetch", Decision.RECOMPUTE: "recompute"}
     decisions = plan.decisions
-    first_problem: tuple[int, str] | None = None
-    for c, t in enumerate(c_tensor):
-        decision = decisions.get(t)
-        if decision is None:
-            continue
-        source = c_source[c]
-        backward_need = wanted[decision]
-        for j in c_readers[c]:
-            role = roles[j]
-            if role == 0:
-                continue  # a recompute step may read any resident copy
-            need = "run" if role == 1 else backward_need
-            if source == need:
+    for j, role in enumerate(roles):
+        if role == 0:
+            continue  # a recompute step may read any resident copy
+        forward = role == 1
+        problem = None
+        for c in read_copies[read_starts[j]:read_starts[j + 1]]:
+            decision = decisions.get(c_tensor[c])
+            if decision is None or c_source[c] == ("run" if forward else wanted[decision]):
                 continue
-            forward = role == 1
+            if problem is None or c < problem:
+                problem = c
+        if problem is not None:
+            c = problem
+            t = c_tensor[c]
+            decision = decisions[t]
+            source = c_source[c]
+            need = "run" if forward else wanted[decision]
             role_name = "forward" if forward else "backward"
             if decision == Decision.SWAP and forward:
                 why = "its prefetch is issued before this forward reader"
@@ -428,18 +563,14 @@ def _check_reader_copies(
                 why = "no recompute step materialises it between its forward use and this reader"
             else:
                 why = f"a {source} copy exists where the {need} copy is required"
-            msg = (
+            _fail(
                 f"{_step_name(plan, j)}, a {role_name} reader of {decision!s} tensor {t!r}, "
                 f"reads its {source} copy: {why}"
             )
-            if first_problem is None or j < first_problem[0]:
-                first_problem = (j, msg)
-    if first_problem is not None:
-        _fail(first_problem[1])
 
 
 def _check_fifo_order(
-    plan: Plan, prefetch_copy: list[int], prefetch_offload: tuple[int, ...], c_readers: list[list[int]]
+    plan: Plan, prefetch_offload: Sequence[int], prefetch_readers: Sequence[Sequence[int]]
 ) -> None:
     """A transfer starts no earlier than the one before it in its FIFO list, and a prefetch no earlier
     than its offload. If that pushes a prefetch past its first reader, the plan deadlocks by construction."""
@@ -451,7 +582,7 @@ def _check_fifo_order(
     last = -1
     for k, tr in enumerate(plan.prefetches):
         last = max(last, tr.issue_after_step, off_effective[prefetch_offload[k]])
-        readers = c_readers[prefetch_copy[k]]
+        readers = prefetch_readers[k]
         if readers and readers[0] <= last:
             _fail(
                 f"prefetch {k} of tensor {tr.tensor!r} cannot start before step {last} finishes "

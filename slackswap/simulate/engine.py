@@ -3,9 +3,13 @@
 The semantics are in docs/simulation.md. This is a list scheduler, not a general event queue: every
 stream runs a list in a fixed order (the compute steps; each direction's transfers, FIFO), so at any
 time at most one step and one transfer per engine are in flight, and what can start next is always
-the head of a list. The loop keeps those heads as plain integers and the few in-flight completions in
-a tiny heapq, over flat lists indexed by step, copy and transfer, all in local variables of one
-function (attribute and method lookups were most of the cost of the earlier object-per-event loop).
+the head of a list. The loop keeps those heads as plain integers, the running step's end in a local,
+and the few copies in flight in a tiny heapq, over flat lists indexed by step, copy and transfer, all
+in local variables of one function (attribute and method lookups were most of the cost of the earlier
+object-per-event loop). What it records per event is what the run decides (start, end, a step's
+waits, a copy's engine), stored by index into preallocated lists; `EventLog` makes TraceEvents of
+them on first use (building one per event in the loop cost more than the scheduling). The busy time
+and bytes of each copy direction are summed as copies start (they start in time order).
 
 The rules come from `slackswap.schedule` (copy resolution, transfer durations, the free rule of
 `schedule.memory`), as for the planners' replay. Facts of the plan that the schedule fixes are used
@@ -19,12 +23,13 @@ instead of being tracked at run time:
   alias of it) and `copy_wait_offloads` (its offload and its aliases'), so the loop stays the same.
 
 Per time instant the loop first applies every completion at that time (frees, readiness), in the
-order they were created, then starts what can start ("settle"): offloads in FIFO order, then the
-memory requests that are ready, tried in plan order (step j has key (j, 0); a prefetch issued after
-step i has key (i, 1, list index)); each one that fits is granted, one that does not waits without
-holding back the others. A ready prefetch was issued after a finished step i < j (j the next step),
-so it always comes first in plan order. If no event is left in flight while work remains, no waiting
-request can ever be served: the run is infeasible, and the first of them in plan order is named.
+order they were created (the running step carries its creation number), then starts what can start
+("settle"): offloads in FIFO order, then the memory requests that are ready, tried in plan order
+(step j has key (j, 0); a prefetch issued after step i has key (i, 1, list index)); each one that
+fits is granted, one that does not waits without holding back the others. A ready prefetch was
+issued after a finished step i < j (j the next step), so it always comes first in plan order. If no
+event is left in flight while work remains, no waiting request can ever be served: the run is
+infeasible, and the first of them in plan order is named.
 
 tests/test_simulate_simpy.py checks this loop against an independent SimPy model of the same rules;
 `benchmarks/bench_simulate.py` times the two side by side.
@@ -33,6 +38,7 @@ tests/test_simulate_simpy.py checks this loop against an independent SimPy model
 from __future__ import annotations
 
 import math
+from collections import Counter
 from heapq import heappop, heappush
 
 from slackswap.errors import ConfigError, SlackSwapError
@@ -41,9 +47,9 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
 from slackswap.schedule.validate import ResolvedSchedule, resolve_schedule
-from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
+from slackswap.simulate.result import EventLog, Infeasibility, SimResult
 
-_COMPUTE_END, _D2H_END, _H2D_END = 0, 1, 2
+_D2H_END, _H2D_END = 1, 2
 
 
 def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | None) -> SimResult:
@@ -64,40 +70,65 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
 transfer_duration_s = transfer_s
 
 
+def _durations(graph: Graph) -> dict[str, float]:
+    """Op name -> duration_s as a plain dict, cached on the graph (derived data of a frozen object, like
+    its cached properties): the engine looks it up for every step of every plan."""
+    cached = graph.__dict__.get("_durations_s")
+    if cached is None:
+        cached = graph.__dict__["_durations_s"] = {op.name: op.duration_s for op in graph.ops}
+    return cached
+
+
 def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | None, s: ResolvedSchedule) -> SimResult:
     budget = math.inf if budget_bytes is None else budget_bytes
     steps = plan.steps
     n_steps = len(steps)
-    op_by_name = graph.op_by_name
-    step_dur = [op_by_name[st.op].duration_s for st in steps]
-    step_reads = s.step_reads
-    step_writes = s.step_writes
+    duration_of = _durations(graph)
+    step_dur = [duration_of[st.op] for st in steps]
+    read_copies = s.read_copies
+    read_starts = s.read_starts
     copy_size = s.copy_size
     copy_tensor = s.copy_tensor
-    copy_readers = s.copy_readers
     n_copies = len(copy_size)
     step_alloc = s.step_alloc_bytes
-    last_reader = s.copy_last_use
-    # Per step: the copies whose last use it is (they free when it ends, or when their offloads do),
-    # in the order the step reads them, then copies kept alive by an alias the step reads.
-    free_after: dict[int, list[int]] = {}
-    for j, reads in enumerate(step_reads):
-        for c in reads:
-            if last_reader[c] == j:
-                free_after.setdefault(j, []).append(c)
-    for c, j in enumerate(last_reader):
-        if j >= 0 and c not in step_reads[j]:
-            free_after.setdefault(j, []).append(c)
-    offloads_left = [len(w) for w in s.copy_wait_offloads]
-    offload_waiters: list[list[int]] = [[] for _ in s.offload_copy]  # per offload: copies waiting for it
-    for c, waits in enumerate(s.copy_wait_offloads):
-        for k in waits:
-            offload_waiters[k].append(c)
-    # Per step: the prefetched copies it reads (the only inputs that can be late).
-    waits_on: dict[int, list[int]] = {}
-    for c in s.prefetch_copy:
-        for j in copy_readers[c]:
-            waits_on.setdefault(j, []).append(c)
+    last_use = s.copy_last_use
+    # When step j ends, the copies it reads whose last use it is (found from `last_use` as it ends),
+    # then the copies an alias it read kept alive (last use j, not read by j), then its outputs nobody
+    # reads are released (freed, or marked to be freed by their offloads), in that order. The last
+    # two kinds are rare: they are listed per step here.
+    released_after: list[tuple[int, ...]] = [()] * n_steps
+    if graph.has_aliases:
+        for c, j in enumerate(last_use):
+            if j >= 0 and c not in read_copies[read_starts[j]:read_starts[j + 1]]:
+                released_after[j] += (c,)
+    copy_source = s.copy_source
+    copy_step = s.copy_source_index
+    c = -1
+    try:
+        while True:
+            c = last_use.index(-1, c + 1)  # scans in C; copies nobody reads are few
+            if copy_source[c] != "prefetch":  # a prefetched copy nobody reads is freed when it lands
+                released_after[copy_step[c]] += (c,)
+    except ValueError:
+        pass
+    # Per offload: the copies waiting for it before they can be freed (the copy it moves, and the copies
+    # that copy holds, transitively), in copy order; and per copy the number of offloads still awaited.
+    copy_holds = s.copy_holds
+    offloads_left = [0] * n_copies
+    offload_waiters: list[list[int]] = []
+    for c in s.offload_copy:
+        waiting = []
+        while c is not None:
+            waiting.append(c)
+            offloads_left[c] += 1
+            c = copy_holds[c]
+        waiting.reverse()
+        offload_waiters.append(waiting)
+    # The reads of prefetched copies (the only inputs that can be late), in step order, with a sentinel
+    # step: the next step's are at `next_late` onwards, if any.
+    late_steps = s.prefetched_read_steps + (n_steps,)
+    late_copies = s.prefetched_read_copies
+    next_late = 0
     produced = [False] * n_copies  # tracked for prefetched copies only
     ready_s = [0.0] * n_copies
     readers_done = [False] * n_copies  # producer and every reader have finished
@@ -105,26 +136,42 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     link = hardware.link
     off_copy = s.offload_copy
     n_off = len(off_copy)
-    off_issue = [t.issue_after_step for t in plan.offloads]
+    # Issuing steps, with a sentinel past the last transfer that no finished step reaches.
+    off_issue = [t.issue_after_step for t in plan.offloads] + [n_steps]
     off_bytes = s.offload_bytes
     off_dur = [d2h_s(b, hardware) for b in off_bytes]
     off_finished = [False] * n_off
     pre_copy = s.prefetch_copy
     n_pre = len(pre_copy)
-    pre_issue = [t.issue_after_step for t in plan.prefetches]
+    pre_issue = [t.issue_after_step for t in plan.prefetches] + [n_steps]
     pre_offload = s.prefetch_offload
     pre_dur = [h2d_s(b, hardware) for b in s.prefetch_bytes]
 
     recompute_kind = StepKind.RECOMPUTE  # compared with ==: a plan may carry plain strings
-    heap: list[tuple[float, int, int, int, int]] = []
-    seq = 0
+    # Heap of the copies in flight: (end, seq, stream, index, engine). The running step is kept apart.
+    transfers: list[tuple[float, int, int, int, int]] = []
+    seq = 0  # creation order of every event, compute steps included: completions at one instant apply in it
     in_use = 0
     mem_t: list[float] = [0.0]
     mem_b: list[int] = [0]
-    events: list[TraceEvent] = []
-    make = tuple.__new__  # TraceEvent is a NamedTuple: build it without the Python-level __new__
+    # The events, as `EventLog` keeps them: per stream, when each started and ended (a step's waits, a
+    # copy's engine), and the order in which they started.
+    step_start = [0.0] * n_steps
+    step_stop = [0.0] * n_steps
+    step_wait_prefetch = [0.0] * n_steps
+    step_wait_memory = [0.0] * n_steps
+    off_start = [0.0] * n_off
+    off_end = [0.0] * n_off
+    off_engine = [0] * n_off
+    pre_start = [0.0] * n_pre
+    pre_end = [0.0] * n_pre
+    pre_engine = [0] * n_pre
+    order: list[int] = []
+    pre_code = n_steps + n_off
     next_step = 0
     step_running = False
+    step_end = 0.0  # end and creation order of the running step
+    step_seq = 0
     last_done = -1  # highest finished step; steps finish in order
     prev_end = 0.0
     next_off = 0
@@ -133,6 +180,11 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     h2d_free = list(range(link.h2d_engines))
     stall_prefetch = stall_memory = 0.0
     compute_busy = recompute_busy = 0.0
+    # Busy time of each direction: the union of its copies' intervals, kept as the current merged
+    # interval and the total before it. A direction starts its copies in time order, so no sort.
+    d2h_busy = h2d_busy = 0.0
+    d2h_from = d2h_to = h2d_from = h2d_to = -1.0
+    d2h_bytes = h2d_bytes = 0
     end_s = 0.0
     now = 0.0
     while True:
@@ -140,22 +192,31 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         # Offloads first (nothing later in the settle can ready another one). Then, in plan order, the
         # head prefetch and the next step; only a started prefetch can make another request ready (the
         # next prefetch, on another free engine), so only then is the pair tried again.
-        while next_off < n_off and d2h_free and off_issue[next_off] <= last_done:
+        while off_issue[next_off] <= last_done and d2h_free:
             k = next_off
-            c = off_copy[k]
             engine = heappop(d2h_free)
             end = now + off_dur[k]
-            events.append(make(TraceEvent, ("d2h", "offload", k, now, end, "", copy_tensor[c], off_bytes[k],
-                                            engine, 0.0, 0.0)))
+            size = off_bytes[k]
+            off_start[k] = now
+            off_end[k] = end
+            off_engine[k] = engine
+            order.append(n_steps + k)
+            if now > d2h_to:
+                d2h_busy += d2h_to - d2h_from
+                d2h_from = now
+                d2h_to = end
+            elif end > d2h_to:
+                d2h_to = end
+            d2h_bytes += size
             end_s = end if end > end_s else end_s
             next_off = k + 1
-            heappush(heap, (end, seq, _D2H_END, k, engine))
+            heappush(transfers, (end, seq, _D2H_END, k, engine))
             seq += 1
         prefetched = True
         while prefetched:
             prefetched = False
             k = next_pre
-            if k < n_pre and h2d_free and pre_issue[k] <= last_done and off_finished[pre_offload[k]]:
+            if pre_issue[k] <= last_done and h2d_free and off_finished[pre_offload[k]]:
                 c = pre_copy[k]
                 size = copy_size[c]
                 if in_use + size <= budget:
@@ -165,58 +226,114 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                         mem_t.append(now)
                         mem_b.append(in_use)
                     end = now + pre_dur[k]
-                    events.append(make(TraceEvent, ("h2d", "prefetch", k, now, end, "", copy_tensor[c], size,
-                                                    engine, 0.0, 0.0)))
+                    pre_start[k] = now
+                    pre_end[k] = end
+                    pre_engine[k] = engine
+                    order.append(pre_code + k)
+                    if now > h2d_to:
+                        h2d_busy += h2d_to - h2d_from
+                        h2d_from = now
+                        h2d_to = end
+                    elif end > h2d_to:
+                        h2d_to = end
+                    h2d_bytes += size
                     end_s = end if end > end_s else end_s
                     next_pre = k + 1
-                    heappush(heap, (end, seq, _H2D_END, k, engine))
+                    heappush(transfers, (end, seq, _H2D_END, k, engine))
                     seq += 1
                     prefetched = True
             j = next_step
             if not step_running and j < n_steps:
-                late = waits_on.get(j)
+                if late_steps[next_late] == j:
+                    late_stop = next_late + 1
+                    while late_steps[late_stop] == j:
+                        late_stop += 1
+                    late = late_copies[next_late:late_stop]
+                else:
+                    late = None
                 if late is None or all(produced[c] for c in late):
                     size = step_alloc[j]
                     if in_use + size <= budget:
                         if late is None:
                             held_from = prev_end
-                            wait_prefetch = 0.0
                         else:
                             inputs_ready = max([ready_s[c] for c in late])
                             held_from = prev_end if prev_end >= inputs_ready else inputs_ready
                             wait_prefetch = max(0.0, inputs_ready - prev_end)
+                            stall_prefetch += wait_prefetch
+                            step_wait_prefetch[j] = wait_prefetch
+                            next_late = late_stop
                         wait_memory = now - held_from
-                        stall_prefetch += wait_prefetch
                         stall_memory += wait_memory
+                        step_wait_memory[j] = wait_memory
                         if size:
                             in_use += size
                             mem_t.append(now)
                             mem_b.append(in_use)
                         end = now + step_dur[j]
-                        step = steps[j]
-                        recompute = step.kind == recompute_kind
-                        kind_name = "recompute" if recompute else "run"
-                        events.append(make(TraceEvent, ("compute", kind_name, j, now, end, step.op, "", size, 0,
-                                                        wait_prefetch, wait_memory)))
-                        compute_busy += end - now
-                        if recompute:
+                        step_start[j] = now
+                        step_stop[j] = end
+                        order.append(j)
+                        if steps[j].kind == recompute_kind:
                             recompute_busy += end - now
+                        compute_busy += end - now
                         end_s = end if end > end_s else end_s
                         step_running = True
-                        next_step = j + 1
-                        heappush(heap, (end, seq, _COMPUTE_END, j, 0))
+                        step_end = end
+                        step_seq = seq
                         seq += 1
-        if not heap:
+                        next_step = j + 1
+        # -- the next instant: the running step's end or the first copy's end ---------------------
+        if step_running:
+            now = step_end
+            if transfers and transfers[0][0] < now:
+                now = transfers[0][0]
+        elif transfers:
+            now = transfers[0][0]
+        else:
             break
-        # -- completions at the next instant, in creation order ----------------------------------
-        now = heap[0][0]
-        while heap and heap[0][0] == now:
-            _, _, kind, index, engine = heappop(heap)
-            if kind == _COMPUTE_END:
-                step_running = False
-                last_done = index
+        # -- completions at that instant, in creation order ----------------------------------------
+        step_due = step_running and step_end == now
+        while True:
+            if transfers and transfers[0][0] == now and not (step_due and step_seq < transfers[0][1]):
+                _, _, kind, index, engine = heappop(transfers)
+                if kind == _D2H_END:
+                    off_finished[index] = True
+                    heappush(d2h_free, engine)
+                    for c in offload_waiters[index]:
+                        offloads_left[c] -= 1
+                        if readers_done[c] and not offloads_left[c]:
+                            size = copy_size[c]
+                            if size:
+                                in_use -= size
+                                mem_t.append(now)
+                                mem_b.append(in_use)
+                else:
+                    c = pre_copy[index]
+                    produced[c] = True
+                    ready_s[c] = now
+                    heappush(h2d_free, engine)
+                    if last_use[c] < 0:
+                        size = copy_size[c]
+                        if size:
+                            in_use -= size
+                            mem_t.append(now)
+                            mem_b.append(in_use)
+            elif step_due:
+                step_due = step_running = False
+                j = last_done = next_step - 1
                 prev_end = now
-                for c in free_after.get(index, ()):
+                for c in read_copies[read_starts[j]:read_starts[j + 1]]:
+                    if last_use[c] == j:
+                        if offloads_left[c]:
+                            readers_done[c] = True  # freed when its offloads complete
+                        else:
+                            size = copy_size[c]
+                            if size:
+                                in_use -= size
+                                mem_t.append(now)
+                                mem_b.append(in_use)
+                for c in released_after[j]:
                     if offloads_left[c]:
                         readers_done[c] = True
                     else:
@@ -225,48 +342,20 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                             in_use -= size
                             mem_t.append(now)
                             mem_b.append(in_use)
-                for c in step_writes[index]:
-                    if last_reader[c] < 0:
-                        if offloads_left[c]:
-                            readers_done[c] = True  # freed when its offload completes
-                        else:
-                            size = copy_size[c]
-                            if size:
-                                in_use -= size
-                                mem_t.append(now)
-                                mem_b.append(in_use)
-            elif kind == _D2H_END:
-                off_finished[index] = True
-                heappush(d2h_free, engine)
-                for c in offload_waiters[index]:
-                    offloads_left[c] -= 1
-                    if readers_done[c] and not offloads_left[c]:
-                        size = copy_size[c]
-                        if size:
-                            in_use -= size
-                            mem_t.append(now)
-                            mem_b.append(in_use)
             else:
-                c = pre_copy[index]
-                produced[c] = True
-                ready_s[c] = now
-                heappush(h2d_free, engine)
-                if last_reader[c] < 0:
-                    size = copy_size[c]
-                    if size:
-                        in_use -= size
-                        mem_t.append(now)
-                        mem_b.append(in_use)
+                break
 
     infeasibility = None
     if next_step < n_steps or next_off < n_off or next_pre < n_pre:
         # Nothing is in flight and work remains: name the first waiting request in plan order.
         if next_pre < n_pre and h2d_free and pre_issue[next_pre] <= last_done and off_finished[pre_offload[next_pre]]:
             c = pre_copy[next_pre]
-            first_reader = copy_readers[c][0]
+            first_reader = s.prefetch_readers[next_pre][0]
             infeasibility = Infeasibility("prefetch", (copy_tensor[c],), first_reader, steps[first_reader].op,
                                           copy_size[c], in_use, budget_bytes, now)
-        elif next_step < n_steps and not step_running and all(produced[c] for c in waits_on.get(next_step, ())):
+        elif next_step < n_steps and not step_running and all(
+            produced[c] for j, c in zip(late_steps, late_copies, strict=False) if j == next_step
+        ):
             step = steps[next_step]
             infeasibility = Infeasibility("step", tuple(step.outputs), next_step, step.op, step_alloc[next_step],
                                           in_use, budget_bytes, now)
@@ -275,8 +364,7 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                 f"simulator stalled at t={now} with no memory request pending (step {next_step}, "
                 f"offload {next_off}, prefetch {next_pre}); validation should have rejected this plan"
             )
-    d2h = [e for e in events if e.stream == "d2h"]
-    h2d = [e for e in events if e.stream == "h2d"]
+    decided = Counter(plan.decisions.values())
     return SimResult(
         planner=plan.planner,
         feasible=infeasibility is None,
@@ -286,37 +374,27 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         end_s=max(end_s, now),
         budget_bytes=budget_bytes,
         peak_activation_bytes=max(mem_b),
-        events=tuple(events),
+        events=EventLog(
+            steps=steps, step_bytes=step_alloc, step_start_s=step_start, step_end_s=step_stop,
+            step_wait_prefetch_s=step_wait_prefetch, step_wait_memory_s=step_wait_memory,
+            offloads=plan.offloads, offload_bytes=off_bytes, offload_start_s=off_start, offload_end_s=off_end,
+            offload_engine=off_engine, prefetches=plan.prefetches, prefetch_bytes=s.prefetch_bytes,
+            prefetch_start_s=pre_start, prefetch_end_s=pre_end, prefetch_engine=pre_engine, order=order,
+        ),
         memory_times_s=tuple(mem_t),
         memory_bytes=tuple(mem_b),
         compute_busy_s=compute_busy,
         recompute_s=recompute_busy,
         stall_prefetch_s=stall_prefetch,
         stall_memory_s=stall_memory,
-        d2h_busy_s=_union_s(d2h),
-        h2d_busy_s=_union_s(h2d),
-        d2h_bytes=sum(e.size_bytes for e in d2h),
-        h2d_bytes=sum(e.size_bytes for e in h2d),
-        swapped_tensors=len(plan.tensors_with(Decision.SWAP)),
-        recomputed_tensors=len(plan.tensors_with(Decision.RECOMPUTE)),
+        d2h_busy_s=d2h_busy + (d2h_to - d2h_from),
+        h2d_busy_s=h2d_busy + (h2d_to - h2d_from),
+        d2h_bytes=d2h_bytes,
+        h2d_bytes=h2d_bytes,
+        swapped_tensors=decided[Decision.SWAP],
+        recomputed_tensors=decided[Decision.RECOMPUTE],
         bound_step_s=plan.bound_step_s,
     )
-
-
-def _union_s(events: list[TraceEvent]) -> float:
-    """Length of the union of the events' intervals (time at least one engine is busy)."""
-    total = 0.0
-    cur_start = cur_end = None
-    for e in sorted(events, key=lambda e: e.start_s):
-        if cur_end is None or e.start_s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = e.start_s, e.end_s
-        else:
-            cur_end = max(cur_end, e.end_s)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
 
 
 def _reason(inf: Infeasibility) -> str:

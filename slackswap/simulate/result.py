@@ -5,8 +5,12 @@ Plain frozen dataclasses so results compare by value (the determinism tests rely
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from itertools import repeat
+from typing import NamedTuple, overload
+
+from slackswap.plan import ComputeStep, StepKind, Transfer
 
 STREAMS: tuple[str, ...] = ("compute", "d2h", "h2d")
 
@@ -41,6 +45,104 @@ class TraceEvent(NamedTuple):
         return self.end_s - self.start_s
 
 
+class EventLog(Sequence[TraceEvent]):
+    """The events of one run: a read-only sequence of `TraceEvent` in the order they started, kept as the
+    engine recorded them (a few numbers per event, by stream) and turned into TraceEvents on first use.
+
+    Why: building an 11-field NamedTuple per event was the largest single cost of the engine's loop
+    (more than the scheduling itself, with the cyclic GC's passes over thousands of new tuples), and
+    many results are read only for their totals (the keep-all ideal of every job, a planner's check).
+    What the engine records is the part of each event that the run decides: when it started and
+    ended, a step's waits, a copy's engine. The rest (op, kind, tensor, bytes) is the plan's, read from
+    it when the events are built. Compares and hashes by its events.
+    """
+
+    __slots__ = ("_columns", "_order", "_events")
+
+    def __init__(
+        self,
+        *,
+        steps: Sequence[ComputeStep],
+        step_bytes: Sequence[int],
+        step_start_s: Sequence[float],
+        step_end_s: Sequence[float],
+        step_wait_prefetch_s: Sequence[float],
+        step_wait_memory_s: Sequence[float],
+        offloads: Sequence[Transfer],
+        offload_bytes: Sequence[int],
+        offload_start_s: Sequence[float],
+        offload_end_s: Sequence[float],
+        offload_engine: Sequence[int],
+        prefetches: Sequence[Transfer],
+        prefetch_bytes: Sequence[int],
+        prefetch_start_s: Sequence[float],
+        prefetch_end_s: Sequence[float],
+        prefetch_engine: Sequence[int],
+        order: Sequence[int],
+    ):
+        """Columns are indexed by step / offload / prefetch index (entries of what never started are
+        not read); `order` lists the events as they started, step j as j, offload k as
+        len(steps) + k, prefetch k as len(steps) + len(offloads) + k."""
+        self._columns = (
+            steps, step_bytes, step_start_s, step_end_s, step_wait_prefetch_s, step_wait_memory_s,
+            offloads, offload_bytes, offload_start_s, offload_end_s, offload_engine,
+            prefetches, prefetch_bytes, prefetch_start_s, prefetch_end_s, prefetch_engine,
+        )
+        self._order = order
+        self._events: tuple[TraceEvent, ...] | None = None
+
+    def _built(self) -> tuple[TraceEvent, ...]:
+        if self._events is None:
+            (steps, step_bytes, step_start, step_end, wait_prefetch, wait_memory,
+             offloads, offload_bytes, offload_start, offload_end, offload_engine,
+             prefetches, prefetch_bytes, prefetch_start, prefetch_end, prefetch_engine) = self._columns
+            recompute = StepKind.RECOMPUTE  # compared with ==: a plan may carry plain strings
+            make = tuple.__new__  # TraceEvent is a NamedTuple: built without its Python-level __new__
+            events = list(map(make, repeat(TraceEvent), zip(
+                repeat("compute"), ["recompute" if st.kind == recompute else "run" for st in steps],
+                range(len(steps)), step_start, step_end, [st.op for st in steps], repeat(""), step_bytes,
+                repeat(0), wait_prefetch, wait_memory,
+            )))
+            events += map(make, repeat(TraceEvent), zip(
+                repeat("d2h"), repeat("offload"), range(len(offloads)), offload_start, offload_end, repeat(""),
+                [t.tensor for t in offloads], offload_bytes, offload_engine, repeat(0.0), repeat(0.0),
+            ))
+            events += map(make, repeat(TraceEvent), zip(
+                repeat("h2d"), repeat("prefetch"), range(len(prefetches)), prefetch_start, prefetch_end, repeat(""),
+                [t.tensor for t in prefetches], prefetch_bytes, prefetch_engine, repeat(0.0), repeat(0.0),
+            ))
+            self._events = tuple(map(events.__getitem__, self._order))
+        return self._events
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @overload
+    def __getitem__(self, index: int) -> TraceEvent: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[TraceEvent, ...]: ...
+
+    def __getitem__(self, index):
+        return self._built()[index]
+
+    def __iter__(self) -> Iterator[TraceEvent]:
+        return iter(self._built())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EventLog):
+            return self._built() == other._built()
+        if isinstance(other, tuple):
+            return self._built() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._built())
+
+    def __repr__(self) -> str:
+        return f"EventLog({list(self._built())!r})"
+
+
 @dataclass(frozen=True)
 class Infeasibility:
     """The allocation that could never be served: nothing in flight could free room for it."""
@@ -70,8 +172,8 @@ class SimResult:
     end_s: float
     budget_bytes: int | None
     peak_activation_bytes: int
-    #: All busy intervals, ordered by start time within each stream.
-    events: tuple[TraceEvent, ...]
+    #: All busy intervals, in the order they started (so by start time within each stream).
+    events: EventLog
     #: Device activation bytes after every change, in time order (several samples may share a time).
     memory_times_s: tuple[float, ...]
     memory_bytes: tuple[int, ...]
