@@ -185,7 +185,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     d2h_busy = h2d_busy = 0.0
     d2h_from = d2h_to = h2d_from = h2d_to = -1.0
     d2h_bytes = h2d_bytes = 0
-    end_s = 0.0
     now = 0.0
     while True:
         # -- settle: start everything that can start at `now` --------------------------------
@@ -208,7 +207,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             elif end > d2h_to:
                 d2h_to = end
             d2h_bytes += size
-            end_s = end if end > end_s else end_s
             next_off = k + 1
             heappush(transfers, (end, seq, _D2H_END, k, engine))
             seq += 1
@@ -237,7 +235,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                     elif end > h2d_to:
                         h2d_to = end
                     h2d_bytes += size
-                    end_s = end if end > end_s else end_s
                     next_pre = k + 1
                     heappush(transfers, (end, seq, _H2D_END, k, engine))
                     seq += 1
@@ -277,7 +274,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                         if steps[j].kind == recompute_kind:
                             recompute_busy += end - now
                         compute_busy += end - now
-                        end_s = end if end > end_s else end_s
                         step_running = True
                         step_end = end
                         step_seq = seq
@@ -364,6 +360,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                 f"simulator stalled at t={now} with no memory request pending (step {next_step}, "
                 f"offload {next_off}, prefetch {next_pre}); validation should have rejected this plan"
             )
+    # The end of the last event: steps end in order, copies of a direction may not (several engines).
+    end_s = max([step_stop[next_step - 1] if next_step else 0.0, *off_end[:next_off], *pre_end[:next_pre]])
     decided = Counter(plan.decisions.values())
     return SimResult(
         planner=plan.planner,
