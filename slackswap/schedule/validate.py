@@ -415,7 +415,6 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     for j, step in enumerate(steps):
         name = step.op
         inputs = inputs_of[name]
-        first_read = len(read_copies)
         try:
             for t in inputs:
                 c = current[t]
@@ -427,7 +426,7 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         except KeyError:
             _unreadable(plan, j, inputs, current, overwritten)
         if overwritten:
-            for c in read_copies[first_read:]:
+            for c in read_copies[read_starts[j]:]:
                 if c in overwritten:
                     _unreadable(plan, j, inputs, current, overwritten)
         source = "recompute" if step.kind == recompute else "run"
@@ -436,17 +435,19 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         for t in step.outputs:
             if source == "recompute" and decisions.get(t) in keep_or_swap:
                 _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
-            # An alias (a view) owns no bytes and holds the base copy the step read.
-            base = base_of[t] if has_aliases else ""
-            size = 0 if base else size_of[t]
             c = current[t] = len(c_tensor)
+            if has_aliases:
+                # An alias (a view) owns no bytes and holds the base copy the step read.
+                base = base_of[t]
+                size = 0 if base else size_of[t]
+                c_holds.append(current[base] if base else None)
+            else:
+                size = size_of[t]
             c_tensor.append(t)
             c_source.append(source)
             c_index.append(j)
             c_size.append(size)
             last_use.append(-1)
-            if has_aliases:
-                c_holds.append(current[base] if base else None)
             alloc += size
         if random_recomputed and name in random_recomputed:
             op = op_by_name[name]
@@ -467,7 +468,7 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
                 alloc += RNG_STATE_BYTES
         if has_aliases and source == "run":
             for t in op_by_name[name].writes:
-                overwritten[read_copies[first_read + inputs.index(t)]] = name
+                overwritten[read_copies[read_starts[j] + inputs.index(t)]] = name
         read_starts.append(len(read_copies))
         write_stops.append(len(c_tensor))
         step_alloc.append(alloc)
