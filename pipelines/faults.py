@@ -16,6 +16,8 @@ Both travel as `BaseException` subclasses, which Hydra's handlers let through, u
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -23,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pipelines.records import RunStatus
 
@@ -151,3 +153,23 @@ def run_cli(main: Callable[[], Any], on_interrupt: Callable[[Interrupted], str],
         print(line, file=sys.stderr)
         return interrupted.exit_code
     return exit_code()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the command-line process with `code` once its work is done, without the interpreter's teardown.
+
+    Why: freeing the objects of every imported module one by one (mlflow alone imports thousands)
+    took 0.6-0.9 s after a single run had finished, a fifth of its time, for memory the OS reclaims
+    anyway. What an exit must do is still done, in the same order as a normal exit: the atexit
+    handlers run (logging flushes and closes its handlers, multiprocessing joins its children,
+    MLflow's hooks), then stdout and stderr are flushed. Every file of a run is written and closed,
+    and every MLflow write committed, before the CLI returns its code. With other threads alive
+    (a launcher's pool) the normal exit is kept: it joins them before the atexit handlers.
+    """
+    if threading.active_count() > 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe: nothing left to say
+            stream.flush()
+    os._exit(code)

@@ -45,4 +45,7 @@ def cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    exit_code = cli()
+    if sys.modules["__main__"].__dict__ is globals():  # `python -m pipelines.run`, not runpy from a test
+        faults.exit_process(exit_code)
+    sys.exit(exit_code)

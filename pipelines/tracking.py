@@ -277,11 +277,34 @@ def set_experiment_description(client, experiment_id: str, text: str) -> None:
 
 
 def start_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], parent_run_id: str | None) -> str:
+    return create_run(client, experiment_id, run_name, tags, parent_run_id).run_id
+
+
+def create_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], parent_run_id: str | None):
+    """Start a run with its name, provenance and `tags`; returns its `RunInfo` (id and artifact URI)."""
     all_tags = {RUN_NAME_TAG: run_name, **provenance_tags(), **tags}
     if parent_run_id is not None:
         all_tags[PARENT_RUN_TAG] = parent_run_id
-    run = client.create_run(experiment_id, tags=all_tags, run_name=run_name)
-    return run.info.run_id
+    return client.create_run(experiment_id, tags=all_tags, run_name=run_name).info
+
+
+def child_params(client, parent_run_id: str) -> dict[str, dict[str, str]]:
+    """{run id: params} of the parent's child runs, read in pages of one search each rather than one
+    `get_run` per child (a run not found here, e.g. in another experiment, is read by the caller)."""
+    parent = client.get_run(parent_run_id)
+    found: dict[str, dict[str, str]] = {}
+    token = None
+    while True:
+        page = client.search_runs(
+            [parent.info.experiment_id],
+            f"tags.`{PARENT_RUN_TAG}` = '{parent_run_id}'",
+            max_results=1000,
+            page_token=token,
+        )
+        found |= {run.info.run_id: run.data.params for run in page}
+        token = page.token
+        if not token:
+            return found
 
 
 def log_presets(client, run_id: str, presets: Mapping[str, tuple[str, Mapping[str, Any]]]) -> None:
@@ -321,19 +344,37 @@ def log_params(client, run_id: str, params: Mapping[str, str]) -> None:
 
 
 def log_tags(client, run_id: str, tags: Mapping[str, str]) -> None:
-    from mlflow.entities import RunTag
-
-    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    log_results(client, run_id, {}, tags)
 
 
 def log_metrics(client, run_id: str, metrics: Mapping[str, Any]) -> None:
     """Log the numeric metrics (see `numeric_metrics`) in one batch."""
+    log_results(client, run_id, metrics, {})
+
+
+#: MLflow's limits on one log_batch (mlflow.utils.validation: MAX_METRICS_PER_BATCH, MAX_TAGS_PER_BATCH,
+#: MAX_ENTITIES_PER_BATCH).
+BATCH_MAX_METRICS, BATCH_MAX_TAGS, BATCH_MAX_ENTITIES = 1000, 100, 1000
+
+
+def log_results(client, run_id: str, metrics: Mapping[str, Any], tags: Mapping[str, str]) -> None:
+    """Numeric metrics (see `numeric_metrics`) and tags in as few `log_batch` calls as MLflow's limits
+    allow: one for a job's outcome. Each call is a store transaction that also reads the run back
+    (about 5 ms on a local SQLite store), so a job's results go in together."""
     import time
 
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric, RunTag
 
     now_ms = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, now_ms, 0) for k, v in numeric_metrics(metrics).items()])
+    metric_items = [Metric(k, v, now_ms, 0) for k, v in numeric_metrics(metrics).items()]
+    tag_items = [RunTag(k, str(v)) for k, v in tags.items()]
+    while True:
+        tag_chunk = tag_items[:BATCH_MAX_TAGS]
+        metric_chunk = metric_items[: min(BATCH_MAX_METRICS, BATCH_MAX_ENTITIES - len(tag_chunk))]
+        client.log_batch(run_id, metrics=metric_chunk, tags=tag_chunk)
+        tag_items, metric_items = tag_items[len(tag_chunk) :], metric_items[len(metric_chunk) :]
+        if not tag_items and not metric_items:
+            return
 
 
 def local_artifact_dir(artifact_uri: str, artifact_root: str | Path | None) -> Path | None:
@@ -355,25 +396,29 @@ def local_artifact_dir(artifact_uri: str, artifact_root: str | Path | None) -> P
     return None
 
 
-def store_artifacts(client, run_id: str, files: list[Path] | Path, artifact_root: str | Path | None) -> int:
+def store_artifacts(
+    client, run_id: str, files: list[Path] | Path, artifact_root: str | Path | None, artifact_uri: str | None = None
+) -> int:
     """Store the files (or every file under a folder, keeping its layout) as the run's artifacts.
 
     Stored once: in a local store each artifact is a hard link to the file in the run directory, so
     the bytes exist once on disk however many names they have (a copy only where a hard link cannot
     be made, e.g. another filesystem). A server's store gets them uploaded through the client.
-    Returns the bytes added to the disk (0 when every file was linked).
+    Returns the bytes added to the disk (0 when every file was linked). `artifact_uri`: the run's, when
+    the caller knows it from creating the run (saves reading the run back).
     """
     if isinstance(files, Path):
         base = files
         pairs = [(p, p.relative_to(base)) for p in sorted(base.rglob("*")) if p.is_file()]
     else:
         pairs = [(p, Path(p.name)) for p in files]
-    run = client.get_run(run_id)
-    dest_root = local_artifact_dir(run.info.artifact_uri, artifact_root)
+    if artifact_uri is None:
+        artifact_uri = client.get_run(run_id).info.artifact_uri
+    dest_root = local_artifact_dir(artifact_uri, artifact_root)
     if dest_root is None:
-        if urlparse(run.info.artifact_uri).scheme == PROXIED_SCHEME and not client.tracking_uri.startswith("http"):
+        if urlparse(artifact_uri).scheme == PROXIED_SCHEME and not client.tracking_uri.startswith("http"):
             raise RuntimeError(
-                f"run {run_id}: artifacts at {run.info.artifact_uri} need tracking.artifact_location "
+                f"run {run_id}: artifacts at {artifact_uri} need tracking.artifact_location "
                 "(the folder `mlflow ui --artifacts-destination` serves), which is null"
             )
         for src, rel in pairs:

@@ -154,3 +154,38 @@ def test_metrics_of_an_infeasible_run_are_unknown_not_invented():
 def test_metrics_reject_a_non_ideal_reference(result):
     with pytest.raises(ConfigError, match="ideal"):
         compute_metrics(result, result, plan_wall_s=None, sim_wall_s=None)
+
+
+def test_timeline_figure_draws_every_lane_the_memory_steps_and_keeps_every_text_inside(result):
+    """What timeline.png shows, read back from the figure: each lane's merged busy intervals, the
+    memory curve holding each sample until the next, budget and peak lines, and no label, legend or
+    title cut off by the fixed margins (with names as long as the pipeline's titles)."""
+    from slackswap.simulate.timeline import _LANES, timeline_figure
+
+    title = "llama2_70b_long_name on h100_sxm_pcie5, planner selective_recompute, budget 17.3 GiB (50% of peak)"
+    fig = timeline_figure(result, 1000, title=title)
+    ax_s, ax_m = fig.axes
+    span = result.end_s
+    drawn = [sorted((round(x, 9), round(x + w, 9)) for x, _, w, _ in (p.get_extents().bounds for p in c.get_paths()))
+             for c in ax_s.collections]  # fmt: skip
+    wanted = [
+        sorted((round(a, 9), round(max(b, a + span / 6000), 9)) for a, b in merged_intervals(
+            [(e.start_s, e.end_s) for e in result.events if (e.stream, e.kind) == lane], span / 3000))
+        for lane in _LANES
+    ]  # fmt: skip
+    assert drawn == wanted and any(drawn)
+    (curve, *_), times = ax_m.get_lines(), [*result.memory_times_s, span]
+    points = set(zip(curve.get_xdata(), curve.get_ydata(), strict=True))
+    for i, value in enumerate(result.memory_bytes):  # bytes: the toy graph's unit
+        assert (times[i], value) in points and (times[i + 1], value) in points
+    labels = [t.get_text() for t in ax_m.get_legend().get_texts()]
+    assert labels[0] == "activation memory" and labels[1].startswith("budget 1e+03 bytes")
+    assert labels[2] == f"peak {result.peak_activation_bytes:.3g} bytes"
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    canvas = fig.bbox
+    texts = [fig._suptitle, ax_s.title, ax_m.xaxis.label, ax_m.yaxis.label, ax_s.get_legend(), ax_m.get_legend(),
+             *ax_s.get_yticklabels(), *ax_m.get_yticklabels(), *ax_m.get_xticklabels()]  # fmt: skip
+    for artist in texts:
+        box = artist.get_window_extent(renderer)
+        assert canvas.x0 <= box.x0 and box.x1 <= canvas.x1 and canvas.y0 <= box.y0 and box.y1 <= canvas.y1, artist

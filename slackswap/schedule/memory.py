@@ -25,5 +25,15 @@ def free_time_s(
     aliases_freed_s: float | None = None,
 ) -> float:
     """The instant `is_freeable` first holds, given when each of its conditions is met (None: never
-    constrains: no reader, no offload, no alias)."""
-    return max([produced_end_s, *(t for t in (last_read_end_s, offload_end_s, aliases_freed_s) if t is not None)])
+    constrains: no reader, no offload, no alias).
+
+    The latest of the given instants, compared as `max` compares (a later value replaces the one
+    kept only if strictly greater); written out because the replay calls it once per copy."""
+    free_s = produced_end_s
+    if last_read_end_s is not None and last_read_end_s > free_s:
+        free_s = last_read_end_s
+    if offload_end_s is not None and offload_end_s > free_s:
+        free_s = offload_end_s
+    if aliases_freed_s is not None and aliases_freed_s > free_s:
+        free_s = aliases_freed_s
+    return free_s

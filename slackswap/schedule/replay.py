@@ -76,9 +76,18 @@ def estimate_plan(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     return timeline
 
 
+def _durations(graph: Graph) -> dict[str, float]:
+    """Op name -> duration, cached on the graph (derived data of a frozen object): one lookup per
+    step instead of the op record and its attribute."""
+    cached = graph.__dict__.get("_replay_durations")
+    if cached is None:
+        cached = graph.__dict__["_replay_durations"] = {op.name: op.duration_s for op in graph.ops}
+    return cached
+
+
 def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     s = resolve_schedule(graph, plan)
-    ops = graph.op_by_name
+    duration_of = _durations(graph)
     n_steps = len(plan.steps)
     n_off, n_pre = len(plan.offloads), len(plan.prefetches)
     copy_size = s.copy_size
@@ -135,7 +144,7 @@ def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
                         f"step {j} ({step.op}) reads {s.copy_tensor[c]!r} before its copy exists"
                     )
                 ready = max(ready, copy_ready[c])
-        duration = ops[step.op].duration_s
+        duration = duration_of[step.op]
         stall += ready - now
         if step.kind == recompute_kind:
             recompute += duration

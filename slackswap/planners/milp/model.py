@@ -26,14 +26,17 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy import sparse
 
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
+
+if TYPE_CHECKING:  # scipy.sparse (~0.25 s) is imported when a problem is built, not by the planner registry
+    from scipy import sparse
 
 MS_PER_S = 1e3
 GRANULARITIES: tuple[str, ...] = ("op", "layer")
@@ -515,6 +518,8 @@ def build_bound_problem(
                 terms.append((g_u[g][pc], 1.0))
         if terms:
             rows.add(terms, -np.inf, 1.0 - const[j] * scale)
+
+    from scipy import sparse
 
     a = sparse.coo_array((rows.vals, (rows.rows, rows.cols)), shape=(len(rows.lo), len(cols.lb))).tocsr()
     return BoundProblem(

@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slackswap.errors import InfeasibleBudgetError, SolverError
 from slackswap.plan import Decision
@@ -75,6 +73,11 @@ def solve(
     being optimised, rather than to the stall time alone (a few percent of the step, where a 1e-4 gap
     would demand sub-microsecond proofs). The constant changes no optimum and no bound.
     """
+    # scipy.optimize + scipy.sparse (~0.4 s to import) only when a problem is solved, not for every
+    # process that loads the planner registry.
+    from scipy import sparse
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     offset_ms = problem.total_run_s * MS_PER_S
     integrality = problem.integrality if integral else np.zeros_like(problem.integrality)
     integrality = np.append(integrality, 0)

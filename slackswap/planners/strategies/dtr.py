@@ -31,6 +31,8 @@ Departures from the paper (docs/planners.md):
 
 from __future__ import annotations
 
+import heapq
+
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.hardware import Hardware
@@ -65,7 +67,17 @@ def _chain_cost(graph: Graph, tensor: str, evicted: set[str]) -> tuple[float, fr
 def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[set[str], int, int]:
     """Replay DTR's eviction over the keep-all op order under `budget_bytes`.
 
-    Returns (tensors ever evicted, evictions, rematerialisations). Raises DtrCannotFit."""
+    Returns (tensors ever evicted, evictions, rematerialisations). Raises DtrCannotFit.
+
+    Each eviction takes the candidate of least (h, name). Scanning every resident candidate for it
+    made the replay O(evictions x resident tensors), quadratic in depth. Instead the candidates are
+    filed by (cost, size) in heaps ordered by last access (`_Candidates`): within one such group h
+    only falls as staleness grows, so the oldest member is the group's least, and an eviction looks
+    at one member per group (about 20-30 groups on the analytic presets, whatever the depth: the
+    layers repeat the same tensors at the same costs). Costs are computed exactly when the scan
+    computed them (for every unpinned candidate without a cached cost, at each eviction), so the
+    cache, and with it every choice, is the scan's; tests/test_planner_scaling.py compares the two.
+    """
     timeline = estimate_plan(graph, keep_all_plan(graph), hardware)
     forward_tensor = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
     evictable_kind = {t.name for t in graph.saved_tensors if t.name in forward_tensor and t.size_bytes > 0}
@@ -81,16 +93,28 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
     last_access: dict[str, float] = {}
     cost_cache: dict[str, float] = {}
     frontier_users: dict[str, set[str]] = {}
+    candidates = _Candidates(size, last_access, cost_cache)
     in_use = 0
     evictions = remats = 0
 
+    def refile(t: str) -> None:
+        """t's residency, readers or last access changed: add it to, or drop it from, the candidates."""
+        if t in resident and t in evictable_kind and forward_readers_left[t] == 0 and readers_left[t] > 0:
+            candidates.add(t)
+        else:
+            candidates.discard(t)
+
+    def invalidate(users: set[str]) -> None:
+        for user in users:
+            cost_cache.pop(user, None)
+            candidates.cost_changed(user)
+
     def cost(t: str) -> float:
-        if t not in cost_cache:
-            c, frontier = _chain_cost(graph, t, evicted)
-            cost_cache[t] = c
-            for f in frontier:
-                frontier_users.setdefault(f, set()).add(t)
-        return cost_cache[t]
+        c, frontier = _chain_cost(graph, t, evicted)
+        cost_cache[t] = c
+        for f in frontier:
+            frontier_users.setdefault(f, set()).add(t)
+        return c
 
     for i, op in enumerate(graph.ops):
         now = timeline.step_start_s[i]
@@ -101,30 +125,27 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
                 resident.add(t)
                 in_use += size[t]
                 remats += 1
-                for user in frontier_users.pop(t, ()):  # a chain through t now stops at t again
-                    cost_cache.pop(user, None)
+                invalidate(frontier_users.pop(t, set()))  # a chain through t now stops at t again
+                refile(t)
         for t in op.outputs:
             resident.add(t)
             in_use += size[t]
             last_access[t] = now
+            refile(t)
         while in_use > budget_bytes:
-            candidates = [
-                t for t in resident
-                if t in evictable_kind and t not in pinned and forward_readers_left[t] == 0 and readers_left[t] > 0
-            ]
-            if not candidates:
+            for t in candidates.uncached(pinned):
+                cost(t)
+                candidates.cost_changed(t)
+            victim = candidates.least(now, pinned)
+            if victim is None:
                 raise DtrCannotFit(op.name, in_use)
-            victim = min(
-                candidates,
-                key=lambda t: (cost(t) / (size[t] * max(now - last_access[t], _MIN_STALENESS_S)), t),
-            )
             resident.discard(victim)
             evicted.add(victim)
             ever.add(victim)
             in_use -= size[victim]
             evictions += 1
-            for user in frontier_users.pop(victim, ()):  # chains that stopped at the victim grow
-                cost_cache.pop(user, None)
+            invalidate(frontier_users.pop(victim, set()))  # chains that stopped at the victim grow
+            refile(victim)
         end = timeline.step_end_s[i]
         for t in op.inputs:
             last_access[t] = end
@@ -137,7 +158,85 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
                 in_use -= size[t]
             if readers_left[t] == 0:
                 evicted.discard(t)
+            refile(t)
     return ever, evictions, remats
+
+
+class _Candidates:
+    """The evictable tensors, filed for DTR's choice: least h = cost / (size x staleness), then name.
+
+    A tensor with a cached cost sits in the heap of its (cost, size) group, keyed by (last access,
+    name). Within a group h is a non-increasing function of staleness (now - last access, floored),
+    evaluated with the same float operations for every member, so the heap's top has the group's
+    least h, and members with that same h (a tie) follow it in heap order. Entries are never removed
+    in place: one whose tensor left the candidates, or whose cost or last access changed since, is
+    stale and dropped when it reaches the top. Re-filing pushes a fresh entry.
+    """
+
+    def __init__(self, size: dict[str, int], last_access: dict[str, float], cost_cache: dict[str, float]):
+        self._size = size
+        self._last_access = last_access
+        self._cost = cost_cache
+        self._members: set[str] = set()
+        self._uncached: set[str] = set()
+        self._groups: dict[tuple[float, int], list[tuple[float, str]]] = {}
+
+    def add(self, t: str) -> None:
+        self._members.add(t)
+        self.cost_changed(t)
+
+    def discard(self, t: str) -> None:
+        self._members.discard(t)
+        self._uncached.discard(t)
+
+    def cost_changed(self, t: str) -> None:
+        """File t under its cached cost (or as uncached), if it is a candidate."""
+        if t not in self._members:
+            return
+        cost = self._cost.get(t)
+        if cost is None:
+            self._uncached.add(t)
+            return
+        self._uncached.discard(t)
+        heapq.heappush(self._groups.setdefault((cost, self._size[t]), []), (self._last_access[t], t))
+
+    def uncached(self, pinned: set[str]) -> list[str]:
+        """Candidates (not pinned) whose cost must be computed before the next choice."""
+        return [t for t in self._uncached if t not in pinned]
+
+    def _valid(self, entry: tuple[float, str], cost: float) -> bool:
+        last, t = entry
+        return t in self._members and self._cost.get(t) == cost and self._last_access[t] == last
+
+    def least(self, now: float, pinned: set[str]) -> str | None:
+        """The unpinned candidate of least (h, name), or None if every candidate is pinned."""
+        best: tuple[float, str] | None = None
+        for key in list(self._groups):
+            cost, size = key
+            heap = self._groups[key]
+            held: list[tuple[float, str]] = []
+            group_best: tuple[float, str] | None = None
+            while heap:
+                entry = heap[0]
+                if not self._valid(entry, cost):
+                    heapq.heappop(heap)
+                    continue
+                last, t = entry
+                held.append(heapq.heappop(heap))
+                if t in pinned:
+                    continue
+                h = cost / (size * max(now - last, _MIN_STALENESS_S))
+                if group_best is not None and h != group_best[0]:
+                    break  # h only grows from here on
+                if group_best is None or t < group_best[1]:
+                    group_best = (h, t)
+            for entry in held:
+                heapq.heappush(heap, entry)
+            if not heap:
+                del self._groups[key]
+            if group_best is not None and (best is None or group_best < best):
+                best = group_best
+        return None if best is None else best[1]
 
 
 @register_planner("dtr")

@@ -3,9 +3,10 @@
 Drop the activations *inside* the attention core (QK^T scores, softmax, softmax dropout: the
 5·a·s²·b term) and regenerate them in backward from the kept Q, K and V; the core's output (the
 context that the projection reads) is kept. Megatron applies it per layer; here in the first k
-layers, with k the smallest count whose plan fits the budget (found by bisection on the analytical
-timeline). Never swaps. With a fused (flash) attention kernel there is almost nothing inside the
-core to drop, so most budgets are infeasible for this strategy, as they are in Megatron.
+layers, with k the smallest count whose plan fits the budget (searched on the analytical timeline
+from the byte-count guess, `greedy.smallest_fitting_count`). Never swaps. With a fused (flash)
+attention kernel there is almost nothing inside the core to drop, so most budgets are infeasible for
+this strategy, as they are in Megatron.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class SelectiveRecompute:
             return cache[k]
 
         n = len(layers)
-        plan = smallest_fitting_count(n, probe, budget_bytes)
+        unit_bytes = [sum(graph.tensors[t].size_bytes for t in core[layer]) for layer in layers]
+        plan = smallest_fitting_count(n, probe, budget_bytes, unit_bytes)
         if plan is None:
             raise over_budget(self.name, budget_bytes, probe(n)[1], f"recomputing the attention core in all {n} layers")
         return plan

@@ -5,8 +5,12 @@ prefetch them one layer ahead during backward, never recompute.
 vDNN offloads the activations of a layer as its forward pass produces them (here: one D2H copy per
 saved tensor, issued after its producer) and, during backward, prefetches the activations of layer
 l when the backward pass of layer l+1 begins. Its dynamic policy (vDNN_dyn) offloads as few layers
-as fit memory: here the first k layers, k the smallest count that runs within the budget
-(bisection). Activations outside the stack are kept.
+as fit memory: here the first k layers, k the smallest count that runs within the budget. Activations
+outside the stack are kept. k is searched from the byte-count guess (the first k whose layers' bytes
+cover the excess over the budget) by galloping (`greedy.first_true`): a few probes at any depth, where
+bisection took log2(L), each probe a build and a replay (or a simulation) of the whole schedule. The
+peak, and whether the simulator completes, fall monotonically with k on every preset checked, so the
+search finds the k bisection found (tests/test_planner_scaling.py compares them).
 
 vDNN as published *waits*: a layer whose offload has not finished cannot free its activations, so
 the next allocation blocks until the copy is done (vDNN synchronises its offload stream at every
@@ -31,7 +35,7 @@ from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import analyse
 from slackswap.planners.support.fit import over_budget, scheduled_peak
-from slackswap.planners.support.greedy import smallest_fitting_count
+from slackswap.planners.support.greedy import byte_count_guess, first_true, smallest_fitting_count
 
 
 def layer_tensors(graph: Graph) -> dict[int, list[str]]:
@@ -70,12 +74,14 @@ class SwapOnly:
                 )
             return cache[k]
 
-        plan = smallest_fitting_count(n, probe, budget_bytes)
+        unit_bytes = [sum(graph.tensors[t].size_bytes for t in by_layer[layer]) for layer in layers]
+        plan = smallest_fitting_count(n, probe, budget_bytes, unit_bytes)
         if plan is not None:
             return plan
         assert budget_bytes is not None
         if self.memory_waits:
-            waiting = self._smallest_count_that_runs(graph, hardware, budget_bytes, n, probe)
+            guess = byte_count_guess(probe(0)[1] - budget_bytes, unit_bytes)
+            waiting = self._smallest_count_that_runs(graph, hardware, budget_bytes, n, probe, guess)
             if waiting is not None:
                 return waiting
         analysis = analyse(graph, hardware)
@@ -90,9 +96,10 @@ class SwapOnly:
             f"pass can hide only {gib(hideable)} at {link.d2h_effective_bytes_per_s / 1e9:.1f} GB/s",
         )
 
-    def _smallest_count_that_runs(self, graph, hardware, budget_bytes, n, probe) -> Plan | None:
+    def _smallest_count_that_runs(self, graph, hardware, budget_bytes, n, probe, guess: int) -> Plan | None:
         """Smallest k whose plan the simulator completes within the budget (waiting for memory where it
-        must); bisection, returning only a k it simulated. None if even all n layers deadlock."""
+        must), searched from the byte-count `guess` (`first_true`), returning only a k it simulated.
+        None if even all n layers deadlock."""
         from slackswap.simulate import simulate
 
         runs: dict[int, bool] = {}
@@ -104,8 +111,4 @@ class SwapOnly:
 
         if not completes(n):
             return None
-        lo, hi = -1, n  # invariant: completes(hi); lo == -1 or not completes(lo)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if completes(mid) else (mid, hi)
-        return probe(hi)[0]
+        return probe(first_true(-1, n, completes, guess))[0]

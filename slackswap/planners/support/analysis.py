@@ -94,6 +94,7 @@ def regen_walk(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[set
     """(forward ops that regenerate `tensor`, saved tensors the walk stops at) when the saved tensors in
     `missing` and all non-saved forward tensors are off the device. `tensor` itself counts as missing.
     The stop set is what DTR's cost depends on: evicting one of them lengthens the chain."""
+    producer_of, saved = _walk_tables(graph)
     ops: set[str] = set()
     frontier: set[str] = set()
     stack = [tensor]
@@ -103,14 +104,27 @@ def regen_walk(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[set
         if name in seen:
             continue
         seen.add(name)
-        producer = graph.op_by_name[graph.tensors[name].producer]
-        ops.add(producer.name)
-        for t in producer.inputs:
-            if t == tensor or t in missing or not graph.tensors[t].saved:
+        producer, inputs = producer_of[name]
+        ops.add(producer)
+        for t in inputs:
+            if t == tensor or t in missing or t not in saved:
                 stack.append(t)
             else:
                 frontier.add(t)
     return ops, frontier
+
+
+def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, tuple[str, ...]]], frozenset[str]]:
+    """(tensor -> (producer op, its inputs), saved tensors), cached on the graph (derived data of a
+    frozen object): DTR walks chains after every eviction, and on traced graphs, where evicted
+    regions chain across layers, those walks are most of its time."""
+    cached = graph.__dict__.get("_regen_walk_tables")
+    if cached is None:
+        op_by_name = graph.op_by_name
+        producer_of = {name: (t.producer, op_by_name[t.producer].inputs) for name, t in graph.tensors.items()}
+        saved = frozenset(name for name, t in graph.tensors.items() if t.saved)
+        cached = graph.__dict__["_regen_walk_tables"] = (producer_of, saved)
+    return cached
 
 
 def regen_chain(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[str, ...]:

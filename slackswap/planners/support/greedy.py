@@ -91,11 +91,19 @@ def fit_prefix(
     prefetch: str = "alap",
     notes: Callable[[int], Mapping[str, object]] | None = None,
     what: str = "",
-) -> Plan:
+    hopeless: Callable[[int], bool] | None = None,
+) -> Plan | None:
     """The plan recomputing the shortest fitting prefix of `order` on top of `base` decisions.
 
     Raises InfeasibleBudgetError when even the whole of `order` does not fit (`what` describes the
     plan tried, for the message).
+
+    `hopeless(k)`, if given, is asked whenever the search learns that the prefix it will return is
+    at least k long (k = 0 before the first probe, k = x + 1 after a probe of x does not fit: the
+    returned prefix is always longer than every non-fitting probe of the final bracket). True stops
+    the search and returns None. A caller comparing alternatives passes "a prefix this long cannot
+    beat the best plan so far", which spares the probes of a losing alternative (each is a build and a
+    replay of the whole schedule) without changing which plan wins.
     """
     cache: dict[int, tuple[Plan, int]] = {}
 
@@ -115,6 +123,8 @@ def fit_prefix(
         return cache[k]
 
     n = len(order)
+    if hopeless is not None and hopeless(0):
+        return None
 
     def infeasible() -> InfeasibleBudgetError:
         return over_budget(planner, budget_bytes, probe(n)[1], what or "its most frugal plan")
@@ -130,6 +140,10 @@ def fit_prefix(
             guess = k
             break
         freed += analysis.tensors[t].size_bytes
+    def gives_up(failed: int) -> bool:
+        """A probe of `failed` did not fit: the answer is longer; is that already hopeless?"""
+        return hopeless is not None and hopeless(failed + 1)
+
     step = max(1, n // 64)
     if probe(guess)[1] <= budget_bytes:
         hi = guess
@@ -137,42 +151,103 @@ def fit_prefix(
         while lo >= 0 and probe(lo)[1] <= budget_bytes:
             hi, lo, step = lo, lo - 2 * step, 2 * step
         lo = max(lo, -1)
+        if lo >= 0 and gives_up(lo):
+            return None
     else:
         if guess == n:
             raise infeasible()
+        if gives_up(guess):
+            return None
         lo = guess
         hi = min(n, guess + step)
         while probe(hi)[1] > budget_bytes:
             if hi == n:
                 raise infeasible()
+            if gives_up(hi):
+                return None
             lo, hi, step = hi, min(n, hi + 2 * step), 2 * step
     while hi - lo > 1:  # invariant: probe(hi) fits; lo == -1 or probe(lo) does not
         mid = (lo + hi) // 2
         if probe(mid)[1] <= budget_bytes:
             hi = mid
         else:
+            if gives_up(mid):
+                return None
             lo = mid
     return probe(hi)[0]
 
 
 def smallest_fitting_count(
-    count: int, probe: Callable[[int], tuple[Plan, int]], budget_bytes: int | None
+    count: int,
+    probe: Callable[[int], tuple[Plan, int]],
+    budget_bytes: int | None,
+    unit_bytes: Sequence[int] | None = None,
 ) -> Plan | None:
-    """The plan of the smallest k in 0..count whose `probe(k)` peak fits the budget (bisection).
+    """The plan of the smallest k in 0..count whose `probe(k)` peak fits the budget.
 
     `probe(k)` returns (plan, peak bytes) for a strategy applied to its first k units (layers), and
     must be monotone: more units, lower peak. None when even all `count` units do not fit, so the
     caller can say why in its own terms.
+
+    Each probe builds and replays a whole schedule, so plain bisection (log2(count) probes) makes a
+    planner grow as L log L. With `unit_bytes` (what each unit frees at best, in order), the search
+    starts from the byte-count guess, the first k whose bytes cover the excess of `probe(0)`'s peak,
+    and gallops from there (`first_true`): a handful of probes at any depth when the guess is near.
+    On a monotone `probe` every search returns the same k.
     """
     if budget_bytes is None or probe(0)[1] <= budget_bytes:
         return probe(0)[0]
     if probe(count)[1] > budget_bytes:
         return None
-    lo, hi = 0, count
-    while hi - lo > 1:
+
+    def fits(k: int) -> bool:
+        return probe(k)[1] <= budget_bytes
+
+    if unit_bytes is None:  # plain bisection
+        lo, hi = 0, count
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return probe(hi)[0]
+    guess = byte_count_guess(probe(0)[1] - budget_bytes, unit_bytes)
+    return probe(first_true(0, count, fits, guess))[0]
+
+
+def byte_count_guess(excess_bytes: int, unit_bytes: Sequence[int]) -> int:
+    """The first k whose first k `unit_bytes` add up to `excess_bytes` (len(unit_bytes) if none)."""
+    freed = 0
+    for k, size in enumerate(unit_bytes):
+        if freed >= excess_bytes:
+            return k
+        freed += size
+    return len(unit_bytes)
+
+
+def first_true(lo: int, hi: int, holds: Callable[[int], bool], guess: int) -> int:
+    """The smallest k in (lo, hi] with `holds(k)`, given `holds(hi)` and (lo == -1 or not `holds(lo)`),
+    for a monotone `holds` (False up to some k, True from there). Gallops from `guess` (steps 1, 2,
+    4, ... towards the answer), then bisects the last step: O(log |answer - guess|) calls, where
+    bisection from (lo, hi] needs log2(hi - lo). Returns only a k it has seen hold."""
+    k = min(max(guess, lo + 1), hi)
+    step = 1
+    if k == hi or holds(k):
+        hi = k
+        while hi - step > lo:
+            if not holds(hi - step):
+                lo = hi - step
+                break
+            hi, step = hi - step, 2 * step
+    else:
+        lo = k
+        while lo + step < hi:
+            if holds(lo + step):
+                hi = lo + step
+                break
+            lo, step = lo + step, 2 * step
+    while hi - lo > 1:  # invariant: holds(hi); lo == -1 or not holds(lo)
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if probe(mid)[1] <= budget_bytes else (mid, hi)
-    return probe(hi)[0]
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
 
 
 def take_while_hidden(analysis: ProfileAnalysis, ranked: list[str]) -> list[str]:

@@ -5,9 +5,18 @@
 3. Recompute the shortest prefix of that ranking that fits the budget (`greedy.fit_prefix`); keep
    the rest.
 With no budget, or a budget the keep-all peak already fits, nothing is swapped or recomputed.
+
+Cost: each swapped set's prefix search builds and replays whole schedules (about 0.1 s each at 320
+analytic layers), so a swapped set that cannot win is dropped as soon as that is certain
+(`_cannot_beat`): no plan steps faster than the sum of its compute steps, which is at least the
+keep-all step plus one re-run of the producer of every recomputed tensor. The alternatives are
+still compared in their order and a later one must be strictly faster, so skipping one that can at
+best tie never changes the plan.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
@@ -50,9 +59,12 @@ class SwapThenRecompute:
                 continue
             tried.append(set(swaps))
             try:
-                plan = self._plan_with(graph, hardware, budget_bytes, analysis, swaps)
+                plan = self._plan_with(graph, hardware, budget_bytes, analysis, swaps,
+                                       None if best is None else best[0])
             except InfeasibleBudgetError as exc:
                 failure = exc
+                continue
+            if plan is None:  # it could at best tie with `best`
                 continue
             step_s = estimate_plan(graph, plan, hardware).step_s
             if best is None or step_s < best[0]:
@@ -63,8 +75,15 @@ class SwapThenRecompute:
         return best[1]
 
     def _plan_with(
-        self, graph: Graph, hardware: Hardware, budget_bytes: int, analysis: ProfileAnalysis, swaps: list[str]
-    ) -> Plan:
+        self,
+        graph: Graph,
+        hardware: Hardware,
+        budget_bytes: int,
+        analysis: ProfileAnalysis,
+        swaps: list[str],
+        beat_step_s: float | None = None,
+    ) -> Plan | None:
+        """The plan for the swapped set `swaps`; None if it cannot step faster than `beat_step_s`."""
         keep = {t: Decision.KEEP for t in analysis.tensors}
         base = dict(keep)
         base.update(dict.fromkeys(swaps, Decision.SWAP))
@@ -90,4 +109,39 @@ class SwapThenRecompute:
             planner=self.name,
             notes=notes,
             what=f"swapping {len(swaps)} tensors and recomputing all {len(order)} other non-boundary tensors",
+            hopeless=None if beat_step_s is None else _cannot_beat(graph, analysis, order, beat_step_s),
         )
+
+
+def step_lower_bounds_s(graph: Graph, analysis: ProfileAnalysis, order: list[str]) -> list[float]:
+    """[k] = a lower bound on the step time of any schedule that recomputes `order[:k]` (and anything
+    else): the keep-all step (every op runs once, in the same order, on the one compute stream) plus
+    one re-run of each distinct producer op of those tensors. A recomputed saved tensor has a backward
+    reader, and `build_schedule` regenerates it before that reader with a recompute step of its
+    producer; a schedule's step is at least the sum of its compute steps (stalls only add)."""
+    duration = {op.name: op.duration_s for op in graph.ops}
+    bounds = [analysis.ideal_step_s]
+    producers: set[str] = set()
+    recompute_s = 0.0
+    for t in order:
+        producer = graph.tensors[t].producer
+        if producer not in producers:
+            producers.add(producer)
+            recompute_s += duration[producer]
+        bounds.append(analysis.ideal_step_s + recompute_s)
+    return bounds
+
+
+def _cannot_beat(
+    graph: Graph, analysis: ProfileAnalysis, order: list[str], beat_step_s: float
+) -> Callable[[int], bool]:
+    """`fit_prefix`'s `hopeless`: no plan with a prefix of k or more can be strictly faster than
+    `beat_step_s`. The keep-all step is exact (a schedule's compute time is summed in the same order,
+    with only non-negative terms added, so it cannot round below it); the recompute part is a sum of
+    its own, so it must exceed `beat_step_s` by more than rounding (1e-9 relative) to count."""
+    bounds = step_lower_bounds_s(graph, analysis, order)
+
+    def hopeless(k: int) -> bool:
+        return beat_step_s <= analysis.ideal_step_s or bounds[k] > beat_step_s * (1 + 1e-9)
+
+    return hopeless
