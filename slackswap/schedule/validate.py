@@ -177,7 +177,8 @@ def _check_steps(graph: Graph, plan: Plan) -> list[int]:
             _fail(f"step {j} names op {name!r}, which is not in graph {graph.name!r}")
         kind = step.kind
         if kind == run:
-            if step.outputs != op.outputs and tuple(step.outputs) != tuple(op.outputs):
+            outputs = step.outputs
+            if outputs is not op.outputs and outputs != op.outputs and tuple(outputs) != tuple(op.outputs):
                 _fail(
                     f"step {j} runs op {name!r} with outputs {list(step.outputs)}; "
                     f"a run step materialises all of the op's outputs {list(op.outputs)}"
@@ -233,30 +234,33 @@ def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str
     """Directions, ranges and one offload + one prefetch per swapped tensor. Returns tensor -> index maps."""
     n = len(plan.steps)
     by_tensor: list[dict[str, int]] = [{}, {}]
+    tensors = _graph_tables(graph)[1]  # tensor name -> bytes: the graph's tensors
+    decision_of = plan.decisions.get
+    swap = Decision.SWAP
     for which, (label, transfers, direction) in enumerate(
         (("offload", plan.offloads, Direction.D2H), ("prefetch", plan.prefetches, Direction.H2D))
     ):
+        seen = by_tensor[which]
         for k, tr in enumerate(transfers):
+            t = tr.tensor
             if tr.direction != direction:
                 _fail(
-                    f"{label} {k} of tensor {tr.tensor!r} has direction {tr.direction!r}; "
+                    f"{label} {k} of tensor {t!r} has direction {tr.direction!r}; "
                     f"{label}s are {direction.value}"
                 )
-            if tr.tensor not in graph.tensors:
-                _fail(f"{label} {k} moves tensor {tr.tensor!r}, which is not in the graph")
-            if not isinstance(tr.issue_after_step, int) or not -1 <= tr.issue_after_step < n:
+            if t not in tensors:
+                _fail(f"{label} {k} moves tensor {t!r}, which is not in the graph")
+            issue = tr.issue_after_step
+            if not isinstance(issue, int) or not -1 <= issue < n:
                 _fail(
-                    f"{label} {k} of tensor {tr.tensor!r} has issue_after_step={tr.issue_after_step!r}; "
+                    f"{label} {k} of tensor {t!r} has issue_after_step={issue!r}; "
                     f"must be an integer in [-1, {n - 1}]"
                 )
-            if plan.decisions.get(tr.tensor) != Decision.SWAP:
-                _fail(
-                    f"{label}s tensor {tr.tensor!r}, whose decision is "
-                    f"{plan.decisions.get(tr.tensor, 'none')!s}, not swap"
-                )
-            if tr.tensor in by_tensor[which]:
-                _fail(f"{label}s tensor {tr.tensor!r} twice ({label}s {by_tensor[which][tr.tensor]} and {k})")
-            by_tensor[which][tr.tensor] = k
+            if decision_of(t) != swap:
+                _fail(f"{label}s tensor {t!r}, whose decision is {plan.decisions.get(t, 'none')!s}, not swap")
+            if t in seen:
+                _fail(f"{label}s tensor {t!r} twice ({label}s {seen[t]} and {k})")
+            seen[t] = k
     offload_of, prefetch_of = by_tensor
     for t in plan.tensors_with(Decision.SWAP):
         if t not in offload_of:
@@ -543,12 +547,15 @@ def _check_reader_copies(
             continue  # a recompute step may read any resident copy
         forward = role == 1
         problem = None
-        for c in read_copies[read_starts[j]:read_starts[j + 1]]:
-            decision = decisions.get(c_tensor[c])
-            if decision is None or c_source[c] == ("run" if forward else wanted[decision]):
-                continue
-            if problem is None or c < problem:
-                problem = c
+        if forward:  # needs the run copy of every decided tensor: a run copy needs no lookup
+            for c in read_copies[read_starts[j]:read_starts[j + 1]]:
+                if c_source[c] != "run" and decisions.get(c_tensor[c]) is not None and (problem is None or c < problem):
+                    problem = c
+        else:
+            for c in read_copies[read_starts[j]:read_starts[j + 1]]:
+                decision = decisions.get(c_tensor[c])
+                if decision is not None and c_source[c] != wanted[decision] and (problem is None or c < problem):
+                    problem = c
         if problem is not None:
             c = problem
             t = c_tensor[c]

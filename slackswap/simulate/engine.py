@@ -260,9 +260,10 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                             stall_prefetch += wait_prefetch
                             step_wait_prefetch[j] = wait_prefetch
                             next_late = late_stop
-                        wait_memory = now - held_from
-                        stall_memory += wait_memory
-                        step_wait_memory[j] = wait_memory
+                        if now != held_from:  # it waited for memory (0.0 is already recorded)
+                            wait_memory = now - held_from
+                            stall_memory += wait_memory
+                            step_wait_memory[j] = wait_memory
                         if size:
                             in_use += size
                             mem_t.append(now)
