@@ -52,11 +52,11 @@ class ResolvedSchedule:
 
     What each step reads and writes is stored flat: all reads in one tuple (`read_copies`, step j's
     from `read_starts[j]` to `read_starts[j + 1]`), and a step's outputs are consecutive copy ids
-    (`write_starts[j]` up to `write_stops[j]`). `step_reads`, `step_writes` and `copy_readers` (who
-    reads a copy) are derived from them on first use. Why: the simulator needs none of the three; it
-    frees a copy at `copy_last_use` and waits only for prefetched copies (`prefetch_readers`), and a
-    tuple per step and a list per copy were most of the objects the walk made (the cyclic GC's passes
-    over them cost as much again)."""
+    (`write_starts[j]` up to `write_stops[j]`). `step_reads`, `step_writes`, `copy_readers` (who reads
+    a copy), `prefetch_readers` and `copy_wait_offloads` are derived on first use. Why: the simulator
+    needs none of them; it frees a copy at `copy_last_use` and waits only for prefetched copies
+    (`prefetched_read_steps` / `_copies`), and a tuple per step and a list per copy were most of the
+    objects the walk made (the cyclic GC's passes over them cost as much again)."""
 
     #: Per copy: tensor name, bytes, source ("run" / "recompute" / "prefetch"), source step or
     #: prefetch index, and the offload index (or None).
@@ -65,13 +65,14 @@ class ResolvedSchedule:
     copy_source: tuple[str, ...]
     copy_source_index: tuple[int, ...]
     copy_offload: tuple[int | None, ...]
-    #: Per copy: the copy an alias holds (or None); the last step that reads it or any alias holding
-    #: it, transitively (-1: none); and every offload it waits for before it is freed (its own and
-    #: its aliases'). The free rule of `schedule.memory` in the form the engine applies it.
+    #: Per copy: the copy an alias holds (or None), and the last step that reads it or any alias
+    #: holding it, transitively (-1: none). With the offloads (`copy_wait_offloads`), the free rule of
+    #: `schedule.memory` in the form the engine applies it.
     copy_holds: tuple[int | None, ...]
     copy_last_use: tuple[int, ...]
     #: The copies each step reads (each once, in op input order), all steps in order, and where each
-    #: step's reads start (one entry more than steps: step j reads read_copies[read_starts[j]:read_starts[j + 1]]).
+    #: step's reads start (one entry more than steps): step j reads
+    #: read_copies[read_starts[j]:read_starts[j + 1]].
     read_copies: tuple[int, ...]
     read_starts: tuple[int, ...]
     #: Per step: the ids of the copies it produces are write_starts[j] <= c < write_stops[j].

@@ -20,7 +20,8 @@ instead of being tracked at run time:
   when its *last* reader finishes: the copy is freed then, or when its offload completes if that is
   later (no per-copy reader counter). An alias copy (a view) owns no bytes and keeps the copy it
   holds alive: the resolver folds that into `copy_last_use` (the last step reading the copy or an
-  alias of it) and `copy_wait_offloads` (its offload and its aliases'), so the loop stays the same.
+  alias of it), and an offload's completion counts for the copy it moved and every copy up its
+  `copy_holds` chain, so the loop stays the same.
 
 Per time instant the loop first applies every completion at that time (frees, readiness), in the
 order they were created (the running step carries its creation number), then starts what can start
