@@ -85,7 +85,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     steps = plan.steps
     n_steps = len(steps)
     duration_of = _durations(graph)
-    step_dur = [duration_of[st.op] for st in steps]
     read_copies = s.read_copies
     read_starts = s.read_starts
     copy_size = s.copy_size
@@ -269,11 +268,12 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                             in_use += size
                             mem_t.append(now)
                             mem_b.append(in_use)
-                        end = now + step_dur[j]
+                        step = steps[j]
+                        end = now + duration_of[step.op]
                         step_start[j] = now
                         step_stop[j] = end
                         order.append(j)
-                        if steps[j].kind == recompute_kind:
+                        if step.kind == recompute_kind:
                             recompute_busy += end - now
                         compute_busy += end - now
                         step_running = True
