@@ -149,6 +149,7 @@ def run(quick: bool = False) -> dict:
         "note": "2-core machine shared with other processes: wall times carry the load (see the load "
         "average); CPU times (children's user + system) are what the runs themselves cost.",
     }
+    print("load average at start (1, 5, 15 min):", result["machine_at_start"].get("load_average_1_5_15"))
     result["imports_s"] = measure_imports(1 if quick else 3)
     print("imports (fresh interpreter):", result["imports_s"])
 
@@ -175,6 +176,7 @@ def run(quick: bool = False) -> dict:
                 print(f"launcher {launcher}: wall {sweep['wall_s']:.1f} s for {len(sweep['records'])} jobs")
             result["launchers_8_jobs_gpt2_xl"] = launchers
     result["machine_at_end"] = machine()
+    print("load average at end (1, 5, 15 min):", result["machine_at_end"].get("load_average_1_5_15"))
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {RESULT.relative_to(REPO)}")

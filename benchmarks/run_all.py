@@ -64,7 +64,13 @@ def figures() -> list[tuple[str, str, str, str]]:
     row80 = next(r for r in sim["rows"] if r["layers"] == 80)
     rows.append(("engine vs linear SimPy, 80 layers (SimPy / engine)", f"{row80['ratio_simpy_over_engine']:.2f}x",
                  f"{BEFORE['engine_ratio']}x", ">= 5x"))
+    rows.append(("same, engine + building every TraceEvent, 80 layers",
+                 f"{row80['ratio_simpy_over_engine_events']:.2f}x", "-", "-"))
     rows.append(("simulate() incl. validation vs SimPy, 80 layers", f"{row80['ratio_simpy_over_simulate']:.2f}x",
+                 "-", "-"))
+    largest = max(sim["rows"], key=lambda r: r["layers"])
+    rows.append((f"engine vs linear SimPy, {largest['layers']} layers (SimPy / engine; with events)",
+                 f"{largest['ratio_simpy_over_engine']:.2f}x ({largest['ratio_simpy_over_engine_events']:.2f}x)",
                  "-", "-"))
     rows.append(("engine us per op, 80 layers (simulate incl. validation)",
                  f"{row80['engine_us_per_op']:.2f} ({row80['simulate_us_per_op']:.2f})",

@@ -259,9 +259,12 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     write_trace_json(result, run_dir / "trace.json")
     timings["write_results_s"] = time.perf_counter() - t0
     if inputs.draw_timeline:
+        from pipelines.imports import import_paused
         from slackswap.simulate.timeline import write_timeline_png
 
         t0 = time.perf_counter()
+        import_paused("matplotlib.figure")  # what write_timeline_png draws with
+        import_paused("matplotlib.backends.backend_agg")
         title = timeline_title(inputs, budget_bytes, keep_all_peak_bytes)
         write_timeline_png(result, run_dir / "timeline.png", budget_bytes, title=title)
         timings["write_timeline_s"] = time.perf_counter() - t0

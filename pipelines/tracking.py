@@ -199,8 +199,9 @@ def open_client(uri: str):
     """
     import os
 
-    from mlflow.tracking import MlflowClient
+    from pipelines.imports import import_paused
 
+    MlflowClient = import_paused("mlflow.tracking").MlflowClient  # noqa: N806 (a class)
     db = sqlite_path(uri)
     if db is None:
         if uri.startswith(("http://", "https://")):
@@ -213,6 +214,7 @@ def open_client(uri: str):
     db.parent.mkdir(parents=True, exist_ok=True)
     check_sqlite_store(db)
     lock = FileLock(str(db) + ".lock")
+    import_paused("mlflow.store.tracking.sqlalchemy_store")  # what the client constructs for SQLite
     try:
         with lock.acquire(timeout=STORE_LOCK_TIMEOUT_S):
             return _sqlite_client(MlflowClient, uri, db)

@@ -5,6 +5,9 @@ that it behaves as the tuple it replaced: length, indexing, equality and hashing
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
 from slackswap.simulate import TraceEvent, simulate
 from slackswap.testing import bwd, fwd, make_graph, toy_hardware
@@ -116,3 +119,5 @@ def test_the_log_behaves_as_the_tuple_of_its_events():
     other = simulate(g, _swap_a(g, offload_after=0, prefetch_after=3), HW, None)
     assert other.events != r.events and other != r
     assert "TraceEvent(stream='d2h'" in repr(r.events)
+    fresh = simulate(g, plan, HW, None)  # events not built yet: the record itself must travel
+    assert pickle.loads(pickle.dumps(fresh)) == r and copy.deepcopy(fresh) == r

@@ -4,6 +4,7 @@ same configs and files as before. Counts and contents only; the times are in ben
 from __future__ import annotations
 
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,33 @@ def test_the_cli_exit_code_and_output_survive_the_fast_exit(tmp_path) -> None:
     bad = subprocess.run([*base, "budget.fraction=7", f"hydra.run.dir={tmp_path}/bad"], cwd=REPO_ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: budget.fraction=7.0")
+
+
+def test_import_paused_imports_once_with_the_collector_paused_then_freezes(tmp_path, monkeypatch):
+    """The collector is off while the module body runs, back on after (also when the import fails),
+    the heap is frozen after a first import only, and a disabled collector stays disabled."""
+    import gc
+
+    from pipelines.imports import import_paused
+
+    (tmp_path / "ss_probe_module.py").write_text("import gc\nCOLLECTOR_ON_DURING_IMPORT = gc.isenabled()\n")
+    (tmp_path / "ss_probe_broken.py").write_text("raise ImportError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    freezes = []
+    monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1))
+    assert gc.isenabled()
+    module = import_paused("ss_probe_module")
+    assert module.COLLECTOR_ON_DURING_IMPORT is False
+    assert gc.isenabled() and freezes == [1]
+    assert import_paused("ss_probe_module") is module
+    assert freezes == [1]  # already imported: no pause, no second freeze
+    with pytest.raises(ImportError, match="broken on purpose"):
+        import_paused("ss_probe_broken")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        monkeypatch.delitem(sys.modules, "ss_probe_module")
+        import_paused("ss_probe_module")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

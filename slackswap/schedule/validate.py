@@ -52,11 +52,11 @@ class ResolvedSchedule:
 
     What each step reads and writes is stored flat: all reads in one tuple (`read_copies`, step j's
     from `read_starts[j]` to `read_starts[j + 1]`), and a step's outputs are consecutive copy ids
-    (`write_starts[j]` up to `write_stops[j]`). `step_reads`, `step_writes` and `copy_readers` (who
-    reads a copy) are derived from them on first use. Why: the simulator needs none of the three; it
-    frees a copy at `copy_last_use` and waits only for prefetched copies (`prefetch_readers`), and a
-    tuple per step and a list per copy were most of the objects the walk made (the cyclic GC's passes
-    over them cost as much again)."""
+    (`write_starts[j]` up to `write_stops[j]`). `step_reads`, `step_writes`, `copy_readers` (who reads
+    a copy), `prefetch_readers` and `copy_wait_offloads` are derived on first use. Why: the simulator
+    needs none of them; it frees a copy at `copy_last_use` and waits only for prefetched copies
+    (`prefetched_read_steps` / `_copies`), and a tuple per step and a list per copy were most of the
+    objects the walk made (the cyclic GC's passes over them cost as much again)."""
 
     #: Per copy: tensor name, bytes, source ("run" / "recompute" / "prefetch"), source step or
     #: prefetch index, and the offload index (or None).
@@ -65,13 +65,14 @@ class ResolvedSchedule:
     copy_source: tuple[str, ...]
     copy_source_index: tuple[int, ...]
     copy_offload: tuple[int | None, ...]
-    #: Per copy: the copy an alias holds (or None); the last step that reads it or any alias holding
-    #: it, transitively (-1: none); and every offload it waits for before it is freed (its own and
-    #: its aliases'). The free rule of `schedule.memory` in the form the engine applies it.
+    #: Per copy: the copy an alias holds (or None), and the last step that reads it or any alias
+    #: holding it, transitively (-1: none). With the offloads (`copy_wait_offloads`), the free rule of
+    #: `schedule.memory` in the form the engine applies it.
     copy_holds: tuple[int | None, ...]
     copy_last_use: tuple[int, ...]
     #: The copies each step reads (each once, in op input order), all steps in order, and where each
-    #: step's reads start (one entry more than steps: step j reads read_copies[read_starts[j]:read_starts[j + 1]]).
+    #: step's reads start (one entry more than steps): step j reads
+    #: read_copies[read_starts[j]:read_starts[j + 1]].
     read_copies: tuple[int, ...]
     read_starts: tuple[int, ...]
     #: Per step: the ids of the copies it produces are write_starts[j] <= c < write_stops[j].
@@ -177,7 +178,8 @@ def _check_steps(graph: Graph, plan: Plan) -> list[int]:
             _fail(f"step {j} names op {name!r}, which is not in graph {graph.name!r}")
         kind = step.kind
         if kind == run:
-            if step.outputs != op.outputs and tuple(step.outputs) != tuple(op.outputs):
+            outputs = step.outputs
+            if outputs is not op.outputs and outputs != op.outputs and tuple(outputs) != tuple(op.outputs):
                 _fail(
                     f"step {j} runs op {name!r} with outputs {list(step.outputs)}; "
                     f"a run step materialises all of the op's outputs {list(op.outputs)}"
@@ -233,30 +235,33 @@ def _check_transfers(graph: Graph, plan: Plan) -> tuple[dict[str, int], dict[str
     """Directions, ranges and one offload + one prefetch per swapped tensor. Returns tensor -> index maps."""
     n = len(plan.steps)
     by_tensor: list[dict[str, int]] = [{}, {}]
+    tensors = _graph_tables(graph)[1]  # tensor name -> bytes: the graph's tensors
+    decision_of = plan.decisions.get
+    swap = Decision.SWAP
     for which, (label, transfers, direction) in enumerate(
         (("offload", plan.offloads, Direction.D2H), ("prefetch", plan.prefetches, Direction.H2D))
     ):
+        seen = by_tensor[which]
         for k, tr in enumerate(transfers):
+            t = tr.tensor
             if tr.direction != direction:
                 _fail(
-                    f"{label} {k} of tensor {tr.tensor!r} has direction {tr.direction!r}; "
+                    f"{label} {k} of tensor {t!r} has direction {tr.direction!r}; "
                     f"{label}s are {direction.value}"
                 )
-            if tr.tensor not in graph.tensors:
-                _fail(f"{label} {k} moves tensor {tr.tensor!r}, which is not in the graph")
-            if not isinstance(tr.issue_after_step, int) or not -1 <= tr.issue_after_step < n:
+            if t not in tensors:
+                _fail(f"{label} {k} moves tensor {t!r}, which is not in the graph")
+            issue = tr.issue_after_step
+            if not isinstance(issue, int) or not -1 <= issue < n:
                 _fail(
-                    f"{label} {k} of tensor {tr.tensor!r} has issue_after_step={tr.issue_after_step!r}; "
+                    f"{label} {k} of tensor {t!r} has issue_after_step={issue!r}; "
                     f"must be an integer in [-1, {n - 1}]"
                 )
-            if plan.decisions.get(tr.tensor) != Decision.SWAP:
-                _fail(
-                    f"{label}s tensor {tr.tensor!r}, whose decision is "
-                    f"{plan.decisions.get(tr.tensor, 'none')!s}, not swap"
-                )
-            if tr.tensor in by_tensor[which]:
-                _fail(f"{label}s tensor {tr.tensor!r} twice ({label}s {by_tensor[which][tr.tensor]} and {k})")
-            by_tensor[which][tr.tensor] = k
+            if decision_of(t) != swap:
+                _fail(f"{label}s tensor {t!r}, whose decision is {plan.decisions.get(t, 'none')!s}, not swap")
+            if t in seen:
+                _fail(f"{label}s tensor {t!r} twice ({label}s {seen[t]} and {k})")
+            seen[t] = k
     offload_of, prefetch_of = by_tensor
     for t in plan.tensors_with(Decision.SWAP):
         if t not in offload_of:
@@ -415,7 +420,6 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
     for j, step in enumerate(steps):
         name = step.op
         inputs = inputs_of[name]
-        first_read = len(read_copies)
         try:
             for t in inputs:
                 c = current[t]
@@ -427,7 +431,7 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         except KeyError:
             _unreadable(plan, j, inputs, current, overwritten)
         if overwritten:
-            for c in read_copies[first_read:]:
+            for c in read_copies[read_starts[j]:]:
                 if c in overwritten:
                     _unreadable(plan, j, inputs, current, overwritten)
         source = "recompute" if step.kind == recompute else "run"
@@ -436,17 +440,19 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
         for t in step.outputs:
             if source == "recompute" and decisions.get(t) in keep_or_swap:
                 _fail(f"{_step_name(plan, j)} recomputes tensor {t!r}, whose decision is {decisions[t]!s}")
-            # An alias (a view) owns no bytes and holds the base copy the step read.
-            base = base_of[t] if has_aliases else ""
-            size = 0 if base else size_of[t]
             c = current[t] = len(c_tensor)
+            if has_aliases:
+                # An alias (a view) owns no bytes and holds the base copy the step read.
+                base = base_of[t]
+                size = 0 if base else size_of[t]
+                c_holds.append(current[base] if base else None)
+            else:
+                size = size_of[t]
             c_tensor.append(t)
             c_source.append(source)
             c_index.append(j)
             c_size.append(size)
             last_use.append(-1)
-            if has_aliases:
-                c_holds.append(current[base] if base else None)
             alloc += size
         if random_recomputed and name in random_recomputed:
             op = op_by_name[name]
@@ -467,7 +473,7 @@ def _resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Res
                 alloc += RNG_STATE_BYTES
         if has_aliases and source == "run":
             for t in op_by_name[name].writes:
-                overwritten[read_copies[first_read + inputs.index(t)]] = name
+                overwritten[read_copies[read_starts[j] + inputs.index(t)]] = name
         read_starts.append(len(read_copies))
         write_stops.append(len(c_tensor))
         step_alloc.append(alloc)
@@ -542,12 +548,15 @@ def _check_reader_copies(
             continue  # a recompute step may read any resident copy
         forward = role == 1
         problem = None
-        for c in read_copies[read_starts[j]:read_starts[j + 1]]:
-            decision = decisions.get(c_tensor[c])
-            if decision is None or c_source[c] == ("run" if forward else wanted[decision]):
-                continue
-            if problem is None or c < problem:
-                problem = c
+        if forward:  # needs the run copy of every decided tensor: a run copy needs no lookup
+            for c in read_copies[read_starts[j]:read_starts[j + 1]]:
+                if c_source[c] != "run" and decisions.get(c_tensor[c]) is not None and (problem is None or c < problem):
+                    problem = c
+        else:
+            for c in read_copies[read_starts[j]:read_starts[j + 1]]:
+                decision = decisions.get(c_tensor[c])
+                if decision is not None and c_source[c] != wanted[decision] and (problem is None or c < problem):
+                    problem = c
         if problem is not None:
             c = problem
             t = c_tensor[c]

@@ -20,7 +20,8 @@ instead of being tracked at run time:
   when its *last* reader finishes: the copy is freed then, or when its offload completes if that is
   later (no per-copy reader counter). An alias copy (a view) owns no bytes and keeps the copy it
   holds alive: the resolver folds that into `copy_last_use` (the last step reading the copy or an
-  alias of it) and `copy_wait_offloads` (its offload and its aliases'), so the loop stays the same.
+  alias of it), and an offload's completion counts for the copy it moved and every copy up its
+  `copy_holds` chain, so the loop stays the same.
 
 Per time instant the loop first applies every completion at that time (frees, readiness), in the
 order they were created (the running step carries its creation number), then starts what can start
@@ -84,7 +85,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     steps = plan.steps
     n_steps = len(steps)
     duration_of = _durations(graph)
-    step_dur = [duration_of[st.op] for st in steps]
     read_copies = s.read_copies
     read_starts = s.read_starts
     copy_size = s.copy_size
@@ -185,7 +185,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     d2h_busy = h2d_busy = 0.0
     d2h_from = d2h_to = h2d_from = h2d_to = -1.0
     d2h_bytes = h2d_bytes = 0
-    end_s = 0.0
     now = 0.0
     while True:
         # -- settle: start everything that can start at `now` --------------------------------
@@ -208,7 +207,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             elif end > d2h_to:
                 d2h_to = end
             d2h_bytes += size
-            end_s = end if end > end_s else end_s
             next_off = k + 1
             heappush(transfers, (end, seq, _D2H_END, k, engine))
             seq += 1
@@ -237,7 +235,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                     elif end > h2d_to:
                         h2d_to = end
                     h2d_bytes += size
-                    end_s = end if end > end_s else end_s
                     next_pre = k + 1
                     heappush(transfers, (end, seq, _H2D_END, k, engine))
                     seq += 1
@@ -263,21 +260,22 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                             stall_prefetch += wait_prefetch
                             step_wait_prefetch[j] = wait_prefetch
                             next_late = late_stop
-                        wait_memory = now - held_from
-                        stall_memory += wait_memory
-                        step_wait_memory[j] = wait_memory
+                        if now != held_from:  # it waited for memory (0.0 is already recorded)
+                            wait_memory = now - held_from
+                            stall_memory += wait_memory
+                            step_wait_memory[j] = wait_memory
                         if size:
                             in_use += size
                             mem_t.append(now)
                             mem_b.append(in_use)
-                        end = now + step_dur[j]
+                        step = steps[j]
+                        end = now + duration_of[step.op]
                         step_start[j] = now
                         step_stop[j] = end
                         order.append(j)
-                        if steps[j].kind == recompute_kind:
+                        if step.kind == recompute_kind:
                             recompute_busy += end - now
                         compute_busy += end - now
-                        end_s = end if end > end_s else end_s
                         step_running = True
                         step_end = end
                         step_seq = seq
@@ -364,6 +362,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                 f"simulator stalled at t={now} with no memory request pending (step {next_step}, "
                 f"offload {next_off}, prefetch {next_pre}); validation should have rejected this plan"
             )
+    # The end of the last event: steps end in order, copies of a direction may not (several engines).
+    end_s = max([step_stop[next_step - 1] if next_step else 0.0, *off_end[:next_off], *pre_end[:next_pre]])
     decided = Counter(plan.decisions.values())
     return SimResult(
         planner=plan.planner,

@@ -5,7 +5,7 @@ without it. A 48-layer step has thousands of events; intervals of one lane and k
 ~1/3000 of the step are merged before drawing (they are narrower than a pixel anyway), which keeps
 the file small and the render fast without hiding any visible gap.
 
-Drawn for speed (a single run draws one; about 0.07 s instead of 0.18 s CPU for a 48-layer step): a
+Drawn for speed (a single run draws one; 0.10 s instead of 0.14-0.18 s CPU for a 48-layer step): a
 bare `Figure` on the Agg canvas (no pyplot figure manager), one `broken_barh` collection per lane,
 the memory curve as one line and one filled area over step arrays built with numpy, and fixed margins sized
 for the labels and the legends instead of constrained layout, which measures every text several
