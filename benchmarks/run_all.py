@@ -55,6 +55,15 @@ def figures() -> list[tuple[str, str, str, str]]:
         before = BEFORE.get(f"{name}_k")
         rows.append((f"{name}: k (load-corrected k_excess)", f"{r['k']:.2f} ({r['k_excess']:.2f})",
                      "-" if before is None else f"{before:.2f}", "<= 1.15"))
+    traced = plan.get("traced_scaling")
+    if traced is not None:
+        sizes = "/".join(str(n) for n in traced["planners"]["slackswap"]["layers"])
+        rows.append((f"traced Llama-2-70B, {sizes} layers: linear reference exponent", f"{traced['k_reference']:.2f}",
+                     "-", "-"))
+        for name, r in traced["planners"].items():
+            if name != "reference":
+                rows.append((f"traced: {name}: k (load-corrected k_excess)", f"{r['k']:.2f} ({r['k_excess']:.2f})",
+                             "-", "<= 1.15"))
     slack = plan["scaling"]["planners"]["slackswap"]
     by_layers = dict(zip(slack["layers"], slack["cpu_s"], strict=True))
     rows.append(("slackswap 80 layers, one core (CPU s)", f"{by_layers.get(80, float('nan')):.3f}",
