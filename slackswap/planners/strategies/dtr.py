@@ -29,14 +29,17 @@ Departures from the paper (docs/planners.md):
 - no swapping (DTR never swaps).
 
 Cost (docs/planners.md, "Planning cost"): each eviction looks at one candidate per (cost, size)
-group (`_Candidates`), and each chain whose frontier was evicted is walked again. On the analytic
-presets chains are 2-3 ops and the replay is linear in depth; on traced graphs, whose residual stream
-is not saved, a chain through evicted tensors runs back across layers and the walks grow as L^2.
+group (`_Candidates`), and each chain whose frontier was evicted is priced again. On the analytic
+presets chains are 2-3 ops and the replay is linear in depth. On traced graphs, whose residual stream
+is not saved, a chain through evicted tensors runs back across layers, and the number of chains
+priced again grows as L^2: those are not walked op by op but rebuilt from memoised sub-chains
+(`_ChainMemo`, set unions) and priced with `math.fsum`, so the quadratic part is C-level set work.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import FORWARD_PHASES, Graph
@@ -44,7 +47,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
-from slackswap.planners.support.analysis import regen_walk
+from slackswap.planners.support.analysis import regen_walk, walk_table
 from slackswap.schedule.build import build_schedule, keep_all_plan
 from slackswap.schedule.replay import estimate_plan
 
@@ -60,18 +63,97 @@ class DtrCannotFit(Exception):
         self.in_use_bytes = in_use_bytes
 
 
-def _chain_cost(
-    graph: Graph, tensor: str, evicted: set[str], duration: dict[str, float] | None = None
-) -> tuple[float, set[str]]:
+def _chain_cost(graph: Graph, tensor: str, evicted: set[str]) -> tuple[float, set[str]]:
     """(c(t) + costs of its upstream evicted neighbourhood, saved inputs the chain stops at).
 
     The chain walks back through evicted tensors and non-saved forward tensors (gone after forward);
-    it stops at resident saved tensors: the `frontier`, whose eviction changes this cost. `duration`
-    (op -> seconds) spares the op lookups; the sum runs over the same set in the same order."""
+    it stops at resident saved tensors: the `frontier`, whose eviction changes this cost. The sum is
+    exact (`math.fsum`, correctly rounded), so it does not depend on the order of the op set and
+    `_ChainMemo` can build the same set another way and price it the same."""
     ops, frontier = regen_walk(graph, tensor, evicted)
-    if duration is None:
-        return sum(graph.op_by_name[o].duration_s for o in ops), frontier
-    return sum([duration[o] for o in ops]), frontier
+    return math.fsum([graph.op_by_name[o].duration_s for o in ops]), frontier
+
+
+class _Chain:
+    """The regeneration walk from one tensor (`regen_walk`'s ops and stop set), built from the walks
+    of the tensors its producer pushes. `ops` and `frontier` are dropped once it is stale."""
+
+    __slots__ = ("tensor", "ops", "frontier", "parents", "stale")
+
+    def __init__(self, tensor: str, ops: frozenset[str], frontier: frozenset[str]):
+        self.tensor = tensor
+        self.ops = ops
+        self.frontier = frontier
+        self.parents: list[_Chain] = []
+        self.stale = False
+
+
+class _ChainMemo:
+    """`regen_walk(graph, t, missing)` for every t, memoised while `missing` changes one tensor at a time.
+
+    On traced graphs the residual stream is not saved, so the walk from a tensor of layer L runs back
+    across every earlier layer, and DTR walks again every chain whose frontier it evicts: O(L) walks
+    of O(L) ops per layer. But the walk from a tensor depends only on its producer's inputs: it is
+    the producer plus the union of the walks of the inputs it pushes (non-saved or missing), stopping
+    at the others. So each tensor's walk is kept (`_Chain`) and rebuilt from its inputs' walks (a
+    set union, no op-by-op walk) only when the status of one of its producer's saved inputs changed
+    (`status_changed`), or one of the walks it was built from was rebuilt. The sets are the walk's
+    sets (tests/test_planner_scaling.py checks them against `regen_walk` at every cost DTR asks for)."""
+
+    def __init__(self, graph: Graph, missing: set[str]):
+        self._table = walk_table(graph)
+        self._missing = missing
+        self._memo: dict[str, _Chain] = {}
+        self._status_users: dict[str, list[_Chain]] = {}
+
+    def chain(self, tensor: str) -> _Chain:
+        memo, table, missing = self._memo, self._table, self._missing
+        stack = [tensor]
+        while stack:
+            name = stack[-1]
+            if name in memo:
+                stack.pop()
+                continue
+            pending = [t for t, saved in table[name][1] if (not saved or t in missing) and t not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            self._build(name)
+        return memo[tensor]
+
+    def _build(self, name: str) -> None:
+        producer, inputs = self._table[name]
+        pushed: list[_Chain] = []
+        stops: list[str] = []
+        for t, saved in inputs:
+            if not saved or t in self._missing:
+                pushed.append(self._memo[t])
+            else:
+                stops.append(t)
+        ops = frozenset((producer,)).union(*(c.ops for c in pushed))
+        frontier = frozenset(stops).union(*(c.frontier for c in pushed))
+        node = _Chain(name, ops, frontier)
+        for c in pushed:
+            c.parents.append(node)
+        for t, saved in inputs:
+            if saved:
+                self._status_users.setdefault(t, []).append(node)
+        self._memo[name] = node
+
+    def status_changed(self, tensor: str) -> None:
+        """`tensor` (saved) became missing or present: the walks its readers built are stale."""
+        stack = self._status_users.pop(tensor, [])
+        while stack:
+            node = stack.pop()
+            if node.stale:
+                continue
+            node.stale = True
+            if self._memo.get(node.tensor) is node:
+                del self._memo[node.tensor]
+            stack.extend(node.parents)
+            node.parents = []
+            node.ops = node.frontier = frozenset()
 
 
 def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[set[str], int, int]:
@@ -102,7 +184,8 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
     ever: set[str] = set()
     last_access: dict[str, float] = {}
     cost_cache: dict[str, float] = {}
-    frontier_users: dict[str, set[str]] = {}
+    frontier_users: dict[str, set[str]] = {}  # f -> tensors registered under f since f's last eviction
+    registered: dict[str, set[str]] = {}  # the converse: t -> every f with t in frontier_users[f]
     candidates = _Candidates(size, last_access, cost_cache)
     in_use = 0
     evictions = remats = 0
@@ -114,18 +197,25 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
         else:
             candidates.discard(t)
 
-    def invalidate(users: set[str]) -> None:
-        for user in users:
+    def invalidate(frontier_tensor: str) -> None:
+        """The costs whose chains stopped at `frontier_tensor` (when they were computed) are dropped."""
+        for user in frontier_users.pop(frontier_tensor, ()):
+            registered[user].discard(frontier_tensor)
             cost_cache.pop(user, None)
             candidates.cost_changed(user)
 
     duration = {op.name: op.duration_s for op in graph.ops}
+    chains = _ChainMemo(graph, evicted)
 
     def cost(t: str) -> float:
-        c, frontier = _chain_cost(graph, t, evicted, duration)
-        cost_cache[t] = c
-        for f in frontier:
+        chain = chains.chain(t)
+        c = cost_cache[t] = math.fsum(map(duration.__getitem__, chain.ops))
+        # Register t under each f of its frontier, as the scan did, but only where it is not
+        # registered already: the chain's frontier mostly repeats the last one's (O(L) on traced graphs).
+        known = registered.setdefault(t, set())
+        for f in chain.frontier - known:
             frontier_users.setdefault(f, set()).add(t)
+        known |= chain.frontier
         return c
 
     for i, op in enumerate(graph.ops):
@@ -134,10 +224,11 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
         for t in op.inputs:
             if t in evicted:  # rematerialise on demand
                 evicted.discard(t)
+                chains.status_changed(t)
                 resident.add(t)
                 in_use += size[t]
                 remats += 1
-                invalidate(frontier_users.pop(t, set()))  # a chain through t now stops at t again
+                invalidate(t)  # a chain through t now stops at t again
                 refile(t)
         for t in op.outputs:
             resident.add(t)
@@ -153,10 +244,11 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
                 raise DtrCannotFit(op.name, in_use)
             resident.discard(victim)
             evicted.add(victim)
+            chains.status_changed(victim)
             ever.add(victim)
             in_use -= size[victim]
             evictions += 1
-            invalidate(frontier_users.pop(victim, set()))  # chains that stopped at the victim grow
+            invalidate(victim)  # chains that stopped at the victim grow
             refile(victim)
         end = timeline.step_end_s[i]
         for t in op.inputs:
@@ -168,8 +260,9 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
             if readers_left[t] == 0 and t in resident:
                 resident.discard(t)
                 in_use -= size[t]
-            if readers_left[t] == 0:
+            if readers_left[t] == 0 and t in evicted:
                 evicted.discard(t)
+                chains.status_changed(t)
             refile(t)
     return ever, evictions, remats
 

@@ -94,7 +94,7 @@ def regen_walk(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[set
     """(forward ops that regenerate `tensor`, saved tensors the walk stops at) when the saved tensors in
     `missing` and all non-saved forward tensors are off the device. `tensor` itself counts as missing.
     The stop set is what DTR's cost depends on: evicting one of them lengthens the chain."""
-    producer_of = _walk_table(graph)
+    producer_of = walk_table(graph)
     ops: set[str] = set()
     frontier: set[str] = set()
     stack = [tensor]
@@ -115,7 +115,7 @@ def regen_walk(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[set
     return ops, frontier
 
 
-def _walk_table(graph: Graph) -> dict[str, tuple[str, tuple[tuple[str, bool], ...]]]:
+def walk_table(graph: Graph) -> dict[str, tuple[str, tuple[tuple[str, bool], ...]]]:
     """Tensor -> (its producer op, that op's inputs each with whether it is saved), cached on the
     graph (derived data of a frozen object): DTR walks chains after every eviction, and on traced
     graphs, where evicted regions chain across layers, those walks are most of its time."""
