@@ -5,10 +5,14 @@ and graph.json into the Hydra run directory. No planner, no simulator, no MLflow
 a model's step costs on a GPU before planning anything. The graph comes from the `profile` source
 (`profile=analytic` by default). With a traced preset (`model=hf_gpt2_xl`) the
 breakdown is the real model's, and profile.csv compares each layer with the analytic graph's bytes.
+
+Exit codes as `pipelines.run`: 0 done; 2 a config value is wrong (one line names the field and value);
+130 / 143 interrupted.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -16,13 +20,27 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_root resolver)
+from pipelines import faults
 from pipelines.stages import analytic_twin
+from slackswap.errors import ConfigError
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
+
+#: Exit code of a config value error, as in `pipelines.run`.
+EXIT_CONFIG_ERROR = 2
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    try:
+        profile_stage(cfg)
+    except ConfigError as exc:
+        if faults.full_error():
+            raise
+        raise faults.Abort(f"error: {exc}", code=EXIT_CONFIG_ERROR) from None
+
+
+def profile_stage(cfg: DictConfig) -> None:
     from slackswap.graph_io import write_graph_json
     from slackswap.profile import build_graph
     from slackswap.profile.report import format_breakdown, write_profile_csv
@@ -46,5 +64,10 @@ def main(cfg: DictConfig) -> None:
     print(f"\nprofile.csv, graph.json -> {run_dir}")
 
 
+def cli() -> int:
+    """One line and exit code 2 for a bad config value (as `pipelines.run`), not Hydra's traceback."""
+    return faults.run_cli(main, lambda interrupted: f"interrupted by {interrupted}", lambda: 0)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -11,36 +11,11 @@ import pickle
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
 from slackswap.simulate import TraceEvent, simulate
 from slackswap.testing import bwd, fwd, make_graph, toy_hardware
+from tests.test_simulate_hand import swap_a_plan, three_layer_graph
 
 HW = toy_hardware()  # 100 B/s per direction, no latency: a 100-byte copy takes 1 s
-
-
-def _graph():
-    """F1 -> a (100) -> F2 -> b (200) -> F3 (4 s) -> c (50); B3(c) -> g2, B2(g2, b) -> g1, B1(g1, a)."""
-    return make_graph(
-        [
-            fwd("F1", (), ("a",), 1.0),
-            fwd("F2", ("a",), ("b",), 1.0),
-            fwd("F3", ("b",), ("c",), 4.0),
-            bwd("B3", ("c",), ("g2",), 1.0),
-            bwd("B2", ("g2", "b"), ("g1",), 1.0),
-            bwd("B1", ("g1", "a"), (), 1.0),
-        ],
-        {"a": 100, "b": 200, "c": 50, "g2": 10, "g1": 10},
-    )
-
-
-def _swap_a(graph, offload_after: int, prefetch_after: int) -> Plan:
-    decisions = {t.name: Decision.KEEP for t in graph.saved_tensors}
-    decisions["a"] = Decision.SWAP
-    return Plan(
-        planner="hand",
-        budget_bytes=None,
-        decisions=decisions,
-        steps=tuple(ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops),
-        offloads=(Transfer("a", Direction.D2H, offload_after),),
-        prefetches=(Transfer("a", Direction.H2D, prefetch_after),),
-    )
+_graph = three_layer_graph  # a (100 B), b (200 B), c (50 B); F3 takes 4 s, every other op 1 s
+_swap_a = swap_a_plan
 
 
 def _run(step: int, op: str, start: float, end: float, size: int, wait_prefetch: float = 0.0,

@@ -238,6 +238,19 @@ def test_profile_cli_prints_breakdown_and_writes_files(tmp_path, monkeypatch, ca
     assert json.loads((tmp_path / "profile" / "graph.json").read_text())
 
 
+def test_profile_cli_names_a_bad_value_in_one_line_and_exits_2(tmp_path) -> None:
+    import subprocess
+
+    from pipelines.schemas import REPO_ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    cmd = [sys.executable, "-m", "pipelines.profile", "model=tiny", "model.num_layers=-3", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == "error: model.num_layers=-3: must be a positive integer"
+    assert not (tmp_path / "profile.csv").exists()
+
+
 def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     """The torch profile source through Hydra and MLflow (TinyGPT: no transformers download, seconds)."""
     if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):  # set by .ci/run: CI never skips it
