@@ -84,16 +84,8 @@ def scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
                     planner.plan(g, hw, budget)
 
             fns[name, n] = run
-    best = best_of(fns, repeats)
-    k_ref = fit_exponent(layers, [best["reference", n] for n in layers])
-    rows = {}
-    print(f"planning CPU time [s] vs layers (llama2_70b shape, 50 % budget, best of {repeats}, interleaved)")
-    print(f"{'planner':22s}" + "".join(f"{n:>9d}" for n in layers) + f"{'k':>7s}{'k_excess':>9s}")
-    for name in ["reference", *names]:
-        times = [best[name, n] for n in layers]
-        k = fit_exponent(layers, times)
-        rows[name] = {"layers": list(layers), "cpu_s": times, "k": k, "k_excess": k - k_ref + 1}
-        print(f"{name:22s}" + "".join(f"{t:9.3f}" for t in times) + f"{k:7.2f}{k - k_ref + 1:9.2f}")
+    title = f"planning CPU time [s] vs layers (llama2_70b shape, 50 % budget, best of {repeats}, interleaved)"
+    rows, k_ref = fit_and_print(best_of(fns, repeats), names, layers, title)
     out = {"planners": rows, "k_reference": k_ref, "repeats": repeats}
     out["verdict"] = verdict(rows, k_ref, layers)
     return out
@@ -102,6 +94,23 @@ def scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
 #: Issue 12's targets (docs/planners.md, "Planning cost").
 K_TARGET = 1.15
 SLACKSWAP_320_TARGET_S = 0.5
+
+
+def fit_and_print(
+    best: dict[tuple[str, int], float], names: list[str], layers: tuple[int, ...], title: str
+) -> tuple[dict, float]:
+    """Per planner: its times, exponent k and k_excess (k less the linear reference's growth, plus 1),
+    printed as a table under `title`; and the reference's exponent."""
+    k_ref = fit_exponent(layers, [best["reference", n] for n in layers])
+    rows = {}
+    print(title)
+    print(f"{'planner':22s}" + "".join(f"{n:>9d}" for n in layers) + f"{'k':>7s}{'k_excess':>9s}")
+    for name in ["reference", *names]:
+        times = [best[name, n] for n in layers]
+        k = fit_exponent(layers, times)
+        rows[name] = {"layers": list(layers), "cpu_s": times, "k": k, "k_excess": k - k_ref + 1}
+        print(f"{name:22s}" + "".join(f"{t:9.3f}" for t in times) + f"{k:7.2f}{k - k_ref + 1:9.2f}")
+    return rows, k_ref
 
 
 def verdict(rows: dict, k_ref: float, layers: tuple[int, ...]) -> dict:
@@ -189,16 +198,8 @@ def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
                     planner.plan(g, hw, budget)
 
             fns[name, n] = run
-    best = best_of(fns, repeats)
-    k_ref = fit_exponent(layers, [best["reference", n] for n in layers])
-    rows = {}
-    print(f"\ntraced llama2_70b (hf_llama2_70b): planning CPU time [s] vs layers (ops: {ops}, best of {repeats})")
-    print(f"{'planner':22s}" + "".join(f"{n:>9d}" for n in layers) + f"{'k':>7s}{'k_excess':>9s}")
-    for name in ["reference", *names]:
-        times = [best[name, n] for n in layers]
-        k = fit_exponent(layers, times)
-        rows[name] = {"layers": list(layers), "cpu_s": times, "k": k, "k_excess": k - k_ref + 1}
-        print(f"{name:22s}" + "".join(f"{t:9.3f}" for t in times) + f"{k:7.2f}{k - k_ref + 1:9.2f}")
+    title = f"\ntraced llama2_70b (hf_llama2_70b): planning CPU time [s] vs layers (ops: {ops}, best of {repeats})"
+    rows, k_ref = fit_and_print(best_of(fns, repeats), names, layers, title)
     return {"planners": rows, "ops": ops, "repeats": repeats, "k_reference": k_ref,
             "verdict": verdict(rows, k_ref, layers)}
 
