@@ -57,6 +57,16 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _timed(cmd: list[str], label: str) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run `cmd` from the repository root: (the finished process, wall s, CPU s of the child)."""
+    cpu0, t0 = _children_cpu_s(), time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall_s, cpu_s = time.perf_counter() - t0, _children_cpu_s() - cpu0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{label} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc, wall_s, cpu_s
+
+
 def run_single(tmp: Path, label: str, overrides: list[str] = ()) -> dict:
     """One `python -m pipelines.run` (not a sweep) against the store in `tmp`: wall and CPU seconds."""
     cmd = [
@@ -64,11 +74,7 @@ def run_single(tmp: Path, label: str, overrides: list[str] = ()) -> dict:
         f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"tracking.artifact_location={tmp}/artifacts",
         f"hydra.run.dir={tmp}/{label}", *overrides,
     ]  # fmt: skip
-    cpu0, t0 = _children_cpu_s(), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    wall_s, cpu_s = time.perf_counter() - t0, _children_cpu_s() - cpu0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{label} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    _, wall_s, cpu_s = _timed(cmd, label)
     return {"wall_s": round(wall_s, 3), "cpu_s": round(cpu_s, 3)}
 
 
@@ -115,11 +121,7 @@ def run_sweep(tmp: Path, label: str, overrides: list[str]) -> dict:
         f"tracking.uri=sqlite:///{tmp}/mlflow.db", f"tracking.artifact_location={tmp}/artifacts",
         f"hydra.sweep.dir={sweep_dir}", f"hydra.run.dir={tmp}/{label}_run", *overrides,
     ]  # fmt: skip
-    cpu0, t0 = _children_cpu_s(), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    wall_s, cpu_s = time.perf_counter() - t0, _children_cpu_s() - cpu0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{label} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    proc, wall_s, cpu_s = _timed(cmd, label)
     records = [json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/run_record.json"))]
     return {"wall_s": wall_s, "cpu_s": cpu_s, "records": records, "stdout": proc.stdout}
 

@@ -67,23 +67,12 @@ def scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     taken out, and is what the issue's k <= 1.15 is checked against when the reference is above 1.05.
     """
     from slackswap.planners.registry import available_planners
-    from slackswap.schedule.validate import resolve_schedule
 
     names = [p for p in available_planners() if p != "milp"]
     fns = {}
     for n in layers:
         g = build_graph(model("llama2_70b", num_layers=n), hw)
-        keep = keep_all_plan(g)
-        budget = int(0.5 * simulate(g, keep, hw, None).peak_activation_bytes)
-        fns["reference", n] = lambda g=g, keep=keep: [resolve_schedule(g, keep) for _ in range(20)]
-        for name in names:
-            planner = get_planner(name)
-
-            def run(planner=planner, g=g, budget=budget):
-                with contextlib.suppress(InfeasibleBudgetError):  # an infeasible budget is a result too
-                    planner.plan(g, hw, budget)
-
-            fns[name, n] = run
+        add_timed_calls(fns, g, n, names, hw)
     title = f"planning CPU time [s] vs layers (llama2_70b shape, 50 % budget, best of {repeats}, interleaved)"
     rows, k_ref = fit_and_print(best_of(fns, repeats), names, layers, title)
     out = {"planners": rows, "k_reference": k_ref, "repeats": repeats}
@@ -94,6 +83,24 @@ def scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
 #: Issue 12's targets (docs/planners.md, "Planning cost").
 K_TARGET = 1.15
 SLACKSWAP_320_TARGET_S = 0.5
+
+
+def add_timed_calls(fns: dict, graph, layers: int, names: list[str], hw: Hardware) -> None:
+    """At 50 % of `graph`'s keep-all peak: each planner's call, and the linear reference (20 copy
+    resolutions of the keep-all plan), keyed by (name, layers) for `best_of`."""
+    from slackswap.schedule.validate import resolve_schedule
+
+    keep = keep_all_plan(graph)
+    budget = int(0.5 * simulate(graph, keep, hw, None).peak_activation_bytes)
+    fns["reference", layers] = lambda: [resolve_schedule(graph, keep) for _ in range(20)]
+    for name in names:
+        planner = get_planner(name)
+
+        def run(planner=planner):
+            with contextlib.suppress(InfeasibleBudgetError):  # an infeasible budget is a result too
+                planner.plan(graph, hw, budget)
+
+        fns[name, layers] = run
 
 
 def fit_and_print(
@@ -175,7 +182,6 @@ def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     except ImportError as exc:  # the torch extra is optional
         return {"skipped": f"torch profile source unavailable: {exc}"}
     from slackswap.planners.registry import available_planners
-    from slackswap.schedule.validate import resolve_schedule
 
     data = {**yaml.safe_load((CONF / "model" / "llama2_70b.yaml").read_text())}
     hf = yaml.safe_load((CONF / "model" / "hf_llama2_70b.yaml").read_text())
@@ -187,17 +193,7 @@ def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     for n in layers:
         g = build_torch_graph(ModelConfig.from_dict({**data, "num_layers": n}), spec, hw)
         ops[n] = len(g.ops)
-        keep = keep_all_plan(g)
-        budget = int(0.5 * simulate(g, keep, hw, None).peak_activation_bytes)
-        fns["reference", n] = lambda g=g, keep=keep: [resolve_schedule(g, keep) for _ in range(20)]
-        for name in names:
-            planner = get_planner(name)
-
-            def run(planner=planner, g=g, budget=budget):
-                with contextlib.suppress(InfeasibleBudgetError):
-                    planner.plan(g, hw, budget)
-
-            fns[name, n] = run
+        add_timed_calls(fns, g, n, names, hw)
     title = f"\ntraced llama2_70b (hf_llama2_70b): planning CPU time [s] vs layers (ops: {ops}, best of {repeats})"
     rows, k_ref = fit_and_print(best_of(fns, repeats), names, layers, title)
     return {"planners": rows, "ops": ops, "repeats": repeats, "k_reference": k_ref,
