@@ -17,13 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slackswap.errors import InfeasibleBudgetError, SlackSwapError
-from slackswap.graph import FORWARD_PHASES
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
 from slackswap.planners.base import gib
 from slackswap.planners.registry import get_planner
-from slackswap.planners.strategies import dtr, recompute_knapsack, swap_only
+from slackswap.planners.strategies import recompute_knapsack, swap_only
 from slackswap.planners.support import analysis, greedy, swap_recompute
 from slackswap.planners.support.analysis import analyse
 from slackswap.planners.support.fit import scheduled_peak
@@ -164,105 +163,6 @@ def test_layer_count_search_from_the_guess_gives_the_bisection_plan(name, monkey
     assert guessed == bisected
     counts = [p[4].get("offloaded_layers", p[4].get("recomputed_layers")) for p in guessed if p[0] != "infeasible"]
     assert len([c for c in counts if c]) >= 10  # plans the search had to find a layer count for
-
-
-def _dtr_evictions_by_scanning(graph, hardware, budget_bytes):
-    """The definition `dtr._dtr_evictions` replaced: at each eviction, scan every resident candidate
-    (computing the missing costs on the way) and take the least (h, name)."""
-    timeline = estimate_plan(graph, keep_all_plan(graph), hardware)
-    forward_tensor = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
-    evictable_kind = {t.name for t in graph.saved_tensors if t.name in forward_tensor and t.size_bytes > 0}
-    size = {name: t.size_bytes for name, t in graph.tensors.items()}
-    readers_left = {name: len(t.consumers) for name, t in graph.tensors.items()}
-    forward_readers_left = {
-        name: sum(1 for c in t.consumers if graph.op_by_name[c].phase in FORWARD_PHASES)
-        for name, t in graph.tensors.items()
-    }
-    resident, evicted, ever = set(), set(), set()
-    last_access, cost_cache, frontier_users = {}, {}, {}
-    in_use = evictions = remats = 0
-
-    def cost(t):
-        if t not in cost_cache:
-            c, frontier = dtr._chain_cost(graph, t, evicted)
-            cost_cache[t] = c
-            for f in frontier:
-                frontier_users.setdefault(f, set()).add(t)
-        return cost_cache[t]
-
-    for i, op in enumerate(graph.ops):
-        now = timeline.step_start_s[i]
-        pinned = set(op.inputs) | set(op.outputs)
-        for t in op.inputs:
-            if t in evicted:
-                evicted.discard(t)
-                resident.add(t)
-                in_use += size[t]
-                remats += 1
-                for user in frontier_users.pop(t, ()):
-                    cost_cache.pop(user, None)
-        for t in op.outputs:
-            resident.add(t)
-            in_use += size[t]
-            last_access[t] = now
-        while in_use > budget_bytes:
-            candidates = [
-                t for t in resident
-                if t in evictable_kind and t not in pinned and forward_readers_left[t] == 0 and readers_left[t] > 0
-            ]
-            if not candidates:
-                raise dtr.DtrCannotFit(op.name, in_use)
-            victim = min(
-                candidates,
-                key=lambda t: (cost(t) / (size[t] * max(now - last_access[t], dtr._MIN_STALENESS_S)), t),
-            )
-            resident.discard(victim)
-            evicted.add(victim)
-            ever.add(victim)
-            in_use -= size[victim]
-            evictions += 1
-            for user in frontier_users.pop(victim, ()):
-                cost_cache.pop(user, None)
-        end = timeline.step_end_s[i]
-        for t in op.inputs:
-            last_access[t] = end
-            readers_left[t] -= 1
-            if op.phase in FORWARD_PHASES:
-                forward_readers_left[t] -= 1
-        for t in pinned:
-            if readers_left[t] == 0 and t in resident:
-                resident.discard(t)
-                in_use -= size[t]
-            if readers_left[t] == 0:
-                evicted.discard(t)
-    return ever, evictions, remats
-
-
-def _evictions_or_where_stuck(evict, graph, hw, budget):
-    try:
-        return evict(graph, hw, budget)
-    except dtr.DtrCannotFit as exc:
-        return ("cannot fit", exc.op, exc.in_use_bytes)
-
-
-def test_dtr_candidate_heaps_choose_as_the_scan_does():
-    """Every eviction, rematerialisation and failure of the heap-based DTR replay is the scan's, on
-    random graphs (with views and random ops) and 2-layer presets, at budgets down to 10 % of the
-    keep-all peak."""
-    replays = 0
-    graphs = [(graph, hw) for graph, hw, _ in _cases(range(0))[::4]]
-    for seed in range(100):
-        rng = random.Random(seed)
-        graphs.append((random_graph(rng, max_layers=12, real_program=seed % 2 == 1),
-                       toy_hardware(rng.choice([20.0, 200.0]), rng.choice([20.0, 200.0]))))
-    for graph, hw in graphs:
-        peak = estimate_plan(graph, keep_all_plan(graph), hw).peak_bytes
-        for fraction in (0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9):
-            budget = int(fraction * peak)
-            heaps = _evictions_or_where_stuck(dtr._dtr_evictions, graph, hw, budget)
-            assert heaps == _evictions_or_where_stuck(_dtr_evictions_by_scanning, graph, hw, budget)
-            replays += heaps[0] != "cannot fit" and heaps[1] > 0
-    assert replays >= 200  # replays that evicted something
 
 
 def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):

@@ -9,7 +9,10 @@ least heuristic score, and rematerialises an evicted tensor when an op reads it.
     h(t) = (c(t) + sum of c(t') over e*(t)) / (m(t) * s(t)),
 
 c = compute cost of the op that produced t, m = its memory, s = staleness (time since last access),
-e*(t) = t's evicted neighbourhood (the evicted tensors that rematerialising t would also need).
+e*(t) = t's evicted neighbourhood (the evicted tensors that rematerialising t would also need). The
+paper also defines h_DTR^eq, which its PyTorch prototype implements: e*(t) approximated by union-find
+equivalence classes of evicted tensors with running cost sums, so that a cost is a sum over the few
+classes next to t rather than a walk of the graph. This planner uses h_DTR^eq (`_EvictedClasses`).
 
 Here the heuristic is replayed over the keep-all op order (`_dtr_evictions`): op by op, a read of an
 evicted tensor rematerialises it (allocated again, its staleness restarts), outputs are allocated,
@@ -23,23 +26,24 @@ copy until its last reader), the replay is repeated with the budget lowered by t
 Departures from the paper (docs/planners.md):
 - only tensors whose forward readers have all run are evictable, and only saved forward activations
   (a plan can recompute a forward tensor only in backward; gradients cannot be recomputed);
-- e*(t) is the upstream part of the evicted neighbourhood: the ops `analysis.regen_chain` re-runs to
-  rebuild t with the tensors evicted so far missing (the cost a rematerialisation of t pays);
+- e*(t) counts only the classes upstream of t (those of its producer and of the producers of its
+  producer's inputs), not those of its readers' outputs: the cost a rematerialisation of t pays;
+- a forward tensor that backward does not read counts as evicted from the moment it is made: it is
+  gone by the time a plan's recompute could need it (DTR would see it still resident during forward
+  and price a tensor next to the residual stream as cheap, a plan then regenerates it across layers);
+- costs are summed in integer picoseconds (exact running sums);
 - staleness uses the keep-all timeline's clock (rematerialisation time is not added to it);
 - no swapping (DTR never swaps).
 
-Cost (docs/planners.md, "Planning cost"): each eviction looks at one candidate per (cost, size)
-group (`_Candidates`), and each chain whose frontier was evicted is priced again. On the analytic
-presets chains are 2-3 ops and the replay is linear in depth. On traced graphs, whose residual stream
-is not saved, a chain through evicted tensors runs back across layers, and the number of chains
-priced again grows as L^2: those are not walked op by op but rebuilt from memoised sub-chains
-(`_ChainMemo`, set unions) and priced with `math.fsum`, so the quadratic part is C-level set work.
+Cost (docs/planners.md, "Planning cost"): each eviction looks at one candidate per filing key
+(`_Candidates`: about 20-30 keys on the analytic presets and traced graphs, whatever the depth), and
+each change of a class refiles the tensors next to it, except for hub classes (`HUB_ADJACENT`), whose
+cost is read at each choice: the replay is linear in depth.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import FORWARD_PHASES, Graph
@@ -47,12 +51,22 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
-from slackswap.planners.support.analysis import regen_walk, walk_table
 from slackswap.schedule.build import build_schedule, keep_all_plan
 from slackswap.schedule.replay import estimate_plan
 
 #: Staleness floor (s): a tensor accessed by the op that just finished is not infinitely precious.
 _MIN_STALENESS_S = 1e-9
+
+#: Op costs are summed in integer picoseconds, so that an equivalence class's running cost is exact
+#: whatever the order of its merges and departures (a float running sum would drift with the order).
+_PS_PER_S = 10**12
+
+#: A class adjacent to more than this many evictable tensors is a *hub*: the tensors next to it are
+#: filed under its root and its cost is read at each choice, instead of being refiled whenever its
+#: cost changes. Speed only, no effect on any choice (tests/test_dtr_classes.py replays with 0 and
+#: with no hubs). On traced graphs the non-saved residual stream is one class adjacent to a few
+#: tensors of every layer; refiling them all at each of its merges would be O(L) per eviction.
+HUB_ADJACENT = 16
 
 
 class DtrCannotFit(Exception):
@@ -63,160 +77,203 @@ class DtrCannotFit(Exception):
         self.in_use_bytes = in_use_bytes
 
 
-def _chain_cost(graph: Graph, tensor: str, evicted: set[str]) -> tuple[float, set[str]]:
-    """(c(t) + costs of its upstream evicted neighbourhood, saved inputs the chain stops at).
-
-    The chain walks back through evicted tensors and non-saved forward tensors (gone after forward);
-    it stops at resident saved tensors: the `frontier`, whose eviction changes this cost. The sum is
-    exact (`math.fsum`, correctly rounded), so it does not depend on the order of the op set and
-    `_ChainMemo` can build the same set another way and price it the same."""
-    ops, frontier = regen_walk(graph, tensor, evicted)
-    return math.fsum([graph.op_by_name[o].duration_s for o in ops]), frontier
+def op_cost_ps(graph: Graph) -> dict[str, int]:
+    """Each op's duration in integer picoseconds (the unit of DTR's costs here)."""
+    return {op.name: round(op.duration_s * _PS_PER_S) for op in graph.ops}
 
 
-class _Chain:
-    """The regeneration walk from one tensor (`regen_walk`'s ops and stop set), built from the walks
-    of the tensors its producer pushes. `ops` and `frontier` are dropped once it is stale."""
+def neighbourhoods(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """(forward op -> the forward ops it shares a tensor with, evictable-kind tensor -> its upstream ops).
 
-    __slots__ = ("tensor", "ops", "frontier", "parents", "stale")
+    h_DTR's neighbours of a tensor are the tensors it shares an op with: its producer's inputs
+    (upstream) and its consumers' outputs (downstream). Classes are merged across both (a class is
+    a connected set of evicted tensors), but a tensor's cost counts only the upstream ones: the ops
+    its rematerialisation re-runs or needs, its producer p and the producers of p's inputs (docs/
+    planners.md; with the downstream ones too, Llama-7B at 50 % loses 6 points of throughput). Taken
+    by op, and only forward (and loss) ops: gradients are never evicted and cannot be recomputed."""
+    forward = {op.name for op in graph.ops if op.phase in FORWARD_PHASES}
+    tensors = graph.tensors
+    op_neighbours: dict[str, tuple[str, ...]] = {}
+    for op in graph.ops:
+        if op.name not in forward:
+            continue
+        near = {tensors[t].producer for t in op.inputs} | {
+            c for t in op.outputs for c in tensors[t].consumers if c in forward
+        }
+        near.discard(op.name)
+        op_neighbours[op.name] = tuple(sorted(near & forward))
+    tensor_neighbours = {}
+    for t in graph.saved_tensors:
+        if t.producer not in forward or t.size_bytes <= 0:
+            continue
+        upstream = {tensors[i].producer for i in graph.op_by_name[t.producer].inputs}
+        near = {t.producer} | upstream
+        tensor_neighbours[t.name] = tuple(sorted(near & forward))
+    return op_neighbours, tensor_neighbours
 
-    def __init__(self, tensor: str, ops: frozenset[str], frontier: frozenset[str]):
-        self.tensor = tensor
-        self.ops = ops
-        self.frontier = frontier
-        self.parents: list[_Chain] = []
-        self.stale = False
 
+class _EvictedClasses:
+    """h_DTR^eq's evicted neighbourhoods: union-find over the forward ops with an output off the device.
 
-class _ChainMemo:
-    """`regen_walk(graph, t, missing)` for every t, memoised while `missing` changes one tensor at a time.
+    Kirisame et al. (h_DTR^eq) approximate e*(t) by equivalence classes: a tensor leaving the
+    device joins one class with its off-device neighbours, and a class carries the running sum of its
+    members' costs, so the cost of a resident tensor's neighbourhood is a sum over the distinct
+    classes next to it, without walking the graph. A rematerialised tensor leaves its class, which
+    loses its cost but is not split (union-find cannot split). Here the members are ops: an op is in
+    a class while at least one of its forward outputs is off the device (evicted, or freed after its
+    last reader: DTR treats a tensor the program has released as evicted, it may still be needed to
+    rematerialise a neighbour), so a multi-output op is paid once.
 
-    On traced graphs the residual stream is not saved, so the walk from a tensor of layer L runs back
-    across every earlier layer, and DTR walks again every chain whose frontier it evicts: O(L) walks
-    of O(L) ops per layer. But the walk from a tensor depends only on its producer's inputs: it is
-    the producer plus the union of the walks of the inputs it pushes (non-saved or missing), stopping
-    at the others. So each tensor's walk is kept (`_Chain`) and rebuilt from its inputs' walks (a
-    set union, no op-by-op walk) only when the status of one of its producer's saved inputs changed
-    (`status_changed`), or one of the walks it was built from was rebuilt. The sets are the walk's
-    sets (tests/test_planner_scaling.py checks them against `regen_walk` at every cost DTR asks for)."""
+    It also keeps, per class root, the evictable tensors next to the class (`adjacent`), and records
+    in `changed` the tensors whose cost or filing key changed, for `_Candidates` to refile.
+    """
 
-    def __init__(self, graph: Graph, missing: set[str]):
-        self._table = walk_table(graph)
-        self._missing = missing
-        self._memo: dict[str, _Chain] = {}
-        self._status_users: dict[str, list[_Chain]] = {}
+    def __init__(self, cost_ps: dict[str, int], op_neighbours: dict[str, tuple[str, ...]],
+                 watchers: dict[str, tuple[str, ...]], hub_adjacent: int):
+        self._op_cost = cost_ps
+        self._op_neighbours = op_neighbours
+        self._watchers = watchers
+        self._hub_adjacent = hub_adjacent
+        self._parent: list[int] = []
+        self.cost_ps: list[int] = []  # at roots: the costs of the class's current members
+        self._adjacent: list[set[str]] = []  # at roots
+        self.hub: list[bool] = []  # at roots
+        self.node_of: dict[str, int] = {}  # op -> its node, while it is a member
+        self._off_outputs: dict[str, int] = {}
+        self.changed: set[str] = set()
 
-    def chain(self, tensor: str) -> _Chain:
-        memo, table, missing = self._memo, self._table, self._missing
-        stack = [tensor]
-        while stack:
-            name = stack[-1]
-            if name in memo:
-                stack.pop()
-                continue
-            pending = [t for t, saved in table[name][1] if (not saved or t in missing) and t not in memo]
-            if pending:
-                stack.extend(pending)
-                continue
-            stack.pop()
-            self._build(name)
-        return memo[tensor]
+    def find(self, node: int) -> int:
+        parent = self._parent
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
 
-    def _build(self, name: str) -> None:
-        producer, inputs = self._table[name]
-        pushed: list[_Chain] = []
-        stops: list[str] = []
-        for t, saved in inputs:
-            if not saved or t in self._missing:
-                pushed.append(self._memo[t])
+    def output_off(self, op: str) -> None:
+        """One more forward output of `op` left the device."""
+        off = self._off_outputs.get(op, 0) + 1
+        self._off_outputs[op] = off
+        if off > 1:
+            return
+        node = len(self._parent)
+        self._parent.append(node)
+        self.cost_ps.append(self._op_cost[op])
+        watching = set(self._watchers.get(op, ()))
+        self._adjacent.append(watching)
+        self.hub.append(len(watching) > self._hub_adjacent)
+        self.node_of[op] = node
+        self.changed.update(watching)
+        for near in self._op_neighbours[op]:
+            other = self.node_of.get(near)
+            if other is not None:
+                self._union(node, other)
+        root = self.find(node)
+        if not self.hub[root]:
+            self.changed.update(self._adjacent[root])
+
+    def output_on(self, op: str) -> None:
+        """A forward output of `op` came back (rematerialised)."""
+        off = self._off_outputs[op] - 1
+        self._off_outputs[op] = off
+        if off > 0:
+            return
+        root = self.find(self.node_of.pop(op))
+        self.cost_ps[root] -= self._op_cost[op]
+        self.changed.update(self._watchers.get(op, ()))
+        if not self.hub[root]:
+            self.changed.update(self._adjacent[root])
+
+    def _union(self, a: int, b: int) -> None:
+        root_a, root_b = self.find(a), self.find(b)
+        if root_a == root_b:
+            return
+        adjacent = self._adjacent
+        if len(adjacent[root_a]) < len(adjacent[root_b]):
+            root_a, root_b = root_b, root_a
+        was_hub = self.hub[root_a]
+        self._parent[root_b] = root_a
+        self.cost_ps[root_a] += self.cost_ps[root_b]
+        # root_b's tensors were filed under its name (a hub) or its cost (not one): either is gone.
+        # root_b is the class with fewer of them, so a tensor is refiled this way O(log n) times.
+        self.changed.update(adjacent[root_b])
+        adjacent[root_a] |= adjacent[root_b]
+        adjacent[root_b] = set()
+        self.hub[root_a] = was_hub or self.hub[root_b] or len(adjacent[root_a]) > self._hub_adjacent
+        if self.hub[root_a] and not was_hub:  # filed by cost until now
+            self.changed.update(adjacent[root_a])
+
+    def key(self, tensor: str, producer: str, neighbour_ops: tuple[str, ...], size: int) -> tuple:
+        """(cost of the tensor and its non-hub neighbour classes, size, hub roots): the filing key.
+
+        The tensor's cost is its producer's (unless the producer is already in a class: evicting it
+        costs nothing more) plus the cost of every distinct class next to it; hubs' costs are added
+        when a choice is made (`_Candidates.least`), since they change without refiling."""
+        roots = set()
+        for op in neighbour_ops:
+            node = self.node_of.get(op)
+            if node is not None:
+                roots.add(self.find(node))
+        fixed = 0 if producer in self.node_of else self._op_cost[producer]
+        hubs = []
+        for root in roots:
+            if self.hub[root]:
+                hubs.append(root)
             else:
-                stops.append(t)
-        ops = frozenset((producer,)).union(*(c.ops for c in pushed))
-        frontier = frozenset(stops).union(*(c.frontier for c in pushed))
-        node = _Chain(name, ops, frontier)
-        for c in pushed:
-            c.parents.append(node)
-        for t, saved in inputs:
-            if saved:
-                self._status_users.setdefault(t, []).append(node)
-        self._memo[name] = node
-
-    def status_changed(self, tensor: str) -> None:
-        """`tensor` (saved) became missing or present: the walks its readers built are stale."""
-        stack = self._status_users.pop(tensor, [])
-        while stack:
-            node = stack.pop()
-            if node.stale:
-                continue
-            node.stale = True
-            if self._memo.get(node.tensor) is node:
-                del self._memo[node.tensor]
-            stack.extend(node.parents)
-            node.parents = []
-            node.ops = node.frontier = frozenset()
+                fixed += self.cost_ps[root]
+        return (fixed, size, tuple(sorted(hubs)))
 
 
-def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[set[str], int, int]:
-    """Replay DTR's eviction over the keep-all op order under `budget_bytes`.
+def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int,
+                   hub_adjacent: int = HUB_ADJACENT) -> tuple[list[str], int]:
+    """Replay DTR's eviction (h_DTR^eq) over the keep-all op order under `budget_bytes`.
 
-    Returns (tensors ever evicted, evictions, rematerialisations). Raises DtrCannotFit.
+    Returns (every eviction's victim in order, rematerialisations). Raises DtrCannotFit.
 
-    Each eviction takes the candidate of least (h, name). Scanning every resident candidate for it
-    made the replay O(evictions x resident tensors), quadratic in depth. Instead the candidates are
-    filed by (cost, size) in heaps ordered by last access (`_Candidates`): within one such group h
-    only falls as staleness grows, so the oldest member is the group's least, and an eviction looks
-    at one member per group (about 20-30 groups on the analytic presets, whatever the depth: the
-    layers repeat the same tensors at the same costs). Costs are computed exactly when the scan
-    computed them (for every unpinned candidate without a cached cost, at each eviction), so the
-    cache, and with it every choice, is the scan's; tests/test_planner_scaling.py compares the two.
+    Each eviction takes the candidate of least (h, name), h = cost / (size x staleness), the cost
+    from `_EvictedClasses`. Candidates are filed by their key (the part of the cost that changes only
+    with a refiling, the size and their hub classes) in heaps ordered by last access (`_Candidates`):
+    within one key h only falls as staleness grows, so the oldest member is the key's least, and an
+    eviction looks at one member per key. The layers repeat the same tensors at the same costs, so
+    the number of keys does not grow with depth; tests/test_dtr_classes.py checks every choice
+    against a scan of every candidate with its cost summed over explicit classes.
     """
     timeline = estimate_plan(graph, keep_all_plan(graph), hardware)
+    forward_ops = {op.name for op in graph.ops if op.phase in FORWARD_PHASES}
     forward_tensor = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
-    evictable_kind = {t.name for t in graph.saved_tensors if t.name in forward_tensor and t.size_bytes > 0}
+    unsaved_forward = {t for t in forward_tensor if not graph.tensors[t].saved}
+    op_neighbours, tensor_neighbours = neighbourhoods(graph)
+    watchers: dict[str, list[str]] = {}
+    for t, near in tensor_neighbours.items():
+        for op in near:
+            watchers.setdefault(op, []).append(t)
+    classes = _EvictedClasses(op_cost_ps(graph), op_neighbours,
+                              {op: tuple(ts) for op, ts in watchers.items()}, hub_adjacent)
+    producer = {name: t.producer for name, t in graph.tensors.items()}
     size = {name: t.size_bytes for name, t in graph.tensors.items()}
     readers_left = {name: len(t.consumers) for name, t in graph.tensors.items()}
     forward_readers_left = {
-        name: sum(1 for c in t.consumers if graph.op_by_name[c].phase in FORWARD_PHASES)
-        for name, t in graph.tensors.items()
+        name: sum(1 for c in t.consumers if c in forward_ops) for name, t in graph.tensors.items()
     }
     resident: set[str] = set()
     evicted: set[str] = set()
-    ever: set[str] = set()
+    victims: list[str] = []
     last_access: dict[str, float] = {}
-    cost_cache: dict[str, float] = {}
-    frontier_users: dict[str, set[str]] = {}  # f -> tensors registered under f since f's last eviction
-    registered: dict[str, set[str]] = {}  # the converse: t -> every f with t in frontier_users[f]
-    candidates = _Candidates(size, last_access, cost_cache)
+    candidates = _Candidates(last_access, classes.cost_ps)
     in_use = 0
-    evictions = remats = 0
+    remats = 0
 
     def refile(t: str) -> None:
-        """t's residency, readers or last access changed: add it to, or drop it from, the candidates."""
-        if t in resident and t in evictable_kind and forward_readers_left[t] == 0 and readers_left[t] > 0:
-            candidates.add(t)
+        """t's residency, readers, last access or cost changed: file it again, or drop it."""
+        if t in resident and t in tensor_neighbours and forward_readers_left[t] == 0 and readers_left[t] > 0:
+            candidates.file(t, classes.key(t, producer[t], tensor_neighbours[t], size[t]))
         else:
             candidates.discard(t)
 
-    def invalidate(frontier_tensor: str) -> None:
-        """The costs whose chains stopped at `frontier_tensor` (when they were computed) are dropped."""
-        for user in frontier_users.pop(frontier_tensor, ()):
-            registered[user].discard(frontier_tensor)
-            cost_cache.pop(user, None)
-            candidates.cost_changed(user)
-
-    duration = {op.name: op.duration_s for op in graph.ops}
-    chains = _ChainMemo(graph, evicted)
-
-    def cost(t: str) -> float:
-        chain = chains.chain(t)
-        c = cost_cache[t] = math.fsum(map(duration.__getitem__, chain.ops))
-        # Register t under each f of its frontier, as the scan did, but only where it is not
-        # registered already: the chain's frontier mostly repeats the last one's (O(L) on traced graphs).
-        known = registered.setdefault(t, set())
-        for f in chain.frontier - known:
-            frontier_users.setdefault(f, set()).add(t)
-        known |= chain.frontier
-        return c
+    def refile_changed() -> None:
+        changed, classes.changed = classes.changed, set()
+        for t in changed:
+            if t in resident:
+                refile(t)
 
     for i, op in enumerate(graph.ops):
         now = timeline.step_start_s[i]
@@ -224,112 +281,96 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple
         for t in op.inputs:
             if t in evicted:  # rematerialise on demand
                 evicted.discard(t)
-                chains.status_changed(t)
                 resident.add(t)
                 in_use += size[t]
                 remats += 1
-                invalidate(t)  # a chain through t now stops at t again
+                classes.output_on(producer[t])
                 refile(t)
         for t in op.outputs:
             resident.add(t)
             in_use += size[t]
             last_access[t] = now
+            if t in unsaved_forward:  # gone by the time backward could need it: off from the start
+                classes.output_off(producer[t])
             refile(t)
         while in_use > budget_bytes:
-            for t in candidates.uncached(pinned):
-                cost(t)
-                candidates.cost_changed(t)
+            refile_changed()
             victim = candidates.least(now, pinned)
             if victim is None:
                 raise DtrCannotFit(op.name, in_use)
             resident.discard(victim)
             evicted.add(victim)
-            chains.status_changed(victim)
-            ever.add(victim)
+            victims.append(victim)
             in_use -= size[victim]
-            evictions += 1
-            invalidate(victim)  # chains that stopped at the victim grow
-            refile(victim)
+            candidates.discard(victim)
+            classes.output_off(producer[victim])
         end = timeline.step_end_s[i]
         for t in op.inputs:
             last_access[t] = end
             readers_left[t] -= 1
-            if op.phase in FORWARD_PHASES:
+            if op.name in forward_ops:
                 forward_readers_left[t] -= 1
         for t in pinned:
             if readers_left[t] == 0 and t in resident:
                 resident.discard(t)
                 in_use -= size[t]
-            if readers_left[t] == 0 and t in evicted:
-                evicted.discard(t)
-                chains.status_changed(t)
+                if t in forward_tensor and t not in unsaved_forward:  # released: DTR keeps it as evicted
+                    classes.output_off(producer[t])
+            if readers_left[t] == 0:
+                evicted.discard(t)  # dead; it stays in its class
             refile(t)
-    return ever, evictions, remats
+    return victims, remats
 
 
 class _Candidates:
     """The evictable tensors, filed for DTR's choice: least h = cost / (size x staleness), then name.
 
-    A tensor with a cached cost sits in the heap of its (cost, size) group, keyed by (last access,
-    name). Within a group h is a non-increasing function of staleness (now - last access, floored),
-    evaluated with the same float operations for every member, so the heap's top has the group's
-    least h, and members with that same h (a tie) follow it in heap order. Entries are never removed
-    in place: one whose tensor left the candidates, or whose cost or last access changed since, is
-    stale and dropped when it reaches the top. Re-filing pushes a fresh entry.
+    A tensor sits in the heap of its key (`_EvictedClasses.key`: fixed cost, size, hub roots), keyed
+    by (last access, name). The members of one key have the same cost (fixed part plus the hubs'
+    current costs) and size, so h is a non-increasing function of staleness (now - last access,
+    floored), evaluated with the same float operations for every member: the heap's top has the
+    key's least h, and members with that same h (a tie) follow it in heap order. Entries are never
+    removed in place: one whose tensor left the candidates, or whose key or last access changed
+    since, is stale and dropped when it reaches the top. Refiling pushes a fresh entry.
     """
 
-    def __init__(self, size: dict[str, int], last_access: dict[str, float], cost_cache: dict[str, float]):
-        self._size = size
+    def __init__(self, last_access: dict[str, float], class_cost_ps: list[int]):
         self._last_access = last_access
-        self._cost = cost_cache
-        self._members: set[str] = set()
-        self._uncached: set[str] = set()
-        self._groups: dict[tuple[float, int], list[tuple[float, str]]] = {}
+        self._class_cost = class_cost_ps
+        self._key_of: dict[str, tuple] = {}
+        self._groups: dict[tuple, list[tuple[float, str]]] = {}
 
-    def add(self, t: str) -> None:
-        self._members.add(t)
-        self.cost_changed(t)
+    def file(self, t: str, key: tuple) -> None:
+        self._key_of[t] = key
+        heapq.heappush(self._groups.setdefault(key, []), (self._last_access[t], t))
 
     def discard(self, t: str) -> None:
-        self._members.discard(t)
-        self._uncached.discard(t)
+        self._key_of.pop(t, None)
 
-    def cost_changed(self, t: str) -> None:
-        """File t under its cached cost (or as uncached), if it is a candidate."""
-        if t not in self._members:
-            return
-        cost = self._cost.get(t)
-        if cost is None:
-            self._uncached.add(t)
-            return
-        self._uncached.discard(t)
-        heapq.heappush(self._groups.setdefault((cost, self._size[t]), []), (self._last_access[t], t))
-
-    def uncached(self, pinned: set[str]) -> list[str]:
-        """Candidates (not pinned) whose cost must be computed before the next choice."""
-        return [t for t in self._uncached if t not in pinned]
-
-    def _valid(self, entry: tuple[float, str], cost: float) -> bool:
+    def _valid(self, entry: tuple[float, str], key: tuple) -> bool:
         last, t = entry
-        return t in self._members and self._cost.get(t) == cost and self._last_access[t] == last
+        return self._key_of.get(t) == key and self._last_access[t] == last
 
     def least(self, now: float, pinned: set[str]) -> str | None:
         """The unpinned candidate of least (h, name), or None if every candidate is pinned."""
         best: tuple[float, str] | None = None
         for key in list(self._groups):
-            cost, size = key
+            fixed, size, hubs = key
             heap = self._groups[key]
             held: list[tuple[float, str]] = []
             group_best: tuple[float, str] | None = None
+            cost = None
             while heap:
                 entry = heap[0]
-                if not self._valid(entry, cost):
+                if not self._valid(entry, key):
                     heapq.heappop(heap)
                     continue
                 last, t = entry
                 held.append(heapq.heappop(heap))
                 if t in pinned:
                     continue
+                if cost is None:
+                    cost = fixed + sum(self._class_cost[root] for root in hubs)
                 h = cost / (size * max(now - last, _MIN_STALENESS_S))
                 if group_best is not None and h != group_best[0]:
                     break  # h only grows from here on
@@ -362,7 +403,7 @@ class Dtr:
         peak = None
         for round_ in range(self.max_rounds + 1):
             try:
-                evicted, evictions, remats = _dtr_evictions(graph, hardware, replay_budget)
+                victims, remats = _dtr_evictions(graph, hardware, replay_budget)
             except DtrCannotFit as exc:
                 lowered = ", lowered by the excess of the earlier rounds' plans" if round_ else ""
                 raise InfeasibleBudgetError(
@@ -372,11 +413,12 @@ class Dtr:
                     min_feasible_bytes=peak,
                 ) from None
             decisions = dict(keep)
-            decisions.update(dict.fromkeys(evicted, Decision.RECOMPUTE))
+            decisions.update(dict.fromkeys(victims, Decision.RECOMPUTE))
             plan = build_schedule(
                 graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
-                notes={"dtr_evictions": evictions, "dtr_rematerialisations": remats, "dtr_rounds": round_,
-                       "dtr_replay_budget_bytes": replay_budget, "heuristic": "h_DTR = cost / (memory * staleness)"},
+                notes={"dtr_evictions": len(victims), "dtr_rematerialisations": remats, "dtr_rounds": round_,
+                       "dtr_replay_budget_bytes": replay_budget,
+                       "heuristic": "h_DTR^eq = (cost + upstream evicted classes) / (memory * staleness)"},
             )
             peak = estimate_plan(graph, plan, hardware).peak_bytes
             if peak <= budget_bytes:
