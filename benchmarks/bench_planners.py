@@ -7,7 +7,7 @@ Run: `python benchmarks/bench_planners.py [--quick]` (pins itself to one core). 
    the keep-all peak, and the scaling exponent of each (`scaling`: issue 12 asks k <= 1.15, and
    slackswap under 0.5 s at 320 layers; `verdict` says which are met), then the budget-dependent
    planners at 30 / 70 % (`other_budgets`) and every planner on the traced Llama-2-70B graph at
-   4..32 (64 without --quick) layers (`traced_scaling`);
+   8..80 (8..320 without --quick) layers (`traced_scaling`), the range the issue sets;
 2. the seed's setting (a100_80gb_pcie4, 50 % budget, bert_large / gpt2_xl / llama7b): simulated
    throughput ratio of every planner, slackswap against the paper's 96.3 / 97.6 / 99.6;
 3. the smallest feasible budget fraction of every planner on every preset (bisection to 0.005,
@@ -120,9 +120,10 @@ def fit_and_print(
     return rows, k_ref
 
 
-def verdict(rows: dict, k_ref: float, layers: tuple[int, ...]) -> dict:
+def verdict(rows: dict, k_ref: float, layers: tuple[int, ...], analytic: bool = True) -> dict:
     """Print and return the issue's checks: k <= 1.15 per planner (raw, and with the machine's own
-    growth taken out when the linear reference grows faster than 1.05), slackswap < 0.5 s at 320."""
+    growth taken out when the linear reference grows faster than 1.05), and on the analytic shape
+    slackswap < 0.5 s at 320 layers (the traced graph's target is at 80 layers: bench_traced_80.py)."""
     use_excess = k_ref > 1.05
     over = sorted(n for n, r in rows.items() if n != "reference" and r["k_excess" if use_excess else "k"] > K_TARGET)
     over_raw = sorted(n for n, r in rows.items() if n != "reference" and r["k"] > K_TARGET)
@@ -131,7 +132,7 @@ def verdict(rows: dict, k_ref: float, layers: tuple[int, ...]) -> dict:
     print(f"k <= {K_TARGET} (checked on {out['checked_on']}; reference k {k_ref:.2f}): "
           + ("met by every planner" if not over else f"NOT met by {', '.join(over)}")
           + (f"; raw k above {K_TARGET}: {', '.join(over_raw)}" if over_raw else "; raw k met too"))
-    if 320 in layers and "slackswap" in rows:
+    if analytic and 320 in layers and "slackswap" in rows:
         t = rows["slackswap"]["cpu_s"][layers.index(320)]
         out["slackswap_320_cpu_s"] = t
         print(f"slackswap at 320 layers: {t:.3f} CPU s on one core (target < {SLACKSWAP_320_TARGET_S} s: "
@@ -169,8 +170,8 @@ def other_budgets(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     return {"planners": rows, "repeats": repeats}
 
 
-TRACED_LAYERS = (4, 8, 16, 32, 64)
-QUICK_TRACED_LAYERS = (4, 8, 16, 32)
+TRACED_LAYERS = (8, 16, 32, 80, 160, 320)
+QUICK_TRACED_LAYERS = (8, 16, 32, 80)
 
 
 def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
@@ -197,7 +198,7 @@ def traced_scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     title = f"\ntraced llama2_70b (hf_llama2_70b): planning CPU time [s] vs layers (ops: {ops}, best of {repeats})"
     rows, k_ref = fit_and_print(best_of(fns, repeats), names, layers, title)
     return {"planners": rows, "ops": ops, "repeats": repeats, "k_reference": k_ref,
-            "verdict": verdict(rows, k_ref, layers)}
+            "verdict": verdict(rows, k_ref, layers, analytic=False)}
 
 
 def seed_table(hw: Hardware) -> list[dict]:

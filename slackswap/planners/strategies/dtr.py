@@ -51,15 +51,12 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
+from slackswap.planners.support.exact_time import op_durations_ps
 from slackswap.schedule.build import build_schedule, keep_all_plan
 from slackswap.schedule.replay import estimate_plan
 
 #: Staleness floor (s): a tensor accessed by the op that just finished is not infinitely precious.
 _MIN_STALENESS_S = 1e-9
-
-#: Op costs are summed in integer picoseconds, so that an equivalence class's running cost is exact
-#: whatever the order of its merges and departures (a float running sum would drift with the order).
-_PS_PER_S = 10**12
 
 #: A class adjacent to more than this many evictable tensors is a *hub*: the tensors next to it are
 #: filed under its root and its cost is read at each choice, instead of being refiled whenever its
@@ -75,11 +72,6 @@ class DtrCannotFit(Exception):
     def __init__(self, op: str, in_use_bytes: int):
         self.op = op
         self.in_use_bytes = in_use_bytes
-
-
-def op_cost_ps(graph: Graph) -> dict[str, int]:
-    """Each op's duration in integer picoseconds (the unit of DTR's costs here)."""
-    return {op.name: round(op.duration_s * _PS_PER_S) for op in graph.ops}
 
 
 def neighbourhoods(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
@@ -246,7 +238,7 @@ def _dtr_evictions(graph: Graph, hardware: Hardware, budget_bytes: int,
     for t, near in tensor_neighbours.items():
         for op in near:
             watchers.setdefault(op, []).append(t)
-    classes = _EvictedClasses(op_cost_ps(graph), op_neighbours,
+    classes = _EvictedClasses(op_durations_ps(graph), op_neighbours,
                               {op: tuple(ts) for op, ts in watchers.items()}, hub_adjacent)
     producer = {name: t.producer for name, t in graph.tensors.items()}
     size = {name: t.size_bytes for name, t in graph.tensors.items()}

@@ -30,6 +30,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import ProfileAnalysis
+from slackswap.planners.support.exact_time import PS_PER_S, op_durations_ps
 from slackswap.planners.support.greedy import (
     order_by_standalone_cost,
     recompute_candidates,
@@ -84,24 +85,27 @@ def order_by_group_marginal_cost(
     (lazy heap with versions), as in the per-tensor ranking.
     `prices`, if given, receives each tensor's group price (s per byte) at the time it was taken.
     """
-    dur = {op.name: op.duration_s for op in graph.ops}
+    dur_ps = op_durations_ps(graph)
     rank = {t: i for i, t in enumerate(candidates)}
     members: dict[str, list[str]] = {}
     for t in candidates:
         members.setdefault(graph.tensors[t].producer, []).append(t)
     covered: set[str] = set()
-    chain = {t: analysis.tensors[t].regen_ops for t in candidates}
     users: dict[str, set[str]] = {}  # op -> groups whose members' chains contain it
-
+    # The time of each group's chain ops not yet covered, kept as picks cover ops (each op leaves
+    # each group's total once): re-summing the union at each re-pricing was O(chain), and on traced
+    # graphs the chains through the unsaved residual stream are O(L) long and re-price each other.
+    uncovered_ps: dict[str, int] = {}
+    size: dict[str, int] = {}
     for group, ts in members.items():
-        for t in ts:
-            for o in chain[t]:
-                users.setdefault(o, set()).add(group)
+        ops = set().union(*(analysis.tensors[t].regen_ops for t in ts))
+        for o in ops:
+            users.setdefault(o, set()).add(group)
+        uncovered_ps[group] = sum(dur_ps[o] for o in ops)
+        size[group] = sum(max(analysis.tensors[t].size_bytes, 1) for t in ts)
 
     def key(group: str) -> float:
-        ops = {o for t in members[group] for o in chain[t]} - covered
-        size = sum(max(analysis.tensors[t].size_bytes, 1) for t in members[group])
-        return sum(dur[o] for o in ops) / size
+        return uncovered_ps[group] / PS_PER_S / size[group]
 
     version = dict.fromkeys(members, 0)
     heap = [(key(g), min(rank[t] for t in ts), 0, g) for g, ts in members.items()]
@@ -116,15 +120,19 @@ def order_by_group_marginal_cost(
             prices.update(dict.fromkeys(picked, price))
         members[group] = []
         order.extend(picked)
-        new_ops = {o for t in picked for o in chain[t]} - covered
+        new_ops = {o for t in picked for o in analysis.tensors[t].regen_ops} - covered
         covered.update(new_ops)
         # A pick lengthens the chains that read a picked tensor by exactly the picked chains, whose ops
         # it has just covered: no price changes, so chains are not re-walked (as in
         # `order_by_marginal_cost`; on traced graphs the re-walk made planning quadratic). Only groups
         # sharing newly covered ops get a new price.
-        affected = set().union(*(users.get(o, ()) for o in new_ops)) - {group}
+        affected: set[str] = set()
+        for o in new_ops:
+            for g in users[o]:
+                uncovered_ps[g] -= dur_ps[o]
+                affected.add(g)
         for g in affected:
-            if not members[g]:
+            if g == group or not members[g]:
                 continue
             version[g] += 1
             heapq.heappush(heap, (key(g), min(rank[t] for t in members[g]), version[g], g))

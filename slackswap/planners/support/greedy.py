@@ -17,6 +17,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger
+from slackswap.planners.support.exact_time import PS_PER_S, op_durations_ps
 from slackswap.planners.support.fit import over_budget, scheduled_peak
 from slackswap.schedule.build import build_schedule
 
@@ -48,7 +49,7 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
     every pick made planning quadratic). tests/test_marginal_cost.py checks the order against the
     definition that re-walks them.
     """
-    dur = {op.name: op.duration_s for op in graph.ops}
+    dur_ps = op_durations_ps(graph)
     missing: set[str] = set()
     covered: set[str] = set()
     chain = {t: analysis.tensors[t].regen_ops for t in candidates}
@@ -56,11 +57,15 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
     for t, ops in chain.items():
         for o in ops:
             users.setdefault(o, set()).add(t)
+    # The time of each candidate's chain ops not yet covered, kept as picks cover ops: re-summing
+    # the chain at each re-pricing was O(chain) per affected candidate, and on traced graphs chains
+    # through the unsaved residual stream are O(L) long and affect each other (cubic in depth).
+    uncovered_ps = {t: sum(dur_ps[o] for o in chain[t]) for t in candidates}
     version = dict.fromkeys(candidates, 0)
     rank = {t: i for i, t in enumerate(candidates)}
 
     def key(t: str) -> float:
-        return sum(dur[o] for o in chain[t] if o not in covered) / max(analysis.tensors[t].size_bytes, 1)
+        return uncovered_ps[t] / PS_PER_S / max(analysis.tensors[t].size_bytes, 1)
 
     heap = [(key(t), rank[t], 0, t) for t in candidates]
     heapq.heapify(heap)
@@ -73,7 +78,12 @@ def order_by_marginal_cost(graph: Graph, analysis: ProfileAnalysis, candidates: 
         missing.add(t)
         new_ops = [o for o in chain[t] if o not in covered]
         covered.update(new_ops)
-        for z in set().union(*(users.get(o, ()) for o in new_ops)) - missing:
+        affected: set[str] = set()
+        for o in new_ops:
+            for z in users.get(o, ()):
+                uncovered_ps[z] -= dur_ps[o]
+                affected.add(z)
+        for z in affected - missing:
             version[z] += 1
             heapq.heappush(heap, (key(z), rank[z], version[z], z))
     return order
