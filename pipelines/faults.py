@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -73,6 +74,25 @@ def track_in_flight(client: Any, run_id: str) -> None:
 
 def done_in_flight(run_id: str) -> None:
     IN_FLIGHT.pop(run_id, None)
+
+
+def release_interrupted_frames(exc: BaseException) -> None:
+    """Let go of the frames an interrupt unwound, before the tracking store is written again.
+
+    Why: the interrupt may land inside a store write, between a statement and its commit. The unwound
+    frames, kept alive by the exception's traceback while its handler runs, still hold that
+    SQLAlchemy connection and with it SQLite's write lock, so marking the run KILLED from the
+    handler waited out the busy timeout and failed ("database is locked"), leaving the run RUNNING.
+    Dropping the tracebacks (of the exception and of those it was raised during) frees the frames;
+    the connection pool then rolls the orphaned connection back. The collection breaks the cycles
+    frames and exceptions often form."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__context__ or current.__cause__
+    gc.collect()
 
 
 def kill_run(client: Any, run_id: str) -> None:
@@ -149,6 +169,7 @@ def run_cli(main: Callable[[], Any], on_interrupt: Callable[[Interrupted], str],
     except KeyboardInterrupt as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         with signals_ignored():
+            release_interrupted_frames(exc)
             line = on_interrupt(interrupted)
         print(line, file=sys.stderr)
         return interrupted.exit_code

@@ -186,11 +186,12 @@ def run_job(cfg: DictConfig) -> RunRecord:
             if logging_error is not None and error is None:
                 error = logging_error
             timings["mlflow_log_s"] = time.perf_counter() - t0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # Wherever it landed (MLflow calls included): the record and the run say killed.
         record = replace(record, status=RunStatus.KILLED, failure_reason="interrupted (SIGINT or SIGTERM)")
         record.write(ctx.run_dir)
         if record.mlflow_run_id:
+            faults.release_interrupted_frames(exc)  # they may hold the store's write lock
             faults.kill_in_flight_run(record.mlflow_run_id)
         raise
     timings["job_total_s"] = time.perf_counter() - t_start

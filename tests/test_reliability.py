@@ -293,6 +293,37 @@ def test_unreachable_server_fails_fast_naming_the_uri(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------ interrupts
 
 
+def test_an_interrupt_inside_a_store_write_does_not_keep_the_run_running(tmp_path):
+    """An interrupt between a store statement and its commit leaves that connection, with SQLite's
+    write lock, in the unwound frames; marking the run KILLED from the handler then failed after the
+    busy timeout ("database is locked", seen under load in the SIGINT tests) and the run stayed
+    RUNNING. Released first, the half-done write is rolled back and the run is marked at once."""
+    import signal
+
+    from sqlalchemy import text
+
+    from pipelines import faults, tracking
+
+    client = tracking.open_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("e", artifact_location=str(tmp_path / "artifacts")))
+    engine = client._tracking_client.store.engine  # MLflow's SQLAlchemy store: where the lock lives
+
+    def write_interrupted_before_commit():
+        connection = engine.connect()
+        connection.execute(text("UPDATE runs SET name = 'half-written'"))  # takes the write lock
+        raise faults.Interrupted(signal.SIGINT)
+
+    try:
+        write_interrupted_before_commit()
+    except KeyboardInterrupt as exc:
+        faults.release_interrupted_frames(exc)
+        assert exc.__traceback__ is None
+        faults.kill_run(client, run.info.run_id)
+    after = client.get_run(run.info.run_id)
+    assert after.info.status == "KILLED" and after.data.tags["status"] == "killed"
+    assert after.info.run_name != "half-written"
+
+
 def _runs(db: Path) -> list[tuple[str, str | None, str | None]]:
     """(status, parent run id, status tag) of every run, read with sqlite3 (no MLflow import, no lock)."""
     if not db.is_file():
