@@ -33,6 +33,10 @@ def test_readme_planner_example_is_discovered_builds_from_its_yaml_and_simulates
     conf = yaml.safe_load(_block(readme, "yaml", "conf/planner/my_planner.yaml"))
     (tmp_path / "my_planner.py").write_text(module)
     # The module lives in a temporary directory added to the strategies package: nothing else is edited.
+    # The built-in planners are registered before the registry is swapped for a copy: registered into
+    # the copy, they would vanish with it (their modules stay imported and never register again), and
+    # every later test would see no planner.
+    registry.available_planners()
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path)])
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     assert "my_planner" in registry.available_planners()
