@@ -180,11 +180,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     h2d_free = list(range(link.h2d_engines))
     stall_prefetch = stall_memory = 0.0
     compute_busy = recompute_busy = 0.0
-    # Busy time of each direction: the union of its copies' intervals, kept as the current merged
-    # interval and the total before it. A direction starts its copies in time order, so no sort.
-    d2h_busy = h2d_busy = 0.0
-    d2h_from = d2h_to = h2d_from = h2d_to = -1.0
-    d2h_bytes = h2d_bytes = 0
     now = 0.0
     while True:
         # -- settle: start everything that can start at `now` --------------------------------
@@ -195,18 +190,10 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
             k = next_off
             engine = heappop(d2h_free)
             end = now + off_dur[k]
-            size = off_bytes[k]
             off_start[k] = now
             off_end[k] = end
             off_engine[k] = engine
             order.append(n_steps + k)
-            if now > d2h_to:
-                d2h_busy += d2h_to - d2h_from
-                d2h_from = now
-                d2h_to = end
-            elif end > d2h_to:
-                d2h_to = end
-            d2h_bytes += size
             next_off = k + 1
             heappush(transfers, (end, seq, _D2H_END, k, engine))
             seq += 1
@@ -228,13 +215,6 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                     pre_end[k] = end
                     pre_engine[k] = engine
                     order.append(pre_code + k)
-                    if now > h2d_to:
-                        h2d_busy += h2d_to - h2d_from
-                        h2d_from = now
-                        h2d_to = end
-                    elif end > h2d_to:
-                        h2d_to = end
-                    h2d_bytes += size
                     next_pre = k + 1
                     heappush(transfers, (end, seq, _H2D_END, k, engine))
                     seq += 1
@@ -387,14 +367,28 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         recompute_s=recompute_busy,
         stall_prefetch_s=stall_prefetch,
         stall_memory_s=stall_memory,
-        d2h_busy_s=d2h_busy + (d2h_to - d2h_from),
-        h2d_busy_s=h2d_busy + (h2d_to - h2d_from),
-        d2h_bytes=d2h_bytes,
-        h2d_bytes=h2d_bytes,
+        d2h_busy_s=_busy_s(off_start[:next_off], off_end[:next_off]),
+        h2d_busy_s=_busy_s(pre_start[:next_pre], pre_end[:next_pre]),
+        d2h_bytes=sum(off_bytes[:next_off]),
+        h2d_bytes=sum(copy_size[pre_copy[k]] for k in range(next_pre)),
         swapped_tensors=decided[Decision.SWAP],
         recomputed_tensors=decided[Decision.RECOMPUTE],
         bound_step_s=plan.bound_step_s,
     )
+
+
+def _busy_s(starts: list[float], ends: list[float]) -> float:
+    """The length of the union of one direction's copy intervals. A direction starts its copies in
+    time order, so one pass merging into the current interval suffices (no sort)."""
+    busy = 0.0
+    merged_from = merged_to = -1.0
+    for start, end in zip(starts, ends, strict=True):
+        if start > merged_to:
+            busy += merged_to - merged_from
+            merged_from, merged_to = start, end
+        elif end > merged_to:
+            merged_to = end
+    return busy + (merged_to - merged_from)
 
 
 def _reason(inf: Infeasibility) -> str:
