@@ -24,14 +24,12 @@ Each size also checks that the two agree event for event (same events, start/end
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 REPO_PATH = __import__("pathlib").Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_PATH))
 
-from benchmarks.common import RESULTS, best_of, conf, fit_exponent, machine, pin_one_core  # noqa: E402
+from benchmarks.common import best_of, conf, fit_exponent, machine, main_with_quick, pin_one_core, save_result  # noqa: E402
 from slackswap.graph import FORWARD_PHASES, Graph  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
@@ -142,12 +140,9 @@ def run(quick: bool = False) -> dict:
         "rows": rows,
         "exponents": exponents,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "simulate.json").write_text(json.dumps(out, indent=2) + "\n")
+    save_result("simulate.json", out)
     return out
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    run(parser.parse_args().quick)
+    main_with_quick(run)

@@ -10,9 +10,7 @@ CPU, meta tensors) is timed but not part of a planner's figure. Writes benchmark
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import RESULTS, best_of, conf, machine, pin_one_core  # noqa: E402
+from benchmarks.common import best_of, conf, machine, main_with_quick, pin_one_core, save_result  # noqa: E402
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
@@ -77,12 +75,9 @@ def run(quick: bool) -> dict:
         print(f"  {name:22s}{seconds:8.3f}")
     verdict = "met" if best["slackswap"] < TARGET_SLACKSWAP_S else "NOT met"
     print(f"slackswap: {best['slackswap']:.3f} CPU s (target < {TARGET_SLACKSWAP_S:.0f} s: {verdict})")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "traced_80.json").write_text(json.dumps(out, indent=2) + "\n")
+    save_result("traced_80.json", out)
     return out
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    run(parser.parse_args().quick)
+    main_with_quick(run)

@@ -11,6 +11,8 @@ move. Every result file records the load average at start and end of the run.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import platform
@@ -64,3 +66,18 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
     ly = [math.log(max(y, 1e-9)) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
+
+
+def save_result(filename: str, data: dict) -> Path:
+    """Write one benchmark's figures to benchmarks/results/<filename> (indented JSON)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / filename
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def main_with_quick(run: Callable[[bool], object]) -> None:
+    """The command line of a benchmark: `--quick` for the smaller sizes `run_all.py --quick` uses."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    run(parser.parse_args().quick)
