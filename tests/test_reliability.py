@@ -228,7 +228,10 @@ def test_a_job_with_a_missing_preset_value_fails_alone_and_the_sweep_exits_1(
     assert "1 of 2 jobs failed" in out.err
     client = mlflow_store.client()
     parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
-    assert client.get_run(parent_id).info.status == "FINISHED"
+    # The sweep ran to its end, but not every job has a result: the parent says so, as the exit code.
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FAILED" and parent.data.tags["status"] == "failed"
+    assert parent.data.tags["reason"] == "1 of 2 jobs failed or were killed"
     children = client.search_runs([client.get_experiment_by_name("test").experiment_id],
                                   f"tags.`mlflow.parentRunId` = '{parent_id}'")  # fmt: skip
     assert sorted(c.data.tags["status"] for c in children) == ["failed", "ok"]
@@ -414,9 +417,19 @@ def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkey
         (sweep / name).unlink()
     (sweep / "1" / "run_record.json").unlink()  # as if job 1 never finished
     (sweep / "2").mkdir()  # a job that started and left nothing
+    capsys.readouterr()
     assert _in_process(monkeypatch, tmp_path, str(sweep), module="pipelines.aggregate") == 0
-    assert "1 jobs: 1 ok" in (sweep / "summary.md").read_text()
+    assert "1 of 2 jobs: 1 ok; 1 missing (no run_record.json)" in (sweep / "summary.md").read_text()
     assert "Sweep summary" in capsys.readouterr().out
+    # A truncated record (a full disk, a killed writer): the good jobs are summarised, the bad file is
+    # named in one line, the exit code says something is wrong.
+    good = (sweep / "0" / "run_record.json").read_text()
+    (sweep / "2" / "run_record.json").write_text(good[: len(good) // 2])
+    assert _in_process(monkeypatch, tmp_path, str(sweep), module="pipelines.aggregate") == 1
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert len(err) == 1 and str(sweep / "2" / "run_record.json") in err[0] and "not valid JSON" in err[0], err
+    assert "Traceback" not in out.err and "1 of 2 jobs: 1 ok" in out.out
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _in_process(monkeypatch, tmp_path, str(empty), module="pipelines.aggregate") == 1
