@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import io
 import os
 import signal
 import sys
@@ -147,11 +148,32 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0].strip() if text else type(exc).__name__
 
 
+def os_error_path(exc: OSError) -> str | None:
+    """The file an OSError is about: its `filename`, or, for a failed `write()` (which names no file:
+    a full disk), the file open for writing in the innermost frame that holds one."""
+    if exc.filename:
+        return str(exc.filename)
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if not isinstance(value, io.IOBase):
+                continue
+            name, mode = getattr(value, "name", None), getattr(value, "mode", "")
+            if isinstance(name, str) and isinstance(mode, str) and set(mode) & set("wax+"):
+                return name
+    return None
+
+
 def os_error_line(exc: OSError) -> str:
-    """`No space left on device: outputs/.../graph.json (errno 28)`: the cause and the path."""
+    """`No space left on device: outputs/.../graph.json (ENOSPC)`: the cause and the path."""
     name = errno.errorcode.get(exc.errno or 0, "")
     what = exc.strerror or first_line(exc)
-    where = f": {exc.filename}" if exc.filename else ""
+    path = os_error_path(exc)
+    where = f": {path}" if path else ""
     return f"{what}{where}" + (f" ({name})" if name else "")
 
 

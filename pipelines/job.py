@@ -14,6 +14,7 @@ are recorded as `failed` without doing any work.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import time
 import traceback
@@ -27,7 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import faults, overrides, presentation, progress, provenance, stages, tracking
-from pipelines.presentation import gib
+from pipelines.presentation import size_text
 from pipelines.records import FINISHED_STATUSES, RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
 
@@ -190,6 +191,7 @@ def run_job(cfg: DictConfig) -> RunRecord:
             except Exception as exc:  # recorded below; a single run exits 1 with one line
                 error = exc
                 record = replace(record, status=RunStatus.FAILED, failure_reason=failure_reason(exc))
+                _remove_partial_file(exc, ctx.run_dir)
                 _safe_write(ctx.run_dir / TRACEBACK_FILE, traceback.format_exc())
         problem = _write_record(record, ctx.run_dir)
         if problem is not None and record.status != RunStatus.FAILED:
@@ -236,6 +238,17 @@ def failed_run_line(record: RunRecord, run_dir: Path) -> str:
     if record.mlflow_run_id:
         line += f"; MLflow run {record.mlflow_run_id} FAILED"
     return line
+
+
+def _remove_partial_file(exc: BaseException, run_dir: Path) -> None:
+    """A stage file cut short by a full disk is removed: a truncated graph.json reads as a broken
+    product, an absent one as what it is (the reason names it)."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return
+    path = faults.os_error_path(exc)
+    if path and Path(path).resolve().is_relative_to(run_dir.resolve()):
+        with contextlib.suppress(OSError):
+            Path(path).unlink(missing_ok=True)
 
 
 def _safe_write(path: Path, text: str) -> str | None:
@@ -399,10 +412,10 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         f"model        {record.model} ({resolved['model']['name']})",
         f"hardware     {record.hardware} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
-        f"budget       {gib(m.get('budget_bytes'))} "
+        f"budget       {size_text(m.get('budget_bytes'))} "
         f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}"
         f"{', device' if resolved['budget'].get('device') else ''}) "
-        f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
+        f"of keep-all peak {size_text(m.get('keep_all_peak_bytes'))}",
         f"planner      {record.planner} ({record.planner_name})",
     ]
     if m.get("effective_h2d_gbps") is not None:
@@ -419,8 +432,8 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
             f"profile      traced {torch_node.get('builder', resolved['model']['family'])} "
             f"({torch_node.get('attention', 'default')} attention, "
             f"{torch_node.get('semantics', 'default')} kernels): "
-            f"real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
-            f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
+            f"real keep-all peak {size_text(m.get('keep_all_peak_bytes'))} vs "
+            f"analytic {size_text(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
     lines += [
         f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else ""),
     ]
@@ -428,16 +441,16 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         lines += [
             f"throughput   {ratio:.2%} of ideal",
             f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
-            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}"
+            f"peak memory  {size_text(m.get('peak_activation_bytes'))} of budget {size_text(m.get('budget_bytes'))}"
             + (
-                f"; caching allocator reserves {gib(m['peak_reserved_bytes'])} "
+                f"; caching allocator reserves {size_text(m['peak_reserved_bytes'])} "
                 f"({'fits' if m.get('fits_reserved') else 'over budget'}, "
                 f"{m['fragmentation_share']:.1%} fragmentation)"
                 if m.get("peak_reserved_bytes") is not None
                 else ""
             ),
-            f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
-            f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
+            f"swapped      {m.get('swapped_tensors')} tensors, {size_text(m.get('d2h_bytes'))} d2h, "
+            f"{size_text(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
             f"recomputed   {m.get('recomputed_tensors')} tensors, "
             f"{m.get('recompute_s', float('nan')):.4f} s extra compute",
         ]
@@ -449,10 +462,10 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
     if m.get("static_bytes") is not None:
         training = resolved.get("training") or {}
         lines.append(
-            f"device       static {gib(m['static_bytes'])} per GPU ({training.get('optimizer')} "
+            f"device       static {size_text(m['static_bytes'])} per GPU ({training.get('optimizer')} "
             f"{training.get('precision')}, ZeRO-{training.get('zero_stage')} x {training.get('zero_shards')}), "
-            f"reserve {gib(m.get('reserve_bytes'))}, headroom {gib(m.get('headroom_bytes'))} "
-            f"of {gib(m.get('device_memory_bytes'))}"
+            f"reserve {size_text(m.get('reserve_bytes'))}, headroom {size_text(m.get('headroom_bytes'))} "
+            f"of {size_text(m.get('device_memory_bytes'))}"
         )
     lines.append(f"run dir      {record.run_dir}")
     if record.mlflow_run_id:
