@@ -212,7 +212,7 @@ def hydra_error_line(exc: BaseException) -> str | None:
     if cause is None or not key:
         return first_line(exc)
     cause_line = first_line(cause)
-    if type(cause).__name__ == "ConfigKeyError":
+    if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
         node, _, leaf = str(key).rpartition(".")
         schema = getattr(cause, "object_type", None)
         known = ""
