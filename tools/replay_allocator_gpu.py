@@ -117,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             print("PYTORCH_CUDA_ALLOC_CONF is set; the model follows the default allocator", file=sys.stderr)
             return 2
 
-    from slackswap.simulate import simulate
-
     from slackswap.errors import ConfigError, FileFormatError
+    from slackswap.simulate import simulate
 
     try:
         graph, plan, hardware, budget = (
