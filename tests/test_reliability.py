@@ -435,16 +435,24 @@ def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkey
     assert _in_process(monkeypatch, tmp_path, str(empty), module="pipelines.aggregate") == 1
 
 
-def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(tmp_path, mlflow_store, monkeypatch) -> None:
+def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(
+    tmp_path, mlflow_store, monkeypatch, capsys
+) -> None:
     sweep = tmp_path / "sweep"
     common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
               "planner=keep_all"]  # fmt: skip
     assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5") == 0
     first = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
     parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    client = mlflow_store.client()
+    first_parent = client.get_run(parent_id)
+    assert first_parent.data.tags["status"] == "ok"  # a completed sweep says so
+    capsys.readouterr()
     # Job 1 was killed last time: it is run again, its earlier files set aside, not lost.
     killed = first["1"] | {"status": "killed"}
     (sweep / "1" / "run_record.json").write_text(json.dumps(killed))
+    client.set_tag(parent_id, "status", "killed")  # as an interrupt leaves the parent
+    client.set_terminated(parent_id, "KILLED")
 
     assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5,0.7") == 0
     second = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
@@ -454,12 +462,17 @@ def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(tmp_path
     aside = json.loads((sweep / "superseded" / "1-1" / "run_record.json").read_text())
     assert aside["status"] == "killed"
     assert json.loads((sweep / "mlflow_parent.json").read_text())["run_id"] == parent_id
-    client = mlflow_store.client()
     children = client.search_runs(
         [client.get_experiment_by_name("test").experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'"
     )
     assert len(children) == 4  # 2 + job 1 again + job 2; job 0 once
-    assert client.get_run(parent_id).info.status == "FINISHED"
+    parent = client.get_run(parent_id)
+    # Completed again: no `killed` left over from the interrupted attempt, time of both runs counted.
+    assert parent.info.status == "FINISHED" and parent.data.tags["status"] == "ok"
+    assert parent.data.metrics["sweep_wall_s"] > first_parent.data.metrics["sweep_wall_s"]
+    # The progress counts this run's jobs 1, 2, 3 (the kept one included), not the records on disk.
+    counters = [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [c.split()[0] for c in counters] == ["[1/3", "[2/3", "[3/3"], counters
     import pandas as pd
 
     assert len(pd.read_csv(sweep / "summary.csv")) == 3
