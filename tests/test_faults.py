@@ -5,6 +5,7 @@ the files on disk and the lines printed."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -232,3 +233,95 @@ def test_verify_torch_on_a_cpu_only_torch_is_one_line(tmp_path, monkeypatch, cap
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"error: device='cuda': torch {torch.__version__} (") and "use device=cpu" in err[0]
     assert not (tmp_path / "run" / "verify_torch.json").exists()
+
+
+# ------------------------------------------------------------------ summaries, records, corrupt files
+
+
+def _fake_sweep(folder: Path, jobs: dict[str, tuple[str, list[str]]]) -> None:
+    """Job folders with a record (status) and Hydra's overrides.yaml, as a sweep leaves them."""
+    from pipelines.records import RunRecord, RunStatus
+
+    (folder / "sweep_progress.json").parent.mkdir(parents=True, exist_ok=True)
+    for job, (status, overrides) in jobs.items():
+        (folder / job / ".hydra").mkdir(parents=True)
+        (folder / job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        mbs = next(o.split("=")[1] for o in overrides if o.startswith("model.micro_batch_size"))
+        metrics = {"keep_all_peak_bytes": 100 * int(mbs), "budget_bytes": 50 * int(mbs), "throughput_ratio": 0.9}
+        RunRecord(
+            run_name=job, choices={"model": "tiny"}, model="tiny", hardware="a100", planner="slackswap",
+            planner_name="slackswap", budget_fraction=0.5, budget_bytes_requested=None, run_dir=str(folder / job),
+            status=RunStatus(status), metrics=metrics,
+        ).write(folder / job)  # fmt: skip
+
+
+def test_summaries_carry_a_column_per_swept_key_and_say_what_is_missing(tmp_path) -> None:
+    from pipelines import aggregate
+
+    _fake_sweep(tmp_path, {
+        str(i): ("ok", ["model=tiny", f"model.micro_batch_size={mbs}", "budget.fraction=0.5", "planner=slackswap"])
+        for i, mbs in enumerate((1, 2, 4))
+    })  # fmt: skip
+    (tmp_path / "sweep_progress.json").write_text(json.dumps({"total": 5, "started_unix_s": 0}))
+    result = aggregate.aggregate_sweep(tmp_path, {}, plots=False)
+    assert list(result.table["model.micro_batch_size"]) == ["1", "2", "4"]
+    head, table = result.summary_md.split("\n\n")[1:3]
+    assert head == "3 of 5 jobs: 3 ok; 2 missing (no run_record.json)" and result.missing == 2
+    assert table.splitlines()[0].startswith("| model | hardware | budget | planner | model.micro_batch_size | status |")
+    assert "model.micro_batch_size" in (tmp_path / "summary.csv").read_text().splitlines()[0]
+    # Keys that do not vary, and those the table shows anyway, get no column.
+    assert "budget.fraction" not in result.table.columns and "planner.name" not in result.table.columns
+
+
+def test_a_corrupt_graph_or_plan_file_is_one_error_naming_it(tmp_path) -> None:
+    from slackswap.errors import FileFormatError
+    from slackswap.graph_io import read_graph_json
+    from slackswap.plan_io import read_plan_json
+
+    for name, read in (("graph.json", read_graph_json), ("plan.json", read_plan_json)):
+        path = tmp_path / name
+        path.write_text('{"schema": "slackswap.graph", "ops": [')
+        with pytest.raises(FileFormatError) as info:
+            read(path)
+        assert str(info.value).startswith(f"{path}: not a valid {name} (") and "\n" not in str(info.value)
+
+
+def test_every_planner_has_its_own_colour_and_marker_and_milp_shows_over_slackswap() -> None:
+    from pipelines.aggregate import planner_styles
+
+    presets = sorted(p.stem for p in (REPO_ROOT / "conf" / "planner").glob("*.yaml"))
+    styles = planner_styles([*presets, "my_planner", "capuchin[swap_only]"])
+    looks = [(s.color, s.marker) for s in styles.values()]
+    assert len(set(c for c, _ in looks)) == len(looks) and len(set(m for _, m in looks)) == len(looks)
+    milp, slackswap = styles["milp"], styles["slackswap"]
+    assert milp.linestyle != "-" and milp.zorder > slackswap.zorder and milp.hatch
+    # A planner keeps its look from plot to plot, whoever else is drawn.
+    assert planner_styles(["capuchin", "swap_only"])["capuchin"] == styles["capuchin"]
+
+
+def test_untracked_presets_make_the_tree_dirty() -> None:
+    from pipelines.provenance import is_dirty
+
+    assert not is_dirty("")
+    assert not is_dirty("?? outputs/2026-01-01/run/x.json\n?? notes.txt\n")
+    assert is_dirty("?? conf/model/my.yaml\n")  # cp conf/model/gpt2_xl.yaml conf/model/my.yaml
+    assert is_dirty(" M README.md\n")
+
+
+def test_every_run_records_the_versions_it_ran_with(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
+    from importlib import metadata
+
+    args = ["model=tiny", "planner=keep_all", "budget.fraction=1.0", "plots=none", *_store_args(mlflow_store),
+            f"hydra.run.dir={tmp_path}/run"]  # fmt: skip
+    assert _in_process(monkeypatch, tmp_path, *args) == 0
+    versions = json.loads((tmp_path / "run" / "run_record.json").read_text())["versions"]
+    expected = {"python", "slackswap", "numpy", "scipy", "pandas", "torch", "transformers", "mlflow", "hydra-core"}
+    assert expected <= set(versions) and versions["mlflow"] == metadata.version("mlflow")
+    assert versions["slackswap_commit"] and versions["numpy"] == metadata.version("numpy")
+    client = mlflow_store.client()
+    [run] = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    tags = run.data.tags
+    assert {f"version.{k}": v for k, v in versions.items()}.items() <= tags.items()
+    assert tags["mlflow.source.name"] == "pipelines/run.py" and not tags["mlflow.source.name"].startswith("/")
+    if not versions["slackswap_commit"].startswith("unknown"):
+        assert tags["mlflow.source.git.dirty"] == str(versions["slackswap_commit"].endswith("-dirty")).lower()
