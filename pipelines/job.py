@@ -128,12 +128,18 @@ def run_job(cfg: DictConfig) -> RunRecord:
         resolved = resolved or _unresolved(cfg)
     track = resolved["tracking"]
     parent = read_parent(ctx.sweep_dir) if ctx.multirun and track.get("enabled") else None
+    # The model is named after the preset chosen, or after `model.name` when the command line sets it
+    # (a user's hook model on a base preset: `model=tiny_torch model.name=my_mlp`).
+    labels = dict(ctx.choices)
+    named = overrides.override_values(_task_overrides()).get("model.name")
+    if named:
+        labels["model"] = named
     # Planner first, then only what varies in the sweep (all four parts for a single run).
-    name = presentation.run_name(parent.get("varying") if parent else None, ctx.choices, resolved)
+    name = presentation.run_name(parent.get("varying") if parent else None, labels, resolved)
     record = RunRecord(
         run_name=name,
         choices=dict(ctx.choices),
-        model=ctx.choices.get("model"),
+        model=labels.get("model"),
         hardware=ctx.choices.get("hardware"),
         planner=_planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
         planner_name=resolved["planner"]["name"],
@@ -425,15 +431,26 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
             f"switch; each GPU gets H2D {m['effective_h2d_gbps']:.2f} GB/s ({m['h2d_limit']}), "
             f"D2H {m['effective_d2h_gbps']:.2f} GB/s ({m['d2h_limit']})"
         )
-    if m.get("analytic_keep_all_peak_bytes") is not None:
-        # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
-        torch_node = resolved["model"].get("torch") or resolved["profile"].get("options") or {}
-        lines.append(
-            f"profile      traced {torch_node.get('builder', resolved['model']['family'])} "
-            f"({torch_node.get('attention', 'default')} attention, "
+    # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
+    torch_node = resolved["model"].get("torch") or (
+        (resolved.get("profile") or {}).get("options") if (resolved.get("profile") or {}).get("source") == "torch"
+        else None
+    ) or {}  # fmt: skip
+    if torch_node or m.get("analytic_keep_all_peak_bytes") is not None:
+        builder = torch_node.get("builder", resolved["model"]["family"])
+        what = f"hook {torch_node['hook']}" if builder == "hook" else builder
+        line = (
+            f"profile      traced {what} ({torch_node.get('attention', 'default')} attention, "
             f"{torch_node.get('semantics', 'default')} kernels): "
-            f"real keep-all peak {size_text(m.get('keep_all_peak_bytes'))} vs "
-            f"analytic {size_text(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
+            f"real keep-all peak {size_text(m.get('keep_all_peak_bytes'))}"
+        )
+        # Only like with like: the analytic graph of the same shape and attention (none for a hook model).
+        if m.get("analytic_keep_all_peak_bytes") is not None:
+            line += (
+                f" vs analytic {size_text(m['analytic_keep_all_peak_bytes'])} "
+                f"({m['real_to_analytic_peak_ratio']:.3f}x)"
+            )
+        lines.append(line)
     lines += [
         f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else ""),
     ]

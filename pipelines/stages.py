@@ -181,7 +181,9 @@ def baseline(inputs: Inputs, resolved: Mapping[str, Any]) -> tuple[Baseline, boo
     if not ideal.feasible:
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
     analytic_peak = analytic = None
-    if inputs.torch_spec is not None:
+    if inputs.torch_spec is not None and inputs.torch_spec.builder != "hook":
+        # The analytic twin has the traced model's shape and attention; a user's hook model is any
+        # module, which no analytic graph describes: no comparison rather than a meaningless one.
         analytic = build_graph(analytic_twin(inputs.model, inputs.torch_spec), inputs.hardware, inputs.training)
         analytic_peak = int(simulate_ideal(analytic, inputs.hardware).peak_activation_bytes)
     _BASELINES[key] = Baseline(graph, ideal, t1 - t0, t2 - t1, analytic_peak, analytic)
