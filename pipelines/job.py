@@ -282,6 +282,9 @@ def _log_outcome(
 
 def _outcome_tags(record: RunRecord, resolved: Mapping[str, Any]) -> dict[str, str]:
     tags = {"status": str(record.status), tracking.NOTE_TAG: presentation.child_description(record, resolved)}
+    fits = (record.metrics or {}).get("fits_device")
+    if fits is not None:  # searchable in the run list: tags.fits_device = 'false'
+        tags["fits_device"] = str(bool(fits)).lower()
     if record.failure_reason:
         tags["reason"] = _clip(record.failure_reason)
     return tags
