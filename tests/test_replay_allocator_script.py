@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipelines import schemas, stages
+from tests.extras import require_torch_extra
 from tools import replay_allocator_gpu as script
 
 
@@ -41,7 +42,7 @@ def test_model_trajectory_never_reserves_less_than_it_allocates():
 
 
 def test_without_a_cuda_device_only_the_dry_run_runs(capsys):
-    torch = pytest.importorskip("torch")
+    torch = require_torch_extra("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU path runs instead")
     assert script.main(["model=tiny"]) == 2
