@@ -132,5 +132,5 @@ def test_a_tensor_the_model_still_references_lives_until_its_hold():
         a = next(c for c in resolve_schedule(graph, plan).copies if c.tensor == "a")
         assert a.readers == (1,) and a.last_use == (2 if holds.get("a") == "f2" else 1)
     # A budget below the held peak is infeasible (the hold is a fact of the workload, not a plan choice).
-    assert not simulate(_held_chain({"a": "f2"}), schedule_from_decisions(_held_chain({"a": "f2"}), {"b": "keep", "loss": "keep"}),
-                        hw, 1109).feasible
+    held = _held_chain({"a": "f2"})
+    assert not simulate(held, schedule_from_decisions(held, {"b": "keep", "loss": "keep"}), hw, 1109).feasible
