@@ -183,6 +183,11 @@ class _Tracer(StorageIdentities):
         self._by_address: dict[int, tuple[int, StorageWeakRef]] = {}
         self._watched: dict[int, StorageWeakRef] = {}
         self.released_after: dict[int, int] = {}
+        #: Stand-ins autograd unpacked (storage key, weak reference): a backward node holds what it
+        #: unpacked until it finishes, which may be several ops after the first that reads it; the op
+        #: after which a stand-in dies reads its storage too (`extra_reads`, op index -> keys).
+        self._unpacked: list[tuple[int, StorageWeakRef]] = []
+        self.extra_reads: dict[int, list[int]] = {}
         self.semantics = semantics
         self.layers_path = layers_path
         self.phase = Phase.FORWARD
@@ -236,6 +241,14 @@ class _Tracer(StorageIdentities):
         for k in dead:
             del self._watched[k]
             self.released_after[k] = last
+        if self._unpacked and last >= 0:
+            alive = []
+            for k, ref in self._unpacked:
+                if ref.expired():
+                    self.extra_reads.setdefault(last, []).append(k)
+                else:
+                    alive.append((k, ref))
+            self._unpacked = alive
 
     # -- saved tensors -------------------------------------------------------------------------------
 
@@ -256,7 +269,9 @@ class _Tracer(StorageIdentities):
         if not isinstance(packed, _Packed):
             return packed
         self.pending_unpacked.append(packed.key)
-        return packed.tensor()
+        t = packed.tensor()
+        self._unpacked.append((packed.key, StorageWeakRef(t.untyped_storage())))
+        return t
 
     # -- ops -------------------------------------------------------------------------------------------
 
@@ -374,6 +389,11 @@ def trace_step(
         tracer.ops[-1] = TracedOp(last.index, last.aten, last.phase, last.module, last.layer, last.op_class,
                                   tuple(dict.fromkeys(last.reads + tuple(tracer.pending_unpacked))), last.creates,
                                   last.flops, last.moved_bytes, last.random, last.writes)
+    for index, keys in tracer.extra_reads.items():
+        op = tracer.ops[index]
+        reads = tuple(dict.fromkeys(op.reads + tuple(k for k in keys if k not in op.creates)))
+        tracer.ops[index] = TracedOp(op.index, op.aten, op.phase, op.module, op.layer, op.op_class, reads,
+                                     op.creates, op.flops, op.moved_bytes, op.random, op.writes)
     weight_grads = frozenset(tracer.key(p.grad) for p in params.values() if p.grad is not None)
     never_read = tracer.saved - {k for op in tracer.ops if op.phase == Phase.BACKWARD for k in op.reads}
     if never_read and tracer.ops:  # saved but no backward node ran: freed with the autograd graph, at the end
