@@ -203,6 +203,23 @@ class Graph:
         }
         return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()[:16]
 
+    @cached_property
+    def drop_bytes_of(self) -> Mapping[str, int]:
+        """Saved tensor -> the device bytes dropping it (swap or recompute) can give back: its own
+        storage; for an alias, the whole storage it keeps alive when it is the only saved tensor in
+        that storage (CPU dropout's noise: the last in-place version of an `empty_like` storage, whose
+        earlier versions nothing saves), else its own `size_bytes` (one of several saved views).
+        Planners value a tensor by it (`slackswap.planners.support.analysis`); `owned_bytes` would give
+        an alias 0."""
+        saved_in: dict[str, int] = {}
+        roots = {t.name: self.storage_root(t.name) for t in self.saved_tensors}
+        for root in roots.values():
+            saved_in[root] = saved_in.get(root, 0) + 1
+        return MappingProxyType({
+            name: self.tensors[root].size_bytes if saved_in[root] == 1 else self.tensors[name].size_bytes
+            for name, root in roots.items()
+        })
+
     def owned_bytes(self, name: str) -> int:
         """Device bytes a copy of `name` made by a step owns: 0 for an alias (it shares its base's storage)."""
         tensor = self.tensors[name]
