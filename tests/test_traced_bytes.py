@@ -49,3 +49,18 @@ def test_the_4_layer_gpt2_of_the_issue_is_valued_at_its_traced_bytes():
     graph = build_torch_graph(model, spec, HW)
     assert sum(info.size_bytes for info in analyse(graph, HW).tensors.values()) == traced
     assert sum(graph.owned_bytes(t.name) for t in graph.saved_tensors) < 0.9 * traced  # what it was
+
+
+def test_the_breakdown_shows_the_models_hold():
+    from slackswap.profile import build_graph
+    from slackswap.profile.report import format_breakdown
+
+    model = small("gpt2")
+    traced = build_torch_graph(model, TorchSpec("hf_gpt2", attention="eager", semantics="cuda"), HW)
+    held = [t for t in traced.tensors.values() if t.held_until]
+    assert held  # HF GPT-2 keeps its embeddings and the attention mask to the end of its forward
+    text = format_breakdown(traced)
+    assert f"held by the model's own code past their last reader: {len(held)} tensors" in text
+    biggest = max(held, key=lambda t: (t.size_bytes, [-ord(ch) for ch in t.name]))
+    assert f"{biggest.size_bytes:>12d}  {biggest.held_until}" in text
+    assert "held by the model's own code" not in format_breakdown(build_graph(model, HW))  # analytic: none
