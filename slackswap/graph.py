@@ -30,7 +30,7 @@ What real (traced) programs add, with defaults that leave the analytic graphs as
   the op's time again, and every output of the op allocated for the recompute step (the mask is
   regenerated even when only the dropped output is wanted; outputs not materialised are freed when
   the step ends). docs/simulation.md section 4 states it; the simulator and the planners' replay
-  share it through `slackswap.schedule.validate`.
+  share it through `slackswap.schedule.copies`.
 - **the model's own references** (`Tensor.held_until`): eager code keeps a tensor alive while a
   Python variable of the model refers to it (HF's attention keeps `attn_weights` until the block
   returns), whatever autograd or a plan does. A run copy of such a tensor is freed no earlier than
