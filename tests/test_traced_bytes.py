@@ -14,8 +14,10 @@ from dataclasses import replace
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from slackswap.planners.support.analysis import analyse  # noqa: E402
 from slackswap.profile.torch import build_torch_graph  # noqa: E402
