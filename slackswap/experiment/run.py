@@ -128,6 +128,7 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
     """Run `spec` and return its outcome. `timings`, if given, is filled as each stage finishes (a run
     that raises midway still says where its time went) and is the outcome's `timings_s`."""
     from slackswap.memory.static import capacity_reason
+    from slackswap.node import pinned_reason
     from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
 
     timings = {} if timings is None else timings
@@ -154,21 +155,28 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
         fitted = plan_and_simulate(spec.planner, base.graph, spec.hardware, budget_bytes, spec.fit)
     except InfeasibleBudgetError as exc:
         timings["plan_s"] = plan_wall_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        floor = cached_floor(
-            (spec.workload_key, spec.planner_name, repr(sorted(spec.planner_options.items()))),
-            spec.planner, base.graph, spec.hardware, budget_bytes, base.keep_all_peak_bytes,
-        )
-        timings["floor_s"] = time.perf_counter() - t0
-        reason = exc.reason + _floor_note(spec.planner_name, floor.floor_bytes)
+        floor_bytes, note = None, f"; no floor figure for {spec.planner_name} (not searched: each probe is costly)"
+        if getattr(spec.planner, "floor_by_bisection", True):
+            t0 = time.perf_counter()
+            floor = cached_floor(
+                (spec.workload_key, spec.planner_name, repr(sorted(spec.planner_options.items()))),
+                spec.planner, base.graph, spec.hardware, budget_bytes, base.keep_all_peak_bytes,
+            )
+            timings["floor_s"] = time.perf_counter() - t0
+            floor_bytes, note = floor.floor_bytes, _floor_note(spec.planner_name, floor.floor_bytes)
+        reason = exc.reason + note
         # No plan, so nothing to simulate: what a simulation would give is None.
         simulation = unsimulated_metrics(
-            ideal, budget_bytes, reason, min_feasible_bytes=floor.floor_bytes, plan_wall_s=plan_wall_s
+            ideal, budget_bytes, reason, min_feasible_bytes=floor_bytes, plan_wall_s=plan_wall_s
         )
         return outcome(Verdict.INFEASIBLE, f"planner: {reason}", simulation, budget_bytes)
     timings["plan_s"] = fitted.plan_wall_s
     timings["sim_s"] = fitted.sim_wall_s
     simulation = compute_metrics(fitted.result, ideal, plan_wall_s=fitted.plan_wall_s, sim_wall_s=fitted.sim_wall_s)
+    pinned = None if spec.node is None else pinned_reason(spec.node, int(simulation.get("d2h_bytes") or 0))
+    if fitted.result.feasible and pinned is not None:
+        # Every rank of the node holds the same swapped bytes in pinned host memory: over it, infeasible.
+        return outcome(Verdict.INFEASIBLE, pinned, dict(simulation, feasible=False), budget_bytes, fitted)
     if fitted.result.feasible:
         return outcome(Verdict.OK, "", simulation, budget_bytes, fitted)
     reason = f"simulator: {fitted.result.infeasible_reason}"
@@ -218,7 +226,20 @@ def run_metrics(
     metrics["ideal_tokens_per_s"] = tokens_per_s(spec.tokens_per_step, simulation["ideal_step_s"])
     metrics["ideal_mfu"] = mfu(flops, simulation["ideal_step_s"], spec.hardware, spec.model.dtype)
     metrics |= _source_metrics(base)
+    metrics |= _node_metrics(spec, simulation)
     return metrics
+
+
+def _node_metrics(spec: RunSpec, simulation: Mapping[str, Any]) -> dict[str, Any]:
+    """The node's share of the host link each GPU got and the pinned host bytes the node's ranks need."""
+    if spec.node is None:
+        return {}
+    swapped = simulation.get("d2h_bytes")
+    return spec.shared_link.metrics() | {
+        "gpus_per_node": spec.node.gpus_per_node,
+        "pinned_host_bytes": spec.node.pinned_host_bytes,
+        "pinned_needed_bytes": None if swapped is None else swapped * spec.node.gpus_per_node,
+    }
 
 
 def _fits_device(

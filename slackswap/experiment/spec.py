@@ -20,19 +20,29 @@ from slackswap.experiment.fitting import FitOptions
 from slackswap.hardware import Hardware
 from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
+from slackswap.node import Node
 from slackswap.planners.base import Planner
 from slackswap.profile.torch.spec import TorchSpec
+from slackswap.sharing import SharedLink, shared_hardware
 
 
-def hardware_from_config(config: Mapping[str, Any]) -> Hardware:
-    """The device a run is planned for. The one place a run's hardware is built from its config: a
-    config group that changes the device's links (a node preset) composes here."""
-    return Hardware.from_dict(config["hardware"])
+def hardware_from_config(config: Mapping[str, Any]) -> tuple[Hardware, Node | None, SharedLink | None]:
+    """The device a run is planned for, the one place a run's hardware is built from its config:
+    (per-rank hardware, node, what the node's shared links left each GPU). With a `node` node the
+    GPU's link runs at the rates sharing leaves it (`slackswap.sharing`); without one (a hand-written
+    config), the hardware preset as it is."""
+    hardware = Hardware.from_dict(config["hardware"])
+    if config.get("node") is None:
+        return hardware, None, None
+    node = Node.from_dict(config["node"])
+    shared, link = shared_hardware(hardware, node)
+    return shared, node, link
 
 
 @dataclass(frozen=True)
 class RunSpec:
     model: ModelConfig
+    #: The per-rank hardware (on `node`: its link at the rates this GPU really gets).
     hardware: Hardware
     budget: Budget
     planner_name: str
@@ -44,6 +54,9 @@ class RunSpec:
     profile_options: Mapping[str, Any] = field(default_factory=dict)
     #: Set when the source is `torch`: the graph is traced from the real model.
     torch_spec: TorchSpec | None = None
+    #: The server (conf/node) and what sharing it left each GPU; None without a `node` node.
+    node: Node | None = None
+    shared_link: SharedLink | None = None
     #: Identity of the workload (model, hardware, training and profile nodes as given): runs with equal
     #: keys profile the same graph, so a process profiles it once (`slackswap.experiment.baseline`).
     workload_key: str = ""
@@ -72,13 +85,14 @@ class RunSpec:
         profile = config.get("profile") or {"source": "analytic"}
         source, profile_options = select_source(profile.get("source"), profile.get("options") or {}, torch_node)
         model_config = ModelConfig.from_dict(model)
-        hardware = hardware_from_config(config)
+        hardware, node, shared_link = hardware_from_config(config)
         training = TrainingConfig.from_dict(config.get("training") or {})
         hardware.peak_for(model_config.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
         training.check_model_dtype(model_config.dtype)
         workload = {
             "model": config["model"],
             "hardware": config["hardware"],
+            "node": config.get("node"),
             "training": config.get("training"),
             "profile": config.get("profile"),
         }
@@ -93,6 +107,8 @@ class RunSpec:
             profile_source=source,
             profile_options=profile_options,
             torch_spec=spec_from_options(model_config, profile_options) if source == "torch" else None,
+            node=node,
+            shared_link=shared_link,
             workload_key=json.dumps(workload, sort_keys=True, default=str),
             # Unknown planner names and options fail here, before profiling, naming what was asked for.
             planner=get_planner(name, **options),
