@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -87,6 +88,7 @@ def test_the_allocator_changes_no_simulated_result(rng: random.Random, fraction:
     assert on.result == today and on.report.peak_allocated_bytes == today.peak_activation_bytes
 
 
+@pytest.mark.slow
 def test_planning_against_the_reserved_peak_makes_an_over_budget_plan_fit(tmp_path):
     # llama7b at 50 %: slackswap's byte-exact plan peaks just under the budget, and the allocator's
     # reserved peak is over it (docs/results.md). Planning against the reserved peak replans lower.

@@ -158,6 +158,7 @@ _GRAPH = build_graph(ModelConfig.from_dict(_MODEL), _HW)
 _PEAK = simulate(_GRAPH, keep_all_plan(_GRAPH), _HW, None).peak_activation_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.7])
 def test_bound_is_below_every_other_planners_simulated_step(fraction):
     budget = int(fraction * _PEAK)

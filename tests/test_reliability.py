@@ -422,6 +422,7 @@ def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkey
     assert _in_process(monkeypatch, tmp_path, str(empty), module="pipelines.aggregate") == 1
 
 
+@pytest.mark.slow
 def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(tmp_path, mlflow_store, monkeypatch) -> None:
     sweep = tmp_path / "sweep"
     common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
@@ -464,6 +465,7 @@ def _without_wall_clock(path: Path) -> bytes:
     return b"".join(line for line in lines if not any(key.encode() in line for key in WALL_CLOCK_LINES))
 
 
+@pytest.mark.slow
 def test_same_config_twice_gives_the_same_files(tmp_path, monkeypatch) -> None:
     """Every planner (milp: tests/test_milp.py, its exact solve on tiny takes a minute) and every stage,
     twice from scratch (the per-process profile cache emptied): the same bytes."""

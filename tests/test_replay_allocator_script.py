@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from pipelines import schemas
 from slackswap.experiment import RunSpec, run_one, write_run_files
+from tests.extras import require_torch_extra
 from tools import replay_allocator_gpu as script
 
 
@@ -45,7 +46,7 @@ def test_model_trajectory_never_reserves_less_than_it_allocates():
 
 
 def test_without_a_cuda_device_only_the_dry_run_runs(capsys):
-    torch = pytest.importorskip("torch")
+    torch = require_torch_extra("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU path runs instead")
     assert script.main(["model=tiny"]) == 2

@@ -176,7 +176,7 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
     pinned = None if spec.node is None else pinned_reason(spec.node, int(simulation.get("d2h_bytes") or 0))
     if fitted.result.feasible and pinned is not None:
         # Every rank of the node holds the same swapped bytes in pinned host memory: over it, infeasible.
-        return outcome(Verdict.INFEASIBLE, pinned, dict(simulation, feasible=False), budget_bytes, fitted)
+        return outcome(Verdict.INFEASIBLE, pinned, dict(simulation) | {"feasible": False}, budget_bytes, fitted)
     if fitted.result.feasible:
         return outcome(Verdict.OK, "", simulation, budget_bytes, fitted)
     reason = f"simulator: {fitted.result.infeasible_reason}"

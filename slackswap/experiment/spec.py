@@ -23,14 +23,15 @@ from slackswap.model_config import ModelConfig
 from slackswap.node import Node
 from slackswap.planners.base import Planner
 from slackswap.profile.torch.spec import TorchSpec
-from slackswap.sharing import SharedLink, shared_hardware
 
 
-def hardware_from_config(config: Mapping[str, Any]) -> tuple[Hardware, Node | None, SharedLink | None]:
-    """The device a run is planned for, the one place a run's hardware is built from its config:
-    (per-rank hardware, node, what the node's shared links left each GPU). With a `node` node the
-    GPU's link runs at the rates sharing leaves it (`slackswap.sharing`); without one (a hand-written
-    config), the hardware preset as it is."""
+def hardware_from_config(config: Mapping[str, Any]) -> tuple[Hardware, Node | None, Any]:
+    """The device a run is planned for, with the node around it. The one place a run's hardware is
+    built from its config: on a node (`config["node"]`), the per-rank `Hardware` whose host link runs at
+    the rates sharing leaves each GPU (`slackswap.sharing`), the `Node`, and that `SharedLink`; with no
+    node, the preset's hardware as given and None, None."""
+    from slackswap.sharing import shared_hardware
+
     hardware = Hardware.from_dict(config["hardware"])
     if config.get("node") is None:
         return hardware, None, None
@@ -54,12 +55,13 @@ class RunSpec:
     profile_options: Mapping[str, Any] = field(default_factory=dict)
     #: Set when the source is `torch`: the graph is traced from the real model.
     torch_spec: TorchSpec | None = None
-    #: The server (conf/node) and what sharing it left each GPU; None without a `node` node.
-    node: Node | None = None
-    shared_link: SharedLink | None = None
     #: Identity of the workload (model, hardware, training and profile nodes as given): runs with equal
     #: keys profile the same graph, so a process profiles it once (`slackswap.experiment.baseline`).
     workload_key: str = ""
+    #: The server (conf/node) and what sharing it left each GPU (`slackswap.sharing.SharedLink`); None
+    #: for a spec given without a node.
+    node: Node | None = None
+    shared_link: Any = field(default=None, compare=False)
     #: The planner, built once from `planner_name` and `planner_options`.
     planner: Planner | None = field(default=None, compare=False, repr=False)
 
@@ -107,9 +109,9 @@ class RunSpec:
             profile_source=source,
             profile_options=profile_options,
             torch_spec=spec_from_options(model_config, profile_options) if source == "torch" else None,
+            workload_key=json.dumps(workload, sort_keys=True, default=str),
             node=node,
             shared_link=shared_link,
-            workload_key=json.dumps(workload, sort_keys=True, default=str),
             # Unknown planner names and options fail here, before profiling, naming what was asked for.
             planner=get_planner(name, **options),
         )
