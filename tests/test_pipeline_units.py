@@ -152,7 +152,7 @@ def test_aggregate_sweep_without_plots_writes_tables_only(tmp_path) -> None:
 
 
 def test_plot_level_auto_depends_on_the_mode_and_a_bad_value_is_named() -> None:
-    from pipelines.stages import plot_level
+    from pipelines.plots import plot_level
     from slackswap.errors import ConfigError
 
     assert plot_level({"plots": "auto"}, multirun=False) == "all"
@@ -171,7 +171,7 @@ def test_a_single_run_does_not_import_pandas_or_the_aggregation() -> None:
     from pipelines.schemas import REPO_ROOT
 
     probe = (
-        "import sys, pipelines.run, pipelines.callbacks, pipelines.job, pipelines.stages\n"
+        "import sys, pipelines.run, pipelines.callbacks, pipelines.job, pipelines.plots\n"
         "print(sorted(n for n in ('pandas', 'pipelines.aggregate', 'matplotlib') if n in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
@@ -338,14 +338,17 @@ def _stage_outcome(tmp_path, name: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipelines import schemas, stages
+    from pipelines import schemas
+    from slackswap.experiment import RunSpec, run_one, write_run_files
 
     with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "tracking=off", "plots=none"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     run_dir = tmp_path / name
     run_dir.mkdir()
-    outcome = stages.execute(stages.validate_inputs(resolved), resolved, run_dir, {})
+    spec = RunSpec.from_dict(resolved)
+    outcome = run_one(spec)
+    write_run_files(spec, outcome, run_dir, {})
     assert json.loads((run_dir / "metrics.json").read_text()) == outcome.metrics
     return outcome
 
@@ -356,9 +359,9 @@ def test_metrics_have_one_key_set_for_every_outcome(tmp_path, allocator) -> None
     ok = _stage_outcome(tmp_path, "ok", [*common, "model=tiny", "planner=keep_all", "budget.fraction=1.0"])
     planner = _stage_outcome(tmp_path, "planner", [*common, "model=tiny", "planner=keep_all", "budget.fraction=0.5"])
     device = _stage_outcome(tmp_path, "device", [*common, "model=llama7b", "budget=device"])
-    assert ok.status == RunStatus.OK
-    assert planner.status == RunStatus.INFEASIBLE and planner.failure_reason.startswith("planner:")
-    assert device.status == RunStatus.INFEASIBLE and device.failure_reason.startswith("device memory:")
+    assert ok.verdict == RunStatus.OK
+    assert planner.verdict == RunStatus.INFEASIBLE and planner.reason.startswith("planner:")
+    assert device.verdict == RunStatus.INFEASIBLE and device.reason.startswith("device memory:")
     assert set(ok.metrics) == set(planner.metrics) == set(device.metrics)
     assert ("peak_reserved_bytes" in ok.metrics) == (allocator == "caching")
     # What an outcome did not compute is None, not left out and not made up.
@@ -371,8 +374,9 @@ def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipelines import schemas, stages
+    from pipelines import schemas
     from slackswap.errors import ConfigError
+    from slackswap.experiment import RunSpec
     from slackswap.profile.sources import select_source
 
     def resolved(overrides):
@@ -380,16 +384,16 @@ def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None
             cfg = compose("config", overrides=[*overrides, "tracking=off"])
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
-    analytic = stages.validate_inputs(resolved(["model=tiny"]))
+    analytic = RunSpec.from_dict(resolved(["model=tiny"]))
     assert (analytic.profile_source, analytic.torch_spec) == ("analytic", None)
     # A traced preset's `torch` node selects the torch source and is its options (no torch import here).
-    traced = stages.validate_inputs(resolved(["model=tiny_torch"]))
+    traced = RunSpec.from_dict(resolved(["model=tiny_torch"]))
     assert traced.profile_source == "torch" and traced.profile_options["builder"] == "tiny_gpt"
     assert traced.torch_spec.builder == "tiny_gpt"
-    family = stages.validate_inputs(resolved(["model=gpt2_xl", "profile=torch", "+profile.options.attention=eager"]))
+    family = RunSpec.from_dict(resolved(["model=gpt2_xl", "profile=torch", "+profile.options.attention=eager"]))
     assert (family.torch_spec.builder, family.torch_spec.attention) == ("hf_gpt2", "eager")
     with pytest.raises(ConfigError) as unknown:
-        stages.validate_inputs(resolved(["model=tiny", "profile.source=measured"]))
+        RunSpec.from_dict(resolved(["model=tiny", "profile.source=measured"]))
     assert unknown.value.field == "profile.source" and unknown.value.value == "measured"
     with pytest.raises(ConfigError, match="profile.options"):
         select_source("analytic", {"attention": "eager"}, {"builder": "tiny_gpt"})

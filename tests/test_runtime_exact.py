@@ -15,7 +15,8 @@ require_torch_extra("transformers")
 
 from slackswap.planners.registry import available_planners  # noqa: E402
 from slackswap.runtime import plan_counts  # noqa: E402
-from slackswap.runtime.compare import explain_ledger, simulated_saved_peak_bytes  # noqa: E402
+from slackswap.runtime.compare import explain_ledger  # noqa: E402
+from slackswap.simulate.saved_peak import simulated_saved_peak_bytes  # noqa: E402
 from tests.runtime_support import bit_equal, capture, h200, plan_for, run_step  # noqa: E402
 
 KINDS = ("tiny", "gpt2", "bert", "llama")
