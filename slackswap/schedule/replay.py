@@ -35,7 +35,7 @@ from slackswap.errors import PlanValidationError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan, StepKind
-from slackswap.schedule.memory import free_time_s
+from slackswap.schedule.free_rule import free_time_s
 from slackswap.schedule.transfer import CopyQueue, d2h_s, h2d_s
 from slackswap.schedule.validate import resolve_schedule
 

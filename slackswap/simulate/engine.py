@@ -12,7 +12,7 @@ them on first use (building one per event in the loop cost more than the schedul
 and bytes of each copy direction are summed as copies start (they start in time order).
 
 The rules come from `slackswap.schedule` (copy resolution, transfer durations, the free rule of
-`schedule.memory`), as for the planners' replay. Facts of the plan that the schedule fixes are used
+`schedule.free_rule`), as for the planners' replay. Facts of the plan that the schedule fixes are used
 instead of being tracked at run time:
 - a copy produced by a step is resident by the time any later step starts (steps finish in order),
   so a step only ever waits for the prefetched copies it reads;
