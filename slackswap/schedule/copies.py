@@ -4,7 +4,7 @@
 (made by a run step, a recompute step or a prefetch): who reads it, the offload that moves it, the
 copy an alias holds, and when its storage can really be freed. Those facts are the single input of
 every executor's free rule: the simulator's engine (`slackswap.simulate.engine`), the planners'
-replay (`schedule.replay`), the allocator replay (`slackswap.memory.replay`) and the runtime
+replay (`schedule.replay`), the allocator replay (`slackswap.memory.allocator_replay`) and the runtime
 (`slackswap.runtime`). None of them re-derives when a storage dies. The rules a plan must satisfy
 are checked around the walk in `schedule.validate` (`resolve_schedule` is the entry point).
 
