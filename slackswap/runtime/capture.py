@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
 from slackswap.profile.torch.identity import StorageIdentities
-from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",

@@ -24,7 +24,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/2"
+IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.op_numbering ops/2"
 
 
 def storage_key(t: torch.Tensor) -> int:
