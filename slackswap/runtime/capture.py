@@ -1,4 +1,4 @@
-"""Capture the graph of one real training step of a torch model, named by `identity.OpNumbering`.
+"""Capture the graph of one real training step of a torch model, named by `op_numbering.OpNumbering`.
 
 This is the runtime's own, minimal graph source: it runs the step for real (on whatever device the
 model is on) and records what autograd actually saves, so the runtime's tests can plan and run any

@@ -24,7 +24,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.op_numbering ops/2"
+#: A version tag recorded in every captured graph and checked when a plan is applied; its text is kept
+#: as first written (it names this module by its earlier name), so graphs captured before still match.
+IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/2"
 
 
 def storage_key(t: torch.Tensor) -> int:
