@@ -58,8 +58,8 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     from slackswap.planners.registry import get_planner
     from slackswap.runtime import capture_graph, plan_counts
     from slackswap.runtime.compare import explain_ledger
-    from slackswap.runtime.models import build_training_workload
     from slackswap.runtime.train import gradient_check, train_steps
+    from slackswap.runtime.training_workload import build_training_workload
     from slackswap.simulate import simulate
     from slackswap.simulate.metrics import simulate_ideal
     from slackswap.simulate.saved_peak import instant_link, simulated_saved_peak_bytes

@@ -28,9 +28,9 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copies import Copy, CpuCopies, CudaCopies
-from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies
 from slackswap.runtime.ledger import SavedBytesLedger
+from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 from slackswap.schedule.validate import resolve_schedule
 
 

@@ -20,7 +20,7 @@ import torch
 from slackswap.graph import Graph
 from slackswap.plan import Plan
 from slackswap.runtime.executor import RunReport, apply
-from slackswap.runtime.models import Workload, token_loss
+from slackswap.runtime.training_workload import Workload, token_loss
 
 
 @dataclass(frozen=True)
