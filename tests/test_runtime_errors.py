@@ -15,8 +15,8 @@ require_torch_extra("transformers")
 from slackswap.errors import PlanValidationError  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.runtime import PlanMismatchError, apply  # noqa: E402
-from slackswap.runtime.copies import CpuCopies  # noqa: E402
-from slackswap.runtime.models import build_training_workload, small_config  # noqa: E402
+from slackswap.runtime.copy_engines import CpuCopies  # noqa: E402
+from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from tests.runtime_support import bit_equal, capture, plan_for, run_step  # noqa: E402
 
 _C: dict[str, object] = {}
