@@ -139,7 +139,6 @@ class _RegionPolicy:
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         #: Storage -> the decided identities of the op that created it (eager; in-place members join it).
         self.chain: dict[int, list[str]] = {}
-        self.graph_len = -1
 
     def _path(self) -> str:
         if self.compiled:
@@ -180,40 +179,50 @@ class _RegionPolicy:
             policy = CheckpointPolicy.MUST_RECOMPUTE
         for n, _ in decided:
             self.export.record.applied[n] = policy
-        if not self.compiled:
+        if self.compiled:
+            self._tag_nodes(names, leaves)
+        else:
             for leaf, f in zip(leaves, fresh, strict=False):
                 if f and isinstance(leaf, torch.Tensor):
                     self.chain[_storage(leaf)] = [n for n, _ in decided]
                     self.export._last_names[_storage(leaf)] = [n for n, _ in decided]
-        else:
-            self._tag_nodes(names, leaves)
         return policy
 
     def _tag_nodes(self, names: list[str], leaves: list) -> None:
-        """Compiled: name the traced nodes of this op (node.meta['slackswap_tensor']), so the partition's
-        saved values can be read back as plan tensors."""
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        """Compiled: name the traced node of each output (node.meta['slackswap_tensor']), so the
+        partition's saved values read back as plan tensors. The output is a FunctionalTensor over a
+        FakeTensor; the proxy mode's tracker gives the node that computes it."""
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
         mode = get_proxy_mode()
         if mode is None:
             return
-        nodes = list(mode.tracer.graph.nodes)
-        start = self.graph_len if self.graph_len >= 0 else max(0, len(nodes) - 8)
-        self.graph_len = len(nodes)
-        wanted = {}
         for name in names:
-            i = int(name.rsplit(":", 1)[1])
-            leaf = leaves[i]
-            wanted[name] = (tuple(leaf.shape), leaf.dtype)
-        for node in reversed(nodes[start:]):
-            val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor):
+            leaf = leaves[int(name.rsplit(":", 1)[1])]
+            inner = torch._from_functional_tensor(leaf.elem) if hasattr(leaf, "elem") else leaf
+            slot = get_proxy_slot(inner, mode.tracer, None)
+            if slot is None:
                 continue
-            for name, sig in list(wanted.items()):
-                if (tuple(val.shape), val.dtype) == sig:
-                    node.meta["slackswap_tensor"] = name
-                    del wanted[name]
-                    break
+            node = slot.proxy.node
+            node.meta["slackswap_tensor"] = name
+            # Every node this op's decomposition added (back to nodes of earlier ops) is the op's.
+            op = name.rsplit(":", 1)[0]
+            todo = [node]
+            while todo:
+                n = todo.pop()
+                if "slackswap_op" in n.meta or n.op != "call_function":
+                    continue
+                n.meta["slackswap_op"] = op
+                todo.extend(n.all_input_nodes)
+
+
+def _fresh_function(fn: Callable) -> Callable:
+    """A copy of `fn` with its own code object (dynamo caches and guards per code object; closures
+    over another layer and another policy would otherwise reuse the first layer's graph)."""
+    import types
+
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{id(fn):x}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -415,8 +424,8 @@ class PlanExport:
         try:
             for i, layer in enumerate(layers):
                 layer.forward = self._forward(layer, i, compile, backend)
-            if compile:
-                with _offload_enabled(), self.modules:
+            if compile:  # module paths from dynamo's nn_module_stack: global hooks would break the graph
+                with _offload_enabled():
                     yield
             else:
                 with self.modules:
@@ -449,14 +458,25 @@ class PlanExport:
         def run(*args, **kwargs):
             return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-        if not compile:
+        if compile:
+            return self._compiled(layer, region, backend)
             def run_eager(*args, **kwargs):
                 out = run(*args, **kwargs)
                 self._note_outputs(out)
                 return out
 
-            return run_eager
-        return torch.compile(run, backend=backend)
+        return run_eager
+
+    def _compiled(self, layer: torch.nn.Module, region: int, backend: object) -> Callable:
+        """One compiled function per layer: its own policy is traced into its own graph. Dynamo keys
+        compiled code by code object, so each layer's function is a fresh one (`_fresh_function`)."""
+        plain = type(layer).forward
+        context_fn = self.context_fn(region, compiled=True)
+
+        def run(*args, **kwargs):
+            return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+        return torch.compile(_fresh_function(run), backend=backend)
 
     # ------------------------------------------------------------------ differences
     def static_differences(self) -> list[ExportDifference]:
@@ -468,7 +488,7 @@ class PlanExport:
     def step_differences(self) -> list[ExportDifference]:
         """After an eager step: every decided tensor of a region whose policy differs, with the reason."""
         out = self.static_differences()
-        for region, decisions in enumerate(self.region_decisions):
+        for decisions in self.region_decisions:
             for name, decision in sorted(decisions.items()):
                 applied = self.record.applied.get(name)
                 if applied is None:
@@ -533,6 +553,10 @@ class SavedValue:
     tensor: str | None
     size_bytes: int
     offloaded: bool
+    #: For a value inside an op's decomposition: the op ('layers.0.ln1/native_layer_norm#0'), or None.
+    op: str | None = None
+    #: A graph input of the compiled layer: a parameter or the layer's input (not an activation it made).
+    is_input: bool = False
 
 
 def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
@@ -540,9 +564,16 @@ def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     partitions: list[list[SavedValue]] = []
+    forward_names: dict[object, dict[str, tuple[str | None, str | None]]] = {}
 
     def inner(gm, example_inputs, *args, **kwargs):
-        if kwargs.get("is_backward"):
+        names = forward_names.setdefault(kwargs.get("graph_id"), {})
+        if not kwargs.get("is_backward"):
+            for node in gm.graph.nodes:
+                source = node.args[0] if node.name.startswith("cpu_offload_") and node.args else node
+                meta = getattr(source, "meta", {})
+                names[node.name] = (meta.get("slackswap_tensor"), meta.get("slackswap_op"))
+        else:
             saved = []
             for node in gm.graph.find_nodes(op="placeholder"):
                 if node.name.startswith("tangents"):
@@ -550,14 +581,61 @@ def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
                 val = node.meta.get("val")
                 if not isinstance(val, torch.Tensor):
                     continue
-                size = val.untyped_storage().nbytes() if val.numel() else 0
                 size = val.numel() * val.element_size()
-                saved.append(SavedValue(node.name, node.meta.get("slackswap_tensor"), size,
-                                        node.name.startswith("cpu_offload_")))
+                tensor, op = names.get(node.name, (None, None))
+                tensor = node.meta.get("slackswap_tensor") or tensor
+                op = node.meta.get("slackswap_op") or op
+                saved.append(SavedValue(node.name, tensor, size, node.name.startswith("cpu_offload_"), op,
+                                        node.name.startswith("primals")))
             partitions.append(saved)
         return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return partial(compile_fx, inner_compile=inner), partitions
 
 
-__all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "layer_paths"]
+def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]) -> list[ExportDifference]:
+    """The compiled partitions' saved values against the plan, every difference named.
+
+    Planned on the device: keep; planned on the host: swap; planned absent: recompute. A saved value
+    that is a graph input (parameter or the layer's input) is not an activation the layer made and is
+    left out. What remains, by kind: a plan tensor saved otherwise than planned, a plan tensor of a
+    governed layer the partition does not save (the compiled backward reads other values, or the
+    identity does not exist under compile), a value the plan does not name."""
+    saved = [v for part in partitions for v in part if not v.is_input]
+    got: dict[str, SavedValue] = {v.tensor: v for v in saved if v.tensor is not None}
+    out: list[ExportDifference] = []
+    for decisions in export.region_decisions:
+        if not decisions:
+            continue
+        for name, decision in sorted(decisions.items()):
+            v = got.get(name)
+            if v is None:
+                if decision != Decision.RECOMPUTE:
+                    out.append(ExportDifference(name, str(decision), "not saved",
+                                                "the compiled backward does not read this value (its decomposition "
+                                                "saves others, or the op has another name under compile)"))
+            elif decision == Decision.RECOMPUTE:
+                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
+                                            "the partitioner saves it: a random op's output or an output of "
+                                            "an op that also makes a kept tensor"))
+            elif (decision == Decision.SWAP) != v.offloaded:
+                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
+                                            "torch's offload pass skips views, non-contiguous tensors and "
+                                            "model outputs" if decision == Decision.SWAP else "one policy per op"))
+    for v in saved:
+        if v.tensor is None or v.tensor not in export.plan.decisions:
+            what = v.tensor or (f"a value inside {v.op}" if v.op else f"compiled value {v.node}")
+            out.append(ExportDifference(what, "none", "offloaded" if v.offloaded else "saved",
+                                        "the plan does not name it: the compiled backward reads a value of "
+                                        "the op's decomposition (or an op renamed under compile)"))
+    return out
+
+
+def saved_bytes(partitions: list[list[SavedValue]]) -> tuple[int, int]:
+    """(device bytes, host bytes) the compiled partitions save, graph inputs left out."""
+    values = [v for part in partitions for v in part if not v.is_input]
+    return (sum(v.size_bytes for v in values if not v.offloaded), sum(v.size_bytes for v in values if v.offloaded))
+
+
+__all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "SavedValue", "layer_paths", "partition_differences",
+           "recording_backend", "saved_bytes"]
