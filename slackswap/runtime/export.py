@@ -433,9 +433,8 @@ class PlanExport:
         finally:
             reset.remove()
             for layer, original in zip(layers, originals, strict=True):
-                if original is None:
-                    del layer.forward
-                else:
+                layer.__dict__.pop("forward", None)
+                if original is not None:
                     layer.forward = original
 
     def _note_outputs(self, out: object) -> None:
@@ -452,20 +451,17 @@ class PlanExport:
         self.modules._calls.clear()
 
     def _forward(self, layer: torch.nn.Module, region: int, compile: bool, backend: object) -> Callable:
-        plain = type(layer).forward
-        context_fn = self.context_fn(region, compiled=compile)
-
-        def run(*args, **kwargs):
-            return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
         if compile:
             return self._compiled(layer, region, backend)
-            def run_eager(*args, **kwargs):
-                out = run(*args, **kwargs)
-                self._note_outputs(out)
-                return out
+        plain = type(layer).forward
+        context_fn = self.context_fn(region)
 
-        return run_eager
+        def run(*args, **kwargs):
+            out = checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            self._note_outputs(out)
+            return out
+
+        return run
 
     def _compiled(self, layer: torch.nn.Module, region: int, backend: object) -> Callable:
         """One compiled function per layer: its own policy is traced into its own graph. Dynamo keys
