@@ -105,14 +105,40 @@ def check_identity(graph: Graph, model: torch.nn.Module) -> None:
             )
 
 
+class RuntimeUsageError(PlanMismatchError):
+    """The runtime was used in a way it cannot run exactly (nesting, torch.compile): says what to do."""
+
+
+_ACTIVE: list[PlanRun] = []
+
+
+def _compiled(model: torch.nn.Module) -> str | None:
+    """The path of a module that torch.compile wraps (`torch.compile(m)` or `m.compile()`), or None."""
+    if type(model).__name__ == "OptimizedModule":
+        return "<the model>"
+    for name, m in model.named_modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            return name or "<the model>"
+    return None
+
+
 class PlanRun(TorchDispatchMode):
     """`with apply(plan, graph, model): ...` runs one training step under the plan. Reusable per step."""
 
     def __init__(
-        self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False
+        self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
+        accumulate: bool = False,
     ):
         super().__init__()
+        compiled = _compiled(model)
+        if compiled is not None:
+            raise RuntimeUsageError(
+                f"module {compiled!r} is torch.compile'd: under the eager runtime's dispatch modes torch.compile "
+                "falls back to eager, silently. Run the plan through PyTorch instead: "
+                "slackswap.runtime.export.PlanExport(plan, graph, model).installed(model, compile=True)"
+            )
         self.trace = trace
+        self.accumulate = accumulate
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
@@ -131,7 +157,11 @@ class PlanRun(TorchDispatchMode):
         self.held_copies: set[int] = set()
         self.release_after: dict[int, list[int]] = {}
         recompute_steps = {j for j, s in enumerate(steps) if s.kind == StepKind.RECOMPUTE}
-        for c, copy in enumerate(self.schedule.copies):
+        #: Built once: `ResolvedSchedule.copies` rebuilds every Copy on each access.
+        self.copy_records = self.schedule.copies
+        #: Per copy: its source, read on every swapped or recomputed unpack.
+        self.copy_source = self.schedule.copy_source
+        for c, copy in enumerate(self.copy_records):
             if copy.source == "run":
                 self.run_copy[copy.tensor] = c
             needs_hold = copy.source != "run" or copy.offload is not None or bool(set(copy.readers) & recompute_steps)
@@ -148,6 +178,34 @@ class PlanRun(TorchDispatchMode):
 
     # ----------------------------------------------------------------------------- step lifecycle
     def __enter__(self) -> PlanRun:
+        if _ACTIVE:
+            raise RuntimeUsageError(
+                "apply(...) entered while another plan run is active"
+                + (" (this same run)" if self in _ACTIVE else "")
+                + ": a plan describes exactly one step, and a run inside a run would see the outer run's calls. "
+                "Exit the outer `with` first; for micro-batches enter one run per micro-batch with "
+                "apply(..., accumulate=True)"
+            )
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if self.accumulate:
+            # Micro-batches: an existing .grad would turn AccumulateGrad's assignment into an in-place
+            # add the graph lacks. Set it aside and add it back after the step: the same float addition
+            # AccumulateGrad does (old + new), so the sum is bit for bit a plain accumulation's.
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    self._stashed.append((p, p.grad))
+                    p.grad = None
+        _ACTIVE.append(self)
+        try:
+            self._enter()
+        except BaseException:
+            _ACTIVE.remove(self)
+            for p, old in self._stashed:
+                p.grad = old
+            raise
+        return self
+
+    def _enter(self) -> None:
         self.identities = StorageIdentities(self.model)
         self.numbering = OpNumbering(self.identities)
         self.ledger = SavedBytesLedger(self.trace)
@@ -170,9 +228,17 @@ class PlanRun(TorchDispatchMode):
         self.identities.__enter__()
         super().__enter__()
         self._issue(0)
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        _ACTIVE.remove(self)
+        try:
+            self._exit(exc_type, exc, tb)
+        finally:
+            for p, old in self._stashed:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+            self._stashed = []
+
+    def _exit(self, exc_type, exc, tb) -> None:
         super().__exit__(exc_type, exc, tb)
         self.identities.__exit__(exc_type, exc, tb)
         self._hooks.__exit__(exc_type, exc, tb)
@@ -219,10 +285,13 @@ class PlanRun(TorchDispatchMode):
             self._finish_current()
             j = self.run_step.get(begin.op)
             if j is None:
+                expected = next((s.op for s in self.plan.steps[self.pos:] if s.kind == StepKind.RUN), None)
                 raise PlanMismatchError(
                     f"ATen call {begin.op!r} is not an op of graph {self.graph.name!r} (traced "
-                    f"{self.graph.meta.get('aten_calls')} calls): the model, its inputs, its train/eval mode differ, "
-                    "or gradients were not set to None before the step (optimizer.zero_grad())"
+                    f"{self.graph.meta.get('aten_calls')} calls; the plan expected {expected!r} next): the code path "
+                    "changed (the model, its inputs, its train/eval mode, a data-dependent branch), or gradients "
+                    "were not None before the step. Capture and plan again for the new code path; clear "
+                    "gradients (optimizer.zero_grad()) or use apply(..., accumulate=True) for micro-batches"
                 )
             self._advance_to(j)
             self.current = j
@@ -317,7 +386,7 @@ class PlanRun(TorchDispatchMode):
     def _storage_of(self, c: int) -> torch.UntypedStorage:
         held = self.held.get(c)
         if held is None:
-            copy = self.schedule.copies[c]
+            copy = self.copy_records[c]
             raise PlanMismatchError(f"tensor {copy.tensor!r}: its {copy.source} copy is not held at this point")
         if isinstance(held, Copy):
             if not held.arrived():
@@ -393,11 +462,11 @@ class PlanRun(TorchDispatchMode):
             return packed
         c = self.current_copy[packed.name]
         wanted = "prefetch" if self.plan.decisions[packed.name] == Decision.SWAP else "recompute"
-        copy = self.schedule.copies[c]
-        if copy.source != wanted:
+        source = self.copy_source[c]
+        if source != wanted:
             raise PlanMismatchError(
                 f"autograd reads {packed.name!r} before plan step {self.pos} while its current copy is the "
-                f"{copy.source} copy, not a {wanted} copy: the plan places the {wanted} after the reader"
+                f"{source} copy, not a {wanted} copy: the plan places the {wanted} after the reader"
             )
         storage = self._storage_of(c)
         self.internal = True
@@ -408,11 +477,14 @@ class PlanRun(TorchDispatchMode):
 
 
 def apply(
-    plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False
+    plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
+    accumulate: bool = False,
 ) -> PlanRun:
     """Context manager running one training step of `model` under `plan` (checked against `graph` now).
 
     `copies`: a copy engine (default: CUDA streams when the model is on a GPU, inline CPU copies
     otherwise). `trace`: keep the per-step live copies in the report, for `explain_ledger`.
+    `accumulate`: gradients already present are added to (micro-batches), bit for bit as plain
+    PyTorch accumulates them.
     """
-    return PlanRun(plan, graph, model, copies, trace)
+    return PlanRun(plan, graph, model, copies, trace, accumulate)
