@@ -83,12 +83,15 @@ def measure(w, graph, plan, device, steps: int) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        ledger = run.report.ledger_peak_bytes if run is not None else 0
-        peak = torch.cuda.max_memory_allocated() - start_bytes if device == "cuda" else ledger
-        if i > 0:
-            times.append(elapsed)
-            peaks.append(peak)
+        if i == 0:
+            # The first step under a run is the verified one (dispatch modes, ledger measured); the
+            # timed steps after it run on the saved-tensor hooks alone and measure no ledger.
+            ledger = run.report.ledger_peak_bytes if run is not None else 0
             ledgers.append(ledger)
+            continue
+        peak = torch.cuda.max_memory_allocated() - start_bytes if device == "cuda" else ledger
+        times.append(elapsed)
+        peaks.append(peak)
     for p in w.model.parameters():
         p.grad = None
     return {"measured_step_s": statistics.median(times), "measured_peak_bytes": max(peaks),

@@ -104,8 +104,10 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
           f"(max |diff| {check.max_abs_diff:g})", flush=True)
 
     def progress(r) -> None:
-        print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms "
-              f"peak {r.measured_peak_bytes} B (ledger {r.ledger_peak_bytes} B)", flush=True)
+        peak = (f"peak {r.measured_peak_bytes} B (ledger {r.ledger_peak_bytes} B)" if r.report.verified
+                else "hook-only step (no ledger)")
+        print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms {peak}",
+              flush=True)
 
     records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress)
     last = records[-1].report

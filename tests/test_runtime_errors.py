@@ -12,8 +12,8 @@ import torch
 from slackswap.errors import PlanValidationError
 from slackswap.plan import Decision
 from slackswap.runtime import PlanMismatchError, apply
-from slackswap.runtime.executor import RuntimeUsageError
 from slackswap.runtime.copies import CpuCopies
+from slackswap.runtime.executor import RuntimeUsageError
 from slackswap.runtime.models import build_training_workload, small_config
 from tests.runtime_support import bit_equal, capture, plan_for, run_step
 
@@ -114,9 +114,9 @@ def test_nesting_is_a_named_error_not_an_index_error() -> None:
     outer = apply(plan, c.graph, c.workload.model)
     for p in c.workload.model.parameters():
         p.grad = None
-    with pytest.raises(RuntimeUsageError, match="another plan run is active.*accumulate=True"):
-        with outer, apply(plan, c.graph, c.workload.model):
-            pass
+    refused = pytest.raises(RuntimeUsageError, match="another plan run is active.*accumulate=True")
+    with refused, outer, apply(plan, c.graph, c.workload.model):
+        pass
     # The outer run is usable afterwards: nothing of the refused inner run stayed behind.
     loss, grads, _ = run_step(c.workload, plan, c.graph)
     assert bit_equal(c.reference, loss, grads)
@@ -136,9 +136,9 @@ def test_changed_code_path_names_the_call_and_the_expected_op() -> None:
     w = c.workload
     for p in w.model.parameters():
         p.grad = None
-    with pytest.raises(PlanMismatchError, match=r"not an op of graph.*the plan expected 'op\d+:.*Capture and plan"):
-        with apply(plan, c.graph, w.model):
-            w.loss_fn(w.model(w.batch) * 2).backward()
+    changed = pytest.raises(PlanMismatchError, match=r"not an op of graph.*the plan expected 'op\d+:.*Capture and plan")
+    with changed, apply(plan, c.graph, w.model):
+        w.loss_fn(w.model(w.batch) * 2).backward()
 
 
 def test_gradient_accumulation_over_micro_batches_is_bit_exact() -> None:

@@ -16,7 +16,7 @@ How one step runs (docs/runtime.md has the why of each choice):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,12 +49,71 @@ class TensorRef:
     offset: int
 
 
+@dataclass(frozen=True)
+class InputRef:
+    """A model input (a forward argument, by flattened position) as a recorded ATen call saw it."""
+
+    index: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
 @dataclass
 class _Member:
     func: Any
     spec: Any
     rng: tuple[torch.Tensor, torch.Tensor | None] | None
     fresh: list[tuple[int, str]]
+    #: Hook-only steps: the pack event after which the RNG is in the state this random call drew
+    #: from (-1: the model's forward pre-hook); None when another random call came in between.
+    rng_event: int | None = None
+
+
+@dataclass(frozen=True)
+class PackRecord:
+    """The k-th tensor autograd saved in the verified step: what it is and where the plan was."""
+
+    name: str | None
+    shape: torch.Size
+    dtype: torch.dtype
+    decision: Decision | None
+    #: Plan steps before this index had finished when the tensor was packed.
+    position: int
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What a verified step (dispatch modes on) tells the later hook-only steps.
+
+    Autograd packs and unpacks saved tensors in the same order on every step of the same code path,
+    so the k-th pack names the k-th recorded tensor (checked by shape and dtype) and the u-th unpack
+    is at the recorded plan position. `refusal` says why hook-only steps cannot run this plan (every
+    step then runs verified)."""
+
+    packs: tuple[PackRecord, ...]
+    #: Per unpack event, in order: the plan position reached, and the tensor name (None: kept or not
+    #: a graph tensor).
+    unpacks: tuple[tuple[int, str | None], ...]
+    members: dict[str, list[_Member]]
+    #: Pack events whose RNG state a recomputed random call needs (-1: the forward pre-hook).
+    rng_events: frozenset[int]
+    refusal: str | None = None
+
+
+class _NoLedger:
+    """Hook-only steps measure no ledger (it needs a dispatch mode after every op)."""
+
+    peak_bytes = 0
+    peak_step = -1
+    live_by_step: dict[int, frozenset[int]] = {}
+
+    def track(self, storage: object, copy_id: int) -> None:
+        return None
+
+    def poll(self, step: int) -> None:
+        return None
 
 
 @dataclass
@@ -74,6 +133,11 @@ class RunReport:
     #: Unpacks that found their prefetch not yet arrived and made compute wait for it.
     late_prefetch_waits: int = 0
     counts_by_kind: dict[str, int] = field(default_factory=dict)
+    #: True: the step ran under the dispatch modes (every call checked, ledger measured); False: a
+    #: hook-only step (saved-tensor hooks only; no ledger: its figures are 0).
+    verified: bool = True
+    #: Why this plan's steps cannot run hook-only (None: they can, or have).
+    fast_refusal: str | None = None
 
 
 def plan_counts(plan: Plan) -> dict[str, int]:
@@ -127,7 +191,7 @@ class PlanRun(TorchDispatchMode):
 
     def __init__(
         self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
-        accumulate: bool = False,
+        accumulate: bool = False, verify: bool = False,
     ):
         super().__init__()
         compiled = _compiled(model)
@@ -139,6 +203,9 @@ class PlanRun(TorchDispatchMode):
             )
         self.trace = trace
         self.accumulate = accumulate
+        #: Every step under the dispatch modes (else only the first, and after a refusal).
+        self.verify = verify
+        self.recording: Recording | None = None
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
@@ -206,6 +273,16 @@ class PlanRun(TorchDispatchMode):
         return self
 
     def _enter(self) -> None:
+        self.fast = self.recording is not None and self.recording.refusal is None and not (self.trace or self.verify)
+        if self.fast:
+            self._enter_fast()
+            return
+        self._packs: list[PackRecord] = []
+        self._unpacks: list[tuple[int, str | None]] = []
+        self._random_since_pack = False
+        self._refusal: str | None = None
+        self._packed_names: set[str] = set()
+        self._step_inputs: list[torch.Tensor] = []
         self.identities = StorageIdentities(self.model)
         self.numbering = OpNumbering(self.identities)
         self.ledger = SavedBytesLedger(self.trace)
@@ -232,7 +309,13 @@ class PlanRun(TorchDispatchMode):
     def __exit__(self, exc_type, exc, tb) -> None:
         _ACTIVE.remove(self)
         try:
-            self._exit(exc_type, exc, tb)
+            if self.fast:
+                self._exit_fast(exc_type)
+            else:
+                self._exit(exc_type, exc, tb)
+                if exc_type is None and self.recording is None:
+                    self.recording = self._finish_recording()
+                self.report.fast_refusal = self.recording.refusal if self.recording is not None else None
         finally:
             for p, old in self._stashed:
                 p.grad = old if p.grad is None else old.add_(p.grad)
@@ -259,7 +342,7 @@ class PlanRun(TorchDispatchMode):
             self.copies.close()
             self.held.clear()
             self.hosts.clear()
-            self.members.clear()
+            self._last_members, self.members = self.members, {}
             self.ledger.poll(-1)
             self.report.ledger_peak_bytes = self.ledger.peak_bytes
             self.report.ledger_peak_step = self.ledger.peak_step
@@ -267,6 +350,9 @@ class PlanRun(TorchDispatchMode):
             self.report.aten_calls = self.numbering.calls
 
     def _check_inputs(self, _module, args, kwargs) -> None:
+        self._step_inputs = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        if self.fast and -1 in self.recording.rng_events:
+            self._fast_rng[-1] = _rng_state()
         seen = input_signature([args, kwargs])
         traced = self.graph.meta.get("input_signature")
         if seen != traced:
@@ -296,13 +382,19 @@ class PlanRun(TorchDispatchMode):
             self._advance_to(j)
             self.current = j
         record = begin.op in self.recompute_ops
+        random = torch.Tag.nondeterministic_seeded in func.tags
         if record:
-            rng = None
-            if torch.Tag.nondeterministic_seeded in func.tags:
-                cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-                rng = (torch.get_rng_state(), cuda)
-            member = _Member(func, tree_map(self._to_spec, (args, kwargs)), rng, [])
+            rng = rng_event = None
+            if random:
+                rng = _rng_state()
+                rng_event = None if self._random_since_pack else len(self._packs) - 1
+                if rng_event is None:
+                    self._refuse(f"random call {begin.op!r} follows another random call with no saved tensor "
+                                 "between them: its RNG state has no hook to be read at")
+            member = _Member(func, tree_map(self._to_spec, (args, kwargs)), rng, [], rng_event)
             self.members.setdefault(begin.op, []).append(member)
+        if random:
+            self._random_since_pack = True
         out = func(*args, **kwargs)
         op = self.graph.op_by_name[begin.op]
         for index, name, t in self.numbering.end(func, out):
@@ -368,7 +460,10 @@ class PlanRun(TorchDispatchMode):
         try:
             for k in self.offloads_at[bucket]:
                 c = self.schedule.offload_copy[k]
-                source = self.held[c]
+                source = self.held.get(c)
+                if source is None and self.fast:  # not packed yet: offloaded at its first pack
+                    self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
+                    continue
                 self.hosts[k] = (self.copies.offload(source), source.device)
                 self.report.offloads += 1
             for k in self.prefetches_at[bucket]:
@@ -404,6 +499,8 @@ class PlanRun(TorchDispatchMode):
         env: dict[str, torch.UntypedStorage] = {}
 
         def resolve(x: object) -> object:
+            if isinstance(x, InputRef):
+                return _view(self._step_inputs[x.index].untyped_storage(), x)
             if not isinstance(x, TensorRef):
                 return x
             storage = env.get(x.name)
@@ -411,6 +508,9 @@ class PlanRun(TorchDispatchMode):
                 c = self.current_copy.get(x.name)
                 if c is None:
                     raise PlanMismatchError(f"plan step {j} ({step.op!r}) reads {x.name!r}, which has no copy")
+                if not self.fast and self.copy_source[c] == "run" and x.name not in self._packed_names:
+                    self._refuse(f"plan step {j} ({step.op!r}) reads {x.name!r}, a tensor autograd does not save: "
+                                 "no saved-tensor hook hands it over")
                 storage = self._storage_of(c)
             return _view(storage, x)
 
@@ -419,11 +519,12 @@ class PlanRun(TorchDispatchMode):
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 for m in members:
-                    if m.rng is not None:
-                        torch.set_rng_state(m.rng[0])
-                        if m.rng[1] is not None:
-                            torch.cuda.set_rng_state(m.rng[1])
-                    args, kwargs = tree_map(resolve, m.spec, is_leaf=lambda x: isinstance(x, TensorRef))
+                    rng = m.rng if not self.fast or m.rng is None else self._fast_rng[m.rng_event]
+                    if rng is not None:
+                        torch.set_rng_state(rng[0])
+                        if rng[1] is not None:
+                            torch.cuda.set_rng_state(rng[1])
+                    args, kwargs = tree_map(resolve, m.spec, is_leaf=lambda x: isinstance(x, (TensorRef, InputRef)))
                     leaves = tree_leaves(m.func(*args, **kwargs))
                     for index, name in m.fresh:
                         env[name] = leaves[index].untyped_storage()
@@ -443,13 +544,17 @@ class PlanRun(TorchDispatchMode):
         if self.internal:
             return t
         name = self.numbering.name_of(t)
+        decision = None if name is None else self.plan.decisions.get(name)
+        position = self.pos if self.current is None else self.current + 1
+        self._packs.append(PackRecord(name, t.shape, t.dtype, decision, position))
+        self._random_since_pack = False
         if name is None:
             return t  # a weight or an input: not an activation of the graph
-        decision = self.plan.decisions.get(name)
         if decision is None:
             raise PlanMismatchError(
                 f"autograd saves tensor {name!r}, which graph {self.graph.name!r} does not list as saved"
             )
+        self._packed_names.add(name)
         if decision == Decision.KEEP:
             return t
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
@@ -458,6 +563,7 @@ class PlanRun(TorchDispatchMode):
         self.numbering.close_op()
         self._finish_current()
         self._advance_recomputes()
+        self._unpacks.append((self.pos, packed.name if isinstance(packed, TensorRef) else None))
         if not isinstance(packed, TensorRef):
             return packed
         c = self.current_copy[packed.name]
@@ -476,15 +582,158 @@ class PlanRun(TorchDispatchMode):
             self.internal = False
 
 
+    # ----------------------------------------------------------------------------- recording
+    def _refuse(self, why: str) -> None:
+        if self._refusal is None:
+            self._refusal = why
+
+    def _finish_recording(self) -> Recording:
+        """After a complete verified step: what the hook-only steps need. Arguments of recomputed calls
+        that are not graph tensors must be parameters or buffers (the same storage every step) or
+        model inputs (taken from each step's forward pre-hook); anything else refuses."""
+        owned = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+        inputs = {t.untyped_storage().data_ptr(): i for i, t in enumerate(self._step_inputs)}
+
+        def external(x: object, op: str) -> object:
+            if not isinstance(x, torch.Tensor):
+                return x
+            ptr = x.untyped_storage().data_ptr()
+            if ptr in owned:
+                return x
+            if ptr in inputs:
+                return InputRef(inputs[ptr], x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+            self._refuse(f"the recompute of {op!r} reads a tensor that is neither a graph tensor, a parameter "
+                         "nor a model input")
+            return x
+
+        members = {
+            op: [replace(m, spec=tree_map(lambda x, op=op: external(x, op), m.spec,
+                                          is_leaf=lambda x: isinstance(x, TensorRef))) for m in ms]
+            for op, ms in self._last_members.items()
+        }
+        events = frozenset(m.rng_event for ms in members.values() for m in ms if m.rng is not None
+                           and m.rng_event is not None)
+        return Recording(tuple(self._packs), tuple(self._unpacks), members, events, self._refusal)
+
+    # ----------------------------------------------------------------------------- hook-only steps
+    def _enter_fast(self) -> None:
+        """A step on the saved-tensor hooks alone: no dispatch mode, cost per saved tensor."""
+        self.report = RunReport(verified=False)
+        self.ledger = _NoLedger()
+        self.pos = 0
+        self.current = None
+        self.current_copy = {}
+        self.held = {}
+        self.hosts = {}
+        self.members = self.recording.members
+        self.internal = False
+        self._fast_k = 0
+        self._fast_u = 0
+        self._fast_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._deferred: dict[str, list[int]] = {}
+        self._step_inputs = []
+        if self.copies is None:
+            on_cuda = any(p.is_cuda for p in self.model.parameters())
+            self.copies = CudaCopies() if on_cuda else CpuCopies()
+        self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._fast_pack, self._fast_unpack)
+        self._hooks.__enter__()
+        self._fast_advance(0)
+        self._issue(0)
+
+    def _exit_fast(self, exc_type) -> None:
+        self._hooks.__exit__(None, None, None)
+        self._input_hook.remove()
+        try:
+            if exc_type is None:
+                self._fast_advance(len(self.plan.steps))
+                packs, unpacks = len(self.recording.packs), len(self.recording.unpacks)
+                if (self._fast_k, self._fast_u) != (packs, unpacks):
+                    raise PlanMismatchError(
+                        f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
+                        f"saved {packs} and read back {unpacks}: the code path changed (or backward did not run "
+                        "inside the context). Capture and plan again for the new code path"
+                    )
+        finally:
+            self.copies.close()
+            self.held.clear()
+            self.hosts.clear()
+            self._fast_rng.clear()
+            self._step_inputs = []
+
+    def _fast_advance(self, position: int) -> None:
+        while self.pos < position:
+            if self.plan.steps[self.pos].kind == StepKind.RECOMPUTE:
+                self._recompute(self.pos)
+            self._finish_step(self.pos)
+
+    def _fast_pack(self, t: torch.Tensor) -> object:
+        k = self._fast_k
+        self._fast_k = k + 1
+        packs = self.recording.packs
+        if k >= len(packs) or t.dtype != packs[k].dtype or t.shape != packs[k].shape:
+            wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
+            raise PlanMismatchError(
+                f"autograd saves a {tuple(t.shape)} {t.dtype} tensor as saved tensor {k} of the step; the verified "
+                f"step saved {wanted} there: the code path changed (model, inputs, train/eval mode, a "
+                "data-dependent branch). Capture and plan again for the new code path"
+            )
+        rec = packs[k]
+        if k in self.recording.rng_events:
+            self._fast_rng[k] = _rng_state()
+        name = rec.name
+        if name is None:
+            return t
+        if name not in self.current_copy:  # its first pack: the run copy is now at hand
+            c = self.run_copy[name]
+            self.current_copy[name] = c
+            if c in self.held_copies:
+                self.held[c] = t.untyped_storage()
+                for o in self._deferred.pop(name, ()):
+                    self.hosts[o] = (self.copies.offload(self.held[c]), t.device)
+                    self.report.offloads += 1
+        if rec.position > self.pos:
+            self._fast_advance(rec.position)
+        if rec.decision == Decision.KEEP:
+            return t
+        return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _fast_unpack(self, packed: object) -> torch.Tensor:
+        u = self._fast_u
+        self._fast_u = u + 1
+        unpacks = self.recording.unpacks
+        if u >= len(unpacks):
+            raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
+                                    f"{len(unpacks)}: the code path changed. Capture and plan again")
+        position, name = unpacks[u]
+        if position > self.pos:
+            self._fast_advance(position)
+        if not isinstance(packed, TensorRef):
+            return packed
+        if packed.name != name:
+            raise PlanMismatchError(f"backward read {packed.name!r} where the verified step read {name!r}: "
+                                    "backward ran in another order (the code path changed)")
+        c = self.current_copy[name]
+        storage = self._storage_of(c)
+        return _view(storage, packed)
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+
 def apply(
     plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
-    accumulate: bool = False,
+    accumulate: bool = False, verify: bool = False,
 ) -> PlanRun:
     """Context manager running one training step of `model` under `plan` (checked against `graph` now).
 
     `copies`: a copy engine (default: CUDA streams when the model is on a GPU, inline CPU copies
     otherwise). `trace`: keep the per-step live copies in the report, for `explain_ledger`.
     `accumulate`: gradients already present are added to (micro-batches), bit for bit as plain
-    PyTorch accumulates them.
+    PyTorch accumulates them. The first step runs verified (dispatch modes: every ATen call checked
+    against the graph, the ledger measured) and records the pack order; later steps run on the
+    saved-tensor hooks alone (docs/runtime.md, "Hook-only steps"). `verify` or `trace`: every step
+    verified.
     """
-    return PlanRun(plan, graph, model, copies, trace, accumulate)
+    return PlanRun(plan, graph, model, copies, trace, accumulate, verify)
