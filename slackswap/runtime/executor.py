@@ -242,6 +242,10 @@ class PlanRun(TorchDispatchMode):
             if copy.offload is not None:
                 last = max(last, plan.offloads[copy.offload].issue_after_step)
             self.release_after.setdefault(last, []).append(c)
+        #: Steps at whose end the plan acts (a recompute, a transfer issued after it, a release).
+        self._action_steps = sorted(
+            recompute_steps | set(self.release_after)
+            | {j for j in range(n) if self.offloads_at[j + 1] or self.prefetches_at[j + 1]})
 
     # ----------------------------------------------------------------------------- step lifecycle
     def __enter__(self) -> PlanRun:
@@ -629,6 +633,7 @@ class PlanRun(TorchDispatchMode):
         self.internal = False
         self._fast_k = 0
         self._fast_u = 0
+        self._next_action = 0
         self._fast_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._deferred: dict[str, list[int]] = {}
         self._step_inputs = []
@@ -662,10 +667,20 @@ class PlanRun(TorchDispatchMode):
             self._step_inputs = []
 
     def _fast_advance(self, position: int) -> None:
-        while self.pos < position:
-            if self.plan.steps[self.pos].kind == StepKind.RECOMPUTE:
-                self._recompute(self.pos)
-            self._finish_step(self.pos)
+        """Steps before `position` have run: act at those of them where the plan does something
+        (recompute, issue a transfer, release a copy), skip the rest in O(1) each event."""
+        acts, i = self._action_steps, self._next_action
+        steps = self.plan.steps
+        while i < len(acts) and acts[i] < position:
+            j = acts[i]
+            self.pos = j
+            if steps[j].kind == StepKind.RECOMPUTE:
+                self._recompute(j)
+            self._finish_step(j)
+            i += 1
+        self._next_action = i
+        if position > self.pos:
+            self.pos = position
 
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k

@@ -392,6 +392,7 @@ class PlanExport:
         self._random: set[tuple[int, int]] = set()
         #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
         self._last_names: dict[int, list[str]] = {}
+        self._compiled_fns: dict[tuple, Callable] = {}
 
     # ------------------------------------------------------------------ policies
     def policy(self, region: int, compiled: bool = False) -> Callable:
@@ -466,13 +467,16 @@ class PlanExport:
     def _compiled(self, layer: torch.nn.Module, region: int, backend: object) -> Callable:
         """One compiled function per layer: its own policy is traced into its own graph. Dynamo keys
         compiled code by code object, so each layer's function is a fresh one (`_fresh_function`)."""
-        plain = type(layer).forward
-        context_fn = self.context_fn(region, compiled=True)
+        key = (region, id(layer), id(backend))
+        if key not in self._compiled_fns:  # kept: a later installation reuses the compiled code
+            plain = type(layer).forward
+            context_fn = self.context_fn(region, compiled=True)
 
-        def run(*args, **kwargs):
-            return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            def run(*args, **kwargs):
+                return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-        return torch.compile(_fresh_function(run), backend=backend)
+            self._compiled_fns[key] = torch.compile(_fresh_function(run), backend=backend)
+        return self._compiled_fns[key]
 
     # ------------------------------------------------------------------ differences
     def static_differences(self) -> list[ExportDifference]:
