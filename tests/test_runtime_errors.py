@@ -161,3 +161,44 @@ def test_gradient_accumulation_over_micro_batches_is_bit_exact() -> None:
     plain, planned = accumulate(False), accumulate(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(plain, c.reference[1], strict=True))  # two batches summed
+
+
+def test_slow_copies_over_several_steps_reuse_host_buffers_and_stay_exact() -> None:
+    """Copies on worker threads after an artificial delay (a slow link), over a verified step and two
+    hook-only steps: every unpack waits for its late prefetch, the host buffers are allocated once per
+    offload of the plan and reused, and every step is bit-exact."""
+    c = tiny()
+    plan, _ = plan_for("slackswap", c)
+    copies = CpuCopies(delay_s=0.002)
+    run = apply(plan, c.graph, c.workload.model, copies=copies)
+    for step in range(3):
+        torch.manual_seed(1)
+        for p in c.workload.model.parameters():
+            p.grad = None
+        with run:
+            loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
+            loss.backward()
+        grads = [p.grad for p in c.workload.model.parameters() if p.grad is not None]
+        assert bit_equal(c.reference, loss.detach(), grads), step
+        assert run.report.verified == (step == 0)
+        assert run.report.late_prefetch_waits >= 1
+    assert copies.host.allocations == len(plan.offloads)
+    assert copies.host.bytes == sum(c.graph.tensors[t.tensor].size_bytes for t in plan.offloads)
+
+
+def test_a_copy_makes_its_consumer_stream_wait_not_the_current_one() -> None:
+    """The torchtitan 2581 pitfall: inside `with torch.cuda.stream(s)`, current_stream() is s. The
+    engine's copies hold the compute stream and wait on it (CPU stand-ins for stream and event)."""
+    from slackswap.runtime.copies import _EventCopy
+
+    class Stream:
+        def __init__(self) -> None:
+            self.waited: list[object] = []
+
+        def wait_event(self, event: object) -> None:
+            self.waited.append(event)
+
+    compute, event = Stream(), object()
+    copy = _EventCopy(torch.UntypedStorage(4), event, compute)
+    copy.wait()
+    assert compute.waited == [event]

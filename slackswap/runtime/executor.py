@@ -16,6 +16,7 @@ How one step runs (docs/runtime.md has the why of each choice):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -242,6 +243,9 @@ class PlanRun(TorchDispatchMode):
             if copy.offload is not None:
                 last = max(last, plan.offloads[copy.offload].issue_after_step)
             self.release_after.setdefault(last, []).append(c)
+        #: The plan keeps every tensor and moves none: a hook-only step has nothing to do.
+        self.idle = not (recompute_steps or plan.offloads or plan.prefetches) and all(
+            d == Decision.KEEP for d in plan.decisions.values())
         #: Steps at whose end the plan acts (a recompute, a transfer issued after it, a release).
         self._action_steps = sorted(
             recompute_steps | set(self.release_after)
@@ -468,7 +472,7 @@ class PlanRun(TorchDispatchMode):
                 if source is None and self.fast:  # not packed yet: offloaded at its first pack
                     self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
                     continue
-                self.hosts[k] = (self.copies.offload(source), source.device)
+                self.hosts[k] = (self.copies.offload(source, k), source.device)
                 self.report.offloads += 1
             for k in self.prefetches_at[bucket]:
                 host, device = self.hosts[self.schedule.prefetch_offload[k]]
@@ -641,9 +645,10 @@ class PlanRun(TorchDispatchMode):
             on_cuda = any(p.is_cuda for p in self.model.parameters())
             self.copies = CudaCopies() if on_cuda else CpuCopies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._fast_pack, self._fast_unpack)
+        self._hooks = contextlib.nullcontext()
+        if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._fast_pack, self._fast_unpack)
         self._hooks.__enter__()
-        self._fast_advance(0)
         self._issue(0)
 
     def _exit_fast(self, exc_type) -> None:
@@ -653,7 +658,7 @@ class PlanRun(TorchDispatchMode):
             if exc_type is None:
                 self._fast_advance(len(self.plan.steps))
                 packs, unpacks = len(self.recording.packs), len(self.recording.unpacks)
-                if (self._fast_k, self._fast_u) != (packs, unpacks):
+                if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
                     raise PlanMismatchError(
                         f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
                         f"saved {packs} and read back {unpacks}: the code path changed (or backward did not run "
@@ -670,13 +675,19 @@ class PlanRun(TorchDispatchMode):
         """Steps before `position` have run: act at those of them where the plan does something
         (recompute, issue a transfer, release a copy), skip the rest in O(1) each event."""
         acts, i = self._action_steps, self._next_action
-        steps = self.plan.steps
+        steps, held, release_after = self.plan.steps, self.held, self.release_after
+        offloads_at, prefetches_at = self.offloads_at, self.prefetches_at
         while i < len(acts) and acts[i] < position:
             j = acts[i]
             self.pos = j
             if steps[j].kind == StepKind.RECOMPUTE:
                 self._recompute(j)
-            self._finish_step(j)
+            if offloads_at[j + 1] or prefetches_at[j + 1]:
+                self._issue(j + 1)
+                self.copies.poll()
+            for c in release_after.get(j, ()):
+                held.pop(c, None)
+            self.pos = j + 1
             i += 1
         self._next_action = i
         if position > self.pos:
@@ -705,7 +716,7 @@ class PlanRun(TorchDispatchMode):
             if c in self.held_copies:
                 self.held[c] = t.untyped_storage()
                 for o in self._deferred.pop(name, ()):
-                    self.hosts[o] = (self.copies.offload(self.held[c]), t.device)
+                    self.hosts[o] = (self.copies.offload(self.held[c], o), t.device)
                     self.report.offloads += 1
         if rec.position > self.pos:
             self._fast_advance(rec.position)
