@@ -134,3 +134,30 @@ def test_compiled_partition_saves_the_planned_set_and_matches_eager() -> None:
     device, host = saved_bytes(partitions)
     assert host == sum(v.size_bytes for v in partitions[0] if v.offloaded and not v.is_input) > 0
     assert device > 0
+
+
+@pytest.mark.parametrize("planner", ["slackswap", "recompute_knapsack"])
+def test_the_simulator_runs_pytorchs_execution_of_the_export(planner: str) -> None:
+    """The decisions PyTorch executed, rescheduled as PyTorch places them: eager, each layer's
+    recomputes in one block before its first backward reader, reloads there; a valid plan the
+    simulator prices beside the original."""
+    from slackswap.plan import StepKind
+    from slackswap.pytorch_execution import pytorch_plan
+    from slackswap.simulate import simulate
+
+    c = tiny()
+    plan, _ = plan_for(planner, c)
+    export = PlanExport(plan, c.graph, c.workload.model)
+    exported_step(c, export)
+    effective = export.effective_decisions()
+    differ = {d.tensor for d in export.step_differences()}
+    assert {n for n in plan.decisions if effective[n] != plan.decisions[n]} == differ
+    for mode in ("eager", "compiled"):
+        executed = pytorch_plan(c.graph, plan, effective, h200(), mode)
+        assert dict(executed.decisions) == effective
+        result = simulate(c.graph, executed, h200(), None)
+        assert result.step_s > 0
+        if mode == "eager":
+            layers = [c.graph.tensors[s.outputs[0]].layer for s in executed.steps if s.kind == StepKind.RECOMPUTE]
+            blocks = [x for i, x in enumerate(layers) if i == 0 or layers[i - 1] != x]
+            assert len(blocks) == len(set(blocks)), "one recompute block per layer"

@@ -498,6 +498,17 @@ class PlanExport:
                     out.append(ExportDifference(name, str(decision), DOES[applied], self._why(name, applied)))
         return out
 
+    def effective_decisions(self) -> dict[str, Decision]:
+        """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside
+        every layer, or one the layer's forward did not make, is saved by autograd: keep). Input of
+        `slackswap.pytorch_execution.pytorch_plan`, which the simulator runs."""
+        does = {"saved": Decision.KEEP, "offloaded": Decision.SWAP, "recomputed": Decision.RECOMPUTE}
+        out = {}
+        for name in self.plan.decisions:
+            applied = self.record.applied.get(name)
+            out[name] = Decision.KEEP if applied is None else does[DOES[applied]]
+        return out
+
     def _why(self, name: str, applied: CheckpointPolicy) -> str:
         if name in self.record.in_place:
             return ("an in-place op wrote into it after its op (CPU dropout's bernoulli_ and div_): a replay "
