@@ -8,8 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra  # noqa: E402
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.planners.registry import available_planners  # noqa: E402
