@@ -121,7 +121,8 @@ class Topology:
 
     gpus_per_node: int
     intra_node: Fabric
-    inter_node: Fabric
+    #: None: the node has no network, so no job may span nodes.
+    inter_node: Fabric | None
 
     def __post_init__(self) -> None:
         n = self.gpus_per_node
@@ -133,7 +134,13 @@ class Topology:
         node first): NVLink when the group stays in one node, else the network (the ring's slowest
         link)."""
         span = (ranks - 1) * stride + 1
-        return self.intra_node if span <= self.gpus_per_node else self.inter_node
+        if span <= self.gpus_per_node:
+            return self.intra_node
+        if self.inter_node is None:
+            raise ConfigError(
+                "advise.gpus", span, f"spans more than one node of {self.gpus_per_node} GPUs, and the node has no NIC"
+            )
+        return self.inter_node
 
 
 @dataclass(frozen=True)
