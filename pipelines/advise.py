@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -65,9 +66,10 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
     keys = [k for k in cfg if k not in ("planner", "training") or k in choices]
     resolved = resolve_config(OmegaConf.masked_copy(cfg, keys))
     inputs = advise_report.validate(resolved, choices)
-    run_dir = __import__("pathlib").Path(hc.runtime.output_dir)
+    run_dir = Path(hc.runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    header = {"model": choices.get("model", inputs.model.name), "hardware": choices.get("hardware", inputs.hardware.name),
+    header = {"model": choices.get("model", inputs.model.name),
+              "hardware": choices.get("hardware", inputs.hardware.name),
               "node": choices.get("node", inputs.node.name), "seq_len": inputs.model.seq_len,
               "device_memory_bytes": inputs.hardware.device_memory_bytes}
     track = resolved["tracking"]
@@ -87,9 +89,9 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
         print(f"[{i}/{n} {time.perf_counter() - t_start:5.1f} s] {c.layout.label}, {c.recipe}, mb {c.micro_batch}, "
               f"{c.planner}/{c.plan_against}: {tps}{'' if row.fits_device else ' (does not fit)'}", flush=True)
 
-    advice = run_search(inputs.model, inputs.hardware, inputs.topology, inputs.space, advise_report.graph_source(inputs),
-                        on_row=progress, rank_hardware=advise_report.rank_hardware(inputs),
-                        host_check=advise_report.host_check(inputs))
+    advice = run_search(inputs.model, inputs.hardware, inputs.topology, inputs.space,
+                        advise_report.graph_source(inputs), on_row=progress,
+                        rank_hardware=advise_report.rank_hardware(inputs), host_check=advise_report.host_check(inputs))
     search_s = time.perf_counter() - t_start
     data = advise_report.write_outputs(run_dir, advice, inputs, header)
     children_s = 0.0
@@ -98,9 +100,9 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
         advise_report.finish_parent(client, info, track, run_dir, advise_report.parent_metrics(
             advice, search_s, children_s), (run_dir / "advice.md").read_text())
     print(advise_report.stdout_summary(advice, inputs, header, search_s))
-    print(f"\nadvice.json, advice.md, advise_pareto.png in {run_dir}"
-          + (f"; MLflow: parent run {info.run_id} with {len(advice.rows)} children ({children_s:.1f} s)" if info else "")
-          + f"; {time.perf_counter() - t_start:.1f} s in all")
+    mlflow_note = f"; MLflow: parent {info.run_id}, {len(advice.rows)} children ({children_s:.1f} s)" if info else ""
+    print(f"\nadvice.json, advice.md, advise_pareto.png in {run_dir}{mlflow_note}; "
+          f"{time.perf_counter() - t_start:.1f} s in all")
     return data
 
 

@@ -178,24 +178,29 @@ def _num(v: Any, fmt: str) -> str:
 
 TABLE_HEADER = (
     "| # | GPUs | layout | recipe | mb | planner | against | tokens/s/GPU | MFU | step s | peak GiB | headroom GiB "
-    "| fits | comm exposed s | bound | communication (model) |"
+    "| fits | comm exposed s | bound | communication (model) | same result with |"
 )
 
 
-def _table_row(rank: Any, r: Any) -> str:
+def _table_row(rank: Any, advice: Any, i: int) -> str:
+    from slackswap.experiment.advise import ties
+
+    r = advice.rows[i]
     c = r.candidate
+    same = [t for t in ties(advice, i) if t != f"{c.planner}/{c.plan_against}"]
     comm = "-" if r.comm is None else f"{r.comm.fabric}: {r.comm.assumption}"
     return (
         f"| {rank} | {c.layout.gpus} | {c.layout.label} | {c.recipe} | {c.micro_batch} | {c.planner} | "
-        f"{c.plan_against} | {_num(r.tokens_per_s, ',.0f')} | {_num(r.mfu, '.1%')} | {_num(r.step_s, '.3f')} | "
+        f"{c.plan_against} | {_num(r.tokens_per_s, ',.0f')} | {_num(r.mfu, '.1%')} | {_num(r.step_s, '.4g')} | "
         f"{_gib(r.peak_bytes)} | {_gib(r.headroom_bytes)} | {'yes' if r.fits_device else 'no'} | "
-        f"{_num(r.comm_exposed_s, '.3f')} | {r.bound or '-'} | {comm} |"
+        f"{_num(r.comm_exposed_s, '.3f')} | {r.bound or '-'} | {comm} | {', '.join(same) or '-'} |"
     )
 
 
 def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> str:
     """advice.md: the answer per GPU count, the ranked table, the best per recipe, the rejected regions."""
     from slackswap.communication import NOT_MODELLED
+    from slackswap.experiment.advise import distinct_ranked
 
     m, hw = inputs.model, inputs.hardware
     lines = [f"# advise: {m.name} on {header['hardware']} ({hw.device_memory_bytes / GIB:.0f} GiB), node "
@@ -213,13 +218,13 @@ def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any
         c = r.candidate
         lines.append(
             f"- **{gpus} GPU(s)**: {r.tokens_per_s:,.0f} tokens/s per GPU ({r.tokens_per_s * gpus:,.0f} in all), "
-            f"MFU {r.mfu:.1%}, step {r.step_s:.3f} s: {c.layout.label}, {c.recipe}, micro-batch {c.micro_batch}, "
+            f"MFU {r.mfu:.1%}, step {r.step_s:.4g} s: {c.layout.label}, {c.recipe}, micro-batch {c.micro_batch}, "
             f"planner {c.planner} (against {c.plan_against}); peak {r.peak_bytes / GIB:.1f} GiB, headroom "
             f"{r.headroom_bytes / GIB:.1f} GiB. Why: {r.why}"
         )
     lines += ["", f"## Top {inputs.top} (fitting, by tokens/s per GPU)", "", TABLE_HEADER, _separator()]
-    for k, i in enumerate(advice.ranked[: inputs.top], start=1):
-        lines.append(_table_row(k, advice.rows[i]))
+    for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1):
+        lines.append(_table_row(k, advice, i))
     lines += ["", "## Best per GPU count and recipe", "", TABLE_HEADER, _separator()]
     seen = set()
     for i in advice.ranked:
@@ -227,7 +232,7 @@ def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any
         key = (r.candidate.layout.gpus, r.candidate.recipe)
         if key not in seen:
             seen.add(key)
-            lines.append(_table_row(advice.ranked.index(i) + 1, r))
+            lines.append(_table_row(advice.ranked.index(i) + 1, advice, i))
     lines += ["", "## Rejected regions", "", "| reason | where | configurations | detail |", "|---|---|---|---|"]
     for g in advice.regions:
         where = ", ".join(f"{k}={v}" for k, v in g.choices.items() if k != "layout")
@@ -243,6 +248,8 @@ def _separator() -> str:
 
 
 def stdout_summary(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any], wall_s: float) -> str:
+    from slackswap.experiment.advise import distinct_ranked
+
     lines = ["", f"advise: {inputs.model.name} on {header['hardware']}, node {header['node']}: "
              f"{len(advice.rows)} configurations evaluated in {wall_s:.1f} s, {advice.pruned_configurations} pruned"]
     lines += [f"  note: {n}" for n in inputs.notes]
@@ -253,13 +260,24 @@ def stdout_summary(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any],
             continue
         c = r.candidate
         lines.append(
-            f"best on {gpus} GPU(s): {r.tokens_per_s:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, step {r.step_s:.3f} s, "
+            f"best on {gpus} GPU(s): {r.tokens_per_s:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, step {r.step_s:.4g} s, "
             f"peak {r.peak_bytes / GIB:.1f} GiB (headroom {r.headroom_bytes / GIB:.1f} GiB): {c.layout.label}, "
             f"{c.recipe}, micro-batch {c.micro_batch}, planner {c.planner} (plan against {c.plan_against})"
         )
         lines.append(f"    why: {r.why}")
     lines += ["", TABLE_HEADER, _separator()]
-    lines += [_table_row(k, advice.rows[i]) for k, i in enumerate(advice.ranked[: inputs.top], start=1)]
+    lines += [_table_row(k, advice, i) for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1)]
+    lines += ["", "best per recipe:"]
+    seen = set()
+    for i in advice.ranked:
+        r = advice.rows[i]
+        key = (r.candidate.layout.gpus, r.candidate.recipe)
+        if key not in seen:
+            seen.add(key)
+            c = r.candidate
+            lines.append(f"  {c.layout.gpus} GPU(s), {c.recipe}: {r.tokens_per_s:,.0f} tokens/s per GPU, MFU "
+                         f"{r.mfu:.1%}: {c.layout.label}, micro-batch {c.micro_batch}, {c.planner}/{c.plan_against}, "
+                         f"peak {r.peak_bytes / GIB:.1f} GiB")
     lines.append("")
     lines.append("rejected regions:")
     for g in advice.regions:
@@ -303,14 +321,10 @@ def _child_metrics(row_json: Mapping[str, Any]) -> dict[str, Any]:
     return presentation.with_units(out)
 
 
-def log_children(client, experiment_id: str, parent_id: str, rows_json: Sequence[Mapping[str, Any]]) -> float:
-    """One child per evaluated configuration, three store calls each (create with its tags, one
-    log_batch of params + metrics, end): MLflow has no bulk run creation. Returns the seconds spent."""
-    from mlflow.entities import Metric, Param
-
-    t0 = time.perf_counter()
+def _children(parent_id: str, rows_json: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict, dict, dict]]:
+    """(name, tags, params, metrics) of each child run."""
     provenance = tracking.provenance_tags("pipelines/advise.py")
-    now_ms = int(time.time() * 1000)
+    out = []
     for i, row in enumerate(rows_json, start=1):
         name = (f"{row['planner']} · {row['layout']} · {row['recipe']} · mb {row['micro_batch']} · "
                 f"{row['plan_against']}")
@@ -319,15 +333,71 @@ def log_children(client, experiment_id: str, parent_id: str, rows_json: Sequence
                 "bound": row["bound"] or "-", "reason": (row["reason"] or "")[:4000],
                 "comm_assumption": row["comm_assumption"] or "-", "comm_not_modelled": row["comm_not_modelled"],
                 tracking.NOTE_TAG: f"configuration {i} of the advise; {row['why'] or row['reason'] or ''}"[:4000]}
+        params = {k: str(row[k]) for k in ("gpus", "zero_stage", "zero_shards", "layout", "recipe", "micro_batch",
+                                           "planner", "plan_against")}
+        out.append((name, tags, params, tracking.numeric_metrics(_child_metrics(row))))
+    return out
+
+
+def log_children(client, experiment_id: str, parent_id: str, rows_json: Sequence[Mapping[str, Any]]) -> float:
+    """One FINISHED child run per evaluated configuration; returns the seconds spent.
+
+    MLflow has no bulk run creation: through the client, a child costs three store transactions
+    (create with its tags, one log_batch of params and metrics, end), 50-150 ms on a busy 2-core
+    machine, minutes for a thousand configurations. On a SQL store the children are written in one
+    transaction with MLflow's own table models instead (`_bulk_children`), the rows each of those
+    three calls would write; any other store (a server) takes the client path."""
+    t0 = time.perf_counter()
+    children = _children(parent_id, rows_json)
+    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    if isinstance(store, SqlAlchemyStore):
+        _bulk_children(store, experiment_id, children)
+    else:
+        _client_children(client, experiment_id, children)
+    return time.perf_counter() - t0
+
+
+def _bulk_children(store, experiment_id: str, children: Sequence[tuple[str, dict, dict, dict]]) -> None:
+    """The rows `create_run` + `log_batch` + `set_terminated` write, for every child, in one session."""
+    import uuid
+
+    from mlflow.entities import LifecycleStage, RunStatus as MlflowStatus, SourceType
+    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric, SqlParam, SqlRun, SqlTag
+    from mlflow.utils.uri import append_to_uri_path
+
+    experiment = store.get_experiment(experiment_id)
+    now_ms = int(time.time() * 1000)
+    with store.ManagedSessionMaker() as session:
+        for name, tags, params, metrics in children:
+            run_id = uuid.uuid4().hex
+            run = SqlRun(
+                name=name, artifact_uri=append_to_uri_path(experiment.artifact_location, run_id, "artifacts"),
+                run_uuid=run_id, experiment_id=experiment_id, source_type=SourceType.to_string(SourceType.LOCAL),
+                source_name="pipelines/advise.py", entry_point_name="", user_id=tags.get("mlflow.user", ""),
+                status=MlflowStatus.to_string(MlflowStatus.FINISHED), start_time=now_ms, end_time=now_ms,
+                deleted_time=None, source_version="", lifecycle_stage=LifecycleStage.ACTIVE,
+            )
+            run.tags = [SqlTag(key=k, value=str(v)) for k, v in tags.items()]
+            run.params = [SqlParam(key=k, value=v) for k, v in params.items()]
+            session.add(run)
+            for k, v in metrics.items():
+                session.add(SqlMetric(key=k, value=v, timestamp=now_ms, step=0, is_nan=False, run_uuid=run_id))
+                session.add(SqlLatestMetric(key=k, value=v, timestamp=now_ms, step=0, is_nan=False, run_uuid=run_id))
+
+
+def _client_children(client, experiment_id: str, children: Sequence[tuple[str, dict, dict, dict]]) -> None:
+    from mlflow.entities import Metric, Param
+
+    now_ms = int(time.time() * 1000)
+    for name, tags, params, metrics in children:
         info = client.create_run(experiment_id, tags=tags, run_name=name).info
         faults.track_in_flight(client, info.run_id)
-        params = [Param(k, str(row[k])) for k in ("gpus", "zero_stage", "zero_shards", "layout", "recipe",
-                                                    "micro_batch", "planner", "plan_against")]
-        metrics = [Metric(k, v, now_ms, 0) for k, v in tracking.numeric_metrics(_child_metrics(row)).items()]
-        client.log_batch(info.run_id, metrics=metrics, params=params)
+        client.log_batch(info.run_id, metrics=[Metric(k, v, now_ms, 0) for k, v in metrics.items()],
+                         params=[Param(k, v) for k, v in params.items()])
         client.set_terminated(info.run_id, status=tracking.MLFLOW_STATUS[RunStatus.OK])
         faults.done_in_flight(info.run_id)
-    return time.perf_counter() - t0
 
 
 def start_parent(track: Mapping[str, Any], name: str, params: Mapping[str, str]):

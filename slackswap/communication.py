@@ -17,12 +17,15 @@ Two models, each stated where it is used:
 
 2. **Which collectives a ZeRO stage issues, and how they overlap compute** (`step_communication`):
 
-   | stage | forward | backward | after the optimizer step |
-   |---|---|---|---|
-   | 0 (DDP) | - | all-reduce of the gradients, bucketed, overlapping backward | - |
-   | 1, 2 (DeepSpeed ZeRO-1/2) | - | reduce-scatter of the gradients, overlapping backward | all-gather of the updated 16-bit parameters, exposed |
-   | 3 (FSDP FULL_SHARD) | all-gather of each unit's parameters, the next unit prefetched under the current unit's compute | all-gather again (parameters were freed after forward) + reduce-scatter of the gradients, overlapping the next unit's backward | - |
-   | 3, shards < GPUs (FSDP HYBRID_SHARD) | as 3, within a shard group | as 3, plus an all-reduce of the gradient shard across the replicas | - |
+   - stage 0 (DDP): all-reduce of the gradients in backward, bucketed, overlapping backward;
+   - stages 1, 2 (DeepSpeed ZeRO-1/2): reduce-scatter of the gradients overlapping backward, then
+     an all-gather of the updated 16-bit parameters after the optimizer step, exposed;
+   - stage 3 (FSDP FULL_SHARD): in forward an all-gather of each unit's parameters, the next unit
+     prefetched under the current unit's compute; in backward an all-gather again (the parameters
+     were freed after forward) and a reduce-scatter of the gradients, overlapping the next unit's
+     backward;
+   - stage 3 with shards < GPUs (FSDP HYBRID_SHARD): as stage 3 within a shard group, plus an
+     all-reduce of the gradient shard across the replicas in backward.
 
    Overlap, as the frameworks schedule it: the collectives of one phase run on their own stream, one
    sharding unit (a transformer layer; embeddings + head) at a time, one unit ahead of (forward

@@ -334,6 +334,8 @@ class _Context:
     #: (GPU count, bytes one rank offloads per step) -> why the node's host cannot hold it, or None.
     host_check: Callable[[int, int], str | None] | None = None
     workloads: dict[int, _Workload] = field(default_factory=dict)
+    #: Sharding units (parameter groups: the layers, and the embeddings + head).
+    units: int = 0
     optimizer_cache: dict[tuple[TrainingConfig, int], float] = field(default_factory=dict)
     plan_cache: dict[tuple, Any] = field(default_factory=dict)
 
@@ -382,6 +384,14 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
 
     rank_hw = ctx.rank_hardware.get(cand.layout.gpus, hw)
     key = (cand.micro_batch, cand.planner, cand.plan_against, capacity, id(rank_hw))
+    allocated = ctx.plan_cache.get((*key[:2], "allocated", *key[3:]))
+    if key not in ctx.plan_cache and cand.plan_against == "reserved" and allocated is not None and (
+        isinstance(allocated, InfeasibleBudgetError) or not allocated.result.feasible or allocated.report.fits
+    ):
+        # Planning against the reserved peak starts with the same plan and stops at once when the
+        # planner gives up, the simulator rejects the plan or the allocator serves it: the same
+        # result, not recomputed (slackswap.simulate.fit.plan_and_simulate).
+        ctx.plan_cache[key] = allocated
     if key not in ctx.plan_cache:
         planner = get_planner(cand.planner, **dict(space.planners[cand.planner]))
         try:
@@ -403,14 +413,17 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
         num_params=num_params, param_bytes=param_b, grad_bytes=grad_b, zero_stage=cand.layout.zero_stage,
         gpus=cand.layout.gpus, shards=cand.layout.zero_shards, topology=ctx.topology,
         forward_compute_s=work.forward_s, backward_compute_s=max(micro_s - work.forward_s, 0.0),
-        units=len(layer_param_counts(model)),
+        units=ctx.units,
     )
     per_micro_exposed = comm.forward_exposed_s + comm.backward_exposed_s
     exposed = space.grad_accum * per_micro_exposed + comm.after_step_comm_s
     step_s = space.grad_accum * (micro_s + per_micro_exposed) + opt_s + comm.after_step_comm_s
     tokens = space.grad_accum * cand.micro_batch * model.seq_len
-    peak = static.total_bytes + space.reserve_bytes + report.peak_reserved_bytes
     fits = bool(report.fits)
+    # The reserved peak with room to spare; when the allocator serves the step only by releasing its
+    # cache (that peak above the capacity, `fits` still true), the device fills to the capacity.
+    reserved = min(report.peak_reserved_bytes, capacity) if fits else report.peak_reserved_bytes
+    peak = static.total_bytes + space.reserve_bytes + reserved
     reason = "" if fits else f"allocator: {report.oom_reason}"
     host = ctx.host_check(cand.layout.gpus, int(result.d2h_bytes)) if ctx.host_check else None
     if fits and host:
@@ -461,6 +474,7 @@ def plan_search(model: ModelConfig, hardware: Hardware, topology: Topology, spac
     """Enumerate the space and prune it (static memory, activation floors) before planning anything.
     `hooks`: `rank_hardware`, `host_check` (see `_Context`)."""
     ctx = _Context(model, hardware, topology, space, graph_for, **hooks)
+    ctx.units = len(layer_param_counts(model))
     planners = _ordered_planners(space)
     per_mb = len(planners) * len(space.plan_against)
     candidates: list[Candidate] = []
@@ -592,13 +606,42 @@ def _differences(a: Candidate, b: Candidate) -> str:
     return ", ".join(fields) or "same choices"
 
 
+def _config_key(row: Row) -> tuple:
+    c = row.candidate
+    return (c.layout, c.recipe, c.micro_batch)
+
+
+def distinct_ranked(advice: Advice) -> list[int]:
+    """The ranked rows, one per (layout, recipe, micro-batch) and throughput: planners that give the
+    same step (every planner keeps everything when it all fits) are one line, listed in `ties`."""
+    seen: set[tuple] = set()
+    out = []
+    for i in advice.ranked:
+        r = advice.rows[i]
+        k = (*_config_key(r), r.tokens_per_s)
+        if k not in seen:
+            seen.add(k)
+            out.append(i)
+    return out
+
+
+def ties(advice: Advice, index: int) -> list[str]:
+    """`planner/plan_against` of every fitting row with the same configuration and throughput."""
+    r = advice.rows[index]
+    return [f"{o.candidate.planner}/{o.candidate.plan_against}" for o in (advice.rows[j] for j in advice.ranked)
+            if _config_key(o) == _config_key(r) and o.tokens_per_s == r.tokens_per_s]
+
+
 def _explain(rows: list[Row], ranked: Sequence[int], best: Mapping[int, int]) -> list[Row]:
     """Why each GPU count's winner wins: what it does with memory, and its margin over the runner-up
     of the same GPU count."""
     out = list(rows)
     for gpus, i in best.items():
         r = rows[i]
-        same = [j for j in ranked if rows[j].candidate.layout.gpus == gpus and j != i]
+        # The runner-up: the best other configuration of this GPU count that differs in more than the
+        # planner or the planning target, or that gives another throughput.
+        same = [j for j in ranked if rows[j].candidate.layout.gpus == gpus and j != i
+                and (_config_key(rows[j]) != _config_key(r) or rows[j].tokens_per_s != r.tokens_per_s)]
         parts = []
         if r.recomputed or r.swapped:
             parts.append(f"recomputes {r.recomputed} and swaps {r.swapped} tensors "
