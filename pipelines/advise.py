@@ -15,47 +15,20 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_root resolver)
+import pipelines.advise_schema  # noqa: F401  (registers slackswap_advise_schema and the repo_root resolver)
 from pipelines import advise_report, faults
 from pipelines.job import resolve_config
-from pipelines.schemas import SlackSwapConfig
 from pipelines.tracking import TrackingUnavailable
 from slackswap.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
-
-
-@dataclass
-class AdviseSchema:
-    """`advise.*` (conf/advise.yaml documents each key)."""
-
-    gpus: list[int] = field(default_factory=lambda: [1, 8])
-    recipes: list[str] = field(default_factory=list)
-    micro_batches: list[int] = field(default_factory=list)
-    planners: list[str] = field(default_factory=list)
-    plan_against: list[str] = field(default_factory=lambda: ["allocated", "reserved"])
-    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
-    grad_accum: int = 1
-    milp_top_k: int = 2
-    graph: str = "analytic"
-    top: int = 10
-
-
-@dataclass
-class SlackSwapAdviseConfig(SlackSwapConfig):
-    advise: AdviseSchema = field(default_factory=AdviseSchema)
-
-
-ConfigStore.instance().store(name="slackswap_advise_schema", node=SlackSwapAdviseConfig)
 
 
 def advise(cfg: DictConfig) -> dict[str, Any]:

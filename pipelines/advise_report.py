@@ -363,13 +363,14 @@ def _bulk_children(store, experiment_id: str, children: Sequence[tuple[str, dict
     """The rows `create_run` + `log_batch` + `set_terminated` write, for every child, in one session."""
     import uuid
 
-    from mlflow.entities import LifecycleStage, RunStatus as MlflowStatus, SourceType
+    from mlflow.entities import LifecycleStage, SourceType
+    from mlflow.entities import RunStatus as MlflowStatus
     from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric, SqlParam, SqlRun, SqlTag
     from mlflow.utils.uri import append_to_uri_path
 
     experiment = store.get_experiment(experiment_id)
     now_ms = int(time.time() * 1000)
-    with store.ManagedSessionMaker() as session:
+    with store.ManagedSessionMaker(read_only=False) as session:
         for name, tags, params, metrics in children:
             run_id = uuid.uuid4().hex
             run = SqlRun(
