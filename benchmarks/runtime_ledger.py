@@ -24,7 +24,8 @@ def main() -> list[dict]:
     import torch
 
     from slackswap.planners.registry import available_planners
-    from slackswap.runtime.compare import explain_ledger, simulated_saved_peak_bytes
+    from slackswap.runtime.compare import explain_ledger
+    from slackswap.simulate.saved_peak import simulated_saved_peak_bytes
     from tests.runtime_support import capture, h200, plan_for, run_step
 
     torch.set_num_threads(1)

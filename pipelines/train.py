@@ -57,11 +57,12 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """Everything but MLflow: returns the figures (also written to run_dir/train.json)."""
     from slackswap.planners.registry import get_planner
     from slackswap.runtime import capture_graph, plan_counts
-    from slackswap.runtime.compare import explain_ledger, simulated_saved_peak_bytes
+    from slackswap.runtime.compare import explain_ledger
     from slackswap.runtime.models import build_training_workload
     from slackswap.runtime.train import gradient_check, train_steps
     from slackswap.simulate import simulate
     from slackswap.simulate.metrics import simulate_ideal
+    from slackswap.simulate.saved_peak import simulated_saved_peak_bytes
 
     model, spec, hardware, budget, planner = _validate(resolved)
     train = resolved["train"]

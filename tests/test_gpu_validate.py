@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+require_torch_extra("torch")
+require_torch_extra("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_validate  # noqa: E402
 
 
+@pytest.mark.slow
 def test_cpu_path_writes_one_row_per_plan(tmp_path) -> None:
     out = tmp_path / "gv.json"
     rows = gpu_validate.main(["--device", "cpu", "--models", "gpt2", "--steps", "1", "--out", str(out)])

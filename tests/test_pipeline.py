@@ -16,6 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from pipelines import tracking
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
+from tests.extras import require_torch_extra
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
 CONTRACT_METRICS = (
@@ -68,6 +69,7 @@ def _no_absolute_paths(params: dict[str, str]) -> None:
     assert not offending, offending
 
 
+@pytest.mark.slow
 def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     assert _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "planner=slackswap", "budget.fraction=0.5"]) == 0
     out = capsys.readouterr().out
@@ -127,6 +129,7 @@ def test_senseless_value_fails_before_any_mlflow_run(tmp_path, mlflow_store, mon
     assert not (tmp_path / "run" / "profile.csv").exists()
 
 
+@pytest.mark.slow
 def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, mlflow_store, monkeypatch, capsys):
     args = [
         "--multirun",
@@ -199,6 +202,7 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
     assert f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning" in out
 
 
+@pytest.mark.slow
 def test_submitit_local_two_job_sweep(tmp_path, mlflow_store, monkeypatch) -> None:
     """Workers are separate processes: the parent run and the experiment must already exist for them."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
@@ -251,10 +255,10 @@ def test_profile_cli_names_a_bad_value_in_one_line_and_exits_2(tmp_path) -> None
     assert not (tmp_path / "profile.csv").exists()
 
 
+@pytest.mark.slow
 def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     """The torch profile source through Hydra and MLflow (TinyGPT: no transformers download, seconds)."""
-    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):  # set by .ci/run: CI never skips it
-        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    require_torch_extra("torch")
     common = [a for a in _common(tmp_path, mlflow_store) if a != "model=tiny"]
     args = [*common, "model=tiny_torch", "planner=slackswap", "budget.fraction=0.5"]
     _run_cli(monkeypatch, args)
@@ -276,8 +280,7 @@ def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow
 
 def test_verify_torch_cli_on_the_cpu_path(tmp_path, monkeypatch, capsys) -> None:
     """The GPU check script (pipelines.verify_torch), run on its CPU path: trace = real run, exit 0."""
-    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):
-        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    require_torch_extra("torch")
     args = ["model=tiny_torch", "+device=cpu", f"hydra.run.dir={tmp_path}/verify", "hydra/job_logging=disabled"]
     _run_cli(monkeypatch, args, module="pipelines.verify_torch")
     assert "EQUAL" in capsys.readouterr().out

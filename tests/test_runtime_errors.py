@@ -6,14 +6,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
-from slackswap.errors import PlanValidationError
-from slackswap.plan import Decision
-from slackswap.runtime import PlanMismatchError, apply
-from slackswap.runtime.copies import CpuCopies
-from slackswap.runtime.models import build_training_workload, small_config
-from tests.runtime_support import bit_equal, capture, plan_for, run_step
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
+
+from slackswap.errors import PlanValidationError  # noqa: E402
+from slackswap.plan import Decision  # noqa: E402
+from slackswap.runtime import PlanMismatchError, apply  # noqa: E402
+from slackswap.runtime.copies import CpuCopies  # noqa: E402
+from slackswap.runtime.models import build_training_workload, small_config  # noqa: E402
+from tests.runtime_support import bit_equal, capture, plan_for, run_step  # noqa: E402
 
 _C: dict[str, object] = {}
 

@@ -5,15 +5,18 @@ the simulator's peak up to copies the model's own Python variables hold, named o
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from slackswap.planners.registry import available_planners  # noqa: E402
 from slackswap.runtime import plan_counts  # noqa: E402
-from slackswap.runtime.compare import explain_ledger, simulated_saved_peak_bytes  # noqa: E402
+from slackswap.runtime.compare import explain_ledger  # noqa: E402
+from slackswap.simulate.saved_peak import simulated_saved_peak_bytes  # noqa: E402
 from tests.runtime_support import bit_equal, capture, h200, plan_for, run_step  # noqa: E402
 
 KINDS = ("tiny", "gpt2", "bert", "llama")
@@ -55,6 +58,7 @@ def check_plan_run(c, planner: str) -> dict:
     return {"plan": plan, "report": report, "why": why}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_planner_runs_bit_exact(kind: str) -> None:
     c = captured(kind)
@@ -78,6 +82,7 @@ def test_every_planner_runs_bit_exact(kind: str) -> None:
     head_dim=st.sampled_from([4, 8]),
     layers=st.integers(1, 3),
 )
+@pytest.mark.slow
 def test_small_shapes_bit_exact(batch: int, seq: int, heads: int, head_dim: int, layers: int) -> None:
     c = capture("tiny", batch=batch, seq=seq, heads=heads, hidden=heads * head_dim, layers=layers, vocab=32)
     for planner in ("slackswap", "recompute_knapsack", "capuchin", "full_recompute"):

@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from tests.test_pipeline import _run_cli  # noqa: E402
 

@@ -47,7 +47,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.schedule.copies import ResolvedSchedule
-from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
+from slackswap.schedule.transfer import d2h_s, h2d_s
 from slackswap.schedule.validate import resolve_schedule
 from slackswap.simulate.result import EventLog, Infeasibility, SimResult
 
@@ -66,10 +66,6 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         raise ConfigError("budget_bytes", budget_bytes, "must be a non-negative integer or None (no limit)")
     schedule = resolve_schedule(graph, plan)
     return _execute(graph, plan, hardware, budget_bytes, schedule)
-
-
-#: The one transfer formula (slackswap.schedule.transfer), under the name this module exported.
-transfer_duration_s = transfer_s
 
 
 def _durations(graph: Graph) -> dict[str, float]:

@@ -107,8 +107,7 @@ class RecomputeKnapsack:
             if chosen is None:
                 raise InfeasibleBudgetError(
                     f"recompute_knapsack: budget {gib(budget_bytes)} needs {gib(need)} freed, more than the "
-                    f"{gib(sum(sizes))} of recomputable activations (last plan peaked at {gib(peak)})",
-                    min_feasible_bytes=None,
+                    f"{gib(sum(sizes))} of recomputable activations (last plan peaked at {gib(peak)})"
                 )
             seen = peak_of_set.get(frozenset(chosen))
             if seen is not None:

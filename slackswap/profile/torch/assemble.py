@@ -32,11 +32,6 @@ _FUSED_ATTENTION = frozenset({
 })
 
 
-#: Whether slackswap.graph has issue 13's fields for real programs (Op.random/writes/attention_core,
-#: Tensor.base). Until it does, an in-place write is only a read of the storage and the flags are dropped.
-_REAL_PROGRAM_FIELDS = "writes" in Op.__dataclass_fields__
-
-
 def op_name(index: int, phase: Phase, module: str, aten: str) -> str:
     return f"{'fwd' if phase == Phase.FORWARD else phase.value[:4]}{index}:{module}:{aten}"
 
@@ -79,7 +74,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
     graph_keys = {k for k in storages if k not in trace.weight_grads}
     names = {op.index: op_name(op.index, op.phase, op.module, op.aten) for op in trace.ops}
     roles = forward_roles(trace)
-    last_version = Counter(k for op in trace.ops for k in op.writes if k in graph_keys and _REAL_PROGRAM_FIELDS)
+    last_version = Counter(k for op in trace.ops for k in op.writes if k in graph_keys)
     version: dict[int, int] = defaultdict(int)
 
     def current(key: int) -> str:
@@ -100,7 +95,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                 outputs.append(current(k))
                 made[current(k)] = (k, op.index, "")
         for k in op.writes:
-            if k in graph_keys and _REAL_PROGRAM_FIELDS:
+            if k in graph_keys:
                 old = current(k)
                 version[k] += 1
                 writes.append(old)
@@ -108,10 +103,9 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                 made[current(k)] = (k, op.index, old)
         duration = op_duration_s(op.flops, op.moved_bytes, op.op_class, trace.dtype, hardware)
         role = roles.get(op.index, op.aten)
-        flags = dict(random=op.random, writes=tuple(writes), attention_core=role in ATTENTION_CORE_ROLES) \
-            if _REAL_PROGRAM_FIELDS else {}
         ops.append(Op(names[op.index], op.phase, op.op_class, op.layer, inputs, tuple(outputs), op.flops,
-                      op.moved_bytes, duration, "", role, **flags))
+                      op.moved_bytes, duration, "", role, random=op.random, writes=tuple(writes),
+                      attention_core=role in ATTENTION_CORE_ROLES))
     if include_optimizer:
         for layer in sorted(trace.layer_params, key=lambda n: (n == NO_LAYER, n)):
             opt = training.optimizer.replace("adamw", "adam")
@@ -132,9 +126,8 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
             in_stack = [x for x in bwd_layers if x != NO_LAYER]
             layer = in_stack[0] if in_stack else NO_LAYER
         role = f"{producer.aten}:{st.dtype}" if producer.phase != Phase.BACKWARD else "grad"
-        alias = {"base": base} if _REAL_PROGRAM_FIELDS else {}
         tensors[t_name] = Tensor(t_name, st.size_bytes, names[producer_index],
-                                 tuple(names[c] for c in consumers[t_name]), layer, saved, role, **alias)
+                                 tuple(names[c] for c in consumers[t_name]), layer, saved, role, base=base)
     state = state_bytes_per_param(trace.dtype)[2]
     info = {"source": "torch", "semantics": trace.semantics, "num_params": trace.num_params,
             "max_unit_params": max(trace.layer_params.values(), default=0),

@@ -1,7 +1,7 @@
 """Trace one training step (forward, loss, backward) of a module on meta tensors into records.
 
 Records, not a `Graph`: a trace is device-independent apart from its kernel semantics, so one trace is
-timed on any number of GPUs (`slackswap.profile.torch.graph.graph_from_trace`).
+timed on any number of GPUs (`slackswap.profile.torch.assemble.graph_from_trace`).
 
 - every aten op that creates a storage, writes one in place, or has FLOPs is recorded, with its
   phase, its innermost module and that module's transformer layer; pure views (view, transpose,
