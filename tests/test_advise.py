@@ -20,11 +20,11 @@ from slackswap.experiment.advise import (
     activation_floor_bytes,
     distinct_ranked,
     layouts,
-    model_flops,
     pareto_front,
     plan_search,
     run_search,
 )
+from slackswap.experiment.throughput import model_flops
 from slackswap.hardware import Hardware
 from slackswap.memory.static import static_memory
 from slackswap.memory.training import TrainingConfig
@@ -108,8 +108,8 @@ def test_micro_batch_search_stops_at_the_floor(tiny, a100):
 
 
 def test_floor_is_a_lower_bound_of_every_plan(tiny, a100):
+    from slackswap.experiment.fitting import plan_and_simulate
     from slackswap.planners.registry import get_planner
-    from slackswap.simulate.fit import plan_and_simulate
 
     graph = _graphs(tiny, a100)(4)
     floor = activation_floor_bytes(graph)

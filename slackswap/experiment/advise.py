@@ -7,7 +7,7 @@ GPU of the data-parallel job:
     step_s = grad_accum x (micro-step + exposed communication) + optimizer step + exposed after-step gathers
 
 - the micro-step (forward + backward, with the plan's recomputes, swaps and stalls) is the planned
-  and simulated step of the micro-batch's graph (`slackswap.simulate.fit.plan_and_simulate`), with the
+  and simulated step of the micro-batch's graph (`slackswap.experiment.fitting.plan_and_simulate`), with the
   caching allocator replayed, under the activation capacity the device leaves: device memory -
   reserve - static training state per GPU (`slackswap.memory.static`);
 - communication: `slackswap.communication.step_communication` (alpha-beta ring collectives, overlap
@@ -15,8 +15,8 @@ GPU of the data-parallel job:
 - the optimizer step: one HBM-bound op per parameter group, timed as the profile times it
   (`optimizer_step_moved_bytes` through the roofline `op_duration_s`), on the rank's 1/N shard;
 - tokens/s per GPU = grad_accum x micro-batch x seq_len / step_s; MFU = model FLOPs / (step_s x dense
-  peak), model FLOPs = 3 x the forward pass's matmul FLOPs (llm-foundry's and Korthikanti et al.'s
-  convention: no recompute, no flash-attention backward recompute).
+  peak), both from `slackswap.experiment.throughput` (model FLOPs: the graph's forward, loss and
+  backward op FLOPs, no recompute; `FLOPS_SOURCE`).
 
 Pruning, before any planning: a (GPUs, sharding, recipe) whose static memory leaves no activation
 capacity is one rejected region ("static memory does not fit"); for each, the micro-batch search
@@ -41,6 +41,7 @@ import numpy as np
 
 from slackswap.communication import NOT_MODELLED, StepCommunication, Topology, check_sharding, step_communication
 from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.experiment import throughput
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.memory.static import bytes_per_param, optimizer_step_moved_bytes, static_memory
@@ -284,12 +285,6 @@ def forward_compute_s(graph: Graph) -> float:
     return float(sum(op.duration_s for op in graph.ops if op.phase in FORWARD_PHASES))
 
 
-def model_flops(graph: Graph) -> float:
-    """Model FLOPs of one micro-batch: 3 x the forward matmul FLOPs (forward, input gradients, weight
-    gradients; llm-foundry's MFU and Korthikanti et al. 2022). Recompute is not model work."""
-    return 3.0 * float(sum(op.flops for op in graph.ops if op.phase in FORWARD_PHASES))
-
-
 def layer_param_counts(model: ModelConfig) -> dict[int, int]:
     """Parameters per group (each layer, and the embeddings + head + final norm), counted as the
     profile counts them."""
@@ -346,7 +341,7 @@ class _Context:
                 raise ConfigError("graph_for", mb, "the search prices the optimizer step itself: "
                                   "give graphs without optimizer ops (model.include_optimizer=false)")
             self.workloads[mb] = _Workload(graph, activation_floor_bytes(graph), forward_compute_s(graph),
-                                           model_flops(graph))
+                                           throughput.model_flops(graph))
         return self.workloads[mb]
 
 
@@ -365,9 +360,9 @@ def _static(ctx: _Context, training: TrainingConfig) -> Any:
 
 def evaluate(ctx: _Context, cand: Candidate) -> Row:
     """Plan, simulate and price one configuration (module docstring)."""
+    from slackswap.experiment.fitting import FitOptions, plan_and_simulate
     from slackswap.planners.registry import get_planner
     from slackswap.profile import parameter_counts
-    from slackswap.simulate.fit import plan_and_simulate
 
     model, hw, space = ctx.model, ctx.hardware, ctx.space
     training = cand.training
@@ -390,13 +385,13 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     ):
         # Planning against the reserved peak starts with the same plan and stops at once when the
         # planner gives up, the simulator rejects the plan or the allocator serves it: the same
-        # result, not recomputed (slackswap.simulate.fit.plan_and_simulate).
+        # result, not recomputed (slackswap.experiment.fitting.plan_and_simulate).
         ctx.plan_cache[key] = allocated
     if key not in ctx.plan_cache:
         planner = get_planner(cand.planner, **dict(space.planners[cand.planner]))
         try:
-            ctx.plan_cache[key] = plan_and_simulate(planner, work.graph, rank_hw, capacity, allocator=True,
-                                                    plan_against=cand.plan_against)
+            options = FitOptions(allocator="caching", plan_against=cand.plan_against)
+            ctx.plan_cache[key] = plan_and_simulate(planner, work.graph, rank_hw, capacity, options)
         except InfeasibleBudgetError as exc:
             ctx.plan_cache[key] = exc
     fitted = ctx.plan_cache[key]
@@ -436,8 +431,8 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     else:
         bound = "compute"
     return Row(
-        status="ok", reason=reason, fits_device=fits, tokens_per_s=tokens / step_s,
-        mfu=flops / (step_s * hw.peak_for(model.dtype)), step_s=step_s, micro_step_s=micro_s,
+        status="ok", reason=reason, fits_device=fits, tokens_per_s=throughput.tokens_per_s(tokens, step_s),
+        mfu=throughput.mfu(flops, step_s, hw, model.dtype), step_s=step_s, micro_step_s=micro_s,
         comm=comm, comm_exposed_s=exposed, peak_bytes=peak, headroom_bytes=hw.device_memory_bytes - peak,
         peak_activation_bytes=int(result.peak_activation_bytes), peak_reserved_bytes=report.peak_reserved_bytes,
         swapped=int(result.swapped_tensors), recomputed=int(result.recomputed_tensors),
