@@ -159,6 +159,20 @@ def test_grad_accumulation_amortises_the_optimizer(tiny, a100):
     assert two.tokens_per_s > one.tokens_per_s
 
 
+def test_a_slow_network_makes_a_communication_bound_region(tiny, a100):
+    from slackswap.experiment.advise import COMMUNICATION_BOUND
+
+    slow = Topology(8, Fabric("nvlink", 230e9, 2e-6), Fabric("network", 1e6, 1e-5))
+    advice = run_search(tiny, a100, slow, _space(gpus=(16,), zero_stages=(0, 3)), _graphs(tiny, a100))
+    bound = {(g.choices["zero_stage"], g.choices["zero_shards"]) for g in advice.regions
+             if g.reason == COMMUNICATION_BOUND}
+    # DDP and full ZeRO-3 over 16 GPUs run their rings over the network: communication bound. HSDP
+    # gathers on NVLink but still all-reduces its gradient shard across the two nodes.
+    assert (0, 1) in bound and (3, 16) in bound
+    rows = [r for r in advice.rows if r.candidate.layout.zero_shards == 16]
+    assert rows and all(r.bound == COMMUNICATION_BOUND and r.comm.fabric == "network" for r in rows)
+
+
 def test_pareto_front():
     pts = [(1.0, 10.0), (2.0, 5.0), (2.0, 12.0), (3.0, 11.0), (4.0, 20.0)]
     assert pareto_front(pts) == [0, 2, 4]
