@@ -325,3 +325,12 @@ def test_every_run_records_the_versions_it_ran_with(tmp_path, mlflow_store, monk
     assert tags["mlflow.source.name"] == "pipelines/run.py" and not tags["mlflow.source.name"].startswith("/")
     if not versions["slackswap_commit"].startswith("unknown"):
         assert tags["mlflow.source.git.dirty"] == str(versions["slackswap_commit"].endswith("-dirty")).lower()
+
+
+@pytest.mark.parametrize("module", ["pipelines.advise", "pipelines.profile"])
+def test_other_entry_points_report_config_mistakes_the_same_way(tmp_path, monkeypatch, capsys, module) -> None:
+    code = _in_process(monkeypatch, tmp_path, "model=gpt5", "tracking=off", f"hydra.run.dir={tmp_path}/run",
+                       module=module)  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and err == [err[0]] and err[0].startswith("error: model=gpt5: no such preset"), err
+    assert not (tmp_path / "run").exists()
