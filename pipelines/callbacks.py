@@ -351,7 +351,9 @@ def sweep_exit_code() -> int:
     if failed or state.missing:
         total = sum(state.status_counts.values()) + state.missing
         missing = f", {state.missing} missing" if state.missing else ""
-        print(f"{failed} of {total} jobs failed{missing} (see summary.md in {state.sweep_dir})", file=sys.stderr)
+        written = not any(p.startswith("summary.md not written") for p in state.problems)
+        where = f"see summary.md in {state.sweep_dir}" if written else "summary printed above"
+        print(f"{failed} of {total} jobs failed{missing} ({where})", file=sys.stderr)
     return 1 if failed or state.missing or state.problems else 0
 
 
