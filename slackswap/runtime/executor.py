@@ -147,9 +147,9 @@ class PlanRun(TorchDispatchMode):
             produced = copy.source_index
             if copy.source == "prefetch":
                 produced = plan.prefetches[copy.source_index].issue_after_step
-            last = max([produced, *copy.readers])
-            if copy.offload is not None:
-                last = max(last, plan.offloads[copy.offload].issue_after_step)
+            # The resolver's facts: its last use (readers, views, the model's hold) and the offloads
+            # it waits for (issued by then on this runtime's copy engines, which it then holds).
+            last = max([produced, copy.last_use, *(plan.offloads[k].issue_after_step for k in copy.wait_offloads)])
             self.release_after.setdefault(last, []).append(c)
 
     # ----------------------------------------------------------------------------- step lifecycle
