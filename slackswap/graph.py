@@ -53,11 +53,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 from types import MappingProxyType
+from typing import Generic, TypeVar
 
 
 class Phase(StrEnum):
@@ -183,6 +184,17 @@ class Graph:
         return MappingProxyType({name: t.size_bytes for name, t in self.tensors.items()})
 
     @cached_property
+    def op_duration_s(self) -> Mapping[str, float]:
+        """Op name -> `duration_s`: the simulator, the replay and the schedule builder look it up for every
+        step of every plan, one lookup instead of the op record and its attribute."""
+        return MappingProxyType({op.name: op.duration_s for op in self.ops})
+
+    @cached_property
+    def _memos(self) -> dict[GraphMemo, object]:
+        """The values of the `GraphMemo`s computed for this graph, keyed by the memo."""
+        return {}
+
+    @cached_property
     def saved_tensors(self) -> tuple[Tensor, ...]:
         """Saved activations in production order."""
         return tuple(
@@ -257,6 +269,33 @@ class Graph:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+T = TypeVar("T")
+
+
+class GraphMemo(Generic[T]):
+    """A table derived from a graph by one function, computed on first use and kept with the graph.
+
+    Declared at module level by the module that owns the table (`_TABLES = GraphMemo(build_tables)`, then
+    `_TABLES(graph)`): the table stays private to that module, and the graph only holds its value, keyed
+    by the memo object, in `Graph._memos`. A Graph is frozen, so a derived table cannot go stale."""
+
+    __slots__ = ("build",)
+
+    def __init__(self, build: Callable[[Graph], T]) -> None:
+        self.build = build
+
+    def __call__(self, graph: Graph) -> T:
+        memos = graph._memos
+        try:
+            return memos[self]  # type: ignore[return-value]
+        except KeyError:
+            value = memos[self] = self.build(graph)
+            return value
+
+    def __repr__(self) -> str:
+        return f"GraphMemo({self.build.__module__}.{self.build.__qualname__})"
 
 
 def check_graph(ops: Iterable[Op], tensors: Mapping[str, Tensor]) -> None:

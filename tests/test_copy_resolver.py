@@ -14,7 +14,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slackswap.memory.replay import allocator_report, memory_ops
+from slackswap.memory.allocator_replay import allocator_report, memory_ops
 from slackswap.schedule import estimate_plan, resolve_schedule
 from slackswap.simulate import simulate
 from slackswap.testing import (

@@ -28,7 +28,7 @@ from slackswap.errors import InfeasibleBudgetError  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.planners.registry import available_planners, get_planner  # noqa: E402
 from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
-from slackswap.runtime.models import build_training_workload, small_config  # noqa: E402
+from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from slackswap.simulate import simulate  # noqa: E402
 from slackswap.simulate.saved_peak import instant_link  # noqa: E402
 from tests.runtime_support import Captured, bit_equal, h200, run_step  # noqa: E402

@@ -1,4 +1,4 @@
-"""Capture the graph of one real training step of a torch model, named by `identity.OpNumbering`.
+"""Capture the graph of one real training step of a torch model, named by `op_numbering.OpNumbering`.
 
 This is the runtime's own, minimal graph source: it runs the step for real (on whatever device the
 model is on) and records what autograd actually saves, so the runtime's tests can plan and run any
@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
 from slackswap.profile.torch.identity import StorageIdentities
-from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",

@@ -4,7 +4,7 @@
 (made by a run step, a recompute step or a prefetch): who reads it, the offload that moves it, the
 copy an alias holds, and when its storage can really be freed. Those facts are the single input of
 every executor's free rule: the simulator's engine (`slackswap.simulate.engine`), the planners'
-replay (`schedule.replay`), the allocator replay (`slackswap.memory.replay`) and the runtime
+replay (`schedule.replay`), the allocator replay (`slackswap.memory.allocator_replay`) and the runtime
 (`slackswap.runtime`). None of them re-derives when a storage dies. The rules a plan must satisfy
 are checked around the walk in `schedule.validate` (`resolve_schedule` is the entry point).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from slackswap.errors import PlanValidationError
-from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph
+from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph, GraphMemo
 from slackswap.plan import Decision, Plan, StepKind
 
 
@@ -219,26 +219,24 @@ def step_name(plan: Plan, j: int) -> str:
 
 def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, int], dict[str, str]]:
     """(op -> distinct inputs, tensor -> bytes, tensor -> base ("" when it owns its storage)) as plain
-    dicts, cached on the graph (derived data of a frozen object, like its cached properties): the walk
-    looks them up for every step of every plan."""
+    dicts, computed once per graph (`graph_tables`): the walk looks them up for every step of every plan."""
     return graph_tables(graph)[:3]
 
 
-def graph_tables(graph: Graph) -> tuple:
-    """`_walk_tables`, then what the checks look up per step or tensor: op name -> Op (a plain dict),
-    the names of the forward ops, and the names of the saved tensors (frozensets)."""
-    cached = graph.__dict__.get("_validate_tables")
-    if cached is None:
-        cached = (
-            dict(graph.distinct_inputs),
-            dict(graph.size_bytes_of),
-            {name: t.base for name, t in graph.tensors.items()},
-            dict(graph.op_by_name),
-            frozenset(op.name for op in graph.ops if op.phase in FORWARD_PHASES),
-            frozenset(t.name for t in graph.saved_tensors),
-        )
-        graph.__dict__["_validate_tables"] = cached
-    return cached
+def _build_graph_tables(graph: Graph) -> tuple:
+    return (
+        dict(graph.distinct_inputs),
+        dict(graph.size_bytes_of),
+        {name: t.base for name, t in graph.tensors.items()},
+        dict(graph.op_by_name),
+        frozenset(op.name for op in graph.ops if op.phase in FORWARD_PHASES),
+        frozenset(t.name for t in graph.saved_tensors),
+    )
+
+
+#: `_walk_tables`, then what the checks look up per step or tensor: op name -> Op (a plain dict), the
+#: names of the forward ops, and the names of the saved tensors (frozensets); once per graph.
+graph_tables: GraphMemo[tuple] = GraphMemo(_build_graph_tables)
 
 
 def resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> ResolvedSchedule:

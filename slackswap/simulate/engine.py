@@ -73,15 +73,6 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     return _execute(graph, plan, hardware, budget_bytes, schedule)
 
 
-def _durations(graph: Graph) -> dict[str, float]:
-    """Op name -> duration_s as a plain dict, cached on the graph (derived data of a frozen object, like
-    its cached properties): the engine looks it up for every step of every plan."""
-    cached = graph.__dict__.get("_durations_s")
-    if cached is None:
-        cached = graph.__dict__["_durations_s"] = {op.name: op.duration_s for op in graph.ops}
-    return cached
-
-
 def _free(size: int, now: float, in_use: int, mem_t: list[float], mem_b: list[int]) -> int:
     """The free step: a copy gives its `size` bytes back at `now`; the memory curve records the new
     total (a zero-byte copy, an alias, changes nothing). Returns the bytes in use."""
@@ -96,7 +87,7 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     budget = math.inf if budget_bytes is None else budget_bytes
     steps = plan.steps
     n_steps = len(steps)
-    duration_of = _durations(graph)
+    duration_of = graph.op_duration_s
     read_copies = s.read_copies
     read_starts = s.read_starts
     copy_size = s.copy_size

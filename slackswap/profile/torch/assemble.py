@@ -16,8 +16,8 @@ from collections import Counter, defaultdict
 
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import optimizer_step_moved_bytes
-from slackswap.memory.training import TrainingConfig
 from slackswap.profile import default_training, state_bytes_per_param
 from slackswap.profile.timing import op_duration_s
 from slackswap.profile.torch.tracer import Trace
