@@ -17,7 +17,7 @@ from pipelines.schemas import REPO_ROOT
 from slackswap.errors import ConfigError
 
 GIB = 2**30
-ADVICE_SCHEMA = "slackswap.advice/1"
+ADVICE_SCHEMA = "slackswap-advice/1"
 GRAPH_SOURCES = ("analytic", "traced")
 #: Groups `pipelines.run` has that advise searches instead of taking one preset of.
 SEARCHED_GROUPS = {"planner": "advise.planners", "training": "advise.recipes"}
@@ -111,6 +111,8 @@ def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseI
             f"{'flash' if options.get('attention', 'sdpa') == 'sdpa' else 'eager'}), not the traced one: tracing "
             "costs seconds per micro-batch (advise.graph=traced searches on traced graphs, cached per micro-batch)"
         )
+    if source == "torch" and graph == "traced":
+        notes.append(f"graphs: traced from the torch model of {model.name}, once per micro-batch")
     if model.include_optimizer:
         notes.append("model.include_optimizer: the advise prices the optimizer step itself, from the recipe")
     else:

@@ -253,7 +253,7 @@ def test_end_to_end_advise_on_the_tiny_model(tmp_path, mlflow_store, monkeypatch
     assert "best on 1 GPU(s):" in out and "best on 8 GPU(s):" in out and "tokens/s per GPU" in out
     run = tmp_path / "run"
     data = json.loads((run / "advice.json").read_text())
-    assert data["schema"] == "slackswap.advice/1"
+    assert data["schema"] == "slackswap-advice/1"
     n = data["evaluated"]
     assert n == len(data["rows"]) and f"[{n}/{n}" in out
     for row in data["rows"]:
