@@ -61,7 +61,7 @@ def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseI
     from slackswap.budget import Budget
     from slackswap.experiment.advise import SearchSpace, topology_from_node
     from slackswap.hardware import Hardware
-    from slackswap.memory.training import TrainingConfig
+    from slackswap.memory.recipe import TrainingConfig
     from slackswap.model_config import ModelConfig
     from slackswap.node import Node
     from slackswap.planners.registry import get_planner

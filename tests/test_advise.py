@@ -26,8 +26,8 @@ from slackswap.experiment.advise import (
 )
 from slackswap.experiment.throughput import model_flops
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import static_memory
-from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile import build_graph, parameter_counts
 

@@ -44,8 +44,8 @@ from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import bytes_per_param, optimizer_step_moved_bytes, static_memory
-from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 
 PLAN_AGAINST = ("allocated", "reserved")
