@@ -146,12 +146,19 @@ def graph_source(inputs: AdviseInputs):
 
 
 def rank_hardware(inputs: AdviseInputs) -> dict[int, Any]:
-    """Per GPU count, the hardware one rank plans on: alone on the node for one GPU, else its host link
-    as the node shares it (`slackswap.sharing.shared_hardware`)."""
+    """Per GPU count, the hardware one rank plans on (`slackswap.sharing.shared_hardware`): one GPU
+    is alone on its node (no switch uplink shared, the node's DRAM and duplex derate still apply);
+    more GPUs share the node as a full node of ranks does (on fewer GPUs than the node holds that is
+    conservative: their neighbours are taken as busy)."""
+    from dataclasses import replace as dc_replace
+
     from slackswap.sharing import shared_hardware
 
-    shared, _ = shared_hardware(inputs.hardware, inputs.node)
-    return {g: (inputs.hardware if g == 1 else shared) for g in inputs.space.gpus}
+    node = inputs.node
+    alone = dc_replace(node, gpus_per_node=node.numa_nodes, gpus_per_pcie_switch=1)
+    one, _ = shared_hardware(inputs.hardware, alone)
+    shared, _ = shared_hardware(inputs.hardware, node)
+    return {g: (one if g == 1 else shared) for g in inputs.space.gpus}
 
 
 def host_check(inputs: AdviseInputs):
