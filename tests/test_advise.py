@@ -182,7 +182,8 @@ def test_pareto_front():
     ("kw", "field"),
     [({"gpus": (0,)}, "advise.gpus"), ({"micro_batches": (4, 2)}, "advise.micro_batches"),
      ({"plan_against": ("peak",)}, "advise.plan_against"), ({"grad_accum": 0}, "advise.grad_accum"),
-     ({"recipes": {}}, "advise.recipes"), ({"zero_stages": (4,)}, "advise.zero_stages")],
+     ({"recipes": {}}, "advise.recipes"), ({"zero_stages": (4,)}, "advise.zero_stages"),
+     ({"planners": {"milp": {}}}, "advise.planners")],
 )
 def test_bad_search_space_names_the_field(kw, field):
     with pytest.raises(ConfigError) as info:
