@@ -109,8 +109,11 @@ class _NoLedger:
     peak_bytes = 0
     peak_step = -1
     live_by_step: dict[int, frozenset[int]] = {}
+    device_peak_bytes = 0
+    device_peak_step = -1
+    device_live_by_step: dict[int, frozenset[int]] = {}
 
-    def track(self, storage: object, copy_id: int) -> None:
+    def track(self, storage: object, copy_id: int, saved: bool = True) -> None:
         return None
 
     def poll(self, step: int) -> None:
