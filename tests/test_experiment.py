@@ -140,7 +140,7 @@ def test_a_plan_exists_just_above_the_floor_and_not_just_below(model: str, plann
         # The floor is where the bisection's feasible end met an infeasible budget (within REL_TOL).
         found = least_feasible_budget(spec.planner, out.graph, spec.hardware, 1, out.baseline.keep_all_peak_bytes)
         assert found.floor_bytes == floor and not _plans(spec, out.graph, found.infeasible_bytes)
-        assert floor - found.infeasible_bytes <= max(1, int(floor * REL_TOL))
+        assert floor - found.infeasible_bytes <= max(1, int(out.baseline.keep_all_peak_bytes * REL_TOL))
     else:
         assert _plans(spec, out.graph, floor * 1.01) and not _plans(spec, out.graph, floor * 0.99)
 
