@@ -202,7 +202,7 @@ def run_metrics(
     `fitted` is the `plan_and_simulate` result of a planned and simulated run; None when no plan was
     made.
     """
-    from slackswap.memory.replay import AllocatorReport
+    from slackswap.memory.allocator_replay import AllocatorReport
 
     report = None if fitted is None else fitted.report
     metrics = dict(simulation) | _static_metrics(capacity)
