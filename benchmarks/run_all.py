@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import RESULTS, machine  # noqa: E402
 
-QUICK = ("bench_simulate.py", "bench_planners.py", "bench_traced_80.py", "bench_pipeline.py")
+QUICK = ("bench_simulate.py", "bench_planners.py", "bench_traced_80.py", "bench_pipeline.py", "runtime_overhead.py")
 #: Every benchmark of the directory, the quick three first.
 FULL = (*QUICK, *sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py") if p.name not in QUICK))
 
@@ -103,6 +103,15 @@ def figures() -> list[tuple[str, str, str, str]]:
     single = jc["single_run"]
     rows.append(("single run on an existing database, wall s (CPU s)",
                  f"{single['wall_s']:.2f} ({single['cpu_s']:.2f})", f"{BEFORE['single_run_s']}", "<= 2.5"))
+    overhead_file = RESULTS / "runtime_overhead.json"
+    if overhead_file.exists():
+        ro = json.loads(overhead_file.read_text())
+        for variant, target in (("runtime_keep_all", "<= 1.15"), ("runtime_slackswap", "<= 1.3"),
+                                ("export_compiled", "-")):
+            by_depth = {r["layers"]: r["ratio_to_eager"] for r in ro if r["variant"] == variant}
+            rows.append((f"{variant}: CPU time per step / eager, "
+                         f"{'/'.join(str(k) for k in sorted(by_depth))} layers",
+                         " / ".join(f"{by_depth[k]:.2f}" for k in sorted(by_depth)), "-", target))
     return rows
 
 

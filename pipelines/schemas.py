@@ -216,6 +216,9 @@ class TrainSchema:
     device: str = "cpu"
     seed: int = 0
     lr: float = 1.0e-4
+    #: "eager": slackswap's own runtime (apply); "compile": the plan exported to PyTorch's selective
+    #: checkpointing, each layer torch.compile'd (slackswap.runtime.export).
+    executor: str = "eager"
 
 
 @dataclass

@@ -124,3 +124,33 @@ def test_plan_of_the_traced_graph_runs_on_the_captured_one(planner: str) -> None
     assert bit_equal(c.reference, loss, grads)
     assert (report.recompute_steps, report.offloads) == (
         plan_counts(runnable)["recompute_steps"], plan_counts(runnable)["offloads"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hook_only_steps_run_every_planner_bit_exact(kind: str) -> None:
+    """The first step under a run is verified (dispatch modes) and records the pack order; the next
+    steps run on the saved-tensor hooks alone, and stay bit-exact with the plan's counts."""
+    from slackswap.runtime import apply
+
+    c = captured(kind)
+    fast_seen = False
+    for planner in available_planners():
+        plan, _ = plan_for(planner, c)
+        run = apply(plan, c.graph, c.workload.model)
+        counts = plan_counts(plan)
+        for step in range(3):
+            torch.manual_seed(1)
+            for p in c.workload.model.parameters():
+                p.grad = None
+            with run:
+                loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
+                loss.backward()
+            grads = [p.grad.clone() for p in c.workload.model.parameters() if p.grad is not None]
+            assert bit_equal(c.reference, loss.detach(), grads), (planner, step)
+            report = run.report
+            assert report.verified == (step == 0 or report.fast_refusal is not None), (planner, step)
+            assert (report.recompute_steps, report.offloads, report.prefetches) == (
+                counts["recompute_steps"], counts["offloads"], counts["prefetches"]), (planner, step)
+        fast_seen |= not run.report.verified
+        assert run.recording.refusal is None, (planner, run.recording.refusal)
+    assert fast_seen

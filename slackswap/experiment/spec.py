@@ -43,6 +43,7 @@ def hardware_from_config(config: Mapping[str, Any]) -> tuple[Hardware, Node | No
 @dataclass(frozen=True)
 class RunSpec:
     model: ModelConfig
+    #: The per-rank hardware (on `node`: its link at the rates this GPU really gets).
     hardware: Hardware
     budget: Budget
     planner_name: str

@@ -408,6 +408,18 @@ def resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Reso
 
     prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
+    # The model's own references: a run copy of a tensor the model's code holds lives until the run
+    # step of the op after which the code drops it (before the alias walk, so a held view keeps its
+    # base's storage too).
+    has_holds = graph.has_holds
+    if has_holds:
+        held_until = {name: t.held_until for name, t in graph.tensors.items() if t.held_until}
+        run_step_of = {st.op: i for i, st in enumerate(steps) if st.kind != recompute}
+        for c in range(n_copies):
+            hold = held_until.get(c_tensor[c])
+            if hold is not None and c_source[c] == "run":
+                last_use[c] = max(last_use[c], run_step_of[hold])
+
     # The free rule with aliases: a copy lives until its last reader, its offload and every alias
     # holding it are done (the offloads: `copy_wait_offloads`). An alias is made after the copy it
     # holds, so one backward walk settles the last use.
@@ -437,7 +449,7 @@ def resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Reso
         prefetched_read_copies=tuple(prefetched_read_copies),
         offload_bytes=tuple([size_of[tr.tensor] for tr in plan.offloads]),
         prefetch_bytes=tuple([size_of[tr.tensor] for tr in plan.prefetches]),
-        extended_last_use=has_aliases,
+        extended_last_use=has_aliases or has_holds,
     )
 
 

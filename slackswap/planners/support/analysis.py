@@ -154,7 +154,7 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
         chain = regen_chain(graph, t.name, ())
         infos[t.name] = TensorInfo(
             name=t.name,
-            size_bytes=graph.owned_bytes(t.name),
+            size_bytes=graph.drop_bytes_of[t.name],
             layer=producer.layer,
             ready_s=timeline.step_end_s[graph.op_index[t.producer]],
             first_backward_use_s=first_bwd[t.name],
