@@ -14,8 +14,9 @@ import sys
 import pytest
 
 from pipelines.schemas import REPO_ROOT
+from tests.extras import require_torch_extra
 
-pytest.importorskip("torch")
+require_torch_extra()
 
 EXAMPLE = REPO_ROOT / "examples" / "byo_model"
 

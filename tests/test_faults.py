@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.schemas import REPO_ROOT
+from tests.extras import require_torch_extra
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -177,7 +178,7 @@ def test_a_full_disk_or_read_only_folder_ends_runs_failed_with_one_line(tmp_path
 
 @pytest.mark.slow
 def test_sigterm_ends_a_training_run_killed_with_one_line(tmp_path, mlflow_store) -> None:
-    pytest.importorskip("torch")
+    require_torch_extra()
     import signal
     import time
 
@@ -222,7 +223,7 @@ def test_train_bad_values_are_one_line_exit_2(tmp_path, mlflow_store, monkeypatc
 
 
 def test_verify_torch_on_a_cpu_only_torch_is_one_line(tmp_path, monkeypatch, capsys) -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch_extra()
     if torch.cuda.is_available():
         pytest.skip("this torch sees a GPU")
     code = _in_process(
