@@ -69,11 +69,9 @@ def test_every_documented_byo_command_runs_and_names_the_users_model(tmp_path) -
 
     done = _run(train_cmd, tmp_path, *files, f"hydra.run.dir={tmp_path}/train")
     assert done.returncode == 0, done.stderr
-    assert f"[train] run dir {tmp_path / 'train'}" in done.stdout and "captured" in done.stdout
-    # An infeasible budget is a result (no steps run, no train.json); a feasible one trains bit-exact.
-    if "[train] infeasible:" not in done.stdout:
-        figures = json.loads((tmp_path / "train" / "train.json").read_text())
-        assert figures["status"] == "ok" and figures["grad_check_bit_exact"] is True
+    assert f"[train] run dir {tmp_path / 'train'}" in done.stdout
+    figures = json.loads((tmp_path / "train" / "train.json").read_text())
+    assert figures["status"] == "ok" and figures["grad_check_bit_exact"] is True
 
     done = _run(script_cmd, tmp_path)
     assert done.returncode == 0, done.stderr

@@ -7,8 +7,8 @@ inputs of `module(*inputs)` and `loss_fn(output) -> scalar tensor`. Any `nn.Modu
 repeated blocks are found as the `nn.ModuleList` with the most children (ops under its i-th child are
 layer i). Run it (docs/torch_profile.md, "Your own model, end to end"):
 
-    PYTHONPATH=examples/byo_model python -m pipelines.run model=tiny_torch model.name=my_mlp \\
-        model.torch.builder=hook model.torch.hook=my_model:build
+    PYTHONPATH=examples/byo_model python -m pipelines.run model=tiny_torch model.name=my_mlp model.num_layers=4 \\
+        model.seq_len=128 model.torch.builder=hook model.torch.hook=my_model:build
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from slackswap.simulate.metrics import simulate_ideal
 
 
 def main() -> None:
-    config = ModelConfig(name="my_mlp", family="gpt2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
-                         ffn_hidden_size=256, seq_len=32, micro_batch_size=2, vocab_size=128)  # fmt: skip
+    config = ModelConfig(name="my_mlp", family="gpt2", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=4,
+                         ffn_hidden_size=256, seq_len=128, micro_batch_size=2, vocab_size=128)  # fmt: skip
     model, inputs, loss_fn = build(config, "cpu")
     hardware = load_preset("a100_80gb_pcie4")  # conf/hardware/a100_80gb_pcie4.yaml
     graph = capture_graph(model, inputs, loss_fn, hardware, name="my_mlp")  # one real step, recorded
