@@ -69,7 +69,8 @@ def test_train_rejects_an_unknown_executor(tmp_path, monkeypatch) -> None:
 @pytest.mark.slow
 def test_train_runs_the_plan_compiled(tmp_path, monkeypatch, capsys) -> None:
     """train.executor=compile: the plan exported to selective checkpointing, each layer compiled."""
-    args = ["model=hf_gpt2_2l", *SMALL, "planner=slackswap", "train.steps=2", "train.executor=compile",
+    args = ["model=hf_gpt2_2l", *SMALL, "planner=slackswap", "budget.fraction=0.7", "train.steps=2",
+            "train.executor=compile",
             "tracking=off", f"hydra.run.dir={tmp_path}/run", "hydra/job_logging=disabled",
             "hydra/hydra_logging=disabled"]
     _run_cli(monkeypatch, args, module="pipelines.train")
