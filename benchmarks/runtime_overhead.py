@@ -172,13 +172,16 @@ class Variants:
                                                          else None)
             if plan is not None:
                 row["planned_saved_bytes"] = self._kept_bytes(self.plans[plan])
+                row["plan_offloads"] = len(self.plans[plan].offloads)
+                row["plan_recompute_steps"] = sum(1 for x in self.plans[plan].steps if str(x.kind) == "recompute")
             if v == "export_eager":
                 row["export_saved_bytes"] = self.export.record.saved_bytes
                 row["export_differences"] = len(self.export.step_differences())
             if v == "export_compiled":
                 from slackswap.runtime.export import partition_differences, saved_bytes
 
-                row["export_saved_bytes"] = saved_bytes(self.partitions)[0]
+                row["export_saved_bytes"] = saved_bytes(self.partitions, self.compiled_export)[0]
+                row["compiled_layer_groups"] = len(set(self.compiled_export.group_of.values()))
                 row["export_differences"] = len(self.compiled_export.static_differences()
                                                 + partition_differences(self.compiled_export, self.partitions))
             rows.append(row)
