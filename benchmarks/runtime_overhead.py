@@ -23,7 +23,10 @@ interleaved round by round; the median over rounds. `aten_calls`: ATen calls a c
 mode sees in one extra step (null for the compiled variant: a dispatch mode switches compile off).
 `peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
 profiler's memory events (all allocations: activations, gradients, temporaries).
-`planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
+`copy_cpu_s_per_step` (runtime_slackswap): CPU time of the copies themselves (allocation and memcpy
+of every offload and prefetch, `CpuCopies.copy_s`): on the CPU the stand-in copies run on the compute
+thread; on a GPU the copy engines do that work, so `ratio_to_eager_without_copies` is the runtime's
+own cost. `planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
 export rows add `export_saved_bytes` (what the export saves on the device: eager, its checkpoint
 cache; compiled, the partition's saved activations) and `export_differences` (decisions PyTorch
 executes otherwise, each named by `slackswap.runtime.export`).
@@ -91,6 +94,8 @@ class Variants:
         self.compiled_export = PlanExport(self.plans["slackswap"], self.graph, w.model)
         self.backend, self.partitions = recording_backend()
         self.layers = [w.model.get_submodule(p) for p in self.export.regions]
+        #: Per timed runtime_slackswap step: CPU seconds of its inline copies (`CpuCopies.copy_s`).
+        self.copy_s: list[float] = []
 
     # ------------------------------------------------------------------ one step per variant
     def eager(self) -> None:
@@ -137,8 +142,11 @@ class Variants:
             _step(self.w)
 
     def runtime_slackswap(self) -> None:
+        copies = self.runs["slackswap"].copies
+        before = copies.copy_s if copies is not None else 0.0
         with self.runs["slackswap"]:
             _step(self.w)
+        self.copy_s.append(self.runs["slackswap"].copies.copy_s - before)
 
     def export_eager(self) -> None:
         with self.export.installed(self.w.model):
@@ -155,6 +163,7 @@ class Variants:
         calls, peaks = {}, {}
         for v in VARIANTS:  # warm-up: the runtime's verified step, caches
             self._one(v)
+        self.copy_s.clear()
         for _ in range(rounds):
             for v in VARIANTS:
                 times[v].append(self._one(v))
@@ -174,9 +183,14 @@ class Variants:
                 row["planned_saved_bytes"] = self._kept_bytes(self.plans[plan])
                 row["plan_offloads"] = len(self.plans[plan].offloads)
                 row["plan_recompute_steps"] = sum(1 for x in self.plans[plan].steps if str(x.kind) == "recompute")
+            if v == "runtime_slackswap":
+                copy = statistics.median(self.copy_s[:rounds])
+                row["copy_cpu_s_per_step"] = copy
+                row["ratio_to_eager_without_copies"] = (cpu - copy) / eager
             if v == "export_eager":
                 row["export_saved_bytes"] = self.export.record.saved_bytes
                 row["export_differences"] = len(self.export.step_differences())
+                row.update(self._saved_accounting())
             if v == "export_compiled":
                 from slackswap.runtime.export import partition_differences, saved_bytes
 
@@ -186,6 +200,21 @@ class Variants:
                                                 + partition_differences(self.compiled_export, self.partitions))
             rows.append(row)
         return rows
+
+    def _saved_accounting(self) -> dict:
+        """The plan's kept bytes inside the layers (what the export governs) against the bytes PyTorch
+        keeps there (the decisions it executed), the difference being the named differences' bytes."""
+        sizes = self.graph.tensors
+        inside = [n for d in self.export.region_decisions for n in d]
+        effective = self.export.effective_decisions()
+        plan = self.plans["slackswap"].decisions
+        kept_plan = sum(sizes[n].size_bytes for n in inside if str(plan[n]) == "keep")
+        kept_torch = sum(sizes[n].size_bytes for n in inside if str(effective[n]) == "keep")
+        named = {d.tensor for d in self.export.step_differences()}
+        named_bytes = sum(sizes[n].size_bytes for n in inside if n in named and str(effective[n]) == "keep")
+        return {"planned_layer_saved_bytes": kept_plan, "export_layer_saved_bytes": kept_torch,
+                "export_named_difference_saved_bytes": named_bytes,
+                "export_saved_equals_plan_plus_named": kept_torch == kept_plan + named_bytes}
 
     def _kept_bytes(self, plan) -> int:
         return sum(self.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if str(d) == "keep")
