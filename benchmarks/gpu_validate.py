@@ -162,8 +162,8 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
     from slackswap.errors import InfeasibleBudgetError
     from slackswap.planners.registry import get_planner
     from slackswap.runtime import capture_graph, plan_counts
-    from slackswap.runtime.models import build_training_workload, small_config
     from slackswap.runtime.train import gradient_check
+    from slackswap.runtime.training_workload import build_training_workload, small_config
     from slackswap.simulate import simulate
     from slackswap.simulate.saved_peak import simulated_saved_peak_bytes
 

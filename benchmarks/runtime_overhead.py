@@ -76,7 +76,7 @@ class Variants:
         from slackswap.planners.registry import get_planner
         from slackswap.runtime import apply, capture_graph
         from slackswap.runtime.export import PlanExport, recording_backend
-        from slackswap.runtime.models import build_training_workload, small_config
+        from slackswap.runtime.training_workload import build_training_workload, small_config
         from slackswap.simulate.metrics import simulate_ideal
         from tests.runtime_support import h200
 

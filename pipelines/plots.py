@@ -36,7 +36,7 @@ def draw_timeline(spec: RunSpec, outcome: RunOutcome, run_dir: Path, timings: di
     """timeline.png of a simulated run (nothing for a run with no simulation)."""
     if outcome.result is None:
         return
-    from pipelines.imports import import_paused
+    from pipelines.heavy_imports import import_paused
 
     t0 = time.perf_counter()
     import_paused("matplotlib.figure")  # what write_timeline_png draws with

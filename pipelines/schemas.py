@@ -141,7 +141,7 @@ class BudgetSchema:
 
 @dataclass
 class TrainingSchema:
-    """The training recipe (`slackswap.memory.training.TrainingConfig`): static memory per GPU."""
+    """The training recipe (`slackswap.memory.recipe.TrainingConfig`): static memory per GPU."""
 
     optimizer: str = "adamw"
     precision: str = "mixed"

@@ -27,9 +27,10 @@ def torch_required() -> bool:
 def require_torch_extra(module: str = "torch") -> ModuleType:
     """Import `module` (torch, transformers, or a module of ours that needs them) and return it; without
     it, skip the caller, or fail it when `SLACKSWAP_REQUIRE_TORCH` is set."""
-    if torch_required():
-        try:
-            return importlib.import_module(module)
-        except ImportError as exc:
-            pytest.fail(f"{ENV}={os.environ[ENV]} but {module} cannot be imported ({exc}); {HINT}", pytrace=False)
-    return pytest.importorskip(module, reason=HINT)
+    if not torch_required():
+        return pytest.importorskip(module, reason=HINT)
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        why = str(exc)
+    pytest.fail(f"{ENV}={os.environ[ENV]} but {module} cannot be imported ({why}); {HINT}", pytrace=False)

@@ -16,7 +16,7 @@ from slackswap.budget import Budget
 from slackswap.errors import ConfigError
 from slackswap.experiment import RunSpec
 from slackswap.hardware import Hardware, HostLink
-from slackswap.memory.training import TrainingConfig
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.node import Node
 from slackswap.profile.torch.spec import TorchSpec

@@ -1,10 +1,12 @@
 """Every dotted `slackswap.` / `pipelines.` name that the docs and the docstrings mention resolves to a
-module or an attribute of one, so a rename cannot leave a document pointing at nothing.
+module or an attribute of one, and every repository path the docs name exists, so a rename cannot
+leave a document pointing at nothing.
 
 Scanned: docs/*.md and README.md (CHANGELOG.md is history and may name what no longer exists), and
 the docstrings of every Python file of the repository. In Markdown, a name written as a sibling of
 the name before it on the same line (a backticked module path, a comma, then a backticked `.name`)
-is resolved beside that module. File names (`slackswap.log`) are not names.
+is resolved beside that module. File names (`slackswap.log`) and schema ids (`slackswap.advice/1`) are
+not names.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from pathlib import Path
 from tests.extras import torch_required
 
 ROOT = Path(__file__).resolve().parents[1]
-NAME = re.compile(r"(?<![\w./-])((?:slackswap|pipelines)(?:\.[A-Za-z_]\w*)+)")
+#: A name followed by "/" is a schema id (`slackswap.advice/1`), not a name.
+NAME = re.compile(r"(?<![\w./-])((?:slackswap|pipelines)(?:\.[A-Za-z_]\w*)+)(?![\w/])")
 SIBLING = re.compile(r"`((?:slackswap|pipelines)(?:\.\w+)+)`((?:, `\.\w+`)+)")
 FILE_SUFFIXES = {"log", "py", "json", "md", "yaml", "csv", "png", "db", "txt", "html"}
 SKIP_DIRS = {".venv", "outputs", "multirun", "mlruns", ".git", "node_modules"}
 TORCH_MODULES = {"torch", "transformers"}
+TOP_DIRS = "slackswap|pipelines|benchmarks|tools|tests|scripts|conf"
+PATH = re.compile(rf"(?<![\w./-])((?:{TOP_DIRS})/[\w/.-]*\w\.(?:py|yaml|md))")
 
 
 def _texts() -> list[tuple[str, str]]:
@@ -83,3 +88,14 @@ def test_every_dotted_name_in_docs_and_docstrings_resolves() -> None:
     mentioned = {(where, name) for where, text in _texts() for name in mentioned_names(text)}
     missing = sorted((where, name) for where, name in mentioned if not resolves(name))
     assert not missing, "names that do not resolve:\n" + "\n".join(f"{where}: {name}" for where, name in missing)
+
+
+def test_every_repository_path_in_the_docs_exists() -> None:
+    """Paths such as `slackswap/schedule/build.py` or `conf/model/tiny.yaml` in docs/*.md and README.md;
+    `my_*` files are the docs' templates for a user's own preset or planner."""
+    documents = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    missing = sorted(
+        (str(doc.relative_to(ROOT)), path) for doc in documents for path in set(PATH.findall(doc.read_text()))
+        if not Path(path).name.startswith("my_") and not (ROOT / path).exists()
+    )
+    assert not missing, "paths that do not exist:\n" + "\n".join(f"{doc}: {path}" for doc, path in missing)

@@ -248,7 +248,7 @@ def test_import_paused_imports_once_with_the_collector_paused_then_freezes(tmp_p
     the heap is frozen after a first import only, and a disabled collector stays disabled."""
     import gc
 
-    from pipelines.imports import import_paused
+    from pipelines.heavy_imports import import_paused
 
     (tmp_path / "ss_probe_module.py").write_text("import gc\nCOLLECTOR_ON_DURING_IMPORT = gc.isenabled()\n")
     (tmp_path / "ss_probe_broken.py").write_text("raise ImportError('broken on purpose')\n")

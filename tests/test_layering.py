@@ -1,6 +1,6 @@
 """The layering of docs/architecture.md, enforced: read every module's imports with `ast` (imports inside
 functions included) and fail on an import up a layer, sideways between two units of one layer (the
-executors simulate, memory.replay and runtime among them), from a module no layer names, or on any
+executors simulate, memory.allocator_replay and runtime among them), from a module no layer names, or on any
 import cycle between modules."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _place(module: str, placement: dict[str, tuple[int, int]]) -> tuple[int, int
 def test_the_layer_table_parses_and_names_the_executors_as_one_layer() -> None:
     layers = dict(_layers())
     executors = {unit for unit in layers[3]}
-    assert {("slackswap.simulate",), ("slackswap.memory.replay",), ("slackswap.runtime",)} <= executors
+    assert {("slackswap.simulate",), ("slackswap.memory.allocator_replay",), ("slackswap.runtime",)} <= executors
     assert sorted(layers) == list(range(8))
 
 
@@ -141,7 +141,7 @@ def test_no_import_cycle_between_modules() -> None:
 @pytest.mark.parametrize(
     ("source", "target", "why"),
     [
-        ("slackswap.simulate.engine", "slackswap.memory.replay", "sideways"),
+        ("slackswap.simulate.engine", "slackswap.memory.allocator_replay", "sideways"),
         ("slackswap.schedule.build", "slackswap.planners.registry", "up a layer"),
         ("slackswap.experiment.run", "pipelines.job", "up a layer"),
     ],

@@ -108,6 +108,9 @@ def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monk
     }
     assert run.data.metrics["feasible"] == 1.0
     assert run.data.metrics["throughput_ratio"] == pytest.approx(metrics["throughput_ratio"])
+    assert run.data.metrics["fits_device"] == 1.0 and run.data.tags["fits_device"] == "true"
+    assert run.data.metrics["tokens_per_s"] == pytest.approx(metrics["tokens_per_s"]) and metrics["tokens_per_s"] > 0
+    assert run.data.metrics["mfu"] == pytest.approx(metrics["mfu"]) and metrics["mfu"] > 0
     assert run.data.metrics["throughput_pct"] == pytest.approx(100 * metrics["throughput_ratio"])
     assert run.data.metrics["budget_gib"] == pytest.approx(metrics["budget_bytes"] / 2**30)
     assert {*RUN_FILES, RESOLVED_CONFIG_FILE} <= _artifact_files(run, mlflow_store)
@@ -116,6 +119,23 @@ def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monk
     assert artifact.stat().st_ino == (run_dir / "trace.json").stat().st_ino
     found = client.search_runs([experiment.experiment_id], "params.`model.name` = 'tiny' and tags.status = 'ok'")
     assert [r.info.run_id for r in found] == [run.info.run_id]
+
+
+@pytest.mark.slow
+def test_a_step_over_the_device_is_ok_but_says_so_on_stdout_and_in_mlflow(tmp_path, mlflow_store, monkeypatch, capsys):
+    """README's absolute-budget example: AdamW mixed llama7b on one A100 80 GB meets a 20 GB budget, but
+    its 100.41 GiB of static state does not fit the device; it never reads as a plain success."""
+    args = [*_common(tmp_path, mlflow_store), "model=llama7b", "budget=absolute", "budget.bytes=20000000000",
+            "plots=none"]  # fmt: skip
+    assert _run_cli(monkeypatch, args) == 0
+    out = capsys.readouterr().out
+    status = next(line for line in out.splitlines() if line.startswith("status"))
+    assert status.startswith("status       ok; DOES NOT FIT THE DEVICE") and "tokens/s" in out
+    client = mlflow_store.client()
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    assert run.data.tags["status"] == "ok" and run.data.tags["fits_device"] == "false"
+    assert run.data.metrics["fits_device"] == 0.0 and run.data.metrics["headroom_bytes"] < 0
+    assert "DOES NOT FIT THE DEVICE" in run.data.tags["mlflow.note.content"]
 
 
 def test_senseless_value_fails_before_any_mlflow_run(tmp_path, mlflow_store, monkeypatch) -> None:

@@ -415,3 +415,25 @@ def test_a_rerun_keeps_a_finished_record_and_sets_aside_one_it_cannot_read(tmp_p
     assert _keep_or_set_aside_earlier(JobContext(sweep / "1", True, sweep, {}), "model: tiny\n") is None
     assert not (sweep / "1" / RECORD_FILE).exists()
     assert json.loads((sweep / SUPERSEDED_DIR / "1-1" / RECORD_FILE).read_text())["extra"] == 1
+
+
+def test_summary_md_shows_speed_and_marks_an_ok_run_that_does_not_fit_the_device() -> None:
+    from pipelines.aggregate import records_to_frame, summary_markdown
+    from pipelines.console import format_one_line
+
+    def record(name: str, fits: bool) -> RunRecord:
+        metrics = {"throughput_ratio": 0.9, "step_s": 0.5, "keep_all_peak_bytes": 2**30, "budget_bytes": 2**29,
+                   "tokens_per_s": 4096.0, "mfu": 0.5, "fits_device": fits, "headroom_bytes": 2**30 if fits else -2**31,
+                   "feasible": True}  # fmt: skip
+        return RunRecord(run_name=name, choices={}, model=name, hardware="a100", planner="slackswap",
+                         planner_name="slackswap", budget_fraction=0.5, budget_bytes_requested=None, run_dir=name,
+                         status=RunStatus.OK, metrics=metrics)  # fmt: skip
+
+    fits, over = record("fits", True), record("over", False)
+    text = summary_markdown(records_to_frame([fits, over]))
+    assert "2 jobs: 2 ok; 1 of the ok runs DO NOT FIT THE DEVICE" in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| fits") or
+            line.startswith("| over")}  # fmt: skip
+    assert "| 4,096 | 50.0% | yes |" in rows["fits"] and "| 4,096 | 50.0% | **NO** |" in rows["over"]
+    assert "DOES NOT FIT THE DEVICE: 2.000 GiB over" in format_one_line(over)
+    assert "4,096 tokens/s, MFU 50.0%" in format_one_line(fits) and "DEVICE" not in format_one_line(fits)

@@ -29,7 +29,7 @@ from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.profile import build_graph
 from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
-from slackswap.schedule.memory import free_time_s
+from slackswap.schedule.free_rule import free_time_s
 from slackswap.schedule.replay import peak_bytes
 from slackswap.testing import random_decisions, random_graph, toy_hardware
 

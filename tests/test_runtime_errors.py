@@ -16,9 +16,9 @@ require_torch_extra("transformers")
 from slackswap.errors import PlanValidationError  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.runtime import PlanMismatchError, apply  # noqa: E402
-from slackswap.runtime.copies import CpuCopies  # noqa: E402
+from slackswap.runtime.copy_engines import CpuCopies  # noqa: E402
 from slackswap.runtime.executor import RuntimeUsageError  # noqa: E402
-from slackswap.runtime.models import build_training_workload, small_config  # noqa: E402
+from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from tests.runtime_support import bit_equal, capture, plan_for, run_step  # noqa: E402
 
 _C: dict[str, object] = {}
@@ -193,7 +193,7 @@ def test_slow_copies_over_several_steps_reuse_host_buffers_and_stay_exact() -> N
 def test_a_copy_makes_its_consumer_stream_wait_not_the_current_one() -> None:
     """The torchtitan 2581 pitfall: inside `with torch.cuda.stream(s)`, current_stream() is s. The
     engine's copies hold the compute stream and wait on it (CPU stand-ins for stream and event)."""
-    from slackswap.runtime.copies import _EventCopy
+    from slackswap.runtime.copy_engines import _EventCopy
 
     class Stream:
         def __init__(self) -> None:

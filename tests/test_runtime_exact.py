@@ -94,7 +94,7 @@ def test_runtime_names_saved_tensors_as_the_torch_profile_traces_them(kind: str)
     """The captured graph's saved tensors (identity and bytes) equal the meta-traced graph's (CPU kernels),
     outside the loss (the two use different label tensors)."""
     from slackswap.profile.torch import build_torch_graph
-    from slackswap.runtime.models import small_config
+    from slackswap.runtime.training_workload import small_config
 
     traced = build_torch_graph(*small_config(kind), h200())
 
@@ -108,7 +108,7 @@ def test_runtime_names_saved_tensors_as_the_torch_profile_traces_them(kind: str)
 def test_plan_of_the_traced_graph_runs_on_the_captured_one(planner: str) -> None:
     """A plan made on the torch profile's meta trace (CPU kernels) runs bit-exact via plan_on_captured."""
     from slackswap.profile.torch import build_torch_graph
-    from slackswap.runtime.models import small_config
+    from slackswap.runtime.training_workload import small_config
     from slackswap.runtime.translate import plan_on_captured
     from slackswap.simulate.metrics import simulate_ideal
 

@@ -23,7 +23,7 @@ from slackswap.runtime.export import (  # noqa: E402
     recording_backend,
     saved_bytes,
 )
-from slackswap.runtime.models import build_training_workload, small_config  # noqa: E402
+from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from slackswap.schedule.build import build_schedule  # noqa: E402
 from tests.runtime_support import Captured, bit_equal, capture, h200, plan_for  # noqa: E402
 

@@ -5,7 +5,7 @@
     python tools/replay_allocator_gpu.py --dry-run model=tiny                    # model side only, no GPU
 
 The plan is simulated again (deterministic), its allocations and frees are derived exactly as the
-`simulate.allocator=caching` report does (`slackswap.memory.replay.memory_ops`), and then
+`simulate.allocator=caching` report does (`slackswap.memory.allocator_replay.memory_ops`), and then
 - the model: every call goes through `slackswap.memory.caching_allocator.CachingAllocator`;
 - the GPU: every allocation is `torch.empty(size, dtype=torch.uint8, device="cuda")`, every free drops
   that tensor, on the default stream, after `torch.cuda.empty_cache()`;
@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from slackswap.memory.allocator_replay import MemoryOp, memory_ops  # noqa: E402
 from slackswap.memory.caching_allocator import CachingAllocator  # noqa: E402
-from slackswap.memory.replay import MemoryOp, memory_ops  # noqa: E402
 
 
 def model_trajectory(ops: list[MemoryOp]) -> list[tuple[int, int]]:

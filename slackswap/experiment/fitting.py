@@ -25,7 +25,7 @@ from typing import Any
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
-from slackswap.memory.replay import AllocatorReport, allocator_report
+from slackswap.memory.allocator_replay import AllocatorReport, allocator_report
 from slackswap.plan import Plan
 from slackswap.simulate.engine import simulate
 from slackswap.simulate.result import SimResult

@@ -4,8 +4,9 @@ A planner that cannot meet a budget knows only that its candidates peak above it
 last candidate it tried is not the least it could reach (bert_large's slackswap stopped at 6.8 GiB
 with the budget at 0.5 GB, yet plans within 0.9 GB). So the run finds the floor itself, by bisection on
 the budget between the budget that failed and the keep-all peak (where every planner returns a plan),
-to a relative precision of `REL_TOL`: at `floor_bytes` the planner returns a plan, at
-`floor_bytes x (1 - REL_TOL)` it did not. Bisection is exact where feasibility is monotone in the
+to a relative precision of `REL_TOL`, then tightened to the peak of the plan found there when the
+planner plans at that peak too: at `floor_bytes` the planner returns a plan, at the bisection's
+infeasible end (within `REL_TOL` below) it did not. Bisection is exact where feasibility is monotone in the
 budget; `docs/planners.md` names the one planner where it is not everywhere and what the floor then
 means.
 
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
+from slackswap.plan import Plan
 from slackswap.planners.base import Planner
+from slackswap.schedule.replay import estimate_plan
 
 #: Bisection stops when the feasible and infeasible budgets are this close, relative to the feasible.
 REL_TOL = 1e-3
@@ -36,29 +39,41 @@ class Floor:
     probes: int
 
 
-def _plans(planner: Planner, graph: Graph, hardware: Hardware, budget_bytes: int) -> bool:
+def _plan(planner: Planner, graph: Graph, hardware: Hardware, budget_bytes: int) -> Plan | None:
     try:
-        planner.plan(graph, hardware, budget_bytes)
+        return planner.plan(graph, hardware, budget_bytes)
     except InfeasibleBudgetError:
-        return False
-    return True
+        return None
 
 
 def least_feasible_budget(
     planner: Planner, graph: Graph, hardware: Hardware, infeasible_bytes: int, hi_bytes: int, rel_tol: float = REL_TOL
 ) -> Floor:
-    """Bisect between `infeasible_bytes` (where the planner raised) and `hi_bytes` (tried first)."""
+    """Bisect between `infeasible_bytes` (where the planner raised) and `hi_bytes` (tried first).
+
+    The floor is then tightened to the peak of the plan found at the bisection's feasible end when
+    the planner also plans at that peak (one more probe): the least peak the planner reaches, to the
+    byte for a planner whose most frugal plan does not depend on the budget (selective_recompute,
+    full_recompute, keep_all), and never above the bisection's budget.
+    """
     probes = 1
-    if hi_bytes <= infeasible_bytes or not _plans(planner, graph, hardware, hi_bytes):
+    plan = None if hi_bytes <= infeasible_bytes else _plan(planner, graph, hardware, hi_bytes)
+    if plan is None:
         return Floor(None, max(infeasible_bytes, hi_bytes), probes)
     lo, hi = infeasible_bytes, hi_bytes
     while hi - lo > max(1, int(hi * rel_tol)):
         mid = (lo + hi) // 2
         probes += 1
-        if _plans(planner, graph, hardware, mid):
-            hi = mid
+        found = _plan(planner, graph, hardware, mid)
+        if found is not None:
+            hi, plan = mid, found
         else:
             lo = mid
+    peak = estimate_plan(graph, plan, hardware).peak_bytes
+    if lo < peak < hi:
+        probes += 1
+        if _plan(planner, graph, hardware, peak) is not None:
+            hi = peak
     return Floor(hi, lo, probes)
 
 

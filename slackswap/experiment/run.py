@@ -155,16 +155,19 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
         fitted = plan_and_simulate(spec.planner, base.graph, spec.hardware, budget_bytes, spec.fit)
     except InfeasibleBudgetError as exc:
         timings["plan_s"] = plan_wall_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        floor = cached_floor(
-            (spec.workload_key, spec.planner_name, repr(sorted(spec.planner_options.items()))),
-            spec.planner, base.graph, spec.hardware, budget_bytes, base.keep_all_peak_bytes,
-        )
-        timings["floor_s"] = time.perf_counter() - t0
-        reason = exc.reason + _floor_note(spec.planner_name, floor.floor_bytes)
+        floor_bytes, note = None, f"; no floor figure for {spec.planner_name} (not searched: each probe is costly)"
+        if getattr(spec.planner, "floor_by_bisection", True):
+            t0 = time.perf_counter()
+            floor = cached_floor(
+                (spec.workload_key, spec.planner_name, repr(sorted(spec.planner_options.items()))),
+                spec.planner, base.graph, spec.hardware, budget_bytes, base.keep_all_peak_bytes,
+            )
+            timings["floor_s"] = time.perf_counter() - t0
+            floor_bytes, note = floor.floor_bytes, _floor_note(spec.planner_name, floor.floor_bytes)
+        reason = exc.reason + note
         # No plan, so nothing to simulate: what a simulation would give is None.
         simulation = unsimulated_metrics(
-            ideal, budget_bytes, reason, min_feasible_bytes=floor.floor_bytes, plan_wall_s=plan_wall_s
+            ideal, budget_bytes, reason, min_feasible_bytes=floor_bytes, plan_wall_s=plan_wall_s
         )
         return outcome(Verdict.INFEASIBLE, f"planner: {reason}", simulation, budget_bytes)
     timings["plan_s"] = fitted.plan_wall_s
@@ -199,7 +202,7 @@ def run_metrics(
     `fitted` is the `plan_and_simulate` result of a planned and simulated run; None when no plan was
     made.
     """
-    from slackswap.memory.replay import AllocatorReport
+    from slackswap.memory.allocator_replay import AllocatorReport
 
     report = None if fitted is None else fitted.report
     metrics = dict(simulation) | _static_metrics(capacity)

@@ -18,7 +18,7 @@ from slackswap.budget import Budget
 from slackswap.errors import ConfigError
 from slackswap.experiment.fitting import FitOptions
 from slackswap.hardware import Hardware
-from slackswap.memory.training import TrainingConfig
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.node import Node
 from slackswap.planners.base import Planner
@@ -43,6 +43,7 @@ def hardware_from_config(config: Mapping[str, Any]) -> tuple[Hardware, Node | No
 @dataclass(frozen=True)
 class RunSpec:
     model: ModelConfig
+    #: The per-rank hardware (on `node`: its link at the rates this GPU really gets).
     hardware: Hardware
     budget: Budget
     planner_name: str

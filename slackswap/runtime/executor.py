@@ -29,9 +29,9 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copies import Copy, CpuCopies, CudaCopies
-from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies
 from slackswap.runtime.ledger import SavedBytesLedger
+from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 from slackswap.schedule.validate import resolve_schedule
 
 
@@ -124,6 +124,12 @@ class RunReport:
     ledger_peak_bytes: int = 0
     #: Plan step during which the ledger peaked (-1: outside any step).
     ledger_peak_step: int = -1
+    #: Peak of every device storage of a graph tensor (not only saved ones): the simulator's
+    #: `peak_activation_bytes` on the same link; and the plan step where it was reached.
+    device_peak_bytes: int = 0
+    device_peak_step: int = -1
+    #: Per plan step, the copies of every graph tensor alive in it; when traced.
+    device_live_by_step: dict[int, frozenset[int]] = field(default_factory=dict)
     #: Per plan step, the copies (ids into the plan's resolved schedule) alive in it; when traced.
     live_by_step: dict[int, frozenset[int]] = field(default_factory=dict)
     aten_calls: int = 0
@@ -354,7 +360,10 @@ class PlanRun(TorchDispatchMode):
             self.ledger.poll(-1)
             self.report.ledger_peak_bytes = self.ledger.peak_bytes
             self.report.ledger_peak_step = self.ledger.peak_step
+            self.report.device_peak_bytes = self.ledger.device_peak_bytes
+            self.report.device_peak_step = self.ledger.device_peak_step
             self.report.live_by_step = self.ledger.live_by_step
+            self.report.device_live_by_step = self.ledger.device_live_by_step
             self.report.aten_calls = self.numbering.calls
 
     def _check_inputs(self, _module, args, kwargs) -> None:
@@ -416,8 +425,7 @@ class PlanRun(TorchDispatchMode):
                 member.fresh.append((index, name))
             c = self.run_copy[name]
             self.current_copy[name] = c
-            if self.graph.tensors[name].saved:
-                self.ledger.track(t.untyped_storage(), c)
+            self.ledger.track(t.untyped_storage(), c, self.graph.tensors[name].saved)
             if c in self.held_copies:
                 self.held[c] = t.untyped_storage()
         self.ledger.poll(self.run_step[begin.op])
@@ -542,8 +550,7 @@ class PlanRun(TorchDispatchMode):
         for name, c in zip(step.outputs, self.schedule.step_writes[j], strict=True):
             self.held[c] = env[name]
             self.current_copy[name] = c
-            if self.graph.tensors[name].saved:
-                self.ledger.track(env[name], c)
+            self.ledger.track(env[name], c, self.graph.tensors[name].saved)
         self.report.recompute_steps += 1
         self.ledger.poll(j)
 

@@ -40,7 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
-from slackswap.runtime.identity import fresh_output_flags, writes_into
+from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
     Decision.KEEP: CheckpointPolicy.MUST_SAVE,
@@ -331,8 +331,9 @@ def _fresh_bytes(func, out) -> int:
 class HostCopies:
     """Eager export's offloads: device -> host when the op returns, back at the layer's recompute.
 
-    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer from the
-    pool (`slackswap.runtime.pinned.PinnedPool`) and a copy on the offload stream."""
+    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer allocated
+    per offload and a blocking copy: a reference path with no pool and no side stream (the eager
+    runtime reuses pinned buffers, `slackswap.runtime.copy_engines.HostPool`, on its own streams)."""
 
     def __init__(self) -> None:
         self.copies = 0

@@ -2,8 +2,10 @@
 
 The library side of `python -m pipelines.train` (which adds Hydra and MLflow) and of
 `benchmarks/gpu_validate.py`. Measured peak: `torch.cuda.max_memory_allocated` over the step on
-CUDA (everything the step allocates: weights, gradients, optimizer state, activations); the
-runtime's saved-bytes ledger on the CPU, where no allocator counts.
+CUDA (everything the step allocates: weights, gradients, optimizer state, activations); on the CPU,
+where no allocator counts, the runtime's ledger of every device storage of a graph tensor
+(`RunReport.device_peak_bytes`: activations, the model's temporaries, activation gradients,
+recomputed and prefetched copies), which is what the simulator's `peak_activation_bytes` predicts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from slackswap.graph import Graph
 from slackswap.plan import Plan
 from slackswap.runtime.executor import RunReport, apply
-from slackswap.runtime.models import Workload, token_loss
+from slackswap.runtime.training_workload import Workload, token_loss
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step) -> list[
         step_s = time.perf_counter() - t0
         optimizer.step()
         report = run.report if run is not None else RunReport()
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.ledger_peak_bytes
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.device_peak_bytes
         record = StepRecord(i, float(loss.detach()), step_s, int(peak), report.ledger_peak_bytes, report)
         records.append(record)
         if on_step is not None:

@@ -59,6 +59,9 @@ PLAN_NODE_LIMIT = 5
 @register_planner("milp")
 class MilpPlanner:
     name = "milp"
+    #: An infeasible milp run reports no floor: each bisection probe would be a MILP solve (seconds to
+    #: minutes on the presets), about 20 of them (`slackswap.experiment.floor`).
+    floor_by_bisection = False
 
     def __init__(
         self,

@@ -40,7 +40,7 @@ def over_budget(planner: str, budget_bytes: int, what: str, detail: str = "") ->
     It names no floor: the peak of the last candidate tried is not the least the planner reaches at
     another budget (docs/planners.md, "Floors"); the experiment layer finds that by bisection.
     """
-    return InfeasibleBudgetError(f"{planner}: budget {gib(budget_bytes)} is too small even for {what}{detail}")
+    return InfeasibleBudgetError(f"{planner}: budget {gib(budget_bytes)}: {what} still peaks above it{detail}")
 
 
 def build_within_budget(

@@ -16,8 +16,8 @@ from collections import Counter, defaultdict
 
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import optimizer_step_moved_bytes
-from slackswap.memory.training import TrainingConfig
 from slackswap.profile import default_training, state_bytes_per_param
 from slackswap.profile.timing import op_duration_s
 from slackswap.profile.torch.tracer import Trace
@@ -56,6 +56,30 @@ def forward_roles(trace: Trace) -> dict[int, str]:
             if op.aten in _FUSED_ATTENTION:
                 roles[op.index] = FLASH
     return roles
+
+
+def _held_until(trace: Trace, graph_keys: set[int], names: dict[int, str]) -> dict[str, str]:
+    """Tensor name -> the op after which eager execution released its storage, where that is later
+    than every op of its own phase that touches the storage (its producer, readers and in-place
+    writers): the model's own references (`Tensor.held_until`). For a forward tensor only forward
+    touches count: a plan that swaps or recomputes it frees its run copy after its last forward
+    reader, unless the model's code still holds it. The hold goes on the storage's last version, whose
+    alias chain keeps the earlier versions' storage. A storage alive at the end is held to the last op."""
+    if trace.released_after is None or not trace.ops:
+        return {}
+    backward = {op.index for op in trace.ops if op.phase == Phase.BACKWARD}
+    last_touch: dict[int, int] = {}
+    for op in trace.ops:
+        for k in (*op.reads, *op.creates, *op.writes):
+            if k in trace.storages and (op.index in backward) == (trace.storages[k].producer in backward):
+                last_touch[k] = op.index
+    end = trace.ops[-1].index
+    held: dict[str, str] = {}
+    for k in graph_keys:
+        released = trace.released_after.get(k, end)
+        if released > last_touch.get(k, -1):
+            held[trace.storages[k].name] = names[released]
+    return held
 
 
 def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | None = None, *,
@@ -114,6 +138,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                           layer, (), (), 0.0, moved,
                           op_duration_s(0.0, moved, OpClass.ELEMENTWISE, trace.dtype, hardware), "", "optimizer"))
     op_by_index = {op.index: op for op in trace.ops}
+    held_until = _held_until(trace, graph_keys, names)
     tensors: dict[str, Tensor] = {}
     for t_name, (k, producer_index, base) in made.items():
         st = storages[k]
@@ -127,7 +152,8 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
             layer = in_stack[0] if in_stack else NO_LAYER
         role = f"{producer.aten}:{st.dtype}" if producer.phase != Phase.BACKWARD else "grad"
         tensors[t_name] = Tensor(t_name, st.size_bytes, names[producer_index],
-                                 tuple(names[c] for c in consumers[t_name]), layer, saved, role, base=base)
+                                 tuple(names[c] for c in consumers[t_name]), layer, saved, role, base=base,
+                                 held_until=held_until.get(t_name, ""))
     state = state_bytes_per_param(trace.dtype)[2]
     info = {"source": "torch", "semantics": trace.semantics, "num_params": trace.num_params,
             "max_unit_params": max(trace.layer_params.values(), default=0),
