@@ -12,7 +12,7 @@ same batch from the same seed:
 - offload_hooks: a torchtune-style offload (saved_tensors_hooks that copy every activation of at
   least 1 KiB to host memory at pack time and return the copy at unpack; parameters stay);
 - runtime_keep_all / runtime_slackswap: `slackswap.runtime.apply` with the keep_all plan and with
-  slackswap's plan at half the keep-all peak; steady-state steps (the first, verified step of a run
+  slackswap's plan at 70 % of the keep-all peak; steady-state steps (the first, verified step of a run
   is a warm-up, like a compilation);
 - export_eager / export_compiled: the slackswap plan exported to selective checkpointing
   (`slackswap.runtime.export`), eager and with each layer torch.compile'd (inductor; compiled in
@@ -26,7 +26,9 @@ profiler's memory events (all allocations: activations, gradients, temporaries).
 `copy_cpu_s_per_step` (runtime_slackswap): CPU time of the copies themselves (allocation and memcpy
 of every offload and prefetch, `CpuCopies.copy_s`): on the CPU the stand-in copies run on the compute
 thread; on a GPU the copy engines do that work, so `ratio_to_eager_without_copies` is the runtime's
-own cost. `planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
+own cost. `ratio_to_eager_no_data_copies` (runtime_slackswap): the same plan with a copy engine that moves no
+data (`NoDataCopies`), timed interleaved with the rest: the runtime's own cost without the copies.
+`planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
 export rows add `export_saved_bytes` (what the export saves on the device: eager, its checkpoint
 cache; compiled, the partition's saved activations) and `export_differences` (decisions PyTorch
 executes otherwise, each named by `slackswap.runtime.export`).
@@ -53,9 +55,30 @@ VARIANTS = ("eager", "checkpoint", "save_on_cpu", "offload_hooks", "runtime_keep
 DEPTHS = (2, 8, 32)
 #: TinyGPT at a width where the CPU's per-call cost matters, as on a GPU (small kernels).
 SHAPE = {"hidden": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
-BUDGET_FRACTION = 0.5
+#: 70 % of the keep-all peak: with eager lifetimes counted (Tensor.held_until) no planner meets 50 % of
+#: these toy models (the runtime tests plan at 70 % for the same reason).
+BUDGET_FRACTION = 0.7
 #: torchtune's OffloadActivations leaves tensors under 1 KiB on the device (min_offload_size).
 MIN_OFFLOAD_BYTES = 1024
+
+
+class NoDataCopies:
+    """A copy engine that moves no data: the offload keeps the device storage, the prefetch returns
+    it (values unchanged, so the step stays exact; memory is not saved). Timing attribution only."""
+
+    def offload(self, source, key=None):
+        from slackswap.runtime.copy_engines import _DoneCopy
+
+        return _DoneCopy(source)
+
+    def prefetch(self, offloaded, device):
+        return offloaded
+
+    def poll(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def _step(w) -> None:
@@ -90,6 +113,9 @@ class Variants:
             "slackswap": get_planner("slackswap").plan(self.graph, h200(), int(keep_all_peak * BUDGET_FRACTION)),
         }
         self.runs = {k: apply(p, self.graph, w.model) for k, p in self.plans.items()}
+        # Attribution only: the slackswap plan with a copy engine that moves no data (an "offload"
+        # holds the device storage itself, a "prefetch" hands it back): the runtime's own cost.
+        self.runs["no_data"] = apply(self.plans["slackswap"], self.graph, w.model, copies=NoDataCopies())
         self.export = PlanExport(self.plans["slackswap"], self.graph, w.model)
         self.compiled_export = PlanExport(self.plans["slackswap"], self.graph, w.model)
         self.backend, self.partitions = recording_backend()
@@ -148,6 +174,10 @@ class Variants:
             _step(self.w)
         self.copy_s.append(self.runs["slackswap"].copies.copy_s - before)
 
+    def runtime_slackswap_no_data(self) -> None:
+        with self.runs["no_data"]:
+            _step(self.w)
+
     def export_eager(self) -> None:
         with self.export.installed(self.w.model):
             _step(self.w)
@@ -164,9 +194,12 @@ class Variants:
         for v in VARIANTS:  # warm-up: the runtime's verified step, caches
             self._one(v)
         self.copy_s.clear()
+        self._one("runtime_slackswap_no_data")
+        no_data = []
         for _ in range(rounds):
             for v in VARIANTS:
                 times[v].append(self._one(v))
+            no_data.append(self._one("runtime_slackswap_no_data"))
         for v in VARIANTS:
             calls[v] = None if v == "export_compiled" else self._count_calls(v)
             peaks[v] = self._peak(v)
@@ -187,6 +220,8 @@ class Variants:
                 copy = statistics.median(self.copy_s[:rounds])
                 row["copy_cpu_s_per_step"] = copy
                 row["ratio_to_eager_without_copies"] = (cpu - copy) / eager
+                row["cpu_s_per_step_no_data_copies"] = statistics.median(no_data)
+                row["ratio_to_eager_no_data_copies"] = statistics.median(no_data) / eager
             if v == "export_eager":
                 row["export_saved_bytes"] = self.export.record.saved_bytes
                 row["export_differences"] = len(self.export.step_differences())
