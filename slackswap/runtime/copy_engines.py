@@ -65,7 +65,7 @@ class HostPool:
         self._buffers: dict[int, torch.Tensor] = {}
         self.allocations = 0
 
-    def get(self, key: int | None, nbytes: int) -> torch.Tensor:
+    def get(self, key: object, nbytes: int) -> torch.Tensor:
         buf = None if key is None else self._buffers.get(key)
         if buf is None or buf.numel() != nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)

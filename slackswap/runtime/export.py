@@ -274,7 +274,10 @@ class _SaveMode(TorchDispatchMode):
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             self.export.record.saved_bytes += _fresh_bytes(func, out)
         elif policy in _OFFLOAD:
-            self.storage[(func, idx)] = _Entry("offload", tree_map(self.export.host.offload, out))
+            leaves = iter(range(1 << 30))
+            key = (self.policy.region, str(func), idx)
+            self.storage[(func, idx)] = _Entry("offload", tree_map(
+                lambda x: self.export.host.offload(x, (*key, next(leaves))), out))
             self.export.record.offloaded_bytes += _fresh_bytes(func, out)
         else:
             self.storage[(func, idx)] = _Entry("recompute", None)
@@ -331,20 +334,27 @@ def _fresh_bytes(func, out) -> int:
 class HostCopies:
     """Eager export's offloads: device -> host when the op returns, back at the layer's recompute.
 
-    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer allocated
-    per offload and a blocking copy: a reference path with no pool and no side stream (the eager
-    runtime reuses pinned buffers, `slackswap.runtime.copy_engines.HostPool`, on its own streams)."""
+    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer from a
+    pool (`slackswap.runtime.copy_engines.HostPool`), one per offloading call of a layer (region, op,
+    call index: the same on every step), reused across steps, and a blocking copy, no side stream
+    (the eager runtime's copies overlap on their own streams; here the reload is PyTorch's, at the
+    layer's recompute). Reuse is safe: the copies are blocking and a step's backward has reloaded
+    them all before the next step's forward offloads again."""
 
     def __init__(self) -> None:
-        self.copies = 0
+        from slackswap.runtime.copy_engines import HostPool
 
-    def offload(self, x: object) -> object:
+        self.copies = 0
+        self.pool = HostPool(pinned=torch.cuda.is_available())
+
+    def offload(self, x: object, key: object = None) -> object:
         if not isinstance(x, torch.Tensor):
             return x
         self.copies += 1
         if x.device.type == "cpu":
             return _Offloaded(x.detach().clone(), x.device)
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        nbytes = x.numel() * x.element_size()
+        host = self.pool.get(key, nbytes).view(x.dtype).view(x.shape)
         host.copy_(x.detach(), non_blocking=False)
         return _Offloaded(host, x.device)
 
