@@ -32,6 +32,9 @@ sys.path.insert(0, str(REPO))
 PRESETS = {"bert": ("hf_bert_large", 24), "gpt2": ("hf_gpt2_xl", 12), "llama": ("hf_llama7b", 6)}
 PLANNERS = ("keep_all", "slackswap", "capuchin", "recompute_knapsack")
 BUDGET_FRACTION = 0.5
+#: The CPU path's toy models: with eager lifetimes counted (Tensor.held_until) no planner meets 50 % of
+#: their keep-all peaks; 70 %, as the runtime tests plan them.
+CPU_BUDGET_FRACTION = 0.7
 
 
 def load_preset(preset: str, layers: int):
@@ -182,10 +185,10 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
     plain = measure(w, graph, None, device, steps)
     if device == "cuda":
         budget = int(plain["measured_peak_bytes"] * BUDGET_FRACTION)
-    else:  # no allocator to ask on the CPU: 50 % of the simulated keep-all activation peak instead
+    else:  # no allocator to ask on the CPU: 70 % of the simulated keep-all activation peak instead
         from slackswap.simulate.metrics import simulate_ideal
 
-        budget = int(simulate_ideal(graph, hw).peak_activation_bytes * BUDGET_FRACTION)
+        budget = int(simulate_ideal(graph, hw).peak_activation_bytes * CPU_BUDGET_FRACTION)
     rows = []
     for name in PLANNERS:
         row = {"model": model.name, "layers": model.num_layers, "planner": name, "device": device,

@@ -110,7 +110,7 @@ class _NoLedger:
     peak_step = -1
     live_by_step: dict[int, frozenset[int]] = {}
 
-    def track(self, storage: object, copy_id: int) -> None:
+    def track(self, storage: object, copy_id: int, saved: bool = True) -> None:
         return None
 
     def poll(self, step: int) -> None:
