@@ -413,7 +413,7 @@ def _client_children(client, experiment_id: str, children: Sequence[tuple[str, d
 def start_parent(track: Mapping[str, Any], name: str, params: Mapping[str, str]):
     client = tracking.open_client(track["uri"])
     experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
-    info = tracking.create_run(client, experiment_id, name, {"kind": "advise"}, None)
+    info = tracking.create_run(client, experiment_id, name, {"kind": "advise"}, None, "pipelines/advise.py")
     faults.track_in_flight(client, info.run_id)
     tracking.log_params(client, info.run_id, params)
     return client, experiment_id, info

@@ -46,6 +46,14 @@ def test_train_logs_measured_and_simulated_figures(tmp_path, mlflow_store, monke
         assert key in metrics, key
     assert metrics["grad_check_bit_exact"] == 1 and metrics["measured_equals_sim"] == 1
     assert run.info.status == "FINISHED"
+    # As pipelines.run: the run folder and id at the end, sizes in a readable unit, the right source,
+    # the versions it ran with, no empty log file.
+    assert f"[train] run dir {tmp_path / 'run'}" in out and f"[train] mlflow run {run.info.run_id}" in out
+    assert " B," not in out and " B (" not in out and ("MiB" in out or "KiB" in out)
+    tags = run.data.tags
+    assert tags["mlflow.source.name"] == "pipelines/train.py" and tags["status"] == "ok"
+    assert tags["version.torch"] == figures["versions"]["torch"] != "not installed"
+    assert not list((tmp_path / "run").glob("*.log"))
 
 
 def test_train_rejects_an_analytic_preset(tmp_path, monkeypatch) -> None:
