@@ -347,6 +347,13 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
         f"planner      {record.planner} ({record.planner_name})",
     ]
+    if m.get("effective_h2d_gbps") is not None:
+        node = resolved["node"]
+        lines.append(
+            f"node         {node['name']}: {node['gpus_per_node']} GPU(s), {node['gpus_per_pcie_switch']} per "
+            f"switch; each GPU gets H2D {m['effective_h2d_gbps']:.2f} GB/s ({m['h2d_limit']}), "
+            f"D2H {m['effective_d2h_gbps']:.2f} GB/s ({m['d2h_limit']})"
+        )
     if m.get("analytic_keep_all_peak_bytes") is not None:
         # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
         torch_node = resolved["model"].get("torch") or resolved["profile"].get("options") or {}

@@ -7,7 +7,7 @@ entry of `conf/config.yaml`'s defaults list, so every group preset is merged int
 - a wrong type (`model.num_layers=three`) fails with "Value 'three' ... could not be converted to Integer";
 - an unknown preset (`model=gpt5`) fails with Hydra's "Could not find 'model/gpt5'" plus the options.
 
-`ModelSchema`, `HardwareSchema` and `HostLinkSchema` mirror the library dataclasses field for field
+`ModelSchema`, `HardwareSchema`, `HostLinkSchema` and `NodeSchema` mirror the library dataclasses field for field
 (tests/test_config.py keeps them from drifting); `ModelSchema.torch` is the one extra node, mirrored by
 `slackswap.profile.torch.spec.TorchSpec`. Range checks (positive bandwidth, budget in
 (0, 1]) stay in the library (`from_dict` -> `ConfigError`), so a script and Hydra reject the same values.
@@ -70,6 +70,7 @@ class HostLinkSchema:
     latency_s: float = MISSING
     d2h_engines: int = 1
     h2d_engines: int = 1
+    d2h_setup_s: float = 0.0
 
 
 @dataclass
@@ -84,6 +85,31 @@ class HardwareSchema:
     launch_overhead_s: float = MISSING
     source: str = ""
     sku: str = ""
+
+
+@dataclass
+class NodeSchema:
+    """Mirrors `slackswap.node.Node`: the server around the GPU (conf/node, docs/hardware.md)."""
+
+    name: str = MISSING
+    gpus_per_node: int = MISSING
+    gpus_per_pcie_switch: int = MISSING
+    switch_uplink_h2d_bytes_per_s: float | None = MISSING
+    switch_uplink_d2h_bytes_per_s: float | None = MISSING
+    h2d_duplex_fraction: float = MISSING
+    d2h_duplex_fraction: float = MISSING
+    numa_nodes: int = MISSING
+    host_dram_bytes_per_numa_s: float | None = MISSING
+    pinned_host_bytes: int = MISSING
+    pin_setup_s_per_tensor: float = 0.0
+    nic_placement: str = "none"
+    nics_per_node: int = 0
+    nic_bytes_per_s: float = 0.0
+    nic_latency_s: float = 0.0
+    nic_uplink_fraction: float = 0.0
+    nvlink_bytes_per_s: float = 0.0
+    nvlink_latency_s: float = 0.0
+    source: str = ""
 
 
 @dataclass
@@ -168,6 +194,7 @@ class ExperimentSchema:
 class SlackSwapConfig:
     model: ModelSchema = MISSING
     hardware: HardwareSchema = MISSING
+    node: NodeSchema = MISSING
     profile: ProfileSchema = MISSING
     planner: PlannerSchema = MISSING
     budget: BudgetSchema = MISSING

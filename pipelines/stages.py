@@ -23,6 +23,7 @@ from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
 from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
+from slackswap.node import Node
 from slackswap.plan import Decision
 from slackswap.profile.torch.spec import TorchSpec
 
@@ -42,6 +43,7 @@ def plot_level(resolved: Mapping[str, Any], multirun: bool) -> str:
 @dataclass(frozen=True)
 class Inputs:
     model: ModelConfig
+    #: The per-rank hardware on `node`: the link at the rates this GPU really gets (slackswap.sharing).
     hardware: Hardware
     budget: Budget
     planner_name: str
@@ -57,6 +59,9 @@ class Inputs:
     profile_options: Mapping[str, Any] = field(default_factory=dict)
     #: Set when the source is `torch`: the graph is traced from the real model.
     torch_spec: TorchSpec | None = None
+    #: The server (conf/node) and what sharing it left each GPU (`slackswap.sharing.SharedLink`).
+    node: Node | None = None
+    shared_link: Any = None
 
 
 ALLOCATORS = ("none", "caching")
@@ -92,9 +97,13 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
     profile = resolved["profile"]
     source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
     model_config = ModelConfig.from_dict(model)
+    from slackswap.sharing import shared_hardware
+
+    node = Node.from_dict(resolved["node"])
+    hardware, shared = shared_hardware(Hardware.from_dict(resolved["hardware"]), node)
     inputs = Inputs(
         model=model_config,
-        hardware=Hardware.from_dict(resolved["hardware"]),
+        hardware=hardware,
         budget=Budget.from_dict(resolved["budget"]),
         planner_name=planner["name"],
         planner_options=dict(planner.get("options") or {}),
@@ -104,6 +113,8 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
         profile_source=source,
         profile_options=options,
         torch_spec=spec_from_options(model_config, options) if source == "torch" else None,
+        node=node,
+        shared_link=shared,
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
@@ -143,6 +154,7 @@ def _baseline_key(resolved: Mapping[str, Any]) -> str:
     node = {
         "model": resolved["model"],
         "hardware": resolved["hardware"],
+        "node": resolved.get("node"),
         "training": resolved.get("training"),
         "profile": resolved.get("profile"),
     }
@@ -195,6 +207,7 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     """
     from slackswap.graph_io import write_graph_json
     from slackswap.memory.static import capacity_reason
+    from slackswap.node import pinned_reason
     from slackswap.plan_io import write_plan_json
     from slackswap.planners.registry import get_planner
     from slackswap.profile.report import write_profile_csv
@@ -270,6 +283,12 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
         timings["write_timeline_s"] = time.perf_counter() - t0
 
     facts = {"swapped": plan.tensors_with(Decision.SWAP), "recomputed": plan.tensors_with(Decision.RECOMPUTE)}
+    pinned = None if inputs.node is None else pinned_reason(inputs.node, int(metrics.get("d2h_bytes") or 0))
+    if result.feasible and pinned is not None:
+        # Every rank of the node holds the same swapped bytes in pinned host memory: over it, infeasible.
+        metrics["feasible"] = False
+        _write_json(run_dir / "metrics.json", metrics)
+        return Outcome(RunStatus.INFEASIBLE, pinned, metrics, timings, facts)
     if result.feasible:
         return Outcome(RunStatus.OK, "", metrics, timings, facts)
     return Outcome(RunStatus.INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
@@ -337,7 +356,20 @@ def run_metrics(
     metrics["planning_budget_bytes"] = None if fitted is None else fitted.planning_budget_bytes
     metrics["planning_rounds"] = None if fitted is None else fitted.rounds
     metrics |= _source_metrics(base)
+    metrics |= _node_metrics(inputs, simulation)
     return metrics
+
+
+def _node_metrics(inputs: Inputs, simulation: Mapping[str, Any]) -> dict[str, Any]:
+    """The node's share of the host link each GPU got and the pinned host bytes the node's ranks need."""
+    if inputs.node is None:
+        return {}
+    swapped = simulation.get("d2h_bytes")
+    return inputs.shared_link.metrics() | {
+        "gpus_per_node": inputs.node.gpus_per_node,
+        "pinned_host_bytes": inputs.node.pinned_host_bytes,
+        "pinned_needed_bytes": None if swapped is None else swapped * inputs.node.gpus_per_node,
+    }
 
 
 def _static_metrics(capacity: Any) -> dict[str, Any]:

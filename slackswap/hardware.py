@@ -48,6 +48,9 @@ class HostLink:
     latency_s: float
     d2h_engines: int = 1
     h2d_engines: int = 1
+    #: Host-side work each offload pays before its copy starts (a pinned allocation per tensor when the
+    #: runtime has no buffer pool; 0 with a pool). Set from the node (`slackswap.sharing`).
+    d2h_setup_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,6 +68,7 @@ class HostLink:
                     f"link.{direction}_effective_bytes_per_s", eff, f"exceeds the theoretical {theo}"
                 )
         _non_negative("link.latency_s", self.latency_s)
+        _non_negative("link.d2h_setup_s", self.d2h_setup_s)
         for name in ("d2h_engines", "h2d_engines"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

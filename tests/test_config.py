@@ -17,6 +17,7 @@ from slackswap.errors import ConfigError
 from slackswap.hardware import Hardware, HostLink
 from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
+from slackswap.node import Node
 from slackswap.profile.torch.spec import TorchSpec
 
 CONF = schemas.REPO_ROOT / "conf"
@@ -114,6 +115,7 @@ def _field_defaults(cls) -> dict:
         (schemas.BudgetSchema, Budget),
         (schemas.TrainingSchema, TrainingConfig),
         (schemas.TorchSchema, TorchSpec),
+        (schemas.NodeSchema, Node),
     ],
 )
 def test_schema_mirrors_library_dataclass(schema, library) -> None:

@@ -5,7 +5,10 @@ schedule builder's "alap" prefetch placement and the MILP's coefficients, so non
 (docs/simulation.md section 3).
 
 - Duration: `latency_s + size_bytes * engines / effective_bytes_per_s`. The k engines of one
-  direction share that direction's bandwidth equally, so each copy sees 1/k of it.
+  direction share that direction's bandwidth equally, so each copy sees 1/k of it. An offload also
+  pays the link's `d2h_setup_s` (a per-tensor pinned allocation; 0 with a buffer pool).
+- The bandwidths are the ones this GPU really gets: on a shared node `slackswap.sharing` has already
+  divided the switch uplink among the GPUs behind it and derated for both directions running.
 - Queue: each direction serves its transfer list in list order. Copy k starts no earlier than it is
   ready (issued; for a prefetch, its offload done), no earlier than copy k-1 started (in order, even
   with several engines), and on the engine that frees up first.
@@ -23,7 +26,7 @@ def transfer_s(size_bytes: int, bytes_per_s: float, latency_s: float, engines: i
 
 def d2h_s(size_bytes: int, hardware: Hardware) -> float:
     link = hardware.link
-    return transfer_s(size_bytes, link.d2h_effective_bytes_per_s, link.latency_s, link.d2h_engines)
+    return transfer_s(size_bytes, link.d2h_effective_bytes_per_s, link.latency_s + link.d2h_setup_s, link.d2h_engines)
 
 
 def h2d_s(size_bytes: int, hardware: Hardware) -> float:
