@@ -70,10 +70,13 @@ class _ForwardNetwork:
         for t in self.tensors:
             i = self.index[t]
             tensor = graph.tensors[t]
-            uncuttable = bool(tensor.base) or t in written
+            # Saving a version an in-place op wrote (a dropout mask bernoulli_ fills) saves its storage;
+            # a version overwritten later cannot be saved; a view is never cut on its own (its base is).
+            size = graph.tensors[graph.storage_root(t)].size_bytes if tensor.base and tensor.saved else \
+                (-1 if tensor.base else tensor.size_bytes)
             rows.append(2 * i)
             cols.append(2 * i + 1)
-            caps.append(_INF if uncuttable else max(1, tensor.size_bytes // unit))
+            caps.append(_INF if size < 0 or t in written else max(1, size // unit))
             if tensor.saved:
                 rows.append(2 * i + 1)
                 cols.append(self.sink)

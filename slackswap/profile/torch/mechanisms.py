@@ -106,6 +106,14 @@ def checkpointed_layers(layers: torch.nn.ModuleList, save_ops: frozenset[str] | 
             layer.forward = forward
 
 
+def _inductor_cache_off():
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:
+        return contextlib.nullcontext()
+    return inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False)
+
+
 @dataclass(frozen=True)
 class SavedValue:
     """One value the compiled forward saves for backward (a node of the partitioned graph)."""
@@ -146,7 +154,9 @@ def compiled_saved(step: Callable[[], torch.Tensor], budget: float, backend: str
     try:
         for m, _ in saved_attr:
             m.min_cut_rematerialization_partition = recording
-        with functorch_config.patch(activation_memory_budget=budget):
+        # No compile cache: a cached graph would skip the partitioner this reads the saved set from.
+        with functorch_config.patch(activation_memory_budget=budget, enable_autograd_cache=False), \
+                _inductor_cache_off():
             loss = torch.compile(step, backend=backend, fullgraph=True)()
     finally:
         for m, fn in saved_attr:
