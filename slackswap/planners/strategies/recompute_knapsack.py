@@ -26,6 +26,7 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.candidates import keep_chain_candidates
 from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 
@@ -123,7 +124,7 @@ class RecomputeKnapsack:
                        "knapsack_recompute_s": sum(costs[i] for i in chosen)},
             )
             if peak <= budget_bytes:
-                return plan
+                return keep_chain_candidates(graph, hardware, budget_bytes, plan)
             peak_of_set[frozenset(chosen)] = peak
             need += peak - budget_bytes
         raise InfeasibleBudgetError(
