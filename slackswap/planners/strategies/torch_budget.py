@@ -20,7 +20,8 @@ place cannot be cut (a saved view is its base). The min cut is scipy's maximum f
 tensors (split into in and out nodes), so the planner needs no torch.
 
 `fraction`: torch's budget, or `fit`: the largest fraction in steps of 1/100 whose plan fits the
-budget (what a user tuning the knob for a memory limit finds; bisection, a few probes). Differences
+budget (what a user tuning the knob for a memory limit finds: scanned down from 1, each distinct
+partition scheduled once; the min cuts and the knapsack table are shared by all fractions). Differences
 from the compiled step, measured on the CPU, are in docs/planners.md ("torch_sac and torch_budget
 against PyTorch").
 """
@@ -31,7 +32,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
-from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph, OpClass
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
@@ -41,6 +42,8 @@ from slackswap.planners.support.fit import over_budget, scheduled_peak
 
 #: torch's dp_knapsack quantisation (torch/_functorch/_activation_checkpointing/knapsack.py: S = 10000).
 KNAPSACK_SCALE = 10000
+#: `fraction: fit` tries 1, 0.99, .., 0 (torch's knob is usually set in such steps).
+FIT_STEPS = 100
 #: scipy's maximum_flow takes int32 capacities: bytes are counted in units that keep the sum of all
 #: tensors below 2^29, and "cannot be cut" is 2^30 (above any finite cut).
 _INF = 1 << 30
@@ -122,51 +125,87 @@ class _ForwardNetwork:
         return {t for t in self.tensors if reach[2 * self.index[t]] and not reach[2 * self.index[t] + 1]}
 
 
-def dp_knapsack(memory: list[float], runtime: list[float], max_memory: float) -> list[int]:
-    """torch's `dp_knapsack` (same quantisation, float32 table, backtracking): the items saved."""
+def dp_table(memory: list[float], runtime: list[float], capacity: float) -> tuple[np.ndarray, list[int]]:
+    """torch's `dp_knapsack` table (memories quantised to 1/10000, float32) up to `capacity`. Column j
+    of a table built for a larger capacity is the same as in one built for capacity j, so one table
+    serves every fraction."""
     quantised = [round(m * KNAPSACK_SCALE) for m in memory]
-    capacity = round(max_memory * KNAPSACK_SCALE)
+    width = round(capacity * KNAPSACK_SCALE)
     n = len(memory)
-    dp = np.zeros((n + 1, capacity + 1), dtype=np.float32)
+    dp = np.zeros((n + 1, width + 1), dtype=np.float32)
     for i in range(1, n + 1):
         w, r = quantised[i - 1], np.float32(runtime[i - 1])
         dp[i, :] = dp[i - 1, :]
         if w == 0:
             dp[i, :] = dp[i - 1, :] + r
-        elif w <= capacity:
+        elif w <= width:
             dp[i, w:] = np.maximum(dp[i - 1, w:], dp[i - 1, :-w] + r)
-    saved, j = [], capacity
-    for i in range(n, 0, -1):
+    return dp, quantised
+
+
+def dp_backtrack(dp: np.ndarray, quantised: list[int], max_memory: float) -> list[int]:
+    """torch's backtracking: item i - 1 is saved where dp[i][j] != dp[i - 1][j]."""
+    saved, j = [], round(max_memory * KNAPSACK_SCALE)
+    for i in range(len(quantised), 0, -1):
         if dp[i][j] != dp[i - 1][j]:
             saved.append(i - 1)
             j -= quantised[i - 1]
     return saved[::-1]
 
 
+def dp_knapsack(memory: list[float], runtime: list[float], max_memory: float) -> list[int]:
+    """torch's `dp_knapsack`: the items saved."""
+    dp, quantised = dp_table(memory, runtime, max_memory)
+    return dp_backtrack(dp, quantised, max_memory)
+
+
+class TorchPartitioner:
+    """`choose_saved_values_set` on one graph; the cuts and the knapsack table that do not depend on
+    the fraction are computed once."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.net = _ForwardNetwork(graph)
+        forward = [op for op in graph.ops if op.phase in FORWARD_PHASES]
+        self.intensive = {op.name for op in forward if _compute_intensive(graph, op.name)}
+        self.random = {op.name for op in forward if op.random}
+        sizes = graph.size_bytes_of
+        self.default = self.net.cut(self.intensive | self.random)
+        self.max_bytes = sum(sizes[t] for t in self.default)
+        self._aggressive: set[str] | None = None
+        self._table = None
+
+    def _own_bytes(self, op: str) -> int:
+        return sum(self.graph.size_bytes_of[t] for t in self.graph.op_by_name[op].outputs
+                   if not self.graph.tensors[t].base)
+
+    def saved(self, fraction: float) -> tuple[set[str], dict[str, object]]:
+        if fraction == 0:
+            return set(), {"stage": "inputs_only"}
+        if fraction == 1 or self.max_bytes == 0:
+            return set(self.default), {"stage": "default", "default_saved_bytes": self.max_bytes}
+        if self._aggressive is None:
+            self._aggressive = self.net.cut(self.intensive)
+        sizes = self.graph.size_bytes_of
+        if sum(sizes[t] for t in self._aggressive) / self.max_bytes < fraction:
+            return set(self._aggressive), {"stage": "aggressive", "default_saved_bytes": self.max_bytes}
+        if self._table is None:
+            needed = _needed_by_backward(self.graph)
+            # torch sorts by size, largest first (a stable sort: ties in graph order)
+            items = sorted((op.name for op in self.graph.ops if op.name in self.intensive and op.name in needed),
+                           key=lambda op: -self._own_bytes(op))
+            memory = [self._own_bytes(op) / self.max_bytes for op in items]
+            runtime = [max(self.graph.op_by_name[op].flops, 1.0) for op in items]
+            self._table = (items, *dp_table(memory, runtime, 1.0))
+        items, dp, quantised = self._table
+        kept = {items[i] for i in dp_backtrack(dp, quantised, fraction)}
+        saved = self.net.cut((self.intensive - set(items)) | kept)
+        return saved, {"stage": "knapsack", "default_saved_bytes": self.max_bytes, "knapsack_saved_ops": len(kept)}
+
+
 def torch_budget_saved(graph: Graph, fraction: float) -> tuple[set[str], dict[str, object]]:
     """The saved set torch's `choose_saved_values_set` picks at `fraction`, and how it got there."""
-    net = _ForwardNetwork(graph)
-    intensive = {op.name for op in graph.ops if op.phase in FORWARD_PHASES and _compute_intensive(graph, op.name)}
-    random = {op.name for op in graph.ops if op.phase in FORWARD_PHASES and op.random}
-    if fraction == 0:
-        return set(), {"stage": "inputs_only"}
-    default = net.cut(intensive | random)
-    sizes = graph.size_bytes_of
-    max_bytes = sum(sizes[t] for t in default)
-    if fraction == 1 or max_bytes == 0:
-        return default, {"stage": "default", "default_saved_bytes": max_bytes}
-    aggressive = net.cut(intensive)
-    if sum(sizes[t] for t in aggressive) / max_bytes < fraction:
-        return aggressive, {"stage": "aggressive", "default_saved_bytes": max_bytes}
-    needed = _needed_by_backward(graph)
-    items = sorted((op for op in intensive if op in needed),
-                   key=lambda op: -sum(sizes[t] for t in graph.op_by_name[op].outputs if not graph.tensors[t].base))
-    memory = [sum(sizes[t] for t in graph.op_by_name[op].outputs if not graph.tensors[t].base) / max_bytes
-              for op in items]
-    runtime = [max(graph.op_by_name[op].flops, 1.0) for op in items]
-    kept = {items[i] for i in dp_knapsack(memory, runtime, fraction)}
-    saved = net.cut((intensive - set(items)) | kept)
-    return saved, {"stage": "knapsack", "default_saved_bytes": max_bytes, "knapsack_saved_ops": len(kept)}
+    return TorchPartitioner(graph).saved(fraction)
 
 
 def _needed_by_backward(graph: Graph) -> set[str]:
@@ -200,36 +239,32 @@ class TorchBudget:
             raise ConfigError("planner.options.fraction", fraction, "must be 'fit' or a number in [0, 1]")
         self.fraction = fraction
 
-    def _probe(self, graph: Graph, hardware: Hardware, budget_bytes: int | None, fraction: float):
-        saved, facts = torch_budget_saved(graph, fraction)
-        notes = {"fraction": fraction, **facts,
-                 "kept_candidates": sum(1 for t in graph.candidate_tensors if t.name in saved)}
-        return scheduled_peak(graph, decisions_for(graph, saved), planner=self.name, budget_bytes=budget_bytes,
-                              hardware=hardware, notes=notes)
-
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
+        partitioner = TorchPartitioner(graph)
+        built: dict[frozenset[str], tuple[Plan, int]] = {}
+
+        def probe(fraction: float) -> tuple[Plan, int]:
+            saved, facts = partitioner.saved(fraction)
+            key = frozenset(saved)
+            if key not in built:  # many fractions give one partition: built once
+                notes = {"fraction": fraction, **facts,
+                         "kept_candidates": sum(1 for t in graph.candidate_tensors if t.name in saved)}
+                built[key] = scheduled_peak(graph, decisions_for(graph, saved), planner=self.name,
+                                            budget_bytes=budget_bytes, hardware=hardware, notes=notes)
+            return built[key]
+
         if self.fraction != "fit":
-            plan, peak = self._probe(graph, hardware, budget_bytes, float(self.fraction))
+            plan, peak = probe(float(self.fraction))
             if budget_bytes is not None and peak > budget_bytes:
                 raise over_budget(self.name, budget_bytes, peak, f"torch's partition at budget {self.fraction}")
             return plan
-        cache: dict[int, tuple[Plan, int]] = {}
-
-        def probe(k: int) -> tuple[Plan, int]:
-            if k not in cache:
-                cache[k] = self._probe(graph, hardware, budget_bytes, k / 100)
-            return cache[k]
-
-        if budget_bytes is None or probe(100)[1] <= budget_bytes:
-            return probe(100)[0]
-        if probe(0)[1] > budget_bytes:
-            raise over_budget(self.name, budget_bytes, probe(0)[1], "torch's partition at budget 0 (inputs only)")
-        lo, hi = 0, 100  # probe(lo) fits, probe(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if probe(mid)[1] <= budget_bytes else (lo, mid)
-        plan, peak = probe(lo)
-        if peak > budget_bytes:  # unreachable: lo always fits
-            raise InfeasibleBudgetError(f"{self.name}: no fraction fits", min_feasible_bytes=peak)
-        return plan
+        # The largest fraction that fits, scanned down from 1 in steps of 0.01 (the peak is not monotone
+        # in the fraction: a small one saves little but regenerates long chains in backward at once).
+        lowest: int | None = None
+        for k in range(FIT_STEPS, -1, -1):
+            plan, peak = probe(k / FIT_STEPS)
+            if budget_bytes is None or peak <= budget_bytes:
+                return plan
+            lowest = peak if lowest is None else min(lowest, peak)
+        raise over_budget(self.name, budget_bytes, lowest, "torch's partition at every budget 0, 0.01, .., 1")
