@@ -282,7 +282,8 @@ def _prefetches(
     unread = [t for t in swapped if t not in first_bwd]
     if unread:
         raise ConfigError(f"decisions[{unread[0]!r}]", "swap",
-                          "a swapped checkpoint candidate must be read by a recompute step; no step reads it after the forward pass")
+                          "a swapped checkpoint candidate must be read by a recompute step; "
+                          "no step reads it after the forward pass")
     order = sorted(swapped, key=lambda t: first_bwd[t])
     if policy == "alap":
         issue = _alap_issue(graph, steps, hardware, order, first_bwd, lead_s)

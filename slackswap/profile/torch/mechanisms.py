@@ -77,7 +77,8 @@ def sac_policy(save_ops: frozenset[str]) -> Callable:
     from torch.utils.checkpoint import CheckpointPolicy
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op.overloadpacket.__name__ in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+        saved = op.overloadpacket.__name__ in save_ops
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
