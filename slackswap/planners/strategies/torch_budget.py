@@ -257,14 +257,12 @@ class TorchBudget:
         if self.fraction != "fit":
             plan, peak = probe(float(self.fraction))
             if budget_bytes is not None and peak > budget_bytes:
-                raise over_budget(self.name, budget_bytes, peak, f"torch's partition at budget {self.fraction}")
+                raise over_budget(self.name, budget_bytes, f"torch's partition at budget {self.fraction}")
             return plan
         # The largest fraction that fits, scanned down from 1 in steps of 0.01 (the peak is not monotone
         # in the fraction: a small one saves little but regenerates long chains in backward at once).
-        lowest: int | None = None
         for k in range(FIT_STEPS, -1, -1):
             plan, peak = probe(k / FIT_STEPS)
             if budget_bytes is None or peak <= budget_bytes:
                 return plan
-            lowest = peak if lowest is None else min(lowest, peak)
-        raise over_budget(self.name, budget_bytes, lowest, "torch's partition at every budget 0, 0.01, .., 1")
+        raise over_budget(self.name, budget_bytes, "torch's partition at every budget 0, 0.01, .., 1")
