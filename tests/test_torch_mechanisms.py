@@ -14,18 +14,16 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
 
-if os.environ.get("SLACKSWAP_REQUIRE_TORCH"):
-    import torch
-else:
-    torch = pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from slackswap.graph import Graph  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
