@@ -5,7 +5,8 @@ leave a document pointing at nothing.
 Scanned: docs/*.md and README.md (CHANGELOG.md is history and may name what no longer exists), and
 the docstrings of every Python file of the repository. In Markdown, a name written as a sibling of
 the name before it on the same line (a backticked module path, a comma, then a backticked `.name`)
-is resolved beside that module. File names (`slackswap.log`) are not names.
+is resolved beside that module. File names (`slackswap.log`) and schema ids (`slackswap.advice/1`) are
+not names.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from tests.extras import torch_required
 
 ROOT = Path(__file__).resolve().parents[1]
-NAME = re.compile(r"(?<![\w./-])((?:slackswap|pipelines)(?:\.[A-Za-z_]\w*)+)")
+#: A name followed by "/" is a schema id (`slackswap.advice/1`), not a name.
+NAME = re.compile(r"(?<![\w./-])((?:slackswap|pipelines)(?:\.[A-Za-z_]\w*)+)(?![\w/])")
 SIBLING = re.compile(r"`((?:slackswap|pipelines)(?:\.\w+)+)`((?:, `\.\w+`)+)")
 FILE_SUFFIXES = {"log", "py", "json", "md", "yaml", "csv", "png", "db", "txt", "html"}
 SKIP_DIRS = {".venv", "outputs", "multirun", "mlruns", ".git", "node_modules"}
