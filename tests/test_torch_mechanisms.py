@@ -167,3 +167,31 @@ def test_plans_that_keep_checkpoint_candidates_run_bit_exact(kind: str) -> None:
         assert kept, planner
         loss, grads, report = run_step(c.workload, plan, c.graph)
         assert bit_equal(c.reference, loss, grads), planner
+
+
+def _preset_graph(name: str) -> Graph:
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    hf = yaml.safe_load((conf / f"{name}.yaml").read_text())
+    data = {**yaml.safe_load((conf / f"{hf.pop('defaults')[0]}.yaml").read_text()), **hf}
+    data.pop("source", None)
+    spec = TorchSpec.from_dict(data.pop("torch"))
+    return build_torch_graph(ModelConfig.from_dict(data), spec, HW)
+
+
+@pytest.mark.slow
+def test_full_recompute_on_hf_llama7b_at_half_keeps_one_residual_stream_tensor_per_layer() -> None:
+    """HF Llama's layer input (the residual stream) is not saved by autograd: its RMSNorm saves a
+    float32 copy. full_recompute keeps it as a checkpoint candidate, the input of every layer once."""
+    from slackswap.simulate.metrics import simulate_ideal
+
+    graph = _preset_graph("hf_llama7b")
+    budget = simulate_ideal(graph, HW).peak_activation_bytes // 2
+    plan = get_planner("full_recompute").plan(graph, HW, budget)  # feasible: no InfeasibleBudgetError
+    ops = graph.op_by_name
+    fed = Counter()
+    for t in plan.decisions:
+        if t in graph.candidate_names:
+            layers = {ops[c].layer for c in graph.tensors[t].consumers} - {ops[graph.tensors[t].producer].layer, -1}
+            assert len(layers) == 1, t
+            fed[layers.pop()] += 1
+    assert fed == Counter(range(graph.num_layers))

@@ -46,12 +46,13 @@ def full_recompute_decisions(graph: Graph) -> dict[str, Decision]:
 def boundary_candidates(graph: Graph, checkpoints: frozenset[str] | set[str]) -> dict[str, Decision]:
     """Keep the checkpoints autograd does not save (`Graph.candidate_tensors`): a traced pre-norm
     model's residual stream is read by the next layer's norm, which saves only its float32 copy, so
-    without these the layer's recompute chain runs back to the embedding. Only those a recompute
-    chain could otherwise cross: produced in the stack, or read by a stack op."""
+    without these the layer's recompute chain runs back to the embedding. Only the inputs of a layer
+    (read by a stack op of another layer than their producer's), as torch.utils.checkpoint keeps its
+    arguments: the last layer's output, read only outside the stack, is no layer's input."""
     ops = graph.op_by_name
     return {t.name: Decision.KEEP for t in graph.candidate_tensors
-            if t.name in checkpoints and (ops[t.producer].layer != NO_LAYER
-                                          or any(ops[c].layer != NO_LAYER for c in t.consumers))}
+            if t.name in checkpoints and any(ops[c].layer not in (NO_LAYER, ops[t.producer].layer)
+                                             for c in t.consumers)}
 
 
 def segment_length(num_layers: int) -> int:
