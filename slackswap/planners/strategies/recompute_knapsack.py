@@ -1,15 +1,18 @@
-"""`recompute_knapsack`: PyTorch's activation-memory-budget partitioner as an exact 0/1 knapsack.
+"""`recompute_knapsack`: an exact 0/1 recompute knapsack after the idea of PyTorch's
+activation-memory-budget partitioner (not torch's algorithm: `torch_budget` is that, with its budget
+fraction, min cut and FLOP prices).
 
 torch._functorch.partitioners (`activation_memory_budget`) picks which activations to recompute by
 solving a 0/1 knapsack: recompute runtime against memory saved (with a dp, greedy or ILP solver).
-Here: minimise the summed recompute time of the chosen tensors subject to the bytes they free
-covering the excess of the keep-all peak over the budget, solved exactly (identical items are
-grouped, then an integer program with HiGHS at zero gap; `solve_knapsack`). Each tensor is priced by
-its standalone regeneration chain (an upper bound on its true marginal cost), as PyTorch prices
-nodes independently. Layer boundaries are never recomputed (see `analysis`). If the schedule of the
-optimal set still peaks above the budget (bytes freed at the end of forward are not all the story:
-recompute in backward allocates again), the excess is added to the requirement and the knapsack
-re-solved, up to `max_rounds` times. Never swaps.
+Here, over saved tensors priced by time and a byte budget instead: minimise the summed recompute
+time of the chosen tensors subject to the bytes they free covering the excess of the keep-all peak
+over the budget, solved exactly (identical items are grouped, then an integer program with HiGHS at
+zero gap; `solve_knapsack`). Each tensor is priced by its standalone regeneration chain (an upper
+bound on its true marginal cost), as PyTorch prices nodes independently. Layer boundaries are never
+recomputed (see `analysis`). If the schedule of the optimal set still peaks above the budget (bytes
+freed at the end of forward are not all the story: recompute in backward allocates again), the
+excess is added to the requirement and the knapsack re-solved, up to `max_rounds` times. Never
+swaps.
 """
 
 from __future__ import annotations
