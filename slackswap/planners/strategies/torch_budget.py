@@ -29,8 +29,6 @@ against PyTorch").
 from __future__ import annotations
 
 import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_flow
 
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph, OpClass
@@ -94,6 +92,10 @@ class _ForwardNetwork:
 
     def cut(self, banned: set[str]) -> set[str]:
         """The tensors the minimum cut saves when the ops in `banned` may not be recomputed."""
+        # scipy's sparse graphs only here: a run of another planner does not import scipy's solvers.
+        from scipy.sparse import csr_matrix
+        from scipy.sparse.csgraph import maximum_flow
+
         rows, cols, caps = (list(x) for x in self.fixed)
         for t in self.tensors:
             i = self.index[t]
