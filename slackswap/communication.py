@@ -9,7 +9,7 @@ Two models, each stated where it is used:
        all-gather, reduce-scatter:  t = (n - 1) alpha + S (n - 1) / n / B
        all-reduce:                  t = 2 (n - 1) alpha + 2 S (n - 1) / n / B
 
-   B is the *bus bandwidth* (NVIDIA nccl-tests, doc/PERFORMANCE.md: busbw = algbw x (n - 1) / n for
+   B is the *bus bandwidth* (NVIDIA/nccl-tests/doc/PERFORMANCE.md: busbw = algbw x (n - 1) / n for
    all-gather and reduce-scatter, x 2 (n - 1) / n for all-reduce, "a number that should be
    comparable to the hardware peak bandwidth, independently of the number of ranks"). So the
    achievable busbw nccl-tests reports for a fabric is the B to use. A ring that leaves a node runs
@@ -93,7 +93,7 @@ def all_gather_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
 
 def reduce_scatter_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
     """Ring reduce-scatter of a buffer of `size_bytes` (each rank keeps size / ranks, reduced)."""
-    return all_gather_s(size_bytes, ranks, fabric)  # same steps and bytes (nccl-tests PERFORMANCE.md)
+    return all_gather_s(size_bytes, ranks, fabric)  # same steps and bytes (NVIDIA/nccl-tests/doc/PERFORMANCE.md)
 
 
 def all_reduce_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
