@@ -173,7 +173,8 @@ def _run_compiled(w, graph, plan, train: dict, run_dir: Path, figures: dict[str,
     def progress(r) -> None:
         print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms", flush=True)
 
-    records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress, executor="compile")
+    records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress, executor="compile",
+                          export=check.export, backend=check.backend)  # compiled once, in the check
     timed = [r.step_s for r in records[1:]] or [records[0].step_s]
     figures.update(measured_step_s=statistics.median(timed), losses=[r.loss for r in records],
                    step_times_s=[r.step_s for r in records])

@@ -25,6 +25,7 @@ from slackswap.planners.registry import get_planner
 from slackswap.planners.strategies import recompute_knapsack, swap_only
 from slackswap.planners.support import analysis, greedy, swap_recompute
 from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.candidates import keep_chain_candidates
 from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.profile import build_graph
@@ -188,7 +189,7 @@ def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):
                    "knapsack_recompute_s": sum(costs[i] for i in chosen)},
         )
         if peak <= budget_bytes:
-            return plan
+            return keep_chain_candidates(graph, hw, budget_bytes, plan)  # the planner's last step
         need += peak - budget_bytes
     reason = f"after {max_rounds} rounds the plan still peaks at {peak}"
     return _recompute_every_candidate(graph, hw, budget_bytes, profile, candidates, reason)
