@@ -428,11 +428,14 @@ PLANNER_STYLES: dict[str, PlannerStyle] = {
     "memo": PlannerStyle("#bcbd22", "h"),
     "keep_all": PlannerStyle("#17becf", "*"),
     "slackswap_seed": PlannerStyle("#9edae5", "p", ":"),
+    "torch_sac": PlannerStyle("#393b79", "d"),
+    "torch_sac_no_core": PlannerStyle("#6b6ecf", "H", ":"),
+    "torch_budget": PlannerStyle("#637939", "8"),
 }
 #: Planners without a fixed style (a user's, or a qualified `preset[name]` label not in the table):
 #: colours and markers no fixed style uses, by sorted position.
-_EXTRA_COLORS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39")
-_EXTRA_MARKERS = ("d", "H", "8", "1", "2", "3", "4", "+")
+_EXTRA_COLORS = ("#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39", "#ad494a", "#3182bd")
+_EXTRA_MARKERS = ("1", "2", "3", "4", "+", "|", "_", ".")
 
 
 def planner_styles(planners: Sequence[str]) -> dict[str, PlannerStyle]:
