@@ -62,6 +62,9 @@ class Inputs:
     #: The server (conf/node) and what sharing it left each GPU (`slackswap.sharing.SharedLink`).
     node: Node | None = None
     shared_link: Any = None
+    #: The GPU alone (its preset link), kept when the node changed the link: the run also plans and
+    #: simulates it there, so the table shows what sharing cost (`alone_throughput_ratio`).
+    alone_hardware: Hardware | None = None
 
 
 ALLOCATORS = ("none", "caching")
@@ -100,7 +103,8 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
     from slackswap.sharing import shared_hardware
 
     node = Node.from_dict(resolved["node"])
-    hardware, shared = shared_hardware(Hardware.from_dict(resolved["hardware"]), node)
+    alone = Hardware.from_dict(resolved["hardware"])
+    hardware, shared = shared_hardware(alone, node)
     inputs = Inputs(
         model=model_config,
         hardware=hardware,
@@ -115,6 +119,7 @@ def validate_inputs(resolved: Mapping[str, Any], multirun: bool = False) -> Inpu
         torch_spec=spec_from_options(model_config, options) if source == "torch" else None,
         node=node,
         shared_link=shared,
+        alone_hardware=None if hardware == alone else alone,
     )
     inputs.hardware.peak_for(inputs.model.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
     inputs.training.check_model_dtype(inputs.model.dtype)
@@ -267,6 +272,8 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
 
     simulation = compute_metrics(result, ideal, plan_wall_s=plan_wall_s, sim_wall_s=sim_wall_s)
     metrics = run_metrics(inputs, base, capacity, simulation, fitted)
+    if inputs.alone_hardware is not None:
+        metrics["alone_throughput_ratio"] = _alone_throughput(inputs, planner, graph, ideal, budget_bytes)
     t0 = time.perf_counter()
     _write_json(run_dir / "metrics.json", metrics)
     write_trace_json(result, run_dir / "trace.json")
@@ -292,6 +299,23 @@ def execute(inputs: Inputs, resolved: Mapping[str, Any], run_dir: Path, timings:
     if result.feasible:
         return Outcome(RunStatus.OK, "", metrics, timings, facts)
     return Outcome(RunStatus.INFEASIBLE, f"simulator: {result.infeasible_reason}", metrics, timings, facts)
+
+
+def _alone_throughput(inputs: Inputs, planner: Any, graph: Any, ideal: Any, budget_bytes: int) -> float | None:
+    """Throughput retained by the same planner and budget with the GPU alone on its link (None if
+    infeasible there): the reference that shows what the node's sharing cost this planner."""
+    from slackswap.simulate.fit import plan_and_simulate
+    from slackswap.simulate.metrics import compute_metrics
+
+    try:
+        alone = plan_and_simulate(
+            planner, graph, inputs.alone_hardware, budget_bytes, allocator=inputs.allocator == "caching",
+            plan_against=inputs.plan_against, margin_fraction=inputs.plan_margin_fraction,
+        )
+    except InfeasibleBudgetError:
+        return None
+    metrics = compute_metrics(alone.result, ideal, plan_wall_s=alone.plan_wall_s, sim_wall_s=alone.sim_wall_s)
+    return metrics["throughput_ratio"] if alone.result.feasible else None
 
 
 #: The bytes of profile.csv and graph.json per baseline key: every job of a workload writes the same
@@ -366,9 +390,12 @@ def _node_metrics(inputs: Inputs, simulation: Mapping[str, Any]) -> dict[str, An
         return {}
     swapped = simulation.get("d2h_bytes")
     return inputs.shared_link.metrics() | {
+        "node": inputs.node.name,
         "gpus_per_node": inputs.node.gpus_per_node,
         "pinned_host_bytes": inputs.node.pinned_host_bytes,
         "pinned_needed_bytes": None if swapped is None else swapped * inputs.node.gpus_per_node,
+        # set by `execute` once the plan is also simulated with the GPU alone (a node that shares)
+        "alone_throughput_ratio": None,
     }
 
 
