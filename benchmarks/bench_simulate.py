@@ -36,7 +36,7 @@ from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
 from slackswap.schedule.build import build_schedule  # noqa: E402
-from slackswap.schedule.validate import _resolve_copies  # noqa: E402
+from slackswap.schedule.copies import resolve_copies  # noqa: E402
 from slackswap.simulate import simulate  # noqa: E402
 from slackswap.simulate.engine import _execute  # noqa: E402
 from tests.simpy_model import simpy_model  # noqa: E402
@@ -85,9 +85,9 @@ def prepare(layers: int, hw: Hardware) -> dict:
         },
         "fns": {
             "simulate": lambda: simulate(graph, plan, hw, budget),
-            "engine": lambda: _execute(graph, plan, hw, budget, _resolve_copies(graph, plan, offload_of)),
+            "engine": lambda: _execute(graph, plan, hw, budget, resolve_copies(graph, plan, offload_of)),
             "engine_events": lambda: tuple(
-                _execute(graph, plan, hw, budget, _resolve_copies(graph, plan, offload_of)).events
+                _execute(graph, plan, hw, budget, resolve_copies(graph, plan, offload_of)).events
             ),
             "simpy": lambda: simpy_model(graph, plan, hw, budget),
         },

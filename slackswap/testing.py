@@ -113,7 +113,8 @@ def toy_hardware(
 
 
 def random_graph(
-    rng: random.Random, max_layers: int = 4, max_size_bytes: int = 1000, real_program: bool = False
+    rng: random.Random, max_layers: int = 4, max_size_bytes: int = 1000, real_program: bool = False,
+    in_place: bool = False,
 ) -> Graph:
     """A layered forward chain with side tensors, a loss, and a mirrored backward pass.
 
@@ -122,6 +123,9 @@ def random_graph(
     the incoming gradient and a random non-empty subset of forward op i's inputs and outputs.
     With `real_program`, an op with a side tensor is sometimes random (dropout-like), and a layer's
     main output is sometimes a view of its input (it aliases the previous main output's storage).
+    With `in_place` as well, a layer's op sometimes overwrites its input in place (a ReLU_-like op:
+    its main output is the new version of the previous main output, whose old version nobody reads
+    afterwards).
     """
     n = rng.randint(1, max_layers)
     specs: list[OpSpec] = []
@@ -139,6 +143,7 @@ def random_graph(
     prev = "x"
     fwd_io: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
     produced = ["x"]
+    overwritten: set[str] = set()
     for i in range(n):
         ins = [prev]
         if len(produced) > 1 and rng.random() < 0.3:
@@ -153,7 +158,14 @@ def random_graph(
         is_random = real_program and len(outs) > 1 and rng.random() < 0.5
         if real_program and rng.random() < 0.3:
             bases[outs[0]] = prev
-        specs.append(OpSpec(f"f{i}", Phase.FORWARD, tuple(ins), tuple(outs), dur(), i, random=is_random))
+        writes: tuple[str, ...] = ()
+        if real_program and in_place and not is_random and rng.random() < 0.3:
+            bases[outs[0]] = prev
+            writes = (prev,)
+            overwritten.add(prev)
+            produced.remove(prev)
+        specs.append(OpSpec(f"f{i}", Phase.FORWARD, tuple(ins), tuple(outs), dur(), i, random=is_random,
+                            writes=writes))
         fwd_io.append((tuple(ins), tuple(outs)))
         produced.extend(outs)
         prev = outs[0]
@@ -162,8 +174,8 @@ def random_graph(
     grad = "loss"
     for i in reversed(range(n)):
         ins, outs = fwd_io[i]
-        candidates = list(dict.fromkeys(ins + outs))
-        picked = [t for t in candidates if rng.random() < 0.6] or [rng.choice(candidates)]
+        candidates = [t for t in dict.fromkeys(ins + outs) if t not in overwritten]
+        picked = [t for t in candidates if rng.random() < 0.6] or ([rng.choice(candidates)] if candidates else [])
         out = f"g{i}"
         sizes[out] = size()
         specs.append(bwd(f"b{i}", (grad, *[t for t in picked if t != grad]), (out,), dur(), layer=i))
@@ -262,11 +274,15 @@ def schedule_from_decisions(
 
 
 def random_decisions(graph: Graph, rng: random.Random) -> dict[str, Decision]:
-    """Keep, swap or recompute for each saved tensor. Only forward-produced tensors can be recomputed."""
+    """Keep, swap or recompute for each saved tensor. Only forward-produced tensors can be recomputed,
+    and not those whose producer reads a tensor some op overwrites in place (the recompute would read
+    the overwritten version)."""
     out = {}
+    written = {w for op in graph.ops for w in op.writes}
     for t in graph.saved_tensors:
         choices = [Decision.KEEP, Decision.SWAP]
-        if graph.op_by_name[t.producer].phase in FORWARD_PHASES:
+        producer = graph.op_by_name[t.producer]
+        if producer.phase in FORWARD_PHASES and not written.intersection(producer.inputs):
             choices.append(Decision.RECOMPUTE)
         out[t.name] = rng.choice(choices)
     return out

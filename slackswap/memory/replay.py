@@ -4,10 +4,13 @@ The simulator grants memory byte-exactly against the budget (docs/simulation.md,
 does not: every tensor is a block of PyTorch's caching allocator (`slackswap.memory.caching_allocator`),
 rounded and placed in segments that fragment. The allocator never delays a kernel: it serves a
 request at once or raises out-of-memory. So it changes no time of the simulated step, and this is a
-pass over the step's own record, the same copies (`resolve_schedule`) and the same event times:
+pass over the step's own record, the same copies and the same free rule (`resolve_schedule`, whose
+facts `slackswap.schedule.copies` computes once for every executor) and the same event times:
 
 - a copy is allocated when its producer starts (a compute step, or a prefetch);
-- it is freed when its producer, its last reader and its offload (if any) have all finished;
+- it is freed when its producer, the step of its `last_use` (its last reader, or the last reader of
+  a view still holding its storage, or the step the model's code holds it to) and every offload it
+  waits for (its own and its aliases') have all finished;
 - at one instant frees come before allocations (as in the engine), allocations in the engine's grant
   order (step j: (j, 0); prefetch k issued after step i: (i, 1, k)), a step's outputs in output
   order. A copy allocated and freed at the same instant (zero-duration op) is freed after it is
@@ -105,14 +108,15 @@ def memory_ops(graph: Graph, plan: Plan, result: SimResult) -> list[MemoryOp]:
             key = (plan.prefetches[copy.source_index].issue_after_step, 1, copy.source_index)
         else:
             span = step_span.get(copy.source_index)
-            key = (copy.source_index, 0, s.step_writes[copy.source_index].index(c))
+            key = (copy.source_index, 0, c - s.write_starts[copy.source_index])
         if span is None:
             continue  # never allocated (the step deadlocked before it)
         start, end = span
         keyed.append(((start, _ALLOC, key, c), MemoryOp(start, True, c, copy.tensor, copy.size_bytes)))
-        ends = [end] + [step_span[r][1] if r in step_span else None for r in copy.readers]
-        if copy.offload is not None:
-            ends.append(off_end.get(copy.offload))
+        ends = [end]
+        if copy.last_use >= 0:
+            ends.append(step_span[copy.last_use][1] if copy.last_use in step_span else None)
+        ends.extend(off_end.get(k) for k in copy.wait_offloads)
         if any(t is None for t in ends):
             continue  # still live when the run ended
         free_t = max(ends)

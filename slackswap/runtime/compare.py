@@ -51,22 +51,25 @@ def plan_live_copies(graph: Graph, plan: Plan) -> dict[int, frozenset[int]]:
     """Per plan step j, the saved-tensor copies the plan has on the device while step j runs.
 
     A copy lives from its production (run / recompute step, or the step after its prefetch is
-    issued) to its release: its last reader, or for an offloaded run copy the later of that and the
-    offload's issue. That is the simulator's rule with a link that takes no time.
+    issued) to its release: its resolved last use (`Copy.last_use`: its last reader, or the last
+    reader of a view holding its storage), or for an offloaded copy the later of that and the issue
+    of every offload it waits for. That is the simulator's rule with a link that takes no time.
+    Copies of what is not a graph tensor (the RNG state a recomputed dropout stashes) are not saved
+    tensors and are left out.
     """
     from slackswap.schedule.validate import resolve_schedule
 
     schedule = resolve_schedule(graph, plan)
+    tensors = graph.tensors
     live: dict[int, set[int]] = {j: set() for j in range(len(plan.steps))}
     for c, copy in enumerate(schedule.copies):
-        if not graph.tensors[copy.tensor].saved:
+        tensor = tensors.get(copy.tensor)
+        if tensor is None or not tensor.saved:
             continue
-        start = copy.source_index
+        start = end = copy.source_index
         if copy.source == "prefetch":
-            start = plan.prefetches[copy.source_index].issue_after_step + 1
-        end = max([copy.source_index if copy.source != "prefetch" else start, *copy.readers])
-        if copy.offload is not None:
-            end = max(end, plan.offloads[copy.offload].issue_after_step)
+            start = end = plan.prefetches[copy.source_index].issue_after_step + 1
+        end = max([end, copy.last_use, *(plan.offloads[k].issue_after_step for k in copy.wait_offloads)])
         for j in range(start, end + 1):
             live[j].add(c)
     return {j: frozenset(cs) for j, cs in live.items()}

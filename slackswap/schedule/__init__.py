@@ -1,6 +1,8 @@
 """Plan semantics in one place: what a plan means, shared by every part that executes or times one.
 
-- `validate`: checks a plan and resolves which device copy of a tensor each step reads;
+- `copies`: the copy resolver: which device copy of a tensor each step reads, and when each copy
+  dies (the facts every executor's free rule reads);
+- `validate`: the rules a plan must satisfy, checked around the resolver (`resolve_schedule`);
 - `transfer`: the one copy-time formula and the in-order copy-engine queue;
 - `memory`: the free rule (when a copy gives its bytes back);
 - `build`: decisions (keep / swap / recompute per saved tensor) -> the explicit schedule, and the
@@ -12,9 +14,10 @@ from here; none of them re-implements one. docs/simulation.md states the semanti
 """
 
 from slackswap.schedule.build import PREFETCH_POLICIES, build_schedule, check_decisions, keep_all_plan
+from slackswap.schedule.copies import Copy, ResolvedSchedule
 from slackswap.schedule.replay import PlanTimeline, estimate_plan
 from slackswap.schedule.transfer import CopyQueue, d2h_s, h2d_s, transfer_s
-from slackswap.schedule.validate import Copy, ResolvedSchedule, resolve_schedule, validate_plan
+from slackswap.schedule.validate import resolve_schedule, validate_plan
 
 __all__ = [
     "PREFETCH_POLICIES",

@@ -7,15 +7,13 @@ copy that shares its storage (a view of it, the new version an in-place op wrote
 A copy nobody reads is freed when its producer finishes. At one instant, frees happen before
 allocations.
 
-The simulator applies the rule event by event (`is_freeable`); the replay computes the instant
-directly (`free_time_s`). Both live here so they cannot disagree.
+Which step and which offloads a copy waits for is resolved once per plan
+(`slackswap.schedule.copies`: `copy_last_use`, `copy_wait_offloads`); the simulator's engine applies
+the rule event by event from those facts, the replays compute the instant from them
+(`free_time_s`).
 """
 
 from __future__ import annotations
-
-
-def is_freeable(produced: bool, readers_left: int, offload_pending: bool, aliases_left: int = 0) -> bool:
-    return produced and readers_left == 0 and not offload_pending and aliases_left == 0
 
 
 def free_time_s(
@@ -24,7 +22,7 @@ def free_time_s(
     offload_end_s: float | None,
     aliases_freed_s: float | None = None,
 ) -> float:
-    """The instant `is_freeable` first holds, given when each of its conditions is met (None: never
+    """The instant the free rule first holds, given when each of its conditions is met (None: never
     constrains: no reader, no offload, no alias).
 
     The latest of the given instants, compared as `max` compares (a later value replaces the one

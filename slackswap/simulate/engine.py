@@ -46,8 +46,9 @@ from slackswap.errors import ConfigError, SlackSwapError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
+from slackswap.schedule.copies import ResolvedSchedule
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
-from slackswap.schedule.validate import ResolvedSchedule, resolve_schedule
+from slackswap.schedule.validate import resolve_schedule
 from slackswap.simulate.result import EventLog, Infeasibility, SimResult
 
 _D2H_END, _H2D_END = 1, 2
@@ -92,38 +93,16 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     n_copies = len(copy_size)
     step_alloc = s.step_alloc_bytes
     last_use = s.copy_last_use
-    # When step j ends, the copies it reads whose last use it is (found from `last_use` as it ends),
-    # then the copies an alias it read kept alive (last use j, not read by j), then its outputs nobody
-    # reads are released (freed, or marked to be freed by their offloads), in that order. The last
-    # two kinds are rare: they are listed per step here.
-    released_after: list[tuple[int, ...]] = [()] * n_steps
-    if graph.has_aliases:
-        for c, j in enumerate(last_use):
-            if j >= 0 and c not in read_copies[read_starts[j]:read_starts[j + 1]]:
-                released_after[j] += (c,)
-    copy_source = s.copy_source
-    copy_step = s.copy_source_index
-    c = -1
-    try:
-        while True:
-            c = last_use.index(-1, c + 1)  # scans in C; copies nobody reads are few
-            if copy_source[c] != "prefetch":  # a prefetched copy nobody reads is freed when it lands
-                released_after[copy_step[c]] += (c,)
-    except ValueError:
-        pass
-    # Per offload: the copies waiting for it before they can be freed (the copy it moves, and the copies
-    # that copy holds, transitively), in copy order; and per copy the number of offloads still awaited.
-    copy_holds = s.copy_holds
+    # When step j ends, the compute stream releases the copies it reads whose last use it is (found
+    # from `last_use` as it ends), then `released_after[j]` (copies it does not read whose last use it
+    # is, and its outputs nobody reads): each is freed, or marked to be freed by its offloads. Per
+    # offload, the copies waiting for it (`offload_waiters`); per copy, the offloads still awaited.
+    released_after = s.released_after
+    offload_waiters = s.offload_waiters
     offloads_left = [0] * n_copies
-    offload_waiters: list[list[int]] = []
-    for c in s.offload_copy:
-        waiting = []
-        while c is not None:
-            waiting.append(c)
+    for waiting in offload_waiters:
+        for c in waiting:
             offloads_left[c] += 1
-            c = copy_holds[c]
-        waiting.reverse()
-        offload_waiters.append(waiting)
     # The reads of prefetched copies (the only inputs that can be late), in step order, with a sentinel
     # step: the next step's are at `next_late` onwards, if any.
     late_steps = s.prefetched_read_steps + (n_steps,)
