@@ -119,7 +119,7 @@ def summary_markdown(node: Mapping[str, Any], result: identify.Search, hits: Seq
     if scale:
         lines += ["", "Time-scale check at the best setting (every speed knob times a factor): largest change "
                   + ", ".join(f"x{f:g}: {d:.2f} pp" for f, d in scale.items())
-                  + " (small: the figures fix ratios, not absolute speeds)."]
+                  + " (near 0: the figures fix ratios, not absolute speeds)."]
     return "\n".join(lines) + "\n"
 
 
