@@ -241,8 +241,7 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
 def _node_section(frame: pd.DataFrame) -> str:
     """On a node whose GPUs share the host link: each planner's figure there against the same planner
     and budget with the GPU alone, and the link rate each GPU really got. Empty when nothing is shared."""
-    shared = frame[frame["alone_throughput_ratio"].notna() | (frame["status"] != RunStatus.OK)]
-    shared = shared[pd.to_numeric(shared["gpus_per_node"], errors="coerce") > 1]
+    shared = frame[pd.to_numeric(frame["gpus_per_node"], errors="coerce") > 1]
     if shared.empty:
         return ""
     workloads = sorted({(r.model, r.hardware) for r in shared.itertuples()}, key=str)

@@ -357,3 +357,21 @@ def test_a_rerun_keeps_a_finished_record_and_sets_aside_one_it_cannot_read(tmp_p
     assert _keep_or_set_aside_earlier(JobContext(sweep / "1", True, sweep, {}), "model: tiny\n") is None
     assert not (sweep / "1" / RECORD_FILE).exists()
     assert json.loads((sweep / SUPERSEDED_DIR / "1-1" / RECORD_FILE).read_text())["extra"] == 1
+
+
+def test_paper_table_on_a_shared_node_shows_every_planner_against_the_gpu_alone() -> None:
+    records = [
+        _record("0", "bert_large", "slackswap", 0.5, "ok", 0.90),
+        _record("1", "bert_large", "capuchin", 0.5, "ok", 0.85),
+    ]
+    for rec, alone in ((records[0], 0.93), (records[1], 0.88)):
+        rec.metrics.update({"node": "dgx_a100", "gpus_per_node": 8, "effective_h2d_gbps": 5.5,
+                            "effective_d2h_gbps": 12.5, "h2d_limit": "switch_uplink", "alone_throughput_ratio": alone})
+    md = aggregate.paper_table(aggregate.records_to_frame(records), {"paper_reference": {"bert_large": 0.963}})
+    assert "On the node" in md and "H2D 5.50 GB/s" in md and "D2H 12.50 GB/s" in md
+    row = next(line for line in md.split("On the node")[1].splitlines() if line.startswith("| capuchin"))
+    assert "85.0% (alone 88.0%, -3.0 pp)" in row
+    for rec in records:  # one GPU alone: no node section
+        rec.metrics["gpus_per_node"] = 1
+    assert "On the node" not in aggregate.paper_table(aggregate.records_to_frame(records),
+                                                      {"paper_reference": {"bert_large": 0.963}})
