@@ -124,18 +124,15 @@ class Point:
 def evaluate(problem: Problem, setting: Setting, planner: str | None = None) -> Point:
     """Plan and simulate every workload under `setting` at the problem's budget share."""
     from slackswap.planners.registry import get_planner
-    from slackswap.profile import build_graph
     from slackswap.simulate.fit import plan_and_simulate
-    from slackswap.simulate.metrics import simulate_ideal
 
     hardware = setting.hardware(problem.hardware)
     name = planner or problem.planner
     options = problem.planner_options if planner is None else {}
     retained: dict[str, float | None] = {}
     steps: dict[str, float | None] = {}
-    for key, model in problem.workloads.items():
-        graph = build_graph(setting.model(model), hardware, problem.training)
-        ideal = simulate_ideal(graph, hardware)
+    for key in problem.workloads:
+        graph, ideal = _graph_and_ideal(problem, key, setting)
         budget = int(ideal.peak_activation_bytes * problem.budget_fraction)
         try:
             fitted = plan_and_simulate(get_planner(name, **options), graph, hardware, budget)
@@ -146,6 +143,29 @@ def evaluate(problem: Problem, setting: Setting, planner: str | None = None) -> 
         retained[key] = ideal.step_s / fitted.result.step_s if ok else None
         steps[key] = fitted.result.step_s if ok else None
     return Point(setting, retained, steps)
+
+
+#: (workload, setting without its link) -> (graph, ideal). Op times do not depend on the link and the
+#: keep-all ideal makes no copies, so settings that differ only in link bandwidth (the innermost knob
+#: of a grid) share both; a few entries are kept, per process.
+_GRAPHS: dict[tuple, tuple] = {}
+_GRAPHS_KEPT = 8
+
+
+def _graph_and_ideal(problem: Problem, key: str, setting: Setting) -> tuple:
+    from slackswap.profile import build_graph
+    from slackswap.simulate.metrics import simulate_ideal
+
+    hardware = setting.hardware(problem.hardware)
+    model = setting.model(problem.workloads[key])
+    # everything the graph and the ideal depend on: the model, the recipe, the hardware but its link
+    cache_key = (model, problem.training, repr(replace(hardware, link=problem.hardware.link)))
+    if cache_key not in _GRAPHS:
+        graph = build_graph(model, hardware, problem.training)
+        if len(_GRAPHS) >= _GRAPHS_KEPT:
+            _GRAPHS.pop(next(iter(_GRAPHS)))
+        _GRAPHS[cache_key] = (graph, simulate_ideal(graph, hardware))
+    return _GRAPHS[cache_key]
 
 
 def bound_gaps(problem: Problem, point: Point, bound_planner: str = "milp",
@@ -213,7 +233,8 @@ def evaluate_grid(problem: Problem, settings: Sequence[Setting], workers: int = 
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
                              initargs=(problem,)) as pool:
-        return list(pool.map(_evaluate_one, settings, chunksize=2))
+        # chunks of consecutive settings: a worker gets the link values of one graph together
+        return list(pool.map(_evaluate_one, settings, chunksize=4))
 
 
 @dataclass(frozen=True)

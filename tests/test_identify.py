@@ -164,3 +164,13 @@ def test_seed_identify_bad_knob_exits_2_before_any_run(tmp_path, mlflow_store, m
     with pytest.raises(ConfigError, match="identify.link_gbps"):
         _run_cli(monkeypatch, args)
     assert mlflow_store.client().get_experiment_by_name("test") is None
+
+
+def test_settings_that_differ_in_link_only_share_a_graph_and_give_what_a_fresh_build_gives() -> None:
+    problem = _problem()
+    identify._GRAPHS.clear()
+    identify.evaluate(problem, replace(SETTING, link_gbps=12.5))
+    reused = identify.evaluate(problem, SETTING)
+    assert len(identify._GRAPHS) == len(problem.workloads)  # the second setting built nothing
+    identify._GRAPHS.clear()
+    assert identify.evaluate(problem, SETTING) == reused
