@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from slackswap.hardware import Hardware  # noqa: E402
-from slackswap.memory.replay import allocator_report, memory_ops  # noqa: E402
+from slackswap.memory.allocator_replay import allocator_report, memory_ops  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402

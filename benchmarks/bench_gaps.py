@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
-from slackswap.planners.keep_all import keep_all_plan  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
+from slackswap.schedule.build import keep_all_plan  # noqa: E402
 from slackswap.simulate import simulate  # noqa: E402
 
 CONF = ROOT / "conf"

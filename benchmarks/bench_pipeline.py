@@ -79,7 +79,7 @@ def run_single(tmp: Path, label: str, overrides: list[str] = ()) -> dict:
 
 
 def job_costs(tmp: Path) -> dict:
-    """Issue 12's figures: a single run on an existing database, budget_curves' wall time, and the
+    """The job-cost figures of record: a single run on an existing database, budget_curves' wall time, and the
     marginal cost of a sweep job = (budget_curves - the same experiment narrowed to one job) / (jobs - 1),
     in wall and in CPU seconds (CPU: what the run itself costs, whatever else loads the machine)."""
     run_single(tmp, "create_store")  # the database exists from here on

@@ -4,10 +4,10 @@ Run: `python benchmarks/bench_planners.py [--quick]` (pins itself to one core). 
 (the third not with --quick) and writes benchmarks/results/planners.json:
 
 1. planning CPU time of every planner but milp on the Llama-2-70B shape at 8..320 layers, 50 % of
-   the keep-all peak, and the scaling exponent of each (`scaling`: issue 12 asks k <= 1.15, and
+   the keep-all peak, and the scaling exponent of each (`scaling`: the target is k <= 1.15, and
    slackswap under 0.5 s at 320 layers; `verdict` says which are met), then the budget-dependent
    planners at 30 / 70 % (`other_budgets`) and every planner on the traced Llama-2-70B graph at
-   8..80 (8..320 without --quick) layers (`traced_scaling`), the range the issue sets;
+   8..80 (8..320 without --quick) layers (`traced_scaling`), the range the target is set on;
 2. the seed's setting (a100_80gb_pcie4, 50 % budget, bert_large / gpt2_xl / llama7b): simulated
    throughput ratio of every planner, slackswap against the paper's 96.3 / 97.6 / 99.6;
 3. the smallest feasible budget fraction of every planner on every preset (bisection to 0.005,
@@ -64,7 +64,7 @@ def scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     resolution of the keep-all schedule, 20 times), so a change of load hits all alike. On a loaded
     machine even the reference grows faster than linearly (a larger working set misses the shared
     caches more); `k_excess` = k - k_reference + 1 is a planner's exponent with that machine effect
-    taken out, and is what the issue's k <= 1.15 is checked against when the reference is above 1.05.
+    taken out, and is what the target k <= 1.15 is checked against when the reference is above 1.05.
     """
     from slackswap.planners.registry import available_planners
 
@@ -80,7 +80,7 @@ def scaling(hw: Hardware, layers: tuple[int, ...], repeats: int) -> dict:
     return out
 
 
-#: Issue 12's targets (docs/planners.md, "Planning cost").
+#: The planning-cost targets (docs/planners.md, "Planning cost").
 K_TARGET = 1.15
 SLACKSWAP_320_TARGET_S = 0.5
 
@@ -121,7 +121,7 @@ def fit_and_print(
 
 
 def verdict(rows: dict, k_ref: float, layers: tuple[int, ...], analytic: bool = True) -> dict:
-    """Print and return the issue's checks: k <= 1.15 per planner (raw, and with the machine's own
+    """Print and return the target checks: k <= 1.15 per planner (raw, and with the machine's own
     growth taken out when the linear reference grows faster than 1.05), and on the analytic shape
     slackswap < 0.5 s at 320 layers (the traced graph's target is at 80 layers: bench_traced_80.py)."""
     use_excess = k_ref > 1.05

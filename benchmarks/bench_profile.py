@@ -1,4 +1,4 @@
-"""How long building + timing the op graph takes, as the stack grows (issue 3: < 1 s for 80 layers of
+"""How long building + timing the op graph takes, as the stack grows (target: < 1 s for 80 layers of
 a Llama-2-70B shape on one core).
 
 Run: `python benchmarks/bench_profile.py` (single process, single thread). Prints a table and writes

@@ -1,4 +1,4 @@
-"""Tracing a real model's step (issue 8: an 80-layer Llama-2-70B shape at s=4096 in < 60 s on one core),
+"""Tracing a real model's step (target: an 80-layer Llama-2-70B shape at s=4096 in < 60 s on one core),
 and planning and simulating the traced graph.
 
 Run: `python benchmarks/bench_torch_profile.py [--layers 8,80]` (one process, torch on one thread;

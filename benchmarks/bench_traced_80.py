@@ -3,7 +3,7 @@ source (`conf/model/hf_llama2_70b.yaml`, about 110 ops per layer), every planner
 
     python benchmarks/bench_traced_80.py [--quick]   # pins itself to one CPU; needs the torch extra
 
-Issue 12 asks that slackswap plans this graph in under 5 s on one core. The exponents over traced
+The target: slackswap plans this graph in under 5 s on one core. The exponents over traced
 depths are in bench_planners.py; this is the one point at the real depth. Tracing (about 5 s on the
 CPU, meta tensors) is timed but not part of a planner's figure. Writes benchmarks/results/traced_80.json.
 """

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, conf  # noqa: E402
 from slackswap.graph import Phase  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
-from slackswap.memory.training import TrainingConfig  # noqa: E402
+from slackswap.memory.recipe import TrainingConfig  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
 from slackswap.simulate.metrics import simulate_ideal  # noqa: E402

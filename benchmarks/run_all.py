@@ -1,4 +1,4 @@
-"""Every benchmark in one command, and the figures of issue 12 in one table.
+"""Every benchmark in one command, and the figures of record in one table.
 
     python benchmarks/run_all.py --quick   # simulate, planners (scaling + seed table), pipeline job costs
     python benchmarks/run_all.py           # every bench_*.py, the pipeline A/Bs included
@@ -6,7 +6,7 @@
 Each benchmark runs in its own process (the engine and planner benchmarks pin themselves to one
 core; the pipeline benchmark must keep both) and writes its JSON to benchmarks/results/. This script
 then writes benchmarks/results/summary.json and summary.md: each figure beside the figure measured
-before the speed work (docs/performance.md, "Before") and its target, with the machine load.
+before the speed work (CHANGELOG.md, "speed") and its target, with the machine load.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import RESULTS, machine  # noqa: E402
 
-QUICK = ("bench_simulate.py", "bench_planners.py", "bench_traced_80.py", "bench_pipeline.py")
+QUICK = ("bench_simulate.py", "bench_planners.py", "bench_traced_80.py", "bench_pipeline.py", "runtime_overhead.py")
 #: Every benchmark of the directory, the quick three first.
 FULL = (*QUICK, *sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py") if p.name not in QUICK))
 
-#: Figures measured on the code before the speed work (docs/performance.md, "Before").
+#: Figures measured on the code before the speed work (CHANGELOG.md, "speed").
 BEFORE = {
     "slackswap_k": 1.42,
     "swap_only_k": 1.37,
     "slackswap_80_s": 0.25,
     "slackswap_320_s": 1.86,
-    "slackswap_traced_80_s": 63.0,  # measured before the chain fix of the previous session (docs/performance.md)
+    "slackswap_traced_80_s": 63.0,  # measured before the chain fix (CHANGELOG.md)
     "engine_ratio": 1.3,
     "engine_us_per_op": 17.0,
     "marginal_job_s": 0.65,
@@ -103,6 +103,15 @@ def figures() -> list[tuple[str, str, str, str]]:
     single = jc["single_run"]
     rows.append(("single run on an existing database, wall s (CPU s)",
                  f"{single['wall_s']:.2f} ({single['cpu_s']:.2f})", f"{BEFORE['single_run_s']}", "<= 2.5"))
+    overhead_file = RESULTS / "runtime_overhead.json"
+    if overhead_file.exists():
+        ro = json.loads(overhead_file.read_text())
+        for variant, target in (("runtime_keep_all", "<= 1.15"), ("runtime_slackswap", "<= 1.3"),
+                                ("export_compiled", "-")):
+            by_depth = {r["layers"]: r["ratio_to_eager"] for r in ro if r["variant"] == variant}
+            rows.append((f"{variant}: CPU time per step / eager, "
+                         f"{'/'.join(str(k) for k in sorted(by_depth))} layers",
+                         " / ".join(f"{by_depth[k]:.2f}" for k in sorted(by_depth)), "-", target))
     return rows
 
 

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_torch_profile import load_preset  # noqa: E402
-from pipelines.stages import analytic_twin  # noqa: E402
+from slackswap.experiment.baseline import analytic_twin  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
 from slackswap.profile.report import layer_profile  # noqa: E402

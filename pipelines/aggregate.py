@@ -40,6 +40,9 @@ METRIC_COLUMNS = (
     "peak_reserved_bytes",
     "fragmentation_share",
     "fits_reserved",
+    "tokens_per_s",
+    "mfu",
+    "fits_device",
     # the node (conf/node): what each GPU's host link really gave, and the same plan with the GPU alone
     "node",
     "gpus_per_node",
@@ -133,7 +136,17 @@ def _fmt(value: Any, kind: str) -> str:
         return f"{value:.4f}"
     if kind == "int":
         return f"{int(value)}"
+    if kind == "rate":
+        return f"{value:,.0f}"
     return str(value)
+
+
+def _fmt_fit(value: Any) -> str:
+    """The device verdict: "yes", "**NO**" (a run that meets its budget but not the device stands
+    out), "-" where there is no plan to judge."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return "yes" if bool(value) else "**NO**"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -145,7 +158,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def summary_markdown(frame: pd.DataFrame) -> str:
     header = [
         "model", "hardware", "budget", "planner", "status", "throughput", "gap to bound", "step s",
-        "peak GiB", "budget GiB", "swapped", "recomputed", "stall s", "reason",
+        "peak GiB", "budget GiB", "swapped", "recomputed", "stall s", "tokens/s", "MFU", "fits device", "reason",
     ]  # fmt: skip
     rows = [
         [
@@ -162,12 +175,18 @@ def summary_markdown(frame: pd.DataFrame) -> str:
             _fmt(r.swapped_tensors, "int"),
             _fmt(r.recomputed_tensors, "int"),
             _fmt(r.stall_s, "s"),
+            _fmt(r.tokens_per_s, "rate"),
+            _fmt(r.mfu, "pct"),
+            _fmt_fit(r.fits_device),
             str(r.failure_reason or ""),
         ]  # fmt: skip
         for r in frame.itertuples()
     ]
     counts = Counter(frame["status"])
     head = f"# Sweep summary\n\n{len(frame)} jobs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    over = int(((frame["status"] == RunStatus.OK) & (frame["fits_device"] == False)).sum())  # noqa: E712
+    if over:
+        head += f"; {over} of the ok runs DO NOT FIT THE DEVICE (peak + static + reserve over its memory)"
     return head + "\n\n" + markdown_table(header, rows)
 
 

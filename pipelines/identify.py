@@ -1,6 +1,6 @@
 """`python -m pipelines.run +experiment=seed_identify`: the shared-assumption grid as one tracked run.
 
-Thin wiring around `slackswap.identify`: validate every value first (a bad knob fails naming it, exit 2,
+Thin wiring around `slackswap.experiment.identify`: validate every value first (a bad knob fails naming it, exit 2,
 before anything is recorded), evaluate the grid in-process, write identify_grid.csv,
 identify_summary.md and identify.json into the run directory, and log one MLflow run (params: the
 knob ranges; metrics: settings evaluated, matches, best error; artifacts: the three files).
@@ -21,13 +21,11 @@ from omegaconf import DictConfig
 
 from pipelines import faults, tracking
 from pipelines.records import RunStatus
-from slackswap import identify
 from slackswap.errors import ConfigError
-from slackswap.hardware import Hardware
-from slackswap.memory.training import TrainingConfig
+from slackswap.experiment import identify
+from slackswap.experiment.spec import hardware_from_config
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
-from slackswap.node import Node
-from slackswap.sharing import shared_hardware
 
 FILES = ("identify_summary.md", "identify_grid.csv", "identify.json")
 
@@ -42,7 +40,7 @@ def problem_from(resolved: Mapping[str, Any]) -> identify.Problem:
         if model.pop("torch", None) is not None:
             raise ConfigError(f"identify.models.{key}.torch", "...", "the grid runs on analytic graphs only")
         workloads[key] = ModelConfig.from_dict(model)
-    hardware, _ = shared_hardware(Hardware.from_dict(resolved["hardware"]), Node.from_dict(resolved["node"]))
+    hardware, _, _ = hardware_from_config(resolved)
     return identify.Problem(
         workloads=workloads,
         reference=dict(node["reference"]),

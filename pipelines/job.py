@@ -1,7 +1,8 @@
 """One Hydra job: resolve and validate the config, run the stages, record the outcome everywhere.
 
 Outcomes, and where each is recorded (run_record.json in the run dir, MLflow run, stdout):
-- `ok`: the plan fits the budget.
+- `ok`: the plan fits the budget. Whether the step also fits the device is a separate verdict
+  (`fits_device`), shown beside the status whenever it is false (docs/pipeline.md, "Device fit").
 - `infeasible`: the planner raised `InfeasibleBudgetError` or the simulator found the plan does not
   fit; the reason names tensor/op/bytes. The job returns normally: an infeasible budget is a result.
 - `failed`: any other exception. In a multirun it is recorded and the job returns, so the rest of the
@@ -26,10 +27,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import faults, presentation, progress, stages, tracking
-from pipelines.presentation import gib
+from pipelines import faults, plots, presentation, progress, tracking
+from pipelines.console import format_summary
 from pipelines.records import FINISHED_STATUSES, RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
+from slackswap.experiment import RunSpec, run_one, write_run_files
 
 PARENT_FILE = "mlflow_parent.json"
 RESOLVED_CONFIG_FILE = "config.resolved.yaml"
@@ -118,7 +120,8 @@ def run_job(cfg: DictConfig) -> RunRecord:
                 print(progress.job_line(ctx, earlier, reused=True))
                 return earlier
         (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(resolved_text)
-        inputs = stages.validate_inputs(resolved, ctx.multirun)
+        draw_timeline = plots.plot_level(resolved, ctx.multirun) == "all"
+        spec = RunSpec.from_dict(resolved)
     except ConfigError as exc:
         config_error = exc
         resolved = resolved or _unresolved(cfg)
@@ -167,14 +170,7 @@ def run_job(cfg: DictConfig) -> RunRecord:
                 record = replace(record, status=RunStatus.FAILED, failure_reason=f"MLflow: {type(exc).__name__}: {exc}")
         if record.status is None:  # no config error, no tracking error: run the stages
             try:
-                outcome = stages.execute(inputs, resolved, ctx.run_dir, timings)
-                record = replace(
-                    record,
-                    status=outcome.status,
-                    failure_reason=outcome.failure_reason,
-                    metrics=outcome.metrics,
-                    facts=outcome.facts,
-                )
+                record = replace(record, **run_stages(spec, ctx.run_dir, draw_timeline, timings))
             except Exception as exc:  # recorded below; re-raised for a single run
                 error = exc
                 record = replace(record, status=RunStatus.FAILED, failure_reason=f"{type(exc).__name__}: {exc}")
@@ -202,6 +198,22 @@ def run_job(cfg: DictConfig) -> RunRecord:
     if error is not None and not ctx.multirun:
         raise error
     return record
+
+
+def run_stages(spec: RunSpec, run_dir: Path, draw_timeline: bool, timings: dict[str, float]) -> dict[str, Any]:
+    """Run the spec (`slackswap.experiment.run_one`), write its run directory (docs/contract.md) and
+    its timeline; the record fields of the outcome."""
+    outcome = run_one(spec, timings)
+    write_run_files(spec, outcome, run_dir, timings)
+    if draw_timeline:
+        plots.draw_timeline(spec, outcome, run_dir, timings)
+    facts = {"swapped": list(outcome.swapped), "recomputed": list(outcome.recomputed)} if outcome.plan else {}
+    return {
+        "status": RunStatus(outcome.verdict),
+        "failure_reason": outcome.reason,
+        "metrics": dict(outcome.metrics),
+        "facts": facts,
+    }
 
 
 def _start_run(ctx: JobContext, record: RunRecord, track: Mapping[str, Any], parent, artifact_root):
@@ -270,6 +282,9 @@ def _log_outcome(
 
 def _outcome_tags(record: RunRecord, resolved: Mapping[str, Any]) -> dict[str, str]:
     tags = {"status": str(record.status), tracking.NOTE_TAG: presentation.child_description(record, resolved)}
+    fits = (record.metrics or {}).get("fits_device")
+    if fits is not None:  # searchable in the run list: tags.fits_device = 'false'
+        tags["fits_device"] = str(bool(fits)).lower()
     if record.failure_reason:
         tags["reason"] = _clip(record.failure_reason)
     return tags
@@ -323,80 +338,3 @@ def _clip(text: str) -> str:
     if len(text) <= MAX_TAG_CHARS:
         return text
     return text[:MAX_TAG_CHARS] + f" ... [truncated; full text in {RECORD_FILE}]"
-
-
-def format_one_line(record: RunRecord) -> str:
-    m = record.metrics
-    ratio = m.get("throughput_ratio")
-    shown = f"{ratio:.1%}" if isinstance(ratio, (int, float)) else "n/a"
-    tail = f"  ({record.failure_reason})" if record.failure_reason else ""
-    return f"[{record.status:>10}] {record.run_name}: throughput retained {shown}{tail}"
-
-
-def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
-    m = record.metrics
-    facts = record.facts
-    ratio = m.get("throughput_ratio")
-    lines = [
-        f"model        {record.model} ({resolved['model']['name']})",
-        f"hardware     {record.hardware} ({resolved['hardware']['name']}, "
-        f"link {resolved['hardware']['link']['name']})",
-        f"budget       {gib(m.get('budget_bytes'))} "
-        f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}"
-        f"{', device' if resolved['budget'].get('device') else ''}) "
-        f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
-        f"planner      {record.planner} ({record.planner_name})",
-    ]
-    if m.get("effective_h2d_gbps") is not None:
-        node = resolved["node"]
-        lines.append(
-            f"node         {node['name']}: {node['gpus_per_node']} GPU(s), {node['gpus_per_pcie_switch']} per "
-            f"switch; each GPU gets H2D {m['effective_h2d_gbps']:.2f} GB/s ({m['h2d_limit']}), "
-            f"D2H {m['effective_d2h_gbps']:.2f} GB/s ({m['d2h_limit']})"
-        )
-    if m.get("analytic_keep_all_peak_bytes") is not None:
-        # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
-        torch_node = resolved["model"].get("torch") or resolved["profile"].get("options") or {}
-        lines.append(
-            f"profile      traced {torch_node.get('builder', resolved['model']['family'])} "
-            f"({torch_node.get('attention', 'default')} attention, "
-            f"{torch_node.get('semantics', 'default')} kernels): "
-            f"real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
-            f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
-    lines += [
-        f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else ""),
-    ]
-    if ratio is not None:
-        lines += [
-            f"throughput   {ratio:.2%} of ideal",
-            f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
-            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}"
-            + (
-                f"; caching allocator reserves {gib(m['peak_reserved_bytes'])} "
-                f"({'fits' if m.get('fits_reserved') else 'over budget'}, "
-                f"{m['fragmentation_share']:.1%} fragmentation)"
-                if m.get("peak_reserved_bytes") is not None
-                else ""
-            ),
-            f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
-            f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
-            f"recomputed   {m.get('recomputed_tensors')} tensors, "
-            f"{m.get('recompute_s', float('nan')):.4f} s extra compute",
-        ]
-        for key in ("swapped", "recomputed"):
-            names = facts.get(key) or ()
-            if names:
-                shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
-                lines.append(f"  {key}: {shown}")
-    if m.get("static_bytes") is not None:
-        training = resolved.get("training") or {}
-        lines.append(
-            f"device       static {gib(m['static_bytes'])} per GPU ({training.get('optimizer')} "
-            f"{training.get('precision')}, ZeRO-{training.get('zero_stage')} x {training.get('zero_shards')}), "
-            f"reserve {gib(m.get('reserve_bytes'))}, headroom {gib(m.get('headroom_bytes'))} "
-            f"of {gib(m.get('device_memory_bytes'))}"
-        )
-    lines.append(f"run dir      {record.run_dir}")
-    if record.mlflow_run_id:
-        lines.append(f"mlflow run   {record.mlflow_run_id} ({resolved['tracking']['uri']})")
-    return "\n".join(lines)

@@ -163,9 +163,16 @@ def child_description(record: RunRecord, resolved: Mapping[str, Any]) -> str:
     )
     reason = record.failure_reason
     if status == RunStatus.OK:
+        verdict = "**OK**" if m.get("fits_device") is not False else (
+            f"**OK for the budget, but DOES NOT FIT THE DEVICE** (peak + static + reserve "
+            f"{gib(-(m.get('headroom_bytes') or 0))} over {gib(m.get('device_memory_bytes'))}; "
+            "metric `fits_device` = 0)"
+        )
+        rate = m.get("tokens_per_s")
+        speed = "" if rate is None else f", {rate:,.0f} tokens/s, MFU {_pct(m.get('mfu'))}"
         head = (
-            f"**OK**: throughput {_pct(m.get('throughput_ratio'))} of ideal, step {m.get('step_s', math.nan):.4f} s "
-            f"(ideal {m.get('ideal_step_s', math.nan):.4f} s), peak {gib(m.get('peak_activation_bytes'))}; "
+            f"{verdict}: throughput {_pct(m.get('throughput_ratio'))} of ideal, step {m.get('step_s', math.nan):.4f} s "
+            f"(ideal {m.get('ideal_step_s', math.nan):.4f} s){speed}, peak {gib(m.get('peak_activation_bytes'))}; "
             f"{m.get('swapped_tensors')} tensors swapped, {m.get('recomputed_tensors')} recomputed."
         )
     elif status == RunStatus.INFEASIBLE:

@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_root resolver)
 from pipelines import faults
-from pipelines.stages import analytic_twin
 from slackswap.errors import ConfigError
+from slackswap.experiment.baseline import analytic_twin
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 

@@ -16,6 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pipelines.console import format_one_line
+from pipelines.records import RECORD_FILE
+
 PROGRESS_FILE = "sweep_progress.json"
 
 
@@ -27,8 +30,6 @@ def read_progress(sweep_dir: Path) -> dict[str, Any] | None:
 def job_line(ctx: Any, record: Mapping[str, Any], reused: bool = False) -> str:
     """`[i/N 12.3 s] [status] name: throughput retained ...`; i counts the jobs of the sweep that have
     finished (with parallel workers it is the order of completion, not the job number)."""
-    from pipelines.job import RECORD_FILE, format_one_line
-
     line = format_one_line(record) + ("  (kept from an earlier run of this sweep folder)" if reused else "")
     progress = read_progress(ctx.sweep_dir) if ctx.sweep_dir is not None else None
     if progress is None:

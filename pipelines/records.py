@@ -52,7 +52,7 @@ class RunRecord:
     #: None only while the job runs.
     status: RunStatus | None = None
     failure_reason: str = ""
-    #: metrics.json of the run (pipelines.stages.run_metrics builds it).
+    #: metrics.json of the run (slackswap.experiment.run.run_metrics builds it).
     metrics: Mapping[str, Any] = field(default_factory=dict)
     #: Human-readable facts for the printed summary (swapped / recomputed tensors, ...).
     facts: Mapping[str, Any] = field(default_factory=dict)

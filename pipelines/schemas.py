@@ -141,7 +141,7 @@ class BudgetSchema:
 
 @dataclass
 class TrainingSchema:
-    """The training recipe (`slackswap.memory.training.TrainingConfig`): static memory per GPU."""
+    """The training recipe (`slackswap.memory.recipe.TrainingConfig`): static memory per GPU."""
 
     optimizer: str = "adamw"
     precision: str = "mixed"
@@ -192,7 +192,7 @@ class ExperimentSchema:
 
 @dataclass
 class IdentifySchema:
-    """`+experiment=seed_identify` (pipelines/identify.py, slackswap/identify.py): the shared-assumption
+    """`+experiment=seed_identify` (pipelines/identify.py, slackswap/experiment/identify.py): the shared-assumption
     grid. `models` holds the model presets (placed by the experiment's defaults list)."""
 
     models: dict[str, ModelSchema] = field(default_factory=dict)
@@ -239,6 +239,9 @@ class TrainSchema:
     device: str = "cpu"
     seed: int = 0
     lr: float = 1.0e-4
+    #: "eager": slackswap's own runtime (apply); "compile": the plan exported to PyTorch's selective
+    #: checkpointing, each layer torch.compile'd (slackswap.runtime.export).
+    executor: str = "eager"
 
 
 @dataclass

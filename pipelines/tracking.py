@@ -199,7 +199,7 @@ def open_client(uri: str):
     """
     import os
 
-    from pipelines.imports import import_paused
+    from pipelines.heavy_imports import import_paused
 
     MlflowClient = import_paused("mlflow.tracking").MlflowClient  # noqa: N806 (a class)
     db = sqlite_path(uri)

@@ -29,6 +29,7 @@ from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 
 DEVICES = ("cpu", "cuda")
+EXECUTORS = ("eager", "compile")
 
 
 def _validate(resolved: dict[str, Any]):
@@ -41,6 +42,8 @@ def _validate(resolved: dict[str, Any]):
     train = resolved["train"]
     if train["device"] not in DEVICES:
         raise ConfigError("train.device", train["device"], f"unknown device; known: {DEVICES}")
+    if train["executor"] not in EXECUTORS:
+        raise ConfigError("train.executor", train["executor"], f"unknown executor; known: {EXECUTORS}")
     if not isinstance(train["steps"], int) or train["steps"] < 1:
         raise ConfigError("train.steps", train["steps"], "must be an integer >= 1")
     if train["device"] == "cuda":
@@ -57,11 +60,12 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """Everything but MLflow: returns the figures (also written to run_dir/train.json)."""
     from slackswap.planners.registry import get_planner
     from slackswap.runtime import capture_graph, plan_counts
-    from slackswap.runtime.compare import explain_ledger, simulated_saved_peak_bytes
-    from slackswap.runtime.models import build_training_workload
+    from slackswap.runtime.compare import explain_ledger
     from slackswap.runtime.train import gradient_check, train_steps
+    from slackswap.runtime.training_workload import build_training_workload
     from slackswap.simulate import simulate
     from slackswap.simulate.metrics import simulate_ideal
+    from slackswap.simulate.saved_peak import instant_link, simulated_saved_peak_bytes
 
     model, spec, hardware, budget, planner = _validate(resolved)
     train = resolved["train"]
@@ -83,11 +87,18 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         print(f"[train] infeasible: {exc}", flush=True)
         return figures
     sim = simulate(graph, plan, hardware, budget_bytes)
+    # What the measured peak is compared with: the same plan on this device's link. On the CPU a copy
+    # has arrived when it is issued (an instant link), so offloaded copies free earlier than on the
+    # simulated hardware's link; on CUDA the hardware's own link.
+    on_link = simulate(graph, plan, instant_link(hardware) if train["device"] == "cpu" else hardware, None)
     counts = plan_counts(plan)
     figures.update(sim_step_s=sim.step_s, sim_peak_activation_bytes=sim.peak_activation_bytes,
+                   sim_peak_activation_bytes_device_link=on_link.peak_activation_bytes,
                    sim_saved_peak_bytes=simulated_saved_peak_bytes(graph, plan, hardware),
                    sim_saved_peak_bytes_link=simulated_saved_peak_bytes(graph, plan, hardware, instant=False),
                    **{f"plan_{k}": v for k, v in counts.items()})
+    if train["executor"] == "compile":
+        return _run_compiled(w, graph, plan, train, run_dir, figures)
     check = gradient_check(w, graph, plan, seed=train["seed"] + 1)
     why = explain_ledger(graph, plan, check.report.live_by_step)
     figures.update(grad_check_bit_exact=check.bit_exact, grad_check_max_abs_diff=check.max_abs_diff,
@@ -99,8 +110,10 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
           f"(max |diff| {check.max_abs_diff:g})", flush=True)
 
     def progress(r) -> None:
-        print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms "
-              f"peak {r.measured_peak_bytes} B (ledger {r.ledger_peak_bytes} B)", flush=True)
+        peak = (f"peak {r.measured_peak_bytes} B (ledger {r.ledger_peak_bytes} B)" if r.report.verified
+                else "hook-only step (no ledger)")
+        print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms {peak}",
+              flush=True)
 
     records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress)
     last = records[-1].report
@@ -115,10 +128,47 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         counts_equal_plan=(last.recompute_steps, last.offloads, last.prefetches)
         == (counts["recompute_steps"], counts["offloads"], counts["prefetches"]),
     )
+    if train["device"] == "cpu":
+        # The CPU ledger counts the graph's tensors, as the simulator does; on CUDA the measured peak
+        # is max_memory_allocated (weights and optimizer state too) and is not compared byte for byte.
+        figures.update(measured_equals_sim=figures["measured_peak_bytes"] == on_link.peak_activation_bytes,
+                       measured_within_budget=budget_bytes is None or figures["measured_peak_bytes"] <= budget_bytes)
     (run_dir / "train.json").write_text(json.dumps(figures, indent=2))
     print(f"[train] measured step {figures['measured_step_s'] * 1e3:.1f} ms (simulated {sim.step_s * 1e3:.3f} ms "
-          f"on {hardware.name}); peak {figures['measured_peak_bytes']} B, ledger {figures['ledger_peak_bytes']} B "
-          f"vs simulated saved peak {figures['sim_saved_peak_bytes']} B", flush=True)
+          f"on {hardware.name}); measured peak {figures['measured_peak_bytes']} B, simulated peak "
+          f"{on_link.peak_activation_bytes} B on this device's link ({sim.peak_activation_bytes} B on "
+          f"{hardware.name}), budget {budget_bytes} B; saved-tensor ledger {figures['ledger_peak_bytes']} B vs "
+          f"simulated saved peak {figures['sim_saved_peak_bytes']} B", flush=True)
+    if train["device"] == "cpu":
+        print(f"[train] measured peak == simulated peak: {figures['measured_equals_sim']}; within budget: "
+              f"{figures['measured_within_budget']}", flush=True)
+    return figures
+
+
+def _run_compiled(w, graph, plan, train: dict, run_dir: Path, figures: dict[str, Any]) -> dict[str, Any]:
+    """train.executor=compile: the plan as selective checkpointing, each layer torch.compile'd. No
+    ledger (nothing of slackswap runs inside the step); the export's differences from the plan are
+    listed instead, and the gradient check reports the largest difference (compiled kernels and
+    inductor's random numbers are not eager's, so bit equality is not expected)."""
+    from slackswap.runtime.train import compiled_gradient_check, train_steps
+
+    check = compiled_gradient_check(w, graph, plan, seed=train["seed"] + 1)
+    figures.update(grad_check_bit_exact=check.bit_exact, grad_check_max_abs_diff=check.max_abs_diff,
+                   export_differences=len(check.differences),
+                   export_difference_tensors=[d.tensor for d in check.differences])
+    print(f"[train] executor=compile: gradient check max |diff| {check.max_abs_diff:g}; "
+          f"{len(check.differences)} decisions PyTorch executes otherwise", flush=True)
+
+    def progress(r) -> None:
+        print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms", flush=True)
+
+    records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress, executor="compile")
+    timed = [r.step_s for r in records[1:]] or [records[0].step_s]
+    figures.update(measured_step_s=statistics.median(timed), losses=[r.loss for r in records],
+                   step_times_s=[r.step_s for r in records])
+    if w.batch.device.type == "cuda":
+        figures["measured_peak_bytes"] = max(r.measured_peak_bytes for r in records)
+    (run_dir / "train.json").write_text(json.dumps(figures, indent=2))
     return figures
 
 

@@ -44,9 +44,12 @@ class GraphMismatchError(PlanValidationError):
 
 
 class InfeasibleBudgetError(SlackSwapError):
-    """A planner cannot meet the budget. This is a recorded outcome of a run, not a crash."""
+    """A planner cannot meet the budget. This is a recorded outcome of a run, not a crash.
 
-    def __init__(self, reason: str, *, min_feasible_bytes: int | None = None):
+    It carries no floor: the least budget a planner meets is found by the experiment layer
+    (`slackswap.experiment.floor`), by bisection, not guessed from the last candidate tried.
+    """
+
+    def __init__(self, reason: str):
         self.reason = reason
-        self.min_feasible_bytes = min_feasible_bytes
         super().__init__(reason)

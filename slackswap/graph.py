@@ -30,7 +30,14 @@ What real (traced) programs add, with defaults that leave the analytic graphs as
   the op's time again, and every output of the op allocated for the recompute step (the mask is
   regenerated even when only the dropped output is wanted; outputs not materialised are freed when
   the step ends). docs/simulation.md section 4 states it; the simulator and the planners' replay
-  share it through `slackswap.schedule.validate`.
+  share it through `slackswap.schedule.copies`.
+- **the model's own references** (`Tensor.held_until`): eager code keeps a tensor alive while a
+  Python variable of the model refers to it (HF's attention keeps `attn_weights` until the block
+  returns), whatever autograd or a plan does. A run copy of such a tensor is freed no earlier than
+  the end of the run step of `held_until` (and a storage lives while any alias of it is held). The
+  copy resolver folds it into each copy's last use (`slackswap.schedule.copies`), so the simulator,
+  the replays and every planner that checks its plans with them honour it. Analytic graphs have no
+  holds.
 - **layers** (`Op.layer`, `Tensor.layer`): the index of the repeated block (transformer layer) an op
   or tensor belongs to, `NO_LAYER` outside the stack. Layer-based planners (full_recompute,
   swap_only, selective_recompute) read it, and selective_recompute reads `Op.attention_core`; no
@@ -46,11 +53,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 from types import MappingProxyType
+from typing import Generic, TypeVar
 
 
 class Phase(StrEnum):
@@ -97,6 +105,9 @@ class Tensor:
     #: The tensor whose storage this one shares (a view, or the new version an in-place op writes);
     #: "" for a tensor with its own storage. See the module docstring.
     base: str = ""
+    #: The op after which the model's own code (its Python variables) drops its last reference to the
+    #: tensor in eager execution; "" when nothing holds it beyond its readers. See the module docstring.
+    held_until: str = ""
 
 
 @dataclass(frozen=True)
@@ -163,9 +174,25 @@ class Graph:
         return any(t.base for t in self.tensors.values()) or any(op.writes for op in self.ops)
 
     @cached_property
+    def has_holds(self) -> bool:
+        """Whether any tensor is held by the model's code beyond its readers (`Tensor.held_until`)."""
+        return any(t.held_until for t in self.tensors.values())
+
+    @cached_property
     def size_bytes_of(self) -> Mapping[str, int]:
         """Tensor name -> bytes, cached for the same reason as `distinct_inputs`."""
         return MappingProxyType({name: t.size_bytes for name, t in self.tensors.items()})
+
+    @cached_property
+    def op_duration_s(self) -> Mapping[str, float]:
+        """Op name -> `duration_s`: the simulator, the replay and the schedule builder look it up for every
+        step of every plan, one lookup instead of the op record and its attribute."""
+        return MappingProxyType({op.name: op.duration_s for op in self.ops})
+
+    @cached_property
+    def _memos(self) -> dict[GraphMemo, object]:
+        """The values of the `GraphMemo`s computed for this graph, keyed by the memo."""
+        return {}
 
     @cached_property
     def saved_tensors(self) -> tuple[Tensor, ...]:
@@ -181,10 +208,29 @@ class Graph:
         payload = {
             "ops": [[op.name, op.phase.value, op.inputs, op.outputs, op.forward_op, op.random, op.writes]
                     for op in self.ops],
-            "tensors": sorted([t.name, t.size_bytes, t.producer, t.consumers, t.saved, t.base]
+            # A hold changes when a copy can be freed; a graph without holds hashes as before.
+            "tensors": sorted([t.name, t.size_bytes, t.producer, t.consumers, t.saved, t.base,
+                               *([t.held_until] if t.held_until else [])]
                               for t in self.tensors.values()),
         }
         return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()[:16]
+
+    @cached_property
+    def drop_bytes_of(self) -> Mapping[str, int]:
+        """Saved tensor -> the device bytes dropping it (swap or recompute) can give back: its own
+        storage; for an alias, the whole storage it keeps alive when it is the only saved tensor in
+        that storage (CPU dropout's noise: the last in-place version of an `empty_like` storage, whose
+        earlier versions nothing saves), else its own `size_bytes` (one of several saved views).
+        Planners value a tensor by it (`slackswap.planners.support.analysis`); `owned_bytes` would give
+        an alias 0."""
+        saved_in: dict[str, int] = {}
+        roots = {t.name: self.storage_root(t.name) for t in self.saved_tensors}
+        for root in roots.values():
+            saved_in[root] = saved_in.get(root, 0) + 1
+        return MappingProxyType({
+            name: self.tensors[root].size_bytes if saved_in[root] == 1 else self.tensors[name].size_bytes
+            for name, root in roots.items()
+        })
 
     def owned_bytes(self, name: str) -> int:
         """Device bytes a copy of `name` made by a step owns: 0 for an alias (it shares its base's storage)."""
@@ -223,6 +269,33 @@ class Graph:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+T = TypeVar("T")
+
+
+class GraphMemo(Generic[T]):
+    """A table derived from a graph by one function, computed on first use and kept with the graph.
+
+    Declared at module level by the module that owns the table (`_TABLES = GraphMemo(build_tables)`, then
+    `_TABLES(graph)`): the table stays private to that module, and the graph only holds its value, keyed
+    by the memo object, in `Graph._memos`. A Graph is frozen, so a derived table cannot go stale."""
+
+    __slots__ = ("build",)
+
+    def __init__(self, build: Callable[[Graph], T]) -> None:
+        self.build = build
+
+    def __call__(self, graph: Graph) -> T:
+        memos = graph._memos
+        try:
+            return memos[self]  # type: ignore[return-value]
+        except KeyError:
+            value = memos[self] = self.build(graph)
+            return value
+
+    def __repr__(self) -> str:
+        return f"GraphMemo({self.build.__module__}.{self.build.__qualname__})"
 
 
 def check_graph(ops: Iterable[Op], tensors: Mapping[str, Tensor]) -> None:
@@ -287,6 +360,15 @@ def _check_aliases(ops: tuple[Op, ...], tensors: Mapping[str, Tensor], position:
             raise SlackSwapError(
                 f"graph: tensor {name!r} aliases {tensor.base!r}, which its producer {producer.name!r} does not read"
             )
+    for name, tensor in tensors.items():
+        if tensor.held_until:
+            if tensor.held_until not in position:
+                raise SlackSwapError(f"graph: tensor {name!r} is held until unknown op {tensor.held_until!r}")
+            if position[tensor.held_until] < position[tensor.producer]:
+                raise SlackSwapError(
+                    f"graph: tensor {name!r} is held until op {tensor.held_until!r}, before its producer "
+                    f"{tensor.producer!r}"
+                )
     for op in ops:
         for t in op.writes:
             if t not in op.inputs:

@@ -4,7 +4,8 @@ Floats are written with Python's shortest round-trip repr (json does this), so
 `graph_from_dict(graph_to_dict(g)) == g` exactly. A file with another schema name or version is
 rejected on load rather than half-read. Version 2 added the fields real programs need (`Tensor.base`,
 `Op.random`, `Op.writes`, `Op.attention_core`); version 1 files are still read, with those fields at
-their defaults (no aliases, no random or in-place ops), which is what version 1 meant.
+their defaults (no aliases, no random or in-place ops), which is what version 1 meant. Version 3
+added `Tensor.held_until` (the model's own references); older files read with no holds.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from slackswap.errors import ConfigError
 from slackswap.graph import Graph, Op, OpClass, Phase, Tensor
 
 GRAPH_SCHEMA = "slackswap.graph"
-GRAPH_SCHEMA_VERSION = 2
+GRAPH_SCHEMA_VERSION = 3
 
 _V1_OP_FIELDS = ("name", "phase", "op_class", "layer", "inputs", "outputs", "flops", "moved_bytes", "duration_s",
                  "forward_op", "role")
 _V1_TENSOR_FIELDS = ("name", "size_bytes", "producer", "consumers", "layer", "saved", "role")
 _OP_FIELDS = {1: _V1_OP_FIELDS, 2: (*_V1_OP_FIELDS, "random", "writes", "attention_core")}
-_TENSOR_FIELDS = {1: _V1_TENSOR_FIELDS, 2: (*_V1_TENSOR_FIELDS, "base")}
+_TENSOR_FIELDS = {1: _V1_TENSOR_FIELDS, 2: (*_V1_TENSOR_FIELDS, "base"), 3: (*_V1_TENSOR_FIELDS, "base", "held_until")}
+_OP_FIELDS[3] = _OP_FIELDS[2]
 
 
 def graph_to_dict(graph: Graph) -> dict[str, Any]:
@@ -50,6 +52,7 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
             {
                 "name": t.name, "size_bytes": t.size_bytes, "producer": t.producer, "consumers": list(t.consumers),
                 "layer": t.layer, "saved": t.saved, "role": t.role, "base": t.base,
+                "held_until": t.held_until,
             }
             for t in graph.tensors.values()
         ],
@@ -79,7 +82,8 @@ def graph_from_dict(data: Mapping[str, Any]) -> Graph:
     for rec in data["tensors"]:
         _check_keys(f"graph.tensors[{rec.get('name')!r}]", rec, _TENSOR_FIELDS[version])
         tensors[rec["name"]] = Tensor(rec["name"], rec["size_bytes"], rec["producer"], tuple(rec["consumers"]),
-                                      rec["layer"], rec["saved"], rec["role"], base=rec.get("base", ""))
+                                      rec["layer"], rec["saved"], rec["role"], base=rec.get("base", ""),
+                                      held_until=rec.get("held_until", ""))
     return Graph(data["name"], tuple(ops), tensors, data["num_layers"], weight_bytes=data["weight_bytes"],
                  weight_grad_bytes=data["weight_grad_bytes"], optimizer_state_bytes=data["optimizer_state_bytes"],
                  meta=data["meta"])

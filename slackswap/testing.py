@@ -37,11 +37,14 @@ def bwd(name: str, inputs: Sequence[str], outputs: Sequence[str], duration_s: fl
 
 
 def make_graph(
-    specs: Sequence[OpSpec], sizes: Mapping[str, int], name: str = "toy", bases: Mapping[str, str] | None = None
+    specs: Sequence[OpSpec], sizes: Mapping[str, int], name: str = "toy", bases: Mapping[str, str] | None = None,
+    held_until: Mapping[str, str] | None = None,
 ) -> Graph:
     """Build a Graph from ops in execution order; consumers and `saved` (read by a backward op) are derived.
-    `bases` maps an alias tensor to the tensor whose storage it shares."""
+    `bases` maps an alias tensor to the tensor whose storage it shares; `held_until` a tensor to the op
+    after which the model's code drops it (`Tensor.held_until`)."""
     bases = bases or {}
+    held_until = held_until or {}
     producer: dict[str, str] = {}
     consumers: dict[str, list[str]] = {}
     phase_of = {s.name: s.phase for s in specs}
@@ -61,6 +64,7 @@ def make_graph(
             layer=layer_of[t],
             saved=any(phase_of[c] == Phase.BACKWARD for c in consumers.get(t, ())),
             base=bases.get(t, ""),
+            held_until=held_until.get(t, ""),
         )
         for t in producer
     }
@@ -114,7 +118,7 @@ def toy_hardware(
 
 def random_graph(
     rng: random.Random, max_layers: int = 4, max_size_bytes: int = 1000, real_program: bool = False,
-    in_place: bool = False,
+    in_place: bool = False, held: bool = False,
 ) -> Graph:
     """A layered forward chain with side tensors, a loss, and a mirrored backward pass.
 
@@ -125,7 +129,8 @@ def random_graph(
     main output is sometimes a view of its input (it aliases the previous main output's storage).
     With `in_place` as well, a layer's op sometimes overwrites its input in place (a ReLU_-like op:
     its main output is the new version of the previous main output, whose old version nobody reads
-    afterwards).
+    afterwards). With `held`, some forward tensors are held by the model's code (`Tensor.held_until`)
+    until a random later op.
     """
     n = rng.randint(1, max_layers)
     specs: list[OpSpec] = []
@@ -181,7 +186,14 @@ def random_graph(
         specs.append(bwd(f"b{i}", (grad, *[t for t in picked if t != grad]), (out,), dur(), layer=i))
         grad = out
     specs.append(bwd("b_embed", (grad,), (), dur()))
-    return make_graph(specs, sizes, name=f"random{n}", bases=bases)
+    holds: dict[str, str] = {}
+    if held:
+        for i, spec in enumerate(specs):
+            if spec.phase == Phase.FORWARD:
+                for t in spec.outputs:
+                    if rng.random() < 0.3:
+                        holds[t] = specs[rng.randint(i, len(specs) - 1)].name
+    return make_graph(specs, sizes, name=f"random{n}", bases=bases, held_until=holds)
 
 
 def aliasing_graph() -> Graph:

@@ -43,8 +43,7 @@ class MlflowStore:
 
 @pytest.fixture(scope="session")
 def _mlflow_template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("mlflow")
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # a dependency of the package: missing, the tests fail
 
     path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
     MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()  # creates and migrates the schema

@@ -14,7 +14,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.planners.registry import get_planner
 from slackswap.runtime import apply, capture_graph
-from slackswap.runtime.models import Workload, build_training_workload, small_config
+from slackswap.runtime.training_workload import Workload, build_training_workload, small_config
 from slackswap.simulate.metrics import simulate_ideal
 
 ROOT = Path(__file__).resolve().parents[1]

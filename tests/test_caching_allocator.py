@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slackswap.memory.allocator_replay import allocator_report, memory_ops, replay
 from slackswap.memory.caching_allocator import CachingAllocator, OutOfMemory, allocation_size, round_size
-from slackswap.memory.replay import allocator_report, memory_ops, replay
 from slackswap.simulate import simulate
 from slackswap.testing import random_graph, random_valid_plan, toy_hardware
 

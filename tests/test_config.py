@@ -11,11 +11,12 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pipelines import schemas, stages
+from pipelines import schemas
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError
+from slackswap.experiment import RunSpec
 from slackswap.hardware import Hardware, HostLink
-from slackswap.memory.training import TrainingConfig
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.node import Node
 from slackswap.profile.torch.spec import TorchSpec
@@ -61,7 +62,7 @@ def test_every_group_preset_composes_and_validates(group: str, preset: str) -> N
     if cfg.model.dtype == "fp32" and cfg.training.precision != "fp32":  # an fp32 model trains with the fp32 recipe
         cfg = _compose([*overrides, "training=adamw_fp32"])
     resolved = _resolved(cfg)
-    inputs = stages.validate_inputs(resolved)  # ModelConfig / Hardware / Budget checks of the library
+    inputs = RunSpec.from_dict(resolved)  # ModelConfig / Hardware / Budget checks of the library
     assert isinstance(inputs.model, ModelConfig) and isinstance(inputs.hardware, Hardware)
     if group == "tracking" and resolved["tracking"]["enabled"]:
         assert "://" in resolved["tracking"]["uri"]
@@ -73,7 +74,7 @@ IN_PROCESS_EXPERIMENTS = ("seed_identify",)
 
 @pytest.mark.parametrize("preset", [p for p in _presets("experiment") if p not in IN_PROCESS_EXPERIMENTS])
 def test_every_experiment_composes_and_sweeps_existing_presets(preset: str) -> None:
-    stages.validate_inputs(_resolved(_compose([f"+experiment={preset}"])))
+    RunSpec.from_dict(_resolved(_compose([f"+experiment={preset}"])))
     cfg = _compose([f"+experiment={preset}"], hydra_node=True)
     assert cfg.experiment.name == preset
     params = cfg.hydra.sweeper.params or {}
@@ -182,13 +183,13 @@ def test_bad_override_fails_at_compose_time_naming_it(override: str, error: type
 def test_senseless_values_raise_config_error_naming_the_field(overrides: list[str], field: str) -> None:
     resolved = _resolved(_compose(overrides))
     with pytest.raises(ConfigError) as info:
-        stages.validate_inputs(resolved)
+        RunSpec.from_dict(resolved)
     assert info.value.field == field
 
 
 def test_absolute_budget_without_bytes_names_the_budget() -> None:
     with pytest.raises(ConfigError, match="exactly one") as info:
-        stages.validate_inputs(_resolved(_compose(["budget=absolute"])))
+        RunSpec.from_dict(_resolved(_compose(["budget=absolute"])))
     assert info.value.field == "budget"
 
 

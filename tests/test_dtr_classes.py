@@ -9,7 +9,6 @@ the replay files tensors next to large classes)."""
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections import Counter
 from dataclasses import replace
@@ -25,6 +24,7 @@ from slackswap.planners.strategies import dtr
 from slackswap.profile import build_graph
 from slackswap.schedule import estimate_plan, keep_all_plan
 from slackswap.testing import random_graph, toy_hardware
+from tests.extras import require_torch_extra
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 A100 = Hardware.from_dict(yaml.safe_load((CONF / "hardware" / "a100_80gb_pcie4.yaml").read_text()))
@@ -202,9 +202,9 @@ def test_replay_evicts_as_the_scan_does_on_random_graphs_and_presets():
     assert _compare(graphs, (0.1, 0.3, 0.5, 0.7, 0.9), hub_choices) >= 200
 
 
+@pytest.mark.slow
 def test_replay_evicts_as_the_scan_does_on_traced_graphs():
-    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):  # set by .ci/run: CI never skips this test
-        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    require_torch_extra("torch")
     from slackswap.profile.torch import build_torch_graph
     from slackswap.profile.torch.spec import TorchSpec
 

@@ -9,6 +9,9 @@ import pytest
 
 from tests.fingerprints import DATA, compute
 
+#: Computing every fingerprint takes several seconds (the module fixture below).
+pytestmark = pytest.mark.slow
+
 STORED = json.loads(DATA.read_text())
 
 

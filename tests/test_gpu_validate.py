@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+require_torch_extra("torch")
+require_torch_extra("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import gpu_validate  # noqa: E402
 
 
+@pytest.mark.slow
 def test_cpu_path_writes_one_row_per_plan(tmp_path) -> None:
     out = tmp_path / "gv.json"
     rows = gpu_validate.main(["--device", "cpu", "--models", "gpt2", "--steps", "1", "--out", str(out)])
@@ -32,3 +36,17 @@ def test_cpu_path_writes_one_row_per_plan(tmp_path) -> None:
     keep_all = ran[0]
     # Keep-all: the ledger's peak is the simulator's saved-bytes peak to the byte.
     assert keep_all["measured_peak_bytes"] == keep_all["sim_saved_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_cpu_path_also_runs_the_export_compiled(tmp_path) -> None:
+    """--export: the plan also runs exported to PyTorch and compiled, priced by the simulator as
+    PyTorch executes it."""
+    rows = gpu_validate.main(["--device", "cpu", "--models", "tiny", "--steps", "1", "--export", "slackswap",
+                              "--out", str(tmp_path / "gv.json")])
+    exported = [r for r in rows if r["executor"] == "export_compiled"]
+    assert [r["planner"] for r in exported] == ["slackswap"]
+    r = exported[0]
+    assert r["measured_step_s"] > 0 and r["sim_step_s"] > 0 and r["measured_peak_bytes"] is None
+    assert r["grad_max_abs_diff"] < 1.0 and r["export_differences"] >= 0
+    assert "(export, compiled)" in gpu_validate.table(rows)

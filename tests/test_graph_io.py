@@ -69,7 +69,7 @@ def test_a_version_1_file_is_read_with_the_new_fields_at_their_defaults():
         for key in ("random", "writes", "attention_core"):
             del rec[key]
     for rec in data["tensors"]:
-        del rec["base"]
+        del rec["base"], rec["held_until"]
     old = graph_from_dict(data)
     assert [op.name for op in old.ops] == [op.name for op in g.ops]
     assert not any(op.random or op.writes or op.attention_core for op in old.ops)
@@ -85,3 +85,18 @@ def test_new_fields_round_trip_on_a_graph_with_views_in_place_and_random_ops():
 
     g = aliasing_graph()
     assert graph_from_dict(json.loads(json.dumps(graph_to_dict(g)))) == g
+
+
+def test_a_version_2_file_is_read_with_no_holds_and_holds_round_trip():
+    from dataclasses import replace
+
+    g = graph()
+    data = graph_to_dict(g)
+    data["schema_version"] = 2
+    for rec in data["tensors"]:
+        del rec["held_until"]
+    assert graph_from_dict(data) == g and not g.has_holds
+    first = next(iter(g.tensors.values()))
+    held = replace(g, tensors={**g.tensors, first.name: replace(first, held_until=g.ops[-1].name)})
+    assert held.has_holds and held.fingerprint != g.fingerprint
+    assert graph_from_dict(graph_to_dict(held)) == held

@@ -56,7 +56,7 @@ def test_hardware_presets_load_and_time_a_graph(name):
 
 
 SHARED_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "elementwise": 1.0}
-#: A per-GPU efficiency must cite its source in the preset file (issue 10).
+#: A per-GPU efficiency must cite its source in the preset file.
 EFFICIENCY_SOURCES = {("attention", 0.35): "Shah et al. 2024"}
 
 

@@ -1,4 +1,4 @@
-"""The shared-assumption grid (slackswap.identify) and +experiment=seed_identify on toy workloads."""
+"""The shared-assumption grid (slackswap.experiment.identify) and +experiment=seed_identify on toy workloads."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slackswap import identify
 from slackswap.errors import ConfigError
+from slackswap.experiment import identify
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 

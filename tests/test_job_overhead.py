@@ -1,5 +1,5 @@
-"""What a job costs beyond its work (issue 12, "cheap jobs"): each job's config composed once, the
-same configs and files as before. Counts and contents only; the times are in benchmarks/bench_pipeline.py."""
+"""What a job costs beyond its work: each job's config composed once, with the same configs and
+files as composing it for every job. Counts and contents only; the times are in benchmarks/bench_pipeline.py."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ def _job_files(sweep: Path) -> dict[str, Any]:
     return files
 
 
+@pytest.mark.slow
 def test_each_job_config_is_composed_once_and_is_the_same_as_the_basic_sweepers(tmp_path, monkeypatch) -> None:
     calls = _counting_compositions(monkeypatch)
     assert _run_cli(monkeypatch, _sweep_args(tmp_path, "once", "slackswap")) == 0
@@ -227,6 +228,7 @@ def test_exit_process_runs_atexit_flushes_and_keeps_the_code(tmp_path, other_thr
     assert out.returncode == 3 and out.stdout == "unflushed output" and marker.read_text() == "yes", out.stderr
 
 
+@pytest.mark.slow
 def test_the_cli_exit_code_and_output_survive_the_fast_exit(tmp_path) -> None:
     import subprocess
     import sys
@@ -246,7 +248,7 @@ def test_import_paused_imports_once_with_the_collector_paused_then_freezes(tmp_p
     the heap is frozen after a first import only, and a disabled collector stays disabled."""
     import gc
 
-    from pipelines.imports import import_paused
+    from pipelines.heavy_imports import import_paused
 
     (tmp_path / "ss_probe_module.py").write_text("import gc\nCOLLECTOR_ON_DURING_IMPORT = gc.isenabled()\n")
     (tmp_path / "ss_probe_broken.py").write_text("raise ImportError('broken on purpose')\n")

@@ -9,6 +9,7 @@ import yaml
 
 from slackswap.errors import ConfigError
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import (
     DeviceCapacity,
     capacity_reason,
@@ -16,7 +17,6 @@ from slackswap.memory.static import (
     smallest_fitting_shards,
     static_memory,
 )
-from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile import build_graph, parameter_counts
 

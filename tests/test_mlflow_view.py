@@ -104,6 +104,7 @@ def test_descriptions_say_the_outcome_and_what_is_known() -> None:
     assert "(#/experiments/1/runs/abc/artifacts/paper_table.md)" in note
 
 
+@pytest.mark.slow
 def test_artifacts_are_stored_once_and_survive_moving_the_store(tmp_path, mlflow_store) -> None:
     """Log a run's folder, move the whole store elsewhere, and read the artifact back through the
     handlers `mlflow ui --artifacts-destination <store>/mlruns` serves (in a fresh process)."""

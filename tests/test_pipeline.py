@@ -16,6 +16,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from pipelines import tracking
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
+from tests.extras import require_torch_extra
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
 CONTRACT_METRICS = (
@@ -68,6 +69,7 @@ def _no_absolute_paths(params: dict[str, str]) -> None:
     assert not offending, offending
 
 
+@pytest.mark.slow
 def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     assert _run_cli(monkeypatch, [*_common(tmp_path, mlflow_store), "planner=slackswap", "budget.fraction=0.5"]) == 0
     out = capsys.readouterr().out
@@ -106,6 +108,9 @@ def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monk
     }
     assert run.data.metrics["feasible"] == 1.0
     assert run.data.metrics["throughput_ratio"] == pytest.approx(metrics["throughput_ratio"])
+    assert run.data.metrics["fits_device"] == 1.0 and run.data.tags["fits_device"] == "true"
+    assert run.data.metrics["tokens_per_s"] == pytest.approx(metrics["tokens_per_s"]) and metrics["tokens_per_s"] > 0
+    assert run.data.metrics["mfu"] == pytest.approx(metrics["mfu"]) and metrics["mfu"] > 0
     assert run.data.metrics["throughput_pct"] == pytest.approx(100 * metrics["throughput_ratio"])
     assert run.data.metrics["budget_gib"] == pytest.approx(metrics["budget_bytes"] / 2**30)
     assert {*RUN_FILES, RESOLVED_CONFIG_FILE} <= _artifact_files(run, mlflow_store)
@@ -114,6 +119,23 @@ def test_single_run_writes_files_and_one_mlflow_run(tmp_path, mlflow_store, monk
     assert artifact.stat().st_ino == (run_dir / "trace.json").stat().st_ino
     found = client.search_runs([experiment.experiment_id], "params.`model.name` = 'tiny' and tags.status = 'ok'")
     assert [r.info.run_id for r in found] == [run.info.run_id]
+
+
+@pytest.mark.slow
+def test_a_step_over_the_device_is_ok_but_says_so_on_stdout_and_in_mlflow(tmp_path, mlflow_store, monkeypatch, capsys):
+    """README's absolute-budget example: AdamW mixed llama7b on one A100 80 GB meets a 20 GB budget, but
+    its 100.41 GiB of static state does not fit the device; it never reads as a plain success."""
+    args = [*_common(tmp_path, mlflow_store), "model=llama7b", "budget=absolute", "budget.bytes=20000000000",
+            "plots=none"]  # fmt: skip
+    assert _run_cli(monkeypatch, args) == 0
+    out = capsys.readouterr().out
+    status = next(line for line in out.splitlines() if line.startswith("status"))
+    assert status.startswith("status       ok; DOES NOT FIT THE DEVICE") and "tokens/s" in out
+    client = mlflow_store.client()
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    assert run.data.tags["status"] == "ok" and run.data.tags["fits_device"] == "false"
+    assert run.data.metrics["fits_device"] == 0.0 and run.data.metrics["headroom_bytes"] < 0
+    assert "DOES NOT FIT THE DEVICE" in run.data.tags["mlflow.note.content"]
 
 
 def test_senseless_value_fails_before_any_mlflow_run(tmp_path, mlflow_store, monkeypatch) -> None:
@@ -127,6 +149,7 @@ def test_senseless_value_fails_before_any_mlflow_run(tmp_path, mlflow_store, mon
     assert not (tmp_path / "run" / "profile.csv").exists()
 
 
+@pytest.mark.slow
 def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, mlflow_store, monkeypatch, capsys):
     args = [
         "--multirun",
@@ -199,6 +222,7 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
     assert f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning" in out
 
 
+@pytest.mark.slow
 def test_submitit_local_two_job_sweep(tmp_path, mlflow_store, monkeypatch) -> None:
     """Workers are separate processes: the parent run and the experiment must already exist for them."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
@@ -251,10 +275,10 @@ def test_profile_cli_names_a_bad_value_in_one_line_and_exits_2(tmp_path) -> None
     assert not (tmp_path / "profile.csv").exists()
 
 
+@pytest.mark.slow
 def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     """The torch profile source through Hydra and MLflow (TinyGPT: no transformers download, seconds)."""
-    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):  # set by .ci/run: CI never skips it
-        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    require_torch_extra("torch")
     common = [a for a in _common(tmp_path, mlflow_store) if a != "model=tiny"]
     args = [*common, "model=tiny_torch", "planner=slackswap", "budget.fraction=0.5"]
     _run_cli(monkeypatch, args)
@@ -276,8 +300,7 @@ def test_traced_model_runs_end_to_end_and_logs_real_vs_analytic(tmp_path, mlflow
 
 def test_verify_torch_cli_on_the_cpu_path(tmp_path, monkeypatch, capsys) -> None:
     """The GPU check script (pipelines.verify_torch), run on its CPU path: trace = real run, exit 0."""
-    if not os.environ.get("SLACKSWAP_REQUIRE_TORCH"):
-        pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+    require_torch_extra("torch")
     args = ["model=tiny_torch", "+device=cpu", f"hydra.run.dir={tmp_path}/verify", "hydra/job_logging=disabled"]
     _run_cli(monkeypatch, args, module="pipelines.verify_torch")
     assert "EQUAL" in capsys.readouterr().out

@@ -152,7 +152,7 @@ def test_aggregate_sweep_without_plots_writes_tables_only(tmp_path) -> None:
 
 
 def test_plot_level_auto_depends_on_the_mode_and_a_bad_value_is_named() -> None:
-    from pipelines.stages import plot_level
+    from pipelines.plots import plot_level
     from slackswap.errors import ConfigError
 
     assert plot_level({"plots": "auto"}, multirun=False) == "all"
@@ -171,7 +171,7 @@ def test_a_single_run_does_not_import_pandas_or_the_aggregation() -> None:
     from pipelines.schemas import REPO_ROOT
 
     probe = (
-        "import sys, pipelines.run, pipelines.callbacks, pipelines.job, pipelines.stages\n"
+        "import sys, pipelines.run, pipelines.callbacks, pipelines.job, pipelines.plots\n"
         "print(sorted(n for n in ('pandas', 'pipelines.aggregate', 'matplotlib') if n in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
@@ -183,21 +183,75 @@ def test_aggregate_without_records_fails_loudly(tmp_path) -> None:
         aggregate.aggregate_sweep(tmp_path, {})
 
 
-def test_library_imports_neither_hydra_nor_mlflow() -> None:
-    """Every slackswap module, imported in a fresh interpreter, leaves hydra and mlflow unloaded."""
+# The library's parts behind the `torch` extra (pyproject.toml): everything else imports without torch.
+TORCH_PACKAGES = ("slackswap.runtime", "slackswap.profile.torch")
+
+# Prints the sorted names of slackswap's modules, found on disk (walk_packages would import the torch
+# packages' __init__ to look inside them), leaving out TORCH_PACKAGES when argv[1] is "core".
+_LIST_MODULES = (
+    "import pathlib, sys, slackswap\n"
+    "root = pathlib.Path(slackswap.__file__).parent\n"
+    "names = []\n"
+    "for path in sorted(root.rglob('*.py')):\n"
+    "    parts = ('slackswap',) + path.relative_to(root).with_suffix('').parts\n"
+    "    names.append('.'.join(parts[:-1] if parts[-1] == '__init__' else parts))\n"
+    "skip = TORCH_PACKAGES if sys.argv[1] == 'core' else ()\n"
+    "names = [n for n in names if not any(n == p or n.startswith(p + '.') for p in skip)]\n"
+)
+
+
+def _probe(body: str, scope: str, *, block_torch: bool = False) -> str:
     import subprocess
     import sys
 
     from pipelines.schemas import REPO_ROOT
 
-    probe = (
-        "import importlib, pkgutil, sys, slackswap\n"
-        "for m in pkgutil.walk_packages(slackswap.__path__, 'slackswap.'):\n"
-        "    importlib.import_module(m.name)\n"
+    head = "import sys\n"
+    if block_torch:  # an import of torch or transformers raises ImportError, as where they are not installed
+        head += "sys.modules['torch'] = None\nsys.modules['transformers'] = None\n"
+    script = head + f"TORCH_PACKAGES = {TORCH_PACKAGES!r}\n" + _LIST_MODULES + body
+    out = subprocess.run([sys.executable, "-c", script, scope], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_library_imports_neither_hydra_nor_mlflow() -> None:
+    """Every slackswap module, imported in a fresh interpreter, leaves hydra and mlflow unloaded. The
+    modules behind the torch extra are part of it where torch is installed (always in CI)."""
+    import importlib.util
+
+    scope = "all" if importlib.util.find_spec("torch") is not None else "core"
+    body = (
+        "import importlib\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in ('hydra', 'omegaconf', 'mlflow')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _probe(body, scope) == "[]"
+
+
+def test_the_core_imports_without_torch() -> None:
+    """Every slackswap module outside the torch packages imports with torch and transformers absent, and
+    the torch packages are exactly the modules that need them (so TORCH_PACKAGES cannot go stale)."""
+    body = (
+        "import importlib\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "print(len(names))\n"
+    )
+    assert int(_probe(body, "core", block_torch=True)) > 40
+    body = (
+        "import importlib\n"
+        "failed = []\n"
+        "for name in names:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError:\n"
+        "        failed.append(name)\n"
+        "print(sorted({p for p in TORCH_PACKAGES if any(n == p or n.startswith(p + '.') for n in failed)}))\n"
+    )
+    assert _probe(body, "all", block_torch=True) == str(sorted(TORCH_PACKAGES))
 
 
 def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None:
@@ -284,14 +338,17 @@ def _stage_outcome(tmp_path, name: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipelines import schemas, stages
+    from pipelines import schemas
+    from slackswap.experiment import RunSpec, run_one, write_run_files
 
     with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "tracking=off", "plots=none"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     run_dir = tmp_path / name
     run_dir.mkdir()
-    outcome = stages.execute(stages.validate_inputs(resolved), resolved, run_dir, {})
+    spec = RunSpec.from_dict(resolved)
+    outcome = run_one(spec)
+    write_run_files(spec, outcome, run_dir, {})
     assert json.loads((run_dir / "metrics.json").read_text()) == outcome.metrics
     return outcome
 
@@ -302,9 +359,9 @@ def test_metrics_have_one_key_set_for_every_outcome(tmp_path, allocator) -> None
     ok = _stage_outcome(tmp_path, "ok", [*common, "model=tiny", "planner=keep_all", "budget.fraction=1.0"])
     planner = _stage_outcome(tmp_path, "planner", [*common, "model=tiny", "planner=keep_all", "budget.fraction=0.5"])
     device = _stage_outcome(tmp_path, "device", [*common, "model=llama7b", "budget=device"])
-    assert ok.status == RunStatus.OK
-    assert planner.status == RunStatus.INFEASIBLE and planner.failure_reason.startswith("planner:")
-    assert device.status == RunStatus.INFEASIBLE and device.failure_reason.startswith("device memory:")
+    assert ok.verdict == RunStatus.OK
+    assert planner.verdict == RunStatus.INFEASIBLE and planner.reason.startswith("planner:")
+    assert device.verdict == RunStatus.INFEASIBLE and device.reason.startswith("device memory:")
     assert set(ok.metrics) == set(planner.metrics) == set(device.metrics)
     assert ("peak_reserved_bytes" in ok.metrics) == (allocator == "caching")
     # What an outcome did not compute is None, not left out and not made up.
@@ -317,8 +374,9 @@ def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipelines import schemas, stages
+    from pipelines import schemas
     from slackswap.errors import ConfigError
+    from slackswap.experiment import RunSpec
     from slackswap.profile.sources import select_source
 
     def resolved(overrides):
@@ -326,16 +384,16 @@ def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None
             cfg = compose("config", overrides=[*overrides, "tracking=off"])
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 
-    analytic = stages.validate_inputs(resolved(["model=tiny"]))
+    analytic = RunSpec.from_dict(resolved(["model=tiny"]))
     assert (analytic.profile_source, analytic.torch_spec) == ("analytic", None)
     # A traced preset's `torch` node selects the torch source and is its options (no torch import here).
-    traced = stages.validate_inputs(resolved(["model=tiny_torch"]))
+    traced = RunSpec.from_dict(resolved(["model=tiny_torch"]))
     assert traced.profile_source == "torch" and traced.profile_options["builder"] == "tiny_gpt"
     assert traced.torch_spec.builder == "tiny_gpt"
-    family = stages.validate_inputs(resolved(["model=gpt2_xl", "profile=torch", "+profile.options.attention=eager"]))
+    family = RunSpec.from_dict(resolved(["model=gpt2_xl", "profile=torch", "+profile.options.attention=eager"]))
     assert (family.torch_spec.builder, family.torch_spec.attention) == ("hf_gpt2", "eager")
     with pytest.raises(ConfigError) as unknown:
-        stages.validate_inputs(resolved(["model=tiny", "profile.source=measured"]))
+        RunSpec.from_dict(resolved(["model=tiny", "profile.source=measured"]))
     assert unknown.value.field == "profile.source" and unknown.value.value == "measured"
     with pytest.raises(ConfigError, match="profile.options"):
         select_source("analytic", {"attention": "eager"}, {"builder": "tiny_gpt"})
@@ -357,6 +415,28 @@ def test_a_rerun_keeps_a_finished_record_and_sets_aside_one_it_cannot_read(tmp_p
     assert _keep_or_set_aside_earlier(JobContext(sweep / "1", True, sweep, {}), "model: tiny\n") is None
     assert not (sweep / "1" / RECORD_FILE).exists()
     assert json.loads((sweep / SUPERSEDED_DIR / "1-1" / RECORD_FILE).read_text())["extra"] == 1
+
+
+def test_summary_md_shows_speed_and_marks_an_ok_run_that_does_not_fit_the_device() -> None:
+    from pipelines.aggregate import records_to_frame, summary_markdown
+    from pipelines.console import format_one_line
+
+    def record(name: str, fits: bool) -> RunRecord:
+        metrics = {"throughput_ratio": 0.9, "step_s": 0.5, "keep_all_peak_bytes": 2**30, "budget_bytes": 2**29,
+                   "tokens_per_s": 4096.0, "mfu": 0.5, "fits_device": fits, "headroom_bytes": 2**30 if fits else -2**31,
+                   "feasible": True}  # fmt: skip
+        return RunRecord(run_name=name, choices={}, model=name, hardware="a100", planner="slackswap",
+                         planner_name="slackswap", budget_fraction=0.5, budget_bytes_requested=None, run_dir=name,
+                         status=RunStatus.OK, metrics=metrics)  # fmt: skip
+
+    fits, over = record("fits", True), record("over", False)
+    text = summary_markdown(records_to_frame([fits, over]))
+    assert "2 jobs: 2 ok; 1 of the ok runs DO NOT FIT THE DEVICE" in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| fits") or
+            line.startswith("| over")}  # fmt: skip
+    assert "| 4,096 | 50.0% | yes |" in rows["fits"] and "| 4,096 | 50.0% | **NO** |" in rows["over"]
+    assert "DOES NOT FIT THE DEVICE: 2.000 GiB over" in format_one_line(over)
+    assert "4,096 tokens/s, MFU 50.0%" in format_one_line(fits) and "DEVICE" not in format_one_line(fits)
 
 
 def test_paper_table_on_a_shared_node_shows_every_planner_against_the_gpu_alone() -> None:

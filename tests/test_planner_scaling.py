@@ -1,4 +1,4 @@
-"""The planners' speed-ups (issue 12) leave every plan as it was.
+"""The planners' speed-ups leave every plan as the definitions they shortcut would make it.
 
 Each shortcut is checked against the definition it replaces, on random graphs: the plan with the
 shortcut must equal the plan without it, and every bound a shortcut relies on must hold.
@@ -29,7 +29,7 @@ from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.profile import build_graph
 from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan
-from slackswap.schedule.memory import free_time_s
+from slackswap.schedule.free_rule import free_time_s
 from slackswap.schedule.replay import peak_bytes
 from slackswap.testing import random_decisions, random_graph, toy_hardware
 
@@ -43,7 +43,7 @@ def _yaml(group: str, name: str) -> dict:
 def _plan_or_reason(planner, graph, hw, budget):
     """The plan, or the error it raised (on `random_graph`s, whose gradients have backward readers and
     so count as saved, most planners but slackswap pick a gradient to recompute and the build rejects
-    it: an old limitation, outside issue 12; the presets and traced graphs save no gradient)."""
+    it: a known limitation; the presets and traced graphs save no gradient)."""
     try:
         plan = planner.plan(graph, hw, budget)
     except InfeasibleBudgetError as exc:
@@ -192,6 +192,7 @@ def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):
     raise InfeasibleBudgetError(f"after {max_rounds} rounds the plan still peaks at {peak}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_rounds", [2, 30])
 def test_knapsack_rounds_that_choose_a_set_again_keep_the_outcome(monkeypatch, max_rounds):
     """recompute_knapsack does not rebuild the schedule of a set it chose before; the plan, or the

@@ -422,6 +422,7 @@ def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkey
     assert _in_process(monkeypatch, tmp_path, str(empty), module="pipelines.aggregate") == 1
 
 
+@pytest.mark.slow
 def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(tmp_path, mlflow_store, monkeypatch) -> None:
     sweep = tmp_path / "sweep"
     common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
@@ -464,14 +465,15 @@ def _without_wall_clock(path: Path) -> bytes:
     return b"".join(line for line in lines if not any(key.encode() in line for key in WALL_CLOCK_LINES))
 
 
+@pytest.mark.slow
 def test_same_config_twice_gives_the_same_files(tmp_path, monkeypatch) -> None:
     """Every planner (milp: tests/test_milp.py, its exact solve on tiny takes a minute) and every stage,
     twice from scratch (the per-process profile cache emptied): the same bytes."""
-    from pipelines import stages
+    from slackswap.experiment import baseline as baselines
 
     sweeps = [tmp_path / "first", tmp_path / "second"]
     for sweep in sweeps:
-        monkeypatch.setattr(stages, "_BASELINES", {})
+        monkeypatch.setattr(baselines, "_BASELINES", {})
         args = ["--multirun", "model=tiny", "tracking=off", f"hydra.sweep.dir={sweep}", "hydra/job_logging=disabled",
                 "planner=glob(*,exclude=milp)", "budget.fraction=0.5"]  # fmt: skip
         assert _in_process(monkeypatch, tmp_path, *args) == 0
@@ -570,13 +572,14 @@ def test_a_run_leaves_no_empty_log_and_its_timeline_names_what_it_shows(tmp_path
     assert (run_dir / "timeline.png").is_file()
     assert not [p.name for p in run_dir.rglob("*.log") if p.stat().st_size == 0]
 
-    from pipelines import stages
+    from pipelines.plots import timeline_title
     from slackswap.budget import Budget
+    from slackswap.experiment import RunSpec
 
     resolved = OmegaConf_to_dict(run_dir / "config.resolved.yaml")
-    inputs = stages.validate_inputs(resolved)
+    inputs = RunSpec.from_dict(resolved)
     assert isinstance(inputs.budget, Budget)
-    title = stages.timeline_title(inputs, budget_bytes=2**29, keep_all_peak_bytes=2**30)
+    title = timeline_title(inputs, budget_bytes=2**29, keep_all_peak_bytes=2**30)
     for part in (inputs.model.name, inputs.hardware.name, "capuchin", "0.5 GiB", "50%"):
         assert part in title, (part, title)
 

@@ -8,7 +8,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from pipelines import schemas, stages
+from pipelines import schemas
+from slackswap.experiment import RunSpec, run_one, write_run_files
+from tests.extras import require_torch_extra
 from tools import replay_allocator_gpu as script
 
 
@@ -17,7 +19,10 @@ def test_dry_run_from_a_run_dir_reproduces_the_runs_reserved_peak(tmp_path, caps
         cfg = compose("config", overrides=["model=tiny", "simulate.allocator=caching", "tracking=off"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     (tmp_path / "config.resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
-    metrics = stages.execute(stages.validate_inputs(resolved), resolved, tmp_path, {}).metrics
+    spec = RunSpec.from_dict(resolved)
+    outcome = run_one(spec)
+    write_run_files(spec, outcome, tmp_path, {})
+    metrics = outcome.metrics
     out = tmp_path / "replay.json"
     assert script.main(["--run-dir", str(tmp_path), "--dry-run", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -41,7 +46,7 @@ def test_model_trajectory_never_reserves_less_than_it_allocates():
 
 
 def test_without_a_cuda_device_only_the_dry_run_runs(capsys):
-    torch = pytest.importorskip("torch")
+    torch = require_torch_extra("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU path runs instead")
     assert script.main(["model=tiny"]) == 2

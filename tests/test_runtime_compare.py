@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from slackswap.graph import FORWARD_PHASES  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.profile.torch import build_torch_graph  # noqa: E402
 from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
-from slackswap.runtime.compare import plan_live_copies, simulated_saved_peak_bytes  # noqa: E402
+from slackswap.runtime.compare import plan_live_copies  # noqa: E402
 from slackswap.schedule import build_schedule, resolve_schedule  # noqa: E402
+from slackswap.simulate.saved_peak import simulated_saved_peak_bytes  # noqa: E402
 from tests.runtime_support import h200  # noqa: E402
 
 

@@ -3,17 +3,23 @@ late prefetch makes backward wait and the step stays exact."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
-import torch
 
-from slackswap.errors import PlanValidationError
-from slackswap.plan import Decision
-from slackswap.runtime import PlanMismatchError, apply
-from slackswap.runtime.copies import CpuCopies
-from slackswap.runtime.models import build_training_workload, small_config
-from tests.runtime_support import bit_equal, capture, plan_for, run_step
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
+
+from slackswap.errors import PlanValidationError  # noqa: E402
+from slackswap.plan import Decision  # noqa: E402
+from slackswap.runtime import PlanMismatchError, apply  # noqa: E402
+from slackswap.runtime.copy_engines import CpuCopies  # noqa: E402
+from slackswap.runtime.executor import RuntimeUsageError  # noqa: E402
+from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
+from tests.runtime_support import bit_equal, capture, plan_for, run_step  # noqa: E402
 
 _C: dict[str, object] = {}
 
@@ -104,3 +110,99 @@ def test_one_plan_run_serves_several_steps() -> None:
         grads = [p.grad for p in c.workload.model.parameters() if p.grad is not None]
         assert bit_equal(c.reference, c.reference[0], grads)
         assert run.report.prefetches == len(plan.prefetches)
+
+
+def test_nesting_is_a_named_error_not_an_index_error() -> None:
+    c = tiny()
+    plan, _ = plan_for("slackswap", c)
+    outer = apply(plan, c.graph, c.workload.model)
+    for p in c.workload.model.parameters():
+        p.grad = None
+    refused = pytest.raises(RuntimeUsageError, match="another plan run is active.*accumulate=True")
+    with refused, outer, apply(plan, c.graph, c.workload.model):
+        pass
+    # The outer run is usable afterwards: nothing of the refused inner run stayed behind.
+    loss, grads, _ = run_step(c.workload, plan, c.graph)
+    assert bit_equal(c.reference, loss, grads)
+
+
+def test_torch_compile_under_the_eager_runtime_points_to_the_export() -> None:
+    c = tiny()
+    plan, _ = plan_for("keep_all", c)
+    compiled = torch.compile(c.workload.model)
+    with pytest.raises(RuntimeUsageError, match=r"torch.compile'd.*PlanExport"):
+        apply(plan, c.graph, compiled)
+
+
+def test_changed_code_path_names_the_call_and_the_expected_op() -> None:
+    c = tiny()
+    plan, _ = plan_for("keep_all", c)
+    w = c.workload
+    for p in w.model.parameters():
+        p.grad = None
+    changed = pytest.raises(PlanMismatchError, match=r"not an op of graph.*the plan expected 'op\d+:.*Capture and plan")
+    with changed, apply(plan, c.graph, w.model):
+        w.loss_fn(w.model(w.batch) * 2).backward()
+
+
+def test_gradient_accumulation_over_micro_batches_is_bit_exact() -> None:
+    """Two micro-batches accumulated under the plan equal two accumulated plain steps, bit for bit."""
+    c = tiny()
+    plan, _ = plan_for("slackswap", c)
+    w = c.workload
+    batches = [w.batch, torch.flip(w.batch, dims=[1])]
+
+    def accumulate(with_plan: bool) -> list[torch.Tensor]:
+        for p in w.model.parameters():
+            p.grad = None
+        for i, batch in enumerate(batches):
+            torch.manual_seed(10 + i)
+            run = apply(plan, c.graph, w.model, accumulate=True) if with_plan else None
+            with run if run is not None else contextlib.nullcontext():
+                w.loss_fn(w.model(batch)).backward()
+        return [p.grad.clone() for p in w.model.parameters()]
+
+    plain, planned = accumulate(False), accumulate(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(plain, c.reference[1], strict=True))  # two batches summed
+
+
+def test_slow_copies_over_several_steps_reuse_host_buffers_and_stay_exact() -> None:
+    """Copies on worker threads after an artificial delay (a slow link), over a verified step and two
+    hook-only steps: every unpack waits for its late prefetch, the host buffers are allocated once per
+    offload of the plan and reused, and every step is bit-exact."""
+    c = tiny()
+    plan, _ = plan_for("slackswap", c)
+    copies = CpuCopies(delay_s=0.002)
+    run = apply(plan, c.graph, c.workload.model, copies=copies)
+    for step in range(3):
+        torch.manual_seed(1)
+        for p in c.workload.model.parameters():
+            p.grad = None
+        with run:
+            loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
+            loss.backward()
+        grads = [p.grad for p in c.workload.model.parameters() if p.grad is not None]
+        assert bit_equal(c.reference, loss.detach(), grads), step
+        assert run.report.verified == (step == 0)
+        assert run.report.late_prefetch_waits >= 1
+    assert copies.host.allocations == len(plan.offloads)
+    assert copies.host.bytes == sum(c.graph.tensors[t.tensor].size_bytes for t in plan.offloads)
+
+
+def test_a_copy_makes_its_consumer_stream_wait_not_the_current_one() -> None:
+    """The torchtitan 2581 pitfall: inside `with torch.cuda.stream(s)`, current_stream() is s. The
+    engine's copies hold the compute stream and wait on it (CPU stand-ins for stream and event)."""
+    from slackswap.runtime.copy_engines import _EventCopy
+
+    class Stream:
+        def __init__(self) -> None:
+            self.waited: list[object] = []
+
+        def wait_event(self, event: object) -> None:
+            self.waited.append(event)
+
+    compute, event = Stream(), object()
+    copy = _EventCopy(torch.UntypedStorage(4), event, compute)
+    copy.wait()
+    assert compute.waited == [event]

@@ -5,15 +5,18 @@ the simulator's peak up to copies the model's own Python variables hold, named o
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from slackswap.planners.registry import available_planners  # noqa: E402
 from slackswap.runtime import plan_counts  # noqa: E402
-from slackswap.runtime.compare import explain_ledger, simulated_saved_peak_bytes  # noqa: E402
+from slackswap.runtime.compare import explain_ledger  # noqa: E402
+from slackswap.simulate.saved_peak import simulated_saved_peak_bytes  # noqa: E402
 from tests.runtime_support import bit_equal, capture, h200, plan_for, run_step  # noqa: E402
 
 KINDS = ("tiny", "gpt2", "bert", "llama")
@@ -55,6 +58,7 @@ def check_plan_run(c, planner: str) -> dict:
     return {"plan": plan, "report": report, "why": why}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_planner_runs_bit_exact(kind: str) -> None:
     c = captured(kind)
@@ -78,6 +82,7 @@ def test_every_planner_runs_bit_exact(kind: str) -> None:
     head_dim=st.sampled_from([4, 8]),
     layers=st.integers(1, 3),
 )
+@pytest.mark.slow
 def test_small_shapes_bit_exact(batch: int, seq: int, heads: int, head_dim: int, layers: int) -> None:
     c = capture("tiny", batch=batch, seq=seq, heads=heads, hidden=heads * head_dim, layers=layers, vocab=32)
     for planner in ("slackswap", "recompute_knapsack", "capuchin", "full_recompute"):
@@ -89,7 +94,7 @@ def test_runtime_names_saved_tensors_as_the_torch_profile_traces_them(kind: str)
     """The captured graph's saved tensors (identity and bytes) equal the meta-traced graph's (CPU kernels),
     outside the loss (the two use different label tensors)."""
     from slackswap.profile.torch import build_torch_graph
-    from slackswap.runtime.models import small_config
+    from slackswap.runtime.training_workload import small_config
 
     traced = build_torch_graph(*small_config(kind), h200())
 
@@ -103,7 +108,7 @@ def test_runtime_names_saved_tensors_as_the_torch_profile_traces_them(kind: str)
 def test_plan_of_the_traced_graph_runs_on_the_captured_one(planner: str) -> None:
     """A plan made on the torch profile's meta trace (CPU kernels) runs bit-exact via plan_on_captured."""
     from slackswap.profile.torch import build_torch_graph
-    from slackswap.runtime.models import small_config
+    from slackswap.runtime.training_workload import small_config
     from slackswap.runtime.translate import plan_on_captured
     from slackswap.simulate.metrics import simulate_ideal
 
@@ -119,3 +124,33 @@ def test_plan_of_the_traced_graph_runs_on_the_captured_one(planner: str) -> None
     assert bit_equal(c.reference, loss, grads)
     assert (report.recompute_steps, report.offloads) == (
         plan_counts(runnable)["recompute_steps"], plan_counts(runnable)["offloads"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hook_only_steps_run_every_planner_bit_exact(kind: str) -> None:
+    """The first step under a run is verified (dispatch modes) and records the pack order; the next
+    steps run on the saved-tensor hooks alone, and stay bit-exact with the plan's counts."""
+    from slackswap.runtime import apply
+
+    c = captured(kind)
+    fast_seen = False
+    for planner in available_planners():
+        plan, _ = plan_for(planner, c)
+        run = apply(plan, c.graph, c.workload.model)
+        counts = plan_counts(plan)
+        for step in range(3):
+            torch.manual_seed(1)
+            for p in c.workload.model.parameters():
+                p.grad = None
+            with run:
+                loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
+                loss.backward()
+            grads = [p.grad.clone() for p in c.workload.model.parameters() if p.grad is not None]
+            assert bit_equal(c.reference, loss.detach(), grads), (planner, step)
+            report = run.report
+            assert report.verified == (step == 0 or report.fast_refusal is not None), (planner, step)
+            assert (report.recompute_steps, report.offloads, report.prefetches) == (
+                counts["recompute_steps"], counts["offloads"], counts["prefetches"]), (planner, step)
+        fast_seen |= not run.report.verified
+        assert run.recording.refusal is None, (planner, run.recording.refusal)
+    assert fast_seen

@@ -11,7 +11,8 @@ import yaml
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
-from slackswap.schedule.build import keep_all_plan
+from slackswap.profile import build_graph
+from slackswap.schedule.build import build_schedule, keep_all_plan
 from slackswap.simulate import simulate, validate_plan
 from slackswap.testing import random_decisions
 
@@ -24,9 +25,8 @@ def load(group: str, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny():
-    profile = pytest.importorskip("slackswap.profile")
     hw = Hardware.from_dict(load("hardware", "a100_80gb_pcie4"))
-    return profile.build_graph(ModelConfig.from_dict(load("model", "tiny")), hw), hw
+    return build_graph(ModelConfig.from_dict(load("model", "tiny")), hw), hw
 
 
 def test_keep_all_step_is_the_sum_of_op_times_and_peak_fits_its_own_budget(tiny):
@@ -42,10 +42,9 @@ def test_keep_all_step_is_the_sum_of_op_times_and_peak_fits_its_own_budget(tiny)
 
 @pytest.mark.parametrize("seed", range(4))
 def test_build_schedule_plans_validate_and_respect_the_budget(tiny, seed):
-    schedule = pytest.importorskip("slackswap.schedule.build")
     graph, hw = tiny
     decisions = random_decisions(graph, random.Random(seed))
-    plan = schedule.build_schedule(graph, decisions, planner="test", budget_bytes=None, hardware=hw)
+    plan = build_schedule(graph, decisions, planner="test", budget_bytes=None, hardware=hw)
     validate_plan(graph, plan)
     ideal = simulate(graph, keep_all_plan(graph), hw, None)
     free = simulate(graph, plan, hw, None)

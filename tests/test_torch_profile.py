@@ -8,7 +8,6 @@ docs/torch_profile.md lists.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,10 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-if os.environ.get("SLACKSWAP_REQUIRE_TORCH"):  # set by .ci/run: CI never skips these tests
-    import torch
-else:
-    torch = pytest.importorskip("torch", reason="needs the torch extra: pip install -e '.[torch]'")
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
 
 from slackswap.errors import ConfigError  # noqa: E402
 from slackswap.formulas import korthikanti_saved_bytes_per_layer  # noqa: E402
@@ -218,10 +216,6 @@ def test_an_analytic_preset_traces_with_its_family_class():
 
 
 def test_graph_marks_random_ops_in_place_versions_and_the_attention_core():
-    from slackswap.profile.torch.assemble import _REAL_PROGRAM_FIELDS
-
-    if not _REAL_PROGRAM_FIELDS:
-        pytest.skip("slackswap.graph predates issue 13's Op.random / Op.writes / Tensor.base")
     cpu = build_torch_graph(small("gpt2"), TorchSpec("hf_gpt2", semantics="cpu"), HW)
     writers = [op for op in cpu.ops if op.writes]
     assert {op.name.rsplit(":", 1)[1] for op in writers} == {"bernoulli_", "div_"}  # the CPU dropout noise

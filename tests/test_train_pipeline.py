@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
+from tests.extras import require_torch_extra
+
+require_torch_extra("torch")
+require_torch_extra("transformers")
 
 from tests.test_pipeline import _run_cli  # noqa: E402
 
@@ -45,3 +48,26 @@ def test_train_rejects_an_analytic_preset(tmp_path, monkeypatch) -> None:
             "hydra/hydra_logging=disabled"]
     with pytest.raises(ConfigError, match="model.torch"):
         _run_cli(monkeypatch, args, module="pipelines.train")
+
+
+def test_train_rejects_an_unknown_executor(tmp_path, monkeypatch) -> None:
+    from slackswap.errors import ConfigError
+
+    args = ["model=hf_gpt2_2l", "train.executor=jit", "tracking=off", f"hydra.run.dir={tmp_path}/run",
+            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    with pytest.raises(ConfigError, match=r"train.executor.*jit.*eager"):
+        _run_cli(monkeypatch, args, module="pipelines.train")
+
+
+@pytest.mark.slow
+def test_train_runs_the_plan_compiled(tmp_path, monkeypatch, capsys) -> None:
+    """train.executor=compile: the plan exported to selective checkpointing, each layer compiled."""
+    args = ["model=hf_gpt2_2l", *SMALL, "planner=slackswap", "train.steps=2", "train.executor=compile",
+            "tracking=off", f"hydra.run.dir={tmp_path}/run", "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled"]
+    _run_cli(monkeypatch, args, module="pipelines.train")
+    figures = json.loads((tmp_path / "run" / "train.json").read_text())
+    assert figures["status"] == "ok" and len(figures["losses"]) == 2
+    assert figures["grad_check_max_abs_diff"] < 1.0  # compiled numerics and RNG: close, not equal
+    assert figures["export_differences"] == len(figures["export_difference_tensors"])
+    assert "executor=compile" in capsys.readouterr().out

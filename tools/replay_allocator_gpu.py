@@ -5,7 +5,7 @@
     python tools/replay_allocator_gpu.py --dry-run model=tiny                    # model side only, no GPU
 
 The plan is simulated again (deterministic), its allocations and frees are derived exactly as the
-`simulate.allocator=caching` report does (`slackswap.memory.replay.memory_ops`), and then
+`simulate.allocator=caching` report does (`slackswap.memory.allocator_replay.memory_ops`), and then
 - the model: every call goes through `slackswap.memory.caching_allocator.CachingAllocator`;
 - the GPU: every allocation is `torch.empty(size, dtype=torch.uint8, device="cuda")`, every free drops
   that tensor, on the default stream, after `torch.cuda.empty_cache()`;
@@ -29,8 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from slackswap.memory.allocator_replay import MemoryOp, memory_ops  # noqa: E402
 from slackswap.memory.caching_allocator import CachingAllocator  # noqa: E402
-from slackswap.memory.replay import MemoryOp, memory_ops  # noqa: E402
 
 
 def model_trajectory(ops: list[MemoryOp]) -> list[tuple[int, int]]:
@@ -82,18 +82,16 @@ def _plan_from_overrides(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from pipelines import stages
-    from slackswap.planners.registry import get_planner
+    from slackswap.experiment import RunSpec, run_one
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "tracking=off"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    inputs = stages.validate_inputs(resolved)
-    base, _ = stages.baseline(inputs, resolved)
-    capacity = stages.device_capacity(inputs)
-    budget = inputs.budget.resolve_bytes(int(base.ideal.peak_activation_bytes), capacity.activation_capacity_bytes)
-    plan = get_planner(inputs.planner_name, **inputs.planner_options).plan(base.graph, inputs.hardware, budget)
-    return base.graph, plan, inputs.hardware, budget
+    spec = RunSpec.from_dict(resolved)
+    outcome = run_one(spec)
+    if outcome.plan is None:
+        raise SystemExit(f"no plan to replay: {outcome.reason}")
+    return outcome.graph, outcome.plan, spec.hardware, outcome.budget_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from slackswap.errors import ConfigError
-from slackswap.memory.training import TrainingConfig
+from slackswap.memory.recipe import TrainingConfig
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

@@ -13,8 +13,8 @@ from functools import lru_cache
 
 from slackswap.graph import NO_LAYER, Graph
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import optimizer_step_moved_bytes
-from slackswap.memory.training import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile.builder import GraphBuilder
 from slackswap.profile.layers import build_forward

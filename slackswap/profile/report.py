@@ -88,6 +88,21 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f}"
 
 
+def _held_lines(graph: Graph, top: int = 12) -> list[str]:
+    """The model's own hold (`Tensor.held_until`): tensors its code keeps alive past their last reader
+    of their own phase. A fact of the workload: no plan frees them earlier (docs/runtime.md)."""
+    held = [t for t in graph.tensors.values() if t.held_until]
+    if not held:
+        return []
+    owned = sum(graph.owned_bytes(t.name) for t in held)
+    lines = ["", f"held by the model's own code past their last reader: {len(held)} tensors, "
+                 f"{_mib(owned)} MiB of storage (largest {min(top, len(held))}):",
+             f"  {'tensor':<48} {'bytes':>12}  held until"]
+    for t in sorted(held, key=lambda t: (-t.size_bytes, t.name))[:top]:
+        lines.append(f"  {t.name:<48} {t.size_bytes:>12d}  {t.held_until}")
+    return lines
+
+
 def format_breakdown(graph: Graph) -> str:
     """Per-layer table (saved bytes, FLOPs, times), then the saved tensors and forward ops of layer 0 and of
     the non-layer part (embeddings, head, loss), for a user inspecting a model without planning."""
@@ -123,6 +138,7 @@ def format_breakdown(graph: Graph) -> str:
             if op.layer == layer and op.phase in FORWARD_PHASES:
                 lines.append(f"  {op.name:<28} {op.op_class.value:<12} {op.flops / 1e9:>10.3f} "
                              f"{op.moved_bytes / 2**20:>10.2f} {op.duration_s * 1e6:>10.1f}")
+    lines.extend(_held_lines(graph))
     if graph.num_layers > 1:
         same = all(saved[layer] == saved[0] for layer in range(graph.num_layers))
         lines.append("")

@@ -20,7 +20,7 @@ from typing import Any
 from slackswap.errors import ConfigError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
-from slackswap.memory.training import TrainingConfig
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
 
 #: Source name -> "module:function".

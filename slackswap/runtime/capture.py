@@ -1,4 +1,4 @@
-"""Capture the graph of one real training step of a torch model, named by `identity.OpNumbering`.
+"""Capture the graph of one real training step of a torch model, named by `op_numbering.OpNumbering`.
 
 This is the runtime's own, minimal graph source: it runs the step for real (on whatever device the
 model is on) and records what autograd actually saves, so the runtime's tests can plan and run any
@@ -16,13 +16,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
 from slackswap.profile.torch.identity import StorageIdentities
-from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
@@ -65,10 +66,39 @@ class _Recorder(TorchDispatchMode):
         self.backward_context: tuple[int, str] = (NO_LAYER, "")
         #: Graph tensors autograd saved (pack hook).
         self.packed: set[str] = set()
+        #: Real lifetimes: each live graph tensor's storage by weak reference, and the op after which
+        #: each dead one was released (`poll_releases`, at every new op).
+        self.watched: dict[str, StorageWeakRef] = {}
+        self.released_after: dict[str, str] = {}
+        #: The stand-ins autograd unpacked (tensor name, weak reference): a backward node holds what it
+        #: unpacked until it finishes, which may be several ops after the one that reads it first.
+        self.unpacked: list[tuple[str, StorageWeakRef]] = []
+
+    def poll_releases(self) -> None:
+        """Storages that died since the last new op were released after it; a stand-in released
+        there makes that op a reader of its tensor (the node held it until then)."""
+        if not self.ops:
+            return
+        last = next(reversed(self.ops))
+        for name in [n for n, ref in self.watched.items() if ref.expired()]:
+            del self.watched[name]
+            self.released_after[name] = last
+        if self.unpacked:
+            op = self.ops[last]
+            alive = []
+            for name, ref in self.unpacked:
+                if not ref.expired():
+                    alive.append((name, ref))
+                elif name not in op["inputs"] and name not in op["outputs"]:
+                    op["inputs"].append(name)
+                    self.tensors[name]["consumers"].append(last)
+            self.unpacked = alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         begin = self.numbering.begin(func, args, kwargs)
+        if begin.new_op:
+            self.poll_releases()
         out = func(*args, **kwargs)
         fresh = self.numbering.end(func, out)
         if begin.new_op:
@@ -97,6 +127,7 @@ class _Recorder(TorchDispatchMode):
             op["outputs"].append(name)
             self.tensors[name] = {"size": t.untyped_storage().nbytes(), "producer": begin.op,
                                   "consumers": [], "layer": op["layer"], "dtype": t.dtype}
+            self.watched[name] = StorageWeakRef(t.untyped_storage())
         base = func._overloadpacket.__name__
         op["flops"] += _matmul_flops(base, args)
         if base in _MATMULS:
@@ -178,16 +209,27 @@ def capture_graph(
         packed = recorder.packed
         stack.enter_context(loss_boundary(model, identities))
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> object:
+            # Autograd gets a private copy of a graph tensor, not the tensor: what keeps the tensor's
+            # storage alive is then what keeps it alive under any plan (the model's own variables, the
+            # autograd engine's buffers), and its release is measured (`Tensor.held_until`).
             name_ = numbering.name_of(t)
-            if name_ is not None:
-                packed.add(name_)
-            return t
+            if name_ is None:
+                return t
+            packed.add(name_)
+            with _disable_current_modes():
+                copy = t.untyped_storage().clone()
+            return (name_, copy, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
-        def unpack(t: torch.Tensor) -> torch.Tensor:
+        def unpack(stand_in: object) -> torch.Tensor:
             numbering.close_op()
-            name_ = numbering.name_of(t)
-            if name_ is not None and name_ not in recorder.pending_reads:
+            if isinstance(stand_in, torch.Tensor):
+                return stand_in
+            name_, copy, dtype, size, stride, offset = stand_in
+            with _disable_current_modes():
+                t = torch.empty(0, dtype=dtype, device=copy.device).set_(copy, offset, size, stride)
+            recorder.unpacked.append((name_, StorageWeakRef(copy)))
+            if name_ not in recorder.pending_reads:
                 recorder.pending_reads.append(name_)
                 # The backward node that unpacks a forward tensor differentiates the op of its layer.
                 producer = recorder.tensors[name_]["producer"]
@@ -204,11 +246,13 @@ def capture_graph(
         out = model(*inputs)
         recorder.phase = Phase.LOSS
         loss = loss_fn(out)
+        del out  # a training step keeps only the loss (runtime.train)
         if loss.dim() != 0:
             raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; a scalar loss is needed")
         recorder.phase = Phase.BACKWARD
         loss.backward()
-        del out, loss
+        recorder.poll_releases()
+        del loss
     for p in model.parameters():
         p.grad = None
 
@@ -224,9 +268,11 @@ def capture_graph(
            role=roles[i])
         for i, (op_name, op) in enumerate(recorder.ops.items())
     )
+    held = _held_until(recorder)
     tensors = {
         t: Tensor(name=t, size_bytes=info["size"], producer=info["producer"], consumers=tuple(info["consumers"]),
-                  layer=info["layer"], saved=t in saved, role=str(info["dtype"]).removeprefix("torch."))
+                  layer=info["layer"], saved=t in saved, role=str(info["dtype"]).removeprefix("torch."),
+                  held_until=held.get(t, ""))
         for t, info in recorder.tensors.items()
     }
     layers = {op.layer for op in ops if op.layer != NO_LAYER}
@@ -244,6 +290,23 @@ def capture_graph(
     weight_bytes = int(meta["weight_bytes_from_params"])
     return Graph(name=name, ops=ops, tensors=tensors, num_layers=max(len(layers), 1),
                  weight_bytes=weight_bytes, weight_grad_bytes=weight_bytes, meta=meta)
+
+
+def _held_until(recorder: _Recorder) -> dict[str, str]:
+    """Tensor -> the op after which the step released it, where that is later than its producer and
+    every reader of its own phase (for a forward tensor, its forward readers: a plan that drops it
+    frees its run copy after them unless the model still holds it). Alive at the end: the last op."""
+    position = {name: i for i, name in enumerate(recorder.ops)}
+    last = next(reversed(recorder.ops))
+    held: dict[str, str] = {}
+    for t, info in recorder.tensors.items():
+        backward = recorder.ops[info["producer"]]["phase"] == Phase.BACKWARD
+        touches = [position[info["producer"]]] + [
+            position[c] for c in info["consumers"] if (recorder.ops[c]["phase"] == Phase.BACKWARD) == backward]
+        released = recorder.released_after.get(t, last)
+        if position[released] > max(touches):
+            held[t] = released
+    return held
 
 
 def budget_fraction_bytes(keep_all_peak_bytes: int, fraction: float) -> int:

@@ -16,7 +16,8 @@ How one step runs (docs/runtime.md has the why of each choice):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,9 +29,9 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copies import Copy, CpuCopies, CudaCopies
-from slackswap.runtime.identity import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies
 from slackswap.runtime.ledger import SavedBytesLedger
+from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 from slackswap.schedule.validate import resolve_schedule
 
 
@@ -49,12 +50,71 @@ class TensorRef:
     offset: int
 
 
+@dataclass(frozen=True)
+class InputRef:
+    """A model input (a forward argument, by flattened position) as a recorded ATen call saw it."""
+
+    index: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
 @dataclass
 class _Member:
     func: Any
     spec: Any
     rng: tuple[torch.Tensor, torch.Tensor | None] | None
     fresh: list[tuple[int, str]]
+    #: Hook-only steps: the pack event after which the RNG is in the state this random call drew
+    #: from (-1: the model's forward pre-hook); None when another random call came in between.
+    rng_event: int | None = None
+
+
+@dataclass(frozen=True)
+class PackRecord:
+    """The k-th tensor autograd saved in the verified step: what it is and where the plan was."""
+
+    name: str | None
+    shape: torch.Size
+    dtype: torch.dtype
+    decision: Decision | None
+    #: Plan steps before this index had finished when the tensor was packed.
+    position: int
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What a verified step (dispatch modes on) tells the later hook-only steps.
+
+    Autograd packs and unpacks saved tensors in the same order on every step of the same code path,
+    so the k-th pack names the k-th recorded tensor (checked by shape and dtype) and the u-th unpack
+    is at the recorded plan position. `refusal` says why hook-only steps cannot run this plan (every
+    step then runs verified)."""
+
+    packs: tuple[PackRecord, ...]
+    #: Per unpack event, in order: the plan position reached, and the tensor name (None: kept or not
+    #: a graph tensor).
+    unpacks: tuple[tuple[int, str | None], ...]
+    members: dict[str, list[_Member]]
+    #: Pack events whose RNG state a recomputed random call needs (-1: the forward pre-hook).
+    rng_events: frozenset[int]
+    refusal: str | None = None
+
+
+class _NoLedger:
+    """Hook-only steps measure no ledger (it needs a dispatch mode after every op)."""
+
+    peak_bytes = 0
+    peak_step = -1
+    live_by_step: dict[int, frozenset[int]] = {}
+
+    def track(self, storage: object, copy_id: int) -> None:
+        return None
+
+    def poll(self, step: int) -> None:
+        return None
 
 
 @dataclass
@@ -64,6 +124,12 @@ class RunReport:
     ledger_peak_bytes: int = 0
     #: Plan step during which the ledger peaked (-1: outside any step).
     ledger_peak_step: int = -1
+    #: Peak of every device storage of a graph tensor (not only saved ones): the simulator's
+    #: `peak_activation_bytes` on the same link; and the plan step where it was reached.
+    device_peak_bytes: int = 0
+    device_peak_step: int = -1
+    #: Per plan step, the copies of every graph tensor alive in it; when traced.
+    device_live_by_step: dict[int, frozenset[int]] = field(default_factory=dict)
     #: Per plan step, the copies (ids into the plan's resolved schedule) alive in it; when traced.
     live_by_step: dict[int, frozenset[int]] = field(default_factory=dict)
     aten_calls: int = 0
@@ -74,6 +140,11 @@ class RunReport:
     #: Unpacks that found their prefetch not yet arrived and made compute wait for it.
     late_prefetch_waits: int = 0
     counts_by_kind: dict[str, int] = field(default_factory=dict)
+    #: True: the step ran under the dispatch modes (every call checked, ledger measured); False: a
+    #: hook-only step (saved-tensor hooks only; no ledger: its figures are 0).
+    verified: bool = True
+    #: Why this plan's steps cannot run hook-only (None: they can, or have).
+    fast_refusal: str | None = None
 
 
 def plan_counts(plan: Plan) -> dict[str, int]:
@@ -105,14 +176,43 @@ def check_identity(graph: Graph, model: torch.nn.Module) -> None:
             )
 
 
+class RuntimeUsageError(PlanMismatchError):
+    """The runtime was used in a way it cannot run exactly (nesting, torch.compile): says what to do."""
+
+
+_ACTIVE: list[PlanRun] = []
+
+
+def _compiled(model: torch.nn.Module) -> str | None:
+    """The path of a module that torch.compile wraps (`torch.compile(m)` or `m.compile()`), or None."""
+    if type(model).__name__ == "OptimizedModule":
+        return "<the model>"
+    for name, m in model.named_modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            return name or "<the model>"
+    return None
+
+
 class PlanRun(TorchDispatchMode):
     """`with apply(plan, graph, model): ...` runs one training step under the plan. Reusable per step."""
 
     def __init__(
-        self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False
+        self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
+        accumulate: bool = False, verify: bool = False,
     ):
         super().__init__()
+        compiled = _compiled(model)
+        if compiled is not None:
+            raise RuntimeUsageError(
+                f"module {compiled!r} is torch.compile'd: under the eager runtime's dispatch modes torch.compile "
+                "falls back to eager, silently. Run the plan through PyTorch instead: "
+                "slackswap.runtime.export.PlanExport(plan, graph, model).installed(model, compile=True)"
+            )
         self.trace = trace
+        self.accumulate = accumulate
+        #: Every step under the dispatch modes (else only the first, and after a refusal).
+        self.verify = verify
+        self.recording: Recording | None = None
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
@@ -131,7 +231,11 @@ class PlanRun(TorchDispatchMode):
         self.held_copies: set[int] = set()
         self.release_after: dict[int, list[int]] = {}
         recompute_steps = {j for j, s in enumerate(steps) if s.kind == StepKind.RECOMPUTE}
-        for c, copy in enumerate(self.schedule.copies):
+        #: Built once: `ResolvedSchedule.copies` rebuilds every Copy on each access.
+        self.copy_records = self.schedule.copies
+        #: Per copy: its source, read on every swapped or recomputed unpack.
+        self.copy_source = self.schedule.copy_source
+        for c, copy in enumerate(self.copy_records):
             if copy.source == "run":
                 self.run_copy[copy.tensor] = c
             needs_hold = copy.source != "run" or copy.offload is not None or bool(set(copy.readers) & recompute_steps)
@@ -145,9 +249,54 @@ class PlanRun(TorchDispatchMode):
             if copy.offload is not None:
                 last = max(last, plan.offloads[copy.offload].issue_after_step)
             self.release_after.setdefault(last, []).append(c)
+        #: The plan keeps every tensor and moves none: a hook-only step has nothing to do.
+        self.idle = not (recompute_steps or plan.offloads or plan.prefetches) and all(
+            d == Decision.KEEP for d in plan.decisions.values())
+        #: Steps at whose end the plan acts (a recompute, a transfer issued after it, a release).
+        self._action_steps = sorted(
+            recompute_steps | set(self.release_after)
+            | {j for j in range(n) if self.offloads_at[j + 1] or self.prefetches_at[j + 1]})
 
     # ----------------------------------------------------------------------------- step lifecycle
     def __enter__(self) -> PlanRun:
+        if _ACTIVE:
+            raise RuntimeUsageError(
+                "apply(...) entered while another plan run is active"
+                + (" (this same run)" if self in _ACTIVE else "")
+                + ": a plan describes exactly one step, and a run inside a run would see the outer run's calls. "
+                "Exit the outer `with` first; for micro-batches enter one run per micro-batch with "
+                "apply(..., accumulate=True)"
+            )
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if self.accumulate:
+            # Micro-batches: an existing .grad would turn AccumulateGrad's assignment into an in-place
+            # add the graph lacks. Set it aside and add it back after the step: the same float addition
+            # AccumulateGrad does (old + new), so the sum is bit for bit a plain accumulation's.
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    self._stashed.append((p, p.grad))
+                    p.grad = None
+        _ACTIVE.append(self)
+        try:
+            self._enter()
+        except BaseException:
+            _ACTIVE.remove(self)
+            for p, old in self._stashed:
+                p.grad = old
+            raise
+        return self
+
+    def _enter(self) -> None:
+        self.fast = self.recording is not None and self.recording.refusal is None and not (self.trace or self.verify)
+        if self.fast:
+            self._enter_fast()
+            return
+        self._packs: list[PackRecord] = []
+        self._unpacks: list[tuple[int, str | None]] = []
+        self._random_since_pack = False
+        self._refusal: str | None = None
+        self._packed_names: set[str] = set()
+        self._step_inputs: list[torch.Tensor] = []
         self.identities = StorageIdentities(self.model)
         self.numbering = OpNumbering(self.identities)
         self.ledger = SavedBytesLedger(self.trace)
@@ -170,9 +319,23 @@ class PlanRun(TorchDispatchMode):
         self.identities.__enter__()
         super().__enter__()
         self._issue(0)
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        _ACTIVE.remove(self)
+        try:
+            if self.fast:
+                self._exit_fast(exc_type)
+            else:
+                self._exit(exc_type, exc, tb)
+                if exc_type is None and self.recording is None:
+                    self.recording = self._finish_recording()
+                self.report.fast_refusal = self.recording.refusal if self.recording is not None else None
+        finally:
+            for p, old in self._stashed:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+            self._stashed = []
+
+    def _exit(self, exc_type, exc, tb) -> None:
         super().__exit__(exc_type, exc, tb)
         self.identities.__exit__(exc_type, exc, tb)
         self._hooks.__exit__(exc_type, exc, tb)
@@ -193,14 +356,20 @@ class PlanRun(TorchDispatchMode):
             self.copies.close()
             self.held.clear()
             self.hosts.clear()
-            self.members.clear()
+            self._last_members, self.members = self.members, {}
             self.ledger.poll(-1)
             self.report.ledger_peak_bytes = self.ledger.peak_bytes
             self.report.ledger_peak_step = self.ledger.peak_step
+            self.report.device_peak_bytes = self.ledger.device_peak_bytes
+            self.report.device_peak_step = self.ledger.device_peak_step
             self.report.live_by_step = self.ledger.live_by_step
+            self.report.device_live_by_step = self.ledger.device_live_by_step
             self.report.aten_calls = self.numbering.calls
 
     def _check_inputs(self, _module, args, kwargs) -> None:
+        self._step_inputs = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        if self.fast and -1 in self.recording.rng_events:
+            self._fast_rng[-1] = _rng_state()
         seen = input_signature([args, kwargs])
         traced = self.graph.meta.get("input_signature")
         if seen != traced:
@@ -219,21 +388,30 @@ class PlanRun(TorchDispatchMode):
             self._finish_current()
             j = self.run_step.get(begin.op)
             if j is None:
+                expected = next((s.op for s in self.plan.steps[self.pos:] if s.kind == StepKind.RUN), None)
                 raise PlanMismatchError(
                     f"ATen call {begin.op!r} is not an op of graph {self.graph.name!r} (traced "
-                    f"{self.graph.meta.get('aten_calls')} calls): the model, its inputs, its train/eval mode differ, "
-                    "or gradients were not set to None before the step (optimizer.zero_grad())"
+                    f"{self.graph.meta.get('aten_calls')} calls; the plan expected {expected!r} next): the code path "
+                    "changed (the model, its inputs, its train/eval mode, a data-dependent branch), or gradients "
+                    "were not None before the step. Capture and plan again for the new code path; clear "
+                    "gradients (optimizer.zero_grad()) or use apply(..., accumulate=True) for micro-batches"
                 )
             self._advance_to(j)
             self.current = j
         record = begin.op in self.recompute_ops
+        random = torch.Tag.nondeterministic_seeded in func.tags
         if record:
-            rng = None
-            if torch.Tag.nondeterministic_seeded in func.tags:
-                cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-                rng = (torch.get_rng_state(), cuda)
-            member = _Member(func, tree_map(self._to_spec, (args, kwargs)), rng, [])
+            rng = rng_event = None
+            if random:
+                rng = _rng_state()
+                rng_event = None if self._random_since_pack else len(self._packs) - 1
+                if rng_event is None:
+                    self._refuse(f"random call {begin.op!r} follows another random call with no saved tensor "
+                                 "between them: its RNG state has no hook to be read at")
+            member = _Member(func, tree_map(self._to_spec, (args, kwargs)), rng, [], rng_event)
             self.members.setdefault(begin.op, []).append(member)
+        if random:
+            self._random_since_pack = True
         out = func(*args, **kwargs)
         op = self.graph.op_by_name[begin.op]
         for index, name, t in self.numbering.end(func, out):
@@ -247,8 +425,7 @@ class PlanRun(TorchDispatchMode):
                 member.fresh.append((index, name))
             c = self.run_copy[name]
             self.current_copy[name] = c
-            if self.graph.tensors[name].saved:
-                self.ledger.track(t.untyped_storage(), c)
+            self.ledger.track(t.untyped_storage(), c, self.graph.tensors[name].saved)
             if c in self.held_copies:
                 self.held[c] = t.untyped_storage()
         self.ledger.poll(self.run_step[begin.op])
@@ -299,8 +476,11 @@ class PlanRun(TorchDispatchMode):
         try:
             for k in self.offloads_at[bucket]:
                 c = self.schedule.offload_copy[k]
-                source = self.held[c]
-                self.hosts[k] = (self.copies.offload(source), source.device)
+                source = self.held.get(c)
+                if source is None and self.fast:  # not packed yet: offloaded at its first pack
+                    self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
+                    continue
+                self.hosts[k] = (self.copies.offload(source, k), source.device)
                 self.report.offloads += 1
             for k in self.prefetches_at[bucket]:
                 host, device = self.hosts[self.schedule.prefetch_offload[k]]
@@ -317,7 +497,7 @@ class PlanRun(TorchDispatchMode):
     def _storage_of(self, c: int) -> torch.UntypedStorage:
         held = self.held.get(c)
         if held is None:
-            copy = self.schedule.copies[c]
+            copy = self.copy_records[c]
             raise PlanMismatchError(f"tensor {copy.tensor!r}: its {copy.source} copy is not held at this point")
         if isinstance(held, Copy):
             if not held.arrived():
@@ -335,6 +515,8 @@ class PlanRun(TorchDispatchMode):
         env: dict[str, torch.UntypedStorage] = {}
 
         def resolve(x: object) -> object:
+            if isinstance(x, InputRef):
+                return _view(self._step_inputs[x.index].untyped_storage(), x)
             if not isinstance(x, TensorRef):
                 return x
             storage = env.get(x.name)
@@ -342,6 +524,9 @@ class PlanRun(TorchDispatchMode):
                 c = self.current_copy.get(x.name)
                 if c is None:
                     raise PlanMismatchError(f"plan step {j} ({step.op!r}) reads {x.name!r}, which has no copy")
+                if not self.fast and self.copy_source[c] == "run" and x.name not in self._packed_names:
+                    self._refuse(f"plan step {j} ({step.op!r}) reads {x.name!r}, a tensor autograd does not save: "
+                                 "no saved-tensor hook hands it over")
                 storage = self._storage_of(c)
             return _view(storage, x)
 
@@ -350,11 +535,12 @@ class PlanRun(TorchDispatchMode):
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 for m in members:
-                    if m.rng is not None:
-                        torch.set_rng_state(m.rng[0])
-                        if m.rng[1] is not None:
-                            torch.cuda.set_rng_state(m.rng[1])
-                    args, kwargs = tree_map(resolve, m.spec, is_leaf=lambda x: isinstance(x, TensorRef))
+                    rng = m.rng if not self.fast or m.rng is None else self._fast_rng[m.rng_event]
+                    if rng is not None:
+                        torch.set_rng_state(rng[0])
+                        if rng[1] is not None:
+                            torch.cuda.set_rng_state(rng[1])
+                    args, kwargs = tree_map(resolve, m.spec, is_leaf=lambda x: isinstance(x, (TensorRef, InputRef)))
                     leaves = tree_leaves(m.func(*args, **kwargs))
                     for index, name in m.fresh:
                         env[name] = leaves[index].untyped_storage()
@@ -364,8 +550,7 @@ class PlanRun(TorchDispatchMode):
         for name, c in zip(step.outputs, self.schedule.step_writes[j], strict=True):
             self.held[c] = env[name]
             self.current_copy[name] = c
-            if self.graph.tensors[name].saved:
-                self.ledger.track(env[name], c)
+            self.ledger.track(env[name], c, self.graph.tensors[name].saved)
         self.report.recompute_steps += 1
         self.ledger.poll(j)
 
@@ -374,13 +559,17 @@ class PlanRun(TorchDispatchMode):
         if self.internal:
             return t
         name = self.numbering.name_of(t)
+        decision = None if name is None else self.plan.decisions.get(name)
+        position = self.pos if self.current is None else self.current + 1
+        self._packs.append(PackRecord(name, t.shape, t.dtype, decision, position))
+        self._random_since_pack = False
         if name is None:
             return t  # a weight or an input: not an activation of the graph
-        decision = self.plan.decisions.get(name)
         if decision is None:
             raise PlanMismatchError(
                 f"autograd saves tensor {name!r}, which graph {self.graph.name!r} does not list as saved"
             )
+        self._packed_names.add(name)
         if decision == Decision.KEEP:
             return t
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
@@ -389,15 +578,16 @@ class PlanRun(TorchDispatchMode):
         self.numbering.close_op()
         self._finish_current()
         self._advance_recomputes()
+        self._unpacks.append((self.pos, packed.name if isinstance(packed, TensorRef) else None))
         if not isinstance(packed, TensorRef):
             return packed
         c = self.current_copy[packed.name]
         wanted = "prefetch" if self.plan.decisions[packed.name] == Decision.SWAP else "recompute"
-        copy = self.schedule.copies[c]
-        if copy.source != wanted:
+        source = self.copy_source[c]
+        if source != wanted:
             raise PlanMismatchError(
                 f"autograd reads {packed.name!r} before plan step {self.pos} while its current copy is the "
-                f"{copy.source} copy, not a {wanted} copy: the plan places the {wanted} after the reader"
+                f"{source} copy, not a {wanted} copy: the plan places the {wanted} after the reader"
             )
         storage = self._storage_of(c)
         self.internal = True
@@ -407,12 +597,176 @@ class PlanRun(TorchDispatchMode):
             self.internal = False
 
 
+    # ----------------------------------------------------------------------------- recording
+    def _refuse(self, why: str) -> None:
+        if self._refusal is None:
+            self._refusal = why
+
+    def _finish_recording(self) -> Recording:
+        """After a complete verified step: what the hook-only steps need. Arguments of recomputed calls
+        that are not graph tensors must be parameters or buffers (the same storage every step) or
+        model inputs (taken from each step's forward pre-hook); anything else refuses."""
+        owned = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+        inputs = {t.untyped_storage().data_ptr(): i for i, t in enumerate(self._step_inputs)}
+
+        def external(x: object, op: str) -> object:
+            if not isinstance(x, torch.Tensor):
+                return x
+            ptr = x.untyped_storage().data_ptr()
+            if ptr in owned:
+                return x
+            if ptr in inputs:
+                return InputRef(inputs[ptr], x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+            self._refuse(f"the recompute of {op!r} reads a tensor that is neither a graph tensor, a parameter "
+                         "nor a model input")
+            return x
+
+        members = {
+            op: [replace(m, spec=tree_map(lambda x, op=op: external(x, op), m.spec,
+                                          is_leaf=lambda x: isinstance(x, TensorRef))) for m in ms]
+            for op, ms in self._last_members.items()
+        }
+        events = frozenset(m.rng_event for ms in members.values() for m in ms if m.rng is not None
+                           and m.rng_event is not None)
+        return Recording(tuple(self._packs), tuple(self._unpacks), members, events, self._refusal)
+
+    # ----------------------------------------------------------------------------- hook-only steps
+    def _enter_fast(self) -> None:
+        """A step on the saved-tensor hooks alone: no dispatch mode, cost per saved tensor."""
+        self.report = RunReport(verified=False)
+        self.ledger = _NoLedger()
+        self.pos = 0
+        self.current = None
+        self.current_copy = {}
+        self.held = {}
+        self.hosts = {}
+        self.members = self.recording.members
+        self.internal = False
+        self._fast_k = 0
+        self._fast_u = 0
+        self._next_action = 0
+        self._fast_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._deferred: dict[str, list[int]] = {}
+        self._step_inputs = []
+        if self.copies is None:
+            on_cuda = any(p.is_cuda for p in self.model.parameters())
+            self.copies = CudaCopies() if on_cuda else CpuCopies()
+        self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
+        self._hooks = contextlib.nullcontext()
+        if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._fast_pack, self._fast_unpack)
+        self._hooks.__enter__()
+        self._issue(0)
+
+    def _exit_fast(self, exc_type) -> None:
+        self._hooks.__exit__(None, None, None)
+        self._input_hook.remove()
+        try:
+            if exc_type is None:
+                self._fast_advance(len(self.plan.steps))
+                packs, unpacks = len(self.recording.packs), len(self.recording.unpacks)
+                if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
+                    raise PlanMismatchError(
+                        f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
+                        f"saved {packs} and read back {unpacks}: the code path changed (or backward did not run "
+                        "inside the context). Capture and plan again for the new code path"
+                    )
+        finally:
+            self.copies.close()
+            self.held.clear()
+            self.hosts.clear()
+            self._fast_rng.clear()
+            self._step_inputs = []
+
+    def _fast_advance(self, position: int) -> None:
+        """Steps before `position` have run: act at those of them where the plan does something
+        (recompute, issue a transfer, release a copy), skip the rest in O(1) each event."""
+        acts, i = self._action_steps, self._next_action
+        steps, held, release_after = self.plan.steps, self.held, self.release_after
+        offloads_at, prefetches_at = self.offloads_at, self.prefetches_at
+        while i < len(acts) and acts[i] < position:
+            j = acts[i]
+            self.pos = j
+            if steps[j].kind == StepKind.RECOMPUTE:
+                self._recompute(j)
+            if offloads_at[j + 1] or prefetches_at[j + 1]:
+                self._issue(j + 1)
+                self.copies.poll()
+            for c in release_after.get(j, ()):
+                held.pop(c, None)
+            self.pos = j + 1
+            i += 1
+        self._next_action = i
+        if position > self.pos:
+            self.pos = position
+
+    def _fast_pack(self, t: torch.Tensor) -> object:
+        k = self._fast_k
+        self._fast_k = k + 1
+        packs = self.recording.packs
+        if k >= len(packs) or t.dtype != packs[k].dtype or t.shape != packs[k].shape:
+            wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
+            raise PlanMismatchError(
+                f"autograd saves a {tuple(t.shape)} {t.dtype} tensor as saved tensor {k} of the step; the verified "
+                f"step saved {wanted} there: the code path changed (model, inputs, train/eval mode, a "
+                "data-dependent branch). Capture and plan again for the new code path"
+            )
+        rec = packs[k]
+        if k in self.recording.rng_events:
+            self._fast_rng[k] = _rng_state()
+        name = rec.name
+        if name is None:
+            return t
+        if name not in self.current_copy:  # its first pack: the run copy is now at hand
+            c = self.run_copy[name]
+            self.current_copy[name] = c
+            if c in self.held_copies:
+                self.held[c] = t.untyped_storage()
+                for o in self._deferred.pop(name, ()):
+                    self.hosts[o] = (self.copies.offload(self.held[c], o), t.device)
+                    self.report.offloads += 1
+        if rec.position > self.pos:
+            self._fast_advance(rec.position)
+        if rec.decision == Decision.KEEP:
+            return t
+        return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _fast_unpack(self, packed: object) -> torch.Tensor:
+        u = self._fast_u
+        self._fast_u = u + 1
+        unpacks = self.recording.unpacks
+        if u >= len(unpacks):
+            raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
+                                    f"{len(unpacks)}: the code path changed. Capture and plan again")
+        position, name = unpacks[u]
+        if position > self.pos:
+            self._fast_advance(position)
+        if not isinstance(packed, TensorRef):
+            return packed
+        if packed.name != name:
+            raise PlanMismatchError(f"backward read {packed.name!r} where the verified step read {name!r}: "
+                                    "backward ran in another order (the code path changed)")
+        c = self.current_copy[name]
+        storage = self._storage_of(c)
+        return _view(storage, packed)
+
+
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+
 def apply(
-    plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False
+    plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
+    accumulate: bool = False, verify: bool = False,
 ) -> PlanRun:
     """Context manager running one training step of `model` under `plan` (checked against `graph` now).
 
     `copies`: a copy engine (default: CUDA streams when the model is on a GPU, inline CPU copies
     otherwise). `trace`: keep the per-step live copies in the report, for `explain_ledger`.
+    `accumulate`: gradients already present are added to (micro-batches), bit for bit as plain
+    PyTorch accumulates them. The first step runs verified (dispatch modes: every ATen call checked
+    against the graph, the ledger measured) and records the pack order; later steps run on the
+    saved-tensor hooks alone (docs/runtime.md, "Hook-only steps"). `verify` or `trace`: every step
+    verified.
     """
-    return PlanRun(plan, graph, model, copies, trace)
+    return PlanRun(plan, graph, model, copies, trace, accumulate, verify)

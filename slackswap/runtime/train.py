@@ -2,8 +2,10 @@
 
 The library side of `python -m pipelines.train` (which adds Hydra and MLflow) and of
 `benchmarks/gpu_validate.py`. Measured peak: `torch.cuda.max_memory_allocated` over the step on
-CUDA (everything the step allocates: weights, gradients, optimizer state, activations); the
-runtime's saved-bytes ledger on the CPU, where no allocator counts.
+CUDA (everything the step allocates: weights, gradients, optimizer state, activations); on the CPU,
+where no allocator counts, the runtime's ledger of every device storage of a graph tensor
+(`RunReport.device_peak_bytes`: activations, the model's temporaries, activation gradients,
+recomputed and prefetched copies), which is what the simulator's `peak_activation_bytes` predicts.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from slackswap.graph import Graph
 from slackswap.plan import Plan
 from slackswap.runtime.executor import RunReport, apply
-from slackswap.runtime.models import Workload, token_loss
+from slackswap.runtime.training_workload import Workload, token_loss
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,31 @@ def gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> Grad
     return GradCheck(exact, float(plain_loss), float(plan_loss), max(diffs), run.report)
 
 
+@dataclass(frozen=True)
+class CompiledGradCheck:
+    """A plain eager step against the plan exported to PyTorch and compiled (train.executor=compile)."""
+
+    bit_exact: bool
+    max_abs_diff: float
+    #: Decisions PyTorch's machinery executes otherwise (`slackswap.runtime.export.ExportDifference`).
+    differences: tuple
+
+
+def compiled_gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> CompiledGradCheck:
+    from slackswap.runtime.export import PlanExport, partition_differences, recording_backend
+
+    plain_loss, plain = _grad_step(w, w.batch, seed)
+    export = PlanExport(plan, graph, w.model)
+    backend, partitions = recording_backend()
+    with export.installed(w.model, compile=True, backend=backend):
+        plan_loss, planned = _grad_step(w, w.batch, seed)
+    diffs = [float((plain_loss - plan_loss).abs())]
+    diffs += [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned, strict=True)]
+    exact = torch.equal(plain_loss, plan_loss) and all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    differences = tuple(export.static_differences() + partition_differences(export, partitions))
+    return CompiledGradCheck(exact, max(diffs), differences)
+
+
 def train_steps(
     w: Workload,
     graph: Graph,
@@ -82,12 +109,27 @@ def train_steps(
     lr: float,
     seed: int,
     on_step: Callable[[StepRecord], None] | None = None,
+    executor: str = "eager",
 ) -> list[StepRecord]:
-    """`steps` AdamW steps on fresh random token batches (same shape), under `plan` (None: plain)."""
+    """`steps` AdamW steps on fresh random token batches (same shape), under `plan` (None: plain).
+
+    `executor`: "eager" runs each step under `apply`; "compile" installs the plan's export once
+    (per-layer selective checkpointing, torch.compile'd; compiled on the first step)."""
+    with contextlib.ExitStack() as stack:
+        run = None
+        if plan is not None and executor == "compile":
+            from slackswap.runtime.export import PlanExport
+
+            stack.enter_context(PlanExport(plan, graph, w.model).installed(w.model, compile=True))
+        elif plan is not None:
+            run = apply(plan, graph, w.model)
+        return _steps(w, run, steps, lr, seed, on_step)
+
+
+def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step) -> list[StepRecord]:
     device = w.batch.device
     optimizer = torch.optim.AdamW(w.model.parameters(), lr=lr)
     generator = torch.Generator(device=device).manual_seed(seed)
-    run = None if plan is None else apply(plan, graph, w.model)
     records = []
     for i in range(steps):
         batch = torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=device)
@@ -103,7 +145,7 @@ def train_steps(
         step_s = time.perf_counter() - t0
         optimizer.step()
         report = run.report if run is not None else RunReport()
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.ledger_peak_bytes
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.device_peak_bytes
         record = StepRecord(i, float(loss.detach()), step_s, int(peak), report.ledger_peak_bytes, report)
         records.append(record)
         if on_step is not None:

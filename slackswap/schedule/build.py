@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from slackswap.errors import ConfigError, PlanValidationError
-from slackswap.graph import FORWARD_PHASES, Graph, Phase
+from slackswap.graph import FORWARD_PHASES, Graph, GraphMemo, Phase
 from slackswap.hardware import Hardware
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
 from slackswap.schedule.transfer import h2d_s
@@ -83,32 +83,29 @@ def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> di
     return out
 
 
-def _saved_forward(graph: Graph) -> dict[str, bool]:
-    """Saved tensor -> produced by a forward (or loss) op. Cached on the graph: planners build many
-    schedules of one graph (a frozen dataclass; the cache is derived data, like its cached_property)."""
-    cached = graph.__dict__.get("_saved_forward")
-    if cached is None:
-        cached = {
-            t.name: graph.op_by_name[t.producer].phase in FORWARD_PHASES for t in graph.saved_tensors
-        }
-        graph.__dict__["_saved_forward"] = cached
-    return cached
+def _build_saved_forward(graph: Graph) -> dict[str, bool]:
+    return {t.name: graph.op_by_name[t.producer].phase in FORWARD_PHASES for t in graph.saved_tensors}
 
 
-def _run_steps(graph: Graph) -> tuple[list[ComputeStep], list[tuple[ComputeStep, tuple[str, ...]]], set[str]]:
-    """(forward run steps, (run step, inputs) of every other op, forward tensors), cached on the graph.
-    ComputeStep is immutable, so every schedule of the graph shares these objects."""
-    cached = graph.__dict__.get("_run_steps")
-    if cached is None:
-        forward = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
-        rest = [
-            (ComputeStep(op.name, StepKind.RUN, op.outputs), op.inputs)
-            for op in graph.ops
-            if op.phase not in FORWARD_PHASES
-        ]
-        forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
-        cached = graph.__dict__["_run_steps"] = (forward, rest, forward_tensors)
-    return cached
+#: Saved tensor -> produced by a forward (or loss) op; once per graph: planners build many schedules of one.
+_saved_forward: GraphMemo[dict[str, bool]] = GraphMemo(_build_saved_forward)
+
+
+def _build_run_steps(graph: Graph) -> tuple[list[ComputeStep], list[tuple[ComputeStep, tuple[str, ...]]], set[str]]:
+    forward = [ComputeStep(op.name, StepKind.RUN, op.outputs) for op in graph.ops if op.phase in FORWARD_PHASES]
+    rest = [
+        (ComputeStep(op.name, StepKind.RUN, op.outputs), op.inputs)
+        for op in graph.ops
+        if op.phase not in FORWARD_PHASES
+    ]
+    forward_tensors = {t for op in graph.ops if op.phase in FORWARD_PHASES for t in op.outputs}
+    return forward, rest, forward_tensors
+
+
+#: (forward run steps, (run step, inputs) of every other op, forward tensors), once per graph. ComputeStep
+#: is immutable, so every schedule of the graph shares these objects.
+_run_steps: GraphMemo[tuple[list[ComputeStep], list[tuple[ComputeStep, tuple[str, ...]]], set[str]]] = GraphMemo(
+    _build_run_steps)
 
 
 def build_schedule(
@@ -190,21 +187,20 @@ def _regenerate(
         available.update(outputs)
 
 
-def _forward_facts(graph: Graph) -> tuple[int, dict[str, int], dict[str, int], dict[str, float]]:
-    """(forward step count, last forward reader or producer per tensor over the forward steps, forward
-    op -> its step index, op -> duration), cached on the graph: the forward steps of every schedule
-    are the same run steps in graph order."""
-    cached = graph.__dict__.get("_forward_facts")
-    if cached is None:
-        forward_ops = [op for op in graph.ops if op.phase in FORWARD_PHASES]
-        last_fwd: dict[str, int] = {}
-        for i, op in enumerate(forward_ops):
-            for t in (*op.inputs, *op.outputs):
-                last_fwd[t] = i
-        index = {op.name: i for i, op in enumerate(forward_ops)}
-        duration = {op.name: op.duration_s for op in graph.ops}
-        cached = graph.__dict__["_forward_facts"] = (len(forward_ops), last_fwd, index, duration)
-    return cached
+def _build_forward_facts(graph: Graph) -> tuple[int, dict[str, int], dict[str, int]]:
+    forward_ops = [op for op in graph.ops if op.phase in FORWARD_PHASES]
+    last_fwd: dict[str, int] = {}
+    for i, op in enumerate(forward_ops):
+        for t in (*op.inputs, *op.outputs):
+            last_fwd[t] = i
+    index = {op.name: i for i, op in enumerate(forward_ops)}
+    return len(forward_ops), last_fwd, index
+
+
+#: (forward step count, last forward reader or producer per tensor over the forward steps, forward op
+#: -> its step index), once per graph: the forward steps of every schedule are the same run steps in
+#: graph order.
+_forward_facts: GraphMemo[tuple[int, dict[str, int], dict[str, int]]] = GraphMemo(_build_forward_facts)
 
 
 def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple[int, dict[str, int], dict[str, int]]:
@@ -212,7 +208,7 @@ def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple
 
     A tensor produced after the forward pass (a gradient read by a later backward op) has its
     producer step as "last forward reader": its offload and prefetch both happen in backward."""
-    n_fwd, forward_last, _, _ = _forward_facts(graph)
+    n_fwd, forward_last, _ = _forward_facts(graph)
     last_fwd = dict(forward_last)
     first_bwd: dict[str, int] = {}
     distinct_inputs = graph.distinct_inputs
@@ -297,7 +293,7 @@ def _alap_issue(
     first_bwd: Mapping[str, int],
     lead_s: float,
 ) -> dict[str, int]:
-    duration = _forward_facts(graph)[3]
+    duration = graph.op_duration_s
     durations = [duration[step.op] for step in steps]
     ends: list[float] = []
     now = 0.0

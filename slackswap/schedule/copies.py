@@ -4,7 +4,7 @@
 (made by a run step, a recompute step or a prefetch): who reads it, the offload that moves it, the
 copy an alias holds, and when its storage can really be freed. Those facts are the single input of
 every executor's free rule: the simulator's engine (`slackswap.simulate.engine`), the planners'
-replay (`schedule.replay`), the allocator replay (`slackswap.memory.replay`) and the runtime
+replay (`schedule.replay`), the allocator replay (`slackswap.memory.allocator_replay`) and the runtime
 (`slackswap.runtime`). None of them re-derives when a storage dies. The rules a plan must satisfy
 are checked around the walk in `schedule.validate` (`resolve_schedule` is the entry point).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from slackswap.errors import PlanValidationError
-from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph
+from slackswap.graph import FORWARD_PHASES, RNG_STATE_BYTES, Graph, GraphMemo
 from slackswap.plan import Decision, Plan, StepKind
 
 
@@ -219,26 +219,24 @@ def step_name(plan: Plan, j: int) -> str:
 
 def _walk_tables(graph: Graph) -> tuple[dict[str, tuple[str, ...]], dict[str, int], dict[str, str]]:
     """(op -> distinct inputs, tensor -> bytes, tensor -> base ("" when it owns its storage)) as plain
-    dicts, cached on the graph (derived data of a frozen object, like its cached properties): the walk
-    looks them up for every step of every plan."""
+    dicts, computed once per graph (`graph_tables`): the walk looks them up for every step of every plan."""
     return graph_tables(graph)[:3]
 
 
-def graph_tables(graph: Graph) -> tuple:
-    """`_walk_tables`, then what the checks look up per step or tensor: op name -> Op (a plain dict),
-    the names of the forward ops, and the names of the saved tensors (frozensets)."""
-    cached = graph.__dict__.get("_validate_tables")
-    if cached is None:
-        cached = (
-            dict(graph.distinct_inputs),
-            dict(graph.size_bytes_of),
-            {name: t.base for name, t in graph.tensors.items()},
-            dict(graph.op_by_name),
-            frozenset(op.name for op in graph.ops if op.phase in FORWARD_PHASES),
-            frozenset(t.name for t in graph.saved_tensors),
-        )
-        graph.__dict__["_validate_tables"] = cached
-    return cached
+def _build_graph_tables(graph: Graph) -> tuple:
+    return (
+        dict(graph.distinct_inputs),
+        dict(graph.size_bytes_of),
+        {name: t.base for name, t in graph.tensors.items()},
+        dict(graph.op_by_name),
+        frozenset(op.name for op in graph.ops if op.phase in FORWARD_PHASES),
+        frozenset(t.name for t in graph.saved_tensors),
+    )
+
+
+#: `_walk_tables`, then what the checks look up per step or tensor: op name -> Op (a plain dict), the
+#: names of the forward ops, and the names of the saved tensors (frozensets); once per graph.
+graph_tables: GraphMemo[tuple] = GraphMemo(_build_graph_tables)
 
 
 def resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> ResolvedSchedule:
@@ -410,6 +408,18 @@ def resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Reso
 
     prefetch_offload = tuple([offload_of[tr.tensor] for tr in plan.prefetches])
 
+    # The model's own references: a run copy of a tensor the model's code holds lives until the run
+    # step of the op after which the code drops it (before the alias walk, so a held view keeps its
+    # base's storage too).
+    has_holds = graph.has_holds
+    if has_holds:
+        held_until = {name: t.held_until for name, t in graph.tensors.items() if t.held_until}
+        run_step_of = {st.op: i for i, st in enumerate(steps) if st.kind != recompute}
+        for c in range(n_copies):
+            hold = held_until.get(c_tensor[c])
+            if hold is not None and c_source[c] == "run":
+                last_use[c] = max(last_use[c], run_step_of[hold])
+
     # The free rule with aliases: a copy lives until its last reader, its offload and every alias
     # holding it are done (the offloads: `copy_wait_offloads`). An alias is made after the copy it
     # holds, so one backward walk settles the last use.
@@ -439,7 +449,7 @@ def resolve_copies(graph: Graph, plan: Plan, offload_of: dict[str, int]) -> Reso
         prefetched_read_copies=tuple(prefetched_read_copies),
         offload_bytes=tuple([size_of[tr.tensor] for tr in plan.offloads]),
         prefetch_bytes=tuple([size_of[tr.tensor] for tr in plan.prefetches]),
-        extended_last_use=has_aliases,
+        extended_last_use=has_aliases or has_holds,
     )
 
 

@@ -35,7 +35,7 @@ from slackswap.errors import PlanValidationError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan, StepKind
-from slackswap.schedule.memory import free_time_s
+from slackswap.schedule.free_rule import free_time_s
 from slackswap.schedule.transfer import CopyQueue, d2h_s, h2d_s
 from slackswap.schedule.validate import resolve_schedule
 
@@ -106,18 +106,9 @@ def peak_bytes(alloc_s: Sequence[float], free_s: Sequence[float], size_bytes: Se
     return int(at_alloc[first_max]), float(times[order][is_alloc[order]][first_max])
 
 
-def _durations(graph: Graph) -> dict[str, float]:
-    """Op name -> duration, cached on the graph (derived data of a frozen object): one lookup per
-    step instead of the op record and its attribute."""
-    cached = graph.__dict__.get("_replay_durations")
-    if cached is None:
-        cached = graph.__dict__["_replay_durations"] = {op.name: op.duration_s for op in graph.ops}
-    return cached
-
-
 def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
     s = resolve_schedule(graph, plan)
-    duration_of = _durations(graph)
+    duration_of = graph.op_duration_s
     n_steps = len(plan.steps)
     n_off, n_pre = len(plan.offloads), len(plan.prefetches)
     copy_size = s.copy_size

@@ -6,7 +6,7 @@ dict live in `trace`, `timeline` and `metrics` (timeline imports matplotlib lazi
 """
 
 from slackswap.schedule.validate import resolve_schedule, validate_plan
-from slackswap.simulate.engine import simulate, transfer_duration_s
+from slackswap.simulate.engine import simulate
 from slackswap.simulate.result import Infeasibility, SimResult, TraceEvent
 
 __all__ = [
@@ -15,6 +15,5 @@ __all__ = [
     "TraceEvent",
     "resolve_schedule",
     "simulate",
-    "transfer_duration_s",
     "validate_plan",
 ]

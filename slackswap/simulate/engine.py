@@ -9,19 +9,24 @@ in local variables of one function (attribute and method lookups were most of th
 object-per-event loop). What it records per event is what the run decides (start, end, a step's
 waits, a copy's engine), stored by index into preallocated lists; `EventLog` makes TraceEvents of
 them on first use (building one per event in the loop cost more than the scheduling). The busy time
-and bytes of each copy direction are summed as copies start (they start in time order).
+and bytes of each copy direction are computed once after the loop from the recorded copy intervals
+(`_busy_s`). The loop's steps are named in it: settle (start the offloads, the head prefetch and the
+next step that can start), advance to the next instant, and apply that instant's completions (a
+copy's or the running step's end); the free step is `_free`, and naming what a stalled run waits
+for is `_stalled`.
 
-The rules come from `slackswap.schedule` (copy resolution, transfer durations, the free rule of
-`schedule.memory`), as for the planners' replay. Facts of the plan that the schedule fixes are used
-instead of being tracked at run time:
+The rules come from `slackswap.schedule` (the copy resolver's facts in `ResolvedSchedule`, transfer
+durations), as for the planners' replay. Facts of the plan that the schedule fixes are used instead
+of being tracked at run time:
 - a copy produced by a step is resident by the time any later step starts (steps finish in order),
   so a step only ever waits for the prefetched copies it reads;
 - the readers of a copy finish in step order, so the free rule's "every reader has finished" holds
   when its *last* reader finishes: the copy is freed then, or when its offload completes if that is
   later (no per-copy reader counter). An alias copy (a view) owns no bytes and keeps the copy it
-  holds alive: the resolver folds that into `copy_last_use` (the last step reading the copy or an
-  alias of it), and an offload's completion counts for the copy it moved and every copy up its
-  `copy_holds` chain, so the loop stays the same.
+  holds alive, and a copy the model's code holds lives until the step it holds it to: the resolver
+  folds both into `copy_last_use`, lists the copies a step releases without reading them in
+  `released_after`, and the copies waiting for each offload in `offload_waiters` (the copy it moved
+  and every copy up its `copy_holds` chain), so the loop stays the same.
 
 Per time instant the loop first applies every completion at that time (frees, readiness), in the
 order they were created (the running step carries its creation number), then starts what can start
@@ -47,7 +52,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.schedule.copies import ResolvedSchedule
-from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
+from slackswap.schedule.transfer import d2h_s, h2d_s
 from slackswap.schedule.validate import resolve_schedule
 from slackswap.simulate.result import EventLog, Infeasibility, SimResult
 
@@ -68,28 +73,24 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
     return _execute(graph, plan, hardware, budget_bytes, schedule)
 
 
-#: The one transfer formula (slackswap.schedule.transfer), under the name this module exported.
-transfer_duration_s = transfer_s
-
-
-def _durations(graph: Graph) -> dict[str, float]:
-    """Op name -> duration_s as a plain dict, cached on the graph (derived data of a frozen object, like
-    its cached properties): the engine looks it up for every step of every plan."""
-    cached = graph.__dict__.get("_durations_s")
-    if cached is None:
-        cached = graph.__dict__["_durations_s"] = {op.name: op.duration_s for op in graph.ops}
-    return cached
+def _free(size: int, now: float, in_use: int, mem_t: list[float], mem_b: list[int]) -> int:
+    """The free step: a copy gives its `size` bytes back at `now`; the memory curve records the new
+    total (a zero-byte copy, an alias, changes nothing). Returns the bytes in use."""
+    if size:
+        in_use -= size
+        mem_t.append(now)
+        mem_b.append(in_use)
+    return in_use
 
 
 def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | None, s: ResolvedSchedule) -> SimResult:
     budget = math.inf if budget_bytes is None else budget_bytes
     steps = plan.steps
     n_steps = len(steps)
-    duration_of = _durations(graph)
+    duration_of = graph.op_duration_s
     read_copies = s.read_copies
     read_starts = s.read_starts
     copy_size = s.copy_size
-    copy_tensor = s.copy_tensor
     n_copies = len(copy_size)
     step_alloc = s.step_alloc_bytes
     last_use = s.copy_last_use
@@ -260,22 +261,14 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                     for c in offload_waiters[index]:
                         offloads_left[c] -= 1
                         if readers_done[c] and not offloads_left[c]:
-                            size = copy_size[c]
-                            if size:
-                                in_use -= size
-                                mem_t.append(now)
-                                mem_b.append(in_use)
+                            in_use = _free(copy_size[c], now, in_use, mem_t, mem_b)
                 else:
                     c = pre_copy[index]
                     produced[c] = True
                     ready_s[c] = now
                     heappush(h2d_free, engine)
-                    if last_use[c] < 0:
-                        size = copy_size[c]
-                        if size:
-                            in_use -= size
-                            mem_t.append(now)
-                            mem_b.append(in_use)
+                    if last_use[c] < 0:  # nobody reads it: freed when it lands
+                        in_use = _free(copy_size[c], now, in_use, mem_t, mem_b)
             elif step_due:
                 step_due = step_running = False
                 j = last_done = next_step - 1
@@ -285,42 +278,23 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
                         if offloads_left[c]:
                             readers_done[c] = True  # freed when its offloads complete
                         else:
-                            size = copy_size[c]
-                            if size:
-                                in_use -= size
-                                mem_t.append(now)
-                                mem_b.append(in_use)
+                            in_use = _free(copy_size[c], now, in_use, mem_t, mem_b)
                 for c in released_after[j]:
                     if offloads_left[c]:
                         readers_done[c] = True
                     else:
-                        size = copy_size[c]
-                        if size:
-                            in_use -= size
-                            mem_t.append(now)
-                            mem_b.append(in_use)
+                        in_use = _free(copy_size[c], now, in_use, mem_t, mem_b)
             else:
                 break
 
     infeasibility = None
     if next_step < n_steps or next_off < n_off or next_pre < n_pre:
-        # Nothing is in flight and work remains: name the first waiting request in plan order.
-        if next_pre < n_pre and h2d_free and pre_issue[next_pre] <= last_done and off_finished[pre_offload[next_pre]]:
-            c = pre_copy[next_pre]
-            first_reader = s.prefetch_readers[next_pre][0]
-            infeasibility = Infeasibility("prefetch", (copy_tensor[c],), first_reader, steps[first_reader].op,
-                                          copy_size[c], in_use, budget_bytes, now)
-        elif next_step < n_steps and not step_running and all(
-            produced[c] for j, c in zip(late_steps, late_copies, strict=False) if j == next_step
-        ):
-            step = steps[next_step]
-            infeasibility = Infeasibility("step", tuple(step.outputs), next_step, step.op, step_alloc[next_step],
-                                          in_use, budget_bytes, now)
-        else:
-            raise SlackSwapError(
-                f"simulator stalled at t={now} with no memory request pending (step {next_step}, "
-                f"offload {next_off}, prefetch {next_pre}); validation should have rejected this plan"
-            )
+        infeasibility = _stalled(
+            s, steps, budget_bytes, now, in_use, next_step=next_step, next_off=next_off, next_pre=next_pre,
+            step_running=step_running, prefetch_ready=bool(h2d_free) and next_pre < n_pre
+            and pre_issue[next_pre] <= last_done and off_finished[pre_offload[next_pre]],
+            late_steps=late_steps, late_copies=late_copies, produced=produced,
+        )
     # The end of the last event: steps end in order, copies of a direction may not (several engines).
     end_s = max([step_stop[next_step - 1] if next_step else 0.0, *off_end[:next_off], *pre_end[:next_pre]])
     decided = Counter(plan.decisions.values())
@@ -353,6 +327,31 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
         swapped_tensors=decided[Decision.SWAP],
         recomputed_tensors=decided[Decision.RECOMPUTE],
         bound_step_s=plan.bound_step_s,
+    )
+
+
+def _stalled(
+    s: ResolvedSchedule, steps, budget_bytes: int | None, now: float, in_use: int, *, next_step: int,
+    next_off: int, next_pre: int, step_running: bool, prefetch_ready: bool, late_steps, late_copies, produced,
+) -> Infeasibility:
+    """Nothing is in flight and work remains: name the first waiting memory request in plan order (the
+    head prefetch, if it is ready, else the next step if its inputs are there). Anything else means
+    validation let a deadlocking plan through."""
+    copy_size = s.copy_size
+    if prefetch_ready:
+        c = s.prefetch_copy[next_pre]
+        first_reader = s.prefetch_readers[next_pre][0]
+        return Infeasibility("prefetch", (s.copy_tensor[c],), first_reader, steps[first_reader].op,
+                             copy_size[c], in_use, budget_bytes, now)
+    if next_step < len(steps) and not step_running and all(
+        produced[c] for j, c in zip(late_steps, late_copies, strict=False) if j == next_step
+    ):
+        step = steps[next_step]
+        return Infeasibility("step", tuple(step.outputs), next_step, step.op, s.step_alloc_bytes[next_step],
+                             in_use, budget_bytes, now)
+    raise SlackSwapError(
+        f"simulator stalled at t={now} with no memory request pending (step {next_step}, "
+        f"offload {next_off}, prefetch {next_pre}); validation should have rejected this plan"
     )
 
 

@@ -59,6 +59,9 @@ PLAN_NODE_LIMIT = 5
 @register_planner("milp")
 class MilpPlanner:
     name = "milp"
+    #: An infeasible milp run reports no floor: each bisection probe would be a MILP solve (seconds to
+    #: minutes on the presets), about 20 of them (`slackswap.experiment.floor`).
+    floor_by_bisection = False
 
     def __init__(
         self,
@@ -158,7 +161,7 @@ class MilpPlanner:
         problem = self._problem(graph, hardware, budget_bytes, plan_rules=False)
         reason = infeasibility_reason(problem, budget_bytes, tuple(op.name for op in graph.ops))
         if reason is not None:
-            raise InfeasibleBudgetError(reason, min_feasible_bytes=max(problem.floor_bytes))
+            raise InfeasibleBudgetError(reason)
         if self._exact(graph):
             exact = solve(
                 problem, integral=True, node_limit=self.node_limit, time_limit_s=self.time_limit_s,

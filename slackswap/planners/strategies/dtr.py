@@ -401,8 +401,7 @@ class Dtr:
                 raise InfeasibleBudgetError(
                     f"dtr: at op {exc.op!r} the device holds {gib(exc.in_use_bytes)} > {gib(replay_budget)} "
                     f"(budget {gib(budget_bytes)}{lowered}) and every resident tensor is in use, a gradient, "
-                    "or still read by the forward pass",
-                    min_feasible_bytes=peak,
+                    "or still read by the forward pass"
                 ) from None
             decisions = dict(keep)
             decisions.update(dict.fromkeys(victims, Decision.RECOMPUTE))
@@ -420,6 +419,5 @@ class Dtr:
                 break
         raise InfeasibleBudgetError(
             f"dtr: after {round_ + 1} replay(s) the plan of DTR's evictions still peaks at {gib(peak)} > budget "
-            f"{gib(budget_bytes)} (each round lowers the replay budget by the excess)",
-            min_feasible_bytes=peak,
+            f"{gib(budget_bytes)} (each round lowers the replay budget by the excess)"
         )

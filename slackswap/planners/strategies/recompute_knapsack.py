@@ -105,11 +105,9 @@ class RecomputeKnapsack:
         for round_ in range(self.max_rounds):
             chosen = solve_knapsack(sizes, costs, need)
             if chosen is None:
-                raise InfeasibleBudgetError(
-                    f"recompute_knapsack: budget {gib(budget_bytes)} needs {gib(need)} freed, more than the "
-                    f"{gib(sum(sizes))} of recomputable activations (last plan peaked at {gib(peak)})",
-                    min_feasible_bytes=None,
-                )
+                why = (f"needs {gib(need)} freed, more than the {gib(sum(sizes))} of recomputable activations "
+                       f"(last plan peaked at {gib(peak)})")
+                return self._recompute_all(graph, hardware, budget_bytes, keep, candidates, peak_of_set, why)
             seen = peak_of_set.get(frozenset(chosen))
             if seen is not None:
                 peak = seen
@@ -126,7 +124,27 @@ class RecomputeKnapsack:
                 return plan
             peak_of_set[frozenset(chosen)] = peak
             need += peak - budget_bytes
+        why = f"after {self.max_rounds} rounds the plan still peaks at {gib(peak)}"
+        return self._recompute_all(graph, hardware, budget_bytes, keep, candidates, peak_of_set, why)
+
+    def _recompute_all(self, graph, hardware, budget_bytes, keep, candidates, peak_of_set, why: str) -> Plan:
+        """The strategy's most frugal plan, every candidate recomputed (what PyTorch's partitioner does at
+        a budget of 0), when the knapsack rounds end without a fit. Without it feasibility was not
+        monotone in the budget: the rounds' growing requirement could overshoot every set at one budget
+        while a lower budget's rounds found a fit (docs/planners.md, "Floors"). Plans the rounds find are
+        unchanged."""
+        everything = frozenset(range(len(candidates)))
+        peak = peak_of_set.get(everything)
+        if peak is None:
+            decisions = dict(keep)
+            decisions.update(dict.fromkeys(candidates, Decision.RECOMPUTE))
+            plan, peak = scheduled_peak(
+                graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
+                notes={"knapsack_fallback": "recompute every candidate"},
+            )
+            if peak <= budget_bytes:
+                return plan
         raise InfeasibleBudgetError(
-            f"recompute_knapsack: after {self.max_rounds} rounds the plan still peaks at {gib(peak)} "
-            f"above the budget {gib(budget_bytes)}"
+            f"recompute_knapsack: budget {gib(budget_bytes)}: the knapsack {why}, and recomputing every "
+            f"candidate still peaks above the budget"
         )

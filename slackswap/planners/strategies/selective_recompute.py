@@ -59,5 +59,5 @@ class SelectiveRecompute:
         unit_bytes = [sum(graph.tensors[t].size_bytes for t in core[layer]) for layer in layers]
         plan = smallest_fitting_count(n, probe, budget_bytes, unit_bytes)
         if plan is None:
-            raise over_budget(self.name, budget_bytes, probe(n)[1], f"recomputing the attention core in all {n} layers")
+            raise over_budget(self.name, budget_bytes, f"recomputing the attention core in all {n} layers")
         return plan

@@ -91,7 +91,7 @@ class SwapOnly:
         waits = "even waiting for memory, the simulator cannot run it" if self.memory_waits else (
             "it would have to wait for memory (memory_waits: false)")
         raise over_budget(
-            self.name, budget_bytes, probe(n)[1], f"offloading all {n} layers without waiting",
+            self.name, budget_bytes, f"offloading all {n} layers without waiting",
             f", and {waits}: it offloads {gib(offload)} but the {analysis.forward_window_s * 1e3:.1f} ms forward "
             f"pass can hide only {gib(hideable)} at {link.d2h_effective_bytes_per_s / 1e9:.1f} GB/s",
         )

@@ -25,7 +25,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from slackswap.graph import FORWARD_PHASES, Graph
+from slackswap.graph import FORWARD_PHASES, Graph, GraphMemo
 from slackswap.hardware import Hardware
 from slackswap.schedule.build import keep_all_plan
 from slackswap.schedule.replay import PlanTimeline, estimate_plan
@@ -115,18 +115,18 @@ def regen_walk(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[set
     return ops, frontier
 
 
-def walk_table(graph: Graph) -> dict[str, tuple[str, tuple[tuple[str, bool], ...]]]:
-    """Tensor -> (its producer op, that op's inputs each with whether it is saved), cached on the
-    graph (derived data of a frozen object): DTR walks chains after every eviction, and on traced
-    graphs, where evicted regions chain across layers, those walks are most of its time."""
-    cached = graph.__dict__.get("_regen_walk_table")
-    if cached is None:
-        tensors, op_by_name = graph.tensors, graph.op_by_name
-        cached = graph.__dict__["_regen_walk_table"] = {
-            name: (t.producer, tuple((i, tensors[i].saved) for i in op_by_name[t.producer].inputs))
-            for name, t in tensors.items()
-        }
-    return cached
+def _build_walk_table(graph: Graph) -> dict[str, tuple[str, tuple[tuple[str, bool], ...]]]:
+    tensors, op_by_name = graph.tensors, graph.op_by_name
+    return {
+        name: (t.producer, tuple((i, tensors[i].saved) for i in op_by_name[t.producer].inputs))
+        for name, t in tensors.items()
+    }
+
+
+#: Tensor -> (its producer op, that op's inputs each with whether it is saved), once per graph: DTR walks
+#: chains after every eviction, and on traced graphs, where evicted regions chain across layers, those
+#: walks are most of its time.
+walk_table: GraphMemo[dict[str, tuple[str, tuple[tuple[str, bool], ...]]]] = GraphMemo(_build_walk_table)
 
 
 def regen_chain(graph: Graph, tensor: str, missing: Collection[str]) -> tuple[str, ...]:
@@ -154,7 +154,7 @@ def analyse(graph: Graph, hardware: Hardware) -> ProfileAnalysis:
         chain = regen_chain(graph, t.name, ())
         infos[t.name] = TensorInfo(
             name=t.name,
-            size_bytes=graph.owned_bytes(t.name),
+            size_bytes=graph.drop_bytes_of[t.name],
             layer=producer.layer,
             ready_s=timeline.step_end_s[graph.op_index[t.producer]],
             first_backward_use_s=first_bwd[t.name],

@@ -34,12 +34,13 @@ def scheduled_peak(
     return plan, estimate_plan(graph, plan, hardware).peak_bytes
 
 
-def over_budget(planner: str, budget_bytes: int, peak_bytes: int, what: str, detail: str = "") -> InfeasibleBudgetError:
-    """The error for "the most frugal plan this strategy has (`what`) still peaks above the budget"."""
-    return InfeasibleBudgetError(
-        f"{planner}: budget {gib(budget_bytes)} is below the {gib(peak_bytes)} that {what} reaches{detail}",
-        min_feasible_bytes=peak_bytes,
-    )
+def over_budget(planner: str, budget_bytes: int, what: str, detail: str = "") -> InfeasibleBudgetError:
+    """The error for "the most frugal plan this strategy has (`what`) still peaks above the budget".
+
+    It names no floor: the peak of the last candidate tried is not the least the planner reaches at
+    another budget (docs/planners.md, "Floors"); the experiment layer finds that by bisection.
+    """
+    return InfeasibleBudgetError(f"{planner}: budget {gib(budget_bytes)}: {what} still peaks above it{detail}")
 
 
 def build_within_budget(
@@ -57,5 +58,5 @@ def build_within_budget(
         graph, decisions, planner=planner, budget_bytes=budget_bytes, hardware=hardware, **options
     )
     if budget_bytes is not None and peak > budget_bytes:
-        raise over_budget(planner, budget_bytes, peak, what)
+        raise over_budget(planner, budget_bytes, what)
     return plan

@@ -137,7 +137,7 @@ def fit_prefix(
         return None
 
     def infeasible() -> InfeasibleBudgetError:
-        return over_budget(planner, budget_bytes, probe(n)[1], what or "its most frugal plan")
+        return over_budget(planner, budget_bytes, what or "its most frugal plan")
 
     # Byte-count guess: the first k whose bytes, with what `base` already frees, cover the excess.
     excess = analysis.keep_all_peak_bytes - budget_bytes - sum(

@@ -14,7 +14,7 @@ from typing import Any
 
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
-from slackswap.memory.training import TrainingConfig
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.profile.torch.spec import TorchSpec
 

@@ -16,8 +16,8 @@ from collections import Counter, defaultdict
 
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import optimizer_step_moved_bytes
-from slackswap.memory.training import TrainingConfig
 from slackswap.profile import default_training, state_bytes_per_param
 from slackswap.profile.timing import op_duration_s
 from slackswap.profile.torch.tracer import Trace
@@ -30,11 +30,6 @@ _FUSED_ATTENTION = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
 })
-
-
-#: Whether slackswap.graph has issue 13's fields for real programs (Op.random/writes/attention_core,
-#: Tensor.base). Until it does, an in-place write is only a read of the storage and the flags are dropped.
-_REAL_PROGRAM_FIELDS = "writes" in Op.__dataclass_fields__
 
 
 def op_name(index: int, phase: Phase, module: str, aten: str) -> str:
@@ -63,6 +58,30 @@ def forward_roles(trace: Trace) -> dict[int, str]:
     return roles
 
 
+def _held_until(trace: Trace, graph_keys: set[int], names: dict[int, str]) -> dict[str, str]:
+    """Tensor name -> the op after which eager execution released its storage, where that is later
+    than every op of its own phase that touches the storage (its producer, readers and in-place
+    writers): the model's own references (`Tensor.held_until`). For a forward tensor only forward
+    touches count: a plan that swaps or recomputes it frees its run copy after its last forward
+    reader, unless the model's code still holds it. The hold goes on the storage's last version, whose
+    alias chain keeps the earlier versions' storage. A storage alive at the end is held to the last op."""
+    if trace.released_after is None or not trace.ops:
+        return {}
+    backward = {op.index for op in trace.ops if op.phase == Phase.BACKWARD}
+    last_touch: dict[int, int] = {}
+    for op in trace.ops:
+        for k in (*op.reads, *op.creates, *op.writes):
+            if k in trace.storages and (op.index in backward) == (trace.storages[k].producer in backward):
+                last_touch[k] = op.index
+    end = trace.ops[-1].index
+    held: dict[str, str] = {}
+    for k in graph_keys:
+        released = trace.released_after.get(k, end)
+        if released > last_touch.get(k, -1):
+            held[trace.storages[k].name] = names[released]
+    return held
+
+
 def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | None = None, *,
                      training: TrainingConfig | None = None, include_optimizer: bool = False) -> Graph:
     """The traced step as a Graph, each op timed with the roofline of `slackswap.profile.timing`.
@@ -79,7 +98,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
     graph_keys = {k for k in storages if k not in trace.weight_grads}
     names = {op.index: op_name(op.index, op.phase, op.module, op.aten) for op in trace.ops}
     roles = forward_roles(trace)
-    last_version = Counter(k for op in trace.ops for k in op.writes if k in graph_keys and _REAL_PROGRAM_FIELDS)
+    last_version = Counter(k for op in trace.ops for k in op.writes if k in graph_keys)
     version: dict[int, int] = defaultdict(int)
 
     def current(key: int) -> str:
@@ -100,7 +119,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                 outputs.append(current(k))
                 made[current(k)] = (k, op.index, "")
         for k in op.writes:
-            if k in graph_keys and _REAL_PROGRAM_FIELDS:
+            if k in graph_keys:
                 old = current(k)
                 version[k] += 1
                 writes.append(old)
@@ -108,10 +127,9 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                 made[current(k)] = (k, op.index, old)
         duration = op_duration_s(op.flops, op.moved_bytes, op.op_class, trace.dtype, hardware)
         role = roles.get(op.index, op.aten)
-        flags = dict(random=op.random, writes=tuple(writes), attention_core=role in ATTENTION_CORE_ROLES) \
-            if _REAL_PROGRAM_FIELDS else {}
         ops.append(Op(names[op.index], op.phase, op.op_class, op.layer, inputs, tuple(outputs), op.flops,
-                      op.moved_bytes, duration, "", role, **flags))
+                      op.moved_bytes, duration, "", role, random=op.random, writes=tuple(writes),
+                      attention_core=role in ATTENTION_CORE_ROLES))
     if include_optimizer:
         for layer in sorted(trace.layer_params, key=lambda n: (n == NO_LAYER, n)):
             opt = training.optimizer.replace("adamw", "adam")
@@ -120,6 +138,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                           layer, (), (), 0.0, moved,
                           op_duration_s(0.0, moved, OpClass.ELEMENTWISE, trace.dtype, hardware), "", "optimizer"))
     op_by_index = {op.index: op for op in trace.ops}
+    held_until = _held_until(trace, graph_keys, names)
     tensors: dict[str, Tensor] = {}
     for t_name, (k, producer_index, base) in made.items():
         st = storages[k]
@@ -132,9 +151,9 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
             in_stack = [x for x in bwd_layers if x != NO_LAYER]
             layer = in_stack[0] if in_stack else NO_LAYER
         role = f"{producer.aten}:{st.dtype}" if producer.phase != Phase.BACKWARD else "grad"
-        alias = {"base": base} if _REAL_PROGRAM_FIELDS else {}
         tensors[t_name] = Tensor(t_name, st.size_bytes, names[producer_index],
-                                 tuple(names[c] for c in consumers[t_name]), layer, saved, role, **alias)
+                                 tuple(names[c] for c in consumers[t_name]), layer, saved, role, base=base,
+                                 held_until=held_until.get(t_name, ""))
     state = state_bytes_per_param(trace.dtype)[2]
     info = {"source": "torch", "semantics": trace.semantics, "num_params": trace.num_params,
             "max_unit_params": max(trace.layer_params.values(), default=0),

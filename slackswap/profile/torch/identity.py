@@ -1,6 +1,6 @@
 """Stable identities for the storages a training step creates: shared by the tracer and the runtime.
 
-A plan names saved tensors; the runtime (issue 9) must find, among the tensors autograd really saves on
+A plan names saved tensors; the runtime must find, among the tensors autograd really saves on
 the GPU, the one a plan entry means. Both sides run a `StorageIdentities` dispatch mode over the
 forward and loss, and name every storage after the aten op output that first created it:
 

@@ -1,7 +1,7 @@
 """Trace one training step (forward, loss, backward) of a module on meta tensors into records.
 
 Records, not a `Graph`: a trace is device-independent apart from its kernel semantics, so one trace is
-timed on any number of GPUs (`slackswap.profile.torch.graph.graph_from_trace`).
+timed on any number of GPUs (`slackswap.profile.torch.assemble.graph_from_trace`).
 
 - every aten op that creates a storage, writes one in place, or has FLOPs is recorded, with its
   phase, its innermost module and that module's transformer layer; pure views (view, transpose,
@@ -13,7 +13,15 @@ timed on any number of GPUs (`slackswap.profile.torch.graph.graph_from_trace`).
 - backward ops get their layer from the autograd node that runs them
   (`torch._C._current_autograd_node`), labelled in forward with the module whose output reaches it
   first;
-- weight gradients (`param.grad` storages) are not activations: their bytes count as traffic only.
+- weight gradients (`param.grad` storages) are not activations: their bytes count as traffic only;
+- real lifetimes (`Trace.released_after`): when each graph storage is really released in eager
+  execution. Each storage is watched through a weak reference, and at every recorded op the ones
+  that died since the previous op are released after it. The pack hook hands autograd a private
+  stand-in (a description of the tensor on meta, a copy elsewhere) rather than the tensor, so what
+  keeps a storage alive is what would keep it alive under any plan: the model's own Python
+  variables and the autograd engine's buffers, not autograd's saved tensors (a plan decides those).
+  The model's output is dropped once the loss is computed, as a training loop does; the loss lives
+  to the end. A storage still alive when backward ends is held to the end of the step.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 from slackswap.errors import SlackSwapError
@@ -114,6 +124,30 @@ class Trace:
     dtype: str
     #: Parameters per transformer layer (NO_LAYER: embeddings, head, final norm), tied ones once.
     layer_params: dict[int, int]
+    #: Storage key -> index of the op after which eager execution released it (module docstring);
+    #: storages alive at the end of the step are absent.
+    released_after: dict[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """What autograd holds for a saved graph tensor while tracing: the storage's key, the view, and
+    (off the meta device) a private copy of the storage's bytes; the tensor itself is not held."""
+
+    key: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    nbytes: int
+    device: torch.device
+    copy: torch.UntypedStorage | None
+
+    def tensor(self) -> torch.Tensor:
+        with _disable_current_modes():
+            storage = self.copy if self.copy is not None else torch.UntypedStorage(self.nbytes, device=self.device)
+            return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.size,
+                                                                              self.stride)
 
 
 def find_layers(model: torch.nn.Module) -> tuple[str, int]:
@@ -143,7 +177,17 @@ def op_class_of(aten: str) -> OpClass:
 
 class _Tracer(StorageIdentities):
     def __init__(self, model: torch.nn.Module, semantics: str, layers_path: str):
-        super().__init__(model, keep_alive=True)
+        # Storages are not kept alive (their release is measured), so a freed storage's address may be
+        # reused: `key` maps an address to the storage created there last, checked by a weak reference.
+        super().__init__(model, keep_alive=False)
+        self._by_address: dict[int, tuple[int, StorageWeakRef]] = {}
+        self._watched: dict[int, StorageWeakRef] = {}
+        self.released_after: dict[int, int] = {}
+        #: Stand-ins autograd unpacked (storage key, weak reference): a backward node holds what it
+        #: unpacked until it finishes, which may be several ops after the first that reads it; the op
+        #: after which a stand-in dies reads its storage too (`extra_reads`, op index -> keys).
+        self._unpacked: list[tuple[int, StorageWeakRef]] = []
+        self.extra_reads: dict[int, list[int]] = {}
         self.semantics = semantics
         self.layers_path = layers_path
         self.phase = Phase.FORWARD
@@ -181,19 +225,52 @@ class _Tracer(StorageIdentities):
         if name is not None:
             label_nodes(output, name)
 
+    # -- storages and their lifetimes ------------------------------------------------------------------
+
+    def key(self, t: torch.Tensor) -> int | None:
+        """The key of the graph storage `t` uses; None for parameters, inputs and stand-ins."""
+        entry = self._by_address.get(storage_key(t))
+        if entry is None or entry[1].expired():
+            return None
+        return entry[0]
+
+    def poll_releases(self) -> None:
+        """Storages that died since the last recorded op are released after it."""
+        last = len(self.ops) - 1
+        dead = [k for k, ref in self._watched.items() if ref.expired()]
+        for k in dead:
+            del self._watched[k]
+            self.released_after[k] = last
+        if self._unpacked and last >= 0:
+            alive = []
+            for k, ref in self._unpacked:
+                if ref.expired():
+                    self.extra_reads.setdefault(last, []).append(k)
+                else:
+                    alive.append((k, ref))
+            self._unpacked = alive
+
     # -- saved tensors -------------------------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> object:
+        key = self.key(t)
+        if key is None:
+            return t  # a parameter or an input: not an activation
         if self.phase != Phase.BACKWARD:
-            key = storage_key(t)
-            if key in self.storages:
-                self.saved.add(key)
-        return t
+            self.saved.add(key)
+        copy = None
+        if t.device.type != "meta":
+            with _disable_current_modes():
+                copy = t.untyped_storage().clone()
+        return _Packed(key, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                       t.untyped_storage().nbytes(), t.device, copy)
 
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key in self.storages:
-            self.pending_unpacked.append(key)
+    def unpack(self, packed: object) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed
+        self.pending_unpacked.append(packed.key)
+        t = packed.tensor()
+        self._unpacked.append((packed.key, StorageWeakRef(t.untyped_storage())))
         return t
 
     # -- ops -------------------------------------------------------------------------------------------
@@ -208,7 +285,7 @@ class _Tracer(StorageIdentities):
         outputs = list(tensor_leaves(out))
         reads: dict[int, None] = {}
         for t in inputs:
-            key = storage_key(t)
+            key = self.key(t)
             if key in self.storages and (self.phase != Phase.BACKWARD or key in self.saved
                                          or self.ops[self.storages[key].producer].phase == Phase.BACKWARD):
                 # In backward a forward tensor autograd did not save is read for its shape only (the
@@ -221,13 +298,18 @@ class _Tracer(StorageIdentities):
             flops = float(formula(*args, **kwargs, out_val=out))
         if not new and not flops and not (mutates and reads):
             return  # a view, detach, or an op on non-graph tensors only
+        self.poll_releases()
         index = len(self.ops)
         if self.phase == Phase.BACKWARD and self.pending_unpacked:
             for key in self.pending_unpacked:
                 reads[key] = None
             self.pending_unpacked = []
         creates = []
-        for key, t, ident, i in new:
+        for address, t, ident, i in new:
+            key = len(self.storages)
+            ref = StorageWeakRef(t.untyped_storage())
+            self._by_address[address] = (key, ref)
+            self._watched[key] = ref
             size = t.untyped_storage().nbytes()
             if self.semantics == "cpu":
                 corrected = cpu_size_correction(func, i, t, args)
@@ -238,7 +320,7 @@ class _Tracer(StorageIdentities):
             creates.append(key)
         moved = sum(t.numel() * t.element_size() for t in inputs) + sum(t.numel() * t.element_size() for t in outputs)
         written = tuple(dict.fromkeys(
-            storage_key(t) for t in outputs if storage_key(t) in reads and storage_key(t) not in creates)) \
+            self.key(t) for t in outputs if self.key(t) in reads and self.key(t) not in creates)) \
             if mutates else ()
         self.ops.append(TracedOp(index, aten, self.phase, path, layer_of(path, self.layers_path), op_class_of(aten),
                                  tuple(reads), tuple(creates), flops, int(moved), is_random(aten, args), written))
@@ -288,6 +370,7 @@ def trace_step(
             loss = loss_fn(output)
         except Exception as exc:
             raise TraceError(f"trace: the loss function raised {type(exc).__name__}: {exc}") from exc
+        del output  # a training loop keeps only the loss (module docstring)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TraceError(f"trace: the loss must be a scalar tensor, got {shape}")
@@ -300,12 +383,18 @@ def trace_step(
             loss.backward()
         except Exception as exc:
             raise TraceError(f"trace: backward raised {type(exc).__name__}: {exc}") from exc
+        tracer.poll_releases()
     if tracer.pending_unpacked and tracer.ops:
         last = tracer.ops[-1]
         tracer.ops[-1] = TracedOp(last.index, last.aten, last.phase, last.module, last.layer, last.op_class,
                                   tuple(dict.fromkeys(last.reads + tuple(tracer.pending_unpacked))), last.creates,
                                   last.flops, last.moved_bytes, last.random, last.writes)
-    weight_grads = frozenset(storage_key(p.grad) for p in params.values() if p.grad is not None)
+    for index, keys in tracer.extra_reads.items():
+        op = tracer.ops[index]
+        reads = tuple(dict.fromkeys(op.reads + tuple(k for k in keys if k not in op.creates)))
+        tracer.ops[index] = TracedOp(op.index, op.aten, op.phase, op.module, op.layer, op.op_class, reads,
+                                     op.creates, op.flops, op.moved_bytes, op.random, op.writes)
+    weight_grads = frozenset(tracer.key(p.grad) for p in params.values() if p.grad is not None)
     never_read = tracer.saved - {k for op in tracer.ops if op.phase == Phase.BACKWARD for k in op.reads}
     if never_read and tracer.ops:  # saved but no backward node ran: freed with the autograd graph, at the end
         last = tracer.ops[-1]
@@ -332,4 +421,5 @@ def trace_step(
         semantics=semantics,
         dtype=dtype,
         layer_params=layer_params,
+        released_after=dict(tracer.released_after),
     )

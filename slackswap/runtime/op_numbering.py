@@ -24,6 +24,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+#: A version tag recorded in every captured graph and checked when a plan is applied; its text is kept
+#: as first written (it names this module by its earlier name), so graphs captured before still match.
 IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/2"
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
-from slackswap.memory.training import TrainingConfig
+from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ATTENTION_KERNELS, ModelConfig
 
 #: Families whose layers have dropout (llama has none, so the dropout knob leaves it unchanged).
@@ -123,8 +123,8 @@ class Point:
 
 def evaluate(problem: Problem, setting: Setting, planner: str | None = None) -> Point:
     """Plan and simulate every workload under `setting` at the problem's budget share."""
+    from slackswap.experiment.fitting import plan_and_simulate
     from slackswap.planners.registry import get_planner
-    from slackswap.simulate.fit import plan_and_simulate
 
     hardware = setting.hardware(problem.hardware)
     name = planner or problem.planner
@@ -171,9 +171,9 @@ def _graph_and_ideal(problem: Problem, key: str, setting: Setting) -> tuple:
 def bound_gaps(problem: Problem, point: Point, bound_planner: str = "milp",
                options: Mapping[str, object] | None = None) -> dict[str, float | None]:
     """The planner's step over the best lower bound `bound_planner` certifies, minus one, per workload."""
+    from slackswap.experiment.fitting import plan_and_simulate
     from slackswap.planners.registry import get_planner
     from slackswap.profile import build_graph
-    from slackswap.simulate.fit import plan_and_simulate
     from slackswap.simulate.metrics import simulate_ideal
 
     hardware = point.setting.hardware(problem.hardware)

@@ -53,6 +53,32 @@ class _FutureCopy(Copy):
         self.future.result()
 
 
+class HostPool:
+    """Host buffers reused across steps, one per offload of the plan (its index `key`), sized at first
+    use from the tensor the plan offloads. Why: allocating (and on CUDA pinning) a buffer per tensor
+    per step costs about 3 ms each and serialises the streams (pytorch/pytorch issue 186162,
+    pytorch/torchtune issue 2076). Safe to reuse because a run closes its copies (waits for every
+    transfer) before the next step, and within a step each offload has its own buffer."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.allocations = 0
+
+    def get(self, key: int | None, nbytes: int) -> torch.Tensor:
+        buf = None if key is None else self._buffers.get(key)
+        if buf is None or buf.numel() != nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+            self.allocations += 1
+            if key is not None:
+                self._buffers[key] = buf
+        return buf
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+
 class CpuCopies:
     """CPU copies: inline (`delay_s=None`), or on one thread per direction after `delay_s` seconds."""
 
@@ -60,6 +86,7 @@ class CpuCopies:
         self.delay_s = delay_s
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
+        self.host = HostPool(pinned=False)
 
     def _pool(self, direction: str) -> ThreadPoolExecutor:
         with self._lock:
@@ -67,8 +94,8 @@ class CpuCopies:
                 self._pools[direction] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"slackswap-{direction}")
             return self._pools[direction]
 
-    def offload(self, source: torch.UntypedStorage) -> Copy:
-        host = torch.UntypedStorage(source.nbytes())
+    def offload(self, source: torch.UntypedStorage, key: int | None = None) -> Copy:
+        host = self.host.get(key, source.nbytes()).untyped_storage()
         if self.delay_s is None:
             host.copy_(source)
             return _DoneCopy(host)
@@ -103,31 +130,47 @@ class CpuCopies:
 
 
 class _EventCopy(Copy):
-    def __init__(self, storage: torch.UntypedStorage, event: torch.cuda.Event):
+    """A CUDA copy and the stream that consumes it. `wait` makes *that* stream wait, not whatever
+    `current_stream()` is at the call: inside `with torch.cuda.stream(s)` it is `s`, and waiting on
+    the wrong stream let compute read a buffer still being written (pytorch/torchtitan issue 2581;
+    a missing reload wait gave NaN losses, deepspeedai/DeepSpeed issue 8186)."""
+
+    def __init__(self, storage: torch.UntypedStorage, event: object, consumer: object):
         super().__init__(storage)
         self.event = event
+        self.consumer = consumer
 
     def arrived(self) -> bool:
         return self.event.query()
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        self.consumer.wait_event(self.event)
 
 
 class CudaCopies:
-    """CUDA copies on one side stream per direction; pinned host buffers; events for arrival."""
+    """CUDA copies on one side stream per direction; pinned host buffers from a pool; events for arrival.
+
+    Stream rules: the compute stream is the one current when the engine is made (the step's stream),
+    held explicitly; an offload waits (on the GPU) for an event recorded on it at issue, so it reads
+    the finished producer output; its device source is `record_stream`ed on the offload stream and
+    held until the copy's event completes, so the allocator cannot hand it out while it is read. A
+    prefetch allocates its device buffer on the compute stream (`record_stream`ed on the prefetch
+    stream, which writes it), waits for the offload's event, and the unpack makes the compute stream
+    (not `current_stream()`) wait on the prefetch's event."""
 
     def __init__(self) -> None:
+        self.compute = torch.cuda.current_stream()
         self.d2h = torch.cuda.Stream()
         self.h2d = torch.cuda.Stream()
+        self.host = HostPool(pinned=True)
         #: Device sources of offloads in flight, released once their event has completed.
         self._in_flight: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []
 
-    def offload(self, source: torch.UntypedStorage) -> Copy:
+    def offload(self, source: torch.UntypedStorage, key: int | None = None) -> Copy:
         if source.device.type != "cuda":  # a host-side saved tensor (e.g. flash attention's RNG state)
             return CpuCopies().offload(source)
-        issued = torch.cuda.current_stream().record_event()
-        host = torch.empty(source.nbytes(), dtype=torch.uint8, pin_memory=True)
+        issued = self.compute.record_event()
+        host = self.host.get(key, source.nbytes())
         src = byte_view(source)
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(issued)  # the producer kernel has run before the copy reads it
@@ -135,13 +178,14 @@ class CudaCopies:
             done = self.d2h.record_event()
         src.record_stream(self.d2h)  # the allocator must not reuse it before the copy has read it
         self._in_flight.append((done, source))
-        return _EventCopy(host.untyped_storage(), done)
+        return _EventCopy(host.untyped_storage(), done, self.compute)
 
     def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
         if device.type != "cuda":
             return CpuCopies().prefetch(offloaded, device)
-        target = torch.empty(offloaded.storage.nbytes(), dtype=torch.uint8, device=device)
-        issued = torch.cuda.current_stream().record_event()
+        with torch.cuda.stream(self.compute):  # allocated on the stream that will read it
+            target = torch.empty(offloaded.storage.nbytes(), dtype=torch.uint8, device=device)
+        issued = self.compute.record_event()
         host = byte_view(offloaded.storage)
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(issued)
@@ -150,7 +194,7 @@ class CudaCopies:
             target.copy_(host, non_blocking=True)
             done = self.h2d.record_event()
         target.record_stream(self.h2d)
-        return _EventCopy(target.untyped_storage(), done)
+        return _EventCopy(target.untyped_storage(), done, self.compute)
 
     def poll(self) -> None:
         self._in_flight = [(e, s) for e, s in self._in_flight if not e.query()]

@@ -1,0 +1,257 @@
+"""CPU cost of running a plan, against plain eager and its peers, on the same training steps.
+
+    python benchmarks/runtime_overhead.py            # TinyGPT at 2 / 8 / 32 layers
+    python benchmarks/runtime_overhead.py --quick    # the same depths, fewer timed rounds
+
+Variants, each one training step (forward, fp32 cross entropy, backward) of the same TinyGPT on the
+same batch from the same seed:
+- eager: plain PyTorch;
+- checkpoint: every layer under `torch.utils.checkpoint.checkpoint(use_reentrant=False)` (HF's
+  per-block gradient checkpointing);
+- save_on_cpu: `torch.autograd.graph.save_on_cpu()` around the step;
+- offload_hooks: a torchtune-style offload (saved_tensors_hooks that copy every activation of at
+  least 1 KiB to host memory at pack time and return the copy at unpack; parameters stay);
+- runtime_keep_all / runtime_slackswap: `slackswap.runtime.apply` with the keep_all plan and with
+  slackswap's plan at half the keep-all peak; steady-state steps (the first, verified step of a run
+  is a warm-up, like a compilation);
+- export_eager / export_compiled: the slackswap plan exported to selective checkpointing
+  (`slackswap.runtime.export`), eager and with each layer torch.compile'd (inductor; compiled in
+  the warm-up step).
+
+Timing: CPU time of the process (`time.process_time`), one core, one intra-op thread, the variants
+interleaved round by round; the median over rounds. `aten_calls`: ATen calls a counting dispatch
+mode sees in one extra step (null for the compiled variant: a dispatch mode switches compile off).
+`peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
+profiler's memory events (all allocations: activations, gradients, temporaries).
+`planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
+export rows add `export_saved_bytes` (what the export saves on the device: eager, its checkpoint
+cache; compiled, the partition's saved activations) and `export_differences` (decisions PyTorch
+executes otherwise, each named by `slackswap.runtime.export`).
+
+Writes benchmarks/results/runtime_overhead.json: a list of rows, one per variant and depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import RESULTS, machine, pin_one_core  # noqa: E402
+
+VARIANTS = ("eager", "checkpoint", "save_on_cpu", "offload_hooks", "runtime_keep_all", "runtime_slackswap",
+            "export_eager", "export_compiled")
+DEPTHS = (2, 8, 32)
+#: TinyGPT at a width where the CPU's per-call cost matters, as on a GPU (small kernels).
+SHAPE = {"hidden": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
+BUDGET_FRACTION = 0.5
+#: torchtune's OffloadActivations leaves tensors under 1 KiB on the device (min_offload_size).
+MIN_OFFLOAD_BYTES = 1024
+
+
+def _step(w) -> None:
+    w.loss_fn(w.model(w.batch)).backward()
+
+
+def _zero(w) -> None:
+    for p in w.model.parameters():
+        p.grad = None
+
+
+class Variants:
+    """Each variant as a callable running one step, set up once (plans, exports, compilation)."""
+
+    def __init__(self, layers: int):
+        import torch
+
+        from slackswap.planners.registry import get_planner
+        from slackswap.runtime import apply, capture_graph
+        from slackswap.runtime.export import PlanExport, recording_backend
+        from slackswap.runtime.training_workload import build_training_workload, small_config
+        from slackswap.simulate.metrics import simulate_ideal
+        from tests.runtime_support import h200
+
+        self.torch = torch
+        self.w = build_training_workload(*small_config("tiny", layers=layers, **SHAPE))
+        w = self.w
+        self.graph = capture_graph(w.model, (w.batch,), w.loss_fn, h200(), f"tiny-{layers}l")
+        keep_all_peak = simulate_ideal(self.graph, h200()).peak_activation_bytes
+        self.plans = {
+            "keep_all": get_planner("keep_all").plan(self.graph, h200(), None),
+            "slackswap": get_planner("slackswap").plan(self.graph, h200(), int(keep_all_peak * BUDGET_FRACTION)),
+        }
+        self.runs = {k: apply(p, self.graph, w.model) for k, p in self.plans.items()}
+        self.export = PlanExport(self.plans["slackswap"], self.graph, w.model)
+        self.compiled_export = PlanExport(self.plans["slackswap"], self.graph, w.model)
+        self.backend, self.partitions = recording_backend()
+        self.layers = [w.model.get_submodule(p) for p in self.export.regions]
+
+    # ------------------------------------------------------------------ one step per variant
+    def eager(self) -> None:
+        _step(self.w)
+
+    def checkpoint(self) -> None:
+        from torch.utils.checkpoint import checkpoint
+
+        originals = [layer.forward for layer in self.layers]
+        try:
+            for layer, f in zip(self.layers, originals, strict=True):
+                layer.forward = lambda *a, f=f: checkpoint(f, *a, use_reentrant=False)
+            _step(self.w)
+        finally:
+            for layer in self.layers:
+                layer.__dict__.pop("forward", None)
+
+    def save_on_cpu(self) -> None:
+        with self.torch.autograd.graph.save_on_cpu():
+            _step(self.w)
+
+    def offload_hooks(self) -> None:
+        torch = self.torch
+        params = {id(p) for p in self.w.model.parameters()}
+
+        def pack(t):
+            if id(t) in params or t.untyped_storage().nbytes() < MIN_OFFLOAD_BYTES:
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            host.copy_(t)
+            return (host, t.device)
+
+        def unpack(packed):
+            if isinstance(packed, tuple):
+                host, device = packed
+                return host if device.type == "cpu" else host.to(device, non_blocking=True)
+            return packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            _step(self.w)
+
+    def runtime_keep_all(self) -> None:
+        with self.runs["keep_all"]:
+            _step(self.w)
+
+    def runtime_slackswap(self) -> None:
+        with self.runs["slackswap"]:
+            _step(self.w)
+
+    def export_eager(self) -> None:
+        with self.export.installed(self.w.model):
+            _step(self.w)
+
+    def export_compiled(self) -> None:
+        # Compiled once, in the first call (the warm-up); later installations reuse the code.
+        with self.compiled_export.installed(self.w.model, compile=True, backend=self.backend):
+            _step(self.w)
+
+    # ------------------------------------------------------------------ figures
+    def run(self, rounds: int) -> list[dict]:
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        calls, peaks = {}, {}
+        for v in VARIANTS:  # warm-up: the runtime's verified step, caches
+            self._one(v)
+        for _ in range(rounds):
+            for v in VARIANTS:
+                times[v].append(self._one(v))
+        for v in VARIANTS:
+            calls[v] = None if v == "export_compiled" else self._count_calls(v)
+            peaks[v] = self._peak(v)
+        eager = statistics.median(times["eager"])
+        rows = []
+        for v in VARIANTS:
+            cpu = statistics.median(times[v])
+            row = {"variant": v, "layers": len(self.layers), "cpu_s_per_step": cpu, "aten_calls": calls[v],
+                   "ratio_to_eager": cpu / eager, "peak_bytes": peaks[v], "planned_saved_bytes": None,
+                   "rounds": rounds}
+            plan = {"runtime_keep_all": "keep_all"}.get(v, "slackswap" if v.startswith(("runtime", "export"))
+                                                         else None)
+            if plan is not None:
+                row["planned_saved_bytes"] = self._kept_bytes(self.plans[plan])
+            if v == "export_eager":
+                row["export_saved_bytes"] = self.export.record.saved_bytes
+                row["export_differences"] = len(self.export.step_differences())
+            if v == "export_compiled":
+                from slackswap.runtime.export import partition_differences, saved_bytes
+
+                row["export_saved_bytes"] = saved_bytes(self.partitions)[0]
+                row["export_differences"] = len(self.compiled_export.static_differences()
+                                                + partition_differences(self.compiled_export, self.partitions))
+            rows.append(row)
+        return rows
+
+    def _kept_bytes(self, plan) -> int:
+        return sum(self.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if str(d) == "keep")
+
+    def _one(self, v: str) -> float:
+        torch = self.torch
+        torch.manual_seed(1)
+        _zero(self.w)
+        t0 = time.process_time()
+        getattr(self, v)()
+        return time.process_time() - t0
+
+    def _count_calls(self, v: str) -> int:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Count.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.torch.manual_seed(1)
+        _zero(self.w)
+        with Count():
+            getattr(self, v)()
+        return Count.n
+
+    def _peak(self, v: str) -> int:
+        torch = self.torch
+        torch.manual_seed(1)
+        _zero(self.w)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            getattr(self, v)()
+        events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage)
+        level = peak = 0
+        for _, delta in events:
+            level += delta
+            peak = max(peak, level)
+        return peak
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--depths", type=int, nargs="*", default=list(DEPTHS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "runtime_overhead.json")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    pinned = pin_one_core()
+    start = machine()
+    rows = []
+    for layers in args.depths:
+        rows += Variants(layers).run(rounds=3 if args.quick else 9)
+    end = machine()
+    for row in rows:
+        row.update(load_average_start=start["load_average_1_5_15"], load_average_end=end["load_average_1_5_15"],
+                   pinned_cpus=pinned, quick=args.quick)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"load average {start['load_average_1_5_15']} -> {end['load_average_1_5_15']}")
+    print(f"{'variant':18} {'layers':>6} {'cpu ms':>8} {'x eager':>8} {'aten':>7} {'peak B':>10}")
+    for r in rows:
+        print(f"{r['variant']:18} {r['layers']:>6} {r['cpu_s_per_step'] * 1e3:8.2f} {r['ratio_to_eager']:8.2f} "
+              f"{str(r['aten_calls']):>7} {r['peak_bytes']:>10}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

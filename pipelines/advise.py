@@ -1,0 +1,106 @@
+"""`python -m pipelines.advise [overrides]`: will my model fit, and how fast? The fastest fitting
+training configuration on this GPU and node, for one GPU and for N.
+
+python -m pipelines.advise model=hf_llama7b hardware=a100_80gb_pcie4 node=dgx_a100
+python -m pipelines.advise model=llama7b advise.gpus=[1,8,16] advise.recipes=[adamw_mixed]
+
+Searches micro-batch, ZeRO stage and shards, the training recipes, the planners and the planning
+target (allocated or reserved peak); `slackswap.experiment.advise` does the work, docs/advise.md says
+how. Writes advice.json, advice.md and advise_pareto.png to outputs/<date>/<time>/, one MLflow parent
+run with a child per evaluated configuration. Exit codes as `pipelines.run`: 2 a config value is
+wrong (one line naming the field and value), 1 the tracking store cannot be used, 130 / 143 interrupted.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+import pipelines.advise_schema  # noqa: F401  (registers slackswap_advise_schema and the repo_root resolver)
+from pipelines import advise_report, faults
+from pipelines.job import resolve_config
+from pipelines.tracking import TrackingUnavailable
+from slackswap.errors import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def advise(cfg: DictConfig) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    hc = HydraConfig.get()
+    choices = {k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None}
+    # planner and training are searched, not chosen: they stay out of the config (validate says so if set).
+    keys = [k for k in cfg if k not in ("planner", "training") or k in choices]
+    resolved = resolve_config(OmegaConf.masked_copy(cfg, keys))
+    inputs = advise_report.validate(resolved, choices)
+    run_dir = Path(hc.runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    header = {"model": choices.get("model", inputs.model.name),
+              "hardware": choices.get("hardware", inputs.hardware.name),
+              "node": choices.get("node", inputs.node.name), "seq_len": inputs.model.seq_len,
+              "device_memory_bytes": inputs.hardware.device_memory_bytes}
+    track = resolved["tracking"]
+    client = info = None
+    if track.get("enabled"):
+        name = f"advise · {header['model']} · {header['hardware']} · {header['node']}"
+        params = {"model": header["model"], "hardware": header["hardware"], "node": header["node"],
+                  **{f"advise.{k}": str(v) for k, v in resolved["advise"].items()},
+                  "budget.reserve_bytes": str(inputs.space.reserve_bytes)}
+        client, experiment_id, info = advise_report.start_parent(track, name, params)
+
+    from slackswap.experiment.advise import run_search
+
+    def progress(i: int, n: int, row: Any) -> None:
+        c = row.candidate
+        tps = "-" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f} tok/s/GPU"
+        print(f"[{i}/{n} {time.perf_counter() - t_start:5.1f} s] {c.layout.label}, {c.recipe}, mb {c.micro_batch}, "
+              f"{c.planner}/{c.plan_against}: {tps}{'' if row.fits_device else ' (does not fit)'}", flush=True)
+
+    advice = run_search(inputs.model, inputs.hardware, inputs.topology, inputs.space,
+                        advise_report.graph_source(inputs), on_row=progress,
+                        rank_hardware=advise_report.rank_hardware(inputs), host_check=advise_report.host_check(inputs))
+    search_s = time.perf_counter() - t_start
+    data = advise_report.write_outputs(run_dir, advice, inputs, header)
+    children_s = 0.0
+    if client is not None:
+        children_s = advise_report.log_children(client, experiment_id, info.run_id, data["rows"])
+        advise_report.finish_parent(client, info, track, run_dir, advise_report.parent_metrics(
+            advice, search_s, children_s), (run_dir / "advice.md").read_text())
+    print(advise_report.stdout_summary(advice, inputs, header, search_s))
+    mlflow_note = f"; MLflow: parent {info.run_id}, {len(advice.rows)} children ({children_s:.1f} s)" if info else ""
+    print(f"\nadvice.json, advice.md, advise_pareto.png in {run_dir}{mlflow_note}; "
+          f"{time.perf_counter() - t_start:.1f} s in all")
+    return data
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="advise")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return advise(cfg)
+    except (ConfigError, TrackingUnavailable) as exc:
+        if faults.full_error():
+            raise
+        code = EXIT_CONFIG_ERROR if isinstance(exc, ConfigError) else 1
+        raise faults.Abort(f"error: {exc}", code=code) from None
+
+
+def _on_interrupt(exc: faults.Interrupted) -> str:
+    killed = faults.kill_in_flight_except(None)
+    return f"interrupted: {killed} MLflow run(s) marked KILLED"
+
+
+def cli() -> int:
+    return faults.run_cli(main, _on_interrupt, lambda: 0)
+
+
+if __name__ == "__main__":
+    exit_code = cli()
+    if sys.modules["__main__"].__dict__ is globals():
+        faults.exit_process(exit_code)
+    sys.exit(exit_code)

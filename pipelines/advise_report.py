@@ -1,0 +1,441 @@
+"""What `pipelines.advise` reads from the config and what it writes: the search's inputs (validated,
+every bad value one `ConfigError`), the printed summary, advice.json / advice.md, and the MLflow parent
+run with one child per evaluated configuration. No modelling: that is `slackswap.experiment.advise`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines import faults, presentation, tracking
+from pipelines.records import RunStatus
+from pipelines.schemas import REPO_ROOT
+from slackswap.errors import ConfigError
+
+GIB = 2**30
+ADVICE_SCHEMA = "slackswap.advice/1"
+GRAPH_SOURCES = ("analytic", "traced")
+#: Groups `pipelines.run` has that advise searches instead of taking one preset of.
+SEARCHED_GROUPS = {"planner": "advise.planners", "training": "advise.recipes"}
+
+
+@dataclass(frozen=True)
+class AdviseInputs:
+    model: Any
+    hardware: Any
+    node: Any
+    topology: Any
+    space: Any
+    #: "analytic" or "traced": where the search's graphs come from.
+    graph: str
+    profile_source: str
+    profile_options: Mapping[str, Any]
+    top: int
+    notes: tuple[str, ...]
+
+
+def _preset(group: str, name: Any, field: str) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    folder = REPO_ROOT / "conf" / group
+    known = sorted(p.stem for p in folder.glob("*.yaml"))
+    if not isinstance(name, str) or name not in known:
+        raise ConfigError(field, name, f"no preset conf/{group}/{name}.yaml; known: {', '.join(known)}")
+    return OmegaConf.to_container(OmegaConf.load(folder / f"{name}.yaml"), resolve=True)
+
+
+def _names(field: str, value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(field, value, "must be a non-empty list of preset names")
+    if len(set(value)) != len(value):
+        raise ConfigError(field, list(value), "lists a preset twice")
+    return list(value)
+
+
+def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseInputs:
+    """Every check before any work (and before MLflow). Raises `ConfigError` naming the field."""
+    from slackswap.budget import Budget
+    from slackswap.experiment.advise import SearchSpace, topology_from_node
+    from slackswap.hardware import Hardware
+    from slackswap.memory.recipe import TrainingConfig
+    from slackswap.model_config import ModelConfig
+    from slackswap.node import Node
+    from slackswap.planners.registry import get_planner
+    from slackswap.profile.sources import select_source
+
+    for group, instead in SEARCHED_GROUPS.items():
+        if group in choices:
+            raise ConfigError(group, choices[group], f"advise searches {instead}; list the presets there instead")
+    adv = dict(resolved["advise"])
+    model_node = dict(resolved["model"])
+    torch_node = model_node.pop("torch", None)
+    profile = resolved["profile"]
+    source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
+    model = ModelConfig.from_dict(model_node)
+    hardware = Hardware.from_dict(resolved["hardware"])
+    hardware.peak_for(model.dtype)
+    node = Node.from_dict(resolved["node"])
+    budget = Budget.from_dict(resolved["budget"])
+    if not budget.device:
+        raise ConfigError("budget", choices.get("budget", "?"), "advise plans against the device: use budget=device")
+    graph = adv.get("graph")
+    if graph not in GRAPH_SOURCES:
+        raise ConfigError("advise.graph", graph, f"must be one of {GRAPH_SOURCES}")
+    recipes = {}
+    for name in _names("advise.recipes", adv.get("recipes")):
+        recipes[name] = TrainingConfig.from_dict(_preset("training", name, "advise.recipes"))
+    planners = {}
+    for name in _names("advise.planners", adv.get("planners")):
+        preset = _preset("planner", name, "advise.planners")
+        planners[preset["name"]] = dict(preset.get("options") or {})
+        get_planner(preset["name"], **planners[preset["name"]])  # unknown options fail here
+    top = adv.get("top")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ConfigError("advise.top", top, "must be an integer >= 1")
+    space = SearchSpace(
+        gpus=tuple(adv["gpus"]), recipes=recipes, micro_batches=tuple(adv["micro_batches"]), planners=planners,
+        plan_against=tuple(adv["plan_against"]), zero_stages=tuple(adv["zero_stages"]),
+        grad_accum=adv["grad_accum"], milp_top_k=adv["milp_top_k"], reserve_bytes=budget.reserve_bytes,
+    )
+    topology = topology_from_node(node, hardware)
+    for gpus in space.gpus:
+        topology.fabric_for(gpus)  # a job wider than the node needs its network
+    notes = []
+    if source == "torch" and graph == "analytic":
+        notes.append(
+            f"graphs: the analytic {model.family} graph of {model.name}'s shape (attention "
+            f"{'flash' if options.get('attention', 'sdpa') == 'sdpa' else 'eager'}), not the traced one: tracing "
+            "costs seconds per micro-batch (advise.graph=traced searches on traced graphs, cached per micro-batch)"
+        )
+    if model.include_optimizer:
+        notes.append("model.include_optimizer: the advise prices the optimizer step itself, from the recipe")
+    else:
+        notes.append("optimizer step: included in every step (advise prices whole training steps)")
+    return AdviseInputs(model, hardware, node, topology, space, graph, source, options, top, tuple(notes))
+
+
+def graph_source(inputs: AdviseInputs):
+    """A function micro-batch -> graph (no optimizer ops), cached per micro-batch."""
+    from dataclasses import replace as dc_replace
+
+    from slackswap.profile import build_graph
+    from slackswap.profile.sources import profile_graph
+
+    cache: dict[int, Any] = {}
+    twin = inputs.model
+    if inputs.profile_source == "torch" and inputs.graph == "analytic":
+        attention = "flash" if inputs.profile_options.get("attention", "sdpa") == "sdpa" else "eager"
+        twin = dc_replace(inputs.model, attention=attention)
+
+    def graph_for(mb: int):
+        if mb not in cache:
+            m = dc_replace(twin, micro_batch_size=mb, include_optimizer=False)
+            if inputs.graph == "traced" and inputs.profile_source == "torch":
+                cache[mb] = profile_graph("torch", m, inputs.hardware, None, **inputs.profile_options)
+            else:
+                cache[mb] = build_graph(m, inputs.hardware)
+        return cache[mb]
+
+    return graph_for
+
+
+def rank_hardware(inputs: AdviseInputs) -> dict[int, Any]:
+    """Per GPU count, the hardware one rank plans on: alone on the node for one GPU, else its host link
+    as the node shares it (`slackswap.sharing.shared_hardware`)."""
+    from slackswap.sharing import shared_hardware
+
+    shared, _ = shared_hardware(inputs.hardware, inputs.node)
+    return {g: (inputs.hardware if g == 1 else shared) for g in inputs.space.gpus}
+
+
+def host_check(inputs: AdviseInputs):
+    from slackswap.node import pinned_reason
+
+    def check(gpus: int, offloaded_bytes: int) -> str | None:
+        if gpus == 1 or not offloaded_bytes:
+            return None if offloaded_bytes <= inputs.node.pinned_host_bytes else (
+                f"pinned host memory: {offloaded_bytes / GIB:.2f} GiB swapped exceeds "
+                f"{inputs.node.pinned_host_bytes / GIB:.2f} GiB (node.pinned_host_bytes)")
+        return pinned_reason(inputs.node, offloaded_bytes)
+
+    return check
+
+
+# --- printing ---------------------------------------------------------------------------------------
+
+
+def _gib(n: Any) -> str:
+    return "-" if n is None else f"{n / GIB:.1f}"
+
+
+def _num(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+TABLE_HEADER = (
+    "| # | GPUs | layout | recipe | mb | planner | against | tokens/s/GPU | MFU | step s | peak GiB | headroom GiB "
+    "| fits | comm exposed s | bound | communication (model) | same result with |"
+)
+
+
+def _table_row(rank: Any, advice: Any, i: int) -> str:
+    from slackswap.experiment.advise import ties
+
+    r = advice.rows[i]
+    c = r.candidate
+    same = [t for t in ties(advice, i) if t != f"{c.planner}/{c.plan_against}"]
+    comm = "-" if r.comm is None else f"{r.comm.fabric}: {r.comm.assumption}"
+    return (
+        f"| {rank} | {c.layout.gpus} | {c.layout.label} | {c.recipe} | {c.micro_batch} | {c.planner} | "
+        f"{c.plan_against} | {_num(r.tokens_per_s, ',.0f')} | {_num(r.mfu, '.1%')} | {_num(r.step_s, '.4g')} | "
+        f"{_gib(r.peak_bytes)} | {_gib(r.headroom_bytes)} | {'yes' if r.fits_device else 'no'} | "
+        f"{_num(r.comm_exposed_s, '.3f')} | {r.bound or '-'} | {comm} | {', '.join(same) or '-'} |"
+    )
+
+
+def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> str:
+    """advice.md: the answer per GPU count, the ranked table, the best per recipe, the rejected regions."""
+    from slackswap.communication import NOT_MODELLED
+    from slackswap.experiment.advise import distinct_ranked
+
+    m, hw = inputs.model, inputs.hardware
+    lines = [f"# advise: {m.name} on {header['hardware']} ({hw.device_memory_bytes / GIB:.0f} GiB), node "
+             f"{header['node']}, seq {m.seq_len}", ""]
+    lines += [f"- {n}" for n in inputs.notes]
+    lines += [f"- communication not modelled: {NOT_MODELLED}",
+              f"- {len(advice.rows)} configurations evaluated, {advice.pruned_configurations} pruned before planning",
+              ""]
+    lines += ["## Best fitting configuration per GPU count", ""]
+    for gpus in inputs.space.gpus:
+        r = advice.best_rows().get(gpus)
+        if r is None:
+            lines.append(f"- **{gpus} GPU(s)**: nothing fits (see the rejected regions)")
+            continue
+        c = r.candidate
+        lines.append(
+            f"- **{gpus} GPU(s)**: {r.tokens_per_s:,.0f} tokens/s per GPU ({r.tokens_per_s * gpus:,.0f} in all), "
+            f"MFU {r.mfu:.1%}, step {r.step_s:.4g} s: {c.layout.label}, {c.recipe}, micro-batch {c.micro_batch}, "
+            f"planner {c.planner} (against {c.plan_against}); peak {r.peak_bytes / GIB:.1f} GiB, headroom "
+            f"{r.headroom_bytes / GIB:.1f} GiB. Why: {r.why}"
+        )
+    lines += ["", f"## Top {inputs.top} (fitting, by tokens/s per GPU)", "", TABLE_HEADER, _separator()]
+    for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1):
+        lines.append(_table_row(k, advice, i))
+    lines += ["", "## Best per GPU count and recipe", "", TABLE_HEADER, _separator()]
+    seen = set()
+    for i in advice.ranked:
+        r = advice.rows[i]
+        key = (r.candidate.layout.gpus, r.candidate.recipe)
+        if key not in seen:
+            seen.add(key)
+            lines.append(_table_row(advice.ranked.index(i) + 1, advice, i))
+    lines += ["", "## Rejected regions", "", "| reason | where | configurations | detail |", "|---|---|---|---|"]
+    for g in advice.regions:
+        where = ", ".join(f"{k}={v}" for k, v in g.choices.items() if k != "layout")
+        lines.append(f"| {g.reason} | {g.choices.get('layout', '')}: {where} | {g.configurations} | {g.detail} |")
+    infeasible = [r for r in advice.rows if not r.fits_device]
+    lines += ["", f"{len(infeasible)} evaluated configurations do not fit the device (planner or allocator): "
+              "rows with fits_device false in advice.json give each reason.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _separator() -> str:
+    return "|" + "---|" * (TABLE_HEADER.count("|") - 1)
+
+
+def stdout_summary(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any], wall_s: float) -> str:
+    from slackswap.experiment.advise import distinct_ranked
+
+    lines = ["", f"advise: {inputs.model.name} on {header['hardware']}, node {header['node']}: "
+             f"{len(advice.rows)} configurations evaluated in {wall_s:.1f} s, {advice.pruned_configurations} pruned"]
+    lines += [f"  note: {n}" for n in inputs.notes]
+    for gpus in inputs.space.gpus:
+        r = advice.best_rows().get(gpus)
+        if r is None:
+            lines.append(f"best on {gpus} GPU(s): nothing fits")
+            continue
+        c = r.candidate
+        lines.append(
+            f"best on {gpus} GPU(s): {r.tokens_per_s:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, step {r.step_s:.4g} s, "
+            f"peak {r.peak_bytes / GIB:.1f} GiB (headroom {r.headroom_bytes / GIB:.1f} GiB): {c.layout.label}, "
+            f"{c.recipe}, micro-batch {c.micro_batch}, planner {c.planner} (plan against {c.plan_against})"
+        )
+        lines.append(f"    why: {r.why}")
+    lines += ["", TABLE_HEADER, _separator()]
+    lines += [_table_row(k, advice, i) for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1)]
+    lines += ["", "best per recipe:"]
+    seen = set()
+    for i in advice.ranked:
+        r = advice.rows[i]
+        key = (r.candidate.layout.gpus, r.candidate.recipe)
+        if key not in seen:
+            seen.add(key)
+            c = r.candidate
+            lines.append(f"  {c.layout.gpus} GPU(s), {c.recipe}: {r.tokens_per_s:,.0f} tokens/s per GPU, MFU "
+                         f"{r.mfu:.1%}: {c.layout.label}, micro-batch {c.micro_batch}, {c.planner}/{c.plan_against}, "
+                         f"peak {r.peak_bytes / GIB:.1f} GiB")
+    lines.append("")
+    lines.append("rejected regions:")
+    for g in advice.regions:
+        lines.append(f"  {g.reason}: {g.choices.get('layout', '')} {g.choices.get('recipe', '')} "
+                     f"({g.configurations} configurations): {g.detail}")
+    return "\n".join(lines)
+
+
+def advice_json(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> dict[str, Any]:
+    from slackswap.communication import NOT_MODELLED
+
+    space = inputs.space
+    return {
+        "schema": ADVICE_SCHEMA,
+        **header,
+        "notes": list(inputs.notes),
+        "communication_not_modelled": NOT_MODELLED,
+        "space": {"gpus": list(space.gpus), "recipes": list(space.recipes), "micro_batches": list(space.micro_batches),
+                  "planners": list(space.planners), "plan_against": list(space.plan_against),
+                  "zero_stages": list(space.zero_stages), "grad_accum": space.grad_accum,
+                  "milp_top_k": space.milp_top_k, "reserve_bytes": space.reserve_bytes, "graph": inputs.graph},
+        "evaluated": len(advice.rows),
+        "pruned": advice.pruned_configurations,
+        "best": {str(g): i for g, i in advice.best.items()},
+        "ranked": list(advice.ranked),
+        "rows": [r.to_json() for r in advice.rows],
+        "rejected_regions": [g.to_json() for g in advice.regions],
+    }
+
+
+# --- MLflow -----------------------------------------------------------------------------------------
+
+
+def _child_metrics(row_json: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("tokens_per_s", "mfu", "step_s", "micro_step_s", "optimizer_s", "comm_total_s", "comm_exposed_s",
+            "peak_bytes", "headroom_bytes", "static_bytes", "activation_capacity_bytes", "peak_activation_bytes",
+            "peak_reserved_bytes", "swapped_tensors", "recomputed_tensors", "recompute_s", "stall_s",
+            "model_flops_per_step")
+    out = {k: row_json[k] for k in keys}
+    out["fits_device"] = 1.0 if row_json["fits_device"] else 0.0
+    return presentation.with_units(out)
+
+
+def _children(parent_id: str, rows_json: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict, dict, dict]]:
+    """(name, tags, params, metrics) of each child run."""
+    provenance = tracking.provenance_tags("pipelines/advise.py")
+    out = []
+    for i, row in enumerate(rows_json, start=1):
+        name = (f"{row['planner']} · {row['layout']} · {row['recipe']} · mb {row['micro_batch']} · "
+                f"{row['plan_against']}")
+        tags = {tracking.RUN_NAME_TAG: name, tracking.PARENT_RUN_TAG: parent_id, **provenance,
+                "status": "ok" if row["fits_device"] else "infeasible", "fits_device": str(row["fits_device"]).lower(),
+                "bound": row["bound"] or "-", "reason": (row["reason"] or "")[:4000],
+                "comm_assumption": row["comm_assumption"] or "-", "comm_not_modelled": row["comm_not_modelled"],
+                tracking.NOTE_TAG: f"configuration {i} of the advise; {row['why'] or row['reason'] or ''}"[:4000]}
+        params = {k: str(row[k]) for k in ("gpus", "zero_stage", "zero_shards", "layout", "recipe", "micro_batch",
+                                           "planner", "plan_against")}
+        out.append((name, tags, params, tracking.numeric_metrics(_child_metrics(row))))
+    return out
+
+
+def log_children(client, experiment_id: str, parent_id: str, rows_json: Sequence[Mapping[str, Any]]) -> float:
+    """One FINISHED child run per evaluated configuration; returns the seconds spent.
+
+    MLflow has no bulk run creation: through the client, a child costs three store transactions
+    (create with its tags, one log_batch of params and metrics, end), 50-150 ms on a busy 2-core
+    machine, minutes for a thousand configurations. On a SQL store the children are written in one
+    transaction with MLflow's own table models instead (`_bulk_children`), the rows each of those
+    three calls would write; any other store (a server) takes the client path."""
+    t0 = time.perf_counter()
+    children = _children(parent_id, rows_json)
+    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    if isinstance(store, SqlAlchemyStore):
+        _bulk_children(store, experiment_id, children)
+    else:
+        _client_children(client, experiment_id, children)
+    return time.perf_counter() - t0
+
+
+def _bulk_children(store, experiment_id: str, children: Sequence[tuple[str, dict, dict, dict]]) -> None:
+    """The rows `create_run` + `log_batch` + `set_terminated` write, for every child, in one session."""
+    import uuid
+
+    from mlflow.entities import LifecycleStage, SourceType
+    from mlflow.entities import RunStatus as MlflowStatus
+    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric, SqlParam, SqlRun, SqlTag
+    from mlflow.utils.uri import append_to_uri_path
+
+    experiment = store.get_experiment(experiment_id)
+    now_ms = int(time.time() * 1000)
+    with store.ManagedSessionMaker(read_only=False) as session:
+        for name, tags, params, metrics in children:
+            run_id = uuid.uuid4().hex
+            run = SqlRun(
+                name=name, artifact_uri=append_to_uri_path(experiment.artifact_location, run_id, "artifacts"),
+                run_uuid=run_id, experiment_id=experiment_id, source_type=SourceType.to_string(SourceType.LOCAL),
+                source_name="pipelines/advise.py", entry_point_name="", user_id=tags.get("mlflow.user", ""),
+                status=MlflowStatus.to_string(MlflowStatus.FINISHED), start_time=now_ms, end_time=now_ms,
+                deleted_time=None, source_version="", lifecycle_stage=LifecycleStage.ACTIVE,
+            )
+            run.tags = [SqlTag(key=k, value=str(v)) for k, v in tags.items()]
+            run.params = [SqlParam(key=k, value=v) for k, v in params.items()]
+            session.add(run)
+            for k, v in metrics.items():
+                session.add(SqlMetric(key=k, value=v, timestamp=now_ms, step=0, is_nan=False, run_uuid=run_id))
+                session.add(SqlLatestMetric(key=k, value=v, timestamp=now_ms, step=0, is_nan=False, run_uuid=run_id))
+
+
+def _client_children(client, experiment_id: str, children: Sequence[tuple[str, dict, dict, dict]]) -> None:
+    from mlflow.entities import Metric, Param
+
+    now_ms = int(time.time() * 1000)
+    for name, tags, params, metrics in children:
+        info = client.create_run(experiment_id, tags=tags, run_name=name).info
+        faults.track_in_flight(client, info.run_id)
+        client.log_batch(info.run_id, metrics=[Metric(k, v, now_ms, 0) for k, v in metrics.items()],
+                         params=[Param(k, v) for k, v in params.items()])
+        client.set_terminated(info.run_id, status=tracking.MLFLOW_STATUS[RunStatus.OK])
+        faults.done_in_flight(info.run_id)
+
+
+def start_parent(track: Mapping[str, Any], name: str, params: Mapping[str, str]):
+    client = tracking.open_client(track["uri"])
+    experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
+    info = tracking.create_run(client, experiment_id, name, {"kind": "advise"}, None)
+    faults.track_in_flight(client, info.run_id)
+    tracking.log_params(client, info.run_id, params)
+    return client, experiment_id, info
+
+
+def finish_parent(client, info, track: Mapping[str, Any], run_dir: Path, metrics: Mapping[str, Any],
+                  description: str) -> None:
+    tracking.log_results(client, info.run_id, metrics, {tracking.NOTE_TAG: description[:4000], "status": "ok"})
+    tracking.store_artifacts(client, info.run_id, [p for p in sorted(run_dir.iterdir()) if p.is_file()],
+                             track.get("artifact_location"), info.artifact_uri)
+    tracking.end_run(client, info.run_id, RunStatus.OK)
+    faults.done_in_flight(info.run_id)
+
+
+def parent_metrics(advice: Any, wall_s: float, mlflow_children_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"configurations_evaluated": len(advice.rows),
+                           "configurations_pruned": advice.pruned_configurations,
+                           "configurations_fitting": len(advice.ranked), "search_wall_s": wall_s,
+                           "mlflow_children_s": mlflow_children_s}
+    for gpus, r in advice.best_rows().items():
+        out[f"best_tokens_per_s_{gpus}gpu"] = r.tokens_per_s
+        out[f"best_mfu_{gpus}gpu"] = r.mfu
+    return out
+
+
+def write_outputs(run_dir: Path, advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> dict[str, Any]:
+    from slackswap.experiment.advise_plot import write_pareto_png
+
+    data = advice_json(advice, inputs, header)
+    (run_dir / "advice.json").write_text(json.dumps(data, indent=1) + "\n")
+    (run_dir / "advice.md").write_text(summary_markdown(advice, inputs, header))
+    title = f"{inputs.model.name} on {header['hardware']} / {header['node']}: tokens/s per GPU vs peak memory"
+    write_pareto_png(advice, run_dir / "advise_pareto.png", inputs.hardware.device_memory_bytes, title)
+    return data

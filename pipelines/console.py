@@ -1,0 +1,123 @@
+"""What a job prints: one line per job of a sweep, the full summary of a single run.
+
+Every figure a run is judged by is on its line: throughput retained, tokens/s and MFU (model FLOPs,
+`slackswap.experiment.throughput`), and, when the step does not fit the device, that verdict in
+capitals beside the status. A run that meets its budget but not the device keeps the status `ok`
+(the budget was met; MLflow shows it FINISHED) and never reads as a plain success
+(docs/pipeline.md, "Device fit").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipelines.presentation import gib
+from pipelines.records import RunRecord
+
+
+def device_verdict(metrics: Mapping[str, Any]) -> str:
+    """"" when the step fits the device or there is no step to judge; otherwise why it does not."""
+    if metrics.get("fits_device") is not False:
+        return ""
+    over = -(metrics.get("headroom_bytes") or 0)
+    if not metrics.get("feasible"):
+        return "DOES NOT FIT THE DEVICE"
+    return (
+        f"DOES NOT FIT THE DEVICE: peak {gib(metrics.get('device_peak_activation_bytes'))} + static "
+        f"{gib(metrics.get('static_bytes'))} + reserve {gib(metrics.get('reserve_bytes'))} is {gib(over)} over "
+        f"{gib(metrics.get('device_memory_bytes'))} of device memory"
+    )
+
+
+def speed(metrics: Mapping[str, Any]) -> str:
+    """`12,345 tokens/s, MFU 41.2%` of a simulated step; `n/a` without one."""
+    rate, mfu = metrics.get("tokens_per_s"), metrics.get("mfu")
+    if rate is None or mfu is None:
+        return "tokens/s n/a"
+    return f"{rate:,.0f} tokens/s, MFU {mfu:.1%}"
+
+
+def format_one_line(record: RunRecord) -> str:
+    m = record.metrics
+    ratio = m.get("throughput_ratio")
+    shown = f"{ratio:.1%}" if isinstance(ratio, (int, float)) else "n/a"
+    tail = f"  ({record.failure_reason})" if record.failure_reason else ""
+    verdict = device_verdict(m)
+    if verdict and record.status == "ok":
+        tail += f"  ({verdict.split(':')[0]}: {gib(-(m.get('headroom_bytes') or 0))} over)"
+    return f"[{record.status:>10}] {record.run_name}: throughput retained {shown}, {speed(m)}{tail}"
+
+
+def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
+    m = record.metrics
+    facts = record.facts
+    ratio = m.get("throughput_ratio")
+    lines = [
+        f"model        {record.model} ({resolved['model']['name']})",
+        f"hardware     {record.hardware} ({resolved['hardware']['name']}, "
+        f"link {resolved['hardware']['link']['name']})",
+        f"budget       {gib(m.get('budget_bytes'))} "
+        f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}"
+        f"{', device' if resolved['budget'].get('device') else ''}) "
+        f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
+        f"planner      {record.planner} ({record.planner_name})",
+    ]
+    if m.get("effective_h2d_gbps") is not None:
+        node = resolved["node"]
+        lines.append(
+            f"node         {node['name']}: {node['gpus_per_node']} GPU(s), {node['gpus_per_pcie_switch']} per "
+            f"switch; each GPU gets H2D {m['effective_h2d_gbps']:.2f} GB/s ({m['h2d_limit']}), "
+            f"D2H {m['effective_d2h_gbps']:.2f} GB/s ({m['d2h_limit']})"
+        )
+    if m.get("analytic_keep_all_peak_bytes") is not None:
+        # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
+        torch_node = resolved["model"].get("torch") or resolved["profile"].get("options") or {}
+        lines.append(
+            f"profile      traced {torch_node.get('builder', resolved['model']['family'])} "
+            f"({torch_node.get('attention', 'default')} attention, "
+            f"{torch_node.get('semantics', 'default')} kernels): "
+            f"real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
+            f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
+    verdict = device_verdict(m)
+    lines += [
+        f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else "")
+        + (f"; {verdict}" if verdict else ""),
+    ]
+    if ratio is not None:
+        lines += [
+            f"throughput   {ratio:.2%} of ideal",
+            f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
+            f"speed        {speed(m)} per GPU ({m.get('tokens_per_step')} tokens per step; "
+            f"{m.get('model_flops', float('nan')):.4g} model FLOPs: {m.get('model_flops_source')})",
+            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}"
+            + (
+                f"; caching allocator reserves {gib(m['peak_reserved_bytes'])} "
+                f"({'fits' if m.get('fits_reserved') else 'over budget'}, "
+                f"{m['fragmentation_share']:.1%} fragmentation)"
+                if m.get("peak_reserved_bytes") is not None
+                else ""
+            ),
+            f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
+            f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
+            f"recomputed   {m.get('recomputed_tensors')} tensors, "
+            f"{m.get('recompute_s', float('nan')):.4f} s extra compute",
+        ]
+        for key in ("swapped", "recomputed"):
+            names = facts.get(key) or ()
+            if names:
+                shown = ", ".join(names[:6]) + (f", ... (+{len(names) - 6})" if len(names) > 6 else "")
+                lines.append(f"  {key}: {shown}")
+    if m.get("static_bytes") is not None:
+        training = resolved.get("training") or {}
+        lines.append(
+            f"device       static {gib(m['static_bytes'])} per GPU ({training.get('optimizer')} "
+            f"{training.get('precision')}, ZeRO-{training.get('zero_stage')} x {training.get('zero_shards')}), "
+            f"reserve {gib(m.get('reserve_bytes'))}, headroom {gib(m.get('headroom_bytes'))} "
+            f"of {gib(m.get('device_memory_bytes'))}"
+            + ("" if m.get("fits_device") is not False else " (does not fit)")
+        )
+    lines.append(f"run dir      {record.run_dir}")
+    if record.mlflow_run_id:
+        lines.append(f"mlflow run   {record.mlflow_run_id} ({resolved['tracking']['uri']})")
+    return "\n".join(lines)

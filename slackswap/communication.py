@@ -1,0 +1,262 @@
+"""Collective communication of data-parallel / ZeRO training: what a step sends, and what it exposes.
+
+Two models, each stated where it is used:
+
+1. **Collective time: alpha-beta, ring algorithm.** A ring collective over n ranks runs n - 1 steps
+   (all-gather, reduce-scatter) or 2 (n - 1) (all-reduce), each paying the per-step latency alpha,
+   and moves the bus-bandwidth share of the buffer S (bytes of the full, unsharded buffer):
+
+       all-gather, reduce-scatter:  t = (n - 1) alpha + S (n - 1) / n / B
+       all-reduce:                  t = 2 (n - 1) alpha + 2 S (n - 1) / n / B
+
+   B is the *bus bandwidth* (NVIDIA/nccl-tests/doc/PERFORMANCE.md: busbw = algbw x (n - 1) / n for
+   all-gather and reduce-scatter, x 2 (n - 1) / n for all-reduce, "a number that should be
+   comparable to the hardware peak bandwidth, independently of the number of ranks"). So the
+   achievable busbw nccl-tests reports for a fabric is the B to use. A ring that leaves a node runs
+   at the slower of the two fabrics (every ring step waits for its slowest link): the network's.
+
+2. **Which collectives a ZeRO stage issues, and how they overlap compute** (`step_communication`):
+
+   - stage 0 (DDP): all-reduce of the gradients in backward, bucketed, overlapping backward;
+   - stages 1, 2 (DeepSpeed ZeRO-1/2): reduce-scatter of the gradients overlapping backward, then
+     an all-gather of the updated 16-bit parameters after the optimizer step, exposed;
+   - stage 3 (FSDP FULL_SHARD): in forward an all-gather of each unit's parameters, the next unit
+     prefetched under the current unit's compute; in backward an all-gather again (the parameters
+     were freed after forward) and a reduce-scatter of the gradients, overlapping the next unit's
+     backward;
+   - stage 3 with shards < GPUs (FSDP HYBRID_SHARD): as stage 3 within a shard group, plus an
+     all-reduce of the gradient shard across the replicas in backward.
+
+   Overlap, as the frameworks schedule it: the collectives of one phase run on their own stream, one
+   sharding unit (a transformer layer; embeddings + head) at a time, one unit ahead of (forward
+   prefetch, FSDP `forward_prefetch` / `BACKWARD_PRE`) or behind (gradient reduce-scatter after the
+   unit's backward) the compute. With k equal units, phase compute P and phase communication C, the
+   pipeline takes c + (k - 1) max(c, p) + p (c = C / k, p = P / k): the first unit's gather (or the
+   last unit's reduce) is exposed, and a unit whose communication outlasts its compute exposes the
+   difference. The exposed time is that minus P. DDP's 25 MB buckets are finer than a layer; taking
+   layers as units overstates its exposed tail, a conservative choice.
+
+   Not modelled, and said so in every advise row: SMs and HBM bandwidth that NCCL kernels take from
+   compute (so overlapped communication is free here), DDP / ZeRO bucket buffers, tensor or pipeline
+   parallelism, and gradient accumulation's `no_sync` (every micro-batch reduces, as FSDP does by
+   default).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from slackswap.errors import ConfigError
+
+#: What the step-communication model leaves out (printed with every configuration it prices).
+NOT_MODELLED = (
+    "compute slowed by NCCL kernels (SM/HBM contention) not modelled; overlapped collectives are free"
+)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """One interconnect as a ring collective sees it: achievable bus bandwidth and per-step latency."""
+
+    name: str
+    #: Achievable bus bandwidth per GPU (what nccl-tests reports as busbw at large sizes), bytes/s.
+    bus_bytes_per_s: float
+    #: Latency of one ring step (alpha), seconds.
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        for field_name in ("bus_bytes_per_s", "latency_s"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"fabric.{field_name}", value, "must be a finite number")
+        if self.bus_bytes_per_s <= 0:
+            raise ConfigError("fabric.bus_bytes_per_s", self.bus_bytes_per_s, "must be positive")
+        if self.latency_s < 0:
+            raise ConfigError("fabric.latency_s", self.latency_s, "must be non-negative")
+
+
+def _check(size_bytes: float, ranks: int) -> None:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError("ranks", ranks, "must be an integer >= 1")
+    if not math.isfinite(size_bytes) or size_bytes < 0:
+        raise ConfigError("size_bytes", size_bytes, "must be a non-negative finite number")
+
+
+def all_gather_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
+    """Ring all-gather of a buffer of `size_bytes` in total (each rank holds size / ranks)."""
+    _check(size_bytes, ranks)
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) * fabric.latency_s + size_bytes * (ranks - 1) / ranks / fabric.bus_bytes_per_s
+
+
+def reduce_scatter_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
+    """Ring reduce-scatter of a buffer of `size_bytes` (each rank keeps size / ranks, reduced)."""
+    return all_gather_s(size_bytes, ranks, fabric)  # same steps and bytes (NVIDIA/nccl-tests/doc/PERFORMANCE.md)
+
+
+def all_reduce_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
+    """Ring all-reduce: a reduce-scatter followed by an all-gather."""
+    _check(size_bytes, ranks)
+    if ranks == 1:
+        return 0.0
+    return 2 * (ranks - 1) * fabric.latency_s + 2 * size_bytes * (ranks - 1) / ranks / fabric.bus_bytes_per_s
+
+
+def pipelined_exposed_s(comm_s: float, compute_s: float, units: int) -> float:
+    """Communication left on the critical path when k equal units overlap one unit ahead/behind.
+
+    c + (k - 1) max(c, p) + p - P with c = C / k, p = P / k (module docstring). One unit: nothing
+    overlaps, all of C is exposed.
+    """
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise ConfigError("units", units, "must be an integer >= 1")
+    if comm_s < 0 or compute_s < 0:
+        raise ConfigError("comm_s/compute_s", (comm_s, compute_s), "must be non-negative")
+    c, p = comm_s / units, compute_s / units
+    return c + (units - 1) * max(c, p) + p - compute_s
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where the ranks of a data-parallel job sit: GPUs per node and the two fabrics."""
+
+    gpus_per_node: int
+    intra_node: Fabric
+    #: None: the node has no network, so no job may span nodes.
+    inter_node: Fabric | None
+
+    def __post_init__(self) -> None:
+        n = self.gpus_per_node
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError("node.gpus_per_node", n, "must be an integer >= 1")
+
+    def fabric_for(self, ranks: int, stride: int = 1) -> Fabric:
+        """The fabric of a ring over `ranks` ranks placed `stride` GPUs apart (consecutive ranks fill a
+        node first): NVLink when the group stays in one node, else the network (the ring's slowest
+        link)."""
+        span = (ranks - 1) * stride + 1
+        if span <= self.gpus_per_node:
+            return self.intra_node
+        if self.inter_node is None:
+            raise ConfigError(
+                "advise.gpus", span, f"spans more than one node of {self.gpus_per_node} GPUs, and the node has no NIC"
+            )
+        return self.inter_node
+
+
+@dataclass(frozen=True)
+class StepCommunication:
+    """One training step's collectives on one rank, and the part compute does not hide."""
+
+    zero_stage: int
+    gpus: int
+    shards: int
+    forward_comm_s: float
+    backward_comm_s: float
+    after_step_comm_s: float
+    forward_exposed_s: float
+    backward_exposed_s: float
+    #: Bytes this rank sends and receives through collectives per step (the bus share), for reports.
+    bus_bytes: float
+    fabric: str
+    replica_fabric: str
+    assumption: str
+
+    @property
+    def total_comm_s(self) -> float:
+        return self.forward_comm_s + self.backward_comm_s + self.after_step_comm_s
+
+    @property
+    def exposed_s(self) -> float:
+        return self.forward_exposed_s + self.backward_exposed_s + self.after_step_comm_s
+
+
+def check_sharding(gpus: int, zero_stage: int, shards: int) -> None:
+    """The data-parallel layouts the model prices. Raises `ConfigError` naming the field."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError("gpus", gpus, "must be an integer >= 1")
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or gpus % shards:
+        raise ConfigError("training.zero_shards", shards, f"must divide the GPU count {gpus}")
+    if zero_stage == 0 and shards != 1:
+        raise ConfigError("training.zero_shards", shards, "ZeRO stage 0 shards nothing: must be 1")
+    if zero_stage in (1, 2) and shards != gpus:
+        raise ConfigError(
+            "training.zero_shards", shards, f"stages 1 and 2 shard over every data-parallel GPU ({gpus})"
+        )
+
+
+def step_communication(
+    *,
+    num_params: int,
+    param_bytes: int,
+    grad_bytes: int,
+    zero_stage: int,
+    gpus: int,
+    shards: int,
+    topology: Topology,
+    forward_compute_s: float,
+    backward_compute_s: float,
+    units: int,
+) -> StepCommunication:
+    """The collectives of one step of `gpus`-way data parallelism with ZeRO `zero_stage` over groups of
+    `shards` GPUs (module docstring's table), with their overlap with forward and backward compute.
+
+    `param_bytes` / `grad_bytes`: bytes per parameter of the gathered 16-bit parameters and of the
+    gradients as reduced. `units`: sharding units (layers + the embedding/head group).
+    """
+    check_sharding(gpus, zero_stage, shards)
+    params_s = num_params * param_bytes
+    grads_s = num_params * grad_bytes
+    fwd = bwd = after = 0.0
+    bus = 0.0
+    group = gpus if zero_stage in (0, 1, 2) else shards
+    fabric = topology.fabric_for(group)
+    replicas = gpus // shards if zero_stage == 3 else 1
+    # Replicas of one shard sit `shards` GPUs apart (HSDP: shard groups fill a node first).
+    replica_fabric = topology.fabric_for(replicas, stride=shards)
+    frac = (group - 1) / group if group > 1 else 0.0
+    if gpus == 1:
+        assumption = "one GPU: no collective"
+    elif zero_stage == 0:
+        bwd = all_reduce_s(grads_s, gpus, fabric)
+        bus = 2 * grads_s * frac
+        assumption = "DDP: gradient all-reduce overlaps backward, one layer per bucket"
+    elif zero_stage in (1, 2):
+        bwd = reduce_scatter_s(grads_s, gpus, fabric)
+        after = all_gather_s(params_s, gpus, fabric)
+        bus = (grads_s + params_s) * frac
+        assumption = (
+            "ZeRO-1/2: gradient reduce-scatter overlaps backward; all-gather of updated params after the "
+            "optimizer step is exposed"
+        )
+    else:
+        if shards > 1:
+            fwd = all_gather_s(params_s, shards, fabric)
+            bwd = all_gather_s(params_s, shards, fabric) + reduce_scatter_s(grads_s, shards, fabric)
+            bus = (2 * params_s + grads_s) * frac
+        if replicas > 1:
+            shard_grads = math.ceil(num_params / shards) * grad_bytes
+            bwd += all_reduce_s(shard_grads, replicas, replica_fabric)
+            bus += 2 * shard_grads * (replicas - 1) / replicas
+        assumption = (
+            "ZeRO-3/FSDP: next unit's param all-gather prefetched under compute; backward re-gather + "
+            "gradient reduce-scatter overlap the next unit's backward"
+        )
+        if replicas > 1:
+            assumption += "; HSDP: replica all-reduce of the gradient shard in backward"
+    return StepCommunication(
+        zero_stage=zero_stage,
+        gpus=gpus,
+        shards=shards,
+        forward_comm_s=fwd,
+        backward_comm_s=bwd,
+        after_step_comm_s=after,
+        forward_exposed_s=pipelined_exposed_s(fwd, forward_compute_s, units) if fwd else 0.0,
+        backward_exposed_s=pipelined_exposed_s(bwd, backward_compute_s, units) if bwd else 0.0,
+        bus_bytes=bus,
+        fabric=fabric.name if gpus > 1 else "-",
+        replica_fabric=replica_fabric.name if replicas > 1 else "-",
+        assumption=assumption,
+    )

@@ -1,0 +1,688 @@
+"""The search behind `python -m pipelines.advise`: which configuration trains a model fastest on a node.
+
+A configuration is (GPUs, ZeRO stage and shards, precision/optimizer recipe, micro-batch, planner,
+plan against the allocated or the reserved peak). Each one is priced as one training step on one
+GPU of the data-parallel job:
+
+    step_s = grad_accum x (micro-step + exposed communication) + optimizer step + exposed after-step gathers
+
+- the micro-step (forward + backward, with the plan's recomputes, swaps and stalls) is the planned
+  and simulated step of the micro-batch's graph (`slackswap.experiment.fitting.plan_and_simulate`), with the
+  caching allocator replayed, under the activation capacity the device leaves: device memory -
+  reserve - static training state per GPU (`slackswap.memory.static`);
+- communication: `slackswap.communication.step_communication` (alpha-beta ring collectives, overlap
+  as FSDP / DeepSpeed / DDP schedule them);
+- the optimizer step: one HBM-bound op per parameter group, timed as the profile times it
+  (`optimizer_step_moved_bytes` through the roofline `op_duration_s`), on the rank's 1/N shard;
+- tokens/s per GPU = grad_accum x micro-batch x seq_len / step_s; MFU = model FLOPs / (step_s x dense
+  peak), both from `slackswap.experiment.throughput` (model FLOPs: the graph's forward, loss and
+  backward op FLOPs, no recompute; `FLOPS_SOURCE`).
+
+Pruning, before any planning: a (GPUs, sharding, recipe) whose static memory leaves no activation
+capacity is one rejected region ("static memory does not fit"); for each, the micro-batch search
+stops at the first micro-batch whose activation floor (the all-recompute floor: per op, the bytes no
+plan can move, the most over ops; the MILP's `floor_bytes`) exceeds the capacity ("activations do not
+fit"). Floors grow with the micro-batch, so no larger one can fit. milp runs only on the best
+`milp_top_k` configurations of the heuristics (it takes ~1 s per 7B plan against ~0.05 s), and its
+plan competes with theirs.
+
+Pure library: no Hydra, no MLflow. The graph of a micro-batch comes from a caller's function, so the
+caller decides where graphs come from (analytic, traced) and caches them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from slackswap.communication import NOT_MODELLED, StepCommunication, Topology, check_sharding, step_communication
+from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.experiment import throughput
+from slackswap.graph import FORWARD_PHASES, Graph, Phase
+from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
+from slackswap.memory.static import bytes_per_param, optimizer_step_moved_bytes, static_memory
+from slackswap.model_config import ModelConfig
+
+PLAN_AGAINST = ("allocated", "reserved")
+#: Rejected-region reasons (advice.json `rejected_regions[].reason`).
+STATIC_DOES_NOT_FIT = "static memory does not fit"
+ACTIVATIONS_DO_NOT_FIT = "activations do not fit"
+COMMUNICATION_BOUND = "communication bound"
+RECIPE_DOES_NOT_APPLY = "recipe does not apply"
+#: A configuration whose exposed communication takes at least this share of its step is flagged
+#: communication bound (and a layout all of whose fitting rows are, is a rejected region).
+COMMUNICATION_BOUND_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the advise searches. Every list is tried exhaustively, up to the pruning rules."""
+
+    gpus: tuple[int, ...]
+    #: Recipe name -> its optimizer / precision / gradient buffers (the ZeRO fields are searched).
+    recipes: Mapping[str, TrainingConfig]
+    micro_batches: tuple[int, ...]
+    #: Planner name -> options. "milp" is run on the best `milp_top_k` configurations only.
+    planners: Mapping[str, Mapping[str, Any]]
+    plan_against: tuple[str, ...] = PLAN_AGAINST
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    grad_accum: int = 1
+    milp_top_k: int = 3
+    reserve_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        def positive_ints(name: str, values: Sequence[int]) -> None:
+            if not values:
+                raise ConfigError(f"advise.{name}", list(values), "must list at least one value")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(f"advise.{name}", list(values), f"{v!r} is not an integer >= 1")
+
+        positive_ints("gpus", self.gpus)
+        positive_ints("micro_batches", self.micro_batches)
+        if list(self.micro_batches) != sorted(set(self.micro_batches)):
+            raise ConfigError("advise.micro_batches", list(self.micro_batches), "must be strictly increasing")
+        if not self.recipes:
+            raise ConfigError("advise.recipes", [], "must list at least one training recipe")
+        if not self.planners:
+            raise ConfigError("advise.planners", [], "must list at least one planner")
+        for against in self.plan_against:
+            if against not in PLAN_AGAINST:
+                raise ConfigError("advise.plan_against", list(self.plan_against), f"{against!r} not in {PLAN_AGAINST}")
+        if not self.plan_against:
+            raise ConfigError("advise.plan_against", [], f"must list some of {PLAN_AGAINST}")
+        for stage in self.zero_stages:
+            if stage not in (0, 1, 2, 3):
+                raise ConfigError("advise.zero_stages", list(self.zero_stages), f"{stage!r} not in 0..3")
+        if not self.zero_stages:
+            raise ConfigError("advise.zero_stages", [], "must list at least one ZeRO stage")
+        for name in ("grad_accum",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"advise.{name}", v, "must be an integer >= 1")
+        if isinstance(self.milp_top_k, bool) or not isinstance(self.milp_top_k, int) or self.milp_top_k < 0:
+            raise ConfigError("advise.milp_top_k", self.milp_top_k, "must be an integer >= 0")
+        if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
+            raise ConfigError("budget.reserve_bytes", self.reserve_bytes, "must be a non-negative integer")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `gpus` data-parallel GPUs hold the training state."""
+
+    gpus: int
+    zero_stage: int
+    zero_shards: int
+
+    @property
+    def label(self) -> str:
+        if self.gpus == 1:
+            return "1 GPU"
+        if self.zero_stage == 0:
+            return f"{self.gpus} GPUs DDP"
+        if self.zero_stage == 3 and self.zero_shards < self.gpus:
+            return f"{self.gpus} GPUs ZeRO-3 HSDP x{self.zero_shards}"
+        return f"{self.gpus} GPUs ZeRO-{self.zero_stage}"
+
+
+def layouts(gpus: int, stages: Sequence[int], gpus_per_node: int) -> list[Layout]:
+    """The layouts of `gpus` GPUs: one on a single GPU (nothing to shard: every stage is the same);
+    else DDP (stage 0), stages 1 / 2 over all GPUs, stage 3 over all GPUs and, when the job spans
+    nodes, FSDP's HYBRID_SHARD: stage 3 within each node, replicated across nodes (the layout HSDP is
+    for: gathers on NVLink, only the gradient all-reduce on the network)."""
+    if gpus == 1:
+        return [Layout(1, 0, 1)]
+    out = []
+    for stage in stages:
+        if stage == 0:
+            out.append(Layout(gpus, 0, 1))
+        elif stage in (1, 2):
+            out.append(Layout(gpus, stage, gpus))
+        else:
+            out.append(Layout(gpus, 3, gpus))
+            if 1 < gpus_per_node < gpus and gpus % gpus_per_node == 0:
+                out.append(Layout(gpus, 3, gpus_per_node))
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    recipe: str
+    training: TrainingConfig
+    micro_batch: int
+    planner: str
+    plan_against: str
+
+    def choices(self) -> dict[str, Any]:
+        return {
+            "gpus": self.layout.gpus,
+            "zero_stage": self.layout.zero_stage,
+            "zero_shards": self.layout.zero_shards,
+            "layout": self.layout.label,
+            "recipe": self.recipe,
+            "micro_batch": self.micro_batch,
+            "planner": self.planner,
+            "plan_against": self.plan_against,
+        }
+
+
+@dataclass(frozen=True)
+class Row:
+    """One evaluated configuration (advice.json `rows[]`)."""
+
+    candidate: Candidate
+    status: str  # "ok" | "infeasible"
+    reason: str
+    fits_device: bool
+    tokens_per_s: float | None
+    mfu: float | None
+    step_s: float | None
+    micro_step_s: float | None
+    optimizer_s: float
+    comm: StepCommunication | None
+    comm_exposed_s: float | None
+    peak_bytes: int | None
+    headroom_bytes: int | None
+    static_bytes: int
+    activation_capacity_bytes: int
+    peak_activation_bytes: int | None
+    peak_reserved_bytes: int | None
+    swapped: int | None
+    recomputed: int | None
+    recompute_s: float | None
+    stall_s: float | None
+    model_flops_per_step: float
+    bound: str = ""
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.comm
+        return {
+            **self.candidate.choices(),
+            "status": self.status,
+            "reason": self.reason,
+            "fits_device": self.fits_device,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "step_s": self.step_s,
+            "micro_step_s": self.micro_step_s,
+            "optimizer_s": self.optimizer_s,
+            "comm_total_s": None if c is None else c.total_comm_s,
+            "comm_exposed_s": self.comm_exposed_s,
+            "comm_fabric": None if c is None else c.fabric,
+            "comm_replica_fabric": None if c is None else c.replica_fabric,
+            "comm_assumption": None if c is None else c.assumption,
+            "comm_not_modelled": NOT_MODELLED,
+            "peak_bytes": self.peak_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "static_bytes": self.static_bytes,
+            "activation_capacity_bytes": self.activation_capacity_bytes,
+            "peak_activation_bytes": self.peak_activation_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "swapped_tensors": self.swapped,
+            "recomputed_tensors": self.recomputed,
+            "recompute_s": self.recompute_s,
+            "stall_s": self.stall_s,
+            "model_flops_per_step": self.model_flops_per_step,
+            "bound": self.bound,
+            "why": self.why,
+        }
+
+
+@dataclass(frozen=True)
+class Region:
+    """Configurations rejected together, before or after planning, and why."""
+
+    reason: str
+    detail: str
+    choices: Mapping[str, Any]
+    configurations: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "detail": self.detail, "configurations": self.configurations,
+                **dict(self.choices)}
+
+
+@dataclass(frozen=True)
+class Advice:
+    rows: tuple[Row, ...]
+    regions: tuple[Region, ...]
+    #: GPU count -> index into `rows` of the fastest fitting configuration (absent: none fits).
+    best: Mapping[int, int]
+    ranked: tuple[int, ...]
+    pruned_configurations: int
+
+    def best_rows(self) -> dict[int, Row]:
+        return {g: self.rows[i] for g, i in self.best.items()}
+
+
+# --- the pieces of a step -------------------------------------------------------------------------
+
+
+def activation_floor_bytes(graph: Graph) -> int:
+    """The least activation memory any plan needs: per op, the non-saved tensors resident at its
+    start plus the saved tensors it produces or reads (they must be on the device then), the most over
+    ops. The MILP's all-recompute floor (`slackswap.planners.milp.model`, `floor_bytes`)."""
+    from slackswap.planners.milp.model import fixed_bytes_per_op
+
+    const = np.asarray(fixed_bytes_per_op(graph), dtype=np.int64)
+    index = graph.op_index
+    for t in graph.saved_tensors:
+        size = graph.owned_bytes(t.name)
+        for j in {index[t.producer]} | {index[c] for c in t.consumers}:
+            const[j] += size
+    return int(const.max())
+
+
+def forward_compute_s(graph: Graph) -> float:
+    """Compute time of the forward and loss ops (the plan changes backward, not these)."""
+    return float(sum(op.duration_s for op in graph.ops if op.phase in FORWARD_PHASES))
+
+
+def layer_param_counts(model: ModelConfig) -> dict[int, int]:
+    """Parameters per group (each layer, and the embeddings + head + final norm), counted as the
+    profile counts them."""
+    from slackswap.profile.builder import GraphBuilder
+    from slackswap.profile.layers import build_forward
+
+    return dict(build_forward(model, GraphBuilder(None, model.dtype)).layer_params)
+
+
+def optimizer_step_s(model: ModelConfig, hardware: Hardware, training: TrainingConfig) -> float:
+    """The optimizer update as the profile times it when `model.include_optimizer` (one HBM-bound op
+    per parameter group, over the rank's shard)."""
+    from slackswap.graph import OpClass
+    from slackswap.profile.timing import op_duration_s
+
+    return sum(
+        op_duration_s(0.0, optimizer_step_moved_bytes(n, training, model.dtype), OpClass.ELEMENTWISE, model.dtype,
+                      hardware)
+        for n in layer_param_counts(model).values()
+    )
+
+
+@dataclass
+class _Workload:
+    """Per micro-batch: the graph, its floor, forward time and model FLOPs (computed once)."""
+
+    graph: Graph
+    floor_bytes: int
+    forward_s: float
+    flops: float
+
+
+@dataclass
+class _Context:
+    model: ModelConfig
+    hardware: Hardware
+    topology: Topology
+    space: SearchSpace
+    graph_for: Callable[[int], Graph]
+    #: GPU count -> the hardware one rank plans and simulates on (its host link shared on the node).
+    rank_hardware: Mapping[int, Hardware] = field(default_factory=dict)
+    #: (GPU count, bytes one rank offloads per step) -> why the node's host cannot hold it, or None.
+    host_check: Callable[[int, int], str | None] | None = None
+    workloads: dict[int, _Workload] = field(default_factory=dict)
+    #: Sharding units (parameter groups: the layers, and the embeddings + head).
+    units: int = 0
+    optimizer_cache: dict[tuple[TrainingConfig, int], float] = field(default_factory=dict)
+    plan_cache: dict[tuple, Any] = field(default_factory=dict)
+
+    def workload(self, mb: int) -> _Workload:
+        if mb not in self.workloads:
+            graph = self.graph_for(mb)
+            if any(op.phase == Phase.OPTIMIZER for op in graph.ops):
+                raise ConfigError("graph_for", mb, "the search prices the optimizer step itself: "
+                                  "give graphs without optimizer ops (model.include_optimizer=false)")
+            self.workloads[mb] = _Workload(graph, activation_floor_bytes(graph), forward_compute_s(graph),
+                                           throughput.model_flops(graph))
+        return self.workloads[mb]
+
+
+def _training(recipe: TrainingConfig, layout: Layout) -> TrainingConfig:
+    return replace(recipe, zero_stage=layout.zero_stage, zero_shards=layout.zero_shards)
+
+
+def _static(ctx: _Context, training: TrainingConfig) -> Any:
+    from slackswap.profile import parameter_counts
+
+    return static_memory(*parameter_counts(ctx.model), training, ctx.model.dtype)
+
+
+# --- evaluating one configuration -----------------------------------------------------------------
+
+
+def evaluate(ctx: _Context, cand: Candidate) -> Row:
+    """Plan, simulate and price one configuration (module docstring)."""
+    from slackswap.experiment.fitting import FitOptions, plan_and_simulate
+    from slackswap.planners.registry import get_planner
+    from slackswap.profile import parameter_counts
+
+    model, hw, space = ctx.model, ctx.hardware, ctx.space
+    training = cand.training
+    static = _static(ctx, training)
+    capacity = hw.device_memory_bytes - space.reserve_bytes - static.total_bytes
+    work = ctx.workload(cand.micro_batch)
+    key_opt = (training, cand.layout.zero_shards)
+    if key_opt not in ctx.optimizer_cache:
+        ctx.optimizer_cache[key_opt] = optimizer_step_s(model, hw, training)
+    opt_s = ctx.optimizer_cache[key_opt]
+    flops = space.grad_accum * work.flops
+    base = dict(candidate=cand, optimizer_s=opt_s, static_bytes=static.total_bytes,
+                activation_capacity_bytes=capacity, model_flops_per_step=flops)
+
+    rank_hw = ctx.rank_hardware.get(cand.layout.gpus, hw)
+    key = (cand.micro_batch, cand.planner, cand.plan_against, capacity, id(rank_hw))
+    allocated = ctx.plan_cache.get((*key[:2], "allocated", *key[3:]))
+    if key not in ctx.plan_cache and cand.plan_against == "reserved" and allocated is not None and (
+        isinstance(allocated, InfeasibleBudgetError) or not allocated.result.feasible or allocated.report.fits
+    ):
+        # Planning against the reserved peak starts with the same plan and stops at once when the
+        # planner gives up, the simulator rejects the plan or the allocator serves it: the same
+        # result, not recomputed (slackswap.experiment.fitting.plan_and_simulate).
+        ctx.plan_cache[key] = allocated
+    if key not in ctx.plan_cache:
+        planner = get_planner(cand.planner, **dict(space.planners[cand.planner]))
+        try:
+            options = FitOptions(allocator="caching", plan_against=cand.plan_against)
+            ctx.plan_cache[key] = plan_and_simulate(planner, work.graph, rank_hw, capacity, options)
+        except InfeasibleBudgetError as exc:
+            ctx.plan_cache[key] = exc
+    fitted = ctx.plan_cache[key]
+    if isinstance(fitted, InfeasibleBudgetError):
+        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {fitted.reason}")
+    result, report = fitted.result, fitted.report
+    if not result.feasible:
+        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: simulator: {result.infeasible_reason}",
+                           peak_activation=None)
+    micro_s = result.step_s
+    num_params, _ = parameter_counts(model)
+    param_b, grad_b, _, _ = bytes_per_param(training, model.dtype)
+    comm = step_communication(
+        num_params=num_params, param_bytes=param_b, grad_bytes=grad_b, zero_stage=cand.layout.zero_stage,
+        gpus=cand.layout.gpus, shards=cand.layout.zero_shards, topology=ctx.topology,
+        forward_compute_s=work.forward_s, backward_compute_s=max(micro_s - work.forward_s, 0.0),
+        units=ctx.units,
+    )
+    per_micro_exposed = comm.forward_exposed_s + comm.backward_exposed_s
+    exposed = space.grad_accum * per_micro_exposed + comm.after_step_comm_s
+    step_s = space.grad_accum * (micro_s + per_micro_exposed) + opt_s + comm.after_step_comm_s
+    tokens = space.grad_accum * cand.micro_batch * model.seq_len
+    fits = bool(report.fits)
+    # The reserved peak with room to spare; when the allocator serves the step only by releasing its
+    # cache (that peak above the capacity, `fits` still true), the device fills to the capacity.
+    reserved = min(report.peak_reserved_bytes, capacity) if fits else report.peak_reserved_bytes
+    peak = static.total_bytes + space.reserve_bytes + reserved
+    reason = "" if fits else f"allocator: {report.oom_reason}"
+    host = ctx.host_check(cand.layout.gpus, int(result.d2h_bytes)) if ctx.host_check else None
+    if fits and host:
+        fits, reason = False, host
+    slow_s = result.recompute_s + result.stall_s
+    if exposed >= COMMUNICATION_BOUND_SHARE * step_s:
+        bound = COMMUNICATION_BOUND
+    elif slow_s >= 0.01 * step_s and slow_s >= exposed:
+        bound = "recompute/stall"
+    else:
+        bound = "compute"
+    return Row(
+        status="ok", reason=reason, fits_device=fits, tokens_per_s=throughput.tokens_per_s(tokens, step_s),
+        mfu=throughput.mfu(flops, step_s, hw, model.dtype), step_s=step_s, micro_step_s=micro_s,
+        comm=comm, comm_exposed_s=exposed, peak_bytes=peak, headroom_bytes=hw.device_memory_bytes - peak,
+        peak_activation_bytes=int(result.peak_activation_bytes), peak_reserved_bytes=report.peak_reserved_bytes,
+        swapped=int(result.swapped_tensors), recomputed=int(result.recomputed_tensors),
+        recompute_s=result.recompute_s, stall_s=result.stall_s, bound=bound, **base,
+    )
+
+
+def _infeasible(base: Mapping[str, Any], reason: str, peak_activation: int | None = None) -> Row:
+    return Row(status="infeasible", reason=reason, fits_device=False, tokens_per_s=None, mfu=None, step_s=None,
+               micro_step_s=None, comm=None, comm_exposed_s=None, peak_bytes=None, headroom_bytes=None,
+               peak_activation_bytes=peak_activation, peak_reserved_bytes=None, swapped=None, recomputed=None,
+               recompute_s=None, stall_s=None, **base)
+
+
+# --- the search -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """The configurations the search will evaluate, in order, after pruning; and the regions pruned."""
+
+    candidates: tuple[Candidate, ...]
+    regions: tuple[Region, ...]
+    pruned_configurations: int
+    milp_runs: int
+
+
+def _ordered_planners(space: SearchSpace) -> list[str]:
+    return [p for p in space.planners if p != "milp"]
+
+
+def plan_search(model: ModelConfig, hardware: Hardware, topology: Topology, space: SearchSpace,
+                graph_for: Callable[[int], Graph], **hooks: Any) -> tuple[SearchPlan, _Context]:
+    """Enumerate the space and prune it (static memory, activation floors) before planning anything.
+    `hooks`: `rank_hardware`, `host_check` (see `_Context`)."""
+    ctx = _Context(model, hardware, topology, space, graph_for, **hooks)
+    ctx.units = len(layer_param_counts(model))
+    planners = _ordered_planners(space)
+    per_mb = len(planners) * len(space.plan_against)
+    candidates: list[Candidate] = []
+    regions: list[Region] = []
+    pruned = 0
+    for gpus in space.gpus:
+        topology.fabric_for(gpus)  # a job that spans nodes needs a network: ConfigError naming advise.gpus
+        for layout in layouts(gpus, space.zero_stages, topology.gpus_per_node):
+            check_sharding(layout.gpus, layout.zero_stage, layout.zero_shards)
+            for recipe_name, recipe in space.recipes.items():
+                where = {"gpus": gpus, "zero_stage": layout.zero_stage, "zero_shards": layout.zero_shards,
+                         "layout": layout.label, "recipe": recipe_name}
+                group_size = len(space.micro_batches) * per_mb
+                try:
+                    recipe.check_model_dtype(model.dtype)
+                except ConfigError as exc:
+                    regions.append(Region(RECIPE_DOES_NOT_APPLY, str(exc), where, group_size))
+                    pruned += group_size
+                    continue
+                training = _training(recipe, layout)
+                static = _static(ctx, training)
+                capacity = hardware.device_memory_bytes - space.reserve_bytes - static.total_bytes
+                if capacity <= 0:
+                    detail = (f"{static.describe()}; + reserve {space.reserve_bytes / 2**30:.2f} GiB is "
+                              f"{-capacity / 2**30:.2f} GiB over {hardware.device_memory_bytes / 2**30:.2f} GiB")
+                    regions.append(Region(STATIC_DOES_NOT_FIT, detail, where, group_size))
+                    pruned += group_size
+                    continue
+                for i, mb in enumerate(space.micro_batches):
+                    floor = ctx.workload(mb).floor_bytes
+                    if floor > capacity:
+                        left = len(space.micro_batches) - i
+                        detail = (f"from micro-batch {mb} up: activation floor {floor / 2**30:.2f} GiB > capacity "
+                                  f"{capacity / 2**30:.2f} GiB (device - reserve - static)")
+                        regions.append(Region(ACTIVATIONS_DO_NOT_FIT, detail, {**where, "micro_batch": mb},
+                                              left * per_mb))
+                        pruned += left * per_mb
+                        break
+                    for planner in planners:
+                        for against in space.plan_against:
+                            candidates.append(Candidate(layout, recipe_name, training, mb, planner, against))
+    milp_runs = 0
+    if "milp" in space.planners and candidates:
+        milp_runs = min(space.milp_top_k, len(candidates)) * len(space.plan_against)
+    return SearchPlan(tuple(candidates), tuple(regions), pruned, milp_runs), ctx
+
+
+def _rank_key(row: Row) -> tuple:
+    return (-(row.tokens_per_s or 0.0), row.peak_bytes or 0, row.candidate.layout.gpus)
+
+
+def run_search(
+    model: ModelConfig,
+    hardware: Hardware,
+    topology: Topology,
+    space: SearchSpace,
+    graph_for: Callable[[int], Graph],
+    *,
+    on_row: Callable[[int, int, Row], None] | None = None,
+    rank_hardware: Mapping[int, Hardware] | None = None,
+    host_check: Callable[[int, int], str | None] | None = None,
+) -> Advice:
+    """Prune, evaluate every remaining configuration (`on_row(i, n, row)` after each, i from 1), run
+    milp on the best heuristic configurations, rank, and explain the winners.
+
+    `rank_hardware`: GPU count -> the per-rank hardware (shared host link) to plan on; absent counts
+    use `hardware`. `host_check(gpus, offloaded_bytes)`: why the host cannot hold a plan's offloads."""
+    plan, ctx = plan_search(model, hardware, topology, space, graph_for, rank_hardware=dict(rank_hardware or {}),
+                            host_check=host_check)
+    total = len(plan.candidates) + plan.milp_runs
+    rows: list[Row] = []
+    for cand in plan.candidates:
+        rows.append(evaluate(ctx, cand))
+        if on_row:
+            on_row(len(rows), total, rows[-1])
+    if plan.milp_runs:
+        fitting = sorted((r for r in rows if r.fits_device), key=_rank_key)
+        seen: set[tuple] = set()
+        tops = []
+        for r in fitting:
+            c = r.candidate
+            k = (c.layout, c.recipe, c.micro_batch)
+            if k not in seen:
+                seen.add(k)
+                tops.append(c)
+            if len(tops) == space.milp_top_k:
+                break
+        for c in tops:
+            for against in space.plan_against:
+                rows.append(evaluate(ctx, replace(c, planner="milp", plan_against=against)))
+                if on_row:
+                    on_row(len(rows), total, rows[-1])
+        total = len(rows)
+    regions = list(plan.regions) + _communication_regions(rows)
+    ranked = sorted((i for i, r in enumerate(rows) if r.fits_device), key=lambda i: _rank_key(rows[i]))
+    best: dict[int, int] = {}
+    for i in ranked:
+        best.setdefault(rows[i].candidate.layout.gpus, i)
+    rows = _explain(rows, ranked, best)
+    return Advice(tuple(rows), tuple(regions), best, tuple(ranked), plan.pruned_configurations)
+
+
+def _communication_regions(rows: Sequence[Row]) -> list[Region]:
+    """A (GPUs, layout) every fitting row of which is communication bound."""
+    groups: dict[Layout, list[Row]] = {}
+    for r in rows:
+        if r.fits_device:
+            groups.setdefault(r.candidate.layout, []).append(r)
+    out = []
+    for layout, members in groups.items():
+        if layout.gpus > 1 and all(r.bound == COMMUNICATION_BOUND for r in members):
+            best = min(members, key=_rank_key)
+            detail = (f"exposed communication {best.comm_exposed_s:.3f} s of a {best.step_s:.3f} s step at best "
+                      f"({best.comm.fabric}; >= {COMMUNICATION_BOUND_SHARE:.0%} of the step)")
+            out.append(Region(COMMUNICATION_BOUND, detail,
+                              {"gpus": layout.gpus, "zero_stage": layout.zero_stage,
+                               "zero_shards": layout.zero_shards, "layout": layout.label}, len(members)))
+    return out
+
+
+def _differences(a: Candidate, b: Candidate) -> str:
+    fields = []
+    for key, va in a.choices().items():
+        vb = b.choices()[key]
+        if key in ("gpus", "zero_stage", "zero_shards"):
+            continue
+        if va != vb:
+            fields.append(f"{key} {vb}")
+    return ", ".join(fields) or "same choices"
+
+
+def _config_key(row: Row) -> tuple:
+    c = row.candidate
+    return (c.layout, c.recipe, c.micro_batch)
+
+
+def distinct_ranked(advice: Advice) -> list[int]:
+    """The ranked rows, one per (layout, recipe, micro-batch) and throughput: planners that give the
+    same step (every planner keeps everything when it all fits) are one line, listed in `ties`."""
+    seen: set[tuple] = set()
+    out = []
+    for i in advice.ranked:
+        r = advice.rows[i]
+        k = (*_config_key(r), r.tokens_per_s)
+        if k not in seen:
+            seen.add(k)
+            out.append(i)
+    return out
+
+
+def ties(advice: Advice, index: int) -> list[str]:
+    """`planner/plan_against` of every fitting row with the same configuration and throughput."""
+    r = advice.rows[index]
+    return [f"{o.candidate.planner}/{o.candidate.plan_against}" for o in (advice.rows[j] for j in advice.ranked)
+            if _config_key(o) == _config_key(r) and o.tokens_per_s == r.tokens_per_s]
+
+
+def _explain(rows: list[Row], ranked: Sequence[int], best: Mapping[int, int]) -> list[Row]:
+    """Why each GPU count's winner wins: what it does with memory, and its margin over the runner-up
+    of the same GPU count."""
+    out = list(rows)
+    for gpus, i in best.items():
+        r = rows[i]
+        # The runner-up: the best other configuration of this GPU count that differs in more than the
+        # planner or the planning target, or that gives another throughput.
+        same = [j for j in ranked if rows[j].candidate.layout.gpus == gpus and j != i
+                and (_config_key(rows[j]) != _config_key(r) or rows[j].tokens_per_s != r.tokens_per_s)]
+        parts = []
+        if r.recomputed or r.swapped:
+            parts.append(f"recomputes {r.recomputed} and swaps {r.swapped} tensors "
+                         f"(+{r.recompute_s:.3f} s recompute, {r.stall_s:.3f} s stall per micro-step)")
+        else:
+            parts.append("keeps every activation (no recompute, no swap)")
+        parts.append(f"micro-batch {r.candidate.micro_batch} fills the device to "
+                     f"{r.peak_bytes / 2**30:.1f} GiB")
+        if r.comm is not None and r.comm.total_comm_s:
+            parts.append(f"communication {r.comm.total_comm_s:.3f} s, {r.comm_exposed_s:.3f} s exposed "
+                         f"({r.comm.fabric})")
+        if same:
+            ru = rows[same[0]]
+            margin = (r.tokens_per_s - ru.tokens_per_s) / ru.tokens_per_s
+            parts.append(f"{margin:+.1%} over the runner-up ({ru.candidate.layout.label}: "
+                         f"{_differences(r.candidate, ru.candidate)})")
+        out[i] = replace(r, why="; ".join(parts))
+    return out
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both memory (lower) and throughput (higher), by
+    memory ascending."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], -math.inf
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def topology_from_node(node: Any, hardware: Hardware) -> Topology:
+    """The two fabrics of `slackswap.node.Node` as the collectives see them: NVLink at the node's
+    effective per-GPU NVLink bandwidth (what nccl-tests measures as busbw), the network at the node's
+    NIC bandwidth per GPU (`network_bytes_per_s_per_gpu`: NICs shared by the node's GPUs). A node
+    without NVLink: ranks exchange through PCIe, at this GPU's effective host-link rate (the slower
+    direction; an assumption, printed as the fabric name)."""
+    from slackswap.communication import Fabric
+
+    if node.nvlink_bytes_per_s > 0:
+        intra = Fabric("nvlink", node.nvlink_bytes_per_s, node.nvlink_latency_s)
+    else:
+        link = hardware.link
+        rate = min(link.h2d_effective_bytes_per_s, link.d2h_effective_bytes_per_s)
+        intra = Fabric("pcie (no nvlink)", rate, link.latency_s)
+    network = node.network_bytes_per_s_per_gpu
+    inter = Fabric("network", network, node.nic_latency_s) if network > 0 else None
+    return Topology(node.gpus_per_node, intra, inter)

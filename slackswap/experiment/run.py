@@ -1,0 +1,300 @@
+"""One run: profile -> budget -> plan -> simulate -> allocator -> metrics, as one library call.
+
+`run_one(spec)` returns a `RunOutcome`: the verdict, the typed figures a caller ranks by (step time,
+tokens/s, MFU, peak, headroom, device fit), the full metrics.json mapping of docs/contract.md, and the
+graph, plan and simulation behind them. It writes nothing; `slackswap.experiment.files` writes a run
+directory from an outcome. An infeasible budget is an outcome (`Verdict.INFEASIBLE` with its reason),
+not an exception; a bad spec never gets here (`RunSpec.from_dict` raises `ConfigError`).
+
+The device verdict is separate from the budget verdict: `fits_device` says whether the step's peak
+(the allocator's reserved peak when it is modelled) plus the static training state and the reserve
+fit the device's memory, whatever the budget mode. A run can meet an absolute budget that the device
+cannot hold (`Verdict.OK` with `fits_device` False); docs/pipeline.md says how that reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from slackswap.errors import InfeasibleBudgetError
+from slackswap.experiment.baseline import Baseline, load_baseline
+from slackswap.experiment.fitting import FittedPlan, plan_and_simulate
+from slackswap.experiment.floor import cached_floor
+from slackswap.experiment.spec import RunSpec
+from slackswap.experiment.throughput import FLOPS_SOURCE, mfu, model_flops, tokens_per_s
+from slackswap.graph import Graph
+from slackswap.memory.static import DeviceCapacity
+from slackswap.plan import Decision, Plan
+from slackswap.planners.base import gib
+from slackswap.simulate.result import SimResult
+
+
+class Verdict(StrEnum):
+    """The budget verdict of a run; the same strings as the pipeline's `ok` / `infeasible` statuses."""
+
+    OK = "ok"
+    INFEASIBLE = "infeasible"
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    verdict: Verdict
+    #: Empty for OK; for INFEASIBLE, which stage said so and why ("planner: ...", "simulator: ...",
+    #: "device memory: ...").
+    reason: str
+    #: metrics.json (docs/contract.md): one key set for every outcome of a spec; unknowns are None.
+    metrics: Mapping[str, Any]
+    #: Wall seconds per stage (`profile_s` and `ideal_sim_s` are 0.0 when the baseline was cached).
+    timings_s: Mapping[str, float]
+    baseline: Baseline
+    budget_bytes: int | None
+    plan: Plan | None = None
+    result: SimResult | None = None
+    fitted: FittedPlan | None = field(default=None, repr=False)
+
+    @property
+    def graph(self) -> Graph:
+        return self.baseline.graph
+
+    @property
+    def step_s(self) -> float | None:
+        return self.metrics["step_s"]
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.metrics["tokens_per_s"]
+
+    @property
+    def mfu(self) -> float | None:
+        return self.metrics["mfu"]
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The peak the device sees: the allocator's reserved peak when modelled, else the activation peak."""
+        return self.metrics["device_peak_activation_bytes"]
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.metrics["headroom_bytes"]
+
+    @property
+    def fits_device(self) -> bool | None:
+        return self.metrics["fits_device"]
+
+    @property
+    def static_bytes(self) -> int:
+        return self.metrics["static_bytes"]
+
+    @property
+    def min_feasible_bytes(self) -> int | None:
+        return self.metrics["min_feasible_bytes"]
+
+    @property
+    def swapped(self) -> tuple[str, ...]:
+        return () if self.plan is None else tuple(self.plan.tensors_with(Decision.SWAP))
+
+    @property
+    def recomputed(self) -> tuple[str, ...]:
+        return () if self.plan is None else tuple(self.plan.tensors_with(Decision.RECOMPUTE))
+
+
+def device_capacity(spec: RunSpec) -> DeviceCapacity:
+    """Device memory - reserve - static training state per GPU (`slackswap.memory.static`)."""
+    from slackswap.memory.static import static_memory
+    from slackswap.profile import parameter_counts
+
+    static = static_memory(*parameter_counts(spec.model), spec.training, spec.model.dtype)
+    return DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes, static)
+
+
+def suggest_shards(spec: RunSpec) -> tuple[int, int] | None:
+    from slackswap.memory.static import smallest_fitting_shards
+    from slackswap.profile import parameter_counts
+
+    return smallest_fitting_shards(
+        *parameter_counts(spec.model),
+        spec.training,
+        spec.model.dtype,
+        spec.hardware.device_memory_bytes,
+        spec.budget.reserve_bytes,
+    )
+
+
+def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcome:
+    """Run `spec` and return its outcome. `timings`, if given, is filled as each stage finishes (a run
+    that raises midway still says where its time went) and is the outcome's `timings_s`."""
+    from slackswap.memory.static import capacity_reason
+    from slackswap.node import pinned_reason
+    from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
+
+    timings = {} if timings is None else timings
+    base, hit = load_baseline(spec)
+    timings["profile_s"] = 0.0 if hit else base.profile_wall_s
+    timings["ideal_sim_s"] = 0.0 if hit else base.ideal_sim_wall_s
+    ideal = base.ideal
+    capacity = device_capacity(spec)
+
+    def outcome(verdict: Verdict, reason: str, simulation: Mapping[str, Any], budget: int | None,
+                fitted: FittedPlan | None = None) -> RunOutcome:
+        metrics = run_metrics(spec, base, capacity, simulation, fitted)
+        plan, result = (None, None) if fitted is None else (fitted.plan, fitted.result)
+        return RunOutcome(verdict, reason, metrics, timings, base, budget, plan, result, fitted)
+
+    if spec.budget.device and not capacity.fits:
+        # Static memory alone fills the device: a result (infeasible), reported term by term.
+        reason = capacity_reason(capacity, suggest_shards(spec))
+        return outcome(Verdict.INFEASIBLE, f"device memory: {reason}", unsimulated_metrics(ideal, None, reason), None)
+    budget_bytes = spec.budget.resolve_bytes(base.keep_all_peak_bytes, capacity.activation_capacity_bytes)
+
+    t0 = time.perf_counter()
+    try:
+        fitted = plan_and_simulate(spec.planner, base.graph, spec.hardware, budget_bytes, spec.fit)
+    except InfeasibleBudgetError as exc:
+        timings["plan_s"] = plan_wall_s = time.perf_counter() - t0
+        floor_bytes, note = None, f"; no floor figure for {spec.planner_name} (not searched: each probe is costly)"
+        if getattr(spec.planner, "floor_by_bisection", True):
+            t0 = time.perf_counter()
+            floor = cached_floor(
+                (spec.workload_key, spec.planner_name, repr(sorted(spec.planner_options.items()))),
+                spec.planner, base.graph, spec.hardware, budget_bytes, base.keep_all_peak_bytes,
+            )
+            timings["floor_s"] = time.perf_counter() - t0
+            floor_bytes, note = floor.floor_bytes, _floor_note(spec.planner_name, floor.floor_bytes)
+        reason = exc.reason + note
+        # No plan, so nothing to simulate: what a simulation would give is None.
+        simulation = unsimulated_metrics(
+            ideal, budget_bytes, reason, min_feasible_bytes=floor_bytes, plan_wall_s=plan_wall_s
+        )
+        return outcome(Verdict.INFEASIBLE, f"planner: {reason}", simulation, budget_bytes)
+    timings["plan_s"] = fitted.plan_wall_s
+    timings["sim_s"] = fitted.sim_wall_s
+    simulation = compute_metrics(fitted.result, ideal, plan_wall_s=fitted.plan_wall_s, sim_wall_s=fitted.sim_wall_s)
+    pinned = None if spec.node is None else pinned_reason(spec.node, int(simulation.get("d2h_bytes") or 0))
+    if fitted.result.feasible and pinned is not None:
+        # Every rank of the node holds the same swapped bytes in pinned host memory: over it, infeasible.
+        return outcome(Verdict.INFEASIBLE, pinned, dict(simulation) | {"feasible": False}, budget_bytes, fitted)
+    if fitted.result.feasible:
+        done = outcome(Verdict.OK, "", simulation, budget_bytes, fitted)
+        if spec.alone_hardware is not None:
+            done.metrics["alone_throughput_ratio"] = alone_throughput(spec, base, budget_bytes)
+        return done
+    reason = f"simulator: {fitted.result.infeasible_reason}"
+    return outcome(Verdict.INFEASIBLE, reason, simulation, budget_bytes, fitted)
+
+
+def alone_throughput(spec: RunSpec, base: Baseline, budget_bytes: int) -> float | None:
+    """Throughput retained by the same planner and budget with the GPU alone on its preset link (None
+    if infeasible there): the reference that shows what the node's sharing cost this planner."""
+    from slackswap.simulate.metrics import compute_metrics
+
+    try:
+        alone = plan_and_simulate(spec.planner, base.graph, spec.alone_hardware, budget_bytes, spec.fit)
+    except InfeasibleBudgetError:
+        return None
+    if not alone.result.feasible:
+        return None
+    metrics = compute_metrics(alone.result, base.ideal, plan_wall_s=alone.plan_wall_s, sim_wall_s=alone.sim_wall_s)
+    return metrics["throughput_ratio"]
+
+
+def _floor_note(planner_name: str, floor_bytes: int | None) -> str:
+    if floor_bytes is None:
+        return f"; {planner_name} has no plan even at the keep-all peak"
+    return f"; the least budget {planner_name} plans within is {gib(floor_bytes)} (bisection on the budget)"
+
+
+def run_metrics(
+    spec: RunSpec, base: Baseline, capacity: DeviceCapacity, simulation: Mapping[str, Any],
+    fitted: FittedPlan | None = None,
+) -> dict[str, Any]:
+    """metrics.json, built here only, with one key set for every outcome of one spec (ok, planner
+    infeasible, simulator infeasible, device infeasible): the simulation's keys
+    (`slackswap.simulate.metrics`), the device's static split and fit, the allocator replay's keys when
+    the allocator is modelled, the planning budget, throughput and MFU, and the real-vs-analytic peaks
+    when the graph is traced. What an outcome did not compute is None.
+
+    `fitted` is the `plan_and_simulate` result of a planned and simulated run; None when no plan was
+    made.
+    """
+    from slackswap.memory.allocator_replay import AllocatorReport
+
+    report = None if fitted is None else fitted.report
+    metrics = dict(simulation) | _static_metrics(capacity)
+    if spec.fit.models_allocator:
+        metrics |= dict.fromkeys(AllocatorReport.METRIC_KEYS) if report is None else report.metrics()
+    # What the device has left at this run's peak (reserved peak when the allocator is modelled); with
+    # no plan, all of the activation capacity.
+    peak = simulation["peak_activation_bytes"] if report is None else report.peak_reserved_bytes
+    metrics["headroom_bytes"] = capacity.activation_capacity_bytes - (peak or 0)
+    metrics["device_peak_activation_bytes"] = peak
+    metrics["fits_device"] = _fits_device(spec, capacity, simulation, peak)
+    metrics["planning_budget_bytes"] = None if fitted is None else fitted.planning_budget_bytes
+    metrics["planning_rounds"] = None if fitted is None else fitted.rounds
+    flops = model_flops(base.graph)
+    step_s = simulation["step_s"] if simulation["feasible"] else None
+    metrics["model_flops"] = flops
+    metrics["model_flops_source"] = FLOPS_SOURCE
+    metrics["tokens_per_step"] = spec.tokens_per_step
+    metrics["tokens_per_s"] = tokens_per_s(spec.tokens_per_step, step_s)
+    metrics["mfu"] = mfu(flops, step_s, spec.hardware, spec.model.dtype)
+    metrics["ideal_tokens_per_s"] = tokens_per_s(spec.tokens_per_step, simulation["ideal_step_s"])
+    metrics["ideal_mfu"] = mfu(flops, simulation["ideal_step_s"], spec.hardware, spec.model.dtype)
+    metrics |= _source_metrics(base)
+    metrics |= _node_metrics(spec, simulation)
+    return metrics
+
+
+def _node_metrics(spec: RunSpec, simulation: Mapping[str, Any]) -> dict[str, Any]:
+    """The node's share of the host link each GPU got and the pinned host bytes the node's ranks need."""
+    if spec.node is None:
+        return {}
+    swapped = simulation.get("d2h_bytes")
+    return spec.shared_link.metrics() | {
+        "node": spec.node.name,
+        "gpus_per_node": spec.node.gpus_per_node,
+        "pinned_host_bytes": spec.node.pinned_host_bytes,
+        "pinned_needed_bytes": None if swapped is None else swapped * spec.node.gpus_per_node,
+        # set by `run_one` once an ok plan is also simulated with the GPU alone (a node that shares)
+        "alone_throughput_ratio": None,
+    }
+
+
+def _fits_device(
+    spec: RunSpec, capacity: DeviceCapacity, simulation: Mapping[str, Any], peak: int | None
+) -> bool | None:
+    """Whether this run's step fits the device: its peak + static + reserve within device memory.
+
+    False when static memory alone does not fit, or when the budget is the device's own capacity and no
+    plan met it; None when there is no feasible plan to judge by (planner or simulator infeasible under
+    a fraction or absolute budget).
+    """
+    if not capacity.fits:
+        return False
+    if simulation["feasible"] and peak is not None:
+        return peak <= capacity.activation_capacity_bytes
+    return False if spec.budget.device else None
+
+
+def _static_metrics(capacity: DeviceCapacity) -> dict[str, Any]:
+    """Static bytes per GPU by term, and the device's split: reported by every run, whatever the budget."""
+    static = capacity.static
+    return {
+        "static_bytes": static.total_bytes,
+        **{f"static_{name}": value for name, value in static.terms().items()},
+        "num_params": static.num_params,
+        "device_memory_bytes": capacity.device_memory_bytes,
+        "reserve_bytes": capacity.reserve_bytes,
+        "activation_capacity_bytes": capacity.activation_capacity_bytes,
+    }
+
+
+def _source_metrics(base: Baseline) -> dict[str, Any]:
+    """A traced graph's keep-all peak against the analytic graph's of the same shape (no keys if analytic)."""
+    if base.analytic_peak_bytes is None:
+        return {}
+    return {"analytic_keep_all_peak_bytes": base.analytic_peak_bytes,
+            "real_to_analytic_peak_ratio": base.keep_all_peak_bytes / base.analytic_peak_bytes}

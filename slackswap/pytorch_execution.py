@@ -1,0 +1,118 @@
+"""A plan as PyTorch executes its export, as a plan the simulator runs (plain core code, no torch).
+
+`slackswap.runtime.export` hands a plan's decisions to PyTorch (per-layer checkpoint with a
+selective-checkpoint policy). PyTorch then decides the positions itself, differently from the plan:
+- eager (`torch.utils.checkpoint`, non-reentrant): the first backward unpack of any tensor of a layer
+  re-runs the layer's forward up to its last needed tensor, so every recompute of the layer runs
+  there, at once, before that first backward reader; an offloaded tensor is copied back there too
+  (no prefetch lead); the offload itself starts when the op returns;
+- compiled (inductor; `torch._functorch` activation offloading): recomputed nodes are placed before
+  their first backward use (as the plan's scheduler does); an offload runs after the tensor's last
+  forward use and the reload right before its first backward use (no prefetch lead, unless
+  `activation_reload_prefetch` is on).
+
+`pytorch_plan` rebuilds the plan that way from the decisions PyTorch really executes
+(`PlanExport.effective_decisions()`), so `simulate` prices PyTorch's execution beside the plan's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from slackswap.graph import NO_LAYER, Graph, Phase
+from slackswap.hardware import Hardware
+from slackswap.plan import ComputeStep, Decision, Plan, StepKind, Transfer
+
+MODES = ("eager", "compiled")
+
+
+def pytorch_plan(graph: Graph, plan: Plan, decisions: Mapping[str, Decision], hardware: Hardware,
+                 mode: str = "eager") -> Plan:
+    """The plan PyTorch executes for `decisions` (checked by the validator when simulated)."""
+    from slackswap.schedule.build import build_schedule
+
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {MODES}")
+    base = build_schedule(graph, dict(decisions), planner=f"{plan.planner}@pytorch-{mode}",
+                          budget_bytes=plan.budget_bytes, hardware=hardware,
+                          notes={**dict(plan.notes), "executed_as": f"pytorch {mode}"})
+    ops = graph.op_by_name
+    steps = list(base.steps)
+    # The first backward step reading a saved tensor of each layer: where PyTorch reloads (and, eager,
+    # recomputes) the layer's tensors.
+    first_reader: dict[int, int] = {}
+    for j, step in enumerate(steps):
+        op = ops[step.op]
+        if step.kind != StepKind.RUN or op.phase != Phase.BACKWARD:
+            continue
+        for t in op.inputs:
+            tensor = graph.tensors[t]
+            if tensor.saved and tensor.layer != NO_LAYER:
+                first_reader.setdefault(tensor.layer, j)
+    if mode == "eager":
+        new_steps, index = _recompute_at_layer_start(graph, steps, first_reader)
+    else:
+        new_steps, index = steps, list(range(len(steps)))
+    block_start = {layer: index[j] for layer, j in first_reader.items()}
+    if mode == "eager":  # the layer's recompute block begins before that reader
+        for layer in block_start:
+            while (block_start[layer] > 0 and new_steps[block_start[layer] - 1].kind == StepKind.RECOMPUTE
+                   and graph.tensors[new_steps[block_start[layer] - 1].outputs[0]].layer == layer):
+                block_start[layer] -= 1
+    offloads = [_offload_at(graph, t, base, index, mode) for t in base.offloads]
+    prefetches = []
+    for t in base.prefetches:
+        layer = graph.tensors[t.tensor].layer
+        start = block_start.get(layer)
+        issue = index[t.issue_after_step] if t.issue_after_step >= 0 else -1
+        if start is not None:
+            issue = max(issue, start - 1)
+        if mode == "compiled":
+            issue = max(issue, _first_backward_reader(graph, new_steps, t.tensor) - 1)
+        prefetches.append(replace(t, issue_after_step=issue))
+    prefetches.sort(key=lambda t: t.issue_after_step)
+    offloads.sort(key=lambda t: t.issue_after_step)
+    return replace(base, steps=tuple(new_steps), offloads=tuple(offloads), prefetches=tuple(prefetches),
+                   graph_fingerprint=plan.graph_fingerprint or base.graph_fingerprint)
+
+
+def _recompute_at_layer_start(graph: Graph, steps: list[ComputeStep], first_reader: dict[int, int]):
+    """Every recompute step of a layer moved, in order, right before the layer's first backward reader."""
+    moved: dict[int, list[int]] = {}
+    for j, step in enumerate(steps):
+        if step.kind == StepKind.RECOMPUTE:
+            layer = graph.tensors[step.outputs[0]].layer
+            if layer in first_reader and first_reader[layer] < j:
+                moved.setdefault(first_reader[layer], []).append(j)
+    skip = {j for js in moved.values() for j in js}
+    new_steps: list[ComputeStep] = []
+    index = [0] * len(steps)
+    for j, step in enumerate(steps):
+        for m in moved.get(j, ()):
+            index[m] = len(new_steps)
+            new_steps.append(steps[m])
+        if j in skip:
+            continue
+        index[j] = len(new_steps)
+        new_steps.append(step)
+    return new_steps, index
+
+
+def _offload_at(graph: Graph, t: Transfer, base: Plan, index: list[int], mode: str) -> Transfer:
+    issue = index[t.issue_after_step] if t.issue_after_step >= 0 else -1
+    if mode == "compiled":  # after the tensor's last forward use
+        readers = [j for j, s in enumerate(base.steps) if s.kind == StepKind.RUN and t.tensor in
+                   graph.op_by_name[s.op].inputs and graph.op_by_name[s.op].phase != Phase.BACKWARD]
+        if readers:
+            issue = max(issue, index[max(readers)])
+    return replace(t, issue_after_step=issue)
+
+
+def _first_backward_reader(graph: Graph, steps: list[ComputeStep], tensor: str) -> int:
+    """First step of the backward (a backward op or a recompute) that reads `tensor`."""
+    for j, s in enumerate(steps):
+        op = graph.op_by_name[s.op]
+        if (s.kind == StepKind.RECOMPUTE or op.phase == Phase.BACKWARD) and tensor in op.inputs:
+            return j
+    return len(steps)

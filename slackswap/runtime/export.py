@@ -1,0 +1,653 @@
+"""Export a plan to PyTorch's own machinery: one selective-checkpoint policy per transformer layer.
+
+Why: the eager runtime (`executor.py`) runs a plan at its own positions but pays Python per ATen
+call, and it turns `torch.compile` off. PyTorch already executes such decisions itself:
+`torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, context_fn=...)` with a
+selective-checkpoint (SAC) policy saves what the policy says (`CheckpointPolicy.MUST_SAVE`) and
+recomputes the rest, in eager mode and under `torch.compile` (where the partitioner reads the policy
+from each traced node). The export maps keep -> MUST_SAVE, recompute -> MUST_RECOMPUTE, swap ->
+MUST_CPU_OFFLOAD, op by op, by the tensor's storage identity (the names plans use).
+
+What PyTorch then decides itself, not the plan (docs/runtime.md, "The export"):
+- where recomputation runs: eager, at the first backward unpack of any tensor of the layer, the whole
+  layer up to its last needed tensor; compiled, wherever the partitioner puts the recomputed nodes;
+- in torch 2.13 MUST_CPU_OFFLOAD is *not* an offload: eager SAC treats it as recompute and the
+  partitioner ignores it (only nodes a pass marks `should_offload` are offloaded). The export
+  therefore runs swaps itself in eager mode (`_SaveMode`: the copy is made when the op returns, the
+  reload at the layer's recompute) and, compiled, turns the policy into MUST_SAVE plus
+  `should_offload` in a joint-graph pass, so `torch._functorch`'s offload pass moves it (offload after
+  the tensor's last forward use, reload where backward first needs it);
+- only ops inside a layer are governed: a tensor outside every layer is saved by autograd as usual,
+  a layer's input is held by checkpoint for the recompute, a random op's output is always saved (so
+  the RNG stream of a recompute stays aligned), an op with several outputs gets one policy. Each such
+  case is an `ExportDifference` naming the tensor, what the plan wanted, what PyTorch does, and why.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from slackswap.graph import Graph
+from slackswap.plan import Decision, Plan
+from slackswap.profile.torch.identity import ModuleStack
+from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
+
+POLICY_OF = {
+    Decision.KEEP: CheckpointPolicy.MUST_SAVE,
+    Decision.RECOMPUTE: CheckpointPolicy.MUST_RECOMPUTE,
+    Decision.SWAP: CheckpointPolicy.MUST_CPU_OFFLOAD,
+}
+#: What PyTorch does with a tensor under each policy, in the words of `ExportDifference.exported`.
+DOES = {
+    CheckpointPolicy.MUST_SAVE: "saved",
+    CheckpointPolicy.PREFER_SAVE: "saved",
+    CheckpointPolicy.MUST_RECOMPUTE: "recomputed",
+    CheckpointPolicy.PREFER_RECOMPUTE: "recomputed",
+    CheckpointPolicy.MUST_CPU_OFFLOAD: "offloaded",
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: "offloaded",
+}
+WANTS = {Decision.KEEP: "saved", Decision.RECOMPUTE: "recomputed", Decision.SWAP: "offloaded"}
+#: Ops SAC never asks the policy about (torch.utils.checkpoint.SAC_IGNORED_OPS, the stable part).
+_IGNORED = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
+_SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+_OFFLOAD = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+
+
+@dataclass(frozen=True)
+class ExportDifference:
+    """A plan decision PyTorch's machinery executes otherwise."""
+
+    tensor: str
+    decision: str
+    #: "saved", "recomputed", "offloaded", or "saved by autograd" (outside every layer).
+    exported: str
+    reason: str
+
+
+def layer_paths(model: torch.nn.Module) -> list[str]:
+    """Module paths of the children of the model's first ModuleList: the checkpoint regions."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList):
+            return [f"{name}.{i}" if name else str(i) for i in range(len(m))]
+    return []
+
+
+def module_path(identity: str) -> str:
+    """'layers.3.attn@1/addmm#0:0' -> 'layers.3.attn' (module path without the call suffix)."""
+    return identity.rsplit("/", 1)[0].split("@", 1)[0]
+
+
+def _region_of(path: str, regions: list[str]) -> int | None:
+    for i, r in enumerate(regions):
+        if path == r or path.startswith(r + "."):
+            return i
+    return None
+
+
+_SOURCE_ROOT = re.compile(r"^.*?(?:__self__|L\['[^']+'\]|self)((?:\.[A-Za-z_][A-Za-z_0-9]*|\[\d+\])*)$")
+
+
+def compiled_module_path(region_path: str) -> str:
+    """Under torch.compile: the innermost module of the op being traced (dynamo's nn_module_stack),
+    as a path below the region (dynamo names modules by their source, e.g. L['layer'].attn.qkv)."""
+    import torch.fx.traceback as fx_traceback
+
+    stack = (fx_traceback.current_meta or {}).get("nn_module_stack") or {}
+    if not stack:
+        return region_path
+    source = list(stack.values())[-1][0]
+    m = _SOURCE_ROOT.match(source)
+    rest = m.group(1) if m else ""
+    rest = re.sub(r"\[(\d+)\]", r".\1", rest)
+    # Entries up to the region itself repeat the region's own path (whole-model compile): drop them.
+    tail = rest.lstrip(".")
+    if tail == region_path or tail.startswith(region_path + "."):
+        return tail
+    return f"{region_path}.{tail}" if tail else region_path
+
+
+@dataclass
+class StepRecord:
+    """What one exported step did, per region: the policy applied to each identity it named."""
+
+    applied: dict[str, CheckpointPolicy] = field(default_factory=dict)
+    #: Identities saved because an in-place op wrote into them after their op (eager).
+    in_place: set[str] = field(default_factory=set)
+    #: Identities a layer returned (held by autograd as the next layer's input, whatever the policy).
+    region_outputs: set[str] = field(default_factory=set)
+    offloaded_bytes: int = 0
+    saved_bytes: int = 0
+
+
+class _RegionPolicy:
+    """The SAC policy of one region call: names each op's outputs as the plan does, returns a policy."""
+
+    def __init__(self, export: PlanExport, region: int, compiled: bool):
+        self.export, self.region, self.compiled = export, region, compiled
+        self.path = export.regions[region]
+        self.decisions = export.region_decisions[region]
+        self.counts: dict[tuple[str, str], int] = defaultdict(int)
+        #: Storage -> the decided identities of the op that created it (eager; in-place members join it).
+        self.chain: dict[int, list[str]] = {}
+
+    def _path(self) -> str:
+        if self.compiled:
+            return compiled_module_path(self.path)
+        return self.export.modules.current(self.path)
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        path, packet = self._path(), func.overloadpacket.__name__
+        k = self.counts[(path, packet)]
+        self.counts[(path, packet)] = k + 1
+        out = ctx.op_output
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        written = [args[i] for i in writes_into(func) if i < len(args) and isinstance(args[i], torch.Tensor)]
+        if written and not self.compiled:
+            key = _storage(written[0])
+            if key in self.chain:
+                # An in-place write into a tensor this region made (CPU dropout: empty_like, bernoulli_,
+                # div_). C++ callers keep using the first tensor, so a replay cannot swap in a cached
+                # result of a later member: the whole chain is saved (`_SaveMode` re-points its head).
+                for n in self.chain[key]:
+                    self.export.record.applied[n] = CheckpointPolicy.MUST_SAVE
+                    self.export.record.in_place.add(n)
+                return CheckpointPolicy.MUST_SAVE
+        leaves = list(tree_leaves(out))
+        fresh = fresh_output_flags(func, out)
+        names = [f"{path}/{packet}#{k}:{i}" for i, (leaf, f) in enumerate(zip(leaves, fresh, strict=False))
+                 if f and isinstance(leaf, torch.Tensor)]
+        decided = [(n, self.decisions[n]) for n in names if n in self.decisions]
+        if random:
+            policy = CheckpointPolicy.MUST_SAVE
+        elif not decided:
+            policy = CheckpointPolicy.PREFER_RECOMPUTE
+        elif any(d == Decision.KEEP for _, d in decided):
+            policy = CheckpointPolicy.MUST_SAVE
+        elif any(d == Decision.SWAP for _, d in decided):
+            policy = CheckpointPolicy.MUST_CPU_OFFLOAD
+        else:
+            policy = CheckpointPolicy.MUST_RECOMPUTE
+        for n, _ in decided:
+            self.export.record.applied[n] = policy
+        if self.compiled:
+            self._tag_nodes(names, leaves)
+        else:
+            for leaf, f in zip(leaves, fresh, strict=False):
+                if f and isinstance(leaf, torch.Tensor):
+                    self.chain[_storage(leaf)] = [n for n, _ in decided]
+                    self.export._last_names[_storage(leaf)] = [n for n, _ in decided]
+        return policy
+
+    def _tag_nodes(self, names: list[str], leaves: list) -> None:
+        """Compiled: name the traced node of each output (node.meta['slackswap_tensor']), so the
+        partition's saved values read back as plan tensors. The output is a FunctionalTensor over a
+        FakeTensor; the proxy mode's tracker gives the node that computes it."""
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+        mode = get_proxy_mode()
+        if mode is None:
+            return
+        for name in names:
+            leaf = leaves[int(name.rsplit(":", 1)[1])]
+            inner = torch._from_functional_tensor(leaf.elem) if hasattr(leaf, "elem") else leaf
+            slot = get_proxy_slot(inner, mode.tracer, None)
+            if slot is None:
+                continue
+            node = slot.proxy.node
+            node.meta["slackswap_tensor"] = name
+            # Every node this op's decomposition added (back to nodes of earlier ops) is the op's.
+            op = name.rsplit(":", 1)[0]
+            todo = [node]
+            while todo:
+                n = todo.pop()
+                if "slackswap_op" in n.meta or n.op != "call_function":
+                    continue
+                n.meta["slackswap_op"] = op
+                todo.extend(n.all_input_nodes)
+
+
+def _fresh_function(fn: Callable) -> Callable:
+    """A copy of `fn` with its own code object (dynamo caches and guards per code object; closures
+    over another layer and another policy would otherwise reuse the first layer's graph)."""
+    import types
+
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{id(fn):x}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Entry:
+    __slots__ = ("kind", "value", "device")
+
+    def __init__(self, kind: str, value: object, device: torch.device | None = None):
+        self.kind, self.value, self.device = kind, value, device
+
+
+class _SaveMode(TorchDispatchMode):
+    """Eager forward of a region: SAC's caching mode, with MUST_CPU_OFFLOAD really offloading."""
+
+    def __init__(self, policy: _RegionPolicy, storage: dict, export: PlanExport):
+        super().__init__()
+        self.policy, self.storage, self.export = policy, storage, export
+        self.counter: dict[object, int] = defaultdict(int)
+        #: Storage -> (storage key of the op that created it, its policy), for in-place chains.
+        self.heads: dict[int, tuple[tuple, CheckpointPolicy]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _IGNORED:
+            return out
+        idx = self.counter[func]
+        self.counter[func] += 1
+        from torch.utils.checkpoint import SelectiveCheckpointContext
+
+        policy = self.policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
+        written = [args[i] for i in writes_into(func) if i < len(args) and isinstance(args[i], torch.Tensor)]
+        head = self.heads.get(_storage(written[0])) if written else None
+        if head is not None:
+            key, head_policy = head
+            if head_policy not in _SAVE:  # the head returns the chain's final tensor at replay
+                self._undo(key)
+                self.storage[key] = _Entry("save", _detach(written[0]))
+                self.export.record.saved_bytes += written[0].untyped_storage().nbytes()
+                self.heads[_storage(written[0])] = (key, CheckpointPolicy.MUST_SAVE)
+            self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
+            return out
+        for leaf, f in zip(tree_leaves(out), fresh_output_flags(func, out), strict=False):
+            if f and isinstance(leaf, torch.Tensor):
+                self.heads[_storage(leaf)] = ((func, idx), policy)
+        if policy in _SAVE:
+            self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
+            self.export.record.saved_bytes += _fresh_bytes(func, out)
+        elif policy in _OFFLOAD:
+            self.storage[(func, idx)] = _Entry("offload", tree_map(self.export.host.offload, out))
+            self.export.record.offloaded_bytes += _fresh_bytes(func, out)
+        else:
+            self.storage[(func, idx)] = _Entry("recompute", None)
+        return out
+
+    def _undo(self, key: tuple) -> None:
+        entry = self.storage.get(key)
+        if entry is not None and entry.kind == "offload":
+            self.export.record.offloaded_bytes -= sum(
+                x.host.untyped_storage().nbytes() for x in tree_leaves(entry.value) if isinstance(x, _Offloaded))
+
+
+class _ReplayMode(TorchDispatchMode):
+    """Eager recompute of a region: cached values for saved ops, reloads for offloaded ones."""
+
+    def __init__(self, storage: dict, export: PlanExport):
+        super().__init__()
+        self.storage, self.export = storage, export
+        self.counter: dict[object, int] = defaultdict(int)
+
+    def __enter__(self):
+        self.counter.clear()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        idx = self.counter[func]
+        self.counter[func] += 1
+        entry = self.storage.pop((func, idx), None)
+        if entry is None:
+            raise RuntimeError(
+                f"{func} call {idx} of the recompute did not run in the forward of this layer: the layer's code "
+                "path changed between forward and backward (a data-dependent branch or global state)"
+            )
+        if entry.kind == "save":
+            return entry.value
+        if entry.kind == "offload":
+            return tree_map(self.export.host.reload, entry.value)
+        return func(*args, **kwargs)
+
+
+def _detach(x: object) -> object:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _fresh_bytes(func, out) -> int:
+    return sum(leaf.untyped_storage().nbytes() for leaf, f in zip(tree_leaves(out), fresh_output_flags(func, out),
+                                                                  strict=False)
+               if f and isinstance(leaf, torch.Tensor))
+
+
+class HostCopies:
+    """Eager export's offloads: device -> host when the op returns, back at the layer's recompute.
+
+    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer allocated
+    per offload and a blocking copy: a reference path with no pool and no side stream (the eager
+    runtime reuses pinned buffers, `slackswap.runtime.copy_engines.HostPool`, on its own streams)."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+    def offload(self, x: object) -> object:
+        if not isinstance(x, torch.Tensor):
+            return x
+        self.copies += 1
+        if x.device.type == "cpu":
+            return _Offloaded(x.detach().clone(), x.device)
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x.detach(), non_blocking=False)
+        return _Offloaded(host, x.device)
+
+    def reload(self, x: object) -> object:
+        if not isinstance(x, _Offloaded):
+            return x
+        return x.host if x.device.type == "cpu" else x.host.to(x.device, non_blocking=False)
+
+
+class _Offloaded:
+    """A host copy and the device it came from (a pytree leaf, unlike a tuple)."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, host: torch.Tensor, device: torch.device):
+        self.host, self.device = host, device
+
+
+class PlanExport:
+    """A plan as one SAC policy per layer of `model` (the children of its first ModuleList).
+
+        export = PlanExport(plan, graph, model)
+        with export.installed(model):                 # eager: per-layer checkpoint with the policy
+            loss_fn(model(batch)).backward()
+        with export.installed(model, compile=True):   # each layer torch.compile'd, policy in the partition
+            ...
+    """
+
+    def __init__(self, plan: Plan, graph: Graph, model: torch.nn.Module):
+        from slackswap.runtime.executor import check_identity
+
+        check_identity(graph, model)
+        self.plan, self.graph = plan, graph
+        self.regions = layer_paths(model)
+        self.region_decisions: list[dict[str, Decision]] = [{} for _ in self.regions]
+        self.outside: dict[str, Decision] = {}
+        for name, decision in plan.decisions.items():
+            region = _region_of(module_path(name), self.regions)
+            if region is None:
+                self.outside[name] = Decision(decision)
+            else:
+                self.region_decisions[region][name] = Decision(decision)
+        self.modules = ModuleStack(model)
+        self.host = HostCopies()
+        self.record = StepRecord()
+        self._random: set[tuple[int, int]] = set()
+        #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
+        self._last_names: dict[int, list[str]] = {}
+        self._compiled_fns: dict[tuple, Callable] = {}
+
+    # ------------------------------------------------------------------ policies
+    def policy(self, region: int, compiled: bool = False) -> Callable:
+        """A fresh policy function for one call of region `region` (counters start at zero)."""
+        return _RegionPolicy(self, region, compiled)
+
+    def context_fn(self, region: int, compiled: bool = False) -> Callable[[], tuple]:
+        """`checkpoint(..., context_fn=export.context_fn(i))`: eager, the export's own SAC modes (offloads
+        included); compiled, PyTorch's `create_selective_checkpoint_contexts` with the same policy."""
+        if compiled:
+            return lambda: create_selective_checkpoint_contexts(self.policy(region, compiled=True))
+
+        def contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
+            storage: dict = {}
+            return _SaveMode(self.policy(region), storage, self), _ReplayMode(storage, self)
+
+        return contexts
+
+    def note_random(self, region: int, key: int) -> None:
+        self._random.add((region, key))
+
+    # ------------------------------------------------------------------ installation
+    @contextmanager
+    def installed(self, model: torch.nn.Module, compile: bool = False, backend: object = "inductor") -> Iterator[None]:
+        """Every layer's forward runs under `checkpoint` with its region's policy (compiled: the
+        checkpointed forward is `torch.compile`d per layer, with the offload pass enabled)."""
+        layers = [model.get_submodule(p) for p in self.regions]
+        originals = [layer.__dict__.get("forward") for layer in layers]
+        reset = model.register_forward_pre_hook(lambda *_: self._reset())
+        try:
+            for i, layer in enumerate(layers):
+                layer.forward = self._forward(layer, i, compile, backend)
+            if compile:  # module paths from dynamo's nn_module_stack: global hooks would break the graph
+                with _offload_enabled():
+                    yield
+            else:
+                with self.modules:
+                    yield
+        finally:
+            reset.remove()
+            for layer, original in zip(layers, originals, strict=True):
+                layer.__dict__.pop("forward", None)
+                if original is not None:
+                    layer.forward = original
+
+    def _note_outputs(self, out: object) -> None:
+        """The layer's returned tensors stay alive as the next layer's input: any policy on them is moot."""
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                for n in self._last_names.get(_storage(leaf), ()):
+                    self.record.region_outputs.add(n)
+                    self.record.applied[n] = CheckpointPolicy.MUST_SAVE
+
+    def _reset(self) -> None:
+        self.record = StepRecord()
+        self._last_names = {}
+        self.modules._calls.clear()
+
+    def _forward(self, layer: torch.nn.Module, region: int, compile: bool, backend: object) -> Callable:
+        if compile:
+            return self._compiled(layer, region, backend)
+        plain = type(layer).forward
+        context_fn = self.context_fn(region)
+
+        def run(*args, **kwargs):
+            out = checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            self._note_outputs(out)
+            return out
+
+        return run
+
+    def _compiled(self, layer: torch.nn.Module, region: int, backend: object) -> Callable:
+        """One compiled function per layer: its own policy is traced into its own graph. Dynamo keys
+        compiled code by code object, so each layer's function is a fresh one (`_fresh_function`)."""
+        key = (region, id(layer), id(backend))
+        if key not in self._compiled_fns:  # kept: a later installation reuses the compiled code
+            plain = type(layer).forward
+            context_fn = self.context_fn(region, compiled=True)
+
+            def run(*args, **kwargs):
+                return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+            self._compiled_fns[key] = torch.compile(_fresh_function(run), backend=backend)
+        return self._compiled_fns[key]
+
+    # ------------------------------------------------------------------ differences
+    def static_differences(self) -> list[ExportDifference]:
+        """Decisions no region governs: a tensor outside every layer is saved by autograd as usual."""
+        return [ExportDifference(n, str(d), "saved by autograd", "produced outside every layer (no checkpoint "
+                                 "region governs it)") for n, d in sorted(self.outside.items())
+                if d != Decision.KEEP]
+
+    def step_differences(self) -> list[ExportDifference]:
+        """After an eager step: every decided tensor of a region whose policy differs, with the reason."""
+        out = self.static_differences()
+        for decisions in self.region_decisions:
+            for name, decision in sorted(decisions.items()):
+                applied = self.record.applied.get(name)
+                if applied is None:
+                    out.append(ExportDifference(name, str(decision), "saved by autograd",
+                                                "the layer's forward under checkpoint made no such tensor"))
+                elif DOES[applied] != WANTS[decision]:
+                    out.append(ExportDifference(name, str(decision), DOES[applied], self._why(name, applied)))
+        return out
+
+    def effective_decisions(self) -> dict[str, Decision]:
+        """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside
+        every layer, or one the layer's forward did not make, is saved by autograd: keep). Input of
+        `slackswap.pytorch_execution.pytorch_plan`, which the simulator runs."""
+        does = {"saved": Decision.KEEP, "offloaded": Decision.SWAP, "recomputed": Decision.RECOMPUTE}
+        out = {}
+        for name in self.plan.decisions:
+            applied = self.record.applied.get(name)
+            out[name] = Decision.KEEP if applied is None else does[DOES[applied]]
+        return out
+
+    def _why(self, name: str, applied: CheckpointPolicy) -> str:
+        if name in self.record.in_place:
+            return ("an in-place op wrote into it after its op (CPU dropout's bernoulli_ and div_): a replay "
+                    "cannot redo the writes into the tensor the caller holds, so the chain is saved")
+        if name in self.record.region_outputs:
+            return ("an output of its layer: the next layer's checkpoint (or an op outside) holds it as an input, "
+                    "whatever the policy")
+        if applied in _SAVE:
+            return ("its op also makes a tensor the plan keeps, or it is a random op's output (saved so a "
+                    "recompute draws the same numbers): one policy per op")
+        if applied in _OFFLOAD:
+            return "its op also makes a tensor the plan swaps: one policy per op"
+        return "one policy per op"
+
+
+@contextmanager
+def _offload_enabled() -> Iterator[None]:
+    """torch._functorch's activation-offload pass on, and MUST_CPU_OFFLOAD nodes marked for it."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with functorch_config.patch(enable_activation_offloading=True), inductor_config.patch(
+            joint_custom_pre_pass=OffloadMarks()):
+        yield
+
+
+def _custom_pass_base() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+class OffloadMarks(_custom_pass_base()):
+    """Joint-graph pass: a node the policy tagged MUST_CPU_OFFLOAD is saved (MUST_SAVE) and marked
+    `should_offload`, which torch 2.13's partitioner offload pass reads (it reads nothing else)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in graph.nodes:
+            if node.meta.get("recompute") in _OFFLOAD:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                node.meta["should_offload"] = True
+
+    def uuid(self) -> str:
+        return "slackswap.runtime.export.OffloadMarks/1"
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """One value the compiled partition saves for backward."""
+
+    node: str
+    #: The plan tensor the node computes (named by the export's policy at trace time), or None.
+    tensor: str | None
+    size_bytes: int
+    offloaded: bool
+    #: For a value inside an op's decomposition: the op ('layers.0.ln1/native_layer_norm#0'), or None.
+    op: str | None = None
+    #: A graph input of the compiled layer: a parameter or the layer's input (not an activation it made).
+    is_input: bool = False
+
+
+def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
+    """An inductor backend that also records each compiled backward's saved inputs (the partition)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    partitions: list[list[SavedValue]] = []
+    forward_names: dict[object, dict[str, tuple[str | None, str | None]]] = {}
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        names = forward_names.setdefault(kwargs.get("graph_id"), {})
+        if not kwargs.get("is_backward"):
+            for node in gm.graph.nodes:
+                source = node.args[0] if node.name.startswith("cpu_offload_") and node.args else node
+                meta = getattr(source, "meta", {})
+                names[node.name] = (meta.get("slackswap_tensor"), meta.get("slackswap_op"))
+        else:
+            saved = []
+            for node in gm.graph.find_nodes(op="placeholder"):
+                if node.name.startswith("tangents"):
+                    continue
+                val = node.meta.get("val")
+                if not isinstance(val, torch.Tensor):
+                    continue
+                size = val.numel() * val.element_size()
+                tensor, op = names.get(node.name, (None, None))
+                tensor = node.meta.get("slackswap_tensor") or tensor
+                op = node.meta.get("slackswap_op") or op
+                saved.append(SavedValue(node.name, tensor, size, node.name.startswith("cpu_offload_"), op,
+                                        node.name.startswith("primals")))
+            partitions.append(saved)
+        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+    return partial(compile_fx, inner_compile=inner), partitions
+
+
+def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]) -> list[ExportDifference]:
+    """The compiled partitions' saved values against the plan, every difference named.
+
+    Planned on the device: keep; planned on the host: swap; planned absent: recompute. A saved value
+    that is a graph input (parameter or the layer's input) is not an activation the layer made and is
+    left out. What remains, by kind: a plan tensor saved otherwise than planned, a plan tensor of a
+    governed layer the partition does not save (the compiled backward reads other values, or the
+    identity does not exist under compile), a value the plan does not name."""
+    saved = [v for part in partitions for v in part if not v.is_input]
+    got: dict[str, SavedValue] = {v.tensor: v for v in saved if v.tensor is not None}
+    out: list[ExportDifference] = []
+    for decisions in export.region_decisions:
+        if not decisions:
+            continue
+        for name, decision in sorted(decisions.items()):
+            v = got.get(name)
+            if v is None:
+                if decision != Decision.RECOMPUTE:
+                    out.append(ExportDifference(name, str(decision), "not saved",
+                                                "the compiled backward does not read this value (its decomposition "
+                                                "saves others, or the op has another name under compile)"))
+            elif decision == Decision.RECOMPUTE:
+                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
+                                            "the partitioner saves it: a random op's output or an output of "
+                                            "an op that also makes a kept tensor"))
+            elif (decision == Decision.SWAP) != v.offloaded:
+                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
+                                            "torch's offload pass skips views, non-contiguous tensors and "
+                                            "model outputs" if decision == Decision.SWAP else "one policy per op"))
+    for v in saved:
+        if v.tensor is None or v.tensor not in export.plan.decisions:
+            what = v.tensor or (f"a value inside {v.op}" if v.op else f"compiled value {v.node}")
+            out.append(ExportDifference(what, "none", "offloaded" if v.offloaded else "saved",
+                                        "the plan does not name it: the compiled backward reads a value of "
+                                        "the op's decomposition (or an op renamed under compile)"))
+    return out
+
+
+def saved_bytes(partitions: list[list[SavedValue]]) -> tuple[int, int]:
+    """(device bytes, host bytes) the compiled partitions save, graph inputs left out."""
+    values = [v for part in partitions for v in part if not v.is_input]
+    return (sum(v.size_bytes for v in values if not v.offloaded), sum(v.size_bytes for v in values if v.offloaded))
+
+
+__all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "SavedValue", "layer_paths", "partition_differences",
+           "recording_backend", "saved_bytes"]

@@ -1,0 +1,120 @@
+"""The collective model of slackswap.communication against figures worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from slackswap.communication import (
+    Fabric,
+    Topology,
+    all_gather_s,
+    all_reduce_s,
+    check_sharding,
+    pipelined_exposed_s,
+    reduce_scatter_s,
+    step_communication,
+)
+from slackswap.errors import ConfigError
+
+NVLINK = Fabric("nvlink", 200e9, 5e-6)
+NET = Fabric("ib", 20e9, 10e-6)
+NODE = Topology(gpus_per_node=8, intra_node=NVLINK, inter_node=NET)
+
+
+def test_ring_formulas_by_hand():
+    # 1 GB over 8 ranks at 200 GB/s busbw, alpha 5 us: 7 x 5 us + 1e9 x 7/8 / 200e9 = 35 us + 4.375 ms.
+    assert all_gather_s(1e9, 8, NVLINK) == pytest.approx(4.410e-3)
+    assert reduce_scatter_s(1e9, 8, NVLINK) == pytest.approx(4.410e-3)
+    # All-reduce: twice the steps and twice the bus bytes: 70 us + 8.75 ms.
+    assert all_reduce_s(1e9, 8, NVLINK) == pytest.approx(8.820e-3)
+    # nccl-tests' definition: busbw = algbw x 2(n-1)/n for all-reduce, so at large sizes (alpha
+    # negligible) the bus bandwidth computed back from the time is the fabric's.
+    t = all_reduce_s(1e12, 8, Fabric("x", 200e9, 0.0))
+    assert (1e12 / t) * 2 * 7 / 8 == pytest.approx(200e9)
+    # Two ranks: one step, half the buffer.
+    assert all_gather_s(2e9, 2, NET) == pytest.approx(10e-6 + 1e9 / 20e9)
+    # One rank: nothing to send.
+    assert all_gather_s(1e9, 1, NVLINK) == 0.0 == all_reduce_s(1e9, 1, NVLINK)
+
+
+def test_pipelined_overlap_by_hand():
+    # C = 10, P = 8 over 4 units: c = 2.5, p = 2: 2.5 + 3 x 2.5 + 2 = 12, exposed 12 - 8 = 4.
+    assert pipelined_exposed_s(10.0, 8.0, 4) == pytest.approx(4.0)
+    # Communication shorter per unit than compute: only the first unit's share shows (C / k).
+    assert pipelined_exposed_s(4.0, 8.0, 4) == pytest.approx(1.0)
+    # One unit: nothing overlaps.
+    assert pipelined_exposed_s(4.0, 8.0, 1) == pytest.approx(4.0)
+    # No compute to hide under: all of it.
+    assert pipelined_exposed_s(4.0, 0.0, 8) == pytest.approx(4.0)
+
+
+def test_fabric_choice_follows_the_node():
+    assert NODE.fabric_for(8).name == "nvlink"
+    assert NODE.fabric_for(16).name == "ib"
+    # Replicas of an HSDP shard sit `shards` apart: 2 replicas of an 8-way shard span two nodes.
+    assert NODE.fabric_for(2, stride=8).name == "ib"
+    assert NODE.fabric_for(2, stride=4).name == "nvlink"
+
+
+def test_zero3_step_on_eight_gpus_by_hand():
+    p = 1_000_000_000  # 1 B parameters, bf16 params and grads: 2 GB buffers
+    comm = step_communication(
+        num_params=p, param_bytes=2, grad_bytes=2, zero_stage=3, gpus=8, shards=8, topology=NODE,
+        forward_compute_s=1.0, backward_compute_s=2.0, units=10,
+    )
+    ag = 7 * 5e-6 + 2e9 * 7 / 8 / 200e9  # 8.785 ms
+    assert comm.forward_comm_s == pytest.approx(ag)
+    assert comm.backward_comm_s == pytest.approx(2 * ag)  # re-gather + reduce-scatter
+    assert comm.after_step_comm_s == 0.0
+    # Per unit 0.88 ms of gather against 100 ms of forward: only the first unit's share is exposed.
+    assert comm.forward_exposed_s == pytest.approx(ag / 10)
+    assert comm.backward_exposed_s == pytest.approx(2 * ag / 10)
+    assert comm.bus_bytes == pytest.approx(3 * 2e9 * 7 / 8)
+    assert comm.fabric == "nvlink"
+
+
+def test_stages_issue_the_documented_collectives():
+    kw = dict(num_params=10**9, param_bytes=2, grad_bytes=4, topology=NODE,
+              forward_compute_s=1.0, backward_compute_s=2.0, units=10)
+    ddp = step_communication(zero_stage=0, gpus=8, shards=1, **kw)
+    assert ddp.forward_comm_s == 0 and ddp.after_step_comm_s == 0
+    assert ddp.backward_comm_s == pytest.approx(all_reduce_s(4e9, 8, NVLINK))
+    z2 = step_communication(zero_stage=2, gpus=8, shards=8, **kw)
+    assert z2.backward_comm_s == pytest.approx(reduce_scatter_s(4e9, 8, NVLINK))
+    # The all-gather of the updated parameters after the step has nothing to hide under.
+    assert z2.after_step_comm_s == pytest.approx(all_gather_s(2e9, 8, NVLINK))
+    assert z2.exposed_s >= z2.after_step_comm_s
+    # HSDP over 16 GPUs in shard groups of 8: gathers on NVLink, the replica all-reduce of the
+    # 1/8 gradient shard over the network.
+    hsdp = step_communication(zero_stage=3, gpus=16, shards=8, **kw)
+    assert hsdp.fabric == "nvlink" and hsdp.replica_fabric == "ib"
+    expected = all_gather_s(2e9, 8, NVLINK) + reduce_scatter_s(4e9, 8, NVLINK) + all_reduce_s(5e8, 2, NET)
+    assert hsdp.backward_comm_s == pytest.approx(expected)
+    one = step_communication(zero_stage=3, gpus=1, shards=1, **kw)
+    assert one.total_comm_s == 0 and one.exposed_s == 0
+
+
+def test_communication_bound_when_compute_is_short():
+    # 16 GPUs over the network, tiny compute: nearly all of the communication shows.
+    comm = step_communication(num_params=10**9, param_bytes=2, grad_bytes=2, zero_stage=3, gpus=16, shards=16,
+                              topology=NODE, forward_compute_s=1e-3, backward_compute_s=2e-3, units=10)
+    assert comm.fabric == "ib"
+    assert comm.exposed_s > 0.9 * (comm.total_comm_s - 3e-3)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "stage", "shards", "field"),
+    [(0, 3, 1, "gpus"), (8, 3, 3, "training.zero_shards"), (8, 0, 8, "training.zero_shards"),
+     (8, 2, 4, "training.zero_shards")],
+)
+def test_bad_layouts_name_the_field(gpus, stage, shards, field):
+    with pytest.raises(ConfigError) as info:
+        check_sharding(gpus, stage, shards)
+    assert info.value.field == field
+
+
+def test_bad_fabric_names_the_field():
+    with pytest.raises(ConfigError, match="fabric.bus_bytes_per_s"):
+        Fabric("x", 0.0, 1e-6)
+    with pytest.raises(ConfigError, match="fabric.latency_s"):
+        Fabric("x", 1e9, -1.0)

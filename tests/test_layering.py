@@ -1,0 +1,154 @@
+"""The layering of docs/architecture.md, enforced: read every module's imports with `ast` (imports inside
+functions included) and fail on an import up a layer, sideways between two units of one layer (the
+executors simulate, memory.allocator_replay and runtime among them), from a module no layer names, or on any
+import cycle between modules."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = ("slackswap", "pipelines", "tools", "benchmarks", "hydra_plugins")
+
+
+def _layers() -> list[tuple[int, list[tuple[str, ...]]]]:
+    """(layer number, units) from the table between the layer markers of docs/architecture.md."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- layers: begin.*?-->(.*?)<!-- layers: end -->", text, re.S)
+    assert block, "docs/architecture.md has no layer table between the layer markers"
+    layers = []
+    for line in block.group(1).strip().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        number = int(cells[0].split()[0])
+        units = [tuple(re.findall(r"`([\w.]+)`", unit)) for unit in cells[1].split(", ")]
+        layers.append((number, units))
+    return layers
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for root in ROOTS:
+        for path in (REPO / root).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (`from a import b` names module `a.b` when it is one)."""
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                wanted = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                wanted = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names]  # fmt: skip
+            else:
+                continue
+            for target in wanted:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def _placement(layers) -> dict[str, tuple[int, int]]:
+    """Module prefix -> (layer, unit index)."""
+    return {prefix: (number, u) for number, units in layers for u, unit in enumerate(units) for prefix in unit}
+
+
+def _place(module: str, placement: dict[str, tuple[int, int]]) -> tuple[int, int] | None:
+    best = None
+    for prefix, where in placement.items():
+        if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, where)
+    return None if best is None else best[1]
+
+
+def test_the_layer_table_parses_and_names_the_executors_as_one_layer() -> None:
+    layers = dict(_layers())
+    executors = {unit for unit in layers[3]}
+    assert {("slackswap.simulate",), ("slackswap.memory.allocator_replay",), ("slackswap.runtime",)} <= executors
+    assert sorted(layers) == list(range(8))
+
+
+def test_every_import_runs_down_the_layers_and_never_sideways() -> None:
+    modules = _modules()
+    placement = _placement(_layers())
+    edges = _imports(modules)
+    broken, unplaced = [], []
+    for module, targets in sorted(edges.items()):
+        where = _place(module, placement)
+        if where is None:
+            if targets & {m for m in modules if m.startswith(("slackswap", "pipelines"))}:
+                unplaced.append(module)
+            continue
+        for target in sorted(targets):
+            there = _place(target, placement)
+            if there is None:
+                continue  # a namespace package's __init__
+            if there[0] > where[0]:
+                broken.append(f"{module} (layer {where[0]}) imports {target} (layer {there[0]}): up a layer")
+            elif there[0] == where[0] and there[1] != where[1]:
+                broken.append(f"{module} imports {target}: sideways within layer {where[0]}")
+    assert not unplaced, f"modules no layer of docs/architecture.md names: {unplaced}"
+    assert not broken, "\n".join(broken)
+
+
+def test_no_import_cycle_between_modules() -> None:
+    edges = _imports(_modules())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "why"),
+    [
+        ("slackswap.simulate.engine", "slackswap.memory.allocator_replay", "sideways"),
+        ("slackswap.schedule.build", "slackswap.planners.registry", "up a layer"),
+        ("slackswap.experiment.run", "pipelines.job", "up a layer"),
+    ],
+)
+def test_the_check_catches_a_broken_import(source: str, target: str, why: str) -> None:
+    """The rule itself: an import that breaks the layering is reported (not a vacuous pass)."""
+    placement = _placement(_layers())
+    src, dst = _place(source, placement), _place(target, placement)
+    assert src is not None and dst is not None
+    assert (dst[0] > src[0]) if why == "up a layer" else (dst[0] == src[0] and dst[1] != src[1])

@@ -1,0 +1,165 @@
+"""A plan exported to PyTorch's selective checkpointing: eager, every planner's plan runs bit-exact and
+each decision is executed as planned or named as a difference; compiled (inductor on the CPU), the
+partition's saved values are the plan's, read back node by node, and gradients match eager."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.extras import require_torch_extra  # noqa: E402
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
+
+from slackswap.plan import Decision  # noqa: E402
+from slackswap.planners.registry import available_planners  # noqa: E402
+from slackswap.runtime.export import (  # noqa: E402
+    DOES,
+    WANTS,
+    PlanExport,
+    partition_differences,
+    recording_backend,
+    saved_bytes,
+)
+from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
+from slackswap.schedule.build import build_schedule  # noqa: E402
+from tests.runtime_support import Captured, bit_equal, capture, h200, plan_for  # noqa: E402
+
+_C: dict[str, Captured] = {}
+
+
+@pytest.fixture(autouse=True)
+def deterministic_kernels():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def tiny() -> Captured:
+    if "tiny" not in _C:
+        _C["tiny"] = capture("tiny", layers=2)
+    return _C["tiny"]
+
+
+def exported_step(c: Captured, export: PlanExport, **install: object):
+    torch.manual_seed(1)
+    for p in c.workload.model.parameters():
+        p.grad = None
+    with export.installed(c.workload.model, **install):
+        loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
+        loss.backward()
+    grads = [p.grad.clone() for p in c.workload.model.parameters() if p.grad is not None]
+    return loss.detach(), grads
+
+
+def test_eager_export_runs_every_planner_bit_exact_and_names_each_difference() -> None:
+    c = tiny()
+    acted = set()
+    for planner in available_planners():
+        plan, _ = plan_for(planner, c)
+        export = PlanExport(plan, c.graph, c.workload.model)
+        loss, grads = exported_step(c, export)
+        assert bit_equal(c.reference, loss, grads), planner
+        differences = {d.tensor: d for d in export.step_differences()}
+        for d in differences.values():
+            assert d.reason and d.exported != WANTS[Decision(d.decision)], d
+        # Every decision of a layer not named as a difference ran as planned.
+        for decisions in export.region_decisions:
+            for name, decision in decisions.items():
+                if name not in differences:
+                    assert DOES[export.record.applied[name]] == WANTS[decision], (planner, name)
+                    acted.add(str(decision))
+        swapped = [n for d in export.region_decisions for n, x in d.items() if x == Decision.SWAP
+                   and n not in differences]
+        assert (export.record.offloaded_bytes > 0) == bool(swapped), planner
+    assert acted == {"keep", "swap", "recompute"}
+
+
+def test_eager_export_outside_every_layer_is_a_named_difference() -> None:
+    c = tiny()
+    plan, _ = plan_for("slackswap", c)
+    export = PlanExport(plan, c.graph, c.workload.model)
+    outside = {d.tensor for d in export.static_differences()}
+    assert outside == {n for n, d in plan.decisions.items()
+                       if not n.startswith("layers.") and d != Decision.KEEP}
+    assert all(d.exported == "saved by autograd" for d in export.static_differences())
+
+
+def _mixed_plan(c: Captured):
+    """Keep / swap / recompute in turn over the layer's saved tensors; everything outside kept."""
+    kinds = (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE)
+    names = sorted(t.name for t in c.graph.saved_tensors)
+    inside = [n for n in names if n.startswith("layers.")]
+    decisions = {n: Decision.KEEP for n in names}
+    decisions.update({n: kinds[i % 3] for i, n in enumerate(inside)})
+    return build_schedule(c.graph, decisions, planner="mixed", budget_bytes=None, hardware=h200())
+
+
+@pytest.mark.slow
+def test_compiled_partition_saves_the_planned_set_and_matches_eager() -> None:
+    """One layer without dropout (inductor's random numbers are not eager's): the compiled step's
+    gradients equal eager's to float tolerance, the partition saves no tensor the plan recomputes and
+    offloads every swapped one it saves, unless a difference names it."""
+    model, spec = small_config("tiny", layers=1)
+    w = build_training_workload(replace(model, dropout=False), spec)
+    from slackswap.runtime import capture_graph
+
+    graph = capture_graph(w.model, (w.batch,), w.loss_fn, h200(), "tiny-1l")
+    torch.manual_seed(1)
+    w.loss_fn(w.model(w.batch)).backward()
+    reference = [p.grad.clone() for p in w.model.parameters()]
+    c = Captured(w, graph, 0, (None, reference))
+    plan = _mixed_plan(c)
+    export = PlanExport(plan, graph, w.model)
+    backend, partitions = recording_backend()
+    _, grads = exported_step(c, export, compile=True, backend=backend)
+    assert len(partitions) == 1  # one compiled backward for the one layer
+    for a, b in zip(reference, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    named = {d.tensor: d for d in partition_differences(export, partitions)}
+    for d in named.values():
+        assert d.reason
+    saved = {v.tensor: v for v in partitions[0] if v.tensor is not None and not v.is_input}
+    decisions = plan.decisions
+    assert saved, "the partition must read back plan tensors"
+    for name, v in saved.items():
+        if name in named:
+            continue
+        assert decisions[name] != Decision.RECOMPUTE, name
+        assert v.offloaded == (decisions[name] == Decision.SWAP), name
+    planned = {n for n, d in decisions.items() if n.startswith("layers.") and d != Decision.RECOMPUTE}
+    assert planned - set(saved) <= set(named)
+    assert any(v.offloaded for v in saved.values()), "the swaps must reach torch's offload pass"
+    device, host = saved_bytes(partitions)
+    assert host == sum(v.size_bytes for v in partitions[0] if v.offloaded and not v.is_input) > 0
+    assert device > 0
+
+
+@pytest.mark.parametrize("planner", ["slackswap", "recompute_knapsack"])
+def test_the_simulator_runs_pytorchs_execution_of_the_export(planner: str) -> None:
+    """The decisions PyTorch executed, rescheduled as PyTorch places them: eager, each layer's
+    recomputes in one block before its first backward reader, reloads there; a valid plan the
+    simulator prices beside the original."""
+    from slackswap.plan import StepKind
+    from slackswap.pytorch_execution import pytorch_plan
+    from slackswap.simulate import simulate
+
+    c = tiny()
+    plan, _ = plan_for(planner, c)
+    export = PlanExport(plan, c.graph, c.workload.model)
+    exported_step(c, export)
+    effective = export.effective_decisions()
+    differ = {d.tensor for d in export.step_differences()}
+    assert {n for n in plan.decisions if effective[n] != plan.decisions[n]} == differ
+    for mode in ("eager", "compiled"):
+        executed = pytorch_plan(c.graph, plan, effective, h200(), mode)
+        assert dict(executed.decisions) == effective
+        result = simulate(c.graph, executed, h200(), None)
+        assert result.step_s > 0
+        if mode == "eager":
+            layers = [c.graph.tensors[s.outputs[0]].layer for s in executed.steps if s.kind == StepKind.RECOMPUTE]
+            blocks = [x for i, x in enumerate(layers) if i == 0 or layers[i - 1] != x]
+            assert len(blocks) == len(set(blocks)), "one recompute block per layer"
