@@ -11,8 +11,11 @@ slackswap, capuchin, recompute_knapsack at that budget are then each run for rea
 `--steps` timed forward+backward steps under the plan, and one step against a plain one for the
 gradient check. Measured: median step time; peak activation memory = max_memory_allocated over the
 step minus what was allocated when it started (weights; gradients are set to None before each step,
-so weight gradients made in backward are included) on CUDA, the runtime's saved-bytes ledger on CPU.
-Simulated: `simulate` on h200_sxm_pcie5 under the same budget. Ratios are measured / simulated. An
+so weight gradients made in backward are included) on CUDA; on the CPU the runtime's ledger of every
+device storage of a graph tensor, against `simulate` of the plan on the CPU's instant link (the two
+are equal to the byte, docs/runtime.md), at 70 % of the simulated keep-all peak (the 2-layer toys'
+own holds, `Tensor.held_until`, put 50 % out of every planner's reach). Simulated: `simulate` on
+h200_sxm_pcie5 under the same budget. Ratios are measured / simulated. An
 infeasible plan is a row with its reason. Writes benchmarks/results/gpu_validate[_cpu].json and prints
 the table (markdown).
 """
@@ -32,6 +35,9 @@ sys.path.insert(0, str(REPO))
 PRESETS = {"bert": ("hf_bert_large", 24), "gpt2": ("hf_gpt2_xl", 12), "llama": ("hf_llama7b", 6)}
 PLANNERS = ("keep_all", "slackswap", "capuchin", "recompute_knapsack")
 BUDGET_FRACTION = 0.5
+#: The CPU path's toy models: with eager lifetimes counted (Tensor.held_until) no planner meets 50 % of
+#: their keep-all peaks; 70 %, as the runtime tests plan them.
+CPU_BUDGET_FRACTION = 0.7
 
 
 def load_preset(preset: str, layers: int):
@@ -84,12 +90,13 @@ def measure(w, graph, plan, device, steps: int) -> dict:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         if i == 0:
-            # The first step under a run is the verified one (dispatch modes, ledger measured); the
+            # The first step under a run is the verified one (dispatch modes, ledgers measured); the
             # timed steps after it run on the saved-tensor hooks alone and measure no ledger.
             ledger = run.report.ledger_peak_bytes if run is not None else 0
+            device_peak = run.report.device_peak_bytes if run is not None else 0
             ledgers.append(ledger)
             continue
-        peak = torch.cuda.max_memory_allocated() - start_bytes if device == "cuda" else ledger
+        peak = torch.cuda.max_memory_allocated() - start_bytes if device == "cuda" else device_peak
         times.append(elapsed)
         peaks.append(peak)
     for p in w.model.parameters():
@@ -165,7 +172,7 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
     from slackswap.runtime.train import gradient_check
     from slackswap.runtime.training_workload import build_training_workload, small_config
     from slackswap.simulate import simulate
-    from slackswap.simulate.saved_peak import simulated_saved_peak_bytes
+    from slackswap.simulate.saved_peak import instant_link, simulated_saved_peak_bytes
 
     hw = hardware()
     if small:
@@ -182,10 +189,10 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
     plain = measure(w, graph, None, device, steps)
     if device == "cuda":
         budget = int(plain["measured_peak_bytes"] * BUDGET_FRACTION)
-    else:  # no allocator to ask on the CPU: 50 % of the simulated keep-all activation peak instead
+    else:  # no allocator to ask on the CPU: 70 % of the simulated keep-all activation peak instead
         from slackswap.simulate.metrics import simulate_ideal
 
-        budget = int(simulate_ideal(graph, hw).peak_activation_bytes * BUDGET_FRACTION)
+        budget = int(simulate_ideal(graph, hw).peak_activation_bytes * CPU_BUDGET_FRACTION)
     rows = []
     for name in PLANNERS:
         row = {"model": model.name, "layers": model.num_layers, "planner": name, "device": device,
@@ -202,13 +209,14 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
         row.update(status="ok", **measured, **plan_counts(plan),
                    sim_step_s=sim.step_s, sim_peak_activation_bytes=sim.peak_activation_bytes,
                    sim_saved_peak_bytes=simulated_saved_peak_bytes(graph, plan, hw),
+                   sim_peak_device_link_bytes=simulate(graph, plan, instant_link(hw), None).peak_activation_bytes
+                   if device == "cpu" else sim.peak_activation_bytes,
                    grad_bit_exact=check.bit_exact, grad_max_abs_diff=check.max_abs_diff,
                    plain_step_s=plain["measured_step_s"], plain_peak_bytes=plain["measured_peak_bytes"])
         row["step_ratio"] = row["measured_step_s"] / sim.step_s if sim.step_s else None
-        # CUDA: the allocator's peak against every simulated activation byte; CPU: the ledger (saved
-        # bytes only) against the simulator's saved-bytes peak.
-        simulated_peak = sim.peak_activation_bytes if device == "cuda" else row["sim_saved_peak_bytes"]
-        row["peak_ratio"] = row["measured_peak_bytes"] / simulated_peak
+        # CUDA: the allocator's peak against every simulated activation byte; CPU: the ledger of every
+        # device storage against the simulation on the CPU's instant link.
+        row["peak_ratio"] = row["measured_peak_bytes"] / sim_peak(row)
         rows.append(row)
         if name in export:
             print(f"[gpu_validate] {model.name} {name}: the export, compiled ...", flush=True)
@@ -221,11 +229,12 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
 
 
 def sim_peak(row: dict) -> int:
-    return row["sim_peak_activation_bytes"] if row["device"] == "cuda" else row["sim_saved_peak_bytes"]
+    return row["sim_peak_device_link_bytes"]
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown; on the CPU the peaks are saved bytes (ledger vs simulator), on CUDA all activations."""
+    """Markdown; on the CPU the peaks are every graph tensor's storage (ledger vs the instant-link
+    simulation), on CUDA max_memory_allocated less the weights vs the simulation under the budget."""
     lines = ["| model | layers | planner | budget MiB | measured step ms | sim step ms | step ratio | "
              "measured peak MiB | sim peak MiB | peak ratio | grads exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -12,7 +12,7 @@ same batch from the same seed:
 - offload_hooks: a torchtune-style offload (saved_tensors_hooks that copy every activation of at
   least 1 KiB to host memory at pack time and return the copy at unpack; parameters stay);
 - runtime_keep_all / runtime_slackswap: `slackswap.runtime.apply` with the keep_all plan and with
-  slackswap's plan at half the keep-all peak; steady-state steps (the first, verified step of a run
+  slackswap's plan at 70 % of the keep-all peak; steady-state steps (the first, verified step of a run
   is a warm-up, like a compilation);
 - export_eager / export_compiled: the slackswap plan exported to selective checkpointing
   (`slackswap.runtime.export`), eager and with each layer torch.compile'd (inductor; compiled in
@@ -23,6 +23,11 @@ interleaved round by round; the median over rounds. `aten_calls`: ATen calls a c
 mode sees in one extra step (null for the compiled variant: a dispatch mode switches compile off).
 `peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
 profiler's memory events (all allocations: activations, gradients, temporaries).
+`copy_cpu_s_per_step` (runtime_slackswap): CPU time of the copies themselves (allocation and memcpy
+of every offload and prefetch, `CpuCopies.copy_s`): on the CPU the stand-in copies run on the compute
+thread; on a GPU the copy engines do that work, so `ratio_to_eager_without_copies` is the runtime's
+own cost. `ratio_to_eager_no_data_copies` (runtime_slackswap): the same plan with a copy engine that moves no
+data (`NoDataCopies`), timed interleaved with the rest: the runtime's own cost without the copies.
 `planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
 export rows add `export_saved_bytes` (what the export saves on the device: eager, its checkpoint
 cache; compiled, the partition's saved activations) and `export_differences` (decisions PyTorch
@@ -50,9 +55,30 @@ VARIANTS = ("eager", "checkpoint", "save_on_cpu", "offload_hooks", "runtime_keep
 DEPTHS = (2, 8, 32)
 #: TinyGPT at a width where the CPU's per-call cost matters, as on a GPU (small kernels).
 SHAPE = {"hidden": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
-BUDGET_FRACTION = 0.5
+#: 70 % of the keep-all peak: with eager lifetimes counted (Tensor.held_until) no planner meets 50 % of
+#: these toy models (the runtime tests plan at 70 % for the same reason).
+BUDGET_FRACTION = 0.7
 #: torchtune's OffloadActivations leaves tensors under 1 KiB on the device (min_offload_size).
 MIN_OFFLOAD_BYTES = 1024
+
+
+class NoDataCopies:
+    """A copy engine that moves no data: the offload keeps the device storage, the prefetch returns
+    it (values unchanged, so the step stays exact; memory is not saved). Timing attribution only."""
+
+    def offload(self, source, key=None):
+        from slackswap.runtime.copy_engines import _DoneCopy
+
+        return _DoneCopy(source)
+
+    def prefetch(self, offloaded, device):
+        return offloaded
+
+    def poll(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def _step(w) -> None:
@@ -87,10 +113,15 @@ class Variants:
             "slackswap": get_planner("slackswap").plan(self.graph, h200(), int(keep_all_peak * BUDGET_FRACTION)),
         }
         self.runs = {k: apply(p, self.graph, w.model) for k, p in self.plans.items()}
+        # Attribution only: the slackswap plan with a copy engine that moves no data (an "offload"
+        # holds the device storage itself, a "prefetch" hands it back): the runtime's own cost.
+        self.runs["no_data"] = apply(self.plans["slackswap"], self.graph, w.model, copies=NoDataCopies())
         self.export = PlanExport(self.plans["slackswap"], self.graph, w.model)
         self.compiled_export = PlanExport(self.plans["slackswap"], self.graph, w.model)
         self.backend, self.partitions = recording_backend()
         self.layers = [w.model.get_submodule(p) for p in self.export.regions]
+        #: Per timed runtime_slackswap step: CPU seconds of its inline copies (`CpuCopies.copy_s`).
+        self.copy_s: list[float] = []
 
     # ------------------------------------------------------------------ one step per variant
     def eager(self) -> None:
@@ -137,7 +168,14 @@ class Variants:
             _step(self.w)
 
     def runtime_slackswap(self) -> None:
+        copies = self.runs["slackswap"].copies
+        before = copies.copy_s if copies is not None else 0.0
         with self.runs["slackswap"]:
+            _step(self.w)
+        self.copy_s.append(self.runs["slackswap"].copies.copy_s - before)
+
+    def runtime_slackswap_no_data(self) -> None:
+        with self.runs["no_data"]:
             _step(self.w)
 
     def export_eager(self) -> None:
@@ -155,9 +193,13 @@ class Variants:
         calls, peaks = {}, {}
         for v in VARIANTS:  # warm-up: the runtime's verified step, caches
             self._one(v)
+        self.copy_s.clear()
+        self._one("runtime_slackswap_no_data")
+        no_data = []
         for _ in range(rounds):
             for v in VARIANTS:
                 times[v].append(self._one(v))
+            no_data.append(self._one("runtime_slackswap_no_data"))
         for v in VARIANTS:
             calls[v] = None if v == "export_compiled" else self._count_calls(v)
             peaks[v] = self._peak(v)
@@ -172,17 +214,42 @@ class Variants:
                                                          else None)
             if plan is not None:
                 row["planned_saved_bytes"] = self._kept_bytes(self.plans[plan])
+                row["plan_offloads"] = len(self.plans[plan].offloads)
+                row["plan_recompute_steps"] = sum(1 for x in self.plans[plan].steps if str(x.kind) == "recompute")
+            if v == "runtime_slackswap":
+                copy = statistics.median(self.copy_s[:rounds])
+                row["copy_cpu_s_per_step"] = copy
+                row["ratio_to_eager_without_copies"] = (cpu - copy) / eager
+                row["cpu_s_per_step_no_data_copies"] = statistics.median(no_data)
+                row["ratio_to_eager_no_data_copies"] = statistics.median(no_data) / eager
             if v == "export_eager":
                 row["export_saved_bytes"] = self.export.record.saved_bytes
                 row["export_differences"] = len(self.export.step_differences())
+                row.update(self._saved_accounting())
             if v == "export_compiled":
                 from slackswap.runtime.export import partition_differences, saved_bytes
 
-                row["export_saved_bytes"] = saved_bytes(self.partitions)[0]
+                row["export_saved_bytes"] = saved_bytes(self.partitions, self.compiled_export)[0]
+                row["compiled_layer_groups"] = len(set(self.compiled_export.group_of.values()))
                 row["export_differences"] = len(self.compiled_export.static_differences()
                                                 + partition_differences(self.compiled_export, self.partitions))
             rows.append(row)
         return rows
+
+    def _saved_accounting(self) -> dict:
+        """The plan's kept bytes inside the layers (what the export governs) against the bytes PyTorch
+        keeps there (the decisions it executed), the difference being the named differences' bytes."""
+        sizes = self.graph.tensors
+        inside = [n for d in self.export.region_decisions for n in d]
+        effective = self.export.effective_decisions()
+        plan = self.plans["slackswap"].decisions
+        kept_plan = sum(sizes[n].size_bytes for n in inside if str(plan[n]) == "keep")
+        kept_torch = sum(sizes[n].size_bytes for n in inside if str(effective[n]) == "keep")
+        named = {d.tensor for d in self.export.step_differences()}
+        named_bytes = sum(sizes[n].size_bytes for n in inside if n in named and str(effective[n]) == "keep")
+        return {"planned_layer_saved_bytes": kept_plan, "export_layer_saved_bytes": kept_torch,
+                "export_named_difference_saved_bytes": named_bytes,
+                "export_saved_equals_plan_plus_named": kept_torch == kept_plan + named_bytes}
 
     def _kept_bytes(self, plan) -> int:
         return sum(self.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if str(d) == "keep")

@@ -17,7 +17,7 @@ from pipelines.schemas import REPO_ROOT
 from slackswap.errors import ConfigError
 
 GIB = 2**30
-ADVICE_SCHEMA = "slackswap.advice/1"
+ADVICE_SCHEMA = "slackswap-advice/1"
 GRAPH_SOURCES = ("analytic", "traced")
 #: Groups `pipelines.run` has that advise searches instead of taking one preset of.
 SEARCHED_GROUPS = {"planner": "advise.planners", "training": "advise.recipes"}
@@ -111,6 +111,8 @@ def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseI
             f"{'flash' if options.get('attention', 'sdpa') == 'sdpa' else 'eager'}), not the traced one: tracing "
             "costs seconds per micro-batch (advise.graph=traced searches on traced graphs, cached per micro-batch)"
         )
+    if source == "torch" and graph == "traced":
+        notes.append(f"graphs: traced from the torch model of {model.name}, once per micro-batch")
     if model.include_optimizer:
         notes.append("model.include_optimizer: the advise prices the optimizer step itself, from the recipe")
     else:
@@ -144,12 +146,19 @@ def graph_source(inputs: AdviseInputs):
 
 
 def rank_hardware(inputs: AdviseInputs) -> dict[int, Any]:
-    """Per GPU count, the hardware one rank plans on: alone on the node for one GPU, else its host link
-    as the node shares it (`slackswap.sharing.shared_hardware`)."""
+    """Per GPU count, the hardware one rank plans on (`slackswap.sharing.shared_hardware`): one GPU
+    is alone on its node (no switch uplink shared, the node's DRAM and duplex derate still apply);
+    more GPUs share the node as a full node of ranks does (on fewer GPUs than the node holds that is
+    conservative: their neighbours are taken as busy)."""
+    from dataclasses import replace as dc_replace
+
     from slackswap.sharing import shared_hardware
 
-    shared, _ = shared_hardware(inputs.hardware, inputs.node)
-    return {g: (inputs.hardware if g == 1 else shared) for g in inputs.space.gpus}
+    node = inputs.node
+    alone = dc_replace(node, gpus_per_node=node.numa_nodes, gpus_per_pcie_switch=1)
+    one, _ = shared_hardware(inputs.hardware, alone)
+    shared, _ = shared_hardware(inputs.hardware, node)
+    return {g: (one if g == 1 else shared) for g in inputs.space.gpus}
 
 
 def host_check(inputs: AdviseInputs):
@@ -404,7 +413,7 @@ def _client_children(client, experiment_id: str, children: Sequence[tuple[str, d
 def start_parent(track: Mapping[str, Any], name: str, params: Mapping[str, str]):
     client = tracking.open_client(track["uri"])
     experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
-    info = tracking.create_run(client, experiment_id, name, {"kind": "advise"}, None)
+    info = tracking.create_run(client, experiment_id, name, {"kind": "advise"}, None, "pipelines/advise.py")
     faults.track_in_flight(client, info.run_id)
     tracking.log_params(client, info.run_id, params)
     return client, experiment_id, info

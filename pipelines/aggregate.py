@@ -3,19 +3,28 @@
 Reads the `run_record.json` each job wrote into its folder of the sweep directory (Hydra's
 `on_multirun_end` gets no job results). Files are the source rather than MLflow, so aggregation also
 works with `tracking=off`, and a job that failed still contributes its row with its reason.
+
+Whatever the folder holds, the summary says what it covers: `4 of 10 jobs: 4 ok; 6 missing` when
+jobs have no record (an interrupted sweep, or one still running), one line naming each record that
+cannot be read (truncated by a full disk, say) while the good ones are summarised, and one column per
+key the sweep varies beyond model, hardware, planner and budget (`model.micro_batch_size`), from the
+jobs' `.hydra/overrides.yaml`. Files that cannot be written (a full disk) are reported, not raised:
+the summary is still returned for the caller to print.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from pipelines.progress import read_progress
 from pipelines.records import RECORD_FILE, RunRecord, RunStatus
 
 METRIC_COLUMNS = (
@@ -67,18 +76,88 @@ class AggregateResult:
     summary_md: str
     paper_table_md: str
     status_counts: Mapping[str, int]
+    #: Jobs of the sweep (sweep_progress.json) with no record; 0 when the count is unknown.
+    missing: int = 0
+    #: One line per record that could not be read, and per file that could not be written.
+    problems: tuple[str, ...] = ()
+    records: tuple[RunRecord, ...] = ()
 
 
-def load_records(sweep_dir: Path) -> list[RunRecord]:
+@dataclass(frozen=True)
+class Records:
+    """The records of a sweep folder, and one line per record file that cannot be read."""
+
+    records: list[RunRecord]
+    unreadable: list[str] = field(default_factory=list)
+
+
+def read_records(sweep_dir: Path, known: Mapping[str, RunRecord] | None = None) -> Records:
+    """Every job's record; a file that is not a valid record is named in `unreadable` (and left out),
+    unless `known` (the records this process holds in memory, by job folder name) has that job's."""
+    known = dict(known or {})
     paths = sorted(sweep_dir.glob(f"*/{RECORD_FILE}"), key=lambda p: _job_sort_key(p.parent.name))
-    return [RunRecord.read(p, job=p.parent.name) for p in paths]
+    records: dict[str, RunRecord] = {}
+    unreadable: list[str] = []
+    for path in paths:
+        job = path.parent.name
+        try:
+            records[job] = RunRecord.read(path, job=job)
+        except (ValueError, OSError) as exc:  # JSONDecodeError and ConfigError are ValueErrors
+            if job in known:
+                continue
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            unreadable.append(f"{path}: unreadable ({type(exc).__name__}: {why})")
+    for job, record in known.items():  # a record that never reached the disk (full disk)
+        records.setdefault(job, replace(record, job=job))
+    ordered = [records[job] for job in sorted(records, key=_job_sort_key)]
+    return Records(ordered, unreadable)
+
+
+def load_records(sweep_dir: Path, known: Mapping[str, RunRecord] | None = None) -> list[RunRecord]:
+    return read_records(sweep_dir, known).records
+
+
+#: Sweep keys shown by the existing columns (model, hardware, planner, budget share).
+_COLUMN_KEYS = frozenset({"model", "hardware", "planner", "planner.name", "budget.fraction", "budget.bytes", "budget"})
+
+
+def swept_values(sweep_dir: Path, jobs: Sequence[str]) -> dict[str, dict[str, str]]:
+    """{key: {job: value}} for every override key whose value differs between the jobs (from each
+    job's `.hydra/overrides.yaml`), but the keys the table already shows."""
+    import yaml
+
+    per_job: dict[str, dict[str, str]] = {}
+    for job in jobs:
+        path = sweep_dir / job / ".hydra" / "overrides.yaml"
+        try:
+            overrides = yaml.safe_load(path.read_text()) or []
+        except (OSError, yaml.YAMLError):
+            continue
+        values = {}
+        for item in overrides:
+            key, sep, value = str(item).partition("=")
+            key = key.lstrip("+~")
+            if sep and not key.startswith("hydra"):
+                values[key] = value
+        per_job[job] = values
+    keys = sorted({k for values in per_job.values() for k in values} - _COLUMN_KEYS)
+    out: dict[str, dict[str, str]] = {}
+    for key in keys:
+        column = {job: values.get(key, "") for job, values in per_job.items()}
+        if len(set(column.values())) > 1:
+            out[key] = column
+    return out
 
 
 def _job_sort_key(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (1 << 30, name)
 
 
-def records_to_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
+def records_to_frame(
+    records: Sequence[RunRecord], swept: Mapping[str, Mapping[str, str]] | None = None
+) -> pd.DataFrame:
+    """One row per record; `swept` ({key: {job: value}}) adds a column per swept key after planner."""
+    swept = dict(swept or {})
     rows = []
     for rec in records:
         m = rec.metrics
@@ -90,8 +169,9 @@ def records_to_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
             "budget_fraction": rec.budget_fraction,
             "budget_bytes_requested": rec.budget_bytes_requested,
             # Plain strings in the table (a RunStatus compares equal to its value).
-            "status": None if rec.status is None else str(rec.status),
+            "status": "running" if rec.status is None else str(rec.status),
         }
+        row |= {key: values.get(rec.job, "") for key, values in swept.items()}
         row |= {col: m.get(col) for col in METRIC_COLUMNS}
         # The x axis of the curves: budget / keep-all peak, also defined for absolute-byte budgets.
         peak, budget = m.get("keep_all_peak_bytes"), m.get("budget_bytes")
@@ -102,11 +182,14 @@ def records_to_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
         row["failure_reason"] = rec.failure_reason
         row["mlflow_run_id"] = rec.mlflow_run_id
         rows.append(row)
-    columns = ["job", "model", "hardware", "planner", "budget_fraction", "budget_bytes_requested", "status"]
+    columns = ["job", "model", "hardware", "planner", *swept, "budget_fraction", "budget_bytes_requested", "status"]
     columns += [*METRIC_COLUMNS, "budget_share", "failure_reason", "mlflow_run_id"]
     frame = pd.DataFrame(rows, columns=columns)
     frame = _with_gap_to_best_bound(frame)
-    return frame.sort_values(["model", "hardware", "budget_share", "planner"], kind="stable").reset_index(drop=True)
+    order = ["model", "hardware", "budget_share", "planner", *swept]
+    frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
+    frame.attrs["swept"] = list(swept)
+    return frame
 
 
 def _with_gap_to_best_bound(frame: pd.DataFrame) -> pd.DataFrame:
@@ -155,39 +238,49 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary_markdown(frame: pd.DataFrame) -> str:
+def summary_markdown(
+    frame: pd.DataFrame, total: int | None = None, problems: Sequence[str] = ()
+) -> str:
+    """The summary table; its first line says how many of the sweep's `total` jobs it covers."""
+    swept = list(frame.attrs.get("swept", []))
     header = [
-        "model", "hardware", "budget", "planner", "status", "throughput", "gap to bound", "step s",
+        "model", "hardware", "budget", "planner", *swept, "status", "throughput", "gap to bound", "step s",
         "peak GiB", "budget GiB", "swapped", "recomputed", "stall s", "tokens/s", "MFU", "fits device", "reason",
     ]  # fmt: skip
     rows = [
         [
-            str(r.model),
-            str(r.hardware),
-            _fmt(r.budget_share, "pct"),
-            str(r.planner),
-            str(r.status),
-            _fmt(r.throughput_ratio, "pct"),
-            _fmt(r.gap_to_bound, "gap"),
-            _fmt(r.step_s, "s"),
-            _fmt(r.peak_activation_bytes, "gib"),
-            _fmt(r.budget_bytes, "gib"),
-            _fmt(r.swapped_tensors, "int"),
-            _fmt(r.recomputed_tensors, "int"),
-            _fmt(r.stall_s, "s"),
-            _fmt(r.tokens_per_s, "rate"),
-            _fmt(r.mfu, "pct"),
-            _fmt_fit(r.fits_device),
-            str(r.failure_reason or ""),
+            str(r["model"]),
+            str(r["hardware"]),
+            _fmt(r["budget_share"], "pct"),
+            str(r["planner"]),
+            *[str(r[key]) for key in swept],
+            str(r["status"]),
+            _fmt(r["throughput_ratio"], "pct"),
+            _fmt(r["gap_to_bound"], "gap"),
+            _fmt(r["step_s"], "s"),
+            _fmt(r["peak_activation_bytes"], "gib"),
+            _fmt(r["budget_bytes"], "gib"),
+            _fmt(r["swapped_tensors"], "int"),
+            _fmt(r["recomputed_tensors"], "int"),
+            _fmt(r["stall_s"], "s"),
+            _fmt(r["tokens_per_s"], "rate"),
+            _fmt(r["mfu"], "pct"),
+            _fmt_fit(r["fits_device"]),
+            str(r["failure_reason"] or ""),
         ]  # fmt: skip
-        for r in frame.itertuples()
+        for _, r in frame.iterrows()
     ]
     counts = Counter(frame["status"])
-    head = f"# Sweep summary\n\n{len(frame)} jobs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    shown = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    if total is not None and total > len(frame):
+        head = f"{len(frame)} of {total} jobs: {shown}; {total - len(frame)} missing (no {RECORD_FILE})"
+    else:
+        head = f"{len(frame)} jobs: {shown}"
     over = int(((frame["status"] == RunStatus.OK) & (frame["fits_device"] == False)).sum())  # noqa: E712
     if over:
         head += f"; {over} of the ok runs DO NOT FIT THE DEVICE (peak + static + reserve over its memory)"
-    return head + "\n\n" + markdown_table(header, rows)
+    notes = "".join(f"\n- {line}" for line in problems)
+    return f"# Sweep summary\n\n{head}{notes}\n\n" + markdown_table(header, rows)
 
 
 def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
@@ -355,6 +448,58 @@ def _planner_margins(frame: pd.DataFrame, models: Sequence[str], ours_planner: s
     return "\n## Every planner at the paper's budget\n\n" + markdown_table(header, rows)
 
 
+@dataclass(frozen=True)
+class PlannerStyle:
+    color: str
+    marker: str
+    linestyle: str = "-"
+    #: Bars: milp's certified plan is hatched so it reads apart from the heuristics beside it.
+    hatch: str = ""
+    #: Drawn above the others (milp's line often lies on slackswap's).
+    zorder: float = 2.0
+
+
+#: One fixed look per shipped planner preset: a planner keeps its colour and marker from plot to plot,
+#: and no two share one (a 10-colour cycle gave capuchin and swap_only the same colour once the
+#: eleventh planner came). milp is dashed with open markers on top, so the line under it shows.
+PLANNER_STYLES: dict[str, PlannerStyle] = {
+    "slackswap": PlannerStyle("#1f77b4", "o"),
+    "milp": PlannerStyle("#000000", "D", "--", hatch="//", zorder=3.0),
+    "capuchin": PlannerStyle("#ff7f0e", "s"),
+    "swap_only": PlannerStyle("#2ca02c", "^"),
+    "recompute_knapsack": PlannerStyle("#d62728", "v"),
+    "selective_recompute": PlannerStyle("#9467bd", "P"),
+    "full_recompute": PlannerStyle("#8c564b", "X"),
+    "full_recompute_sqrt": PlannerStyle("#e377c2", "<"),
+    "dtr": PlannerStyle("#7f7f7f", ">"),
+    "memo": PlannerStyle("#bcbd22", "h"),
+    "keep_all": PlannerStyle("#17becf", "*"),
+    "slackswap_seed": PlannerStyle("#9edae5", "p", ":"),
+}
+#: Planners without a fixed style (a user's, or a qualified `preset[name]` label not in the table):
+#: colours and markers no fixed style uses, by sorted position.
+_EXTRA_COLORS = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39")
+_EXTRA_MARKERS = ("d", "H", "8", "1", "2", "3", "4", "+")
+
+
+def planner_styles(planners: Sequence[str]) -> dict[str, PlannerStyle]:
+    """A distinct style for each planner label: the fixed one of its preset, else the next unused."""
+    styles: dict[str, PlannerStyle] = {}
+    extra = 0
+    for label in sorted(planners):
+        fixed = PLANNER_STYLES.get(label) or PLANNER_STYLES.get(label.split("[", 1)[0])
+        if fixed is not None and fixed not in styles.values():
+            styles[label] = fixed
+            continue
+        styles[label] = PlannerStyle(
+            _EXTRA_COLORS[extra % len(_EXTRA_COLORS)],
+            _EXTRA_MARKERS[extra % len(_EXTRA_MARKERS)],
+            ("-", "-.", ":")[(extra // len(_EXTRA_COLORS)) % 3],
+        )
+        extra += 1
+    return styles
+
+
 def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
     """One panel per (model, hardware); a line per planner; infeasible budgets marked x on the axis."""
     import matplotlib
@@ -371,7 +516,7 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
         rows, cols, figsize=(max(9.0, 5.0 * cols), 3.6 * rows + 1.2), squeeze=False, layout="constrained"
     )
     planners = sorted(frame["planner"].unique())
-    colors = {p: plt.cm.tab10(i % 10) for i, p in enumerate(planners)}
+    styles = planner_styles(planners)
     for ax, ((model, hardware), sub) in zip(axes.flat, panels, strict=False):
         # Zoom on the feasible ratios (planners differ by a few points); infeasible runs sit on the floor.
         ok_ratios = pd.to_numeric(sub.loc[sub["status"] == RunStatus.OK, "throughput_ratio"], errors="coerce").dropna()
@@ -379,8 +524,13 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
         for planner, rows_p in sub.groupby("planner", sort=True):
             ok = rows_p[rows_p["status"] == RunStatus.OK].sort_values("budget_share")
             bad = rows_p[rows_p["status"] != RunStatus.OK]
-            ax.plot(ok["budget_share"], ok["throughput_ratio"], "o-", color=colors[planner], label=planner, ms=4)
-            ax.plot(bad["budget_share"], [floor] * len(bad), "x", color=colors[planner], ms=7)
+            style = styles[planner]
+            ax.plot(
+                ok["budget_share"], ok["throughput_ratio"], color=style.color, marker=style.marker,
+                linestyle=style.linestyle, label=planner, ms=6 if style.zorder > 2 else 4, zorder=style.zorder,
+                markerfacecolor="none" if style.zorder > 2 else style.color,
+            )  # fmt: skip
+            ax.plot(bad["budget_share"], [floor] * len(bad), "x", color=style.color, ms=7, zorder=style.zorder)
         ax.set_title(f"{model} on {hardware}", fontsize=10)
         ax.set_xlabel("activation budget (% of the keep-all peak)")
         ax.set_ylabel("throughput retained (% of ideal)")
@@ -390,7 +540,13 @@ def plot_throughput_vs_budget(frame: pd.DataFrame, path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    handles = [plt.Line2D([], [], color=colors[p], marker="o", label=p) for p in planners]
+    handles = [
+        plt.Line2D(
+            [], [], color=styles[p].color, marker=styles[p].marker, linestyle=styles[p].linestyle, label=p,
+            markerfacecolor="none" if styles[p].zorder > 2 else styles[p].color,
+        )
+        for p in planners
+    ]  # fmt: skip
     fig.legend(handles=handles, loc="outside lower center", ncol=min(5, len(planners)), fontsize=8)
     fig.suptitle("Throughput retained vs activation budget (x on the bottom axis: infeasible or failed)", fontsize=11)
     fig.savefig(path, dpi=110)
@@ -408,6 +564,7 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
     percent = PercentFormatter(xmax=1.0, decimals=0)
     budgets = sorted(frame["budget_share"].dropna().unique())
     planners = sorted(frame["planner"].unique())
+    styles = planner_styles(planners)
     n_workloads = frame.groupby(["model", "hardware"]).ngroups
     figsize = (max(8.0, 0.3 * n_workloads * len(planners) + 3.0), 3.2 * len(budgets))
     fig, axes = plt.subplots(len(budgets), 1, figsize=figsize, squeeze=False)
@@ -425,7 +582,9 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
                     else math.nan
                 )
             xs = [j + (i - (len(planners) - 1) / 2) * width for j in range(len(workloads))]
-            ax.bar(xs, heights, width=width, label=planner, color=plt.cm.tab10(i % 10))
+            style = styles[planner]
+            ax.bar(xs, heights, width=width, label=planner, color=style.color, hatch=style.hatch,
+                   edgecolor="white" if style.hatch else None)  # fmt: skip
         ax.set_xticks(range(len(workloads)), [f"{m}\n{h}" for m, h in workloads], fontsize=8)
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("throughput retained (% of ideal)")
@@ -438,33 +597,66 @@ def plot_planner_comparison(frame: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def aggregate_sweep(sweep_dir: Path, experiment: Mapping[str, Any], plots: bool = True) -> AggregateResult:
+def aggregate_sweep(
+    sweep_dir: Path,
+    experiment: Mapping[str, Any],
+    plots: bool = True,
+    known: Mapping[str, RunRecord] | None = None,
+) -> AggregateResult:
     """summary.csv, summary.md, paper_table.md (when the experiment has a reference) and, unless
-    `plots` is False (`plots=none`), the two sweep plots."""
-    records = load_records(sweep_dir)
+    `plots` is False (`plots=none`), the two sweep plots.
+
+    `known`: records this process holds in memory (by job folder), used where a job's file is missing
+    or unreadable. A file that cannot be written is a line of `problems`, not an exception: the summary
+    is returned all the same."""
+    found = read_records(sweep_dir, known)
+    records = found.records
     if not records:
-        raise RuntimeError(f"no {RECORD_FILE} under {sweep_dir}/*/: no job of this sweep finished")
-    frame = records_to_frame(records)
-    files = [sweep_dir / "summary.csv", sweep_dir / "summary.md"]
-    frame.to_csv(files[0], index=False)
-    summary_md = summary_markdown(frame)
-    files[1].write_text(summary_md)
+        why = "; ".join(found.unreadable) if found.unreadable else "no job of this sweep finished"
+        raise RuntimeError(f"no readable {RECORD_FILE} under {sweep_dir}/*/: {why}")
+    progress = _read_progress_quietly(sweep_dir)
+    total = progress.get("total") if progress else None
+    frame = records_to_frame(records, swept_values(sweep_dir, [r.job for r in records]))
+    problems = list(found.unreadable)
+    summary_md = summary_markdown(frame, total, found.unreadable)
+    files: list[Path] = []
+
+    def write(path: Path, produce: Any) -> None:
+        try:
+            produce(path)
+            files.append(path)
+        except OSError as exc:
+            from pipelines.faults import os_error_line
+
+            path.unlink(missing_ok=True)  # no truncated file beside the others
+            problems.append(f"{path.name} not written: {os_error_line(exc)}")
+
+    write(sweep_dir / "summary.csv", lambda path: frame.to_csv(path, index=False))
+    write(sweep_dir / "summary.md", lambda path: path.write_text(summary_md))
     curve = sweep_dir / "throughput_vs_budget.png"
     if plots and frame["budget_share"].nunique(dropna=True) >= 2:
-        plot_throughput_vs_budget(frame, curve)
-        files.append(curve)
+        write(curve, lambda path: plot_throughput_vs_budget(frame, path))
     else:
         # One budget gives one point per line: planner_comparison.png shows the same numbers as bars.
         # A stale curve from an earlier run of this folder would contradict the summary, so it goes.
         curve.unlink(missing_ok=True)
     if plots:
-        plot_planner_comparison(frame, sweep_dir / "planner_comparison.png")
-        files.append(sweep_dir / "planner_comparison.png")
+        write(sweep_dir / "planner_comparison.png", lambda path: plot_planner_comparison(frame, path))
     paper_md = paper_table(frame, experiment)
     if paper_md:
-        (sweep_dir / "paper_table.md").write_text(paper_md)
-        files.append(sweep_dir / "paper_table.md")
-    return AggregateResult(frame, tuple(files), summary_md, paper_md, dict(Counter(frame["status"])))
+        write(sweep_dir / "paper_table.md", lambda path: path.write_text(paper_md))
+    missing = max(0, total - len(records)) if isinstance(total, int) else 0
+    counts = dict(Counter(frame["status"]))
+    return AggregateResult(
+        frame, tuple(files), summary_md, paper_md, counts, missing, tuple(problems), tuple(records)
+    )
+
+
+def _read_progress_quietly(sweep_dir: Path) -> Mapping[str, Any] | None:
+    try:
+        return read_progress(sweep_dir)
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -486,7 +678,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     experiment: Mapping[str, Any] = {}
     multirun_yaml = sweep_dir / "multirun.yaml"
     if multirun_yaml.is_file():  # the paper table needs the experiment's reference figures
-        experiment = (yaml.safe_load(multirun_yaml.read_text()) or {}).get("experiment") or {}
+        try:
+            experiment = (yaml.safe_load(multirun_yaml.read_text()) or {}).get("experiment") or {}
+        except yaml.YAMLError as exc:
+            print(f"error: {multirun_yaml}: not valid YAML ({str(exc).splitlines()[0]})", file=sys.stderr)
+            return 2
     try:
         result = aggregate_sweep(sweep_dir, experiment)
     except RuntimeError as exc:
@@ -496,7 +692,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.paper_table_md:
         print(result.paper_table_md)
     print(f"aggregate: {', '.join(p.name for p in result.files)} -> {sweep_dir}")
-    return 0
+    for line in result.problems:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if result.problems else 0
 
 
 if __name__ == "__main__":

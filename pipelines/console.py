@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipelines.presentation import gib
+from pipelines.presentation import size_text
 from pipelines.records import RunRecord
 
 
@@ -24,9 +24,10 @@ def device_verdict(metrics: Mapping[str, Any]) -> str:
     if not metrics.get("feasible"):
         return "DOES NOT FIT THE DEVICE"
     return (
-        f"DOES NOT FIT THE DEVICE: peak {gib(metrics.get('device_peak_activation_bytes'))} + static "
-        f"{gib(metrics.get('static_bytes'))} + reserve {gib(metrics.get('reserve_bytes'))} is {gib(over)} over "
-        f"{gib(metrics.get('device_memory_bytes'))} of device memory"
+        f"DOES NOT FIT THE DEVICE: peak {size_text(metrics.get('device_peak_activation_bytes'))} + static "
+        f"{size_text(metrics.get('static_bytes'))} + reserve {size_text(metrics.get('reserve_bytes'))} "
+        f"is {size_text(over)} over "
+        f"{size_text(metrics.get('device_memory_bytes'))} of device memory"
     )
 
 
@@ -45,7 +46,7 @@ def format_one_line(record: RunRecord) -> str:
     tail = f"  ({record.failure_reason})" if record.failure_reason else ""
     verdict = device_verdict(m)
     if verdict and record.status == "ok":
-        tail += f"  ({verdict.split(':')[0]}: {gib(-(m.get('headroom_bytes') or 0))} over)"
+        tail += f"  ({verdict.split(':')[0]}: {size_text(-(m.get('headroom_bytes') or 0))} over)"
     return f"[{record.status:>10}] {record.run_name}: throughput retained {shown}, {speed(m)}{tail}"
 
 
@@ -57,10 +58,10 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         f"model        {record.model} ({resolved['model']['name']})",
         f"hardware     {record.hardware} ({resolved['hardware']['name']}, "
         f"link {resolved['hardware']['link']['name']})",
-        f"budget       {gib(m.get('budget_bytes'))} "
+        f"budget       {size_text(m.get('budget_bytes'))} "
         f"(fraction={resolved['budget']['fraction']}, bytes={resolved['budget']['bytes']}"
         f"{', device' if resolved['budget'].get('device') else ''}) "
-        f"of keep-all peak {gib(m.get('keep_all_peak_bytes'))}",
+        f"of keep-all peak {size_text(m.get('keep_all_peak_bytes'))}",
         f"planner      {record.planner} ({record.planner_name})",
     ]
     if m.get("effective_h2d_gbps") is not None:
@@ -70,15 +71,26 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
             f"switch; each GPU gets H2D {m['effective_h2d_gbps']:.2f} GB/s ({m['h2d_limit']}), "
             f"D2H {m['effective_d2h_gbps']:.2f} GB/s ({m['d2h_limit']})"
         )
-    if m.get("analytic_keep_all_peak_bytes") is not None:
-        # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
-        torch_node = resolved["model"].get("torch") or resolved["profile"].get("options") or {}
-        lines.append(
-            f"profile      traced {torch_node.get('builder', resolved['model']['family'])} "
-            f"({torch_node.get('attention', 'default')} attention, "
+    # A traced preset's node, or profile=torch's options (no builder: the family's transformers class).
+    profile = resolved.get("profile") or {}
+    torch_node = resolved["model"].get("torch") or (
+        profile.get("options") if profile.get("source") == "torch" else None
+    ) or {}  # fmt: skip
+    if torch_node or m.get("analytic_keep_all_peak_bytes") is not None:
+        builder = torch_node.get("builder", resolved["model"]["family"])
+        what = f"hook {torch_node['hook']}" if builder == "hook" else builder
+        line = (
+            f"profile      traced {what} ({torch_node.get('attention', 'default')} attention, "
             f"{torch_node.get('semantics', 'default')} kernels): "
-            f"real keep-all peak {gib(m.get('keep_all_peak_bytes'))} vs "
-            f"analytic {gib(m['analytic_keep_all_peak_bytes'])} ({m['real_to_analytic_peak_ratio']:.3f}x)")
+            f"real keep-all peak {size_text(m.get('keep_all_peak_bytes'))}"
+        )
+        # Only like with like: the analytic graph of the same shape and attention (none for a hook model).
+        if m.get("analytic_keep_all_peak_bytes") is not None:
+            line += (
+                f" vs analytic {size_text(m['analytic_keep_all_peak_bytes'])} "
+                f"({m['real_to_analytic_peak_ratio']:.3f}x)"
+            )
+        lines.append(line)
     verdict = device_verdict(m)
     lines += [
         f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else "")
@@ -90,16 +102,16 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
             f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
             f"speed        {speed(m)} per GPU ({m.get('tokens_per_step')} tokens per step; "
             f"{m.get('model_flops', float('nan')):.4g} model FLOPs: {m.get('model_flops_source')})",
-            f"peak memory  {gib(m.get('peak_activation_bytes'))} of budget {gib(m.get('budget_bytes'))}"
+            f"peak memory  {size_text(m.get('peak_activation_bytes'))} of budget {size_text(m.get('budget_bytes'))}"
             + (
-                f"; caching allocator reserves {gib(m['peak_reserved_bytes'])} "
+                f"; caching allocator reserves {size_text(m['peak_reserved_bytes'])} "
                 f"({'fits' if m.get('fits_reserved') else 'over budget'}, "
                 f"{m['fragmentation_share']:.1%} fragmentation)"
                 if m.get("peak_reserved_bytes") is not None
                 else ""
             ),
-            f"swapped      {m.get('swapped_tensors')} tensors, {gib(m.get('d2h_bytes'))} d2h, "
-            f"{gib(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
+            f"swapped      {m.get('swapped_tensors')} tensors, {size_text(m.get('d2h_bytes'))} d2h, "
+            f"{size_text(m.get('h2d_bytes'))} h2d, stall {m.get('stall_s', float('nan')):.4f} s",
             f"recomputed   {m.get('recomputed_tensors')} tensors, "
             f"{m.get('recompute_s', float('nan')):.4f} s extra compute",
         ]
@@ -111,10 +123,10 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
     if m.get("static_bytes") is not None:
         training = resolved.get("training") or {}
         lines.append(
-            f"device       static {gib(m['static_bytes'])} per GPU ({training.get('optimizer')} "
+            f"device       static {size_text(m['static_bytes'])} per GPU ({training.get('optimizer')} "
             f"{training.get('precision')}, ZeRO-{training.get('zero_stage')} x {training.get('zero_shards')}), "
-            f"reserve {gib(m.get('reserve_bytes'))}, headroom {gib(m.get('headroom_bytes'))} "
-            f"of {gib(m.get('device_memory_bytes'))}"
+            f"reserve {size_text(m.get('reserve_bytes'))}, headroom {size_text(m.get('headroom_bytes'))} "
+            f"of {size_text(m.get('device_memory_bytes'))}"
             + ("" if m.get("fits_device") is not False else " (does not fit)")
         )
     lines.append(f"run dir      {record.run_dir}")

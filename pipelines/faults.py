@@ -11,6 +11,11 @@ look like that:
   tracking store, an unreachable server): one line naming the field and value, or the URI or path.
 
 Both travel as `BaseException` subclasses, which Hydra's handlers let through, up to `run_cli`.
+Errors Hydra raises itself (an unknown preset, a misspelt key, a value of the wrong type, a folder it
+cannot write) are turned into the same one line while `run_cli` runs (`hydra_errors_as_one_line`):
+Hydra's own report is several lines and, for a misspelt key, suggests `+key=...`, which fails again
+on the typed schema. Whatever ends the process early (an `Abort`, an unexpected error), the runs this
+process still has open are ended FAILED first, so nothing is left RUNNING.
 `HYDRA_FULL_ERROR=1` keeps the full traceback of the underlying error, as Hydra does.
 """
 
@@ -18,7 +23,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import errno
 import gc
+import io
 import os
 import signal
 import sys
@@ -95,14 +103,16 @@ def release_interrupted_frames(exc: BaseException) -> None:
     gc.collect()
 
 
-def kill_run(client: Any, run_id: str) -> None:
-    """Mark one run KILLED, with the tag status=killed (best effort: the interrupt may have hit the
-    store itself)."""
+def kill_run(client: Any, run_id: str, status: RunStatus = RunStatus.KILLED, reason: str = "") -> None:
+    """End one run KILLED (or FAILED), with the tag status=killed (failed) and, when given, `reason`
+    (best effort: the interrupt or the fault may have hit the store itself)."""
     try:
-        client.set_tag(run_id, "status", str(RunStatus.KILLED))
-        client.set_terminated(run_id, status="KILLED")
+        client.set_tag(run_id, "status", str(status))
+        if reason:
+            client.set_tag(run_id, "reason", reason[:4000])
+        client.set_terminated(run_id, status="KILLED" if status == RunStatus.KILLED else "FAILED")
     except Exception as exc:
-        print(f"warning: could not mark MLflow run {run_id} KILLED: {exc}", file=sys.stderr)
+        print(f"warning: could not mark MLflow run {run_id} {status.upper()}: {exc}", file=sys.stderr)
     done_in_flight(run_id)
 
 
@@ -113,13 +123,139 @@ def kill_in_flight_run(run_id: str) -> None:
         kill_run(run.client, run_id)
 
 
-def kill_in_flight_except(keep: str | None) -> int:
-    """Mark every run this process still has open, but `keep`, as KILLED; returns how many."""
+def kill_in_flight_except(keep: str | None, status: RunStatus = RunStatus.KILLED, reason: str = "") -> int:
+    """End every run this process still has open, but `keep`, as KILLED (or FAILED); returns how many."""
     marked = 0
     for run in [r for r in IN_FLIGHT.values() if r.run_id != keep]:
-        kill_run(run.client, run.run_id)
+        kill_run(run.client, run.run_id, status, reason)
         marked += 1
     return marked
+
+
+def fail_in_flight(reason: str) -> int:
+    """End every run this process still has open FAILED with `reason`; returns how many."""
+    return kill_in_flight_except(None, RunStatus.FAILED, reason)
+
+
+# ------------------------------------------------------------------ errors raised by Hydra itself
+
+#: Exit code of a config mistake (a bad value, an unknown preset, a misspelt key), as argparse uses.
+EXIT_CONFIG_ERROR = 2
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
+def os_error_path(exc: OSError) -> str | None:
+    """The file an OSError is about: its `filename`, or, for a failed `write()` (which names no file:
+    a full disk), the file open for writing in the innermost frame that holds one."""
+    if exc.filename:
+        return str(exc.filename)
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if not isinstance(value, io.IOBase):
+                continue
+            name, mode = getattr(value, "name", None), getattr(value, "mode", "")
+            if isinstance(name, str) and isinstance(mode, str) and set(mode) & set("wax+"):
+                return name
+    return None
+
+
+def os_error_line(exc: OSError) -> str:
+    """`No space left on device: outputs/.../graph.json (ENOSPC)`: the cause and the path."""
+    name = errno.errorcode.get(exc.errno or 0, "")
+    what = exc.strerror or first_line(exc)
+    path = os_error_path(exc)
+    where = f": {path}" if path else ""
+    return f"{what}{where}" + (f" ({name})" if name else "")
+
+
+def describe_os_error(exc: BaseException) -> str | None:
+    """One line for an OSError anywhere in `exc`'s chain, or None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return os_error_line(current)
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def hydra_error_line(exc: BaseException) -> str | None:
+    """One line for a config mistake Hydra reports (composition, override syntax), or None.
+
+    - unknown preset: `model=gpt5: no such preset (conf/model/gpt5.yaml); known: bert_large, ...`
+    - misspelt key: `budget.fracton: no such key in budget; known: bytes, device, fraction, reserve_bytes`
+    - wrong type: `model.num_layers: Value 'three' of type 'str' could not be converted to Integer`
+    No `+key=` hint: every node is a typed schema, so appending a key fails the same way.
+    """
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
+        group, _, name = exc.missing_cfg_file.rpartition("/")
+        known = f"; known: {', '.join(exc.options)}" if exc.options else ""
+        return f"{group}={name}: no such preset (conf/{group}/{name}.yaml){known}"
+    if isinstance(exc, OverrideParseException):
+        return f"override: {first_line(exc)}"
+    if not isinstance(exc, ConfigCompositionException):
+        return None
+    cause = exc.__cause__
+    key = getattr(cause, "full_key", None)
+    if cause is None or not key:
+        return first_line(exc)
+    cause_line = first_line(cause)
+    if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
+        node, _, leaf = str(key).rpartition(".")
+        schema = getattr(cause, "object_type", None)
+        known = ""
+        if schema is not None and dataclasses.is_dataclass(schema):
+            known = "; known: " + ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
+        return f"{key}: no such key in {node or 'the config'}{known}" if leaf else f"{key}: {cause_line}"
+    return f"{key}: {cause_line}"
+
+
+class _OneLineReport:
+    """Replaces `hydra._internal.utils.run_and_report` while `run_cli` runs (see the module docstring)."""
+
+    def __init__(self, original: Callable[[Any], Any]) -> None:
+        self.original = original
+
+    def __call__(self, func: Any) -> Any:
+        try:
+            return func()
+        except Exception as exc:
+            if full_error():
+                raise
+            line = hydra_error_line(exc)
+            if line is not None:
+                raise Abort(f"error: {line}", code=EXIT_CONFIG_ERROR) from None
+            os_line = describe_os_error(exc)
+            if os_line is not None:
+                raise Abort(f"error: {os_line}", code=1) from None
+            raise Abort(f"error: {type(exc).__name__}: {first_line(exc)}", code=1) from exc
+
+
+@contextmanager
+def hydra_errors_as_one_line() -> Iterator[None]:
+    import hydra._internal.utils as hydra_utils
+
+    original = hydra_utils.run_and_report
+    if isinstance(original, _OneLineReport):  # nested (a test calling one CLI from another)
+        yield
+        return
+    hydra_utils.run_and_report = _OneLineReport(original)
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = original
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
@@ -154,17 +290,33 @@ def signals_ignored() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def run_cli(main: Callable[[], Any], on_interrupt: Callable[[Interrupted], str], exit_code: Callable[[], int]) -> int:
-    """Run a Hydra main; turn interrupts and `Abort` into one line on stderr and an exit code.
+def close_failed_default(exc: Abort) -> str:
+    """After a fatal error: the runs this process still has open end FAILED. Returns what to add to
+    the line ("" when nothing was open)."""
+    marked = fail_in_flight(exc.message.removeprefix("error: "))
+    return f"; {marked} MLflow run(s) marked FAILED" if marked else ""
+
+
+def run_cli(
+    main: Callable[[], Any],
+    on_interrupt: Callable[[Interrupted], str],
+    exit_code: Callable[[], int],
+    on_abort: Callable[[Abort], str] = close_failed_default,
+) -> int:
+    """Run a Hydra main; turn interrupts, `Abort` and Hydra's own errors into one line on stderr and
+    an exit code.
 
     `on_interrupt` cleans up (marks runs KILLED, writes the partial summary) and returns the line to
-    print; `exit_code` is asked after a normal return (non-zero when a sweep had failed jobs).
+    print; `on_abort` ends what is still open FAILED and returns what to add to the error's line;
+    `exit_code` is asked after a normal return (non-zero when a sweep had failed jobs).
     """
     try:
-        with signals_raise_interrupted():
+        with signals_raise_interrupted(), hydra_errors_as_one_line():
             main()
     except Abort as exc:
-        print(exc.message, file=sys.stderr)
+        with signals_ignored():
+            tail = on_abort(exc)
+        print(exc.message + tail, file=sys.stderr)
         return exc.code
     except KeyboardInterrupt as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
@@ -173,6 +325,10 @@ def run_cli(main: Callable[[], Any], on_interrupt: Callable[[Interrupted], str],
             line = on_interrupt(interrupted)
         print(line, file=sys.stderr)
         return interrupted.exit_code
+    except Exception as exc:  # HYDRA_FULL_ERROR=1: the traceback follows, nothing is left RUNNING
+        with signals_ignored():
+            on_abort(Abort(f"error: {type(exc).__name__}: {first_line(exc)}"))
+        raise
     return exit_code()
 
 

@@ -15,6 +15,7 @@ are recorded as `failed` without doing any work.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import time
 import traceback
@@ -27,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import faults, plots, presentation, progress, tracking
+from pipelines import faults, overrides, plots, presentation, progress, provenance, tracking
 from pipelines.console import format_summary
 from pipelines.records import FINISHED_STATUSES, RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
@@ -110,16 +111,19 @@ def run_job(cfg: DictConfig) -> RunRecord:
     ctx = JobContext.from_hydra()
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     config_error: ConfigError | None = None
+    #: A file of this job that could not be written (a full disk, a read-only folder): one line.
+    write_problem: str | None = None
     resolved: dict[str, Any] | None = None
     try:
         resolved = resolve_config(cfg)
         resolved_text = resolved_yaml(resolved)
+        overrides.check_traced_attention(resolved, _task_overrides())
         if ctx.multirun:
             earlier = _keep_or_set_aside_earlier(ctx, resolved_text)
             if earlier is not None:
                 print(progress.job_line(ctx, earlier, reused=True))
                 return earlier
-        (ctx.run_dir / RESOLVED_CONFIG_FILE).write_text(resolved_text)
+        write_problem = _safe_write(ctx.run_dir / RESOLVED_CONFIG_FILE, resolved_text)
         draw_timeline = plots.plot_level(resolved, ctx.multirun) == "all"
         spec = RunSpec.from_dict(resolved)
     except ConfigError as exc:
@@ -127,18 +131,25 @@ def run_job(cfg: DictConfig) -> RunRecord:
         resolved = resolved or _unresolved(cfg)
     track = resolved["tracking"]
     parent = read_parent(ctx.sweep_dir) if ctx.multirun and track.get("enabled") else None
+    # The model is named after the preset chosen, or after `model.name` when the command line sets it
+    # (a user's hook model on a base preset: `model=tiny_torch model.name=my_mlp`).
+    labels = dict(ctx.choices)
+    named = overrides.override_values(_task_overrides()).get("model.name")
+    if named:
+        labels["model"] = named
     # Planner first, then only what varies in the sweep (all four parts for a single run).
-    name = presentation.run_name(parent.get("varying") if parent else None, ctx.choices, resolved)
+    name = presentation.run_name(parent.get("varying") if parent else None, labels, resolved)
     record = RunRecord(
         run_name=name,
         choices=dict(ctx.choices),
-        model=ctx.choices.get("model"),
+        model=labels.get("model"),
         hardware=ctx.choices.get("hardware"),
         planner=_planner_label(ctx.choices.get("planner"), resolved["planner"]["name"]),
         planner_name=resolved["planner"]["name"],
         budget_fraction=resolved["budget"]["fraction"],
         budget_bytes_requested=resolved["budget"]["bytes"],
         run_dir=str(ctx.run_dir),
+        versions=provenance.versions(),
     )
     # Filled in place as the job goes; every replace() below keeps this same dict.
     timings = record.timings_s
@@ -146,8 +157,16 @@ def run_job(cfg: DictConfig) -> RunRecord:
         record = replace(record, status=RunStatus.FAILED, failure_reason=f"ConfigError: {config_error}")
         if not ctx.multirun:
             # No MLflow run and no stage: the folder keeps only the record, which says why it exists.
-            record.write(ctx.run_dir)
+            _write_record(record, ctx.run_dir)
             raise config_error
+    elif write_problem is not None:
+        record = replace(record, status=RunStatus.FAILED, failure_reason=write_problem)
+        if not ctx.multirun:  # nothing was recorded anywhere yet: one line, exit 1
+            raise faults.Abort(f"error: {write_problem} (run dir {ctx.run_dir})")
+    elif ctx.multirun:
+        # Status null: "running". A job cut off where it cannot write again (a worker killed by its
+        # launcher) still leaves a record, which the launching process turns into `killed`.
+        _write_record(record, ctx.run_dir)
 
     client = None
     artifact_root = track.get("artifact_location")
@@ -171,11 +190,16 @@ def run_job(cfg: DictConfig) -> RunRecord:
         if record.status is None:  # no config error, no tracking error: run the stages
             try:
                 record = replace(record, **run_stages(spec, ctx.run_dir, draw_timeline, timings))
-            except Exception as exc:  # recorded below; re-raised for a single run
+            except Exception as exc:  # recorded below; a single run exits 1 with one line
                 error = exc
-                record = replace(record, status=RunStatus.FAILED, failure_reason=f"{type(exc).__name__}: {exc}")
-                (ctx.run_dir / TRACEBACK_FILE).write_text(traceback.format_exc())
-        record.write(ctx.run_dir)
+                record = replace(record, status=RunStatus.FAILED, failure_reason=failure_reason(exc))
+                _remove_partial_file(exc, ctx.run_dir)
+                _safe_write(ctx.run_dir / TRACEBACK_FILE, traceback.format_exc())
+        problem = _write_record(record, ctx.run_dir)
+        if problem is not None and record.status != RunStatus.FAILED:
+            # Results that did not reach the disk are not results.
+            record = replace(record, status=RunStatus.FAILED, failure_reason=problem)
+            error = error or OSError(problem)
         if client is not None:
             t0 = time.perf_counter()
             record, logging_error = _log_outcome(client, record, resolved, ctx.run_dir, artifact_root, artifact_uri)
@@ -185,19 +209,72 @@ def run_job(cfg: DictConfig) -> RunRecord:
     except KeyboardInterrupt as exc:
         # Wherever it landed (MLflow calls included): the record and the run say killed.
         record = replace(record, status=RunStatus.KILLED, failure_reason="interrupted (SIGINT or SIGTERM)")
-        record.write(ctx.run_dir)
+        _write_record(record, ctx.run_dir)
         if record.mlflow_run_id:
             faults.release_interrupted_frames(exc)  # they may hold the store's write lock
             faults.kill_in_flight_run(record.mlflow_run_id)
         raise
     timings["job_total_s"] = time.perf_counter() - t_start
     # Rewrite with the final timings (the copy logged to MLflow lacks only the logging time itself).
-    record.write(ctx.run_dir)
+    _write_record(record, ctx.run_dir)
 
     print(format_summary(record, resolved) if not ctx.multirun else progress.job_line(ctx, record))
     if error is not None and not ctx.multirun:
-        raise error
+        if faults.full_error():
+            raise error
+        raise faults.Abort(failed_run_line(record, ctx.run_dir))
     return record
+
+
+def failure_reason(exc: BaseException) -> str:
+    """`Type: message`; for a file that could not be written, the cause and the path."""
+    os_line = faults.describe_os_error(exc)
+    return f"{type(exc).__name__}: {os_line}" if os_line else f"{type(exc).__name__}: {exc}"
+
+
+def failed_run_line(record: RunRecord, run_dir: Path) -> str:
+    """The one line a failed single run ends with: the cause, where the details are, the MLflow run."""
+    line = f"error: run failed: {record.failure_reason.splitlines()[0] if record.failure_reason else '?'}"
+    tb = run_dir / TRACEBACK_FILE
+    line += f"; traceback in {tb}" if tb.is_file() and tb.stat().st_size else f"; run dir {run_dir}"
+    if record.mlflow_run_id:
+        line += f"; MLflow run {record.mlflow_run_id} FAILED"
+    return line
+
+
+def _remove_partial_file(exc: BaseException, run_dir: Path) -> None:
+    """A stage file cut short by a full disk is removed: a truncated graph.json reads as a broken
+    product, an absent one as what it is (the reason names it)."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return
+    path = faults.os_error_path(exc)
+    if path and Path(path).resolve().is_relative_to(run_dir.resolve()):
+        with contextlib.suppress(OSError):
+            Path(path).unlink(missing_ok=True)
+
+
+def _safe_write(path: Path, text: str) -> str | None:
+    """Write `path`; on an OSError (full disk, read-only folder) remove what was left half-written and
+    return one line naming the cause and the path, instead of raising inside an error handler."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        return f"{path.name} not written: {faults.os_error_line(exc)}"
+    return None
+
+
+def _write_record(record: RunRecord, run_dir: Path) -> str | None:
+    """`record.write`, returning the problem instead of raising (see `_safe_write`)."""
+    return _safe_write(Path(run_dir) / RECORD_FILE, record.to_json())
+
+
+def _task_overrides() -> list[str]:
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra context (a test calling run_job directly)
+        return []
 
 
 def run_stages(spec: RunSpec, run_dir: Path, draw_timeline: bool, timings: dict[str, float]) -> dict[str, Any]:
@@ -271,7 +348,7 @@ def _log_outcome(
         logging_error = exc
         reason = f"MLflow logging failed: {type(exc).__name__}: {exc}"
         record = replace(record, status=RunStatus.FAILED, failure_reason=reason)
-        record.write(run_dir)
+        _write_record(record, run_dir)
         with contextlib.suppress(Exception):  # best effort: the store may be what failed
             tracking.log_tags(client, run_id, _outcome_tags(record, resolved))
     finally:

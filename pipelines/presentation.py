@@ -33,9 +33,12 @@ PERFETTO_HINT = (
 )
 
 
-def gib(value_bytes: float | None) -> str:
-    """Bytes as text in GiB, the unit of every printed byte count."""
-    return "n/a" if value_bytes is None else f"{value_bytes / GIB:.3f} GiB"
+def size_text(value_bytes: float | None) -> str:
+    """Bytes as text in GiB for a full-size model, MiB or KiB for a toy one (`0.000 GiB` says
+    nothing): the library's convention (`slackswap.planners.base.gib`), the one of its messages."""
+    from slackswap.planners.base import gib
+
+    return "n/a" if value_bytes is None else gib(value_bytes)
 
 
 def budget_label(budget: Mapping[str, Any]) -> str:
@@ -158,27 +161,31 @@ def child_description(record: RunRecord, resolved: Mapping[str, Any]) -> str:
     status = record.status
     what = (
         f"**{record.planner}** on {record.model} / {record.hardware}, "
-        f"budget {gib(m.get('budget_bytes'))} (fraction {resolved['budget'].get('fraction')}) "
-        f"of the keep-all peak {gib(m.get('keep_all_peak_bytes'))}."
+        f"budget {size_text(m.get('budget_bytes'))} (fraction {resolved['budget'].get('fraction')}) "
+        f"of the keep-all peak {size_text(m.get('keep_all_peak_bytes'))}."
     )
     reason = record.failure_reason
     if status == RunStatus.OK:
         verdict = "**OK**" if m.get("fits_device") is not False else (
             f"**OK for the budget, but DOES NOT FIT THE DEVICE** (peak + static + reserve "
-            f"{gib(-(m.get('headroom_bytes') or 0))} over {gib(m.get('device_memory_bytes'))}; "
+            f"{size_text(-(m.get('headroom_bytes') or 0))} over {size_text(m.get('device_memory_bytes'))}; "
             "metric `fits_device` = 0)"
         )
         rate = m.get("tokens_per_s")
         speed = "" if rate is None else f", {rate:,.0f} tokens/s, MFU {_pct(m.get('mfu'))}"
         head = (
             f"{verdict}: throughput {_pct(m.get('throughput_ratio'))} of ideal, step {m.get('step_s', math.nan):.4f} s "
-            f"(ideal {m.get('ideal_step_s', math.nan):.4f} s){speed}, peak {gib(m.get('peak_activation_bytes'))}; "
+            f"(ideal {m.get('ideal_step_s', math.nan):.4f} s){speed}, "
+            f"peak {size_text(m.get('peak_activation_bytes'))}; "
             f"{m.get('swapped_tensors')} tensors swapped, {m.get('recomputed_tensors')} recomputed."
         )
     elif status == RunStatus.INFEASIBLE:
-        known = [f"budget {gib(m.get('budget_bytes'))}", f"keep-all peak {gib(m.get('keep_all_peak_bytes'))}"]
+        known = [
+            f"budget {size_text(m.get('budget_bytes'))}",
+            f"keep-all peak {size_text(m.get('keep_all_peak_bytes'))}",
+        ]
         if m.get("min_feasible_bytes") is not None:
-            known.append(f"smallest feasible budget {gib(m['min_feasible_bytes'])}")
+            known.append(f"smallest feasible budget {size_text(m['min_feasible_bytes'])}")
         head = (
             "**Infeasible budget** (a result, not a crash: the run finished). "
             f"Reason: {reason}\n\nKnown: {', '.join(known)}."

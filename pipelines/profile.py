@@ -20,14 +20,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_root resolver)
-from pipelines import faults
+from pipelines import faults, overrides
 from slackswap.errors import ConfigError
 from slackswap.experiment.baseline import analytic_twin
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
 
 #: Exit code of a config value error, as in `pipelines.run`.
-EXIT_CONFIG_ERROR = 2
+EXIT_CONFIG_ERROR = faults.EXIT_CONFIG_ERROR
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -48,6 +48,7 @@ def profile_stage(cfg: DictConfig) -> None:
     from slackswap.profile.torch import spec_from_options
 
     node = OmegaConf.to_container(cfg.model, resolve=True)
+    overrides.check_traced_attention({"model": node}, list(HydraConfig.get().overrides.task))
     torch_node = node.pop("torch", None)
     profile = OmegaConf.to_container(cfg.profile, resolve=True)
     source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
@@ -55,7 +56,7 @@ def profile_stage(cfg: DictConfig) -> None:
     hardware = Hardware.from_dict(OmegaConf.to_container(cfg.hardware, resolve=True))
     graph = profile_graph(source, model, hardware, **options)
     reference = None
-    if source == "torch":
+    if source == "torch" and options.get("builder") != "hook":  # no analytic twin of a user's module
         reference = build_graph(analytic_twin(model, spec_from_options(model, options)), hardware)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     write_profile_csv(graph, run_dir / "profile.csv", reference=reference)

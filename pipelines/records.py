@@ -59,6 +59,8 @@ class RunRecord:
     #: Wall-clock seconds per stage, filled in place as the job goes, so a job that fails midway
     #: still says where its time went.
     timings_s: dict[str, float] = field(default_factory=dict)
+    #: Versions the job ran with (python, numpy, ..., the slackswap commit): `pipelines.provenance`.
+    versions: Mapping[str, str] = field(default_factory=dict)
     #: The job's folder name in a sweep directory: set when a sweep's records are read, never written.
     job: str = ""
 
@@ -87,11 +89,22 @@ class RunRecord:
                 raise ConfigError("run_record.status", status, f"must be one of {known}") from None
         return cls(**{**data, "status": status, "job": job})
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
+
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / RECORD_FILE
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        path.write_text(self.to_json())
         return path
 
     @classmethod
     def read(cls, path: Path, job: str = "") -> RunRecord:
-        return cls.from_dict(json.loads(Path(path).read_text()), job=job)
+        """The record in `path`; a file that is not one (truncated, hand-edited) is a ValueError
+        naming the path."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: a run record is a JSON object, not {type(data).__name__}")
+        return cls.from_dict(data, job=job)

@@ -25,7 +25,7 @@ from pipelines.tracking import TrackingUnavailable
 from slackswap.errors import ConfigError
 
 #: Exit code of a config value error, as argparse uses for bad arguments.
-EXIT_CONFIG_ERROR = 2
+EXIT_CONFIG_ERROR = faults.EXIT_CONFIG_ERROR
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -45,7 +45,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 def cli() -> int:
     callbacks.ACTIVE_SWEEP = None  # a previous sweep in this process (tests) must not set this exit code
-    return faults.run_cli(main, callbacks.close_interrupted, callbacks.sweep_exit_code)
+    return faults.run_cli(main, callbacks.close_interrupted, callbacks.sweep_exit_code, callbacks.close_failed)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -26,7 +25,6 @@ from urllib.parse import unquote, urlparse
 
 import slackswap
 from pipelines.records import RunStatus
-from pipelines.schemas import REPO_ROOT
 
 #: Tag keys MLflow's UI understands.
 PARENT_RUN_TAG = "mlflow.parentRunId"
@@ -81,43 +79,47 @@ def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-@cache
-def git_commit() -> str:
-    """HEAD of the repository the code runs from, with `-dirty` when tracked files are modified."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unknown ({type(exc).__name__})"
-    return f"{sha}-dirty" if dirty else sha
-
-
 def provenance_tags(source_name: str = "pipelines/run.py") -> dict[str, str]:
-    """MLflow's standard fields (the UI's Source, User and commit) plus the library version.
+    """MLflow's standard fields (the UI's Source, User, commit, branch), the dirty flag, the library
+    version and the versions of what ran (`pipelines.provenance`).
 
-    The client API, unlike the fluent one, fills none of them. `mlflow.source.git.commit` must be a
-    bare sha for the UI, so a modified work tree is the separate tag `git_dirty`.
+    The client API, unlike the fluent one, fills none of them: they come from MLflow's own context
+    providers (`mlflow.tracking.context.registry.resolve_tags`), with two corrections. The source name
+    is the entry point relative to the repository (MLflow's is `sys.argv[0]`, an absolute path of one
+    machine, and for `python -m` the same file whatever the entry point), and the commit is the one of
+    the repository the code runs from, whose dirty state MLflow's git context does not report:
+    `mlflow.source.git.dirty` (MLflow's key) counts untracked presets too.
     """
-    commit = git_commit()
-    tags = {
-        "mlflow.source.type": "LOCAL",
-        "mlflow.source.name": source_name,
-        "mlflow.user": _user(),
-        "slackswap_version": slackswap.__version__,
-    }
+    return dict(_provenance_tags(source_name))
+
+
+@cache
+def _provenance_tags(source_name: str) -> tuple[tuple[str, str], ...]:
+    from mlflow.tracking.context.registry import resolve_tags
+    from mlflow.utils.mlflow_tags import (
+        MLFLOW_GIT_COMMIT,
+        MLFLOW_GIT_DIRTY,
+        MLFLOW_GIT_REPO_URL,
+        MLFLOW_SOURCE_NAME,
+        MLFLOW_USER,
+    )
+
+    from pipelines import provenance
+
+    tags = {k: str(v) for k, v in resolve_tags().items() if k.startswith("mlflow.")}
+    tags.pop(MLFLOW_GIT_COMMIT, None)
+    if not tags.get(MLFLOW_GIT_REPO_URL, "").startswith(("https://", "http://", "git@", "ssh://")):
+        tags.pop(MLFLOW_GIT_REPO_URL, None)  # a clone's remote on this machine: a local path
+    tags[MLFLOW_SOURCE_NAME] = source_name
+    tags.setdefault("mlflow.source.type", "LOCAL")
+    tags.setdefault(MLFLOW_USER, _user())
+    commit = provenance.git_commit()
     if not commit.startswith("unknown"):
-        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
-        tags["git_dirty"] = str(commit.endswith("-dirty")).lower()
-    return tags
+        tags[MLFLOW_GIT_COMMIT] = commit.removesuffix("-dirty")
+        tags[MLFLOW_GIT_DIRTY] = str(commit.endswith("-dirty")).lower()
+    tags["slackswap_version"] = slackswap.__version__
+    tags |= provenance.version_tags()
+    return tuple(sorted(tags.items()))
 
 
 def _user() -> str:
@@ -278,13 +280,27 @@ def set_experiment_description(client, experiment_id: str, text: str) -> None:
     client.set_experiment_tag(experiment_id, NOTE_TAG, text)
 
 
-def start_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], parent_run_id: str | None) -> str:
-    return create_run(client, experiment_id, run_name, tags, parent_run_id).run_id
+def start_run(
+    client,
+    experiment_id: str,
+    run_name: str,
+    tags: Mapping[str, str],
+    parent_run_id: str | None,
+    source_name: str = "pipelines/run.py",
+) -> str:
+    return create_run(client, experiment_id, run_name, tags, parent_run_id, source_name).run_id
 
 
-def create_run(client, experiment_id: str, run_name: str, tags: Mapping[str, str], parent_run_id: str | None):
+def create_run(
+    client,
+    experiment_id: str,
+    run_name: str,
+    tags: Mapping[str, str],
+    parent_run_id: str | None,
+    source_name: str = "pipelines/run.py",
+):
     """Start a run with its name, provenance and `tags`; returns its `RunInfo` (id and artifact URI)."""
-    all_tags = {RUN_NAME_TAG: run_name, **provenance_tags(), **tags}
+    all_tags = {RUN_NAME_TAG: run_name, **provenance_tags(source_name), **tags}
     if parent_run_id is not None:
         all_tags[PARENT_RUN_TAG] = parent_run_id
     return client.create_run(experiment_id, tags=all_tags, run_name=run_name).info
@@ -338,11 +354,10 @@ def log_presets(client, run_id: str, presets: Mapping[str, tuple[str, Mapping[st
 
 
 def log_params(client, run_id: str, params: Mapping[str, str]) -> None:
+    """All params in one `log_batch`: MLflow's client splits it into the store's batch limits."""
     from mlflow.entities import Param
 
-    items = [Param(k, v) for k, v in params.items()]
-    for start in range(0, len(items), 100):  # the store accepts at most 100 params per batch
-        client.log_batch(run_id, params=items[start : start + 100])
+    client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
 
 
 def log_tags(client, run_id: str, tags: Mapping[str, str]) -> None:
@@ -354,15 +369,10 @@ def log_metrics(client, run_id: str, metrics: Mapping[str, Any]) -> None:
     log_results(client, run_id, metrics, {})
 
 
-#: MLflow's limits on one log_batch (mlflow.utils.validation: MAX_METRICS_PER_BATCH, MAX_TAGS_PER_BATCH,
-#: MAX_ENTITIES_PER_BATCH).
-BATCH_MAX_METRICS, BATCH_MAX_TAGS, BATCH_MAX_ENTITIES = 1000, 100, 1000
-
-
 def log_results(client, run_id: str, metrics: Mapping[str, Any], tags: Mapping[str, str]) -> None:
-    """Numeric metrics (see `numeric_metrics`) and tags in as few `log_batch` calls as MLflow's limits
-    allow: one for a job's outcome. Each call is a store transaction that also reads the run back
-    (about 5 ms on a local SQLite store), so a job's results go in together."""
+    """Numeric metrics (see `numeric_metrics`) and tags in one `log_batch`: one store transaction for
+    a job's outcome (each reads the run back, about 5 ms on a local SQLite store). MLflow's client
+    splits a batch over its limits (100 tags, 1000 metrics, 1000 entities) itself."""
     import time
 
     from mlflow.entities import Metric, RunTag
@@ -370,13 +380,7 @@ def log_results(client, run_id: str, metrics: Mapping[str, Any], tags: Mapping[s
     now_ms = int(time.time() * 1000)
     metric_items = [Metric(k, v, now_ms, 0) for k, v in numeric_metrics(metrics).items()]
     tag_items = [RunTag(k, str(v)) for k, v in tags.items()]
-    while True:
-        tag_chunk = tag_items[:BATCH_MAX_TAGS]
-        metric_chunk = metric_items[: min(BATCH_MAX_METRICS, BATCH_MAX_ENTITIES - len(tag_chunk))]
-        client.log_batch(run_id, metrics=metric_chunk, tags=tag_chunk)
-        tag_items, metric_items = tag_items[len(tag_chunk) :], metric_items[len(metric_chunk) :]
-        if not tag_items and not metric_items:
-            return
+    client.log_batch(run_id, metrics=metric_items, tags=tag_items)
 
 
 def local_artifact_dir(artifact_uri: str, artifact_root: str | Path | None) -> Path | None:

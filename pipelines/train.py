@@ -6,22 +6,31 @@ gradients equal a plain step's bit for bit, then runs N AdamW steps under the pl
 measured step time and peak (max_memory_allocated on CUDA, the runtime's ledger on CPU) beside the
 simulated ones, the gradient check, and the runtime's counts beside the plan's. Thin wiring: the work
 is in slackswap.runtime.
+
+Faults as `pipelines.run` (docs/pipeline.md, "Faults"): a bad value (`train.device=gpu`,
+`budget.fraction=1.5`), an unknown preset or a misspelt key is one line and exit 2 before any MLflow
+run; Ctrl-C / SIGTERM end the run KILLED (tag `status=killed`), one line, exit 130 / 143; any other
+failure ends it FAILED with one line, exit 1. It ends by printing its run folder and MLflow run id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import pipelines.schemas  # noqa: F401  (registers the schemas and the repo_root resolver)
-from pipelines import tracking
+from pipelines import faults, overrides, provenance, tracking
+from pipelines.presentation import size_text
 from pipelines.records import RunStatus
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
@@ -77,7 +86,7 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     ideal = simulate_ideal(graph, hardware)
     budget_bytes = budget.resolve_bytes(ideal.peak_activation_bytes)
     print(f"[train] captured {len(graph.ops)} ops, {len(graph.saved_tensors)} saved tensors in {capture_s:.1f} s; "
-          f"keep-all peak {ideal.peak_activation_bytes} B, budget {budget_bytes} B", flush=True)
+          f"keep-all peak {size_text(ideal.peak_activation_bytes)}, budget {size_text(budget_bytes)}", flush=True)
     figures: dict[str, Any] = {"status": RunStatus.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
                                "keep_all_peak_bytes": ideal.peak_activation_bytes}
     try:
@@ -110,8 +119,8 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
           f"(max |diff| {check.max_abs_diff:g})", flush=True)
 
     def progress(r) -> None:
-        peak = (f"peak {r.measured_peak_bytes} B (ledger {r.ledger_peak_bytes} B)" if r.report.verified
-                else "hook-only step (no ledger)")
+        peak = (f"peak {size_text(r.measured_peak_bytes)} (ledger {size_text(r.ledger_peak_bytes)})"
+                if r.report.verified else "hook-only step (no ledger)")
         print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms {peak}",
               flush=True)
 
@@ -133,12 +142,14 @@ def run_training(resolved: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         # is max_memory_allocated (weights and optimizer state too) and is not compared byte for byte.
         figures.update(measured_equals_sim=figures["measured_peak_bytes"] == on_link.peak_activation_bytes,
                        measured_within_budget=budget_bytes is None or figures["measured_peak_bytes"] <= budget_bytes)
+    figures["versions"] = provenance.versions()
     (run_dir / "train.json").write_text(json.dumps(figures, indent=2))
     print(f"[train] measured step {figures['measured_step_s'] * 1e3:.1f} ms (simulated {sim.step_s * 1e3:.3f} ms "
-          f"on {hardware.name}); measured peak {figures['measured_peak_bytes']} B, simulated peak "
-          f"{on_link.peak_activation_bytes} B on this device's link ({sim.peak_activation_bytes} B on "
-          f"{hardware.name}), budget {budget_bytes} B; saved-tensor ledger {figures['ledger_peak_bytes']} B vs "
-          f"simulated saved peak {figures['sim_saved_peak_bytes']} B", flush=True)
+          f"on {hardware.name}); measured peak {size_text(figures['measured_peak_bytes'])}, simulated peak "
+          f"{size_text(on_link.peak_activation_bytes)} on this device's link "
+          f"({size_text(sim.peak_activation_bytes)} on {hardware.name}), budget {size_text(budget_bytes)}; "
+          f"saved-tensor ledger {size_text(figures['ledger_peak_bytes'])} vs "
+          f"simulated saved peak {size_text(figures['sim_saved_peak_bytes'])}", flush=True)
     if train["device"] == "cpu":
         print(f"[train] measured peak == simulated peak: {figures['measured_equals_sim']}; within budget: "
               f"{figures['measured_within_budget']}", flush=True)
@@ -162,20 +173,34 @@ def _run_compiled(w, graph, plan, train: dict, run_dir: Path, figures: dict[str,
     def progress(r) -> None:
         print(f"[train] step {r.step + 1}/{train['steps']} loss {r.loss:.4f} time {r.step_s * 1e3:.1f} ms", flush=True)
 
-    records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress, executor="compile")
+    records = train_steps(w, graph, plan, train["steps"], train["lr"], train["seed"], progress, executor="compile",
+                          export=check.export, backend=check.backend)  # compiled once, in the check
     timed = [r.step_s for r in records[1:]] or [records[0].step_s]
     figures.update(measured_step_s=statistics.median(timed), losses=[r.loss for r in records],
                    step_times_s=[r.step_s for r in records])
     if w.batch.device.type == "cuda":
         figures["measured_peak_bytes"] = max(r.measured_peak_bytes for r in records)
+    figures["versions"] = provenance.versions()
     (run_dir / "train.json").write_text(json.dumps(figures, indent=2))
     return figures
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        return train_job(cfg)
+    except ConfigError as exc:
+        if faults.full_error():
+            raise
+        raise faults.Abort(f"error: {exc}", code=faults.EXIT_CONFIG_ERROR) from None
+
+
+def train_job(cfg: DictConfig) -> dict[str, Any]:
+    from pipelines.job import resolve_config
+
+    resolved = resolve_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    overrides.check_traced_attention(resolved, list(HydraConfig.get().overrides.task))
     _validate(resolved)  # bad values fail before an MLflow run exists
     track = resolved["tracking"]
     client = run_id = None
@@ -183,31 +208,54 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         client = tracking.open_client(track["uri"])
         experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
         name = f"train:{resolved['model']['name']}:{resolved['planner']['name']}:{resolved['train']['device']}"
-        run_id = tracking.start_run(client, experiment_id, name, {"kind": "train"}, None)
+        run_id = tracking.start_run(
+            client, experiment_id, name, {"kind": "train", "status": "running"}, None, "pipelines/train.py"
+        )
+        faults.track_in_flight(client, run_id)  # an interrupt anywhere ends it KILLED
         tracking.log_params(client, run_id, tracking.flatten_params(resolved))
-    status = RunStatus.FAILED
     try:
         figures = run_training(resolved, run_dir)
-        status = figures["status"]
-        if client is not None:
-            scalars = {k: (int(v) if isinstance(v, bool) else v) for k, v in figures.items()
-                       if isinstance(v, (int, float, bool))}
-            tracking.log_metrics(client, run_id, scalars)
-            for i, (loss, step_s) in enumerate(zip(figures.get("losses", []), figures.get("step_times_s", []),
-                                                   strict=True)):
-                client.log_metric(run_id, "step_loss", loss, step=i)
-                client.log_metric(run_id, "step_time_s", step_s, step=i)
-            tracking.log_tags(client, run_id, {"status": str(status)})
-            if (run_dir / "train.json").exists():
-                tracking.store_artifacts(client, run_id, [run_dir / "train.json"], track["artifact_location"])
-        return figures
-    except KeyboardInterrupt:
-        status = RunStatus.KILLED
-        raise
-    finally:
-        if client is not None:
-            tracking.end_run(client, run_id, status)
+    except Exception as exc:
+        if faults.full_error():
+            raise
+        from pipelines.job import failure_reason
+
+        reason = failure_reason(exc)
+        trace_path = run_dir / "traceback.txt"
+        with contextlib.suppress(OSError):
+            trace_path.write_text(traceback.format_exc())
+        if run_id is not None:
+            faults.kill_run(client, run_id, RunStatus.FAILED, reason)
+        where = f"; MLflow run {run_id} FAILED" if run_id else ""
+        raise faults.Abort(f"error: training failed: {reason}; traceback in {trace_path}{where}") from None
+    status = figures["status"]
+    if client is not None:
+        scalars = {k: (int(v) if isinstance(v, bool) else v) for k, v in figures.items()
+                   if isinstance(v, (int, float, bool))}
+        tracking.log_metrics(client, run_id, scalars)
+        for i, (loss, step_s) in enumerate(zip(figures.get("losses", []), figures.get("step_times_s", []),
+                                               strict=True)):
+            client.log_metric(run_id, "step_loss", loss, step=i)
+            client.log_metric(run_id, "step_time_s", step_s, step=i)
+        tracking.log_tags(client, run_id, {"status": str(status)})
+        if (run_dir / "train.json").exists():
+            tracking.store_artifacts(client, run_id, [run_dir / "train.json"], track["artifact_location"])
+        tracking.end_run(client, run_id, status)
+        faults.done_in_flight(run_id)
+    print(f"[train] run dir {run_dir}", flush=True)
+    if run_id is not None:
+        print(f"[train] mlflow run {run_id} ({track['uri']})", flush=True)
+    return figures
+
+
+def _interrupted(exc: faults.Interrupted) -> str:
+    marked = faults.kill_in_flight_except(None)
+    return f"interrupted by {exc}; {marked} MLflow run(s) marked KILLED"
+
+
+def cli() -> int:
+    return faults.run_cli(main, _interrupted, lambda: 0)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

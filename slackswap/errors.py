@@ -30,6 +30,25 @@ def reject_unknown_fields(section: str, data: object, known: object) -> None:
         raise ConfigError(section, unknown, "unknown field(s)")
 
 
+class FileFormatError(SlackSwapError, ValueError):
+    """A file that is not what its name says (truncated by a full disk, hand-edited, another schema):
+    the message names the path and what is wrong, in one line."""
+
+
+def read_json_file(path: object, what: str) -> object:
+    """`json.loads` of the file at `path`; invalid JSON is a `FileFormatError` naming the file (a bare
+    `JSONDecodeError` names only a line and a column)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text())  # type: ignore[arg-type]
+    except json.JSONDecodeError as exc:
+        raise FileFormatError(
+            f"{path}: not a valid {what} ({exc.msg} at line {exc.lineno}, column {exc.colno}; truncated?)"
+        ) from None
+
+
 class PlanValidationError(SlackSwapError):
     """A plan that is not a complete, consistent schedule. The message names the first inconsistency."""
 

@@ -44,6 +44,14 @@ What real (traced) programs add, with defaults that leave the analytic graphs as
   planner reads the free-form `role` tags, so a traced graph needs no analytic vocabulary.
 - **phase order**: all forward and loss ops come before every backward op, and optimizer ops come
   last; `check_graph` enforces it (build_schedule relies on it).
+- **checkpoint candidates** (`Graph.candidate_tensors`): `Tensor.saved` is what autograd saves (a
+  backward op reads it); every other forward tensor with its own storage that no op overwrites in
+  place is a *candidate*: a plan may also keep or swap it as an extra checkpoint (what PyTorch's
+  selective checkpointing and torch.compile's partitioner do), so a recompute chain stops there and
+  the kept copy lives until its last recompute reader. A candidate with no decision is what it always
+  was: freed after its last forward reader, regenerated when a recompute chain needs it. Deciding
+  candidates is optional, so the analytic graphs, the fingerprints and every plan that decides only
+  saved tensors are unchanged.
 - **fingerprint** (`Graph.fingerprint`): a hash of the ops, tensors and sizes (not the timings). A
   plan records the fingerprint of the graph it was made for, and the validator refuses a plan made
   for another graph (`GraphMismatchError`).
@@ -200,6 +208,24 @@ class Graph:
         return tuple(
             self.tensors[t] for op in self.ops for t in op.outputs if self.tensors[t].saved
         )
+
+    @cached_property
+    def candidate_tensors(self) -> tuple[Tensor, ...]:
+        """Forward tensors autograd does not save that a plan may keep or swap as extra checkpoints
+        (module docstring), in production order: own storage (not an alias) and never overwritten in
+        place (a copy kept past the writer would hold the new version, not this one)."""
+        written = {t for op in self.ops if op.writes for t in op.writes}
+        return tuple(
+            self.tensors[t]
+            for op in self.ops
+            if op.phase in FORWARD_PHASES
+            for t in op.outputs
+            if not self.tensors[t].saved and not self.tensors[t].base and t not in written
+        )
+
+    @cached_property
+    def candidate_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.candidate_tensors)
 
     @cached_property
     def fingerprint(self) -> str:

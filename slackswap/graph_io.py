@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from slackswap.errors import ConfigError
+from slackswap.errors import ConfigError, read_json_file
 from slackswap.graph import Graph, Op, OpClass, Phase, Tensor
 
 GRAPH_SCHEMA = "slackswap.graph"
@@ -96,4 +96,6 @@ def write_graph_json(graph: Graph, path: str | Path) -> Path:
 
 
 def read_graph_json(path: str | Path) -> Graph:
-    return graph_from_dict(json.loads(Path(path).read_text()))
+    """Read a graph.json; a file that is not one is a `FileFormatError` naming the path (invalid JSON) or
+    a `ConfigError` naming the field."""
+    return graph_from_dict(read_json_file(path, "graph.json"))

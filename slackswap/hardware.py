@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -130,3 +131,34 @@ class Hardware:
         reject_unknown_fields("hardware.link", link, HostLink.__dataclass_fields__)
         return cls(link=HostLink(**dict(link)), **data)
 
+
+
+#: The repository's presets: `conf/hardware/<name>.yaml` beside the package (an editable install or a
+#: checkout; pass `conf_dir` otherwise).
+PRESET_DIR_NAME = "conf/hardware"
+
+
+def preset_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / PRESET_DIR_NAME
+
+
+def preset_names(conf_dir: str | Path | None = None) -> list[str]:
+    folder = Path(conf_dir) if conf_dir is not None else preset_dir()
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def load_preset(name: str, conf_dir: str | Path | None = None) -> Hardware:
+    """The hardware preset `name` (`load_preset("a100_80gb_pcie4")`), read from `conf/hardware/` as
+    the pipeline's `hardware=<name>` reads it, without Hydra: for scripts and notebooks that call the
+    library directly (docs/runtime.md). An unknown name is a ConfigError listing the known ones; a
+    preset that composes others (a Hydra `defaults:` list) is refused, as only Hydra can compose it."""
+    import yaml  # PyYAML: a dependency of omegaconf, imported only here
+
+    folder = Path(conf_dir) if conf_dir is not None else preset_dir()
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError("hardware", name, f"no such preset in {folder}; known: {', '.join(preset_names(folder))}")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, Mapping) or "defaults" in data:
+        raise ConfigError("hardware", name, f"{path} is not a plain preset (compose it with Hydra: hardware={name})")
+    return Hardware.from_dict(data)

@@ -6,7 +6,9 @@
   the order given (FIFO). A transfer is issued when compute step `issue_after_step` finishes
   (-1: at time zero). A prefetch also waits for the tensor's offload to complete (the host copy must
   exist) and allocates its device memory when it starts.
-- `decisions`: exactly one of keep / swap / recompute for every saved tensor of the graph.
+- `decisions`: exactly one of keep / swap / recompute for every saved tensor of the graph, and keep or
+  swap for any checkpoint candidate the plan keeps as an extra checkpoint (`Graph.candidate_tensors`:
+  a forward tensor autograd does not save; undecided candidates are freed after forward as before).
 
 Which copy of a tensor a step reads is decided by sequence position: the latest production of that
 tensor (its run step, a recompute step, or a prefetch issued after an earlier step) before the step.

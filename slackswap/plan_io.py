@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from slackswap.errors import ConfigError
+from slackswap.errors import ConfigError, read_json_file
 from slackswap.plan import PLAN_SCHEMA_VERSION, ComputeStep, Decision, Direction, Plan, StepKind, Transfer
 
 _V1_FIELDS = ("schema_version", "planner", "budget_bytes", "decisions", "steps", "offloads", "prefetches",
@@ -72,7 +72,9 @@ def write_plan_json(plan: Plan, path: str | Path) -> Path:
 
 
 def read_plan_json(path: str | Path) -> Plan:
-    return plan_from_dict(json.loads(Path(path).read_text()))
+    """Read a plan.json; a file that is not one is a `FileFormatError` naming the path (invalid JSON) or
+    a `ConfigError` naming the field."""
+    return plan_from_dict(read_json_file(path, "plan.json"))
 
 
 def _transfer_to_dict(t: Transfer) -> dict[str, Any]:

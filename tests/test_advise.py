@@ -182,7 +182,8 @@ def test_pareto_front():
     ("kw", "field"),
     [({"gpus": (0,)}, "advise.gpus"), ({"micro_batches": (4, 2)}, "advise.micro_batches"),
      ({"plan_against": ("peak",)}, "advise.plan_against"), ({"grad_accum": 0}, "advise.grad_accum"),
-     ({"recipes": {}}, "advise.recipes"), ({"zero_stages": (4,)}, "advise.zero_stages")],
+     ({"recipes": {}}, "advise.recipes"), ({"zero_stages": (4,)}, "advise.zero_stages"),
+     ({"planners": {"milp": {}}}, "advise.planners")],
 )
 def test_bad_search_space_names_the_field(kw, field):
     with pytest.raises(ConfigError) as info:
@@ -253,7 +254,7 @@ def test_end_to_end_advise_on_the_tiny_model(tmp_path, mlflow_store, monkeypatch
     assert "best on 1 GPU(s):" in out and "best on 8 GPU(s):" in out and "tokens/s per GPU" in out
     run = tmp_path / "run"
     data = json.loads((run / "advice.json").read_text())
-    assert data["schema"] == "slackswap.advice/1"
+    assert data["schema"] == "slackswap-advice/1"
     n = data["evaluated"]
     assert n == len(data["rows"]) and f"[{n}/{n}" in out
     for row in data["rows"]:

@@ -285,8 +285,9 @@ def test_chain_cuts_tighten_the_bound_and_stay_below_the_best_plan(seed, share):
     assert sorted(graph.saved_tensors[i].name for i, *_ in pairs) == ["b0", "b1"]
     budget = _budget_between_floor_and_peak(graph, hardware, share)
     best = _best_brute_force_step_s(graph, hardware, budget)
-    old, _ = MilpPlanner(granularity="op", chain_cuts=False).bound(graph, hardware, budget)
-    new, _ = MilpPlanner(granularity="op").bound(graph, hardware, budget)
+    # The plan space of saved tensors only (the brute force's); candidates: test_checkpoint_candidates_...
+    old, _ = MilpPlanner(granularity="op", chain_cuts=False, candidates=False).bound(graph, hardware, budget)
+    new, _ = MilpPlanner(granularity="op", candidates=False).bound(graph, hardware, budget)
     assert best is not None and old.status == new.status == "optimal"
     assert old.bound_step_s <= new.bound_step_s * (1 + REL)
     assert new.bound_step_s <= best * (1 + REL)
@@ -318,3 +319,48 @@ def test_same_problem_same_plan_file_and_node_limits_not_seconds():
     assert not [key for key in notes if key.endswith("_s") and "step" not in key], notes
     with pytest.raises(ConfigError, match="node_limit"):
         MilpPlanner(node_limit=0)
+
+
+def _best_with_candidates(graph: Graph, hardware: Hardware, budget: int, choices) -> tuple[float, dict] | None:
+    """The best simulated step over every decision vector of the saved tensors and, for each checkpoint
+    candidate s0, s1, each of `choices` (None: no decision, as in the old plan space)."""
+    names = [t.name for t in graph.saved_tensors]
+    candidates = [t.name for t in graph.candidate_tensors]
+    best = None
+    for combo in itertools.product(list(Decision), repeat=len(names)):
+        for extra in itertools.product(choices, repeat=len(candidates)):
+            decisions = dict(zip(names, combo, strict=True))
+            decisions |= {c: d for c, d in zip(candidates, extra, strict=True) if d is not None}
+            try:
+                plan = build_schedule(graph, decisions, planner="brute", budget_bytes=budget, hardware=hardware)
+            except ConfigError:  # a swapped candidate no recompute step reads: not a plan
+                continue
+            result = simulate(graph, plan, hardware, budget)
+            if result.feasible and (best is None or result.step_s < best[0]):
+                best = (result.step_s, decisions)
+    return best
+
+
+def test_keeping_a_tensor_autograd_does_not_save_beats_every_old_plan_and_the_bound_covers_it():
+    """score_graph: b = h(s) with s not saved (only forward reads it). Keeping s (a checkpoint candidate)
+    lets the plan recompute b by h alone; in the old space b is recomputed with g too, or kept, or
+    swapped. Brute force over both spaces; the bound of the enlarged space must be below the best plan
+    of the enlarged space, and at or below the old bound (it covers more plans)."""
+    graph = score_graph(layers=2, seed=0)
+    hardware = _toy_hardware(bytes_per_s=5e9)
+    assert [t.name for t in graph.candidate_tensors] == ["s0", "s1"]
+    budget = _budget_between_floor_and_peak(graph, hardware, 0.4)
+    old_best = _best_with_candidates(graph, hardware, budget, [None])
+    new_best = _best_with_candidates(graph, hardware, budget, [None, Decision.KEEP, Decision.SWAP])
+    assert old_best is not None and new_best is not None
+    assert new_best[0] < old_best[0] * (1 - 0.05)  # 29.08 against 32.35 ms
+    assert Decision.KEEP in {new_best[1].get("s0"), new_best[1].get("s1")}
+    old_bound, _ = MilpPlanner(granularity="op", candidates=False).bound(graph, hardware, budget)
+    new_bound, _ = MilpPlanner(granularity="op").bound(graph, hardware, budget)
+    assert old_bound.status == new_bound.status == "optimal"
+    assert new_bound.bound_step_s <= new_best[0] * (1 + REL)
+    assert new_bound.bound_step_s <= old_bound.bound_step_s * (1 + REL)
+    # A kept candidate is a copy the chain cut already counts (docs/milp.md), so the old bound is also
+    # below the best plan that keeps one; the bound moves down for the swaps the enlarged space adds.
+    assert old_bound.bound_step_s <= new_best[0] * (1 + REL)
+    assert new_bound.bound_step_s < old_bound.bound_step_s * (1 - 1e-3)

@@ -67,7 +67,9 @@ def test_units_percent_and_gib_beside_the_raw_metrics() -> None:
     assert out["throughput_pct"] == pytest.approx(99.69) and out["throughput_ratio"] == 0.9969
     assert out["budget_gib"] == 3.0 and out["budget_bytes"] == 3 * 2**30
     assert "feasible_gib" not in out and "throughput_pct" not in presentation.with_units({"feasible": False})
-    assert presentation.gib(1.5 * 2**30) == "1.500 GiB"
+    assert presentation.size_text(1.5 * 2**30) == "1.500 GiB"
+    # A toy model's sizes keep their digits (not "0.000 GiB").
+    assert presentation.size_text(420_000) == "0.401 MiB" and presentation.size_text(None) == "n/a"
 
 
 def test_status_mapping_infeasible_is_a_finished_run() -> None:

@@ -188,7 +188,9 @@ def test_multirun_records_infeasible_and_failed_jobs_and_aggregates(tmp_path, ml
     experiment = client.get_experiment_by_name("test")
     parent_id = json.loads((sweep / PARENT_FILE).read_text())["run_id"]
     parent = client.get_run(parent_id)
-    assert parent.info.status == "FINISHED"
+    # Two jobs without a result: the parent is FAILED, as the exit code says, and names why.
+    assert parent.info.status == "FAILED" and parent.data.tags["status"] == "failed"
+    assert parent.data.tags["reason"] == "2 of 6 jobs failed or were killed"
     assert parent.data.metrics["jobs_total"] == 6 and parent.data.metrics["jobs_failed"] == 2
     assert {"summary.csv", "summary.md", "throughput_vs_budget.png"} <= _artifact_files(parent, mlflow_store)
     assert parent.info.run_name.startswith("adhoc · ")

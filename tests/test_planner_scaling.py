@@ -25,6 +25,7 @@ from slackswap.planners.registry import get_planner
 from slackswap.planners.strategies import recompute_knapsack, swap_only
 from slackswap.planners.support import analysis, greedy, swap_recompute
 from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.candidates import keep_chain_candidates
 from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.profile import build_graph
@@ -166,7 +167,8 @@ def test_layer_count_search_from_the_guess_gives_the_bisection_plan(name, monkey
 
 
 def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):
-    """`RecomputeKnapsack.plan` before it remembered the peak of a set chosen again."""
+    """`RecomputeKnapsack.plan` before it remembered the peak of a set chosen again (with its fallback,
+    every candidate recomputed, when no round fits)."""
     profile = analyse(graph, hw)
     unconstrained = keep_all_if_it_fits(graph, hw, profile, budget_bytes, "recompute_knapsack")
     if unconstrained is not None:
@@ -178,7 +180,7 @@ def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):
     for round_ in range(max_rounds):
         chosen = recompute_knapsack.solve_knapsack(sizes, costs, need)
         if chosen is None:
-            raise InfeasibleBudgetError("no set")
+            return _recompute_every_candidate(graph, hw, budget_bytes, profile, candidates, "no set")
         decisions = {t: Decision.KEEP for t in profile.tensors}
         decisions.update({candidates[i]: Decision.RECOMPUTE for i in chosen})
         plan, peak = scheduled_peak(
@@ -187,9 +189,22 @@ def _knapsack_rebuilding_every_round(graph, hw, budget_bytes, max_rounds=30):
                    "knapsack_recompute_s": sum(costs[i] for i in chosen)},
         )
         if peak <= budget_bytes:
-            return plan
+            return keep_chain_candidates(graph, hw, budget_bytes, plan)  # the planner's last step
         need += peak - budget_bytes
-    raise InfeasibleBudgetError(f"after {max_rounds} rounds the plan still peaks at {peak}")
+    reason = f"after {max_rounds} rounds the plan still peaks at {peak}"
+    return _recompute_every_candidate(graph, hw, budget_bytes, profile, candidates, reason)
+
+
+def _recompute_every_candidate(graph, hw, budget_bytes, profile, candidates, reason):
+    decisions = {t: Decision.KEEP for t in profile.tensors}
+    decisions.update(dict.fromkeys(candidates, Decision.RECOMPUTE))
+    plan, peak = scheduled_peak(
+        graph, decisions, planner="recompute_knapsack", budget_bytes=budget_bytes, hardware=hw,
+        notes={"knapsack_fallback": "recompute every candidate"},
+    )
+    if peak <= budget_bytes:
+        return plan
+    raise InfeasibleBudgetError(reason)
 
 
 @pytest.mark.slow

@@ -152,5 +152,11 @@ def test_hook_only_steps_run_every_planner_bit_exact(kind: str) -> None:
             assert (report.recompute_steps, report.offloads, report.prefetches) == (
                 counts["recompute_steps"], counts["offloads"], counts["prefetches"]), (planner, step)
         fast_seen |= not run.report.verified
-        assert run.recording.refusal is None, (planner, run.recording.refusal)
+        if any(t in c.graph.candidate_names for t in plan.decisions):
+            # A kept checkpoint candidate is no saved tensor, so no saved-tensor hook hands it to the
+            # recompute that reads it: hook-only steps are refused and every step runs verified
+            # (dispatch modes), bit-exact as asserted above (docs/runtime.md).
+            assert "a tensor autograd does not save" in (run.recording.refusal or ""), planner
+        else:
+            assert run.recording.refusal is None, (planner, run.recording.refusal)
     assert fast_seen

@@ -92,7 +92,10 @@ def test_layer_ahead_policy_issues_at_the_start_of_the_next_layer_backward():
     ("decisions", "match"),
     [
         ({"x": "keep", "m": "keep", "z": "keep"}, "have no decision"),
-        ({"x": "keep", "m": "keep", "z": "keep", "l": "keep", "y": "keep", **GRADS}, "not a saved tensor"),
+        ({"x": "keep", "m": "keep", "z": "keep", "l": "keep", "nope": "keep", **GRADS},
+         "neither a saved tensor nor a checkpoint candidate"),
+        # y: a forward tensor autograd does not save (a checkpoint candidate): keep or swap, never recompute
+        ({"x": "keep", "m": "keep", "z": "keep", "l": "keep", "y": "recompute", **GRADS}, "a checkpoint candidate"),
         ({"x": "drop", "m": "keep", "z": "keep", "l": "keep", **GRADS}, "must be one of"),
         ({"x": "keep", "m": "keep", "z": "keep", "l": "keep", **GRADS, "gy": "recompute"}, "only forward tensors"),
     ],

@@ -191,6 +191,14 @@ def test_optimizer_step_ops_follow_the_traced_parameters():
     assert sum(op.moved_bytes for op in opt) == per_param * graph.meta["num_params"]
     net = build_workload(model, TorchSpec("tiny_gpt"))[0]
     assert graph.meta["num_params"] == sum(p.numel() for p in net.parameters())
+    # A traced graph depends on the torch and transformers code that ran: graph.json names both.
+    import torch
+    import transformers
+
+    from slackswap.graph_io import graph_from_dict, graph_to_dict
+
+    versions = graph_from_dict(graph_to_dict(graph)).meta["versions"]
+    assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
 
 
 def test_random_ops_and_in_place_writes_are_marked():

@@ -118,7 +118,8 @@ def test_decisions_cover_exactly_the_saved_tensors():
     decisions = dict(keep_all().decisions)
     del decisions["m"]
     rejected(dataclasses.replace(keep_all(), decisions=decisions), "no decision", "'m'")
-    rejected(with_decisions(keep_all(), zzz=Decision.KEEP), "'zzz'", "not a saved tensor")
+    rejected(with_decisions(keep_all(), zzz=Decision.KEEP), "'zzz'",
+             "neither a saved tensor nor a checkpoint candidate")
     rejected(dataclasses.replace(keep_all(), decisions={**keep_all().decisions, "a": "maybe"}), "'a'", "'maybe'")
 
 

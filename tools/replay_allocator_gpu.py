@@ -115,11 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             print("PYTORCH_CUDA_ALLOC_CONF is set; the model follows the default allocator", file=sys.stderr)
             return 2
 
+    from slackswap.errors import ConfigError, FileFormatError
     from slackswap.simulate import simulate
 
-    graph, plan, hardware, budget = (
-        _plan_from_run_dir(args.run_dir) if args.run_dir else _plan_from_overrides(args.overrides)
-    )
+    try:
+        graph, plan, hardware, budget = (
+            _plan_from_run_dir(args.run_dir) if args.run_dir else _plan_from_overrides(args.overrides)
+        )
+    except (FileFormatError, ConfigError, FileNotFoundError) as exc:  # a truncated graph.json, a missing file
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result = simulate(graph, plan, hardware, budget)
     ops = memory_ops(graph, plan, result)
     model = model_trajectory(ops)

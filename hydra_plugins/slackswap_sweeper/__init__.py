@@ -40,7 +40,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.types import HydraContext
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.progress import PROGRESS_FILE
+from pipelines.progress import DONE_FILE, PROGRESS_FILE
 
 
 def _plain(loader: Any) -> Any:
@@ -155,19 +155,28 @@ class ProgressSweeper(BasicSweeper):
         super().setup(hydra_context=context, task_function=task_function, config=config)
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
-        """Hydra's check that every job of the batch composes, keeping the configs for the launcher."""
-        assert self.hydra_context is not None and self.config is not None
-        loader = self.hydra_context.config_loader
-        for overrides in batch:
-            loader.compose_and_keep(self.config, list(overrides))
+        """Nothing left to check: `split_arguments` composed every job of every batch already."""
 
     def split_arguments(self, overrides, max_batch_size):  # type: ignore[override]  (static in the base)
+        """Hydra's batches; before any job runs, every job's config composed (a bad override or an
+        unknown preset fails here, with one line from `pipelines.faults`), and only then the sweep's
+        MLflow parent run opened (`pipelines.callbacks.open_parent`): a config mistake leaves no
+        empty parent RUNNING."""
         batches = BasicSweeper.split_arguments(overrides, max_batch_size)
         total = sum(len(batch) for batch in batches)
         sweep_dir = Path(self.config.hydra.sweep.dir)
+        print(f"sweep: {total} jobs -> {sweep_dir} (checking that every job's config composes first)", flush=True)
+        assert self.hydra_context is not None
+        loader = self.hydra_context.config_loader
+        for batch in batches:
+            for job_overrides in batch:
+                loader.compose_and_keep(self.config, list(job_overrides))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         (sweep_dir / PROGRESS_FILE).write_text(json.dumps({"total": total, "started_unix_s": time.time()}) + "\n")
-        print(f"sweep: {total} jobs -> {sweep_dir} (checking that every job's config composes first)", flush=True)
+        (sweep_dir / DONE_FILE).write_text("")
+        from pipelines import callbacks  # not at plugin scan: it imports the pipeline
+
+        callbacks.open_parent()
         return batches
 
 

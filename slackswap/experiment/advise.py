@@ -91,20 +91,21 @@ class SearchSpace:
             raise ConfigError("advise.recipes", [], "must list at least one training recipe")
         if not self.planners:
             raise ConfigError("advise.planners", [], "must list at least one planner")
+        if set(self.planners) == {"milp"}:
+            raise ConfigError("advise.planners", ["milp"], "milp refines the best configurations of the other "
+                              "planners: list at least one more")
         for against in self.plan_against:
             if against not in PLAN_AGAINST:
                 raise ConfigError("advise.plan_against", list(self.plan_against), f"{against!r} not in {PLAN_AGAINST}")
         if not self.plan_against:
             raise ConfigError("advise.plan_against", [], f"must list some of {PLAN_AGAINST}")
         for stage in self.zero_stages:
-            if stage not in (0, 1, 2, 3):
+            if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
                 raise ConfigError("advise.zero_stages", list(self.zero_stages), f"{stage!r} not in 0..3")
         if not self.zero_stages:
             raise ConfigError("advise.zero_stages", [], "must list at least one ZeRO stage")
-        for name in ("grad_accum",):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"advise.{name}", v, "must be an integer >= 1")
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ConfigError("advise.grad_accum", self.grad_accum, "must be an integer >= 1")
         if isinstance(self.milp_top_k, bool) or not isinstance(self.milp_top_k, int) or self.milp_top_k < 0:
             raise ConfigError("advise.milp_top_k", self.milp_top_k, "must be an integer >= 0")
         if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:

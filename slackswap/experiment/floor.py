@@ -27,7 +27,7 @@ from slackswap.planners.base import Planner
 from slackswap.schedule.replay import estimate_plan
 
 #: Bisection stops when the feasible and infeasible budgets are this close, relative to the feasible.
-REL_TOL = 1e-3
+REL_TOL = 1e-4
 
 
 @dataclass(frozen=True)

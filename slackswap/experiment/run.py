@@ -231,7 +231,8 @@ def run_metrics(
     peak = simulation["peak_activation_bytes"] if report is None else report.peak_reserved_bytes
     metrics["headroom_bytes"] = capacity.activation_capacity_bytes - (peak or 0)
     metrics["device_peak_activation_bytes"] = peak
-    metrics["fits_device"] = _fits_device(spec, capacity, simulation, peak)
+    simulated = fitted is not None and fitted.result.feasible
+    metrics["fits_device"] = _fits_device(spec, capacity, simulated, peak)
     metrics["planning_budget_bytes"] = None if fitted is None else fitted.planning_budget_bytes
     metrics["planning_rounds"] = None if fitted is None else fitted.rounds
     flops = model_flops(base.graph)
@@ -263,18 +264,17 @@ def _node_metrics(spec: RunSpec, simulation: Mapping[str, Any]) -> dict[str, Any
     }
 
 
-def _fits_device(
-    spec: RunSpec, capacity: DeviceCapacity, simulation: Mapping[str, Any], peak: int | None
-) -> bool | None:
+def _fits_device(spec: RunSpec, capacity: DeviceCapacity, simulated: bool, peak: int | None) -> bool | None:
     """Whether this run's step fits the device: its peak + static + reserve within device memory.
 
-    False when static memory alone does not fit, or when the budget is the device's own capacity and no
-    plan met it; None when there is no feasible plan to judge by (planner or simulator infeasible under
-    a fraction or absolute budget).
+    Judged by the simulated step whenever the simulator ran it to the end (`simulated`), even when
+    something else made the run infeasible (the node's pinned host memory). False when static memory
+    alone does not fit, or when the budget is the device's own capacity and no plan met it; None when
+    there is no simulated step to judge by under a fraction or absolute budget.
     """
     if not capacity.fits:
         return False
-    if simulation["feasible"] and peak is not None:
+    if simulated and peak is not None:
         return peak <= capacity.activation_capacity_bytes
     return False if spec.budget.device else None
 

@@ -109,8 +109,11 @@ class _NoLedger:
     peak_bytes = 0
     peak_step = -1
     live_by_step: dict[int, frozenset[int]] = {}
+    device_peak_bytes = 0
+    device_peak_step = -1
+    device_live_by_step: dict[int, frozenset[int]] = {}
 
-    def track(self, storage: object, copy_id: int) -> None:
+    def track(self, storage: object, copy_id: int, saved: bool = True) -> None:
         return None
 
     def poll(self, step: int) -> None:
@@ -245,9 +248,9 @@ class PlanRun(TorchDispatchMode):
             produced = copy.source_index
             if copy.source == "prefetch":
                 produced = plan.prefetches[copy.source_index].issue_after_step
-            last = max([produced, *copy.readers])
-            if copy.offload is not None:
-                last = max(last, plan.offloads[copy.offload].issue_after_step)
+            # The resolver's facts: its last use (readers, views, the model's hold) and the offloads
+            # it waits for (issued by then on this runtime's copy engines, which it then holds).
+            last = max([produced, copy.last_use, *(plan.offloads[k].issue_after_step for k in copy.wait_offloads)])
             self.release_after.setdefault(last, []).append(c)
         #: The plan keeps every tensor and moves none: a hook-only step has nothing to do.
         self.idle = not (recompute_steps or plan.offloads or plan.prefetches) and all(

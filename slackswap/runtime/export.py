@@ -274,7 +274,10 @@ class _SaveMode(TorchDispatchMode):
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             self.export.record.saved_bytes += _fresh_bytes(func, out)
         elif policy in _OFFLOAD:
-            self.storage[(func, idx)] = _Entry("offload", tree_map(self.export.host.offload, out))
+            leaves = iter(range(1 << 30))
+            key = (self.policy.region, str(func), idx)
+            self.storage[(func, idx)] = _Entry("offload", tree_map(
+                lambda x: self.export.host.offload(x, (*key, next(leaves))), out))
             self.export.record.offloaded_bytes += _fresh_bytes(func, out)
         else:
             self.storage[(func, idx)] = _Entry("recompute", None)
@@ -331,20 +334,27 @@ def _fresh_bytes(func, out) -> int:
 class HostCopies:
     """Eager export's offloads: device -> host when the op returns, back at the layer's recompute.
 
-    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer allocated
-    per offload and a blocking copy: a reference path with no pool and no side stream (the eager
-    runtime reuses pinned buffers, `slackswap.runtime.copy_engines.HostPool`, on its own streams)."""
+    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer from a
+    pool (`slackswap.runtime.copy_engines.HostPool`), one per offloading call of a layer (region, op,
+    call index: the same on every step), reused across steps, and a blocking copy, no side stream
+    (the eager runtime's copies overlap on their own streams; here the reload is PyTorch's, at the
+    layer's recompute). Reuse is safe: the copies are blocking and a step's backward has reloaded
+    them all before the next step's forward offloads again."""
 
     def __init__(self) -> None:
-        self.copies = 0
+        from slackswap.runtime.copy_engines import HostPool
 
-    def offload(self, x: object) -> object:
+        self.copies = 0
+        self.pool = HostPool(pinned=torch.cuda.is_available())
+
+    def offload(self, x: object, key: object = None) -> object:
         if not isinstance(x, torch.Tensor):
             return x
         self.copies += 1
         if x.device.type == "cpu":
             return _Offloaded(x.detach().clone(), x.device)
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        nbytes = x.numel() * x.element_size()
+        host = self.pool.get(key, nbytes).view(x.dtype).view(x.shape)
         host.copy_(x.detach(), non_blocking=False)
         return _Offloaded(host, x.device)
 
@@ -393,7 +403,9 @@ class PlanExport:
         self._random: set[tuple[int, int]] = set()
         #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
         self._last_names: dict[int, list[str]] = {}
-        self._compiled_fns: dict[tuple, Callable] = {}
+        self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
+        #: Compiled: region -> the region whose compiled function (and partition) it shares.
+        self.group_of: dict[int, int] = {}
 
     # ------------------------------------------------------------------ policies
     def policy(self, region: int, compiled: bool = False) -> Callable:
@@ -466,18 +478,28 @@ class PlanExport:
         return run
 
     def _compiled(self, layer: torch.nn.Module, region: int, backend: object) -> Callable:
-        """One compiled function per layer: its own policy is traced into its own graph. Dynamo keys
-        compiled code by code object, so each layer's function is a fresh one (`_fresh_function`)."""
-        key = (region, id(layer), id(backend))
-        if key not in self._compiled_fns:  # kept: a later installation reuses the compiled code
-            plain = type(layer).forward
+        """Layers whose decisions read the same below their own path share one compiled function (the
+        layer is an argument: its parameters are graph inputs), traced with the first such layer's
+        policy; other layers get their own. Dynamo keys compiled code by code object, so each group's
+        function is a fresh one (`_fresh_function`). Kept: a later installation reuses the code."""
+        path = self.regions[region]
+        signature = (type(layer), id(backend), tuple(sorted(
+            (n[len(path):], str(d)) for n, d in self.region_decisions[region].items())))
+        if signature not in self._compiled_fns:
             context_fn = self.context_fn(region, compiled=True)
 
-            def run(*args, **kwargs):
-                return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            def run(layer, *args, **kwargs):
+                return checkpoint(partial(type(layer).forward, layer), *args, use_reentrant=False,
+                                  context_fn=context_fn, **kwargs)
 
-            self._compiled_fns[key] = torch.compile(_fresh_function(run), backend=backend)
-        return self._compiled_fns[key]
+            self._compiled_fns[signature] = (region, torch.compile(_fresh_function(run), backend=backend))
+        self.group_of[region], compiled = self._compiled_fns[signature]
+        return partial(compiled, layer)
+
+    def translate(self, name: str, region: int) -> str:
+        """A tensor of `region` as its compile group's representative layer names it."""
+        rep = self.group_of.get(region, region)
+        return self.regions[rep] + name[len(self.regions[region]):]
 
     # ------------------------------------------------------------------ differences
     def static_differences(self) -> list[ExportDifference]:
@@ -616,11 +638,9 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
     saved = [v for part in partitions for v in part if not v.is_input]
     got: dict[str, SavedValue] = {v.tensor: v for v in saved if v.tensor is not None}
     out: list[ExportDifference] = []
-    for decisions in export.region_decisions:
-        if not decisions:
-            continue
+    for region, decisions in enumerate(export.region_decisions):
         for name, decision in sorted(decisions.items()):
-            v = got.get(name)
+            v = got.get(export.translate(name, region))
             if v is None:
                 if decision != Decision.RECOMPUTE:
                     out.append(ExportDifference(name, str(decision), "not saved",
@@ -643,10 +663,20 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
     return out
 
 
-def saved_bytes(partitions: list[list[SavedValue]]) -> tuple[int, int]:
-    """(device bytes, host bytes) the compiled partitions save, graph inputs left out."""
-    values = [v for part in partitions for v in part if not v.is_input]
-    return (sum(v.size_bytes for v in values if not v.offloaded), sum(v.size_bytes for v in values if v.offloaded))
+def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = None) -> tuple[int, int]:
+    """(device bytes, host bytes) the compiled partitions save per step, graph inputs left out. With
+    `export`, a partition shared by a group of layers counts once per layer of the group."""
+    device = host = 0
+    for part in partitions:
+        values = [v for v in part if not v.is_input]
+        times = 1
+        if export is not None:
+            named = next((v.tensor for v in values if v.tensor), None)
+            rep = _region_of(module_path(named), export.regions) if named else None
+            times = sum(1 for g in export.group_of.values() if g == rep) if rep is not None else 1
+        device += times * sum(v.size_bytes for v in values if not v.offloaded)
+        host += times * sum(v.size_bytes for v in values if v.offloaded)
+    return device, host
 
 
 __all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "SavedValue", "layer_paths", "partition_differences",

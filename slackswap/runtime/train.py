@@ -84,6 +84,9 @@ class CompiledGradCheck:
     max_abs_diff: float
     #: Decisions PyTorch's machinery executes otherwise (`slackswap.runtime.export.ExportDifference`).
     differences: tuple
+    #: The export and its compile backend, for `train_steps(..., export=...)` to reuse the compiled code.
+    export: object = None
+    backend: object = None
 
 
 def compiled_gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> CompiledGradCheck:
@@ -98,7 +101,7 @@ def compiled_gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1
     diffs += [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned, strict=True)]
     exact = torch.equal(plain_loss, plan_loss) and all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
     differences = tuple(export.static_differences() + partition_differences(export, partitions))
-    return CompiledGradCheck(exact, max(diffs), differences)
+    return CompiledGradCheck(exact, max(diffs), differences, export, backend)
 
 
 def train_steps(
@@ -110,6 +113,8 @@ def train_steps(
     seed: int,
     on_step: Callable[[StepRecord], None] | None = None,
     executor: str = "eager",
+    export: object = None,
+    backend: object = "inductor",
 ) -> list[StepRecord]:
     """`steps` AdamW steps on fresh random token batches (same shape), under `plan` (None: plain).
 
@@ -120,7 +125,8 @@ def train_steps(
         if plan is not None and executor == "compile":
             from slackswap.runtime.export import PlanExport
 
-            stack.enter_context(PlanExport(plan, graph, w.model).installed(w.model, compile=True))
+            export = export or PlanExport(plan, graph, w.model)
+            stack.enter_context(export.installed(w.model, compile=True, backend=backend))
         elif plan is not None:
             run = apply(plan, graph, w.model)
         return _steps(w, run, steps, lr, seed, on_step)

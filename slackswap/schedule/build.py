@@ -8,8 +8,10 @@ Every planner (including the MILP) decides *what* happens to each saved activati
   step of the input's forward producer, preceded (recursively, in forward order) by the recompute of
   whatever that producer itself lacks. A regenerated copy is shared by every later reader, so a
   recompute chain shared by several tensors runs once. "Lacks" means: a recompute-decided saved
-  tensor, or a non-saved forward tensor (its forward copy was freed after the forward pass; reading
-  it in backward would keep it alive all along). Kept and swapped tensors are never regenerated.
+  tensor, or a non-saved forward tensor without a decision (its forward copy was freed after the
+  forward pass; reading it in backward would keep it alive all along). Kept and swapped tensors, the
+  checkpoint candidates a plan decides included (`Graph.candidate_tensors`), are never regenerated:
+  a kept candidate's run copy lives until its last recompute reader.
   When a producer is recomputed, its other recompute-decided outputs not yet regenerated are
   materialised by the same step (one recompute per op, not one per output).
 - offloads: one per swapped tensor, issued right after its producer's run step, in production order.
@@ -55,14 +57,20 @@ def keep_all_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
 
 
 def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> dict[str, Decision]:
-    """Exactly one valid decision per saved tensor; names the first missing, unknown or bad entry."""
+    """Exactly one valid decision per saved tensor, and keep or swap for any checkpoint candidate
+    decided (`Graph.candidate_tensors`); names the first missing, unknown or bad entry."""
     saved = _saved_forward(graph)
     out: dict[str, Decision] = {}
     recompute = Decision.RECOMPUTE
+    candidates = 0
     for name, value in decisions.items():
         forward = saved.get(name)
         if forward is None:
-            raise ConfigError(f"decisions[{name!r}]", value, "is not a saved tensor of the graph")
+            if name not in graph.candidate_names:
+                raise ConfigError(f"decisions[{name!r}]", value,
+                                  "is neither a saved tensor nor a checkpoint candidate of the graph")
+            candidates += 1
+            forward = True
         if value.__class__ is not Decision:  # planners pass Decision members: skip the enum lookup
             try:
                 value = Decision(value)
@@ -71,11 +79,14 @@ def check_decisions(graph: Graph, decisions: Mapping[str, Decision | str]) -> di
                     f"decisions[{name!r}]", value, f"must be one of {[d.value for d in Decision]}"
                 ) from None
         out[name] = value
+        if value is recompute and name not in saved:
+            raise ConfigError(f"decisions[{name!r}]", value, "a checkpoint candidate is kept or swapped; "
+                              "recomputing it is what happens without a decision, so leave it out")
         if value is recompute and not forward:
             producer = graph.op_by_name[graph.tensors[name].producer]
             raise ConfigError(f"decisions[{name!r}]", value, f"only forward tensors can be recomputed, "
                               f"this one is produced by {producer.phase.value} op {producer.name!r}")
-    if len(out) == len(saved):
+    if len(out) - candidates == len(saved):
         return out
     missing = [t.name for t in graph.saved_tensors if t.name not in out]
     if missing:
@@ -225,14 +236,22 @@ def _first_backward_reads(graph: Graph, steps: tuple[ComputeStep, ...]) -> tuple
     return n_fwd, last_fwd, first_bwd
 
 
+def _swapped(graph: Graph, decided: Mapping[str, Decision]) -> list:
+    """The swapped tensors in production order (saved tensors and checkpoint candidates)."""
+    swap = Decision.SWAP
+    if len(decided) == len(_saved_forward(graph)):  # no candidate decided: the saved tensors' order
+        return [t for t in graph.saved_tensors if decided[t.name] is swap]
+    tensors = graph.tensors
+    return [tensors[t] for op in graph.ops for t in op.outputs if decided.get(t) is swap]
+
+
 def _run_index(steps: tuple[ComputeStep, ...]) -> dict[str, int]:
     run = StepKind.RUN
     return {s.op: i for i, s in enumerate(steps) if s.kind == run}
 
 
 def _offloads(graph: Graph, decided: Mapping[str, Decision], steps: tuple[ComputeStep, ...]) -> tuple[Transfer, ...]:
-    swap = Decision.SWAP
-    swapped = [t for t in graph.saved_tensors if decided[t.name] is swap]
+    swapped = _swapped(graph, decided)
     forward_index = _forward_facts(graph)[2]  # a forward producer's run step is its forward position
     if all(t.producer in forward_index for t in swapped):
         return tuple(Transfer(t.name, Direction.D2H, forward_index[t.producer]) for t in swapped)
@@ -249,14 +268,18 @@ def _prefetches(
     lead_s: float,
     after_op: dict[str, str],
 ) -> tuple[Transfer, ...]:
-    swap = Decision.SWAP
-    swapped = [t.name for t in graph.saved_tensors if decided[t.name] is swap]
+    swapped = [t.name for t in _swapped(graph, decided)]
     unknown = sorted(set(after_op) - set(swapped))
     if unknown:
         raise ConfigError("prefetch_after_op", unknown, "names tensor(s) that are not swapped")
     if not swapped:
         return ()
     n_fwd, last_fwd, first_bwd = _first_backward_reads(graph, steps)
+    unread = [t for t in swapped if t not in first_bwd]
+    if unread:
+        raise ConfigError(f"decisions[{unread[0]!r}]", "swap",
+                          "a swapped checkpoint candidate must be read by a recompute step; "
+                          "no step reads it after the forward pass")
     order = sorted(swapped, key=lambda t: first_bwd[t])
     if policy == "alap":
         issue = _alap_issue(graph, steps, hardware, order, first_bwd, lead_s)

@@ -86,11 +86,16 @@ def _check_decisions(graph: Graph, plan: Plan) -> None:
     for t in graph.saved_tensors:
         if t.name not in plan.decisions:
             fail(f"has no decision (keep/swap/recompute) for saved tensor {t.name!r}")
+    candidates = graph.candidate_names
     for name, decision in plan.decisions.items():
-        if name not in saved:
-            fail(f"decides {decision!r} for tensor {name!r}, which is not a saved tensor of the graph")
+        if name not in saved and name not in candidates:
+            fail(f"decides {decision!r} for tensor {name!r}, which is neither a saved tensor nor a "
+                  "checkpoint candidate of the graph")
         if decision not in (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE):
             fail(f"decision for tensor {name!r} is {decision!r}, not keep/swap/recompute")
+        if name not in saved and decision == Decision.RECOMPUTE:
+            fail(f"decides recompute for checkpoint candidate {name!r}; a candidate is kept or swapped, "
+                  "or has no decision")
 
 
 _DECISIONS = frozenset(Decision)

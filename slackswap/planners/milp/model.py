@@ -185,8 +185,8 @@ def chain_intermediate_bytes(graph: Graph, name: str) -> int:
     return sum(graph.owned_bytes(t) for t in set(_chain_tensors(graph, name)[1]))
 
 
-def chain_cut_pairs(graph: Graph, saved: Sequence[SavedInfo]) -> tuple[tuple[int, int, int, int, int], ...]:
-    """(saved index i, position of u's producer, min(size_t, size_u), first row, last row) per chain cut.
+def chain_cut_pairs(graph: Graph, saved: Sequence[SavedInfo]) -> tuple[tuple[int, int, int, int, int, str], ...]:
+    """(saved index i, position of u's producer, min(size_t, size_u), first row, last row, u) per chain cut.
 
     For a saved tensor t (index i) with a forward producer p that reads a non-saved forward tensor u:
     at the start of every op j with last_reader(u) < j < first_bwd(t), j not a reader of t, a valid
@@ -208,7 +208,7 @@ def chain_cut_pairs(graph: Graph, saved: Sequence[SavedInfo]) -> tuple[tuple[int
             used.add(u)
             last_u = max(index[c] for c in tensor.consumers)
             out.append((i, index[tensor.producer], min(tensor.size_bytes, info.size_bytes), last_u + 1,
-                        info.first_bwd - 1))
+                        info.first_bwd - 1, u))
             break
     return tuple(out)
 
@@ -298,6 +298,7 @@ def build_bound_problem(
     layers_per_window: int = 1,
     transfer_groups: bool = False,
     chain_cuts: bool = False,
+    candidates: bool = True,
 ) -> BoundProblem:
     """Assemble the bound MILP. Objective: total gap time sum(sigma) in ms, so T = run time + objective.
 
@@ -316,6 +317,13 @@ def build_bound_problem(
     docs/milp.md "Chain cuts"): a recompute-decided tensor whose producer reads a non-saved forward
     tensor u either pays for a recompute of u's producer, or holds min(size t, size u) on the device
     from u's last forward reader to t's first backward reader.
+
+    `candidates=True` (the enlarged plan space, docs/milp.md "Checkpoint candidates"): a plan may also
+    keep or swap forward tensors autograd does not save. Keeping u is a copy of u the chain cut
+    already counts; swapping u is a third way out of it, so a cut whose u is a checkpoint candidate
+    gets an escape column e in [0, 1] (w <= z + e) whose only price is u's copy times on the copy
+    engines (one row per direction over the whole step). `candidates=False` is the bound over plans
+    that decide only saved tensors.
     """
     if memory_rows not in MEMORY_ROWS:
         raise ConfigError("planner.options.memory_rows", memory_rows, f"unknown; known: {MEMORY_ROWS}")
@@ -430,10 +438,25 @@ def build_bound_problem(
     # reader hold min(size_t, size_u) x (r_t - w).
     cut_pairs = chain_cut_pairs(graph, saved) if chain_cuts and not plan_rules else ()
     cut_w = []
-    for i, _, _, _, _ in cut_pairs:
+    cut_escape: list[int | None] = []
+    escape_work: tuple[list[tuple[int, float]], list[tuple[int, float]]] = ([], [])
+    candidate_names = graph.candidate_names if candidates else frozenset()
+    for i, _, _, _, _, u in cut_pairs:
         w = cols.add(0, 1)
         rows.add([(w, 1), (decision_cols[i][2], -1)], -np.inf, 0)
         cut_w.append(w)
+        e = cols.add(0, 1) if u in candidate_names else None
+        cut_escape.append(e)
+        if e is not None:
+            size = graph.tensors[u].size_bytes
+            escape_work[0].append((e, d2h_s(size, hardware) * MS_PER_S))
+            escape_work[1].append((e, h2d_s(size, hardware) * MS_PER_S))
+    for engines, work, extra in ((link.d2h_engines, q_by_interval, escape_work[0]),
+                                 (link.h2d_engines, v_by_interval, escape_work[1])):
+        if extra:  # all copy work of the step, the escapes' included, fits the engines over T
+            terms = [term for k in range(1, K + 1) for term in work[k]] + extra
+            terms += [(sigma[k], -engines) for k in range(1, K + 1)]
+            rows.add(terms, -np.inf, engines * sum(run_ms[1:]))
 
     # Recompute: each recomputed producer runs once more, before its tensor's first backward reader.
     # z[p,k] is non-decreasing in k and >= r_t for every t of p due by c_k (the due sets grow with k).
@@ -447,7 +470,7 @@ def build_bound_problem(
     for p, members in by_producer.items():
         for i in members:
             due_at.setdefault(kb_of[i], {}).setdefault(p, []).append(i)
-    for i, p_u, _, _, _ in cut_pairs:  # a z column for u's producer at kb(t), with no r_t >= row
+    for i, p_u, _, _, _, _ in cut_pairs:  # a z column for u's producer at kb(t), with no r_t >= row
         due_at.setdefault(kb_of[i], {}).setdefault(p_u, [])
     z_at: dict[tuple[int, int], int] = {}
     z_last: dict[int, int] = {}
@@ -464,8 +487,8 @@ def build_bound_problem(
         terms += [(z, -dur_ms[p]) for p, z in z_last.items()]
         rows.add(terms, 0, np.inf)
 
-    for (i, p_u, _, _, _), w in zip(cut_pairs, cut_w, strict=True):
-        rows.add([(w, 1), (z_at[(p_u, kb_of[i])], -1)], -np.inf, 0)
+    for (i, p_u, _, _, _, _), w, e in zip(cut_pairs, cut_w, cut_escape, strict=True):
+        rows.add([(w, 1), (z_at[(p_u, kb_of[i])], -1)] + ([(e, -1)] if e is not None else []), -np.inf, 0)
 
     # Memory at the start of the selected ops (all, or the reduced set: dropping rows is valid).
     const = list(fixed)
@@ -504,7 +527,7 @@ def build_bound_problem(
                     terms += [(sc, w), (o_col[i][nc], -w)]
                 if pc in u_col[i]:
                     terms.append((u_col[i][pc], w))
-        for (i, _, m_bytes, lo_j, hi_j), w in zip(cut_pairs, cut_w, strict=True):
+        for (i, _, m_bytes, lo_j, hi_j, _), w in zip(cut_pairs, cut_w, strict=True):
             if lo_j <= j <= hi_j and j not in saved[i].readers:
                 terms += [(decision_cols[i][2], m_bytes * scale), (w, -m_bytes * scale)]
         for g, members in swap_status.items():

@@ -81,6 +81,7 @@ class MilpPlanner:
         heuristic_candidates: tuple[str, ...] | list[str] = ("slackswap", "capuchin", "recompute_knapsack"),
         plan_problem_max_layers: int = 8,
         chain_cuts: bool = True,
+        candidates: bool = True,
     ):
         self.node_limit = _positive_int("planner.options.node_limit", node_limit)
         self.plan_node_limit = _positive_int("planner.options.plan_node_limit", plan_node_limit)
@@ -120,6 +121,9 @@ class MilpPlanner:
         if not isinstance(chain_cuts, bool):
             raise ConfigError("planner.options.chain_cuts", chain_cuts, "must be true or false")
         self.chain_cuts = chain_cuts
+        if not isinstance(candidates, bool):
+            raise ConfigError("planner.options.candidates", candidates, "must be true or false")
+        self.candidates = candidates
         self.plan_problem_max_layers = _non_negative_int(
             "planner.options.plan_problem_max_layers", plan_problem_max_layers
         )
@@ -151,6 +155,7 @@ class MilpPlanner:
             graph, hardware, budget_bytes, str(opts["granularity"]), memory_rows=str(opts["memory_rows"]),
             transfer_groups=bool(opts["transfer_groups"]), layers_per_window=int(opts["layers_per_window"]),
             plan_rules=plan_rules, chain_cuts=self.chain_cuts if chain_cuts is None else chain_cuts,
+            candidates=self.candidates,
         )
 
     def bound(self, graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[BoundSolution, str]:
@@ -217,6 +222,7 @@ class MilpPlanner:
             "milp_transfer_groups": opts["transfer_groups"],
             "milp_layers_per_window": opts["layers_per_window"],
             "milp_chain_cuts": self.chain_cuts,
+            "milp_candidates": self.candidates,
             "milp_bound_step_s": solution.bound_step_s,
             "milp_model_step_s": solution.incumbent_step_s,
         }

@@ -5,7 +5,8 @@ Keep only checkpoints and the activations outside the transformer stack (embeddi
 drop every other saved activation and regenerate it in backward from the nearest checkpoint below.
 `segments` picks the checkpoints (conf/planner/full_recompute.yaml):
 - `every_layer`: every layer boundary (the tensors a layer hands to the next,
-  `analysis.boundary_tensors`), as Megatron's "full" activation recompute (Korthikanti et al. 2022);
+  `analysis.boundary_tensors`), saved by autograd or not (a checkpoint candidate: the residual
+  stream of a traced pre-norm model), as Megatron's "full" activation recompute (Korthikanti et al. 2022);
   each layer is recomputed from its own input.
 - `sqrt`: Chen et al.'s sqrt(n) segmenting with the transformer layer as the unit: segments of
   ceil(sqrt(L)) consecutive layers; only the boundaries entering a segment are kept, and the first
@@ -39,7 +40,19 @@ def full_recompute_decisions(graph: Graph) -> dict[str, Decision]:
     for t in graph.saved_tensors:
         in_stack = graph.op_by_name[t.producer].layer != NO_LAYER
         out[t.name] = Decision.RECOMPUTE if in_stack and t.name not in boundary else Decision.KEEP
-    return out
+    return out | boundary_candidates(graph, boundary)
+
+
+def boundary_candidates(graph: Graph, checkpoints: frozenset[str] | set[str]) -> dict[str, Decision]:
+    """Keep the checkpoints autograd does not save (`Graph.candidate_tensors`): a traced pre-norm
+    model's residual stream is read by the next layer's norm, which saves only its float32 copy, so
+    without these the layer's recompute chain runs back to the embedding. Only the inputs of a layer
+    (read by a stack op of another layer than their producer's), as torch.utils.checkpoint keeps its
+    arguments: the last layer's output, read only outside the stack, is no layer's input."""
+    ops = graph.op_by_name
+    return {t.name: Decision.KEEP for t in graph.candidate_tensors
+            if t.name in checkpoints and any(ops[c].layer not in (NO_LAYER, ops[t.producer].layer)
+                                             for c in t.consumers)}
 
 
 def segment_length(num_layers: int) -> int:
@@ -65,7 +78,7 @@ def sqrt_segment_decisions(graph: Graph) -> dict[str, Decision]:
     for t in graph.saved_tensors:
         in_stack = graph.op_by_name[t.producer].layer != NO_LAYER
         out[t.name] = Decision.RECOMPUTE if in_stack and t.name not in crosses else Decision.KEEP
-    return out
+    return out | boundary_candidates(graph, crosses)
 
 
 @register_planner("full_recompute")

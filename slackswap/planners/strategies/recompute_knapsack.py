@@ -1,15 +1,18 @@
-"""`recompute_knapsack`: PyTorch's activation-memory-budget partitioner as an exact 0/1 knapsack.
+"""`recompute_knapsack`: an exact 0/1 recompute knapsack after the idea of PyTorch's
+activation-memory-budget partitioner (not torch's algorithm: `torch_budget` is that, with its budget
+fraction, min cut and FLOP prices).
 
 torch._functorch.partitioners (`activation_memory_budget`) picks which activations to recompute by
 solving a 0/1 knapsack: recompute runtime against memory saved (with a dp, greedy or ILP solver).
-Here: minimise the summed recompute time of the chosen tensors subject to the bytes they free
-covering the excess of the keep-all peak over the budget, solved exactly (identical items are
-grouped, then an integer program with HiGHS at zero gap; `solve_knapsack`). Each tensor is priced by
-its standalone regeneration chain (an upper bound on its true marginal cost), as PyTorch prices
-nodes independently. Layer boundaries are never recomputed (see `analysis`). If the schedule of the
-optimal set still peaks above the budget (bytes freed at the end of forward are not all the story:
-recompute in backward allocates again), the excess is added to the requirement and the knapsack
-re-solved, up to `max_rounds` times. Never swaps.
+Here, over saved tensors priced by time and a byte budget instead: minimise the summed recompute
+time of the chosen tensors subject to the bytes they free covering the excess of the keep-all peak
+over the budget, solved exactly (identical items are grouped, then an integer program with HiGHS at
+zero gap; `solve_knapsack`). Each tensor is priced by its standalone regeneration chain (an upper
+bound on its true marginal cost), as PyTorch prices nodes independently. Layer boundaries are never
+recomputed (see `analysis`). If the schedule of the optimal set still peaks above the budget (bytes
+freed at the end of forward are not all the story: recompute in backward allocates again), the
+excess is added to the requirement and the knapsack re-solved, up to `max_rounds` times. Never
+swaps.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.candidates import keep_chain_candidates
 from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 
@@ -121,7 +125,7 @@ class RecomputeKnapsack:
                        "knapsack_recompute_s": sum(costs[i] for i in chosen)},
             )
             if peak <= budget_bytes:
-                return plan
+                return keep_chain_candidates(graph, hardware, budget_bytes, plan)
             peak_of_set[frozenset(chosen)] = peak
             need += peak - budget_bytes
         why = f"after {self.max_rounds} rounds the plan still peaks at {gib(peak)}"

@@ -16,6 +16,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
+from slackswap.planners.support.candidates import keep_chain_candidates
 from slackswap.planners.support.fit import over_budget, scheduled_peak
 from slackswap.planners.support.greedy import smallest_fitting_count
 
@@ -60,4 +61,4 @@ class SelectiveRecompute:
         plan = smallest_fitting_count(n, probe, budget_bytes, unit_bytes)
         if plan is None:
             raise over_budget(self.name, budget_bytes, f"recomputing the attention core in all {n} layers")
-        return plan
+        return keep_chain_candidates(graph, hardware, budget_bytes, plan)

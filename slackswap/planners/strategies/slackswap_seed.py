@@ -21,6 +21,7 @@ from slackswap.planners.support.swap_recompute import SwapThenRecompute
 @register_planner("slackswap_seed")
 class SlackSwapSeed(SwapThenRecompute):
     name = "slackswap_seed"
+    keeps_candidates = False  # the seed's rule as published decides only what autograd saves
 
     def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
         pool_s = analysis.forward_window_s

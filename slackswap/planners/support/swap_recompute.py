@@ -4,6 +4,8 @@
 2. Rank the remaining recompute candidates (each planner its own rule).
 3. Recompute the shortest prefix of that ranking that fits the budget (`greedy.fit_prefix`); keep
    the rest.
+4. Keep the checkpoint candidates whose recompute chain costs more than their bytes allow
+   (`support/candidates.py`; not slackswap_seed, the seed's rule as published).
 With no budget, or a budget the keep-all peak already fits, nothing is swapped or recomputed.
 
 Cost: each swapped set's prefix search builds and replays whole schedules (about 0.1 s each at 320
@@ -24,12 +26,15 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.support.analysis import ProfileAnalysis, analyse
+from slackswap.planners.support.candidates import keep_chain_candidates
 from slackswap.planners.support.greedy import fit_prefix, keep_all_if_it_fits, recompute_candidates
 from slackswap.schedule.replay import estimate_plan
 
 
 class SwapThenRecompute:
     name = ""
+    #: Keep checkpoint candidates where that beats their recompute chain (`support/candidates.py`).
+    keeps_candidates = True
 
     def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
         raise NotImplementedError
@@ -72,6 +77,8 @@ class SwapThenRecompute:
         if best is None:
             assert failure is not None
             raise failure
+        if self.keeps_candidates:
+            return keep_chain_candidates(graph, hardware, budget_bytes, best[1])
         return best[1]
 
     def _plan_with(

@@ -55,8 +55,10 @@ def build_torch_graph(model: ModelConfig, spec: TorchSpec, hardware: Hardware,
         training.check_model_dtype(model.dtype)
     trace, _ = trace_model(model, spec)
     from slackswap.profile.torch.assemble import graph_from_trace
+    from slackswap.versions import package_versions
 
-    meta = {"model": asdict(model), "torch": asdict(spec)}
+    # The graph depends on the torch and transformers code that ran the step: graph.json says which.
+    meta = {"model": asdict(model), "torch": asdict(spec), "versions": package_versions(("torch", "transformers"))}
     return graph_from_trace(trace, hardware, f"{model.name}@{hardware.name}", meta, training=training,
                             include_optimizer=model.include_optimizer)
 
