@@ -52,12 +52,21 @@ METRIC_COLUMNS = (
     "tokens_per_s",
     "mfu",
     "fits_device",
+    # the node (conf/node): what each GPU's host link really gave, and the same plan with the GPU alone
+    "node",
+    "gpus_per_node",
+    "effective_h2d_gbps",
+    "effective_d2h_gbps",
+    "h2d_limit",
+    "alone_throughput_ratio",
 )
 
 #: Rows that share these simulated the same graph on the same hardware at the same budget, so a lower
 #: bound on step time from any of them (the milp planner's) bounds every plan among them. The keep-all
-#: figures are part of the key because a sweep may override model fields under one preset name.
-SAME_PROBLEM = ["model", "hardware", "keep_all_peak_bytes", "ideal_step_s", "budget_bytes"]
+#: figures are part of the key because a sweep may override model fields under one preset name; the
+#: per-GPU link rates because one hardware preset on two nodes is two problems.
+SAME_PROBLEM = ["model", "hardware", "keep_all_peak_bytes", "ideal_step_s", "budget_bytes",
+                "effective_h2d_gbps", "effective_d2h_gbps"]
 
 
 @dataclass(frozen=True)
@@ -336,7 +345,45 @@ def paper_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
         "(the milp planner's `bound_step_s`), minus one; '-' where no bound was computed.\n"
     )
     tables = markdown_table(header, rows) + note + _fragmentation_note(frame[frame["model"].isin(list(reference))])
-    return title + tables + _planner_margins(frame, list(reference), ours_planner)
+    return title + tables + _planner_margins(frame, list(reference), ours_planner) + _node_section(
+        frame[frame["model"].isin(list(reference))]
+    )
+
+
+def _node_section(frame: pd.DataFrame) -> str:
+    """On a node whose GPUs share the host link: each planner's figure there against the same planner
+    and budget with the GPU alone, and the link rate each GPU really got. Empty when nothing is shared."""
+    shared = frame[pd.to_numeric(frame["gpus_per_node"], errors="coerce") > 1]
+    if shared.empty:
+        return ""
+    workloads = sorted({(r.model, r.hardware) for r in shared.itertuples()}, key=str)
+    header = ["planner", *[f"{m} ({h})" for m, h in workloads]]
+    rows = []
+    for planner in sorted(shared["planner"].unique()):
+        cells = [planner]
+        for model, hardware in workloads:
+            hit = shared[(shared["planner"] == planner) & (shared["model"] == model) & (shared["hardware"] == hardware)]
+            if hit.empty:
+                cells.append("not run")
+                continue
+            r = hit.iloc[0]
+            alone = r["alone_throughput_ratio"]
+            here = _fmt(r["throughput_ratio"], "pct") if r["status"] == RunStatus.OK else str(r["status"])
+            if alone is None or (isinstance(alone, float) and math.isnan(alone)):
+                cells.append(f"{here} (alone: infeasible or not run)")
+            elif r["status"] == RunStatus.OK:
+                cells.append(f"{here} (alone {_fmt(alone, 'pct')}, {(r['throughput_ratio'] - alone) * 100:+.1f} pp)")
+            else:
+                cells.append(f"{here} (alone {_fmt(alone, 'pct')})")
+        rows.append(cells)
+    first = shared.iloc[0]
+    link = (
+        f"Node `{first['node']}`: {int(first['gpus_per_node'])} GPUs in lockstep; each GPU's host link gave "
+        f"H2D {first['effective_h2d_gbps']:.2f} GB/s and D2H {first['effective_d2h_gbps']:.2f} GB/s "
+        f"(`effective_h2d_gbps`, `effective_d2h_gbps`; H2D limited by {first['h2d_limit']}). 'alone': the same "
+        "planner and budget with the GPU alone on its preset link (docs/hardware.md, \"Shared host links\").\n"
+    )
+    return "\n## On the node: every planner with the host link shared\n\n" + link + "\n" + markdown_table(header, rows)
 
 
 def _reserved_cell(r: Any) -> str:

@@ -31,6 +31,10 @@ EXIT_CONFIG_ERROR = faults.EXIT_CONFIG_ERROR
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
     try:
+        if cfg.get("identify") is not None:  # +experiment=seed_identify: the in-process grid, one run
+            from pipelines.identify import run_identify
+
+            return run_identify(cfg)
         return run_job(cfg)
     except (ConfigError, TrackingUnavailable) as exc:
         if faults.full_error():

@@ -191,6 +191,27 @@ class ExperimentSchema:
 
 
 @dataclass
+class IdentifySchema:
+    """`+experiment=seed_identify` (pipelines/identify.py, slackswap/experiment/identify.py): the shared-assumption
+    grid. `models` holds the model presets (placed by the experiment's defaults list)."""
+
+    models: dict[str, ModelSchema] = field(default_factory=dict)
+    reference: dict[str, float] = field(default_factory=dict)
+    tolerance_pp: float = 0.3
+    budget_fraction: float = 0.5
+    planner: str = "slackswap"
+    bound_planner: str = "milp"
+    #: How many of the best settings get the bound planner's certified gap.
+    bound_points: int = 3
+    workers: int = 2
+    refine_within_pp: float = 1.5
+    coarse: dict[str, list[Any]] = field(default_factory=dict)
+    fine: dict[str, list[Any]] = field(default_factory=dict)
+    #: Each knob's plausible range and where it comes from (printed with the result).
+    ranges: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class SlackSwapConfig:
     model: ModelSchema = MISSING
     hardware: HardwareSchema = MISSING
@@ -202,6 +223,8 @@ class SlackSwapConfig:
     tracking: TrackingSchema = MISSING
     simulate: SimulateSchema = field(default_factory=SimulateSchema)
     experiment: ExperimentSchema = field(default_factory=ExperimentSchema)
+    #: Set by `+experiment=seed_identify`: the run evaluates the shared-assumption grid instead.
+    identify: IdentifySchema | None = None
     #: Which figures to draw (docs/pipeline.md, "Plots"): "all" (every run's timeline.png and the sweep
     #: plots), "summary" (only the sweep plots), "none", or "auto": all for a single run, summary for
     #: the jobs of a sweep (a timeline costs more than a fast job's own work).

@@ -68,7 +68,11 @@ def test_every_group_preset_composes_and_validates(group: str, preset: str) -> N
         assert "://" in resolved["tracking"]["uri"]
 
 
-@pytest.mark.parametrize("preset", _presets("experiment"))
+#: Experiments that run in one process instead of sweeping (their own test below).
+IN_PROCESS_EXPERIMENTS = ("seed_identify",)
+
+
+@pytest.mark.parametrize("preset", [p for p in _presets("experiment") if p not in IN_PROCESS_EXPERIMENTS])
 def test_every_experiment_composes_and_sweeps_existing_presets(preset: str) -> None:
     RunSpec.from_dict(_resolved(_compose([f"+experiment={preset}"])))
     cfg = _compose([f"+experiment={preset}"], hydra_node=True)
@@ -198,3 +202,15 @@ def test_default_store_is_sqlite_at_repo_root() -> None:
 def test_budget_resolves_fraction_by_flooring() -> None:
     assert Budget(fraction=0.5).resolve_bytes(1001) == 500
     assert Budget(bytes=123).resolve_bytes(1001) == 123
+
+
+def test_seed_identify_composes_its_three_models_and_validates_every_knob() -> None:
+    from pipelines.identify import _check, problem_from
+
+    resolved = _resolved(_compose(["+experiment=seed_identify"]))
+    problem = problem_from(resolved)
+    assert set(problem.workloads) == set(problem.reference) == {"bert_large", "gpt2_xl", "llama7b"}
+    assert not any(m.include_optimizer for m in problem.workloads.values())  # as the paper experiment
+    _check(resolved["identify"], problem)  # every coarse and fine setting is a valid one
+    assert set(resolved["identify"]["ranges"]) == {"attention", "dropout", "matmul_efficiency", "hbm_efficiency",
+                                                    "link_gbps"}

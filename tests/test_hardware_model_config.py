@@ -64,6 +64,10 @@ EFFICIENCY_SOURCES = {("attention", 0.35): "Shah et al. 2024"}
 def test_efficiencies_are_shared_or_cited_per_gpu(name):
     hw = Hardware.from_dict(load("hardware", name))
     text = (CONF / "hardware" / f"{name}.yaml").read_text()
+    if name.endswith("_calibrated"):
+        # fitted once per GPU by benchmarks/calibration.py (tests/test_calibration.py checks the fit)
+        assert "benchmarks/calibration.py" in text and "fitted" in text
+        return
     assert hw.hbm_efficiency == 0.8 and "Shared value" in text
     for op_class, value in hw.efficiency.items():
         if value != SHARED_EFFICIENCY[op_class]:

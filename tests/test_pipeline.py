@@ -308,3 +308,20 @@ def test_verify_torch_cli_on_the_cpu_path(tmp_path, monkeypatch, capsys) -> None
     assert "EQUAL" in capsys.readouterr().out
     result = json.loads((tmp_path / "verify" / "verify_torch.json").read_text())
     assert result["equal"] is True and result["semantics"] == "cpu" and result["traced"] == result["real"]
+
+
+def test_a_shared_node_plans_at_the_shared_link_and_pinned_memory_is_a_constraint(tmp_path, monkeypatch) -> None:
+    common = ["model=tiny", "tracking=off", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+              "planner=slackswap", "node=dgx_a100", "plots=none"]
+    assert _run_cli(monkeypatch, [*common, f"hydra.run.dir={tmp_path}/a"]) in (0, None)
+    m = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert m["effective_h2d_gbps"] == pytest.approx(25 / 2 * 0.44) and m["h2d_limit"] == "switch_uplink"
+    assert m["gpus_per_node"] == 8 and m["alone_throughput_ratio"] >= m["throughput_ratio"]
+    assert m["d2h_bytes"] > 0 and m["pinned_needed_bytes"] == 8 * m["d2h_bytes"]
+    # The same plan with too little pinned host memory for 8 ranks: infeasible, the reason names the field.
+    small = m["d2h_bytes"] * 8 - 1
+    args = [*common, f"node.pinned_host_bytes={small}", f"hydra.run.dir={tmp_path}/b"]
+    assert _run_cli(monkeypatch, args) in (0, None)
+    record = json.loads((tmp_path / "b" / "run_record.json").read_text())
+    assert record["status"] == "infeasible" and "node.pinned_host_bytes" in record["failure_reason"]
+    assert json.loads((tmp_path / "b" / "metrics.json").read_text())["feasible"] is False

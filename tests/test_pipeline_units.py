@@ -438,3 +438,21 @@ def test_summary_md_shows_speed_and_marks_an_ok_run_that_does_not_fit_the_device
     assert "| 4,096 | 50.0% | yes |" in rows["fits"] and "| 4,096 | 50.0% | **NO** |" in rows["over"]
     assert "DOES NOT FIT THE DEVICE: 2.000 GiB over" in format_one_line(over)
     assert "4,096 tokens/s, MFU 50.0%" in format_one_line(fits) and "DEVICE" not in format_one_line(fits)
+
+
+def test_paper_table_on_a_shared_node_shows_every_planner_against_the_gpu_alone() -> None:
+    records = [
+        _record("0", "bert_large", "slackswap", 0.5, "ok", 0.90),
+        _record("1", "bert_large", "capuchin", 0.5, "ok", 0.85),
+    ]
+    for rec, alone in ((records[0], 0.93), (records[1], 0.88)):
+        rec.metrics.update({"node": "dgx_a100", "gpus_per_node": 8, "effective_h2d_gbps": 5.5,
+                            "effective_d2h_gbps": 12.5, "h2d_limit": "switch_uplink", "alone_throughput_ratio": alone})
+    md = aggregate.paper_table(aggregate.records_to_frame(records), {"paper_reference": {"bert_large": 0.963}})
+    assert "On the node" in md and "H2D 5.50 GB/s" in md and "D2H 12.50 GB/s" in md
+    row = next(line for line in md.split("On the node")[1].splitlines() if line.startswith("| capuchin"))
+    assert "85.0% (alone 88.0%, -3.0 pp)" in row
+    for rec in records:  # one GPU alone: no node section
+        rec.metrics["gpus_per_node"] = 1
+    assert "On the node" not in aggregate.paper_table(aggregate.records_to_frame(records),
+                                                      {"paper_reference": {"bert_large": 0.963}})

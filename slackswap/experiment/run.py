@@ -178,9 +178,27 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
         # Every rank of the node holds the same swapped bytes in pinned host memory: over it, infeasible.
         return outcome(Verdict.INFEASIBLE, pinned, dict(simulation) | {"feasible": False}, budget_bytes, fitted)
     if fitted.result.feasible:
-        return outcome(Verdict.OK, "", simulation, budget_bytes, fitted)
+        done = outcome(Verdict.OK, "", simulation, budget_bytes, fitted)
+        if spec.alone_hardware is not None:
+            done.metrics["alone_throughput_ratio"] = alone_throughput(spec, base, budget_bytes)
+        return done
     reason = f"simulator: {fitted.result.infeasible_reason}"
     return outcome(Verdict.INFEASIBLE, reason, simulation, budget_bytes, fitted)
+
+
+def alone_throughput(spec: RunSpec, base: Baseline, budget_bytes: int) -> float | None:
+    """Throughput retained by the same planner and budget with the GPU alone on its preset link (None
+    if infeasible there): the reference that shows what the node's sharing cost this planner."""
+    from slackswap.simulate.metrics import compute_metrics
+
+    try:
+        alone = plan_and_simulate(spec.planner, base.graph, spec.alone_hardware, budget_bytes, spec.fit)
+    except InfeasibleBudgetError:
+        return None
+    if not alone.result.feasible:
+        return None
+    metrics = compute_metrics(alone.result, base.ideal, plan_wall_s=alone.plan_wall_s, sim_wall_s=alone.sim_wall_s)
+    return metrics["throughput_ratio"]
 
 
 def _floor_note(planner_name: str, floor_bytes: int | None) -> str:
@@ -237,9 +255,12 @@ def _node_metrics(spec: RunSpec, simulation: Mapping[str, Any]) -> dict[str, Any
         return {}
     swapped = simulation.get("d2h_bytes")
     return spec.shared_link.metrics() | {
+        "node": spec.node.name,
         "gpus_per_node": spec.node.gpus_per_node,
         "pinned_host_bytes": spec.node.pinned_host_bytes,
         "pinned_needed_bytes": None if swapped is None else swapped * spec.node.gpus_per_node,
+        # set by `run_one` once an ok plan is also simulated with the GPU alone (a node that shares)
+        "alone_throughput_ratio": None,
     }
 
 

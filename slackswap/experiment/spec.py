@@ -40,6 +40,12 @@ def hardware_from_config(config: Mapping[str, Any]) -> tuple[Hardware, Node | No
     return shared, node, link
 
 
+def _alone(config: Mapping[str, Any], hardware: Hardware) -> Hardware | None:
+    """The preset's hardware when the node changed it (the GPU alone on its link), else None."""
+    preset = Hardware.from_dict(config["hardware"])
+    return None if preset == hardware else preset
+
+
 @dataclass(frozen=True)
 class RunSpec:
     model: ModelConfig
@@ -62,6 +68,9 @@ class RunSpec:
     #: for a spec given without a node.
     node: Node | None = None
     shared_link: Any = field(default=None, compare=False)
+    #: The GPU alone on its preset link, kept when the node changed the link: the run also plans and
+    #: simulates it there, so a table can show what sharing cost (`alone_throughput_ratio`).
+    alone_hardware: Hardware | None = field(default=None, compare=False)
     #: The planner, built once from `planner_name` and `planner_options`.
     planner: Planner | None = field(default=None, compare=False, repr=False)
 
@@ -112,6 +121,7 @@ class RunSpec:
             workload_key=json.dumps(workload, sort_keys=True, default=str),
             node=node,
             shared_link=shared_link,
+            alone_hardware=_alone(config, hardware),
             # Unknown planner names and options fail here, before profiling, naming what was asked for.
             planner=get_planner(name, **options),
         )
