@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.schemas import REPO_ROOT
+from tests.cli_support import run_cli_in_process
 from tests.extras import require_torch_extra
 
 
@@ -52,25 +53,9 @@ def _errors(err: str) -> list[str]:
 
 
 def _in_process(monkeypatch, tmp_path: Path, *args: str, module: str = "pipelines.run") -> int:
-    """The CLI in this process, as `python -m`; returns its exit code."""
-    import runpy
-    import warnings
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    """The CLI in this process, as `python -m` from `tmp_path`; returns its exit code."""
     monkeypatch.chdir(tmp_path)
-    GlobalHydra.instance().clear()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            runpy.run_module(module, run_name="__main__")
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        GlobalHydra.instance().clear()
-    return 0
+    return run_cli_in_process(monkeypatch, module, args)
 
 
 # ------------------------------------------------------------------ config mistakes: one line, exit 2

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-from hydra.core.global_hydra import GlobalHydra
 
 from pipelines import tracking
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
+from tests.cli_support import run_cli_in_process
 from tests.extras import require_torch_extra
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
@@ -39,21 +37,10 @@ def _common(tmp_path: Path, store) -> list[str]:
     ]
 
 
-def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pipelines.run") -> int | None:
-    """Run the CLI in this process; returns its exit code (None: the module does not call sys.exit)."""
-    monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # raise the real exception instead of sys.exit(1)
-    GlobalHydra.instance().clear()
-    try:
-        # As `python -m pipelines.run`: Hydra resolves config_path="../conf" next to the file only
-        # when the task function lives in __main__ (imported, it looks for a `conf` package).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules" after a previous run
-            runpy.run_module(module, run_name="__main__")
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        GlobalHydra.instance().clear()
+def _run_cli(monkeypatch: pytest.MonkeyPatch, args: list[str], module: str = "pipelines.run") -> int:
+    """Run the CLI in this process with HYDRA_FULL_ERROR (the real exception is raised instead of
+    sys.exit(1)); returns its exit code."""
+    return run_cli_in_process(monkeypatch, module, args, full_error=True)
 
 
 def _artifact_files(run, store) -> set[str]:

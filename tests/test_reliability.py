@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.schemas import REPO_ROOT
+from tests.cli_support import run_cli_in_process
 
 ROUNDS = 10
 PROCESSES = 4
@@ -142,26 +143,7 @@ def test_two_pipeline_runs_at_once_on_a_fresh_store(tmp_path) -> None:
 
 def _in_process(monkeypatch, tmp_path: Path, *args: str, module: str = "pipelines.run", full_error: bool = False):
     """The CLI in this process (no interpreter start-up): returns the exit code."""
-    import runpy
-    import warnings
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *args])
-    if full_error:
-        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
-    else:
-        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    GlobalHydra.instance().clear()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            runpy.run_module(module, run_name="__main__")
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        GlobalHydra.instance().clear()
-    return 0
+    return run_cli_in_process(monkeypatch, module, args, full_error=full_error)
 
 
 @pytest.mark.parametrize(
