@@ -25,8 +25,8 @@ from slackswap.planners.registry import get_planner
 from slackswap.planners.strategies import recompute_knapsack, swap_only
 from slackswap.planners.support import analysis, greedy, swap_recompute
 from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.budget_check import scheduled_peak
 from slackswap.planners.support.candidates import keep_chain_candidates
-from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 from slackswap.profile import build_graph
 from slackswap.schedule import build_schedule, estimate_plan, keep_all_plan

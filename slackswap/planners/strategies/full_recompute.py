@@ -29,7 +29,7 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import boundary_tensors
-from slackswap.planners.support.fit import build_within_budget
+from slackswap.planners.support.budget_check import build_within_budget
 
 SEGMENTS: tuple[str, ...] = ("every_layer", "sqrt")
 

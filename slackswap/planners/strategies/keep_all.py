@@ -11,7 +11,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
-from slackswap.planners.support.fit import build_within_budget
+from slackswap.planners.support.budget_check import build_within_budget
 
 
 @register_planner("keep_all")

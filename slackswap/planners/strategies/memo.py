@@ -32,7 +32,7 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import analyse
-from slackswap.planners.support.fit import build_within_budget
+from slackswap.planners.support.budget_check import build_within_budget
 
 
 def memo_alpha(layer_bytes: int, fwd_s: float, bwd_s: float, hardware: Hardware) -> float:

@@ -29,8 +29,8 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import analyse
+from slackswap.planners.support.budget_check import scheduled_peak
 from slackswap.planners.support.candidates import keep_chain_candidates
-from slackswap.planners.support.fit import scheduled_peak
 from slackswap.planners.support.greedy import keep_all_if_it_fits, recompute_candidates
 
 

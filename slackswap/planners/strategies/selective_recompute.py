@@ -16,8 +16,8 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
+from slackswap.planners.support.budget_check import over_budget, scheduled_peak
 from slackswap.planners.support.candidates import keep_chain_candidates
-from slackswap.planners.support.fit import over_budget, scheduled_peak
 from slackswap.planners.support.greedy import smallest_fitting_count
 
 

@@ -34,7 +34,7 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import analyse
-from slackswap.planners.support.fit import over_budget, scheduled_peak
+from slackswap.planners.support.budget_check import over_budget, scheduled_peak
 from slackswap.planners.support.greedy import byte_count_guess, first_true, smallest_fitting_count
 
 

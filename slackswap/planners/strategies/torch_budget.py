@@ -36,7 +36,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
-from slackswap.planners.support.fit import over_budget, scheduled_peak
+from slackswap.planners.support.budget_check import over_budget, scheduled_peak
 
 #: torch's dp_knapsack quantisation (torch/_functorch/_activation_checkpointing/knapsack.py: S = 10000).
 KNAPSACK_SCALE = 10000

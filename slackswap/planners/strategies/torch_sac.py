@@ -30,7 +30,7 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.analysis import boundary_tensors
-from slackswap.planners.support.fit import build_within_budget
+from slackswap.planners.support.budget_check import build_within_budget
 
 POLICIES: tuple[str, ...] = ("matmuls", "matmuls_except_attention_core")
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
-from slackswap.planners.support.fit import scheduled_peak
+from slackswap.planners.support.budget_check import scheduled_peak
 from slackswap.schedule.replay import estimate_plan
 
 

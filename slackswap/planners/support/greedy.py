@@ -17,8 +17,8 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.support.analysis import ProfileAnalysis, SlackLedger
+from slackswap.planners.support.budget_check import over_budget, scheduled_peak
 from slackswap.planners.support.exact_time import PS_PER_S, op_durations_ps
-from slackswap.planners.support.fit import over_budget, scheduled_peak
 from slackswap.schedule.build import build_schedule
 
 
