@@ -206,6 +206,14 @@ def _table_row(rank: Any, advice: Any, i: int) -> str:
     )
 
 
+def _best_description(r: Any) -> str:
+    """A best row's speed, memory and choices, as both the summary and stdout give them."""
+    c = r.candidate
+    return (f"MFU {r.mfu:.1%}, step {r.step_s:.4g} s: {c.layout.label}, {c.recipe}, micro-batch {c.micro_batch}, "
+            f"planner {c.planner} (plan against {c.plan_against}); peak {r.peak_bytes / GIB:.1f} GiB, headroom "
+            f"{r.headroom_bytes / GIB:.1f} GiB")
+
+
 def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> str:
     """advice.md: the answer per GPU count, the ranked table, the best per recipe, the rejected regions."""
     from slackswap.communication import NOT_MODELLED
@@ -224,12 +232,9 @@ def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any
         if r is None:
             lines.append(f"- **{gpus} GPU(s)**: nothing fits (see the rejected regions)")
             continue
-        c = r.candidate
         lines.append(
             f"- **{gpus} GPU(s)**: {r.tokens_per_s:,.0f} tokens/s per GPU ({r.tokens_per_s * gpus:,.0f} in all), "
-            f"MFU {r.mfu:.1%}, step {r.step_s:.4g} s: {c.layout.label}, {c.recipe}, micro-batch {c.micro_batch}, "
-            f"planner {c.planner} (against {c.plan_against}); peak {r.peak_bytes / GIB:.1f} GiB, headroom "
-            f"{r.headroom_bytes / GIB:.1f} GiB. Why: {r.why}"
+            f"{_best_description(r)}. Why: {r.why}"
         )
     lines += ["", f"## Top {inputs.top} (fitting, by tokens/s per GPU)", "", TABLE_HEADER, _separator()]
     for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1):
@@ -267,12 +272,7 @@ def stdout_summary(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any],
         if r is None:
             lines.append(f"best on {gpus} GPU(s): nothing fits")
             continue
-        c = r.candidate
-        lines.append(
-            f"best on {gpus} GPU(s): {r.tokens_per_s:,.0f} tokens/s per GPU, MFU {r.mfu:.1%}, step {r.step_s:.4g} s, "
-            f"peak {r.peak_bytes / GIB:.1f} GiB (headroom {r.headroom_bytes / GIB:.1f} GiB): {c.layout.label}, "
-            f"{c.recipe}, micro-batch {c.micro_batch}, planner {c.planner} (plan against {c.plan_against})"
-        )
+        lines.append(f"best on {gpus} GPU(s): {r.tokens_per_s:,.0f} tokens/s per GPU, {_best_description(r)}")
         lines.append(f"    why: {r.why}")
     lines += ["", TABLE_HEADER, _separator()]
     lines += [_table_row(k, advice, i) for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1)]
