@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -55,22 +57,35 @@ def plan_for(planner: str, captured: Captured) -> tuple[Plan, float | None]:
     raise AssertionError(f"{planner} has no plan even without a budget")
 
 
-def run_step(w: Workload, plan: Plan | None = None, graph: Graph | None = None, **options: object):
-    """One step from seed 1 (the dropout stream); returns (loss, grads, report or None)."""
+@pytest.fixture
+def deterministic_kernels():
+    """Bit-exactness is claimed for deterministic kernels; restored afterwards for the other tests.
+    A test module opts in with `pytestmark = pytest.mark.usefixtures("deterministic_kernels")`."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def step_under(w: Workload, context=None):
+    """One step from seed 1 (the dropout stream), plainly or inside `context` (an `apply(...)` run, which
+    can be entered once per step, or an export's `installed(...)`); returns (loss, grads)."""
     torch.manual_seed(1)
     for p in w.model.parameters():
         p.grad = None
-    if plan is None:
+    with context if context is not None else contextlib.nullcontext():
         loss = w.loss_fn(w.model(w.batch))
         loss.backward()
-        report = None
-    else:
-        with apply(plan, graph, w.model, **options) as run:
-            loss = w.loss_fn(w.model(w.batch))
-            loss.backward()
-        report = run.report
-    grads = [p.grad.clone() for p in w.model.parameters() if p.grad is not None]
-    return loss.detach(), grads, report
+    return loss.detach(), [p.grad.clone() for p in w.model.parameters() if p.grad is not None]
+
+
+def run_step(w: Workload, plan: Plan | None = None, graph: Graph | None = None, **options: object):
+    """One step from seed 1 (the dropout stream); returns (loss, grads, report or None)."""
+    if plan is None:
+        return (*step_under(w), None)
+    run = apply(plan, graph, w.model, **options)
+    loss, grads = step_under(w, run)
+    return loss, grads, run.report
 
 
 def bit_equal(

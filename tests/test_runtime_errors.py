@@ -19,7 +19,7 @@ from slackswap.runtime import PlanMismatchError, apply  # noqa: E402
 from slackswap.runtime.copy_engines import CpuCopies  # noqa: E402
 from slackswap.runtime.executor import RuntimeUsageError  # noqa: E402
 from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
-from tests.runtime_support import bit_equal, capture, plan_for, run_step  # noqa: E402
+from tests.runtime_support import bit_equal, capture, plan_for, run_step, step_under  # noqa: E402
 
 _C: dict[str, object] = {}
 
@@ -102,13 +102,8 @@ def test_one_plan_run_serves_several_steps() -> None:
     plan, _ = plan_for("capuchin", c)
     run = apply(plan, c.graph, c.workload.model)
     for _ in range(2):
-        torch.manual_seed(1)
-        for p in c.workload.model.parameters():
-            p.grad = None
-        with run:
-            c.workload.loss_fn(c.workload.model(c.workload.batch)).backward()
-        grads = [p.grad for p in c.workload.model.parameters() if p.grad is not None]
-        assert bit_equal(c.reference, c.reference[0], grads)
+        loss, grads = step_under(c.workload, run)
+        assert bit_equal(c.reference, loss, grads)
         assert run.report.prefetches == len(plan.prefetches)
 
 
@@ -176,14 +171,8 @@ def test_slow_copies_over_several_steps_reuse_host_buffers_and_stay_exact() -> N
     copies = CpuCopies(delay_s=0.002)
     run = apply(plan, c.graph, c.workload.model, copies=copies)
     for step in range(3):
-        torch.manual_seed(1)
-        for p in c.workload.model.parameters():
-            p.grad = None
-        with run:
-            loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
-            loss.backward()
-        grads = [p.grad for p in c.workload.model.parameters() if p.grad is not None]
-        assert bit_equal(c.reference, loss.detach(), grads), step
+        loss, grads = step_under(c.workload, run)
+        assert bit_equal(c.reference, loss, grads), step
         assert run.report.verified == (step == 0)
         assert run.report.late_prefetch_waits >= 1
     assert copies.host.allocations == len(plan.offloads)

@@ -17,19 +17,13 @@ from slackswap.planners.registry import available_planners  # noqa: E402
 from slackswap.runtime import plan_counts  # noqa: E402
 from slackswap.runtime.compare import explain_ledger  # noqa: E402
 from slackswap.simulate.saved_peak import simulated_saved_peak_bytes  # noqa: E402
-from tests.runtime_support import bit_equal, capture, h200, plan_for, run_step  # noqa: E402
+from tests.runtime_support import bit_equal, capture, deterministic_kernels, h200, plan_for, run_step, step_under  # noqa: E402, F401 (deterministic_kernels: a fixture)
 
 KINDS = ("tiny", "gpt2", "bert", "llama")
 _CAPTURED: dict[str, object] = {}
 
 
-@pytest.fixture(autouse=True)
-def deterministic_kernels():
-    """Bit-exactness is claimed for deterministic kernels; restored afterwards for the other tests."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
+pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 
 
 def captured(kind: str):
@@ -139,14 +133,8 @@ def test_hook_only_steps_run_every_planner_bit_exact(kind: str) -> None:
         run = apply(plan, c.graph, c.workload.model)
         counts = plan_counts(plan)
         for step in range(3):
-            torch.manual_seed(1)
-            for p in c.workload.model.parameters():
-                p.grad = None
-            with run:
-                loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
-                loss.backward()
-            grads = [p.grad.clone() for p in c.workload.model.parameters() if p.grad is not None]
-            assert bit_equal(c.reference, loss.detach(), grads), (planner, step)
+            loss, grads = step_under(c.workload, run)
+            assert bit_equal(c.reference, loss, grads), (planner, step)
             report = run.report
             assert report.verified == (step == 0 or report.fast_refusal is not None), (planner, step)
             assert (report.recompute_steps, report.offloads, report.prefetches) == (

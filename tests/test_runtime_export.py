@@ -25,17 +25,12 @@ from slackswap.runtime.export import (  # noqa: E402
 )
 from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from slackswap.schedule.build import build_schedule  # noqa: E402
-from tests.runtime_support import Captured, bit_equal, capture, h200, plan_for  # noqa: E402
+from tests.runtime_support import Captured, bit_equal, capture, deterministic_kernels, h200, plan_for, step_under  # noqa: E402, F401 (deterministic_kernels: a fixture)
 
 _C: dict[str, Captured] = {}
 
 
-@pytest.fixture(autouse=True)
-def deterministic_kernels():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
+pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 
 
 def tiny() -> Captured:
@@ -45,14 +40,7 @@ def tiny() -> Captured:
 
 
 def exported_step(c: Captured, export: PlanExport, **install: object):
-    torch.manual_seed(1)
-    for p in c.workload.model.parameters():
-        p.grad = None
-    with export.installed(c.workload.model, **install):
-        loss = c.workload.loss_fn(c.workload.model(c.workload.batch))
-        loss.backward()
-    grads = [p.grad.clone() for p in c.workload.model.parameters() if p.grad is not None]
-    return loss.detach(), grads
+    return step_under(c.workload, export.installed(c.workload.model, **install))
 
 
 def test_eager_export_runs_every_planner_bit_exact_and_names_each_difference() -> None:

@@ -31,7 +31,7 @@ from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
 from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from slackswap.simulate import simulate  # noqa: E402
 from slackswap.simulate.saved_peak import instant_link  # noqa: E402
-from tests.runtime_support import Captured, bit_equal, h200, run_step  # noqa: E402
+from tests.runtime_support import Captured, bit_equal, deterministic_kernels, h200, run_step  # noqa: E402, F401 (deterministic_kernels: a fixture)
 
 FRACTIONS = (0.3, 0.5, 0.7)
 MODELS = ("hf_gpt2_2l", "tiny_torch", "bert", "llama")
@@ -65,12 +65,7 @@ def _captured(name: str) -> Captured:
     return _CAPTURED[name]
 
 
-@pytest.fixture(autouse=True)
-def deterministic_kernels():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
+pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 
 
 @pytest.mark.slow
