@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
-from slackswap.hardware import Hardware  # noqa: E402
+from slackswap.hardware import load_preset  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
@@ -43,7 +43,7 @@ def _bound_s(graph, hw, budget: int, chain_cuts: bool) -> float | None:
 
 
 def main() -> None:
-    hw = Hardware.from_dict(yaml.safe_load((CONF / "hardware" / "a100_80gb_pcie4.yaml").read_text()))
+    hw = load_preset("a100_80gb_pcie4")
     rows = []
     print(f"{'model':11s} {'budget':>6s} {'ratio':>8s} {'step ms':>10s} {'old bound':>10s} {'new bound':>10s}"
           f" {'gap old':>8s} {'gap new':>8s}")

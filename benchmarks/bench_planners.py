@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import best_of, fit_exponent, machine, pin_one_core  # noqa: E402
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
-from slackswap.hardware import Hardware  # noqa: E402
+from slackswap.hardware import Hardware, load_preset  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.planners.support.min_budget import min_feasible_fraction  # noqa: E402
@@ -49,7 +49,7 @@ def model(name: str, **over) -> ModelConfig:
 
 
 def hardware(name: str = "a100_80gb_pcie4") -> Hardware:
-    return Hardware.from_dict(yaml.safe_load((CONF / "hardware" / f"{name}.yaml").read_text()))
+    return load_preset(name)
 
 
 SCALING_LAYERS = (8, 16, 32, 80, 160, 320)

@@ -21,7 +21,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from slackswap.hardware import Hardware  # noqa: E402
+from slackswap.hardware import load_preset  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
 
@@ -31,7 +31,7 @@ REPEATS = 7
 
 def main() -> None:
     model_data = yaml.safe_load((REPO / "conf/model/llama2_70b.yaml").read_text())
-    hw = Hardware.from_dict(yaml.safe_load((REPO / "conf/hardware/a100_80gb_pcie4.yaml").read_text()))
+    hw = load_preset("a100_80gb_pcie4")
     rows = []
     for layers in LAYERS:
         model = ModelConfig.from_dict({**model_data, "num_layers": layers})

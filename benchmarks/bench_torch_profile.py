@@ -25,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from slackswap.hardware import Hardware  # noqa: E402
+from slackswap.hardware import load_preset as load_hardware_preset  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
 
@@ -59,7 +59,7 @@ def main() -> None:
     from slackswap.simulate import simulate
     from slackswap.simulate.metrics import simulate_ideal
 
-    hw = Hardware.from_dict(yaml.safe_load((REPO / "conf/hardware/a100_80gb_pcie4.yaml").read_text()))
+    hw = load_hardware_preset("a100_80gb_pcie4")
     model0, spec = load_preset(args.preset)
     rows = []
     for layers in (int(x) for x in args.layers.split(",")):

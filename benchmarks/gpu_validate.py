@@ -57,11 +57,9 @@ def load_preset(preset: str, layers: int):
 
 
 def hardware():
-    import yaml
+    from slackswap.hardware import load_preset
 
-    from slackswap.hardware import Hardware
-
-    return Hardware.from_dict(yaml.safe_load((REPO / "conf/hardware/h200_sxm_pcie5.yaml").read_text()))
+    return load_preset("h200_sxm_pcie5")
 
 
 def measure(w, graph, plan, device, steps: int) -> dict:

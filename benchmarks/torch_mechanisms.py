@@ -11,12 +11,10 @@ Each torch.compile takes minutes on 2 shared cores.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-import yaml
 
-from slackswap.hardware import Hardware
+from slackswap.hardware import load_preset
 from slackswap.model_config import ModelConfig
 from slackswap.plan import Decision
 from slackswap.planners.registry import get_planner
@@ -28,7 +26,6 @@ from slackswap.profile.torch.tracer import ATTENTION_OPS, MATMUL_OPS, find_layer
 from slackswap.profile.torch.workloads import build_workload
 
 MB = 1e6
-HW_YAML = Path(__file__).resolve().parents[1] / "conf/hardware/a100_80gb_pcie4.yaml"
 
 
 def model_for(family: str, dtype: str) -> ModelConfig:
@@ -40,7 +37,7 @@ def model_for(family: str, dtype: str) -> ModelConfig:
 
 def main(family: str, dtype: str, backend: str) -> None:
     torch.set_num_threads(1)
-    hw = Hardware.from_dict(yaml.safe_load(HW_YAML.read_text()))
+    hw = load_preset("a100_80gb_pcie4")
     model = model_for(family, dtype)
     spec = TorchSpec(builder=f"hf_{family}", attention="eager", semantics="cpu")
     graph = build_torch_graph(model, spec, hw)
