@@ -54,7 +54,7 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
                   "budget.reserve_bytes": str(inputs.space.reserve_bytes)}
         client, experiment_id, info = advise_report.start_parent(track, name, params)
 
-    from slackswap.experiment.advise import run_search
+    from slackswap.experiment.advise import graph_source, host_check, rank_hardware, run_search
 
     def progress(i: int, n: int, row: Any) -> None:
         c = row.candidate
@@ -62,9 +62,10 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
         print(f"[{i}/{n} {time.perf_counter() - t_start:5.1f} s] {c.layout.label}, {c.recipe}, mb {c.micro_batch}, "
               f"{c.planner}/{c.plan_against}: {tps}{'' if row.fits_device else ' (does not fit)'}", flush=True)
 
-    advice = run_search(inputs.model, inputs.hardware, inputs.topology, inputs.space,
-                        advise_report.graph_source(inputs), on_row=progress,
-                        rank_hardware=advise_report.rank_hardware(inputs), host_check=advise_report.host_check(inputs))
+    graphs = graph_source(inputs.model, inputs.hardware, inputs.graph, inputs.profile_source, inputs.profile_options)
+    advice = run_search(inputs.model, inputs.hardware, inputs.topology, inputs.space, graphs, on_row=progress,
+                        rank_hardware=rank_hardware(inputs.hardware, inputs.node, inputs.space.gpus),
+                        host_check=host_check(inputs.node))
     search_s = time.perf_counter() - t_start
     data = advise_report.write_outputs(run_dir, advice, inputs, header)
     children_s = 0.0

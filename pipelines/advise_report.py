@@ -120,60 +120,6 @@ def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseI
     return AdviseInputs(model, hardware, node, topology, space, graph, source, options, top, tuple(notes))
 
 
-def graph_source(inputs: AdviseInputs):
-    """A function micro-batch -> graph (no optimizer ops), cached per micro-batch."""
-    from dataclasses import replace as dc_replace
-
-    from slackswap.profile import build_graph
-    from slackswap.profile.sources import profile_graph
-
-    cache: dict[int, Any] = {}
-    twin = inputs.model
-    if inputs.profile_source == "torch" and inputs.graph == "analytic":
-        attention = "flash" if inputs.profile_options.get("attention", "sdpa") == "sdpa" else "eager"
-        twin = dc_replace(inputs.model, attention=attention)
-
-    def graph_for(mb: int):
-        if mb not in cache:
-            m = dc_replace(twin, micro_batch_size=mb, include_optimizer=False)
-            if inputs.graph == "traced" and inputs.profile_source == "torch":
-                cache[mb] = profile_graph("torch", m, inputs.hardware, None, **inputs.profile_options)
-            else:
-                cache[mb] = build_graph(m, inputs.hardware)
-        return cache[mb]
-
-    return graph_for
-
-
-def rank_hardware(inputs: AdviseInputs) -> dict[int, Any]:
-    """Per GPU count, the hardware one rank plans on (`slackswap.sharing.shared_hardware`): one GPU
-    is alone on its node (no switch uplink shared, the node's DRAM and duplex derate still apply);
-    more GPUs share the node as a full node of ranks does (on fewer GPUs than the node holds that is
-    conservative: their neighbours are taken as busy)."""
-    from dataclasses import replace as dc_replace
-
-    from slackswap.sharing import shared_hardware
-
-    node = inputs.node
-    alone = dc_replace(node, gpus_per_node=node.numa_nodes, gpus_per_pcie_switch=1)
-    one, _ = shared_hardware(inputs.hardware, alone)
-    shared, _ = shared_hardware(inputs.hardware, node)
-    return {g: (one if g == 1 else shared) for g in inputs.space.gpus}
-
-
-def host_check(inputs: AdviseInputs):
-    from slackswap.node import pinned_reason
-
-    def check(gpus: int, offloaded_bytes: int) -> str | None:
-        if gpus == 1 or not offloaded_bytes:
-            return None if offloaded_bytes <= inputs.node.pinned_host_bytes else (
-                f"pinned host memory: {offloaded_bytes / GIB:.2f} GiB swapped exceeds "
-                f"{inputs.node.pinned_host_bytes / GIB:.2f} GiB (node.pinned_host_bytes)")
-        return pinned_reason(inputs.node, offloaded_bytes)
-
-    return check
-
-
 # --- printing ---------------------------------------------------------------------------------------
 
 

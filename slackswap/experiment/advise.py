@@ -687,3 +687,51 @@ def topology_from_node(node: Any, hardware: Hardware) -> Topology:
     network = node.network_bytes_per_s_per_gpu
     inter = Fabric("network", network, node.nic_latency_s) if network > 0 else None
     return Topology(node.gpus_per_node, intra, inter)
+
+
+def graph_source(model: ModelConfig, hardware: Hardware, graph_mode: str, profile_source: str,
+                 profile_options: Mapping[str, Any]) -> Callable[[int], Graph]:
+    """A function micro-batch -> graph (no optimizer ops), cached per micro-batch. A traced preset
+    searched on its analytic twin (`graph_mode == "analytic"`) takes the twin's attention kernel from
+    the traced one (sdpa -> flash, else eager)."""
+    from slackswap.profile import build_graph
+    from slackswap.profile.sources import profile_graph
+
+    cache: dict[int, Graph] = {}
+    twin = model
+    if profile_source == "torch" and graph_mode == "analytic":
+        twin = replace(model, attention="flash" if profile_options.get("attention", "sdpa") == "sdpa" else "eager")
+
+    def graph_for(mb: int) -> Graph:
+        if mb not in cache:
+            m = replace(twin, micro_batch_size=mb, include_optimizer=False)
+            if graph_mode == "traced" and profile_source == "torch":
+                cache[mb] = profile_graph("torch", m, hardware, None, **profile_options)
+            else:
+                cache[mb] = build_graph(m, hardware)
+        return cache[mb]
+
+    return graph_for
+
+
+def rank_hardware(hardware: Hardware, node: Any, gpu_counts: Sequence[int]) -> dict[int, Hardware]:
+    """Per GPU count, the hardware one rank plans on (`slackswap.sharing.shared_hardware`): one GPU
+    is alone on its node (no switch uplink shared, the node's DRAM and duplex derate still apply);
+    more GPUs share the node as a full node of ranks does (on fewer GPUs than the node holds that is
+    conservative: their neighbours are taken as busy)."""
+    from slackswap.sharing import shared_hardware
+
+    one, _ = shared_hardware(hardware, replace(node, gpus_per_node=node.numa_nodes, gpus_per_pcie_switch=1))
+    shared, _ = shared_hardware(hardware, node)
+    return {g: (one if g == 1 else shared) for g in gpu_counts}
+
+
+def host_check(node: Any) -> Callable[[int, int], str | None]:
+    """(GPU count, swapped bytes per rank) -> why the node's pinned host memory cannot hold them, or
+    None: a job on one GPU pins for one rank, a job on more for every GPU of the node."""
+    from slackswap.node import pinned_reason
+
+    def check(gpus: int, offloaded_bytes: int) -> str | None:
+        return pinned_reason(node, offloaded_bytes, ranks=1 if gpus == 1 else None)
+
+    return check
