@@ -29,7 +29,8 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, DoneCopy
+from slackswap.runtime.hook_program import HookProgram, build_hook_program
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 from slackswap.schedule.validate import resolve_schedule
@@ -82,6 +83,9 @@ class PackRecord:
     decision: Decision | None
     #: Plan steps before this index had finished when the tensor was packed.
     position: int
+    #: The view autograd saved (a hook-only step hands the recorded geometry back when it matches).
+    stride: tuple[int, ...] = ()
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,8 @@ class PlanRun(TorchDispatchMode):
         #: Every step under the dispatch modes (else only the first, and after a refusal).
         self.verify = verify
         self.recording: Recording | None = None
+        #: Built at the first hook-only step, from the recording (`hook_program`).
+        self._program: HookProgram | None = None
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
@@ -564,7 +570,8 @@ class PlanRun(TorchDispatchMode):
         name = self.numbering.name_of(t)
         decision = None if name is None else self.plan.decisions.get(name)
         position = self.pos if self.current is None else self.current + 1
-        self._packs.append(PackRecord(name, t.shape, t.dtype, decision, position))
+        self._packs.append(PackRecord(name, t.shape, t.dtype, decision, position, tuple(t.stride()),
+                                      t.storage_offset()))
         self._random_since_pack = False
         if name is None:
             return t  # a weight or an input: not an activation of the graph
@@ -645,6 +652,10 @@ class PlanRun(TorchDispatchMode):
         self.hosts = {}
         self.members = self.recording.members
         self.internal = False
+        if self._program is None:
+            self._program = build_hook_program(
+                self.recording, self.plan, self.schedule, self.run_copy, self.held_copies, self.release_after,
+                self.offloads_at, self.prefetches_at, self._action_steps)
         self._fast_k = 0
         self._fast_u = 0
         self._next_action = 0
@@ -667,7 +678,7 @@ class PlanRun(TorchDispatchMode):
         try:
             if exc_type is None:
                 self._fast_advance(len(self.plan.steps))
-                packs, unpacks = len(self.recording.packs), len(self.recording.unpacks)
+                packs, unpacks = len(self._program.pack_shape), len(self._program.unpack_position)
                 if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
                     raise PlanMismatchError(
                         f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
@@ -683,21 +694,32 @@ class PlanRun(TorchDispatchMode):
 
     def _fast_advance(self, position: int) -> None:
         """Steps before `position` have run: act at those of them where the plan does something
-        (recompute, issue a transfer, release a copy), skip the rest in O(1) each event."""
-        acts, i = self._action_steps, self._next_action
-        steps, held, release_after = self.plan.steps, self.held, self.release_after
-        offloads_at, prefetches_at = self.offloads_at, self.prefetches_at
-        while i < len(acts) and acts[i] < position:
-            j = acts[i]
+        (recompute, issue a transfer, release a copy); steps without an action cost nothing."""
+        actions, i = self._program.actions, self._next_action
+        held, hosts, copies, report, current_copy = self.held, self.hosts, self.copies, self.report, self.current_copy
+        while i < len(actions):
+            j, recompute, offloads, prefetches, releases = actions[i]
+            if j >= position:
+                break
             self.pos = j
-            if steps[j].kind == StepKind.RECOMPUTE:
+            if recompute:
                 self._recompute(j)
-            if offloads_at[j + 1] or prefetches_at[j + 1]:
-                self._issue(j + 1)
-                self.copies.poll()
-            for c in release_after.get(j, ()):
+            for k, c in offloads:
+                source = held.get(c)
+                if source is None:  # not packed yet: offloaded at its first pack
+                    self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
+                    continue
+                hosts[k] = (copies.offload(source, k), source.device)
+                report.offloads += 1
+            for _, offload, c, tensor in prefetches:
+                host, device = hosts[offload]
+                held[c] = copies.prefetch(host, device)
+                current_copy[tensor] = c
+                report.prefetches += 1
+            if offloads or prefetches:
+                copies.poll()
+            for c in releases:
                 held.pop(c, None)
-            self.pos = j + 1
             i += 1
         self._next_action = i
         if position > self.pos:
@@ -706,52 +728,63 @@ class PlanRun(TorchDispatchMode):
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k
         self._fast_k = k + 1
-        packs = self.recording.packs
-        if k >= len(packs) or t.dtype != packs[k].dtype or t.shape != packs[k].shape:
+        program = self._program
+        if k >= len(program.pack_shape) or t.dtype != program.pack_dtype[k] or t.shape != program.pack_shape[k]:
+            packs = self.recording.packs
             wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
             raise PlanMismatchError(
                 f"autograd saves a {tuple(t.shape)} {t.dtype} tensor as saved tensor {k} of the step; the verified "
                 f"step saved {wanted} there: the code path changed (model, inputs, train/eval mode, a "
                 "data-dependent branch). Capture and plan again for the new code path"
             )
-        rec = packs[k]
-        if k in self.recording.rng_events:
+        if program.pack_reads_rng[k]:
             self._fast_rng[k] = _rng_state()
-        name = rec.name
+        name = program.pack_name[k]
         if name is None:
             return t
-        if name not in self.current_copy:  # its first pack: the run copy is now at hand
-            c = self.run_copy[name]
-            self.current_copy[name] = c
-            if c in self.held_copies:
-                self.held[c] = t.untyped_storage()
+        current_copy = self.current_copy
+        if name not in current_copy:  # its first pack: the run copy is now at hand
+            c, held = program.run_copy[name]
+            current_copy[name] = c
+            if held:
+                storage = self.held[c] = t.untyped_storage()
                 for o in self._deferred.pop(name, ()):
-                    self.hosts[o] = (self.copies.offload(self.held[c], o), t.device)
+                    self.hosts[o] = (self.copies.offload(storage, o), t.device)
                     self.report.offloads += 1
-        if rec.position > self.pos:
-            self._fast_advance(rec.position)
-        if rec.decision == Decision.KEEP:
+        position = program.pack_position[k]
+        if position > self.pos:
+            self._fast_advance(position)
+        if not program.pack_by_number[k]:
             return t
+        if t.stride() == program.pack_stride[k] and t.storage_offset() == program.pack_offset[k]:
+            return k  # the recorded view: the unpack reads its geometry from the program
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def _fast_unpack(self, packed: object) -> torch.Tensor:
         u = self._fast_u
         self._fast_u = u + 1
-        unpacks = self.recording.unpacks
-        if u >= len(unpacks):
+        program = self._program
+        if u >= len(program.unpack_position):
             raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
-                                    f"{len(unpacks)}: the code path changed. Capture and plan again")
-        position, name = unpacks[u]
+                                    f"{len(program.unpack_position)}: the code path changed. Capture and plan again")
+        position = program.unpack_position[u]
         if position > self.pos:
             self._fast_advance(position)
-        if not isinstance(packed, TensorRef):
+        if type(packed) is int:
+            name = program.pack_name[packed]
+            dtype, size = program.pack_dtype[packed], program.pack_shape[packed]
+            stride, offset = program.pack_stride[packed], program.pack_offset[packed]
+        elif isinstance(packed, TensorRef):
+            name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
+        else:
             return packed
-        if packed.name != name:
-            raise PlanMismatchError(f"backward read {packed.name!r} where the verified step read {name!r}: "
+        if name != program.unpack_name[u]:
+            raise PlanMismatchError(f"backward read {name!r} where the verified step read {program.unpack_name[u]!r}: "
                                     "backward ran in another order (the code path changed)")
-        c = self.current_copy[name]
-        storage = self._storage_of(c)
-        return _view(storage, packed)
+        held = self.held.get(self.current_copy[name])
+        # A copy that landed when issued (the CPU stand-in's inline copies) needs no wait.
+        storage = held.storage if type(held) is DoneCopy else self._storage_of(self.current_copy[name])
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
