@@ -29,7 +29,7 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, DoneCopy
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, DoneCopy, offload_sizes
 from slackswap.runtime.hook_program import HookProgram, build_hook_program
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
@@ -266,6 +266,12 @@ class PlanRun(TorchDispatchMode):
             recompute_steps | set(self.release_after)
             | {j for j in range(n) if self.offloads_at[j + 1] or self.prefetches_at[j + 1]})
 
+    def _default_copies(self) -> object:
+        """CUDA streams with one pinned slab sized from the plan's offloads on a GPU; inline CPU copies."""
+        if any(p.is_cuda for p in self.model.parameters()):
+            return CudaCopies(offload_sizes(self.schedule))
+        return CpuCopies()
+
     # ----------------------------------------------------------------------------- step lifecycle
     def __enter__(self) -> PlanRun:
         if _ACTIVE:
@@ -318,8 +324,7 @@ class PlanRun(TorchDispatchMode):
         self.members: dict[str, list[_Member]] = {}
         self.internal = False
         if self.copies is None:
-            on_cuda = any(p.is_cuda for p in self.model.parameters())
-            self.copies = CudaCopies() if on_cuda else CpuCopies()
+            self.copies = self._default_copies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._loss_boundary = loss_boundary(self.model, self.identities)
         self._loss_boundary.__enter__()
@@ -663,8 +668,7 @@ class PlanRun(TorchDispatchMode):
         self._deferred: dict[str, list[int]] = {}
         self._step_inputs = []
         if self.copies is None:
-            on_cuda = any(p.is_cuda for p in self.model.parameters())
-            self.copies = CudaCopies() if on_cuda else CpuCopies()
+            self.copies = self._default_copies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._hooks = contextlib.nullcontext()
         if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
@@ -697,6 +701,7 @@ class PlanRun(TorchDispatchMode):
         (recompute, issue a transfer, release a copy); steps without an action cost nothing."""
         actions, i = self._program.actions, self._next_action
         held, hosts, copies, report, current_copy = self.held, self.hosts, self.copies, self.report, self.current_copy
+        poll = getattr(copies, "needs_poll", True)
         while i < len(actions):
             j, recompute, offloads, prefetches, releases = actions[i]
             if j >= position:
@@ -716,7 +721,7 @@ class PlanRun(TorchDispatchMode):
                 held[c] = copies.prefetch(host, device)
                 current_copy[tensor] = c
                 report.prefetches += 1
-            if offloads or prefetches:
+            if poll and (offloads or prefetches):
                 copies.poll()
             for c in releases:
                 held.pop(c, None)
