@@ -681,7 +681,7 @@ class PlanRun(TorchDispatchMode):
         self._input_hook.remove()
         try:
             if exc_type is None:
-                self._fast_advance(len(self.plan.steps))
+                self._fast_advance(len(self._program.actions))
                 packs, unpacks = len(self._program.pack_shape), len(self._program.unpack_position)
                 if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
                     raise PlanMismatchError(
@@ -696,17 +696,14 @@ class PlanRun(TorchDispatchMode):
             self._fast_rng.clear()
             self._step_inputs = []
 
-    def _fast_advance(self, position: int) -> None:
-        """Steps before `position` have run: act at those of them where the plan does something
-        (recompute, issue a transfer, release a copy); steps without an action cost nothing."""
+    def _fast_advance(self, due: int) -> None:
+        """Run the plan's actions up to (not including) action number `due`: those of the steps
+        before the event's position (a recompute, the transfers issued after a step, releases)."""
         actions, i = self._program.actions, self._next_action
         held, hosts, copies, report, current_copy = self.held, self.hosts, self.copies, self.report, self.current_copy
         poll = getattr(copies, "needs_poll", True)
-        while i < len(actions):
+        while i < due:
             j, recompute, offloads, prefetches, releases = actions[i]
-            if j >= position:
-                break
-            self.pos = j
             if recompute:
                 self._recompute(j)
             for k, c in offloads:
@@ -727,8 +724,6 @@ class PlanRun(TorchDispatchMode):
                 held.pop(c, None)
             i += 1
         self._next_action = i
-        if position > self.pos:
-            self.pos = position
 
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k
@@ -756,9 +751,9 @@ class PlanRun(TorchDispatchMode):
                 for o in self._deferred.pop(name, ()):
                     self.hosts[o] = (self.copies.offload(storage, o), t.device)
                     self.report.offloads += 1
-        position = program.pack_position[k]
-        if position > self.pos:
-            self._fast_advance(position)
+        due = program.pack_actions_due[k]
+        if due > self._next_action:
+            self._fast_advance(due)
         if not program.pack_by_number[k]:
             return t
         if t.stride() == program.pack_stride[k] and t.storage_offset() == program.pack_offset[k]:
@@ -772,9 +767,9 @@ class PlanRun(TorchDispatchMode):
         if u >= len(program.unpack_position):
             raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
                                     f"{len(program.unpack_position)}: the code path changed. Capture and plan again")
-        position = program.unpack_position[u]
-        if position > self.pos:
-            self._fast_advance(position)
+        due = program.unpack_actions_due[u]
+        if due > self._next_action:
+            self._fast_advance(due)
         if type(packed) is int:
             name = program.pack_name[packed]
             dtype, size = program.pack_dtype[packed], program.pack_shape[packed]

@@ -10,6 +10,7 @@ step stays bound by its kernels only while the CPU spends a few microseconds per
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,6 +55,10 @@ class HookProgram:
     unpack_position: tuple[int, ...]
     unpack_name: tuple[str | None, ...]
     actions: tuple[Action, ...]
+    #: Per pack and per unpack: how many actions are due by then (those of steps before its
+    #: position), so an event compares one number to know whether the plan acts.
+    pack_actions_due: tuple[int, ...]
+    unpack_actions_due: tuple[int, ...]
 
 
 def build_hook_program(
@@ -88,4 +93,6 @@ def build_hook_program(
         unpack_position=tuple(position for position, _ in recording.unpacks),
         unpack_name=tuple(name for _, name in recording.unpacks),
         actions=actions,
+        pack_actions_due=tuple(bisect_left(action_steps, r.position) for r in packs),
+        unpack_actions_due=tuple(bisect_left(action_steps, position) for position, _ in recording.unpacks),
     )
