@@ -88,8 +88,8 @@ def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
 
 class _Run:
     """One execution: the plan's tables, indexed by step, copy and transfer, and the mutable state of
-    the run over them, as slots (read and written at about the cost of a local; a dict per instance
-    would cost a hash lookup each). `run` executes it once; `result` reports it."""
+    the run over them, as slots (each attribute at a fixed offset, no instance dict to look it up in).
+    `run` executes it once; `result` reports it."""
 
     __slots__ = (
         # The plan's tables, fixed for the run.
