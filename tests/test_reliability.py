@@ -284,7 +284,7 @@ def test_unreachable_server_fails_fast_naming_the_uri(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------ interrupts
 
 
-def test_an_interrupt_inside_a_store_write_does_not_keep_the_run_running(tmp_path):
+def test_an_interrupt_inside_a_store_write_does_not_keep_the_run_running(tmp_path, mlflow_store):
     """An interrupt between a store statement and its commit leaves that connection, with SQLite's
     write lock, in the unwound frames; marking the run KILLED from the handler then failed after the
     busy timeout ("database is locked", seen under load in the SIGINT tests) and the run stayed
@@ -295,8 +295,8 @@ def test_an_interrupt_inside_a_store_write_does_not_keep_the_run_running(tmp_pat
 
     from pipelines import faults, tracking
 
-    client = tracking.open_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run = client.create_run(client.create_experiment("e", artifact_location=str(tmp_path / "artifacts")))
+    client = tracking.open_client(mlflow_store.uri)
+    run = client.create_run(client.create_experiment("e", artifact_location=str(mlflow_store.artifact_root)))
     engine = client._tracking_client.store.engine  # MLflow's SQLAlchemy store: where the lock lives
 
     def write_interrupted_before_commit():

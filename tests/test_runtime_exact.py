@@ -120,6 +120,7 @@ def test_plan_of_the_traced_graph_runs_on_the_captured_one(planner: str) -> None
         plan_counts(runnable)["recompute_steps"], plan_counts(runnable)["offloads"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_hook_only_steps_run_every_planner_bit_exact(kind: str) -> None:
     """The first step under a run is verified (dispatch modes) and records the pack order; the next

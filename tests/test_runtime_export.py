@@ -43,6 +43,7 @@ def exported_step(c: Captured, export: PlanExport, **install: object):
     return step_under(c.workload, export.installed(c.workload.model, **install))
 
 
+@pytest.mark.slow
 def test_eager_export_runs_every_planner_bit_exact_and_names_each_difference() -> None:
     c = tiny()
     acted = set()

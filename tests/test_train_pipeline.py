@@ -17,6 +17,7 @@ from tests.test_pipeline import _run_cli  # noqa: E402
 SMALL = ["model.hidden_size=32", "model.ffn_hidden_size=128", "model.seq_len=16", "model.vocab_size=128"]
 
 
+@pytest.mark.slow
 def test_train_logs_measured_and_simulated_figures(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     args = [
         # At width 32 the model's own holds (`Tensor.held_until`) put half the keep-all peak out of reach.
