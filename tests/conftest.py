@@ -1,8 +1,9 @@
 """Shared fixtures. Generic on purpose: nothing here changes how other tests run.
 
 `mlflow_store`: a fresh, empty MLflow SQLite store plus an artifact root, both under the test's
-tmp_path. Creating the SQLite schema costs ~1.3 s on 2 cores, so it is created once per session in a
-template file and copied for each test (about 10x faster), which also keeps tests independent.
+tmp_path. Creating the SQLite schema costs ~1.3 s on 2 cores, so it is created once per session (once
+per pytest-xdist worker) in a template file and copied for each test (about 10x faster), which also
+keeps tests independent.
 """
 
 from __future__ import annotations
