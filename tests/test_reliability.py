@@ -516,12 +516,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def mlflow_server(tmp_path, _mlflow_template_db):
-    """`mlflow server` on 127.0.0.1 with its own SQLite backend and artifact folder under tmp_path.
-
-    The backend starts as a copy of conftest's empty store at MLflow's current schema, which the server
-    would otherwise create itself first (~1.5 s); it still holds no experiment and no run."""
-    import shutil
+def mlflow_server(tmp_path):
+    """`mlflow server` on 127.0.0.1 with its own SQLite backend and artifact folder under tmp_path."""
     import signal
     import time
     import urllib.request
@@ -529,7 +525,6 @@ def mlflow_server(tmp_path, _mlflow_template_db):
     port = _free_port()
     folder = tmp_path / "server"
     folder.mkdir()
-    shutil.copyfile(_mlflow_template_db, folder / "backend.db")
     log = (folder / "server.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
