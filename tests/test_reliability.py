@@ -76,8 +76,8 @@ def test_four_processes_on_a_fresh_store_ten_times_lose_no_run(tmp_path) -> None
     from pipelines import tracking
 
     # The same calls once here, on a store of no round: every forked process inherits MLflow's and
-    # SQLAlchemy's modules and caches warm (without this each one spent ~1.1 s CPU importing and
-    # compiling before its first statement), so the four reach the fresh store together.
+    # SQLAlchemy's modules and statement caches warm (cold, a process spent up to ~1 s CPU importing
+    # and compiling before its first statement), so each round is the four racing on the fresh store.
     warm = tracking.open_client(f"sqlite:///{tmp_path / 'warm' / 'mlflow.db'}")
     warm_run = tracking.start_run(warm, tracking.ensure_experiment(warm, "warm", str(tmp_path / "warm")), "w", {}, None)
     tracking.log_metrics(warm, warm_run, {"index": 0})
