@@ -66,8 +66,8 @@ def test_a_recompute_reads_a_tensor_held_into_the_backward_pass_instead_of_regen
     derived = graph_with_fixed_keep(g, {"x"})
     assert not derived.tensors["x"].saved and derived.tensors["x"].held_until == "b2"
     assert "x" not in derived.op_by_name["b2"].inputs
-    plan = build_schedule(derived, {"y": Decision.RECOMPUTE, "z": Decision.KEEP, "gz": Decision.KEEP}, planner="t", budget_bytes=None,
-                          hardware=toy_hardware())
+    decisions = {"y": Decision.RECOMPUTE, "z": Decision.KEEP, "gz": Decision.KEEP}
+    plan = build_schedule(derived, decisions, planner="t", budget_bytes=None, hardware=toy_hardware())
     assert [(s.op, str(s.kind)) for s in plan.steps if s.kind == StepKind.RECOMPUTE] == [("f2", "recompute")]
 
 

@@ -4,6 +4,7 @@ partition's saved values are the plan's, read back node by node, and gradients m
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -13,19 +14,30 @@ from tests.extras import require_torch_extra  # noqa: E402
 torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
+from slackswap.errors import InfeasibleBudgetError  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
-from slackswap.planners.registry import available_planners  # noqa: E402
+from slackswap.planners.registry import available_planners, get_planner  # noqa: E402
 from slackswap.runtime.export import (  # noqa: E402
     DOES,
     WANTS,
     PlanExport,
     partition_differences,
+    plan_for_export,
     recording_backend,
     saved_bytes,
 )
 from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from slackswap.schedule.build import build_schedule  # noqa: E402
-from tests.runtime_support import Captured, bit_equal, capture, deterministic_kernels, h200, plan_for, step_under  # noqa: E402, F401 (deterministic_kernels: a fixture)
+from tests.runtime_support import (  # noqa: E402, F401 (deterministic_kernels: a fixture)
+    FRACTIONS,
+    Captured,
+    bit_equal,
+    capture,
+    deterministic_kernels,
+    h200,
+    plan_for,
+    step_under,
+)
 
 _C: dict[str, Captured] = {}
 
@@ -64,6 +76,74 @@ def test_eager_export_runs_every_planner_bit_exact_and_names_each_difference() -
                    and n not in differences]
         assert (export.record.offloaded_bytes > 0) == bool(swapped), planner
     assert acted == {"keep", "swap", "recompute"}
+
+
+def export_plan_for(planner: str, c: Captured):
+    """`plan_for_export` at the tightest of FRACTIONS the planner meets with PyTorch's facts fixed."""
+    for fraction in FRACTIONS:
+        budget = None if fraction is None else int(c.keep_all_peak_bytes * fraction)
+        try:
+            return plan_for_export(get_planner(planner), c.graph, c.workload.model, h200(), budget), fraction
+        except InfeasibleBudgetError:
+            continue
+    raise AssertionError(f"{planner} has no plan for the export even without a budget")
+
+
+@contextmanager
+def counted(export: PlanExport, model, **install: object):
+    """`installed` inside `counting_saved`: the step's whole saved set is counted (`export.count`)."""
+    with export.counting_saved(model) as count, export.installed(model, **install):
+        export.count = count
+        yield
+
+
+def test_a_plan_made_for_the_export_runs_as_planned_saving_exactly_the_planned_bytes() -> None:
+    """Every planner's plan made for the export (at the tightest budget it meets): no difference, every
+    decision executed as planned, bit-exact, and the step saves on the device exactly the bytes the plan
+    keeps (checkpoint caches and autograd's, by storage) and offloads exactly the bytes it swaps."""
+    c = tiny()
+    model = c.workload.model
+    acted, fractions = set(), {}
+    for planner in available_planners():
+        plan, fractions[planner] = export_plan_for(planner, c)
+        export = PlanExport(plan, c.graph, model)
+        loss, grads = step_under(c.workload, counted(export, model))
+        assert bit_equal(c.reference, loss, grads), planner
+        assert export.step_differences() == [], planner
+        assert export.effective_decisions() == dict(plan.decisions), planner
+        size = c.graph.tensors
+        kept = sum(size[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
+        swapped = sum(size[n].size_bytes for n, d in plan.decisions.items() if d == Decision.SWAP)
+        assert export.saved_activation_bytes(export.count) == kept, planner
+        assert export.record.offloaded_bytes == swapped, planner
+        facts = export.facts()
+        assert all(plan.decisions[n] == Decision.KEEP for n in facts.fixed_keep), planner
+        assert all(len({plan.decisions[n] for n in group}) == 1 for group in facts.tied), planner
+        acted.update(str(d) for d in plan.decisions.values())
+    assert acted == {"keep", "swap", "recompute"}
+    assert fractions["slackswap"] == 0.7  # the benchmark's budget (benchmarks/runtime_overhead.py)
+
+
+def test_the_export_facts_are_what_an_eager_step_executes_otherwise() -> None:
+    """A plan that keeps nothing it can drop: every difference the eager step names is a fact known
+    before the step (fixed to keep, with the same reason, or tied), and every fixed tensor is one."""
+    c = tiny()
+    names = [t.name for t in c.graph.saved_tensors]
+    plan = build_schedule(c.graph, dict.fromkeys(names, Decision.SWAP), planner="swap", budget_bytes=None,
+                          hardware=h200())
+    export = PlanExport(plan, c.graph, c.workload.model)
+    exported_step(c, export)
+    facts = export.facts()
+    differences = {d.tensor: d for d in export.step_differences()}
+    assert set(differences) == set(facts.fixed_keep)
+    assert all(differences[n].reason == reason for n, reason in facts.fixed_keep.items())
+    assert facts.tied, "layer norm's output, mean and rstd share one policy"
+    mixed = _mixed_plan(c)
+    export = PlanExport(mixed, c.graph, c.workload.model)
+    exported_step(c, export)
+    tied = {n for group in export.facts().tied for n in group}
+    for d in export.step_differences():
+        assert d.tensor in export.facts().fixed_keep or d.tensor in tied, d
 
 
 def test_eager_export_outside_every_layer_is_a_named_difference() -> None:
@@ -141,7 +221,7 @@ def test_the_simulator_runs_pytorchs_execution_of_the_export(planner: str) -> No
     exported_step(c, export)
     effective = export.effective_decisions()
     differ = {d.tensor for d in export.step_differences()}
-    assert {n for n in plan.decisions if effective[n] != plan.decisions[n]} == differ
+    assert {n for n in plan.decisions if effective.get(n) != plan.decisions[n]} == differ
     for mode in ("eager", "compiled"):
         executed = pytorch_plan(c.graph, plan, effective, h200(), mode)
         assert dict(executed.decisions) == effective

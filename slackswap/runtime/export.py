@@ -40,6 +40,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
+from slackswap.runtime.export_facts import (
+    IN_PLACE,
+    LAYER_OUTPUT,
+    NOT_KEPT,
+    OUTSIDE,
+    RANDOM,
+    SEVERAL_OUTPUTS,
+    export_facts,
+    layer_paths,
+    module_path,
+    plan_for_export,
+)
+from slackswap.runtime.export_facts import region_of as _region_of
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
@@ -74,26 +87,6 @@ class ExportDifference:
     reason: str
 
 
-def layer_paths(model: torch.nn.Module) -> list[str]:
-    """Module paths of the children of the model's first ModuleList: the checkpoint regions."""
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList):
-            return [f"{name}.{i}" if name else str(i) for i in range(len(m))]
-    return []
-
-
-def module_path(identity: str) -> str:
-    """'layers.3.attn@1/addmm#0:0' -> 'layers.3.attn' (module path without the call suffix)."""
-    return identity.rsplit("/", 1)[0].split("@", 1)[0]
-
-
-def _region_of(path: str, regions: list[str]) -> int | None:
-    for i, r in enumerate(regions):
-        if path == r or path.startswith(r + "."):
-            return i
-    return None
-
-
 _SOURCE_ROOT = re.compile(r"^.*?(?:__self__|L\['[^']+'\]|self)((?:\.[A-Za-z_][A-Za-z_0-9]*|\[\d+\])*)$")
 
 
@@ -125,8 +118,21 @@ class StepRecord:
     in_place: set[str] = field(default_factory=set)
     #: Identities a layer returned (held by autograd as the next layer's input, whatever the policy).
     region_outputs: set[str] = field(default_factory=set)
+    #: Identities saved because their op is random (a recompute must draw the same numbers).
+    random: set[str] = field(default_factory=set)
     offloaded_bytes: int = 0
     saved_bytes: int = 0
+    #: Storage -> bytes of every tensor the layers' checkpoint caches save (eager): `saved_bytes` by storage.
+    saved_storages: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SavedCount:
+    """What autograd saves outside the layers' checkpoint caches in one step (`PlanExport.counting_saved`):
+    storage -> bytes, the model's parameters, buffers and inputs left out (they are not activations)."""
+
+    autograd: dict[int, int] = field(default_factory=dict)
+    excluded: set[int] = field(default_factory=set)
 
 
 class _RegionPolicy:
@@ -179,6 +185,8 @@ class _RegionPolicy:
             policy = CheckpointPolicy.MUST_RECOMPUTE
         for n, _ in decided:
             self.export.record.applied[n] = policy
+            if random:
+                self.export.record.random.add(n)
         if self.compiled:
             self._tag_nodes(names, leaves)
         else:
@@ -264,6 +272,7 @@ class _SaveMode(TorchDispatchMode):
                 self._undo(key)
                 self.storage[key] = _Entry("save", _detach(written[0]))
                 self.export.record.saved_bytes += written[0].untyped_storage().nbytes()
+                self.export.record.saved_storages[_storage(written[0])] = written[0].untyped_storage().nbytes()
                 self.heads[_storage(written[0])] = (key, CheckpointPolicy.MUST_SAVE)
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             return out
@@ -273,6 +282,9 @@ class _SaveMode(TorchDispatchMode):
         if policy in _SAVE:
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             self.export.record.saved_bytes += _fresh_bytes(func, out)
+            for leaf, f in zip(tree_leaves(out), fresh_output_flags(func, out), strict=False):
+                if f and isinstance(leaf, torch.Tensor):
+                    self.export.record.saved_storages[_storage(leaf)] = leaf.untyped_storage().nbytes()
         elif policy in _OFFLOAD:
             leaves = iter(range(1 << 30))
             key = (self.policy.region, str(func), idx)
@@ -451,6 +463,37 @@ class PlanExport:
                 if original is not None:
                     layer.forward = original
 
+    @contextmanager
+    def counting_saved(self, model: torch.nn.Module) -> Iterator[SavedCount]:
+        """Around `installed(model)` (eager): counts every storage autograd saves outside the layers'
+        checkpoint caches (tensors outside every layer, and what checkpoint saves of a layer's inputs for
+        the recompute), so `saved_activation_bytes` is the step's whole saved set. Outside: inside
+        `installed`, the checkpoints' own hooks are the innermost and see the layers' tensors."""
+        count = SavedCount()
+        fixed = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+
+        def pre(_module, args, kwargs):
+            count.autograd.clear()
+            count.excluded = fixed | {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage(t)
+            if key not in count.excluded:
+                count.autograd[key] = t.untyped_storage().nbytes()
+            return t
+
+        handle = model.register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield count
+        finally:
+            handle.remove()
+
+    def saved_activation_bytes(self, count: SavedCount) -> int:
+        """After an eager step inside `counting_saved`: the device bytes of every distinct storage the step
+        saved for backward (the checkpoint caches and autograd's), offloaded host copies left out."""
+        return sum({**count.autograd, **self.record.saved_storages}.values())
+
     def _note_outputs(self, out: object) -> None:
         """The layer's returned tensors stay alive as the next layer's input: any policy on them is moot."""
         for leaf in tree_leaves(out):
@@ -503,10 +546,12 @@ class PlanExport:
 
     # ------------------------------------------------------------------ differences
     def static_differences(self) -> list[ExportDifference]:
-        """Decisions no region governs: a tensor outside every layer is saved by autograd as usual."""
-        return [ExportDifference(n, str(d), "saved by autograd", "produced outside every layer (no checkpoint "
-                                 "region governs it)") for n, d in sorted(self.outside.items())
-                if d != Decision.KEEP]
+        """Decisions no region governs: a saved tensor outside every layer is saved by autograd as usual, a
+        checkpoint candidate there is not saved at all."""
+        saved = {t.name for t in self.graph.saved_tensors}
+        return [ExportDifference(n, str(d), "saved by autograd", OUTSIDE) if n in saved else
+                ExportDifference(n, str(d), "not saved", NOT_KEPT) for n, d in sorted(self.outside.items())
+                if d != Decision.KEEP or n not in saved]
 
     def step_differences(self) -> list[ExportDifference]:
         """After an eager step: every decided tensor of a region whose policy differs, with the reason."""
@@ -523,28 +568,32 @@ class PlanExport:
 
     def effective_decisions(self) -> dict[str, Decision]:
         """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside
-        every layer, or one the layer's forward did not make, is saved by autograd: keep). Input of
+        every layer, or one the layer's forward did not make, is saved by autograd: keep); a checkpoint
+        candidate outside every layer is not kept, so it has none. Input of
         `slackswap.pytorch_execution.pytorch_plan`, which the simulator runs."""
         does = {"saved": Decision.KEEP, "offloaded": Decision.SWAP, "recomputed": Decision.RECOMPUTE}
         out = {}
+        saved = {t.name for t in self.graph.saved_tensors}
         for name in self.plan.decisions:
+            if name in self.outside and name not in saved:
+                continue
             applied = self.record.applied.get(name)
             out[name] = Decision.KEEP if applied is None else does[DOES[applied]]
         return out
 
     def _why(self, name: str, applied: CheckpointPolicy) -> str:
         if name in self.record.in_place:
-            return ("an in-place op wrote into it after its op (CPU dropout's bernoulli_ and div_): a replay "
-                    "cannot redo the writes into the tensor the caller holds, so the chain is saved")
+            return IN_PLACE
         if name in self.record.region_outputs:
-            return ("an output of its layer: the next layer's checkpoint (or an op outside) holds it as an input, "
-                    "whatever the policy")
-        if applied in _SAVE:
-            return ("its op also makes a tensor the plan keeps, or it is a random op's output (saved so a "
-                    "recompute draws the same numbers): one policy per op")
-        if applied in _OFFLOAD:
-            return "its op also makes a tensor the plan swaps: one policy per op"
-        return "one policy per op"
+            return LAYER_OUTPUT
+        if name in self.record.random:
+            return RANDOM
+        return SEVERAL_OUTPUTS
+
+    def facts(self):
+        """What PyTorch decides itself for this graph and these layers, before any step
+        (`slackswap.runtime.export_facts.export_facts`): the tensors it keeps, the decisions it ties."""
+        return export_facts(self.graph, self.regions)
 
 
 @contextmanager
@@ -679,5 +728,5 @@ def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = 
     return device, host
 
 
-__all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "SavedValue", "layer_paths", "partition_differences",
-           "recording_backend", "saved_bytes"]
+__all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "SavedCount", "SavedValue", "layer_paths",
+           "partition_differences", "plan_for_export", "recording_backend", "saved_bytes"]

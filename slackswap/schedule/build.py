@@ -13,8 +13,9 @@ Every planner (including the MILP) decides *what* happens to each saved activati
   checkpoint candidates a plan decides included (`Graph.candidate_tensors`), are never regenerated:
   a kept candidate's run copy lives until its last recompute reader. Nor is a forward tensor the
   model's code holds into the backward pass (`Tensor.held_until` a backward op) and no op overwrites
-  in place: its run copy is on the device anyway, so a recompute reads it as it would a kept one (on captured graphs only the loss
-  value is held so; `slackswap.planners.support.fixed_keep` holds tensors so on purpose).
+  in place: its run copy is on the device anyway, so a recompute reads it as it would a kept one
+  (on captured graphs only the loss value is held so; `slackswap.planners.support.fixed_keep`
+  holds tensors so on purpose).
   When a producer is recomputed, its other recompute-decided outputs not yet regenerated are
   materialised by the same step (one recompute per op, not one per output).
 - offloads: one per swapped tensor, issued right after its producer's run step, in production order.

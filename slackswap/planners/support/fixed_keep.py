@@ -19,7 +19,8 @@ schedule with `slackswap.schedule.build` on the original graph (the planner's tr
 kept when the steps are the same) and checks its replayed peak against the budget. Tensors that must
 share one decision (`tied`: PyTorch's policy is one per op, so several saved outputs of one op are
 saved, offloaded or recomputed together) take the strongest of their members' decisions
-(keep > swap > recompute); that can raise the peak, so then the derived graph is planned again with
+(keep > swap > recompute), and a decision for a checkpoint candidate the executor never keeps
+(`not_kept`) is dropped; that can raise the peak, so then the derived graph is planned again with
 the budget lowered by the excess (at most `max_rounds` times, as the MILP and DTR repair their plans).
 It never returns a plan above the budget: `InfeasibleBudgetError` says why not.
 """
@@ -79,14 +80,16 @@ def graph_with_fixed_keep(graph: Graph, fixed: Collection[str]) -> Graph:
 
 
 def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware: Hardware,
-             tied: Sequence[Sequence[str]] = (), notes: Mapping[str, object] | None = None) -> Plan:
-    """The derived graph's plan on `graph`: fixed tensors keep, tied groups one decision, the schedule
-    rebuilt by `build_schedule`; the planner's transfers are kept where the steps and swaps are the same."""
+             tied: Sequence[Sequence[str]] = (), notes: Mapping[str, object] | None = None,
+             not_kept: Collection[str] = ()) -> Plan:
+    """The derived graph's plan on `graph`: fixed tensors keep, tied groups one decision, `not_kept`
+    candidates undecided, the schedule rebuilt by `build_schedule`; the planner's transfers are kept where
+    the steps and swaps are the same."""
     fixed = frozenset(fixed)
     decisions: dict[str, Decision] = {}
     for name, decision in derived_plan.decisions.items():
-        if name in fixed:
-            continue  # a candidate decision the planner made for a fixed tensor: it is kept anyway
+        if name in fixed or name in not_kept:
+            continue  # a candidate decision for a fixed tensor (kept anyway) or one the executor never keeps
         decisions[name] = Decision(decision)
     decisions.update(dict.fromkeys(fixed, Decision.KEEP))
     for group in tied:
@@ -108,11 +111,18 @@ def plan_with_fixed_keep(
     budget_bytes: int | None,
     fixed: Collection[str],
     tied: Sequence[Sequence[str]] = (),
+    not_kept: Collection[str] = (),
     max_rounds: int = 4,
 ) -> Plan:
-    """`planner`'s plan of `graph` with the `fixed` saved tensors kept and each `tied` group deciding
-    alike, within `budget_bytes` (module docstring); `InfeasibleBudgetError` with the reason otherwise."""
+    """`planner`'s plan of `graph` with the `fixed` saved tensors kept, each `tied` group deciding alike
+    and no decision for the `not_kept` checkpoint candidates (the executor never keeps them: a decision a
+    planner makes for one is dropped), within `budget_bytes` (module docstring); `InfeasibleBudgetError`
+    with the reason otherwise."""
     check_fixed(graph, fixed, tied)
+    unknown = sorted(set(not_kept) - graph.candidate_names)
+    if unknown:
+        raise ConfigError("not_kept", unknown[0], "is not a checkpoint candidate of the graph")
+    not_kept = frozenset(not_kept)
     fixed = set(fixed)
     # A group with a fixed member is kept whole (its op's one policy saves all of it).
     tied = [tuple(g) for g in tied if len(g) > 1]
@@ -133,7 +143,7 @@ def plan_with_fixed_keep(
                 f"{planner.name} with {len(fixed)} tensor(s) fixed to keep ({gib(notes['fixed_keep_bytes'])}): "
                 f"budget {gib(budget_bytes)}{lowered}: {exc}") from None
         plan = map_back(graph, derived_plan, fixed, hardware, tied,
-                        {**notes, "fixed_keep_rounds": round_, "fixed_keep_plan_budget_bytes": plan_budget})
+                        {**notes, "fixed_keep_rounds": round_, "fixed_keep_plan_budget_bytes": plan_budget}, not_kept)
         plan = replace(plan, budget_bytes=budget_bytes)
         if budget_bytes is None:
             return plan
