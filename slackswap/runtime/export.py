@@ -640,14 +640,52 @@ class SavedValue:
     op: str | None = None
     #: A graph input of the compiled layer: a parameter or the layer's input (not an activation it made).
     is_input: bool = False
+    #: For a value no policy call made (the partitioner moved part of the backward's decomposition into the
+    #: forward, e.g. layer norm's rstd / width): the one plan tensor it is computed from, or None.
+    derived_from: str | None = None
+
+    @property
+    def plan_tensor(self) -> str | None:
+        """The plan tensor this value saves: its own name, or the one tensor it is computed from."""
+        return self.tensor or self.derived_from
 
 
-def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
+def _derived_from(node: torch.fx.Node) -> str | None:
+    """The one plan tensor an untagged node is computed from (through untagged nodes only), or None."""
+    if "slackswap_tensor" in node.meta or "slackswap_op" in node.meta or node.op != "call_function":
+        return None
+    found: set[str] = set()
+    todo, seen = list(node.all_input_nodes), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if "slackswap_tensor" in n.meta:
+            found.add(n.meta["slackswap_tensor"])
+        elif n.op == "call_function" and "slackswap_op" not in n.meta:
+            todo.extend(n.all_input_nodes)
+        elif n.op != "get_attr":
+            return None  # a graph input or a value inside an op's decomposition: not one tensor's function
+    return found.pop() if len(found) == 1 else None
+
+
+class Partitions(list):
+    """The compiled backwards' saved values, one list per compiled layer function (`recording_backend`),
+    and `traced`: every plan tensor some node of a compiled forward computes (its identity exists under
+    compile), so a planned tensor the partition lacks reads as not read or as renamed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.traced: set[str] = set()
+
+
+def recording_backend() -> tuple[Callable, Partitions]:
     """An inductor backend that also records each compiled backward's saved inputs (the partition)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    partitions: list[list[SavedValue]] = []
-    forward_names: dict[object, dict[str, tuple[str | None, str | None]]] = {}
+    partitions = Partitions()
+    forward_names: dict[object, dict[str, tuple[str | None, str | None, str | None]]] = {}
 
     def inner(gm, example_inputs, *args, **kwargs):
         names = forward_names.setdefault(kwargs.get("graph_id"), {})
@@ -655,7 +693,10 @@ def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
             for node in gm.graph.nodes:
                 source = node.args[0] if node.name.startswith("cpu_offload_") and node.args else node
                 meta = getattr(source, "meta", {})
-                names[node.name] = (meta.get("slackswap_tensor"), meta.get("slackswap_op"))
+                derived = _derived_from(source) if isinstance(source, torch.fx.Node) else None
+                names[node.name] = (meta.get("slackswap_tensor"), meta.get("slackswap_op"), derived)
+                if meta.get("slackswap_tensor"):
+                    partitions.traced.add(meta["slackswap_tensor"])
         else:
             saved = []
             for node in gm.graph.find_nodes(op="placeholder"):
@@ -665,15 +706,26 @@ def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
                 if not isinstance(val, torch.Tensor):
                     continue
                 size = val.numel() * val.element_size()
-                tensor, op = names.get(node.name, (None, None))
+                tensor, op, derived = names.get(node.name, (None, None, None))
                 tensor = node.meta.get("slackswap_tensor") or tensor
                 op = node.meta.get("slackswap_op") or op
                 saved.append(SavedValue(node.name, tensor, size, node.name.startswith("cpu_offload_"), op,
-                                        node.name.startswith("primals")))
+                                        node.name.startswith("primals"), None if tensor else derived))
             partitions.append(saved)
         return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return partial(compile_fx, inner_compile=inner), partitions
+
+
+NOT_READ = ("the compiled backward does not read it: its decomposition reads other values (layer norm's "
+            "normalized input instead of its input and mean)")
+RENAMED = ("no node of the compiled forward carries this identity: the ATen calls traced under compile differ "
+           "from eager's (decompositions add calls, e.g. clones around attention), so the per-module call counts "
+           "shift and the name lands on another call")
+DERIVED = ("saved in another form, on the device: the partitioner moved a piece of the backward that reads it into "
+           "the forward and saves its result, which no policy tagged for offloading")
+HELD_OUTPUT = "the compiled layer's output: autograd holds it as the next layer's input, outside the partition"
+UNPLANNED = "the plan does not name it: the compiled backward reads a value of the op's decomposition"
 
 
 def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]) -> list[ExportDifference]:
@@ -681,34 +733,42 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
 
     Planned on the device: keep; planned on the host: swap; planned absent: recompute. A saved value
     that is a graph input (parameter or the layer's input) is not an activation the layer made and is
-    left out. What remains, by kind: a plan tensor saved otherwise than planned, a plan tensor of a
-    governed layer the partition does not save (the compiled backward reads other values, or the
-    identity does not exist under compile), a value the plan does not name."""
+    left out; a value computed from exactly one plan tensor (`SavedValue.derived_from`) saves that
+    tensor. What remains, by kind: a plan tensor saved otherwise than planned; a planned tensor the
+    partition does not save (the layer's output, held outside it; a value the decomposed backward does
+    not read; an identity no call has under compile); a value the plan does not name."""
     saved = [v for part in partitions for v in part if not v.is_input]
-    got: dict[str, SavedValue] = {v.tensor: v for v in saved if v.tensor is not None}
+    got: dict[str, SavedValue] = {}
+    for v in saved:
+        if v.plan_tensor is not None:
+            got.setdefault(v.plan_tensor, v)
+    traced = getattr(partitions, "traced", None)
+    outputs = {n for n, why in export.facts().fixed_keep.items() if why == LAYER_OUTPUT}
     out: list[ExportDifference] = []
     for region, decisions in enumerate(export.region_decisions):
         for name, decision in sorted(decisions.items()):
             v = got.get(export.translate(name, region))
             if v is None:
-                if decision != Decision.RECOMPUTE:
-                    out.append(ExportDifference(name, str(decision), "not saved",
-                                                "the compiled backward does not read this value (its decomposition "
-                                                "saves others, or the op has another name under compile)"))
+                if decision == Decision.RECOMPUTE:
+                    continue
+                if name in outputs:
+                    out.append(ExportDifference(name, str(decision), "held", HELD_OUTPUT))
+                elif traced is not None and export.translate(name, region) not in traced:
+                    out.append(ExportDifference(name, str(decision), "not saved", RENAMED))
+                else:
+                    out.append(ExportDifference(name, str(decision), "not saved", NOT_READ))
             elif decision == Decision.RECOMPUTE:
                 out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
                                             "the partitioner saves it: a random op's output or an output of "
                                             "an op that also makes a kept tensor"))
             elif (decision == Decision.SWAP) != v.offloaded:
-                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
-                                            "torch's offload pass skips views, non-contiguous tensors and "
-                                            "model outputs" if decision == Decision.SWAP else "one policy per op"))
+                why = ("one policy per op" if decision != Decision.SWAP else DERIVED if v.tensor is None else
+                       "torch's offload pass skips views, non-contiguous tensors and model outputs")
+                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved", why))
     for v in saved:
-        if v.tensor is None or v.tensor not in export.plan.decisions:
-            what = v.tensor or (f"a value inside {v.op}" if v.op else f"compiled value {v.node}")
-            out.append(ExportDifference(what, "none", "offloaded" if v.offloaded else "saved",
-                                        "the plan does not name it: the compiled backward reads a value of "
-                                        "the op's decomposition (or an op renamed under compile)"))
+        if v.plan_tensor is None or v.plan_tensor not in export.plan.decisions:
+            what = v.plan_tensor or (f"a value inside {v.op}" if v.op else f"compiled value {v.node}")
+            out.append(ExportDifference(what, "none", "offloaded" if v.offloaded else "saved", UNPLANNED))
     return out
 
 
@@ -728,5 +788,5 @@ def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = 
     return device, host
 
 
-__all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "SavedCount", "SavedValue", "layer_paths",
-           "partition_differences", "plan_for_export", "recording_backend", "saved_bytes"]
+__all__ = ["DOES", "POLICY_OF", "ExportDifference", "Partitions", "PlanExport", "SavedCount", "SavedValue",
+           "layer_paths", "partition_differences", "plan_for_export", "recording_backend", "saved_bytes"]
