@@ -24,10 +24,14 @@ mode sees in one extra step (null for the compiled variant: a dispatch mode swit
 `peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
 profiler's memory events (all allocations: activations, gradients, temporaries).
 `copy_cpu_s_per_step` (runtime_slackswap): CPU time of the copies themselves (allocation and memcpy
-of every offload and prefetch, `CpuCopies.copy_s`): on the CPU the stand-in copies run on the compute
-thread; on a GPU the copy engines do that work, so `ratio_to_eager_without_copies` is the runtime's
-own cost. `ratio_to_eager_no_data_copies` (runtime_slackswap): the same plan with a copy engine that moves no
-data (`NoDataCopies`), timed interleaved with the rest: the runtime's own cost without the copies.
+of every offload and prefetch), from an attribution run of the same plan with
+`CpuCopies(measure=True)` after each round (its clock reads stay out of the timed row): on the CPU
+the stand-in copies run on the compute thread; on a GPU the copy engines do that work, so
+`ratio_to_eager_without_copies` is the runtime's own cost. `ratio_to_eager_no_data_copies`
+(runtime_slackswap): the same plan with a copy engine that moves no data (`NoDataCopies`), timed
+interleaved with the rest: the runtime's own cost measured directly. `overhead_s_per_aten_call` and
+`overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
+calls and by the tensors autograd saves (`saved_tensors`).
 `planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
 export rows add `export_saved_bytes` (what the export saves on the device: eager, its checkpoint
 cache; compiled, the partition's saved activations) and `export_differences` (decisions PyTorch
@@ -67,9 +71,9 @@ class NoDataCopies:
     it (values unchanged, so the step stays exact; memory is not saved). Timing attribution only."""
 
     def offload(self, source, key=None):
-        from slackswap.runtime.copy_engines import _DoneCopy
+        from slackswap.runtime.copy_engines import DoneCopy
 
-        return _DoneCopy(source)
+        return DoneCopy(source)
 
     def prefetch(self, offloaded, device):
         return offloaded
@@ -98,6 +102,7 @@ class Variants:
 
         from slackswap.planners.registry import get_planner
         from slackswap.runtime import apply, capture_graph
+        from slackswap.runtime.copy_engines import CpuCopies
         from slackswap.runtime.export import PlanExport, recording_backend
         from slackswap.runtime.training_workload import build_training_workload, small_config
         from slackswap.simulate.metrics import simulate_ideal
@@ -113,6 +118,10 @@ class Variants:
             "slackswap": get_planner("slackswap").plan(self.graph, h200(), int(keep_all_peak * BUDGET_FRACTION)),
         }
         self.runs = {k: apply(p, self.graph, w.model) for k, p in self.plans.items()}
+        # Attribution only: the same plan with the CPU stand-in copies timed (`CpuCopies(measure=True)`,
+        # two clock reads per copy, so not in the timed runtime_slackswap row).
+        self.runs["measured_copies"] = apply(self.plans["slackswap"], self.graph, w.model,
+                                             copies=CpuCopies(measure=True))
         # Attribution only: the slackswap plan with a copy engine that moves no data (an "offload"
         # holds the device storage itself, a "prefetch" hands it back): the runtime's own cost.
         self.runs["no_data"] = apply(self.plans["slackswap"], self.graph, w.model, copies=NoDataCopies())
@@ -168,11 +177,15 @@ class Variants:
             _step(self.w)
 
     def runtime_slackswap(self) -> None:
-        copies = self.runs["slackswap"].copies
-        before = copies.copy_s if copies is not None else 0.0
         with self.runs["slackswap"]:
             _step(self.w)
-        self.copy_s.append(self.runs["slackswap"].copies.copy_s - before)
+
+    def runtime_slackswap_measured_copies(self) -> None:
+        copies = self.runs["measured_copies"].copies
+        before = copies.copy_s
+        with self.runs["measured_copies"]:
+            _step(self.w)
+        self.copy_s.append(copies.copy_s - before)
 
     def runtime_slackswap_no_data(self) -> None:
         with self.runs["no_data"]:
@@ -193,13 +206,15 @@ class Variants:
         calls, peaks = {}, {}
         for v in VARIANTS:  # warm-up: the runtime's verified step, caches
             self._one(v)
-        self.copy_s.clear()
         self._one("runtime_slackswap_no_data")
+        self._one("runtime_slackswap_measured_copies")
+        self.copy_s.clear()
         no_data = []
         for _ in range(rounds):
             for v in VARIANTS:
                 times[v].append(self._one(v))
             no_data.append(self._one("runtime_slackswap_no_data"))
+            self._one("runtime_slackswap_measured_copies")
         for v in VARIANTS:
             calls[v] = None if v == "export_compiled" else self._count_calls(v)
             peaks[v] = self._peak(v)
@@ -216,8 +231,15 @@ class Variants:
                 row["planned_saved_bytes"] = self._kept_bytes(self.plans[plan])
                 row["plan_offloads"] = len(self.plans[plan].offloads)
                 row["plan_recompute_steps"] = sum(1 for x in self.plans[plan].steps if str(x.kind) == "recompute")
+            if v in ("runtime_keep_all", "runtime_slackswap"):
+                # The runtime's CPU cost over eager per ATen call of the plain step and per saved tensor
+                # (pack and unpack): against the GPU time per call, what says whether a GPU stays busy.
+                run = self.runs["keep_all" if v == "runtime_keep_all" else "slackswap"]
+                row["saved_tensors"] = len(run.recording.packs)
+                row["overhead_s_per_aten_call"] = (cpu - eager) / calls["eager"]
+                row["overhead_s_per_saved_tensor"] = (cpu - eager) / len(run.recording.packs)
             if v == "runtime_slackswap":
-                copy = statistics.median(self.copy_s[:rounds])
+                copy = statistics.median(self.copy_s)
                 row["copy_cpu_s_per_step"] = copy
                 row["ratio_to_eager_without_copies"] = (cpu - copy) / eager
                 row["cpu_s_per_step_no_data_copies"] = statistics.median(no_data)

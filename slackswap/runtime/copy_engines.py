@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -20,7 +21,11 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class Copy:
-    """One transfer: `storage` is its destination; `arrived()` / `wait()` tell whether it has landed."""
+    """One transfer: `storage` is its destination; `arrived()` / `wait()` tell whether it has landed.
+    `data`: the destination's bytes as a uint8 tensor, when they are a slice of a larger storage
+    (a buffer of the pinned slab); None when they are the whole `storage`."""
+
+    data: torch.Tensor | None = None
 
     def __init__(self, storage: torch.UntypedStorage):
         self.storage = storage
@@ -33,7 +38,9 @@ class Copy:
         raise NotImplementedError
 
 
-class _DoneCopy(Copy):
+class DoneCopy(Copy):
+    """A copy that landed when it was issued (the CPU stand-in's inline copies)."""
+
     def arrived(self) -> bool:
         return True
 
@@ -54,15 +61,18 @@ class _FutureCopy(Copy):
 
 
 class HostPool:
-    """Host buffers reused across steps, one per offload of the plan (its index `key`), sized at first
-    use from the tensor the plan offloads. Why: allocating (and on CUDA pinning) a buffer per tensor
-    per step costs about 3 ms each and serialises the streams (pytorch/pytorch issue 186162,
-    pytorch/torchtune issue 2076). Safe to reuse because a run closes its copies (waits for every
+    """Host buffers reused across steps, one per offload of the plan (its index `key`): sized from the
+    plan up front with `reserve` (one slab for all of them, pinned once), or else at first use from
+    the tensor the plan offloads. Why: allocating (and on CUDA pinning) a buffer per tensor per step
+    costs about 3 ms each and serialises the streams (pytorch/pytorch#186162,
+    pytorch/torchtune#2076). Safe to reuse because a run closes its copies (waits for every
     transfer) before the next step, and within a step each offload has its own buffer."""
 
     def __init__(self, pinned: bool):
         self.pinned = pinned
         self._buffers: dict[int, torch.Tensor] = {}
+        #: The same buffers as storages with their sizes, read by the CPU stand-in on every offload.
+        self._storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self.allocations = 0
 
     def get(self, key: object, nbytes: int) -> torch.Tensor:
@@ -72,7 +82,37 @@ class HostPool:
             self.allocations += 1
             if key is not None:
                 self._buffers[key] = buf
+                self._storages[key] = (buf.untyped_storage(), nbytes)
         return buf
+
+    def reserve(self, sizes: Mapping[int, int], alignment_bytes: int = 512) -> None:
+        """One allocation (one pinning) for every buffer: `sizes` maps each offload's key to its bytes.
+        Buffers start at multiples of `alignment_bytes`. Their views share the slab's storage, so
+        `storage()` is not for them: `get` hands out each buffer as a uint8 tensor."""
+        offsets, total = {}, 0
+        for key, nbytes in sizes.items():
+            offsets[key] = total
+            total += -(-nbytes // alignment_bytes) * alignment_bytes
+        if total == 0:
+            return
+        slab = torch.empty(total, dtype=torch.uint8, pin_memory=self.pinned)
+        self.allocations += 1
+        for key, nbytes in sizes.items():
+            self._buffers[key] = slab.narrow(0, offsets[key], nbytes)
+            self._storages.pop(key, None)
+        self._sliced = True
+
+    _sliced = False
+
+    def storage(self, key: object, nbytes: int) -> torch.UntypedStorage:
+        """`get(key, nbytes)` as a storage, without building a tensor when the buffer exists (a pool
+        without `reserve`: a reserved buffer is a slice of the slab's storage)."""
+        if self._sliced:
+            raise ValueError("HostPool.storage: this pool's buffers are slices of one slab; use get()")
+        found = self._storages.get(key)
+        if found is not None and found[1] == nbytes:
+            return found[0]
+        return self.get(key, nbytes).untyped_storage()
 
     @property
     def bytes(self) -> int:
@@ -80,15 +120,22 @@ class HostPool:
 
 
 class CpuCopies:
-    """CPU copies: inline (`delay_s=None`), or on one thread per direction after `delay_s` seconds."""
+    """CPU copies: inline (`delay_s=None`), or on one thread per direction after `delay_s` seconds.
 
-    def __init__(self, delay_s: float | None = None):
+    `measure=True` adds up the CPU time of the inline copies in `copy_s` (two clock reads per copy,
+    so only for attribution runs)."""
+
+    #: Inline copies have nothing in flight to release: the runtime does not call `poll` per transfer.
+    needs_poll = False
+
+    def __init__(self, delay_s: float | None = None, measure: bool = False):
         self.delay_s = delay_s
+        self.measure = measure
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self.host = HostPool(pinned=False)
-        #: CPU time spent in inline copies (allocation and memcpy): work a GPU's copy engines do, which
-        #: the CPU stand-in does on the compute thread; the benchmarks report it apart.
+        #: With `measure`: CPU time spent in inline copies (allocation and memcpy), work a GPU's copy
+        #: engines do, which the CPU stand-in does on the compute thread; the benchmarks report it apart.
         self.copy_s = 0.0
 
     def _pool(self, direction: str) -> ThreadPoolExecutor:
@@ -99,11 +146,12 @@ class CpuCopies:
 
     def offload(self, source: torch.UntypedStorage, key: int | None = None) -> Copy:
         if self.delay_s is None:
-            t0 = time.process_time()
-            host = self.host.get(key, source.nbytes()).untyped_storage()
+            t0 = time.process_time() if self.measure else 0.0
+            host = self.host.storage(key, source.nbytes())
             host.copy_(source)
-            self.copy_s += time.process_time() - t0
-            return _DoneCopy(host)
+            if self.measure:
+                self.copy_s += time.process_time() - t0
+            return DoneCopy(host)
         host = self.host.get(key, source.nbytes()).untyped_storage()
         holder = [source]
 
@@ -115,11 +163,12 @@ class CpuCopies:
 
     def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
         if self.delay_s is None:
-            t0 = time.process_time()
+            t0 = time.process_time() if self.measure else 0.0
             target = torch.UntypedStorage(offloaded.storage.nbytes(), device=device)
             target.copy_(offloaded.storage)
-            self.copy_s += time.process_time() - t0
-            return _DoneCopy(target)
+            if self.measure:
+                self.copy_s += time.process_time() - t0
+            return DoneCopy(target)
         target = torch.UntypedStorage(offloaded.storage.nbytes(), device=device)
 
         def run() -> None:
@@ -167,11 +216,18 @@ class CudaCopies:
     stream, which writes it), waits for the offload's event, and the unpack makes the compute stream
     (not `current_stream()`) wait on the prefetch's event."""
 
-    def __init__(self) -> None:
+    #: `poll` releases the device sources of finished offloads: called after each issue.
+    needs_poll = True
+
+    def __init__(self, offload_bytes: Mapping[int, int] | None = None) -> None:
+        """`offload_bytes`: per offload of the plan, its bytes (`offload_sizes`): the pinned buffers
+        are then one slab, allocated and pinned here, before the first step."""
         self.compute = torch.cuda.current_stream()
         self.d2h = torch.cuda.Stream()
         self.h2d = torch.cuda.Stream()
         self.host = HostPool(pinned=True)
+        if offload_bytes:
+            self.host.reserve(offload_bytes)
         #: Device sources of offloads in flight, released once their event has completed.
         self._in_flight: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []
 
@@ -187,15 +243,17 @@ class CudaCopies:
             done = self.d2h.record_event()
         src.record_stream(self.d2h)  # the allocator must not reuse it before the copy has read it
         self._in_flight.append((done, source))
-        return _EventCopy(host.untyped_storage(), done, self.compute)
+        copy = _EventCopy(host.untyped_storage(), done, self.compute)
+        copy.data = host
+        return copy
 
     def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
         if device.type != "cuda":
             return CpuCopies().prefetch(offloaded, device)
+        host = offloaded.data if offloaded.data is not None else byte_view(offloaded.storage)
         with torch.cuda.stream(self.compute):  # allocated on the stream that will read it
-            target = torch.empty(offloaded.storage.nbytes(), dtype=torch.uint8, device=device)
+            target = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         issued = self.compute.record_event()
-        host = byte_view(offloaded.storage)
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(issued)
             if isinstance(offloaded, _EventCopy):
@@ -212,3 +270,9 @@ class CudaCopies:
         self.d2h.synchronize()
         self.h2d.synchronize()
         self._in_flight.clear()
+
+
+def offload_sizes(schedule) -> dict[int, int]:
+    """Per offload of a resolved schedule (its index, the key the runtime passes), the bytes it copies:
+    the storage of the copy it reads."""
+    return {k: schedule.copy_size[c] for k, c in enumerate(schedule.offload_copy)}

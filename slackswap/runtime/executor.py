@@ -29,7 +29,8 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, DoneCopy, offload_sizes
+from slackswap.runtime.hook_program import HookProgram, build_hook_program
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 from slackswap.schedule.validate import resolve_schedule
@@ -82,6 +83,9 @@ class PackRecord:
     decision: Decision | None
     #: Plan steps before this index had finished when the tensor was packed.
     position: int
+    #: The view autograd saved (a hook-only step hands the recorded geometry back when it matches).
+    stride: tuple[int, ...] = ()
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,8 @@ class PlanRun(TorchDispatchMode):
         #: Every step under the dispatch modes (else only the first, and after a refusal).
         self.verify = verify
         self.recording: Recording | None = None
+        #: Built at the first hook-only step, from the recording (`hook_program`).
+        self._program: HookProgram | None = None
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
@@ -259,6 +265,12 @@ class PlanRun(TorchDispatchMode):
         self._action_steps = sorted(
             recompute_steps | set(self.release_after)
             | {j for j in range(n) if self.offloads_at[j + 1] or self.prefetches_at[j + 1]})
+
+    def _default_copies(self) -> object:
+        """CUDA streams with one pinned slab sized from the plan's offloads on a GPU; inline CPU copies."""
+        if any(p.is_cuda for p in self.model.parameters()):
+            return CudaCopies(offload_sizes(self.schedule))
+        return CpuCopies()
 
     # ----------------------------------------------------------------------------- step lifecycle
     def __enter__(self) -> PlanRun:
@@ -312,8 +324,7 @@ class PlanRun(TorchDispatchMode):
         self.members: dict[str, list[_Member]] = {}
         self.internal = False
         if self.copies is None:
-            on_cuda = any(p.is_cuda for p in self.model.parameters())
-            self.copies = CudaCopies() if on_cuda else CpuCopies()
+            self.copies = self._default_copies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._loss_boundary = loss_boundary(self.model, self.identities)
         self._loss_boundary.__enter__()
@@ -564,7 +575,8 @@ class PlanRun(TorchDispatchMode):
         name = self.numbering.name_of(t)
         decision = None if name is None else self.plan.decisions.get(name)
         position = self.pos if self.current is None else self.current + 1
-        self._packs.append(PackRecord(name, t.shape, t.dtype, decision, position))
+        self._packs.append(PackRecord(name, t.shape, t.dtype, decision, position, tuple(t.stride()),
+                                      t.storage_offset()))
         self._random_since_pack = False
         if name is None:
             return t  # a weight or an input: not an activation of the graph
@@ -645,6 +657,10 @@ class PlanRun(TorchDispatchMode):
         self.hosts = {}
         self.members = self.recording.members
         self.internal = False
+        if self._program is None:
+            self._program = build_hook_program(
+                self.recording, self.plan, self.schedule, self.run_copy, self.held_copies, self.release_after,
+                self.offloads_at, self.prefetches_at, self._action_steps)
         self._fast_k = 0
         self._fast_u = 0
         self._next_action = 0
@@ -652,8 +668,7 @@ class PlanRun(TorchDispatchMode):
         self._deferred: dict[str, list[int]] = {}
         self._step_inputs = []
         if self.copies is None:
-            on_cuda = any(p.is_cuda for p in self.model.parameters())
-            self.copies = CudaCopies() if on_cuda else CpuCopies()
+            self.copies = self._default_copies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._hooks = contextlib.nullcontext()
         if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
@@ -666,8 +681,8 @@ class PlanRun(TorchDispatchMode):
         self._input_hook.remove()
         try:
             if exc_type is None:
-                self._fast_advance(len(self.plan.steps))
-                packs, unpacks = len(self.recording.packs), len(self.recording.unpacks)
+                self._fast_advance(len(self._program.actions))
+                packs, unpacks = len(self._program.pack_shape), len(self._program.unpack_position)
                 if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
                     raise PlanMismatchError(
                         f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
@@ -681,77 +696,95 @@ class PlanRun(TorchDispatchMode):
             self._fast_rng.clear()
             self._step_inputs = []
 
-    def _fast_advance(self, position: int) -> None:
-        """Steps before `position` have run: act at those of them where the plan does something
-        (recompute, issue a transfer, release a copy), skip the rest in O(1) each event."""
-        acts, i = self._action_steps, self._next_action
-        steps, held, release_after = self.plan.steps, self.held, self.release_after
-        offloads_at, prefetches_at = self.offloads_at, self.prefetches_at
-        while i < len(acts) and acts[i] < position:
-            j = acts[i]
-            self.pos = j
-            if steps[j].kind == StepKind.RECOMPUTE:
+    def _fast_advance(self, due: int) -> None:
+        """Run the plan's actions up to (not including) action number `due`: those of the steps
+        before the event's position (a recompute, the transfers issued after a step, releases)."""
+        actions, i = self._program.actions, self._next_action
+        held, hosts, copies, report, current_copy = self.held, self.hosts, self.copies, self.report, self.current_copy
+        poll = getattr(copies, "needs_poll", True)
+        while i < due:
+            j, recompute, offloads, prefetches, releases = actions[i]
+            if recompute:
                 self._recompute(j)
-            if offloads_at[j + 1] or prefetches_at[j + 1]:
-                self._issue(j + 1)
-                self.copies.poll()
-            for c in release_after.get(j, ()):
+            for k, c in offloads:
+                source = held.get(c)
+                if source is None:  # not packed yet: offloaded at its first pack
+                    self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
+                    continue
+                hosts[k] = (copies.offload(source, k), source.device)
+                report.offloads += 1
+            for _, offload, c, tensor in prefetches:
+                host, device = hosts[offload]
+                held[c] = copies.prefetch(host, device)
+                current_copy[tensor] = c
+                report.prefetches += 1
+            if poll and (offloads or prefetches):
+                copies.poll()
+            for c in releases:
                 held.pop(c, None)
-            self.pos = j + 1
             i += 1
         self._next_action = i
-        if position > self.pos:
-            self.pos = position
 
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k
         self._fast_k = k + 1
-        packs = self.recording.packs
-        if k >= len(packs) or t.dtype != packs[k].dtype or t.shape != packs[k].shape:
+        program = self._program
+        if k >= len(program.pack_shape) or t.dtype != program.pack_dtype[k] or t.shape != program.pack_shape[k]:
+            packs = self.recording.packs
             wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
             raise PlanMismatchError(
                 f"autograd saves a {tuple(t.shape)} {t.dtype} tensor as saved tensor {k} of the step; the verified "
                 f"step saved {wanted} there: the code path changed (model, inputs, train/eval mode, a "
                 "data-dependent branch). Capture and plan again for the new code path"
             )
-        rec = packs[k]
-        if k in self.recording.rng_events:
+        if program.pack_reads_rng[k]:
             self._fast_rng[k] = _rng_state()
-        name = rec.name
+        name = program.pack_name[k]
         if name is None:
             return t
-        if name not in self.current_copy:  # its first pack: the run copy is now at hand
-            c = self.run_copy[name]
-            self.current_copy[name] = c
-            if c in self.held_copies:
-                self.held[c] = t.untyped_storage()
+        current_copy = self.current_copy
+        if name not in current_copy:  # its first pack: the run copy is now at hand
+            c, held = program.run_copy[name]
+            current_copy[name] = c
+            if held:
+                storage = self.held[c] = t.untyped_storage()
                 for o in self._deferred.pop(name, ()):
-                    self.hosts[o] = (self.copies.offload(self.held[c], o), t.device)
+                    self.hosts[o] = (self.copies.offload(storage, o), t.device)
                     self.report.offloads += 1
-        if rec.position > self.pos:
-            self._fast_advance(rec.position)
-        if rec.decision == Decision.KEEP:
+        due = program.pack_actions_due[k]
+        if due > self._next_action:
+            self._fast_advance(due)
+        if not program.pack_by_number[k]:
             return t
+        if t.stride() == program.pack_stride[k] and t.storage_offset() == program.pack_offset[k]:
+            return k  # the recorded view: the unpack reads its geometry from the program
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def _fast_unpack(self, packed: object) -> torch.Tensor:
         u = self._fast_u
         self._fast_u = u + 1
-        unpacks = self.recording.unpacks
-        if u >= len(unpacks):
+        program = self._program
+        if u >= len(program.unpack_position):
             raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
-                                    f"{len(unpacks)}: the code path changed. Capture and plan again")
-        position, name = unpacks[u]
-        if position > self.pos:
-            self._fast_advance(position)
-        if not isinstance(packed, TensorRef):
+                                    f"{len(program.unpack_position)}: the code path changed. Capture and plan again")
+        due = program.unpack_actions_due[u]
+        if due > self._next_action:
+            self._fast_advance(due)
+        if type(packed) is int:
+            name = program.pack_name[packed]
+            dtype, size = program.pack_dtype[packed], program.pack_shape[packed]
+            stride, offset = program.pack_stride[packed], program.pack_offset[packed]
+        elif isinstance(packed, TensorRef):
+            name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
+        else:
             return packed
-        if packed.name != name:
-            raise PlanMismatchError(f"backward read {packed.name!r} where the verified step read {name!r}: "
+        if name != program.unpack_name[u]:
+            raise PlanMismatchError(f"backward read {name!r} where the verified step read {program.unpack_name[u]!r}: "
                                     "backward ran in another order (the code path changed)")
-        c = self.current_copy[name]
-        storage = self._storage_of(c)
-        return _view(storage, packed)
+        held = self.held.get(self.current_copy[name])
+        # A copy that landed when issued (the CPU stand-in's inline copies) needs no wait.
+        storage = held.storage if type(held) is DoneCopy else self._storage_of(self.current_copy[name])
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:

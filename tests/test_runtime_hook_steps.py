@@ -1,0 +1,111 @@
+"""Hook-only steps and their copy engine, on a model small enough to reason about by hand.
+
+- A saved tensor with the recorded shape and dtype but another view geometry: the hook-only step
+  hands the recorded view back to the unpack by the pack's number; when autograd saves the same
+  tensor with other strides (here: the input batch arrives transposed in memory, and the
+  elementwise ops keep its layout), the pack carries the tensor's own geometry instead, so the
+  swapped copy is read back as the view autograd saved, bit for bit.
+- The host buffers sized from the plan (`offload_sizes`, one slab with `HostPool.reserve`) are the
+  bytes the offloads of a real step copy, buffer by buffer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra()
+
+from slackswap.plan import Decision  # noqa: E402
+from slackswap.runtime import apply, capture_graph  # noqa: E402
+from slackswap.runtime.copy_engines import CpuCopies, HostPool, offload_sizes  # noqa: E402
+from slackswap.schedule.build import build_schedule  # noqa: E402
+from tests.runtime_support import deterministic_kernels, h200  # noqa: E402, F401 (deterministic_kernels: a fixture)
+
+pytestmark = pytest.mark.usefixtures("deterministic_kernels")
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(x * 2.0))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _step(model, x, context=None):
+    for p in model.parameters():
+        p.grad = None
+    if context is None:
+        _loss(model(x)).backward()
+    else:
+        with context:
+            _loss(model(x)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _swap_everything():
+    torch.manual_seed(0)
+    model = _Scaled()
+    x = torch.randn(4, 8)
+    graph = capture_graph(model, (x,), _loss, h200(), "scaled")
+    # Every saved activation swapped (the scheduler every planner uses places the transfers).
+    plan = build_schedule(graph, {t.name: Decision.SWAP for t in graph.saved_tensors}, planner="swap_every_tensor",
+                          budget_bytes=None, hardware=h200())
+    return model, x, graph, plan
+
+
+def test_a_saved_view_with_other_strides_is_read_back_with_its_own_geometry() -> None:
+    model, x, graph, plan = _swap_everything()
+    run = apply(plan, graph, model)
+    _step(model, x, run)  # the verified step records the contiguous geometry
+    assert run.report.verified
+    transposed = x.t().contiguous().t()  # the same values, shape and dtype; strides (1, 4)
+    assert transposed.stride() != x.stride()
+    expected = _step(model, transposed)
+    got = _step(model, transposed, run)
+    assert not run.report.verified  # a hook-only step
+    assert run.report.offloads == len(plan.offloads) > 0
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+class _RecordingCopies(CpuCopies):
+    def __init__(self) -> None:
+        super().__init__()
+        self.offloaded: dict[int, int] = {}
+
+    def offload(self, source, key=None):
+        self.offloaded[key] = source.nbytes()
+        return super().offload(source, key)
+
+
+def test_host_buffers_sized_from_the_plan_are_the_bytes_each_offload_copies() -> None:
+    model, x, graph, plan = _swap_everything()
+    copies = _RecordingCopies()
+    run = apply(plan, graph, model, copies=copies)
+    _step(model, x, run)  # verified
+    _step(model, x, run)  # hook-only
+    assert copies.offloaded and copies.offloaded == offload_sizes(run.schedule)
+
+
+def test_a_reserved_pool_is_one_allocation_of_disjoint_aligned_buffers_reused_across_steps() -> None:
+    pool = HostPool(pinned=False)
+    pool.reserve({0: 100, 1: 30, 2: 600}, alignment_bytes=64)
+    assert pool.allocations == 1
+    buffers = [pool.get(k, n) for k, n in ((0, 100), (1, 30), (2, 600))]
+    assert [b.numel() for b in buffers] == [100, 30, 600]
+    assert [b.storage_offset() for b in buffers] == [0, 128, 192]  # each at a multiple of 64
+    for value, b in enumerate(buffers):
+        b.fill_(value + 1)
+    assert [int(b.min()) for b in buffers] == [1, 2, 3] == [int(b.max()) for b in buffers]  # disjoint
+    assert pool.get(1, 30).data_ptr() == buffers[1].data_ptr() and pool.allocations == 1  # reused
+    assert pool.get(1, 31).numel() == 31 and pool.allocations == 2  # another size: its own buffer
+    with pytest.raises(ValueError, match="slices of one slab"):
+        pool.storage(0, 100)
