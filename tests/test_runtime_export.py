@@ -214,22 +214,24 @@ def test_compiled_partition_against_the_plan_made_for_the_export() -> None:
     assert device == sum(v.size_bytes for v in saved if not v.offloaded)
 
 
+@pytest.mark.parametrize("made_for_export", [False, True])
 @pytest.mark.parametrize("planner", ["slackswap", "recompute_knapsack"])
-def test_the_simulator_runs_pytorchs_execution_of_the_export(planner: str) -> None:
+def test_the_simulator_runs_pytorchs_execution_of_the_export(planner: str, made_for_export: bool) -> None:
     """The decisions PyTorch executed, rescheduled as PyTorch places them: eager, each layer's
     recomputes in one block before its first backward reader, reloads there; a valid plan the
-    simulator prices beside the original."""
+    simulator prices beside the original. For a plan made for the export the decisions are the plan's."""
     from slackswap.plan import StepKind
     from slackswap.pytorch_execution import pytorch_plan
     from slackswap.simulate import simulate
 
     c = tiny()
-    plan, _ = plan_for(planner, c)
+    plan, _ = export_plan_for(planner, c) if made_for_export else plan_for(planner, c)
     export = PlanExport(plan, c.graph, c.workload.model)
     exported_step(c, export)
     effective = export.effective_decisions()
     differ = {d.tensor for d in export.step_differences()}
     assert {n for n in plan.decisions if effective.get(n) != plan.decisions[n]} == differ
+    assert (effective == dict(plan.decisions)) == made_for_export
     for mode in ("eager", "compiled"):
         executed = pytorch_plan(c.graph, plan, effective, h200(), mode)
         assert dict(executed.decisions) == effective

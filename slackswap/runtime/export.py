@@ -772,9 +772,11 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
     return out
 
 
-def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = None) -> tuple[int, int]:
-    """(device bytes, host bytes) the compiled partitions save per step, graph inputs left out. With
-    `export`, a partition shared by a group of layers counts once per layer of the group."""
+def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = None,
+                which: Callable[[SavedValue], bool] | None = None) -> tuple[int, int]:
+    """(device bytes, host bytes) the compiled partitions save per step, graph inputs left out (and, with
+    `which`, the values it rejects). With `export`, a partition shared by a group of layers counts once
+    per layer of the group."""
     device = host = 0
     for part in partitions:
         values = [v for v in part if not v.is_input]
@@ -783,6 +785,7 @@ def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = 
             named = next((v.tensor for v in values if v.tensor), None)
             rep = _region_of(module_path(named), export.regions) if named else None
             times = sum(1 for g in export.group_of.values() if g == rep) if rep is not None else 1
+        values = [v for v in values if which is None or which(v)]
         device += times * sum(v.size_bytes for v in values if not v.offloaded)
         host += times * sum(v.size_bytes for v in values if v.offloaded)
     return device, host
