@@ -33,7 +33,7 @@ interleaved with the rest: the runtime's own cost measured directly. `overhead_s
 `overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
 calls and by the tensors autograd saves (`saved_tensors`).
 `planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device. The
-export rows run slackswap's plan made for the export (`slackswap.runtime.export.plan_for_export`, the
+export rows run slackswap's plan made for the export (`slackswap.experiment.export_plan.plan_for_export`, the
 same budget) and add `export_saved_bytes`: eager, measured in one extra step, every distinct storage
 the step saves for backward (the layers' checkpoint caches and what autograd saves,
 `PlanExport.counting_saved`), which equals `planned_saved_bytes` (`export_saved_equals_planned`);
@@ -109,10 +109,11 @@ class Variants:
     def __init__(self, layers: int):
         import torch
 
+        from slackswap.experiment.export_plan import plan_for_export
         from slackswap.planners.registry import get_planner
         from slackswap.runtime import apply, capture_graph
         from slackswap.runtime.copy_engines import CpuCopies
-        from slackswap.runtime.export import PlanExport, plan_for_export, recording_backend
+        from slackswap.runtime.export import PlanExport, recording_backend
         from slackswap.runtime.training_workload import build_training_workload, small_config
         from slackswap.simulate.metrics import simulate_ideal
         from tests.runtime_support import h200

@@ -15,6 +15,7 @@ torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
+from slackswap.experiment.export_plan import plan_for_export  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.planners.registry import available_planners, get_planner  # noqa: E402
 from slackswap.runtime.export import (  # noqa: E402
@@ -22,7 +23,6 @@ from slackswap.runtime.export import (  # noqa: E402
     WANTS,
     PlanExport,
     partition_differences,
-    plan_for_export,
     recording_backend,
     saved_bytes,
 )

@@ -50,7 +50,6 @@ from slackswap.runtime.export_facts import (
     export_facts,
     layer_paths,
     module_path,
-    plan_for_export,
 )
 from slackswap.runtime.export_facts import region_of as _region_of
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
@@ -792,4 +791,4 @@ def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = 
 
 
 __all__ = ["DOES", "POLICY_OF", "ExportDifference", "Partitions", "PlanExport", "SavedCount", "SavedValue",
-           "layer_paths", "partition_differences", "plan_for_export", "recording_backend", "saved_bytes"]
+           "layer_paths", "partition_differences", "recording_backend", "saved_bytes"]

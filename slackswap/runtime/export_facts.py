@@ -1,5 +1,5 @@
-"""What PyTorch's checkpointing decides itself, from the graph and the model's layers alone, and the
-plan made for the export: a plan inside that space, which the export executes decision for decision.
+"""What PyTorch's checkpointing decides itself, from the graph and the model's layers alone: the space
+of plans the export executes decision for decision.
 
 Why: `slackswap.runtime.export.PlanExport` runs any plan, but some decisions are PyTorch's, not the
 plan's (docs/runtime.md, "The export"). Known before any step runs, they are facts of the captured
@@ -15,8 +15,8 @@ graph and of the checkpoint regions (the children of the model's first ModuleLis
 The first four fix a tensor to keep (`ExportFacts.fixed_keep`, each with its reason, the words
 `ExportDifference.reason` uses); the fifth ties decisions (`ExportFacts.tied`); the last leaves a
 candidate undecided (`ExportFacts.not_kept`).
-`plan_for_export` plans with those tensors kept and the tied ones alike
-(`slackswap.planners.support.fixed_keep`), so the export's `step_differences()` is empty.
+`slackswap.experiment.export_plan.plan_for_export` plans with those tensors kept and the tied ones
+alike (`slackswap.planners.support.fixed_keep`), so the export's `step_differences()` is empty.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from functools import cache
 import torch
 
 from slackswap.graph import FORWARD_PHASES, Graph
-from slackswap.hardware import Hardware
-from slackswap.plan import Plan
-from slackswap.planners.base import Planner
 from slackswap.runtime.op_numbering import writes_into
 
 OUTSIDE = "produced outside every layer (no checkpoint region governs it)"
@@ -132,17 +129,5 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
     return ExportFacts(fixed, tuple(tied), outside)
 
 
-def plan_for_export(planner: Planner, graph: Graph, model: torch.nn.Module, hardware: Hardware,
-                    budget_bytes: int | None) -> Plan:
-    """`planner`'s plan of `graph` inside the export's plan space (module docstring): every tensor
-    PyTorch keeps is kept, tied ones decide alike, the peak within `budget_bytes`
-    (`InfeasibleBudgetError` with the reason otherwise). `PlanExport(plan, graph, model)` then executes
-    every decision as planned."""
-    from slackswap.planners.support.fixed_keep import plan_with_fixed_keep
-
-    facts = export_facts(graph, layer_paths(model))
-    return plan_with_fixed_keep(planner, graph, hardware, budget_bytes, facts.fixed_keep, facts.tied, facts.not_kept)
-
-
 __all__ = ["IN_PLACE", "LAYER_OUTPUT", "NOT_KEPT", "OUTSIDE", "RANDOM", "SEVERAL_OUTPUTS", "ExportFacts",
-           "export_facts", "layer_paths", "module_path", "plan_for_export", "region_of"]
+           "export_facts", "layer_paths", "module_path", "region_of"]
