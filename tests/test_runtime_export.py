@@ -147,6 +147,15 @@ def test_the_export_facts_are_what_an_eager_step_executes_otherwise() -> None:
         assert d.tensor in export.facts().fixed_keep or d.tensor in tied, d
 
 
+def test_the_export_facts_need_a_captured_graph() -> None:
+    from slackswap.errors import ConfigError
+    from slackswap.runtime.export_facts import export_facts
+    from tests.test_planners import GRAPH
+
+    with pytest.raises(ConfigError, match="capture_graph"):
+        export_facts(GRAPH, ["layers.0"])
+
+
 def test_eager_export_outside_every_layer_is_a_named_difference() -> None:
     c = tiny()
     plan, _ = plan_for("slackswap", c)

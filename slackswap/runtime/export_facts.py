@@ -27,6 +27,7 @@ from functools import cache
 
 import torch
 
+from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.runtime.op_numbering import writes_into
 
@@ -91,6 +92,10 @@ def _overload(op_name: str) -> torch._ops.OpOverload | None:
 def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
     """`ExportFacts` of a graph captured by `slackswap.runtime.capture_graph` (ops named `op{k}:{overload}`)
     for the checkpoint regions `regions` (`layer_paths(model)`)."""
+    if graph.meta.get("source") != "slackswap.runtime.capture":
+        raise ConfigError("graph", graph.name, "the export's facts are read from a graph captured by "
+                          "slackswap.runtime.capture_graph (ops named op{k}:{overload}, one per ATen call); "
+                          "translate a traced plan with slackswap.runtime.translate.plan_on_captured first")
     ops, tensors = graph.op_by_name, graph.tensors
     saved = {t.name for t in graph.saved_tensors}
     fixed: dict[str, str] = {}
