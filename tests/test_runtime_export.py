@@ -125,6 +125,26 @@ def test_a_plan_made_for_the_export_runs_as_planned_saving_exactly_the_planned_b
     assert fractions["slackswap"] == 0.7  # the benchmark's budget (benchmarks/runtime_overhead.py)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_a_plan_made_for_the_export_of_an_hf_model_saves_exactly_the_planned_bytes(kind: str) -> None:
+    """The HF classes (2-layer toy configs): GPT-2's attention mask, made once for all blocks, is a layer
+    input autograd does not save; the blocks' checkpoints hold it, so the plan made for the export keeps
+    it. The step then saves exactly the plan's kept bytes, bit-exact, with no difference."""
+    if kind not in _C:
+        _C[kind] = capture(kind, layers=2)
+    c = _C[kind]
+    model = c.workload.model
+    plan, _ = export_plan_for("slackswap", c)
+    export = PlanExport(plan, c.graph, model)
+    loss, grads = step_under(c.workload, counted(export, model))
+    assert bit_equal(c.reference, loss, grads)
+    assert export.step_differences() == []
+    assert all(plan.decisions[t] == Decision.KEEP for t in export.facts().held_inputs)
+    assert bool(export.facts().held_inputs) == (kind == "gpt2")
+    kept = sum(c.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
+    assert export.saved_activation_bytes(export.count) == kept
+
+
 def test_the_export_facts_are_what_an_eager_step_executes_otherwise() -> None:
     """A plan that keeps nothing it can drop: every difference the eager step names is a fact known
     before the step (fixed to keep, with the same reason, or tied), and every fixed tensor is one."""
@@ -136,15 +156,15 @@ def test_the_export_facts_are_what_an_eager_step_executes_otherwise() -> None:
     exported_step(c, export)
     facts = export.facts()
     differences = {d.tensor: d for d in export.step_differences()}
-    assert set(differences) == set(facts.fixed_keep)
-    assert all(differences[n].reason == reason for n, reason in facts.fixed_keep.items())
+    assert set(differences) == set(facts.fixed_keep) | set(facts.held_inputs)
+    assert all(differences[n].reason == reason for n, reason in {**facts.fixed_keep, **facts.held_inputs}.items())
     assert facts.tied, "layer norm's output, mean and rstd share one policy"
     mixed = _mixed_plan(c)
     export = PlanExport(mixed, c.graph, c.workload.model)
     exported_step(c, export)
     tied = {n for group in export.facts().tied for n in group}
     for d in export.step_differences():
-        assert d.tensor in export.facts().fixed_keep or d.tensor in tied, d
+        assert d.tensor in export.facts().fixed_keep or d.tensor in tied or d.tensor in export.facts().held_inputs, d
 
 
 def test_the_export_facts_need_a_captured_graph() -> None:

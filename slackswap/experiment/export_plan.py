@@ -26,7 +26,9 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     from slackswap.runtime.export_facts import export_facts, layer_paths
 
     facts = export_facts(graph, layer_paths(model))
-    return plan_with_fixed_keep(planner, graph, hardware, budget_bytes, facts.fixed_keep, facts.tied, facts.not_kept)
+    held = [t for t in facts.held_inputs if t in graph.candidate_names]
+    return plan_with_fixed_keep(planner, graph, hardware, budget_bytes, facts.fixed_keep, facts.tied, facts.not_kept,
+                                held)
 
 
 __all__ = ["plan_for_export"]

@@ -415,6 +415,7 @@ class PlanExport:
         #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
         self._last_names: dict[int, list[str]] = {}
         self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
+        self._facts = None
         #: Compiled: region -> the region whose compiled function (and partition) it shares.
         self.group_of: dict[int, int] = {}
 
@@ -465,9 +466,11 @@ class PlanExport:
     @contextmanager
     def counting_saved(self, model: torch.nn.Module) -> Iterator[SavedCount]:
         """Around `installed(model)` (eager): counts every storage autograd saves outside the layers'
-        checkpoint caches (tensors outside every layer, and what checkpoint saves of a layer's inputs for
-        the recompute), so `saved_activation_bytes` is the step's whole saved set. Outside: inside
-        `installed`, the checkpoints' own hooks are the innermost and see the layers' tensors."""
+        checkpoint caches (tensors outside every layer) and every tensor a layer is called with (its
+        checkpoint holds them for the recompute, some through `save_for_backward`, those nested in a tuple
+        or passed by keyword by reference), so `saved_activation_bytes` is the step's whole saved set.
+        Outside: inside `installed`, the checkpoints' own hooks are the innermost and see the layers'
+        tensors."""
         count = SavedCount()
         fixed = {_storage(t) for t in (*model.parameters(), *model.buffers())}
 
@@ -481,12 +484,20 @@ class PlanExport:
                 count.autograd[key] = t.untyped_storage().nbytes()
             return t
 
-        handle = model.register_forward_pre_hook(pre, with_kwargs=True)
+        def layer_inputs(_module, args, kwargs):  # checkpoint holds them all for the recompute
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and _storage(t) not in count.excluded:
+                    count.autograd[_storage(t)] = t.untyped_storage().nbytes()
+
+        handles = [model.register_forward_pre_hook(pre, with_kwargs=True)]
+        handles += [model.get_submodule(p).register_forward_pre_hook(layer_inputs, with_kwargs=True)
+                    for p in self.regions]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield count
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     def saved_activation_bytes(self, count: SavedCount) -> int:
         """After an eager step inside `counting_saved`: the device bytes of every distinct storage the step
@@ -546,11 +557,15 @@ class PlanExport:
     # ------------------------------------------------------------------ differences
     def static_differences(self) -> list[ExportDifference]:
         """Decisions no region governs: a saved tensor outside every layer is saved by autograd as usual, a
-        checkpoint candidate there is not saved at all."""
+        checkpoint candidate there is not saved at all, unless a layer reads it (then the layer's
+        checkpoint holds it: a difference where the plan does not keep it)."""
         saved = {t.name for t in self.graph.saved_tensors}
-        return [ExportDifference(n, str(d), "saved by autograd", OUTSIDE) if n in saved else
-                ExportDifference(n, str(d), "not saved", NOT_KEPT) for n, d in sorted(self.outside.items())
-                if d != Decision.KEEP or n not in saved]
+        held = self.facts().held_inputs
+        out = [ExportDifference(n, str(d), "saved by autograd", OUTSIDE) if n in saved else
+               ExportDifference(n, str(d), "not saved", NOT_KEPT) for n, d in sorted(self.outside.items())
+               if (d != Decision.KEEP or n not in saved) and n not in held]
+        return out + [ExportDifference(n, str(self.plan.decisions.get(n, "none")), "held", why)
+                      for n, why in sorted(held.items()) if self.plan.decisions.get(n) != Decision.KEEP]
 
     def step_differences(self) -> list[ExportDifference]:
         """After an eager step: every decided tensor of a region whose policy differs, with the reason."""
@@ -568,13 +583,16 @@ class PlanExport:
     def effective_decisions(self) -> dict[str, Decision]:
         """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside
         every layer, or one the layer's forward did not make, is saved by autograd: keep); a checkpoint
-        candidate outside every layer is not kept, so it has none. Input of
+        candidate outside every layer is not kept, so it has none, unless a layer reads it (its
+        checkpoint holds it: keep). Input of
         `slackswap.pytorch_execution.pytorch_plan`, which the simulator runs."""
         does = {"saved": Decision.KEEP, "offloaded": Decision.SWAP, "recomputed": Decision.RECOMPUTE}
         out = {}
         saved = {t.name for t in self.graph.saved_tensors}
+        held = {t for t in self.facts().held_inputs if t in self.graph.candidate_names}
+        out.update(dict.fromkeys(held, Decision.KEEP))  # held by a layer's checkpoint: kept
         for name in self.plan.decisions:
-            if name in self.outside and name not in saved:
+            if name in held or (name in self.outside and name not in saved):
                 continue
             applied = self.record.applied.get(name)
             out[name] = Decision.KEEP if applied is None else does[DOES[applied]]
@@ -592,7 +610,9 @@ class PlanExport:
     def facts(self):
         """What PyTorch decides itself for this graph and these layers, before any step
         (`slackswap.runtime.export_facts.export_facts`): the tensors it keeps, the decisions it ties."""
-        return export_facts(self.graph, self.regions)
+        if self._facts is None:
+            self._facts = export_facts(self.graph, self.regions)
+        return self._facts
 
 
 @contextmanager

@@ -11,10 +11,11 @@ graph and of the checkpoint regions (the children of the model's first ModuleLis
   into the tensor the caller holds;
 - a random op's outputs are saved, so a recompute's RNG stream stays aligned;
 - an op with several saved outputs gets one policy: they are saved, offloaded or recomputed together;
-- a checkpoint candidate (a tensor autograd does not save) outside every layer is never kept.
+- a checkpoint candidate (a tensor autograd does not save) outside every layer is never kept, unless
+  a layer reads it: a layer's inputs are held by its checkpoint for the recompute.
 The first four fix a tensor to keep (`ExportFacts.fixed_keep`, each with its reason, the words
 `ExportDifference.reason` uses); the fifth ties decisions (`ExportFacts.tied`); the last leaves a
-candidate undecided (`ExportFacts.not_kept`).
+candidate undecided (`ExportFacts.not_kept`) or keeps it (`ExportFacts.held_inputs`).
 `slackswap.experiment.export_plan.plan_for_export` plans with those tensors kept and the tied ones
 alike (`slackswap.planners.support.fixed_keep`), so the export's `step_differences()` is empty.
 """
@@ -22,7 +23,7 @@ alike (`slackswap.planners.support.fixed_keep`), so the export's `step_differenc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -38,6 +39,8 @@ IN_PLACE = ("an in-place op wrote into it after its op (CPU dropout's bernoulli_
             "the writes into the tensor the caller holds, so the chain is saved")
 RANDOM = "a random op's output: saved so a recompute draws the same numbers"
 SEVERAL_OUTPUTS = "its op also makes a tensor the plan decides otherwise: one policy per op"
+LAYER_INPUT = ("an input of a layer autograd does not save: the layer's checkpoint holds it for the recompute "
+               "until the layer's backward, whatever the plan")
 NOT_KEPT = ("a checkpoint candidate outside every layer: autograd does not save it and no checkpoint region "
             "governs it, so it is freed after its last forward reader")
 
@@ -72,6 +75,9 @@ class ExportFacts:
     #: Checkpoint candidates outside every layer: autograd does not save them and no region's policy
     #: governs them, so a plan's decision to keep or swap one is not executed.
     not_kept: frozenset[str] = frozenset()
+    #: Tensors autograd does not save that a layer reads from outside it (an attention mask made once
+    #: for all layers): the layer's checkpoint holds them for its recompute, so they are kept.
+    held_inputs: Mapping[str, str] = field(default_factory=dict)
 
 
 def _call_number(op_name: str) -> int:
@@ -99,6 +105,7 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
     ops, tensors = graph.op_by_name, graph.tensors
     saved = {t.name for t in graph.saved_tensors}
     fixed: dict[str, str] = {}
+    held: dict[str, str] = {}
 
     def fix(op_name: str, reason: str) -> None:
         for t in ops[op_name].outputs:
@@ -125,14 +132,17 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
             source = region_of(module_path(t), regions)
             if source is not None and source != op.layer:
                 fix(tensors[t].producer, LAYER_OUTPUT)
+            if region is not None and source != region and t not in saved:
+                held[t] = LAYER_INPUT
     tied = []
     for op in forward:
         group = tuple(t for t in op.outputs if t in saved and t not in fixed)
         if len(group) > 1 and region_of(module_path(group[0]), regions) is not None:
             tied.append(group)
-    outside = frozenset(t for t in graph.candidate_names if region_of(module_path(t), regions) is None)
-    return ExportFacts(fixed, tuple(tied), outside)
+    outside = frozenset(t for t in graph.candidate_names if region_of(module_path(t), regions) is None
+                        and t not in held)
+    return ExportFacts(fixed, tuple(tied), outside, held)
 
 
-__all__ = ["IN_PLACE", "LAYER_OUTPUT", "NOT_KEPT", "OUTSIDE", "RANDOM", "SEVERAL_OUTPUTS", "ExportFacts",
+__all__ = ["IN_PLACE", "LAYER_INPUT", "LAYER_OUTPUT", "NOT_KEPT", "OUTSIDE", "RANDOM", "SEVERAL_OUTPUTS", "ExportFacts",
            "export_facts", "layer_paths", "module_path", "region_of"]

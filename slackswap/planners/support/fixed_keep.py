@@ -19,8 +19,10 @@ schedule with `slackswap.schedule.build` on the original graph (the planner's tr
 kept when the steps are the same) and checks its replayed peak against the budget. Tensors that must
 share one decision (`tied`: PyTorch's policy is one per op, so several saved outputs of one op are
 saved, offloaded or recomputed together) take the strongest of their members' decisions
-(keep > swap > recompute), and a decision for a checkpoint candidate the executor never keeps
-(`not_kept`) is dropped; that can raise the peak, so then the derived graph is planned again with
+(keep > swap > recompute), a decision for a checkpoint candidate the executor never keeps
+(`not_kept`) is dropped and one it always holds (`kept_candidates`) is keep (the planner does not see
+that hold: the kept copy is priced as a kept candidate, alive until its last recompute reader); that
+can raise the peak, so then the derived graph is planned again with
 the budget lowered by the excess (at most `max_rounds` times, as the MILP and DTR repair their plans).
 It never returns a plan above the budget: `InfeasibleBudgetError` says why not.
 """
@@ -81,10 +83,10 @@ def graph_with_fixed_keep(graph: Graph, fixed: Collection[str]) -> Graph:
 
 def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware: Hardware,
              tied: Sequence[Sequence[str]] = (), notes: Mapping[str, object] | None = None,
-             not_kept: Collection[str] = ()) -> Plan:
+             not_kept: Collection[str] = (), kept_candidates: Collection[str] = ()) -> Plan:
     """The derived graph's plan on `graph`: fixed tensors keep, tied groups one decision, `not_kept`
-    candidates undecided, the schedule rebuilt by `build_schedule`; the planner's transfers are kept where
-    the steps and swaps are the same."""
+    candidates undecided, `kept_candidates` kept, the schedule rebuilt by `build_schedule`; the
+    planner's transfers are kept where the steps and swaps are the same."""
     fixed = frozenset(fixed)
     decisions: dict[str, Decision] = {}
     for name, decision in derived_plan.decisions.items():
@@ -92,6 +94,7 @@ def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware:
             continue  # a candidate decision for a fixed tensor (kept anyway) or one the executor never keeps
         decisions[name] = Decision(decision)
     decisions.update(dict.fromkeys(fixed, Decision.KEEP))
+    decisions.update(dict.fromkeys(kept_candidates, Decision.KEEP))
     for group in tied:
         strongest = min((decisions[t] for t in group), key=_STRENGTH.index)
         decisions.update(dict.fromkeys(group, strongest))
@@ -112,17 +115,19 @@ def plan_with_fixed_keep(
     fixed: Collection[str],
     tied: Sequence[Sequence[str]] = (),
     not_kept: Collection[str] = (),
+    kept_candidates: Collection[str] = (),
     max_rounds: int = 4,
 ) -> Plan:
-    """`planner`'s plan of `graph` with the `fixed` saved tensors kept, each `tied` group deciding alike
-    and no decision for the `not_kept` checkpoint candidates (the executor never keeps them: a decision a
-    planner makes for one is dropped), within `budget_bytes` (module docstring); `InfeasibleBudgetError`
-    with the reason otherwise."""
+    """`planner`'s plan of `graph` with the `fixed` saved tensors kept, each `tied` group deciding alike,
+    no decision for the `not_kept` checkpoint candidates (the executor never keeps them: a decision a
+    planner makes for one is dropped) and the `kept_candidates` kept (the executor holds them), within
+    `budget_bytes` (module docstring); `InfeasibleBudgetError` with the reason otherwise."""
     check_fixed(graph, fixed, tied)
-    unknown = sorted(set(not_kept) - graph.candidate_names)
-    if unknown:
-        raise ConfigError("not_kept", unknown[0], "is not a checkpoint candidate of the graph")
-    not_kept = frozenset(not_kept)
+    for field, names in (("not_kept", not_kept), ("kept_candidates", kept_candidates)):
+        unknown = sorted(set(names) - graph.candidate_names)
+        if unknown:
+            raise ConfigError(field, unknown[0], "is not a checkpoint candidate of the graph")
+    not_kept, kept_candidates = frozenset(not_kept), frozenset(kept_candidates)
     fixed = set(fixed)
     # A group with a fixed member is kept whole (its op's one policy saves all of it).
     tied = [tuple(g) for g in tied if len(g) > 1]
@@ -143,7 +148,8 @@ def plan_with_fixed_keep(
                 f"{planner.name} with {len(fixed)} tensor(s) fixed to keep ({gib(notes['fixed_keep_bytes'])}): "
                 f"budget {gib(budget_bytes)}{lowered}: {exc}") from None
         plan = map_back(graph, derived_plan, fixed, hardware, tied,
-                        {**notes, "fixed_keep_rounds": round_, "fixed_keep_plan_budget_bytes": plan_budget}, not_kept)
+                        {**notes, "fixed_keep_rounds": round_, "fixed_keep_plan_budget_bytes": plan_budget}, not_kept,
+                        kept_candidates)
         plan = replace(plan, budget_bytes=budget_bytes)
         if budget_bytes is None:
             return plan
