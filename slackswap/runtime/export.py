@@ -150,11 +150,27 @@ class _RegionPolicy:
             return compiled_module_path(self.path)
         return self.export.modules.current(self.path)
 
+    def _compiled_count(self, path: str, packet: str, leaves: list, fresh: list[bool]) -> int | None:
+        """Compiled: the eager call number of this call. The calls traced under compile are not eager's
+        one for one (a dropout of p = 0 traces as a clone, which eager never calls), so the k-th call of a
+        (module path, ATen packet) is matched with the k-th eager call there whose first output has the
+        same bytes; None when eager has none (the call has no plan identity)."""
+        sizes = [leaf.numel() * leaf.element_size() for leaf, f in zip(leaves, fresh, strict=False)
+                 if f and isinstance(leaf, torch.Tensor)]
+        key = (path, packet, sizes[0] if sizes else None)
+        c = self.counts[key]
+        self.counts[key] = c + 1
+        eager = [k for k, size in self.export.eager_calls(self.region).get((path, packet), ()) if size == key[2]]
+        return eager[c] if c < len(eager) else None
+
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         path, packet = self._path(), func.overloadpacket.__name__
-        k = self.counts[(path, packet)]
-        self.counts[(path, packet)] = k + 1
         out = ctx.op_output
+        if self.compiled:
+            k = self._compiled_count(path, packet, list(tree_leaves(out)), fresh_output_flags(func, out))
+        else:
+            k = self.counts[(path, packet)]
+            self.counts[(path, packet)] = k + 1
         random = torch.Tag.nondeterministic_seeded in func.tags
         written = [args[i] for i in writes_into(func) if i < len(args) and isinstance(args[i], torch.Tensor)]
         if written and not self.compiled:
@@ -169,8 +185,9 @@ class _RegionPolicy:
                 return CheckpointPolicy.MUST_SAVE
         leaves = list(tree_leaves(out))
         fresh = fresh_output_flags(func, out)
-        names = [f"{path}/{packet}#{k}:{i}" for i, (leaf, f) in enumerate(zip(leaves, fresh, strict=False))
-                 if f and isinstance(leaf, torch.Tensor)]
+        names = [] if k is None else [
+            f"{path}/{packet}#{k}:{i}" for i, (leaf, f) in enumerate(zip(leaves, fresh, strict=False))
+            if f and isinstance(leaf, torch.Tensor)]
         decided = [(n, self.decisions[n]) for n in names if n in self.decisions]
         if random:
             policy = CheckpointPolicy.MUST_SAVE
@@ -416,6 +433,7 @@ class PlanExport:
         self._last_names: dict[int, list[str]] = {}
         self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
         self._facts = None
+        self._eager_calls: dict[int, dict[tuple[str, str], list[tuple[int, int]]]] = {}
         #: Compiled: region -> the region whose compiled function (and partition) it shares.
         self.group_of: dict[int, int] = {}
 
@@ -435,6 +453,26 @@ class PlanExport:
             return _SaveMode(self.policy(region), storage, self), _ReplayMode(storage, self)
 
         return contexts
+
+    def eager_calls(self, region: int) -> dict[tuple[str, str], list[tuple[int, int]]]:
+        """(module path, ATen packet) -> [(eager call number, bytes of its first output)] of the graph's
+        tensors in `region`, in call order: what a compiled call's identity is matched against."""
+        if region not in self._eager_calls:
+            first: dict[tuple[str, str, int], tuple[int, int]] = {}
+            for name, t in self.graph.tensors.items():
+                if _region_of(module_path(name), self.regions) != region or "#" not in name:
+                    continue
+                head, _, tail = name.rpartition("#")
+                path, _, packet = head.rpartition("/")
+                k, _, i = tail.partition(":")
+                key = (path, packet, int(k))
+                if key not in first or int(i) < first[key][0]:
+                    first[key] = (int(i), t.size_bytes)
+            table: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+            for (path, packet, k), (_, size) in sorted(first.items(), key=lambda e: e[0][2]):
+                table[(path, packet)].append((k, size))
+            self._eager_calls[region] = dict(table)
+        return self._eager_calls[region]
 
     def note_random(self, region: int, key: int) -> None:
         self._random.add((region, key))
@@ -739,8 +777,8 @@ def recording_backend() -> tuple[Callable, Partitions]:
 NOT_READ = ("the compiled backward does not read it: its decomposition reads other values (layer norm's "
             "normalized input instead of its input and mean)")
 RENAMED = ("no node of the compiled forward carries this identity: the ATen calls traced under compile differ "
-           "from eager's (decompositions add calls, e.g. clones around attention), so the per-module call counts "
-           "shift and the name lands on another call")
+           "from eager's (inductor's dropout draws its own mask instead of CPU eager's empty_like / bernoulli_ / "
+           "div_), so no compiled call matches this one")
 DERIVED = ("saved in another form, on the device: the partitioner moved a piece of the backward that reads it into "
            "the forward and saves its result, which no policy tagged for offloading")
 HELD_OUTPUT = "the compiled layer's output: autograd holds it as the next layer's input, outside the partition"
