@@ -203,7 +203,8 @@ def test_compiled_partition_against_the_plan_made_for_the_export() -> None:
     saves is a planned tensor where the plan puts it (device or host), or a difference naming why; every
     tensor the plan keeps or swaps is saved or named. What stays different is what inductor's
     decompositions read (docs/runtime.md, "The export"): layer norm's normalized input instead of its
-    input and mean, rstd / width instead of rstd, and identities the compiled trace numbers otherwise."""
+    input and mean, rstd / width instead of rstd, GELU's erf + 1. The dropouts of p = 0 trace as clones
+    eager never calls; matched by output bytes, every planned identity still has its compiled node."""
     from slackswap.runtime import capture_graph
     from slackswap.runtime.export import DERIVED, HELD_OUTPUT, NOT_READ, RENAMED, UNPLANNED
 
@@ -224,7 +225,8 @@ def test_compiled_partition_against_the_plan_made_for_the_export() -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     differences = partition_differences(export, partitions)
     named = {d.tensor for d in differences}
-    assert {d.reason for d in differences} <= {DERIVED, HELD_OUTPUT, NOT_READ, RENAMED, UNPLANNED}
+    assert {d.reason for d in differences} <= {DERIVED, HELD_OUTPUT, NOT_READ, UNPLANNED}
+    assert RENAMED not in {d.reason for d in differences}
     decisions = plan.decisions
     saved = [v for v in partitions[0] if not v.is_input]
     as_planned = [v for v in saved if v.plan_tensor in decisions and v.plan_tensor not in named]
