@@ -428,7 +428,6 @@ class PlanExport:
         self.modules = ModuleStack(model)
         self.host = HostCopies()
         self.record = StepRecord()
-        self._random: set[tuple[int, int]] = set()
         #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
         self._last_names: dict[int, list[str]] = {}
         self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
@@ -473,9 +472,6 @@ class PlanExport:
                 table[(path, packet)].append((k, size))
             self._eager_calls[region] = dict(table)
         return self._eager_calls[region]
-
-    def note_random(self, region: int, key: int) -> None:
-        self._random.add((region, key))
 
     # ------------------------------------------------------------------ installation
     @contextmanager
