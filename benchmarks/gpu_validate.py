@@ -165,6 +165,7 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
     import torch
 
     from slackswap.errors import InfeasibleBudgetError
+    from slackswap.experiment.export_plan import plan_for_export
     from slackswap.planners.registry import get_planner
     from slackswap.runtime import capture_graph, plan_counts
     from slackswap.runtime.train import gradient_check
@@ -219,7 +220,13 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
         if name in export:
             print(f"[gpu_validate] {model.name} {name}: the export, compiled ...", flush=True)
             base = {k: row[k] for k in ("model", "layers", "planner", "device", "budget_bytes", "capture_s")}
-            rows.append(export_row(w, graph, plan, device, steps, base, hw))
+            # The plan made for the export (inside PyTorch's plan space), so it runs as planned.
+            try:
+                exported = plan_for_export(get_planner(name), graph, w.model, hw, row["budget_bytes"])
+            except InfeasibleBudgetError as exc:
+                rows.append({**base, "executor": "export_compiled", "status": "infeasible", "reason": str(exc)})
+                continue
+            rows.append(export_row(w, graph, exported, device, steps, base, hw))
     del w
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -14,9 +14,9 @@ same batch from the same seed:
 - runtime_keep_all / runtime_slackswap: `slackswap.runtime.apply` with the keep_all plan and with
   slackswap's plan at 70 % of the keep-all peak; steady-state steps (the first, verified step of a run
   is a warm-up, like a compilation);
-- export_eager / export_compiled: the slackswap plan exported to selective checkpointing
-  (`slackswap.runtime.export`), eager and with each layer torch.compile'd (inductor; compiled in
-  the warm-up step).
+- export_eager / export_compiled: slackswap's plan made for the export (the same budget), exported to
+  selective checkpointing (`slackswap.runtime.export`), eager and with each layer torch.compile'd
+  (inductor; compiled in the warm-up step).
 
 Timing: CPU time of the process (`time.process_time`), one core, one intra-op thread, the variants
 interleaved round by round; the median over rounds. `aten_calls`: ATen calls a counting dispatch
@@ -32,10 +32,18 @@ the stand-in copies run on the compute thread; on a GPU the copy engines do that
 interleaved with the rest: the runtime's own cost measured directly. `overhead_s_per_aten_call` and
 `overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
 calls and by the tensors autograd saves (`saved_tensors`).
-`planned_saved_bytes` (plan-driven rows): bytes of the saved tensors the plan keeps on the device;
-export rows add `export_saved_bytes` (what the export saves on the device: eager, its checkpoint
-cache; compiled, the partition's saved activations) and `export_differences` (decisions PyTorch
-executes otherwise, each named by `slackswap.runtime.export`).
+`planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device. The
+export rows run slackswap's plan made for the export (`slackswap.experiment.export_plan.plan_for_export`, the
+same budget) and add `export_saved_bytes`: eager, measured in one extra step, every distinct storage
+the step saves for backward (the layers' checkpoint caches and what autograd saves,
+`PlanExport.counting_saved`), which equals `planned_saved_bytes` (`export_saved_equals_planned`);
+compiled, the partitions' saved activations plus the tensors autograd holds outside them whatever the
+policy (outside every layer, the layers' outputs), with `export_saved_unplanned_bytes` (values of the
+ops' decompositions the plan does not name) and `export_differences_by_reason`. Both add
+`export_offloaded_bytes` against `planned_offloaded_bytes`, `export_differences` (decisions PyTorch
+executes otherwise, each named by `slackswap.runtime.export`), and the simulated step time of the plan
+made for the export beside slackswap's own plan (`sim_step_s_plan_for_export`,
+`sim_step_s_slackswap_plan`, H200 preset): what keeping PyTorch's fixed tensors costs.
 
 Writes benchmarks/results/runtime_overhead.json: a list of rows, one per variant and depth.
 """
@@ -47,6 +55,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +109,7 @@ class Variants:
     def __init__(self, layers: int):
         import torch
 
+        from slackswap.experiment.export_plan import plan_for_export
         from slackswap.planners.registry import get_planner
         from slackswap.runtime import apply, capture_graph
         from slackswap.runtime.copy_engines import CpuCopies
@@ -125,8 +135,12 @@ class Variants:
         # Attribution only: the slackswap plan with a copy engine that moves no data (an "offload"
         # holds the device storage itself, a "prefetch" hands it back): the runtime's own cost.
         self.runs["no_data"] = apply(self.plans["slackswap"], self.graph, w.model, copies=NoDataCopies())
-        self.export = PlanExport(self.plans["slackswap"], self.graph, w.model)
-        self.compiled_export = PlanExport(self.plans["slackswap"], self.graph, w.model)
+        # The export runs slackswap's plan made for it (`plan_for_export`: the tensors PyTorch keeps
+        # whatever a plan says are kept, one decision per op), so it executes every decision as planned.
+        self.plans["export"] = plan_for_export(get_planner("slackswap"), self.graph, w.model, h200(),
+                                               int(keep_all_peak * BUDGET_FRACTION))
+        self.export = PlanExport(self.plans["export"], self.graph, w.model)
+        self.compiled_export = PlanExport(self.plans["export"], self.graph, w.model)
         self.backend, self.partitions = recording_backend()
         self.layers = [w.model.get_submodule(p) for p in self.export.regions]
         #: Per timed runtime_slackswap step: CPU seconds of its inline copies (`CpuCopies.copy_s`).
@@ -225,8 +239,8 @@ class Variants:
             row = {"variant": v, "layers": len(self.layers), "cpu_s_per_step": cpu, "aten_calls": calls[v],
                    "ratio_to_eager": cpu / eager, "peak_bytes": peaks[v], "planned_saved_bytes": None,
                    "rounds": rounds}
-            plan = {"runtime_keep_all": "keep_all"}.get(v, "slackswap" if v.startswith(("runtime", "export"))
-                                                         else None)
+            plan = {"runtime_keep_all": "keep_all"}.get(v, "slackswap" if v.startswith("runtime") else
+                                                        "export" if v.startswith("export") else None)
             if plan is not None:
                 row["planned_saved_bytes"] = self._kept_bytes(self.plans[plan])
                 row["plan_offloads"] = len(self.plans[plan].offloads)
@@ -245,33 +259,63 @@ class Variants:
                 row["cpu_s_per_step_no_data_copies"] = statistics.median(no_data)
                 row["ratio_to_eager_no_data_copies"] = statistics.median(no_data) / eager
             if v == "export_eager":
-                row["export_saved_bytes"] = self.export.record.saved_bytes
-                row["export_differences"] = len(self.export.step_differences())
-                row.update(self._saved_accounting())
+                row.update(self._eager_saved())
             if v == "export_compiled":
-                from slackswap.runtime.export import partition_differences, saved_bytes
-
-                row["export_saved_bytes"] = saved_bytes(self.partitions, self.compiled_export)[0]
-                row["compiled_layer_groups"] = len(set(self.compiled_export.group_of.values()))
-                row["export_differences"] = len(self.compiled_export.static_differences()
-                                                + partition_differences(self.compiled_export, self.partitions))
+                row.update(self._compiled_saved())
             rows.append(row)
         return rows
 
-    def _saved_accounting(self) -> dict:
-        """The plan's kept bytes inside the layers (what the export governs) against the bytes PyTorch
-        keeps there (the decisions it executed), the difference being the named differences' bytes."""
-        sizes = self.graph.tensors
-        inside = [n for d in self.export.region_decisions for n in d]
-        effective = self.export.effective_decisions()
-        plan = self.plans["slackswap"].decisions
-        kept_plan = sum(sizes[n].size_bytes for n in inside if str(plan[n]) == "keep")
-        kept_torch = sum(sizes[n].size_bytes for n in inside if str(effective[n]) == "keep")
-        named = {d.tensor for d in self.export.step_differences()}
-        named_bytes = sum(sizes[n].size_bytes for n in inside if n in named and str(effective[n]) == "keep")
-        return {"planned_layer_saved_bytes": kept_plan, "export_layer_saved_bytes": kept_torch,
-                "export_named_difference_saved_bytes": named_bytes,
-                "export_saved_equals_plan_plus_named": kept_torch == kept_plan + named_bytes}
+    def _plan_accounting(self) -> dict:
+        """The plan made for the export against slackswap's plan of the same budget (what fitting PyTorch's
+        plan space costs, simulated on the H200 preset), and the bytes it keeps and swaps."""
+        from slackswap.simulate import simulate
+        from tests.runtime_support import h200
+
+        plan, sizes = self.plans["export"], self.graph.tensors
+        return {"planned_offloaded_bytes": sum(sizes[n].size_bytes for n, d in plan.decisions.items()
+                                               if str(d) == "swap"),
+                "plan_fixed_keep": plan.notes["fixed_keep"], "plan_fixed_keep_bytes": plan.notes["fixed_keep_bytes"],
+                "sim_step_s_plan_for_export": simulate(self.graph, plan, h200(), None).step_s,
+                "sim_step_s_slackswap_plan": simulate(self.graph, self.plans["slackswap"], h200(), None).step_s}
+
+    def _eager_saved(self) -> dict:
+        """One extra eager export step inside `counting_saved`: the device bytes of every storage it saves
+        for backward (checkpoint caches and autograd's), against the plan's kept bytes."""
+        torch, export, model = self.torch, self.export, self.w.model
+        torch.manual_seed(1)
+        _zero(self.w)
+        with export.counting_saved(model) as count, export.installed(model):
+            _step(self.w)
+        saved = export.saved_activation_bytes(count)
+        planned = self._kept_bytes(self.plans["export"])
+        return {"export_saved_bytes": saved, "export_offloaded_bytes": export.record.offloaded_bytes,
+                "export_differences": len(export.step_differences()),
+                "export_saved_equals_planned": saved == planned, **self._plan_accounting()}
+
+    def _compiled_saved(self) -> dict:
+        """The compiled partitions' device bytes (activations, each layer of a compile group counted)
+        plus what autograd holds outside them whatever the policy (tensors outside every layer, the layers'
+        outputs: kept by the plan, `ExportFacts.fixed_keep`), against the plan's kept bytes; the values the
+        plan does not name (inside ops' decompositions) and the planned tensors the partition lacks."""
+        from slackswap.runtime.export import LAYER_OUTPUT, OUTSIDE, partition_differences, saved_bytes
+
+        export, plan, sizes = self.compiled_export, self.plans["export"], self.graph.tensors
+        decisions = plan.decisions
+        device, host = saved_bytes(self.partitions, export)
+        unplanned, _ = saved_bytes(self.partitions, export, lambda v: v.plan_tensor not in decisions)
+        held = sum(sizes[n].size_bytes for n, why in export.facts().fixed_keep.items()
+                   if why in (OUTSIDE, LAYER_OUTPUT))
+        differences = export.static_differences() + partition_differences(export, self.partitions)
+        planned = self._kept_bytes(plan)
+        return {"export_saved_bytes": device + held, "export_partition_saved_bytes": device,
+                "export_held_outside_partition_bytes": held, "export_offloaded_bytes": host,
+                "export_saved_unplanned_bytes": unplanned,
+                "export_saved_minus_planned_bytes": device + held - planned,
+                "export_saved_equals_planned": device + held == planned,
+                "compiled_layer_groups": len(set(export.group_of.values())),
+                "export_differences": len(differences),
+                "export_differences_by_reason": dict(Counter(d.reason.split(":")[0] for d in differences)),
+                **self._plan_accounting()}
 
     def _kept_bytes(self, plan) -> int:
         return sum(self.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if str(d) == "keep")

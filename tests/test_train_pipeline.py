@@ -87,4 +87,5 @@ def test_train_runs_the_plan_compiled(tmp_path, monkeypatch, capsys) -> None:
     assert figures["status"] == "ok" and len(figures["losses"]) == 2
     assert figures["grad_check_max_abs_diff"] < 1.0  # compiled numerics and RNG: close, not equal
     assert figures["export_differences"] == len(figures["export_difference_tensors"])
+    assert figures["export_static_differences"] == 0  # the plan is made for the export (plan_for_export)
     assert "executor=compile" in capsys.readouterr().out

@@ -154,6 +154,7 @@ class TrainingRunOutcome:
 def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None) -> TrainingRunOutcome:
     """Run `spec` (module docstring) and return its outcome. An infeasible budget is an outcome; any
     other failure raises."""
+    from slackswap.experiment.export_plan import plan_for_export
     from slackswap.runtime import capture_graph, plan_counts
     from slackswap.runtime.training_workload import build_training_workload
     from slackswap.simulate import simulate
@@ -173,7 +174,10 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     figures: dict[str, Any] = {"status": Verdict.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
                                "keep_all_peak_bytes": ideal.peak_activation_bytes}
     try:
-        plan = spec.planner.plan(graph, hardware, budget_bytes)
+        if spec.executor == "compile":  # inside PyTorch's plan space: the export runs it as planned
+            plan = plan_for_export(spec.planner, graph, w.model, hardware, budget_bytes)
+        else:
+            plan = spec.planner.plan(graph, hardware, budget_bytes)
     except InfeasibleBudgetError as exc:
         figures.update(status=Verdict.INFEASIBLE, infeasible_reason=str(exc))
         progress.infeasible(str(exc))
@@ -245,6 +249,9 @@ def _run_compiled(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, 
     check = compiled_gradient_check(w, graph, plan, seed=spec.seed + 1)
     figures.update(grad_check_bit_exact=check.bit_exact, grad_check_max_abs_diff=check.max_abs_diff,
                    export_differences=len(check.differences),
+                   # Decisions the export cannot execute as planned whatever the compiler does: none for
+                   # a plan made for the export; the rest are the compiled partition's own.
+                   export_static_differences=len(check.export.static_differences()),
                    export_difference_tensors=[d.tensor for d in check.differences])
     progress.compiled_checked(check)
     records = train_steps(w, graph, plan, spec.steps, spec.lr, spec.seed, progress.step, executor="compile",

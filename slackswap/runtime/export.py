@@ -40,6 +40,18 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
+from slackswap.runtime.export_facts import (
+    IN_PLACE,
+    LAYER_OUTPUT,
+    NOT_KEPT,
+    OUTSIDE,
+    RANDOM,
+    SEVERAL_OUTPUTS,
+    export_facts,
+    layer_paths,
+    module_path,
+)
+from slackswap.runtime.export_facts import region_of as _region_of
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
@@ -74,26 +86,6 @@ class ExportDifference:
     reason: str
 
 
-def layer_paths(model: torch.nn.Module) -> list[str]:
-    """Module paths of the children of the model's first ModuleList: the checkpoint regions."""
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList):
-            return [f"{name}.{i}" if name else str(i) for i in range(len(m))]
-    return []
-
-
-def module_path(identity: str) -> str:
-    """'layers.3.attn@1/addmm#0:0' -> 'layers.3.attn' (module path without the call suffix)."""
-    return identity.rsplit("/", 1)[0].split("@", 1)[0]
-
-
-def _region_of(path: str, regions: list[str]) -> int | None:
-    for i, r in enumerate(regions):
-        if path == r or path.startswith(r + "."):
-            return i
-    return None
-
-
 _SOURCE_ROOT = re.compile(r"^.*?(?:__self__|L\['[^']+'\]|self)((?:\.[A-Za-z_][A-Za-z_0-9]*|\[\d+\])*)$")
 
 
@@ -125,8 +117,21 @@ class StepRecord:
     in_place: set[str] = field(default_factory=set)
     #: Identities a layer returned (held by autograd as the next layer's input, whatever the policy).
     region_outputs: set[str] = field(default_factory=set)
+    #: Identities saved because their op is random (a recompute must draw the same numbers).
+    random: set[str] = field(default_factory=set)
     offloaded_bytes: int = 0
     saved_bytes: int = 0
+    #: Storage -> bytes of every tensor the layers' checkpoint caches save (eager): `saved_bytes` by storage.
+    saved_storages: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SavedCount:
+    """What autograd saves outside the layers' checkpoint caches in one step (`PlanExport.counting_saved`):
+    storage -> bytes, the model's parameters, buffers and inputs left out (they are not activations)."""
+
+    autograd: dict[int, int] = field(default_factory=dict)
+    excluded: set[int] = field(default_factory=set)
 
 
 class _RegionPolicy:
@@ -145,11 +150,27 @@ class _RegionPolicy:
             return compiled_module_path(self.path)
         return self.export.modules.current(self.path)
 
+    def _compiled_count(self, path: str, packet: str, leaves: list, fresh: list[bool]) -> int | None:
+        """Compiled: the eager call number of this call. The calls traced under compile are not eager's
+        one for one (a dropout of p = 0 traces as a clone, which eager never calls), so the k-th call of a
+        (module path, ATen packet) is matched with the k-th eager call there whose first output has the
+        same bytes; None when eager has none (the call has no plan identity)."""
+        sizes = [leaf.numel() * leaf.element_size() for leaf, f in zip(leaves, fresh, strict=False)
+                 if f and isinstance(leaf, torch.Tensor)]
+        key = (path, packet, sizes[0] if sizes else None)
+        c = self.counts[key]
+        self.counts[key] = c + 1
+        eager = [k for k, size in self.export.eager_calls(self.region).get((path, packet), ()) if size == key[2]]
+        return eager[c] if c < len(eager) else None
+
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         path, packet = self._path(), func.overloadpacket.__name__
-        k = self.counts[(path, packet)]
-        self.counts[(path, packet)] = k + 1
         out = ctx.op_output
+        if self.compiled:
+            k = self._compiled_count(path, packet, list(tree_leaves(out)), fresh_output_flags(func, out))
+        else:
+            k = self.counts[(path, packet)]
+            self.counts[(path, packet)] = k + 1
         random = torch.Tag.nondeterministic_seeded in func.tags
         written = [args[i] for i in writes_into(func) if i < len(args) and isinstance(args[i], torch.Tensor)]
         if written and not self.compiled:
@@ -164,8 +185,9 @@ class _RegionPolicy:
                 return CheckpointPolicy.MUST_SAVE
         leaves = list(tree_leaves(out))
         fresh = fresh_output_flags(func, out)
-        names = [f"{path}/{packet}#{k}:{i}" for i, (leaf, f) in enumerate(zip(leaves, fresh, strict=False))
-                 if f and isinstance(leaf, torch.Tensor)]
+        names = [] if k is None else [
+            f"{path}/{packet}#{k}:{i}" for i, (leaf, f) in enumerate(zip(leaves, fresh, strict=False))
+            if f and isinstance(leaf, torch.Tensor)]
         decided = [(n, self.decisions[n]) for n in names if n in self.decisions]
         if random:
             policy = CheckpointPolicy.MUST_SAVE
@@ -179,6 +201,8 @@ class _RegionPolicy:
             policy = CheckpointPolicy.MUST_RECOMPUTE
         for n, _ in decided:
             self.export.record.applied[n] = policy
+            if random:
+                self.export.record.random.add(n)
         if self.compiled:
             self._tag_nodes(names, leaves)
         else:
@@ -264,6 +288,7 @@ class _SaveMode(TorchDispatchMode):
                 self._undo(key)
                 self.storage[key] = _Entry("save", _detach(written[0]))
                 self.export.record.saved_bytes += written[0].untyped_storage().nbytes()
+                self.export.record.saved_storages[_storage(written[0])] = written[0].untyped_storage().nbytes()
                 self.heads[_storage(written[0])] = (key, CheckpointPolicy.MUST_SAVE)
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             return out
@@ -273,6 +298,9 @@ class _SaveMode(TorchDispatchMode):
         if policy in _SAVE:
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             self.export.record.saved_bytes += _fresh_bytes(func, out)
+            for leaf, f in zip(tree_leaves(out), fresh_output_flags(func, out), strict=False):
+                if f and isinstance(leaf, torch.Tensor):
+                    self.export.record.saved_storages[_storage(leaf)] = leaf.untyped_storage().nbytes()
         elif policy in _OFFLOAD:
             leaves = iter(range(1 << 30))
             key = (self.policy.region, str(func), idx)
@@ -400,10 +428,11 @@ class PlanExport:
         self.modules = ModuleStack(model)
         self.host = HostCopies()
         self.record = StepRecord()
-        self._random: set[tuple[int, int]] = set()
         #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
         self._last_names: dict[int, list[str]] = {}
         self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
+        self._facts = None
+        self._eager_calls: dict[int, dict[tuple[str, str], list[tuple[int, int]]]] = {}
         #: Compiled: region -> the region whose compiled function (and partition) it shares.
         self.group_of: dict[int, int] = {}
 
@@ -424,8 +453,25 @@ class PlanExport:
 
         return contexts
 
-    def note_random(self, region: int, key: int) -> None:
-        self._random.add((region, key))
+    def eager_calls(self, region: int) -> dict[tuple[str, str], list[tuple[int, int]]]:
+        """(module path, ATen packet) -> [(eager call number, bytes of its first output)] of the graph's
+        tensors in `region`, in call order: what a compiled call's identity is matched against."""
+        if region not in self._eager_calls:
+            first: dict[tuple[str, str, int], tuple[int, int]] = {}
+            for name, t in self.graph.tensors.items():
+                if _region_of(module_path(name), self.regions) != region or "#" not in name:
+                    continue
+                head, _, tail = name.rpartition("#")
+                path, _, packet = head.rpartition("/")
+                k, _, i = tail.partition(":")
+                key = (path, packet, int(k))
+                if key not in first or int(i) < first[key][0]:
+                    first[key] = (int(i), t.size_bytes)
+            table: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+            for (path, packet, k), (_, size) in sorted(first.items(), key=lambda e: e[0][2]):
+                table[(path, packet)].append((k, size))
+            self._eager_calls[region] = dict(table)
+        return self._eager_calls[region]
 
     # ------------------------------------------------------------------ installation
     @contextmanager
@@ -450,6 +496,47 @@ class PlanExport:
                 layer.__dict__.pop("forward", None)
                 if original is not None:
                     layer.forward = original
+
+    @contextmanager
+    def counting_saved(self, model: torch.nn.Module) -> Iterator[SavedCount]:
+        """Around `installed(model)` (eager): counts every storage autograd saves outside the layers'
+        checkpoint caches (tensors outside every layer) and every tensor a layer is called with (its
+        checkpoint holds them for the recompute, some through `save_for_backward`, those nested in a tuple
+        or passed by keyword by reference), so `saved_activation_bytes` is the step's whole saved set.
+        Outside: inside `installed`, the checkpoints' own hooks are the innermost and see the layers'
+        tensors."""
+        count = SavedCount()
+        fixed = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+
+        def pre(_module, args, kwargs):
+            count.autograd.clear()
+            count.excluded = fixed | {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage(t)
+            if key not in count.excluded:
+                count.autograd[key] = t.untyped_storage().nbytes()
+            return t
+
+        def layer_inputs(_module, args, kwargs):  # checkpoint holds them all for the recompute
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and _storage(t) not in count.excluded:
+                    count.autograd[_storage(t)] = t.untyped_storage().nbytes()
+
+        handles = [model.register_forward_pre_hook(pre, with_kwargs=True)]
+        handles += [model.get_submodule(p).register_forward_pre_hook(layer_inputs, with_kwargs=True)
+                    for p in self.regions]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield count
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def saved_activation_bytes(self, count: SavedCount) -> int:
+        """After an eager step inside `counting_saved`: the device bytes of every distinct storage the step
+        saved for backward (the checkpoint caches and autograd's), offloaded host copies left out."""
+        return sum({**count.autograd, **self.record.saved_storages}.values())
 
     def _note_outputs(self, out: object) -> None:
         """The layer's returned tensors stay alive as the next layer's input: any policy on them is moot."""
@@ -503,10 +590,16 @@ class PlanExport:
 
     # ------------------------------------------------------------------ differences
     def static_differences(self) -> list[ExportDifference]:
-        """Decisions no region governs: a tensor outside every layer is saved by autograd as usual."""
-        return [ExportDifference(n, str(d), "saved by autograd", "produced outside every layer (no checkpoint "
-                                 "region governs it)") for n, d in sorted(self.outside.items())
-                if d != Decision.KEEP]
+        """Decisions no region governs: a saved tensor outside every layer is saved by autograd as usual, a
+        checkpoint candidate there is not saved at all, unless a layer reads it (then the layer's
+        checkpoint holds it: a difference where the plan does not keep it)."""
+        saved = {t.name for t in self.graph.saved_tensors}
+        held = self.facts().held_inputs
+        out = [ExportDifference(n, str(d), "saved by autograd", OUTSIDE) if n in saved else
+               ExportDifference(n, str(d), "not saved", NOT_KEPT) for n, d in sorted(self.outside.items())
+               if (d != Decision.KEEP or n not in saved) and n not in held]
+        return out + [ExportDifference(n, str(self.plan.decisions.get(n, "none")), "held", why)
+                      for n, why in sorted(held.items()) if self.plan.decisions.get(n) != Decision.KEEP]
 
     def step_differences(self) -> list[ExportDifference]:
         """After an eager step: every decided tensor of a region whose policy differs, with the reason."""
@@ -523,28 +616,37 @@ class PlanExport:
 
     def effective_decisions(self) -> dict[str, Decision]:
         """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside
-        every layer, or one the layer's forward did not make, is saved by autograd: keep). Input of
+        every layer, or one the layer's forward did not make, is saved by autograd: keep); a checkpoint
+        candidate outside every layer is not kept, so it has none, unless a layer reads it (its
+        checkpoint holds it: keep). Input of
         `slackswap.pytorch_execution.pytorch_plan`, which the simulator runs."""
         does = {"saved": Decision.KEEP, "offloaded": Decision.SWAP, "recomputed": Decision.RECOMPUTE}
         out = {}
+        saved = {t.name for t in self.graph.saved_tensors}
+        held = {t for t in self.facts().held_inputs if t in self.graph.candidate_names}
+        out.update(dict.fromkeys(held, Decision.KEEP))  # held by a layer's checkpoint: kept
         for name in self.plan.decisions:
+            if name in held or (name in self.outside and name not in saved):
+                continue
             applied = self.record.applied.get(name)
             out[name] = Decision.KEEP if applied is None else does[DOES[applied]]
         return out
 
     def _why(self, name: str, applied: CheckpointPolicy) -> str:
         if name in self.record.in_place:
-            return ("an in-place op wrote into it after its op (CPU dropout's bernoulli_ and div_): a replay "
-                    "cannot redo the writes into the tensor the caller holds, so the chain is saved")
+            return IN_PLACE
         if name in self.record.region_outputs:
-            return ("an output of its layer: the next layer's checkpoint (or an op outside) holds it as an input, "
-                    "whatever the policy")
-        if applied in _SAVE:
-            return ("its op also makes a tensor the plan keeps, or it is a random op's output (saved so a "
-                    "recompute draws the same numbers): one policy per op")
-        if applied in _OFFLOAD:
-            return "its op also makes a tensor the plan swaps: one policy per op"
-        return "one policy per op"
+            return LAYER_OUTPUT
+        if name in self.record.random:
+            return RANDOM
+        return SEVERAL_OUTPUTS
+
+    def facts(self):
+        """What PyTorch decides itself for this graph and these layers, before any step
+        (`slackswap.runtime.export_facts.export_facts`): the tensors it keeps, the decisions it ties."""
+        if self._facts is None:
+            self._facts = export_facts(self.graph, self.regions)
+        return self._facts
 
 
 @contextmanager
@@ -591,14 +693,52 @@ class SavedValue:
     op: str | None = None
     #: A graph input of the compiled layer: a parameter or the layer's input (not an activation it made).
     is_input: bool = False
+    #: For a value no policy call made (the partitioner moved part of the backward's decomposition into the
+    #: forward, e.g. layer norm's rstd / width): the one plan tensor it is computed from, or None.
+    derived_from: str | None = None
+
+    @property
+    def plan_tensor(self) -> str | None:
+        """The plan tensor this value saves: its own name, or the one tensor it is computed from."""
+        return self.tensor or self.derived_from
 
 
-def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
+def _derived_from(node: torch.fx.Node) -> str | None:
+    """The one plan tensor an untagged node is computed from (through untagged nodes only), or None."""
+    if "slackswap_tensor" in node.meta or "slackswap_op" in node.meta or node.op != "call_function":
+        return None
+    found: set[str] = set()
+    todo, seen = list(node.all_input_nodes), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if "slackswap_tensor" in n.meta:
+            found.add(n.meta["slackswap_tensor"])
+        elif n.op == "call_function" and "slackswap_op" not in n.meta:
+            todo.extend(n.all_input_nodes)
+        elif n.op != "get_attr":
+            return None  # a graph input or a value inside an op's decomposition: not one tensor's function
+    return found.pop() if len(found) == 1 else None
+
+
+class Partitions(list):
+    """The compiled backwards' saved values, one list per compiled layer function (`recording_backend`),
+    and `traced`: every plan tensor some node of a compiled forward computes (its identity exists under
+    compile), so a planned tensor the partition lacks reads as not read or as renamed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.traced: set[str] = set()
+
+
+def recording_backend() -> tuple[Callable, Partitions]:
     """An inductor backend that also records each compiled backward's saved inputs (the partition)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    partitions: list[list[SavedValue]] = []
-    forward_names: dict[object, dict[str, tuple[str | None, str | None]]] = {}
+    partitions = Partitions()
+    forward_names: dict[object, dict[str, tuple[str | None, str | None, str | None]]] = {}
 
     def inner(gm, example_inputs, *args, **kwargs):
         names = forward_names.setdefault(kwargs.get("graph_id"), {})
@@ -606,7 +746,10 @@ def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
             for node in gm.graph.nodes:
                 source = node.args[0] if node.name.startswith("cpu_offload_") and node.args else node
                 meta = getattr(source, "meta", {})
-                names[node.name] = (meta.get("slackswap_tensor"), meta.get("slackswap_op"))
+                derived = _derived_from(source) if isinstance(source, torch.fx.Node) else None
+                names[node.name] = (meta.get("slackswap_tensor"), meta.get("slackswap_op"), derived)
+                if meta.get("slackswap_tensor"):
+                    partitions.traced.add(meta["slackswap_tensor"])
         else:
             saved = []
             for node in gm.graph.find_nodes(op="placeholder"):
@@ -616,15 +759,26 @@ def recording_backend() -> tuple[Callable, list[list[SavedValue]]]:
                 if not isinstance(val, torch.Tensor):
                     continue
                 size = val.numel() * val.element_size()
-                tensor, op = names.get(node.name, (None, None))
+                tensor, op, derived = names.get(node.name, (None, None, None))
                 tensor = node.meta.get("slackswap_tensor") or tensor
                 op = node.meta.get("slackswap_op") or op
                 saved.append(SavedValue(node.name, tensor, size, node.name.startswith("cpu_offload_"), op,
-                                        node.name.startswith("primals")))
+                                        node.name.startswith("primals"), None if tensor else derived))
             partitions.append(saved)
         return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return partial(compile_fx, inner_compile=inner), partitions
+
+
+NOT_READ = ("the compiled backward does not read it: its decomposition reads other values (layer norm's "
+            "normalized input instead of its input and mean)")
+RENAMED = ("no node of the compiled forward carries this identity: the ATen calls traced under compile differ "
+           "from eager's (inductor's dropout draws its own mask instead of CPU eager's empty_like / bernoulli_ / "
+           "div_), so no compiled call matches this one")
+DERIVED = ("saved in another form, on the device: the partitioner moved a piece of the backward that reads it into "
+           "the forward and saves its result, which no policy tagged for offloading")
+HELD_OUTPUT = "the compiled layer's output: autograd holds it as the next layer's input, outside the partition"
+UNPLANNED = "the plan does not name it: the compiled backward reads a value of the op's decomposition"
 
 
 def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]) -> list[ExportDifference]:
@@ -632,40 +786,50 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
 
     Planned on the device: keep; planned on the host: swap; planned absent: recompute. A saved value
     that is a graph input (parameter or the layer's input) is not an activation the layer made and is
-    left out. What remains, by kind: a plan tensor saved otherwise than planned, a plan tensor of a
-    governed layer the partition does not save (the compiled backward reads other values, or the
-    identity does not exist under compile), a value the plan does not name."""
+    left out; a value computed from exactly one plan tensor (`SavedValue.derived_from`) saves that
+    tensor. What remains, by kind: a plan tensor saved otherwise than planned; a planned tensor the
+    partition does not save (the layer's output, held outside it; a value the decomposed backward does
+    not read; an identity no call has under compile); a value the plan does not name."""
     saved = [v for part in partitions for v in part if not v.is_input]
-    got: dict[str, SavedValue] = {v.tensor: v for v in saved if v.tensor is not None}
+    got: dict[str, SavedValue] = {}
+    for v in saved:
+        if v.plan_tensor is not None:
+            got.setdefault(v.plan_tensor, v)
+    traced = getattr(partitions, "traced", None)
+    outputs = {n for n, why in export.facts().fixed_keep.items() if why == LAYER_OUTPUT}
     out: list[ExportDifference] = []
     for region, decisions in enumerate(export.region_decisions):
         for name, decision in sorted(decisions.items()):
             v = got.get(export.translate(name, region))
             if v is None:
-                if decision != Decision.RECOMPUTE:
-                    out.append(ExportDifference(name, str(decision), "not saved",
-                                                "the compiled backward does not read this value (its decomposition "
-                                                "saves others, or the op has another name under compile)"))
+                if decision == Decision.RECOMPUTE:
+                    continue
+                if name in outputs:
+                    out.append(ExportDifference(name, str(decision), "held", HELD_OUTPUT))
+                elif traced is not None and export.translate(name, region) not in traced:
+                    out.append(ExportDifference(name, str(decision), "not saved", RENAMED))
+                else:
+                    out.append(ExportDifference(name, str(decision), "not saved", NOT_READ))
             elif decision == Decision.RECOMPUTE:
                 out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
                                             "the partitioner saves it: a random op's output or an output of "
                                             "an op that also makes a kept tensor"))
             elif (decision == Decision.SWAP) != v.offloaded:
-                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
-                                            "torch's offload pass skips views, non-contiguous tensors and "
-                                            "model outputs" if decision == Decision.SWAP else "one policy per op"))
+                why = ("one policy per op" if decision != Decision.SWAP else DERIVED if v.tensor is None else
+                       "torch's offload pass skips views, non-contiguous tensors and model outputs")
+                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved", why))
     for v in saved:
-        if v.tensor is None or v.tensor not in export.plan.decisions:
-            what = v.tensor or (f"a value inside {v.op}" if v.op else f"compiled value {v.node}")
-            out.append(ExportDifference(what, "none", "offloaded" if v.offloaded else "saved",
-                                        "the plan does not name it: the compiled backward reads a value of "
-                                        "the op's decomposition (or an op renamed under compile)"))
+        if v.plan_tensor is None or v.plan_tensor not in export.plan.decisions:
+            what = v.plan_tensor or (f"a value inside {v.op}" if v.op else f"compiled value {v.node}")
+            out.append(ExportDifference(what, "none", "offloaded" if v.offloaded else "saved", UNPLANNED))
     return out
 
 
-def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = None) -> tuple[int, int]:
-    """(device bytes, host bytes) the compiled partitions save per step, graph inputs left out. With
-    `export`, a partition shared by a group of layers counts once per layer of the group."""
+def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = None,
+                which: Callable[[SavedValue], bool] | None = None) -> tuple[int, int]:
+    """(device bytes, host bytes) the compiled partitions save per step, graph inputs left out (and, with
+    `which`, the values it rejects). With `export`, a partition shared by a group of layers counts once
+    per layer of the group."""
     device = host = 0
     for part in partitions:
         values = [v for v in part if not v.is_input]
@@ -674,10 +838,11 @@ def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = 
             named = next((v.tensor for v in values if v.tensor), None)
             rep = _region_of(module_path(named), export.regions) if named else None
             times = sum(1 for g in export.group_of.values() if g == rep) if rep is not None else 1
+        values = [v for v in values if which is None or which(v)]
         device += times * sum(v.size_bytes for v in values if not v.offloaded)
         host += times * sum(v.size_bytes for v in values if v.offloaded)
     return device, host
 
 
-__all__ = ["DOES", "POLICY_OF", "ExportDifference", "PlanExport", "SavedValue", "layer_paths", "partition_differences",
-           "recording_backend", "saved_bytes"]
+__all__ = ["DOES", "POLICY_OF", "ExportDifference", "Partitions", "PlanExport", "SavedCount", "SavedValue",
+           "layer_paths", "partition_differences", "recording_backend", "saved_bytes"]

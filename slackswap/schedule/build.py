@@ -11,7 +11,11 @@ Every planner (including the MILP) decides *what* happens to each saved activati
   tensor, or a non-saved forward tensor without a decision (its forward copy was freed after the
   forward pass; reading it in backward would keep it alive all along). Kept and swapped tensors, the
   checkpoint candidates a plan decides included (`Graph.candidate_tensors`), are never regenerated:
-  a kept candidate's run copy lives until its last recompute reader.
+  a kept candidate's run copy lives until its last recompute reader. Nor is a forward tensor the
+  model's code holds into the backward pass (`Tensor.held_until` a backward op) and no op overwrites
+  in place: its run copy is on the device anyway, so a recompute reads it as it would a kept one
+  (on captured graphs only the loss value is held so; `slackswap.planners.support.fixed_keep`
+  holds tensors so on purpose).
   When a producer is recomputed, its other recompute-decided outputs not yet regenerated are
   materialised by the same step (one recompute per op, not one per output).
 - offloads: one per swapped tensor, issued right after its producer's run step, in production order.
@@ -165,7 +169,7 @@ def _compute_steps(graph: Graph, decided: Mapping[str, Decision]) -> tuple[Compu
     steps = list(forward)
     # Tensors whose latest copy a backward-region step may read.
     recompute = Decision.RECOMPUTE
-    available = {name for name, d in decided.items() if d is not recompute}
+    available = {name for name, d in decided.items() if d is not recompute} | _held_into_backward(graph)
     for step, inputs in rest:
         for t in inputs:
             if t in forward_tensors and t not in available:
@@ -173,6 +177,19 @@ def _compute_steps(graph: Graph, decided: Mapping[str, Decision]) -> tuple[Compu
         steps.append(step)
         available.update(step.outputs)
     return tuple(steps)
+
+
+def _build_held_into_backward(graph: Graph) -> frozenset[str]:
+    ops = graph.op_by_name
+    written = {t for op in graph.ops for t in op.writes}  # a later op overwrites it: the copy is stale
+    return frozenset(t.name for t in graph.tensors.values() if t.held_until and not t.saved
+                     and ops[t.producer].phase in FORWARD_PHASES and ops[t.held_until].phase == Phase.BACKWARD
+                     and t.name not in written)
+
+
+#: Forward tensors autograd does not save whose run copy the model's code holds into the backward pass:
+#: readable by a recompute without regenerating them (module docstring); once per graph.
+_held_into_backward: GraphMemo[frozenset[str]] = GraphMemo(_build_held_into_backward)
 
 
 def _regenerate(

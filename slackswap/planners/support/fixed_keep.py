@@ -1,0 +1,168 @@
+"""Plan with some saved tensors fixed to keep, with any planner: the plan space of an executor that
+decides those tensors itself (PyTorch's checkpointing keeps a layer's output, a random op's output,
+an in-place chain and every tensor outside a checkpointed layer, whatever a plan says).
+
+Why a derived graph and not a planner option: every planner decides every saved tensor of the graph
+it is given, so the way to make a tensor undecidable for all of them alike is a graph in which it is
+not a saved tensor but still costs what a kept one costs. `graph_with_fixed_keep` builds it: a fixed
+tensor's backward readers stop reading it, it is no longer saved, and the model's code holds it
+(`Tensor.held_until`) until its last reader in the original graph. A held run copy lives exactly as
+long as a kept one (the copy resolver extends a run copy to its hold, `slackswap.schedule.copies`),
+and the scheduler lets a recompute read a tensor held into the backward pass as it reads a kept one
+(`slackswap.schedule.build`), so a plan of the derived graph has the same steps and, copy for copy,
+the same device memory as the same decisions with the fixed tensors kept on the original graph
+(tests/test_fixed_keep.py checks the peak to the byte).
+
+`plan_with_fixed_keep` plans the derived graph with the planner, maps the plan back (fixed tensors
+keep; a decision a planner made for one of them as a checkpoint candidate is dropped), rebuilds the
+schedule with `slackswap.schedule.build` on the original graph (the planner's transfer positions are
+kept when the steps are the same) and checks its replayed peak against the budget. Tensors that must
+share one decision (`tied`: PyTorch's policy is one per op, so several saved outputs of one op are
+saved, offloaded or recomputed together) take the strongest of their members' decisions
+(keep > swap > recompute), a decision for a checkpoint candidate the executor never keeps
+(`not_kept`) is dropped and one it always holds (`kept_candidates`) is keep (the planner does not see
+that hold: the kept copy is priced as a kept candidate, alive until its last recompute reader); that
+can raise the peak, so then the derived graph is planned again with
+the budget lowered by the excess (at most `max_rounds` times, as the MILP and DTR repair their plans).
+It never returns a plan above the budget: `InfeasibleBudgetError` says why not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
+from types import MappingProxyType
+
+from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.graph import FORWARD_PHASES, Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Decision, Plan
+from slackswap.planners.base import Planner, gib
+from slackswap.schedule.build import build_schedule
+from slackswap.schedule.replay import estimate_plan
+
+#: Strongest first: the decision a tied group takes (one policy per op: any member kept keeps them all).
+_STRENGTH = (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE)
+
+
+def check_fixed(graph: Graph, fixed: Collection[str], tied: Sequence[Sequence[str]] = ()) -> None:
+    """Every fixed or tied tensor is a saved tensor of a forward op (naming the first that is not)."""
+    ops = graph.op_by_name
+    for field, names in (("fixed_keep", fixed), ("tied", [t for group in tied for t in group])):
+        for name in names:
+            tensor = graph.tensors.get(name)
+            if tensor is None or not tensor.saved or ops[tensor.producer].phase not in FORWARD_PHASES:
+                raise ConfigError(field, name, "is not a saved tensor of a forward op of the graph")
+
+
+def graph_with_fixed_keep(graph: Graph, fixed: Collection[str]) -> Graph:
+    """The graph in which the `fixed` saved tensors are not decidable and cost what a kept one does
+    (module docstring): not saved, no backward reader, held until their last reader of `graph`."""
+    check_fixed(graph, fixed)
+    fixed = frozenset(fixed)
+    if not fixed:
+        return graph
+    index, ops = graph.op_index, graph.op_by_name
+    tensors = dict(graph.tensors)
+    for name in fixed:
+        t = graph.tensors[name]
+        last = max((index[c] for c in (*t.consumers, *([t.held_until] if t.held_until else ()))),
+                   default=index[t.producer])
+        tensors[name] = replace(t, saved=False, held_until=graph.ops[last].name,
+                                consumers=tuple(c for c in t.consumers if ops[c].phase in FORWARD_PHASES))
+    new_ops = tuple(
+        op if op.phase in FORWARD_PHASES or fixed.isdisjoint(op.inputs)
+        else replace(op, inputs=tuple(t for t in op.inputs if t not in fixed))
+        for op in graph.ops)
+    meta = {**dict(graph.meta), "fixed_keep": sorted(fixed)}
+    return Graph(name=f"{graph.name}+fixed_keep", ops=new_ops, tensors=MappingProxyType(tensors),
+                 num_layers=graph.num_layers, weight_bytes=graph.weight_bytes,
+                 weight_grad_bytes=graph.weight_grad_bytes, optimizer_state_bytes=graph.optimizer_state_bytes,
+                 meta=meta)
+
+
+def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware: Hardware,
+             tied: Sequence[Sequence[str]] = (), notes: Mapping[str, object] | None = None,
+             not_kept: Collection[str] = (), kept_candidates: Collection[str] = ()) -> Plan:
+    """The derived graph's plan on `graph`: fixed tensors keep, tied groups one decision, `not_kept`
+    candidates undecided, `kept_candidates` kept, the schedule rebuilt by `build_schedule`; the
+    planner's transfers are kept where the steps and swaps are the same."""
+    fixed = frozenset(fixed)
+    decisions: dict[str, Decision] = {}
+    for name, decision in derived_plan.decisions.items():
+        if name in fixed or name in not_kept:
+            continue  # a candidate decision for a fixed tensor (kept anyway) or one the executor never keeps
+        decisions[name] = Decision(decision)
+    decisions.update(dict.fromkeys(fixed, Decision.KEEP))
+    decisions.update(dict.fromkeys(kept_candidates, Decision.KEEP))
+    for group in tied:
+        strongest = min((decisions[t] for t in group), key=_STRENGTH.index)
+        decisions.update(dict.fromkeys(group, strongest))
+    plan = build_schedule(graph, decisions, planner=derived_plan.planner, budget_bytes=derived_plan.budget_bytes,
+                          hardware=hardware, bound_step_s=derived_plan.bound_step_s,
+                          notes={**dict(derived_plan.notes), **dict(notes or {})})
+    swapped = {t.tensor for t in derived_plan.offloads}
+    if plan.steps == derived_plan.steps and swapped == {t.tensor for t in plan.offloads}:
+        plan = replace(plan, offloads=derived_plan.offloads, prefetches=derived_plan.prefetches)
+    return plan
+
+
+def plan_with_fixed_keep(
+    planner: Planner,
+    graph: Graph,
+    hardware: Hardware,
+    budget_bytes: int | None,
+    fixed: Collection[str],
+    tied: Sequence[Sequence[str]] = (),
+    not_kept: Collection[str] = (),
+    kept_candidates: Collection[str] = (),
+    max_rounds: int = 4,
+) -> Plan:
+    """`planner`'s plan of `graph` with the `fixed` saved tensors kept, each `tied` group deciding alike,
+    no decision for the `not_kept` checkpoint candidates (the executor never keeps them: a decision a
+    planner makes for one is dropped) and the `kept_candidates` kept (the executor holds them), within
+    `budget_bytes` (module docstring); `InfeasibleBudgetError` with the reason otherwise."""
+    check_fixed(graph, fixed, tied)
+    for field, names in (("not_kept", not_kept), ("kept_candidates", kept_candidates)):
+        unknown = sorted(set(names) - graph.candidate_names)
+        if unknown:
+            raise ConfigError(field, unknown[0], "is not a checkpoint candidate of the graph")
+    not_kept, kept_candidates = frozenset(not_kept), frozenset(kept_candidates)
+    fixed = set(fixed)
+    # A group with a fixed member is kept whole (its op's one policy saves all of it).
+    tied = [tuple(g) for g in tied if len(g) > 1]
+    for group in tied:
+        if fixed.intersection(group):
+            fixed.update(group)
+    tied = [g for g in tied if fixed.isdisjoint(g)]
+    derived = graph_with_fixed_keep(graph, fixed)
+    notes = {"fixed_keep": len(fixed), "fixed_keep_bytes": sum(graph.tensors[t].size_bytes for t in fixed)}
+    plan_budget = budget_bytes
+    peak = None
+    for round_ in range(max_rounds + 1):
+        try:
+            derived_plan = planner.plan(derived, hardware, plan_budget)
+        except InfeasibleBudgetError as exc:
+            lowered = f" (lowered to {gib(plan_budget)} by the excess of the tied decisions)" if round_ else ""
+            raise InfeasibleBudgetError(
+                f"{planner.name} with {len(fixed)} tensor(s) fixed to keep ({gib(notes['fixed_keep_bytes'])}): "
+                f"budget {gib(budget_bytes)}{lowered}: {exc}") from None
+        plan = map_back(graph, derived_plan, fixed, hardware, tied,
+                        {**notes, "fixed_keep_rounds": round_, "fixed_keep_plan_budget_bytes": plan_budget}, not_kept,
+                        kept_candidates)
+        plan = replace(plan, budget_bytes=budget_bytes)
+        if budget_bytes is None:
+            return plan
+        peak = estimate_plan(graph, plan, hardware).peak_bytes
+        if peak <= budget_bytes:
+            return plan
+        plan_budget -= peak - budget_bytes
+        if plan_budget <= 0:
+            break
+    raise InfeasibleBudgetError(
+        f"{planner.name} with {len(fixed)} tensor(s) fixed to keep: after {round_ + 1} round(s) the plan, its "
+        f"tied decisions made alike, still peaks at {gib(peak)} > budget {gib(budget_bytes)} (each round lowers "
+        "the planner's budget by the excess)")
+
+
+__all__ = ["check_fixed", "graph_with_fixed_keep", "map_back", "plan_with_fixed_keep"]

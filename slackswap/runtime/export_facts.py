@@ -1,0 +1,148 @@
+"""What PyTorch's checkpointing decides itself, from the graph and the model's layers alone: the space
+of plans the export executes decision for decision.
+
+Why: `slackswap.runtime.export.PlanExport` runs any plan, but some decisions are PyTorch's, not the
+plan's (docs/runtime.md, "The export"). Known before any step runs, they are facts of the captured
+graph and of the checkpoint regions (the children of the model's first ModuleList):
+- a tensor outside every layer is saved by autograd (no region's policy governs it);
+- a layer's output is held as the next layer's input (or by an op outside), whatever the policy;
+- an op that an in-place call writes into afterwards (CPU dropout's `empty_like` / `bernoulli_` /
+  `div_`, one graph op: `slackswap.runtime.op_numbering`) is saved: a replay cannot redo the writes
+  into the tensor the caller holds;
+- a random op's outputs are saved, so a recompute's RNG stream stays aligned;
+- an op with several saved outputs gets one policy: they are saved, offloaded or recomputed together;
+- a checkpoint candidate (a tensor autograd does not save) outside every layer is never kept, unless
+  a layer reads it: a layer's inputs are held by its checkpoint for the recompute.
+The first four fix a tensor to keep (`ExportFacts.fixed_keep`, each with its reason, the words
+`ExportDifference.reason` uses); the fifth ties decisions (`ExportFacts.tied`); the last leaves a
+candidate undecided (`ExportFacts.not_kept`) or keeps it (`ExportFacts.held_inputs`).
+`slackswap.experiment.export_plan.plan_for_export` plans with those tensors kept and the tied ones
+alike (`slackswap.planners.support.fixed_keep`), so the export's `step_differences()` is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+
+from slackswap.errors import ConfigError
+from slackswap.graph import FORWARD_PHASES, Graph
+from slackswap.runtime.op_numbering import writes_into
+
+OUTSIDE = "produced outside every layer (no checkpoint region governs it)"
+LAYER_OUTPUT = ("an output of its layer: the next layer's checkpoint (or an op outside) holds it as an input, "
+                "whatever the policy")
+IN_PLACE = ("an in-place op wrote into it after its op (CPU dropout's bernoulli_ and div_): a replay cannot redo "
+            "the writes into the tensor the caller holds, so the chain is saved")
+RANDOM = "a random op's output: saved so a recompute draws the same numbers"
+SEVERAL_OUTPUTS = "its op also makes a tensor the plan decides otherwise: one policy per op"
+LAYER_INPUT = ("an input of a layer autograd does not save: the layer's checkpoint holds it for the recompute "
+               "until the layer's backward, whatever the plan")
+NOT_KEPT = ("a checkpoint candidate outside every layer: autograd does not save it and no checkpoint region "
+            "governs it, so it is freed after its last forward reader")
+
+
+def layer_paths(model: torch.nn.Module) -> list[str]:
+    """Module paths of the children of the model's first ModuleList: the checkpoint regions."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList):
+            return [f"{name}.{i}" if name else str(i) for i in range(len(m))]
+    return []
+
+
+def module_path(identity: str) -> str:
+    """'layers.3.attn@1/addmm#0:0' -> 'layers.3.attn' (module path without the call suffix)."""
+    return identity.rsplit("/", 1)[0].split("@", 1)[0]
+
+
+def region_of(path: str, regions: list[str]) -> int | None:
+    for i, r in enumerate(regions):
+        if path == r or path.startswith(r + "."):
+            return i
+    return None
+
+
+@dataclass(frozen=True)
+class ExportFacts:
+    """The saved tensors whose decision PyTorch fixes to keep (name -> reason), and the groups of saved
+    tensors it decides alike (several saved outputs of one op inside a layer)."""
+
+    fixed_keep: Mapping[str, str]
+    tied: tuple[tuple[str, ...], ...]
+    #: Checkpoint candidates outside every layer: autograd does not save them and no region's policy
+    #: governs them, so a plan's decision to keep or swap one is not executed.
+    not_kept: frozenset[str] = frozenset()
+    #: Tensors autograd does not save that a layer reads from outside it (an attention mask made once
+    #: for all layers): the layer's checkpoint holds them for its recompute, so they are kept.
+    held_inputs: Mapping[str, str] = field(default_factory=dict)
+
+
+def _call_number(op_name: str) -> int:
+    """'op22:aten.empty_like.default' -> 22 (the ATen call's number in the step)."""
+    return int(op_name.split(":", 1)[0].removeprefix("op"))
+
+
+@cache
+def _overload(op_name: str) -> torch._ops.OpOverload | None:
+    """'op22:aten.empty_like.default' -> torch.ops.aten.empty_like.default (None when not resolvable)."""
+    try:
+        namespace, packet, overload = op_name.split(":", 1)[1].split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, ValueError):
+        return None
+
+
+def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
+    """`ExportFacts` of a graph captured by `slackswap.runtime.capture_graph` (ops named `op{k}:{overload}`)
+    for the checkpoint regions `regions` (`layer_paths(model)`)."""
+    if graph.meta.get("source") != "slackswap.runtime.capture":
+        raise ConfigError("graph", graph.name, "the export's facts are read from a graph captured by "
+                          "slackswap.runtime.capture_graph (ops named op{k}:{overload}, one per ATen call); "
+                          "translate a traced plan with slackswap.runtime.translate.plan_on_captured first")
+    ops, tensors = graph.op_by_name, graph.tensors
+    saved = {t.name for t in graph.saved_tensors}
+    fixed: dict[str, str] = {}
+    held: dict[str, str] = {}
+
+    def fix(op_name: str, reason: str) -> None:
+        for t in ops[op_name].outputs:
+            if t in saved:
+                fixed.setdefault(t, reason)
+
+    for name in sorted(saved):
+        if region_of(module_path(name), regions) is None:
+            fixed[name] = OUTSIDE
+    forward = [op for op in graph.ops if op.phase in FORWARD_PHASES]
+    for i, op in enumerate(forward):
+        region = op.layer if 0 <= op.layer < len(regions) else None  # capture's layer: the region index
+        func = _overload(op.name)
+        joined = i + 1 < len(forward) and _call_number(forward[i + 1].name) > _call_number(op.name) + 1
+        if region is not None and joined:
+            fix(op.name, IN_PLACE)  # in-place calls on its own output joined it (op_numbering)
+        if region is not None and func is not None and writes_into(func) and op.inputs:
+            written = tensors[op.inputs[0]]  # an in-place op of its own: it writes its first argument
+            if region_of(module_path(written.name), regions) is not None:
+                fix(written.producer, IN_PLACE)
+        if region is not None and func is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            fix(op.name, RANDOM)
+        for t in op.inputs:  # a tensor of another region read here: that region's output
+            source = region_of(module_path(t), regions)
+            if source is not None and source != op.layer:
+                fix(tensors[t].producer, LAYER_OUTPUT)
+            if region is not None and source != region and t not in saved:
+                held[t] = LAYER_INPUT
+    tied = []
+    for op in forward:
+        group = tuple(t for t in op.outputs if t in saved and t not in fixed)
+        if len(group) > 1 and region_of(module_path(group[0]), regions) is not None:
+            tied.append(group)
+    outside = frozenset(t for t in graph.candidate_names if region_of(module_path(t), regions) is None
+                        and t not in held)
+    return ExportFacts(fixed, tuple(tied), outside, held)
+
+
+__all__ = ["IN_PLACE", "LAYER_INPUT", "LAYER_OUTPUT", "NOT_KEPT", "OUTSIDE", "RANDOM", "SEVERAL_OUTPUTS", "ExportFacts",
+           "export_facts", "layer_paths", "module_path", "region_of"]
