@@ -51,6 +51,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget, gib
 from slackswap.planners.registry import register_planner
+from slackswap.planners.support.budget_check import lower_until_within
 from slackswap.planners.support.exact_time import op_durations_ps
 from slackswap.schedule.build import build_schedule, keep_all_plan
 from slackswap.schedule.replay import estimate_plan
@@ -391,9 +392,7 @@ class Dtr:
         keep = {t.name: Decision.KEEP for t in graph.saved_tensors}
         if budget_bytes is None:
             return build_schedule(graph, keep, planner=self.name, budget_bytes=None, hardware=hardware)
-        replay_budget = budget_bytes
-        peak = None
-        for round_ in range(self.max_rounds + 1):
+        def plan_at(round_: int, replay_budget: int) -> Plan:
             try:
                 victims, remats = _dtr_evictions(graph, hardware, replay_budget)
             except DtrCannotFit as exc:
@@ -405,19 +404,17 @@ class Dtr:
                 ) from None
             decisions = dict(keep)
             decisions.update(dict.fromkeys(victims, Decision.RECOMPUTE))
-            plan = build_schedule(
+            return build_schedule(
                 graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware,
                 notes={"dtr_evictions": len(victims), "dtr_rematerialisations": remats, "dtr_rounds": round_,
                        "dtr_replay_budget_bytes": replay_budget,
                        "heuristic": "h_DTR^eq = (cost + upstream evicted classes) / (memory * staleness)"},
             )
-            peak = estimate_plan(graph, plan, hardware).peak_bytes
-            if peak <= budget_bytes:
-                return plan
-            replay_budget -= peak - budget_bytes
-            if replay_budget <= 0:
-                break
+
+        plan, peak, rounds = lower_until_within(graph, hardware, budget_bytes, self.max_rounds, plan_at)
+        if peak <= budget_bytes:
+            return plan
         raise InfeasibleBudgetError(
-            f"dtr: after {round_ + 1} replay(s) the plan of DTR's evictions still peaks at {gib(peak)} > budget "
+            f"dtr: after {rounds} replay(s) the plan of DTR's evictions still peaks at {gib(peak)} > budget "
             f"{gib(budget_bytes)} (each round lowers the replay budget by the excess)"
         )

@@ -9,7 +9,7 @@ reproduces vDNN's waits and checks its plan in the simulator, docs/planners.md.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
@@ -60,3 +60,23 @@ def build_within_budget(
     if budget_bytes is not None and peak > budget_bytes:
         raise over_budget(planner, budget_bytes, what)
     return plan
+
+
+def lower_until_within(
+    graph: Graph, hardware: Hardware, budget_bytes: int, max_rounds: int, plan_at: Callable[[int, int], Plan],
+) -> tuple[Plan, int, int]:
+    """Plan with `plan_at(round_, inner_budget_bytes)`, replay the plan's peak, and while it is above
+    `budget_bytes` plan again with the inner budget lowered by the excess: at most `max_rounds` more
+    times, and while the inner budget stays positive. Why: a planner whose own memory model is coarser
+    than the replay (DTR's eviction order, a plan mapped back from a derived graph) converges on the
+    replay's peak this way. Returns (the last plan, its replayed peak, the rounds run); the caller
+    hands the plan over if the peak fits, else raises its own `InfeasibleBudgetError`."""
+    inner = budget_bytes
+    for round_ in range(max_rounds + 1):
+        plan = plan_at(round_, inner)
+        peak = estimate_plan(graph, plan, hardware).peak_bytes
+        excess = peak - budget_bytes
+        if excess <= 0 or inner - excess <= 0 or round_ == max_rounds:
+            return plan, peak, round_ + 1
+        inner -= excess
+    raise AssertionError("unreachable: the last round returns")

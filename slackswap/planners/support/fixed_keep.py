@@ -38,8 +38,8 @@ from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import Planner, gib
+from slackswap.planners.support.budget_check import lower_until_within
 from slackswap.schedule.build import build_schedule
-from slackswap.schedule.replay import estimate_plan
 
 #: Strongest first: the decision a tied group takes (one policy per op: any member kept keeps them all).
 _STRENGTH = (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE)
@@ -137,9 +137,7 @@ def plan_with_fixed_keep(
     tied = [g for g in tied if fixed.isdisjoint(g)]
     derived = graph_with_fixed_keep(graph, fixed)
     notes = {"fixed_keep": len(fixed), "fixed_keep_bytes": sum(graph.tensors[t].size_bytes for t in fixed)}
-    plan_budget = budget_bytes
-    peak = None
-    for round_ in range(max_rounds + 1):
+    def plan_at(round_: int, plan_budget: int | None) -> Plan:
         try:
             derived_plan = planner.plan(derived, hardware, plan_budget)
         except InfeasibleBudgetError as exc:
@@ -150,17 +148,15 @@ def plan_with_fixed_keep(
         plan = map_back(graph, derived_plan, fixed, hardware, tied,
                         {**notes, "fixed_keep_rounds": round_, "fixed_keep_plan_budget_bytes": plan_budget}, not_kept,
                         kept_candidates)
-        plan = replace(plan, budget_bytes=budget_bytes)
-        if budget_bytes is None:
-            return plan
-        peak = estimate_plan(graph, plan, hardware).peak_bytes
-        if peak <= budget_bytes:
-            return plan
-        plan_budget -= peak - budget_bytes
-        if plan_budget <= 0:
-            break
+        return replace(plan, budget_bytes=budget_bytes)
+
+    if budget_bytes is None:
+        return plan_at(0, None)
+    plan, peak, rounds = lower_until_within(graph, hardware, budget_bytes, max_rounds, plan_at)
+    if peak <= budget_bytes:
+        return plan
     raise InfeasibleBudgetError(
-        f"{planner.name} with {len(fixed)} tensor(s) fixed to keep: after {round_ + 1} round(s) the plan, its "
+        f"{planner.name} with {len(fixed)} tensor(s) fixed to keep: after {rounds} round(s) the plan, its "
         f"tied decisions made alike, still peaks at {gib(peak)} > budget {gib(budget_bytes)} (each round lowers "
         "the planner's budget by the excess)")
 
