@@ -225,7 +225,7 @@ def open_parent() -> None:
         varying = presentation.sweep_keys(task_overrides, sweeper_params)
         swept = _swept_text(varying, sweeper_params, task_overrides)
         note = presentation.sweep_description(experiment, swept)
-        run_id = tracking.start_run(
+        run_id = tracking.create_run(
             client,
             experiment_id,
             run_name=f"{experiment['name']}{presentation.SEPARATOR}{datetime.now():%Y-%m-%d %H:%M:%S}",
@@ -236,7 +236,7 @@ def open_parent() -> None:
                 tracking.NOTE_TAG: note,
             },
             parent_run_id=None,
-        )
+        ).run_id
         faults.track_in_flight(client, run_id)
         tracking.set_experiment_description(client, experiment_id, note)
         tracking.log_params(client, run_id, {f"sweep.{key}": value for key, value in swept.items()})

@@ -280,17 +280,6 @@ def set_experiment_description(client, experiment_id: str, text: str) -> None:
     client.set_experiment_tag(experiment_id, NOTE_TAG, text)
 
 
-def start_run(
-    client,
-    experiment_id: str,
-    run_name: str,
-    tags: Mapping[str, str],
-    parent_run_id: str | None,
-    source_name: str = "pipelines/run.py",
-) -> str:
-    return create_run(client, experiment_id, run_name, tags, parent_run_id, source_name).run_id
-
-
 def create_run(
     client,
     experiment_id: str,

@@ -120,9 +120,9 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
         client = tracking.open_client(track["uri"])
         experiment_id = tracking.ensure_experiment(client, track["experiment"], track["artifact_location"])
         name = f"train:{resolved['model']['name']}:{resolved['planner']['name']}:{resolved['train']['device']}"
-        run_id = tracking.start_run(
+        run_id = tracking.create_run(
             client, experiment_id, name, {"kind": "train", "status": "running"}, None, "pipelines/train.py"
-        )
+        ).run_id
         faults.track_in_flight(client, run_id)  # an interrupt anywhere ends it KILLED
         tracking.log_params(client, run_id, tracking.flatten_params(resolved))
     try:

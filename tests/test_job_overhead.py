@@ -183,9 +183,9 @@ def test_child_params_reads_every_child_of_a_parent(mlflow_store) -> None:
 
     client = tracking.open_client(mlflow_store.uri)
     experiment_id = tracking.ensure_experiment(client, "children", str(mlflow_store.artifact_root))
-    parent = tracking.start_run(client, experiment_id, "parent", {}, None)
-    children = [tracking.start_run(client, experiment_id, f"c{i}", {}, parent) for i in range(3)]
-    tracking.start_run(client, experiment_id, "not a child", {}, None)
+    parent = tracking.create_run(client, experiment_id, "parent", {}, None).run_id
+    children = [tracking.create_run(client, experiment_id, f"c{i}", {}, parent).run_id for i in range(3)]
+    tracking.create_run(client, experiment_id, "not a child", {}, None)
     for i, child in enumerate(children):
         tracking.log_params(client, child, {"i": str(i)})
     assert tracking.child_params(client, parent) == {child: {"i": str(i)} for i, child in enumerate(children)}

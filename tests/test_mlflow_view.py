@@ -116,7 +116,7 @@ def test_artifacts_are_stored_once_and_survive_moving_the_store(tmp_path, mlflow
     (run_dir / "sub" / "note.txt").write_text("nested")
     client = mlflow_store.client()
     experiment_id = tracking.ensure_experiment(client, "moved", str(mlflow_store.artifact_root))
-    run_id = tracking.start_run(client, experiment_id, "r", {}, None)
+    run_id = tracking.create_run(client, experiment_id, "r", {}, None).run_id
     assert tracking.store_artifacts(client, run_id, run_dir, mlflow_store.artifact_root) == 0  # no byte copied
     stored = tracking.local_artifact_dir(client.get_run(run_id).info.artifact_uri, mlflow_store.artifact_root)
     assert (stored / "timeline.png").stat().st_ino == (run_dir / "timeline.png").stat().st_ino

@@ -257,7 +257,7 @@ def test_the_core_imports_without_torch() -> None:
 def test_backfill_writes_the_certified_gap_onto_child_runs(mlflow_store) -> None:
     client = mlflow_store.client()
     experiment_id = tracking.ensure_experiment(client, "backfill", str(mlflow_store.artifact_root))
-    run_ids = [tracking.start_run(client, experiment_id, f"job{i}", {}, None) for i in range(3)]
+    run_ids = [tracking.create_run(client, experiment_id, f"job{i}", {}, None).run_id for i in range(3)]
     records = [
         _record("0", "bert_large", "slackswap", 0.5, "ok", 0.95),
         _record("1", "bert_large", "milp", 0.5, "ok", 0.95, bound_step_s=1.0 / 0.96),

@@ -59,7 +59,7 @@ def _open_and_log(uri: str, artifact_root: str, barrier, results, index: int) ->
         barrier.wait(60)
         client = tracking.open_client(uri)
         experiment_id = tracking.ensure_experiment(client, "stress", artifact_root)
-        run_id = tracking.start_run(client, experiment_id, f"process-{index}", {}, None)
+        run_id = tracking.create_run(client, experiment_id, f"process-{index}", {}, None).run_id
         tracking.log_metrics(client, run_id, {"index": index})
         tracking.end_run(client, run_id, "ok")
         results.put(("ok", run_id))
@@ -79,7 +79,8 @@ def test_four_processes_on_a_fresh_store_ten_times_lose_no_run(tmp_path) -> None
     # SQLAlchemy's modules and statement caches warm (cold, a process spent up to ~1 s CPU importing
     # and compiling before its first statement), so each round is the four racing on the fresh store.
     warm = tracking.open_client(f"sqlite:///{tmp_path / 'warm' / 'mlflow.db'}")
-    warm_run = tracking.start_run(warm, tracking.ensure_experiment(warm, "warm", str(tmp_path / "warm")), "w", {}, None)
+    warm_experiment = tracking.ensure_experiment(warm, "warm", str(tmp_path / "warm"))
+    warm_run = tracking.create_run(warm, warm_experiment, "w", {}, None).run_id
     tracking.log_metrics(warm, warm_run, {"index": 0})
     tracking.end_run(warm, warm_run, "ok")
 

@@ -35,11 +35,11 @@ def test_ui_command_and_urls(ui_check) -> None:
 def test_find_targets_picks_parent_and_an_infeasible_and_a_feasible_child(ui_check, mlflow_store) -> None:
     client = mlflow_store.client()
     experiment_id = tracking.ensure_experiment(client, ui_check.EXPERIMENT, str(mlflow_store.artifact_root))
-    parent = tracking.start_run(client, experiment_id, "paper · now", {}, None)
-    ok = tracking.start_run(client, experiment_id, "slackswap · gpt2_xl", {"status": "ok"}, parent)
-    bad = tracking.start_run(
+    parent = tracking.create_run(client, experiment_id, "paper · now", {}, None).run_id
+    ok = tracking.create_run(client, experiment_id, "slackswap · gpt2_xl", {"status": "ok"}, parent).run_id
+    bad = tracking.create_run(
         client, experiment_id, "swap_only · gpt2_xl", {"status": "infeasible", "reason": "too small"}, parent
-    )
+    ).run_id
     targets = ui_check.find_targets(mlflow_store.uri)
     assert (targets.parent_id, targets.feasible_id, targets.infeasible_id) == (parent, ok, bad)
     assert targets.infeasible_reason == "too small" and len(targets.children) == 2
