@@ -510,6 +510,8 @@ class PlanRun(TorchDispatchMode):
 
     def _storage_of(self, c: int) -> torch.UntypedStorage:
         held = self.held.get(c)
+        if type(held) is DoneCopy:  # landed when issued (the CPU stand-in's inline copies): no wait
+            return held.storage
         if held is None:
             copy = self.copy_records[c]
             raise PlanMismatchError(f"tensor {copy.tensor!r}: its {copy.source} copy is not held at this point")
@@ -650,7 +652,6 @@ class PlanRun(TorchDispatchMode):
         """A step on the saved-tensor hooks alone: no dispatch mode, cost per saved tensor."""
         self.report = RunReport(verified=False)
         self.ledger = _NoLedger()
-        self.pos = 0
         self.current = None
         self.current_copy = {}
         self.held = {}
@@ -682,7 +683,7 @@ class PlanRun(TorchDispatchMode):
         try:
             if exc_type is None:
                 self._fast_advance(len(self._program.actions))
-                packs, unpacks = len(self._program.pack_shape), len(self._program.unpack_position)
+                packs, unpacks = len(self._program.pack_shape), len(self._program.unpack_name)
                 if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
                     raise PlanMismatchError(
                         f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
@@ -764,9 +765,9 @@ class PlanRun(TorchDispatchMode):
         u = self._fast_u
         self._fast_u = u + 1
         program = self._program
-        if u >= len(program.unpack_position):
+        if u >= len(program.unpack_name):
             raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
-                                    f"{len(program.unpack_position)}: the code path changed. Capture and plan again")
+                                    f"{len(program.unpack_name)}: the code path changed. Capture and plan again")
         due = program.unpack_actions_due[u]
         if due > self._next_action:
             self._fast_advance(due)
@@ -781,9 +782,7 @@ class PlanRun(TorchDispatchMode):
         if name != program.unpack_name[u]:
             raise PlanMismatchError(f"backward read {name!r} where the verified step read {program.unpack_name[u]!r}: "
                                     "backward ran in another order (the code path changed)")
-        held = self.held.get(self.current_copy[name])
-        # A copy that landed when issued (the CPU stand-in's inline copies) needs no wait.
-        storage = held.storage if type(held) is DoneCopy else self._storage_of(self.current_copy[name])
+        storage = self._storage_of(self.current_copy[name])
         return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 

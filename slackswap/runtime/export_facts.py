@@ -24,13 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cache
 
 import torch
 
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph
-from slackswap.runtime.op_numbering import writes_into
+from slackswap.runtime.op_numbering import call_number, overload_of, writes_into
 
 OUTSIDE = "produced outside every layer (no checkpoint region governs it)"
 LAYER_OUTPUT = ("an output of its layer: the next layer's checkpoint (or an op outside) holds it as an input, "
@@ -80,21 +79,6 @@ class ExportFacts:
     held_inputs: Mapping[str, str] = field(default_factory=dict)
 
 
-def _call_number(op_name: str) -> int:
-    """'op22:aten.empty_like.default' -> 22 (the ATen call's number in the step)."""
-    return int(op_name.split(":", 1)[0].removeprefix("op"))
-
-
-@cache
-def _overload(op_name: str) -> torch._ops.OpOverload | None:
-    """'op22:aten.empty_like.default' -> torch.ops.aten.empty_like.default (None when not resolvable)."""
-    try:
-        namespace, packet, overload = op_name.split(":", 1)[1].split(".")
-        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-    except (AttributeError, ValueError):
-        return None
-
-
 def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
     """`ExportFacts` of a graph captured by `slackswap.runtime.capture_graph` (ops named `op{k}:{overload}`)
     for the checkpoint regions `regions` (`layer_paths(model)`)."""
@@ -118,8 +102,8 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
     forward = [op for op in graph.ops if op.phase in FORWARD_PHASES]
     for i, op in enumerate(forward):
         region = op.layer if 0 <= op.layer < len(regions) else None  # capture's layer: the region index
-        func = _overload(op.name)
-        joined = i + 1 < len(forward) and _call_number(forward[i + 1].name) > _call_number(op.name) + 1
+        func = overload_of(op.name)
+        joined = i + 1 < len(forward) and call_number(forward[i + 1].name) > call_number(op.name) + 1
         if region is not None and joined:
             fix(op.name, IN_PLACE)  # in-place calls on its own output joined it (op_numbering)
         if region is not None and func is not None and writes_into(func) and op.inputs:

@@ -43,8 +43,6 @@ class HookProgram:
     pack_offset: tuple[int, ...]
     #: Graph tensor name (None: a weight or an input, returned as is).
     pack_name: tuple[str | None, ...]
-    #: Plan position reached when the tensor was packed (steps before it had finished).
-    pack_position: tuple[int, ...]
     #: The tensor leaves autograd's hands (swap or recompute): the pack returns its number instead.
     pack_by_number: tuple[bool, ...]
     #: The RNG state at this pack is what a recomputed random call drew from.
@@ -52,7 +50,6 @@ class HookProgram:
     #: Per graph tensor name: its run copy, and whether the runtime holds that copy (an offload
     #: or a recompute reads it).
     run_copy: dict[str, tuple[int, bool]]
-    unpack_position: tuple[int, ...]
     unpack_name: tuple[str | None, ...]
     actions: tuple[Action, ...]
     #: Per pack and per unpack: how many actions are due by then (those of steps before its
@@ -86,11 +83,9 @@ def build_hook_program(
         pack_stride=tuple(r.stride for r in packs),
         pack_offset=tuple(r.offset for r in packs),
         pack_name=tuple(r.name for r in packs),
-        pack_position=tuple(r.position for r in packs),
         pack_by_number=tuple(r.name is not None and r.decision != keep for r in packs),
         pack_reads_rng=tuple(k in recording.rng_events for k in range(len(packs))),
         run_copy={name: (c, c in held_copies) for name, c in run_copy.items()},
-        unpack_position=tuple(position for position, _ in recording.unpacks),
         unpack_name=tuple(name for _, name in recording.unpacks),
         actions=actions,
         pack_actions_due=tuple(bisect_left(action_steps, r.position) for r in packs),

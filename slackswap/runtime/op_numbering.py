@@ -19,6 +19,7 @@ Tensors whose storage no op of the step created (weights, the input batch) are n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -27,6 +28,21 @@ from torch.utils._pytree import tree_leaves
 #: A version tag recorded in every captured graph and checked when a plan is applied; its text is kept
 #: as first written (it names this module by its earlier name), so graphs captured before still match.
 IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/2"
+
+
+def call_number(op_name: str) -> int:
+    """'op22:aten.empty_like.default' -> 22: the ATen call's number in the step (the name `begin` gives)."""
+    return int(op_name.split(":", 1)[0].removeprefix("op"))
+
+
+@cache
+def overload_of(op_name: str) -> torch._ops.OpOverload | None:
+    """'op22:aten.empty_like.default' -> torch.ops.aten.empty_like.default (None when not resolvable)."""
+    try:
+        namespace, packet, overload = op_name.split(":", 1)[1].split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, ValueError):
+        return None
 
 
 def storage_key(t: torch.Tensor) -> int:

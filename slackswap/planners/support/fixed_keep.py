@@ -75,10 +75,8 @@ def graph_with_fixed_keep(graph: Graph, fixed: Collection[str]) -> Graph:
         else replace(op, inputs=tuple(t for t in op.inputs if t not in fixed))
         for op in graph.ops)
     meta = {**dict(graph.meta), "fixed_keep": sorted(fixed)}
-    return Graph(name=f"{graph.name}+fixed_keep", ops=new_ops, tensors=MappingProxyType(tensors),
-                 num_layers=graph.num_layers, weight_bytes=graph.weight_bytes,
-                 weight_grad_bytes=graph.weight_grad_bytes, optimizer_state_bytes=graph.optimizer_state_bytes,
-                 meta=meta)
+    return replace(graph, name=f"{graph.name}+fixed_keep", ops=new_ops, tensors=MappingProxyType(tensors),
+                   meta=meta)
 
 
 def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware: Hardware,
