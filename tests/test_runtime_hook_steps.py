@@ -82,7 +82,7 @@ class _RecordingCopies(CpuCopies):
         self.offloaded: dict[int, int] = {}
 
     def offload(self, source, key=None):
-        self.offloaded[key] = source.nbytes()
+        self.offloaded[key] = source.untyped_storage().nbytes()
         return super().offload(source, key)
 
 
@@ -107,5 +107,19 @@ def test_a_reserved_pool_is_one_allocation_of_disjoint_aligned_buffers_reused_ac
     assert [int(b.min()) for b in buffers] == [1, 2, 3] == [int(b.max()) for b in buffers]  # disjoint
     assert pool.get(1, 30).data_ptr() == buffers[1].data_ptr() and pool.allocations == 1  # reused
     assert pool.get(1, 31).numel() == 31 and pool.allocations == 2  # another size: its own buffer
-    with pytest.raises(ValueError, match="slices of one slab"):
-        pool.storage(0, 100)
+
+
+def test_a_pool_buffer_typed_like_its_source_is_made_once_and_shares_the_slab() -> None:
+    pool = HostPool(pinned=False)
+    pool.reserve({0: 24, 1: 16}, alignment_bytes=64)
+    source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    host = pool.like(0, source)
+    assert (host.shape, host.dtype, host.is_contiguous()) == (source.shape, source.dtype, True)
+    assert host.data_ptr() == pool.get(0, 24).data_ptr()  # the slab's buffer of key 0, typed
+    host.copy_(source)
+    assert torch.equal(pool.get(0, 24).view(torch.float32), source.flatten())
+    assert pool.like(0, source) is host and pool.allocations == 1  # made once, reused every step
+    other = pool.like(1, torch.zeros(4, dtype=torch.int32))
+    assert other.data_ptr() == pool.get(1, 16).data_ptr() != host.data_ptr()
+    assert pool.like(0, torch.zeros(3, 2)).shape == (3, 2) and pool.allocations == 1  # same bytes, new shape
+    assert pool.like(0, torch.zeros(7)).numel() == 7 and pool.allocations == 2  # other bytes: its own buffer

@@ -4,6 +4,12 @@
 the simulator models them) with pinned host buffers and events. `CpuCopies` is the CPU stand-in:
 synchronous by default (the copy has arrived when it is issued), or asynchronous on one worker
 thread per direction with an optional artificial delay, which is how the tests make a prefetch late.
+
+What an engine moves is a tensor that is exactly its storage (contiguous from offset 0; the runtime
+hands a view's storage over as its bytes, `byte_view`), and each copy's destination is a tensor of
+the same shape and dtype. Why: on the hook-only path the unpack of a swapped tensor then returns the
+arrived copy itself, and an offload or a prefetch is one ATen call, where copying storages costs five
+(`UntypedStorage.copy_` wraps both sides in tensors) and every unpack two more to rebuild the view.
 """
 
 from __future__ import annotations
@@ -21,14 +27,17 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class Copy:
-    """One transfer: `storage` is its destination; `arrived()` / `wait()` tell whether it has landed.
-    `data`: the destination's bytes as a uint8 tensor, when they are a slice of a larger storage
-    (a buffer of the pinned slab); None when they are the whole `storage`."""
+    """One transfer: `tensor` is its destination, a contiguous tensor of the source's shape and dtype
+    (on the host, for an offload from a pinned slab, a view of the slab); `arrived()` / `wait()` tell
+    whether it has landed."""
 
-    data: torch.Tensor | None = None
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
-    def __init__(self, storage: torch.UntypedStorage):
-        self.storage = storage
+    @property
+    def storage(self) -> torch.UntypedStorage:
+        """The destination's storage (for a buffer of the pinned slab: the whole slab's)."""
+        return self.tensor.untyped_storage()
 
     def arrived(self) -> bool:
         raise NotImplementedError
@@ -49,8 +58,8 @@ class DoneCopy(Copy):
 
 
 class _FutureCopy(Copy):
-    def __init__(self, storage: torch.UntypedStorage, future: Future):
-        super().__init__(storage)
+    def __init__(self, tensor: torch.Tensor, future: Future):
+        super().__init__(tensor)
         self.future = future
 
     def arrived(self) -> bool:
@@ -71,24 +80,37 @@ class HostPool:
     def __init__(self, pinned: bool):
         self.pinned = pinned
         self._buffers: dict[int, torch.Tensor] = {}
-        #: The same buffers as storages with their sizes, read by the CPU stand-in on every offload.
-        self._storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        #: Per key, the buffer as the tensor an offload last wrote, with its dtype and shape: read on
+        #: every offload, so the views are made once, not per step.
+        self._typed: dict[object, tuple[torch.dtype, torch.Size, torch.Tensor]] = {}
         self.allocations = 0
 
     def get(self, key: object, nbytes: int) -> torch.Tensor:
+        """The buffer of `key` as `nbytes` uint8 (a new one when its size differs; none kept for key None)."""
         buf = None if key is None else self._buffers.get(key)
         if buf is None or buf.numel() != nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
             self.allocations += 1
             if key is not None:
                 self._buffers[key] = buf
-                self._storages[key] = (buf.untyped_storage(), nbytes)
+                self._typed.pop(key, None)
         return buf
+
+    def like(self, key: object, source: torch.Tensor) -> torch.Tensor:
+        """The buffer of `key` as a contiguous tensor of `source`'s shape and dtype: the destination
+        an offload of `source` copies into."""
+        found = self._typed.get(key)
+        if found is not None and found[0] == source.dtype and found[1] == source.shape:
+            return found[2]
+        typed = self.get(key, source.numel() * source.element_size()).view(source.dtype).view(source.shape)
+        if key is not None:
+            self._typed[key] = (typed.dtype, typed.shape, typed)
+        return typed
 
     def reserve(self, sizes: Mapping[int, int], alignment_bytes: int = 512) -> None:
         """One allocation (one pinning) for every buffer: `sizes` maps each offload's key to its bytes.
-        Buffers start at multiples of `alignment_bytes`. Their views share the slab's storage, so
-        `storage()` is not for them: `get` hands out each buffer as a uint8 tensor."""
+        Buffers start at multiples of `alignment_bytes` (so any dtype can view them); they are views
+        of the slab, whose storage they share."""
         offsets, total = {}, 0
         for key, nbytes in sizes.items():
             offsets[key] = total
@@ -99,20 +121,7 @@ class HostPool:
         self.allocations += 1
         for key, nbytes in sizes.items():
             self._buffers[key] = slab.narrow(0, offsets[key], nbytes)
-            self._storages.pop(key, None)
-        self._sliced = True
-
-    _sliced = False
-
-    def storage(self, key: object, nbytes: int) -> torch.UntypedStorage:
-        """`get(key, nbytes)` as a storage, without building a tensor when the buffer exists (a pool
-        without `reserve`: a reserved buffer is a slice of the slab's storage)."""
-        if self._sliced:
-            raise ValueError("HostPool.storage: this pool's buffers are slices of one slab; use get()")
-        found = self._storages.get(key)
-        if found is not None and found[1] == nbytes:
-            return found[0]
-        return self.get(key, nbytes).untyped_storage()
+            self._typed.pop(key, None)
 
     @property
     def bytes(self) -> int:
@@ -144,37 +153,42 @@ class CpuCopies:
                 self._pools[direction] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"slackswap-{direction}")
             return self._pools[direction]
 
-    def offload(self, source: torch.UntypedStorage, key: int | None = None) -> Copy:
+    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy:
+        """Copy `source` (a tensor that is exactly its storage) into the host buffer of offload `key`."""
+        host = self.host.like(key, source)
         if self.delay_s is None:
             t0 = time.process_time() if self.measure else 0.0
-            host = self.host.storage(key, source.nbytes())
             host.copy_(source)
             if self.measure:
                 self.copy_s += time.process_time() - t0
             return DoneCopy(host)
-        host = self.host.get(key, source.nbytes()).untyped_storage()
         holder = [source]
 
         def run() -> None:
             time.sleep(self.delay_s)
-            host.copy_(holder.pop())  # the device copy is released when the copy is done
+            # A worker thread records autograd history by default (the hooks run with it off).
+            with torch.no_grad():
+                host.copy_(holder.pop())  # the device copy is released when the copy is done
 
         return _FutureCopy(host, self._pool("d2h").submit(run))
 
     def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
+        """A new device tensor with the offloaded copy's values (its allocation is the prefetch's memory)."""
         if self.delay_s is None:
             t0 = time.process_time() if self.measure else 0.0
-            target = torch.UntypedStorage(offloaded.storage.nbytes(), device=device)
-            target.copy_(offloaded.storage)
+            host = offloaded.tensor
+            # One call: the allocation and the copy (a clone is the cheaper call where no device differs).
+            target = host.clone() if device.type == "cpu" else host.to(device, copy=True)
             if self.measure:
                 self.copy_s += time.process_time() - t0
             return DoneCopy(target)
-        target = torch.UntypedStorage(offloaded.storage.nbytes(), device=device)
+        target = torch.empty_like(offloaded.tensor, device=device)
 
         def run() -> None:
             offloaded.wait()
             time.sleep(self.delay_s)
-            target.copy_(offloaded.storage)
+            with torch.no_grad():
+                target.copy_(offloaded.tensor)
 
         return _FutureCopy(target, self._pool("h2d").submit(run))
 
@@ -193,8 +207,8 @@ class _EventCopy(Copy):
     the wrong stream let compute read a buffer still being written (pytorch/torchtitan issue 2581;
     a missing reload wait gave NaN losses, deepspeedai/DeepSpeed issue 8186)."""
 
-    def __init__(self, storage: torch.UntypedStorage, event: object, consumer: object):
-        super().__init__(storage)
+    def __init__(self, tensor: torch.Tensor, event: object, consumer: object):
+        super().__init__(tensor)
         self.event = event
         self.consumer = consumer
 
@@ -229,30 +243,27 @@ class CudaCopies:
         if offload_bytes:
             self.host.reserve(offload_bytes)
         #: Device sources of offloads in flight, released once their event has completed.
-        self._in_flight: list[tuple[torch.cuda.Event, torch.UntypedStorage]] = []
+        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
-    def offload(self, source: torch.UntypedStorage, key: int | None = None) -> Copy:
+    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy:
         if source.device.type != "cuda":  # a host-side saved tensor (e.g. flash attention's RNG state)
             return CpuCopies().offload(source)
         issued = self.compute.record_event()
-        host = self.host.get(key, source.nbytes())
-        src = byte_view(source)
+        host = self.host.like(key, source)
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(issued)  # the producer kernel has run before the copy reads it
-            host.copy_(src, non_blocking=True)
+            host.copy_(source, non_blocking=True)
             done = self.d2h.record_event()
-        src.record_stream(self.d2h)  # the allocator must not reuse it before the copy has read it
+        source.record_stream(self.d2h)  # the allocator must not reuse it before the copy has read it
         self._in_flight.append((done, source))
-        copy = _EventCopy(host.untyped_storage(), done, self.compute)
-        copy.data = host
-        return copy
+        return _EventCopy(host, done, self.compute)
 
     def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
         if device.type != "cuda":
             return CpuCopies().prefetch(offloaded, device)
-        host = offloaded.data if offloaded.data is not None else byte_view(offloaded.storage)
+        host = offloaded.tensor
         with torch.cuda.stream(self.compute):  # allocated on the stream that will read it
-            target = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+            target = torch.empty_like(host, device=device)
         issued = self.compute.record_event()
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(issued)
@@ -261,7 +272,7 @@ class CudaCopies:
             target.copy_(host, non_blocking=True)
             done = self.h2d.record_event()
         target.record_stream(self.h2d)
-        return _EventCopy(target.untyped_storage(), done, self.compute)
+        return _EventCopy(target, done, self.compute)
 
     def poll(self) -> None:
         self._in_flight = [(e, s) for e, s in self._in_flight if not e.query()]

@@ -29,7 +29,7 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, DoneCopy, offload_sizes
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, DoneCopy, byte_view, offload_sizes
 from slackswap.runtime.hook_program import HookProgram, build_hook_program
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
@@ -162,8 +162,26 @@ def plan_counts(plan: Plan) -> dict[str, int]:
     }
 
 
-def _view(storage: torch.UntypedStorage, ref: TensorRef) -> torch.Tensor:
-    return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.size, ref.stride)
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The form in which the runtime holds a copy: `t` itself when it is exactly its storage
+    (contiguous from offset 0), else the storage's bytes. Copy engines move that form, and `_read`
+    hands it back as is when autograd saved that very view."""
+    storage = t.untyped_storage()
+    if t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes() and t.is_contiguous():
+        return t
+    return byte_view(storage)
+
+
+def _read(held: torch.Tensor, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...],
+          offset: int) -> torch.Tensor:
+    """The view (dtype, size, stride, offset) of a copy held in its `_whole` form: the copy itself when
+    it is that view (no ATen call: the common case), one `as_strided` when only the geometry differs,
+    else a view of its storage."""
+    if held.dtype == dtype:
+        if offset == 0 and held.shape == size and held.stride() == stride:
+            return held
+        return held.as_strided(size, stride, offset)
+    return torch.empty(0, dtype=dtype, device=held.device).set_(held.untyped_storage(), offset, size, stride)
 
 
 def check_identity(graph: Graph, model: torch.nn.Module) -> None:
@@ -441,7 +459,10 @@ class PlanRun(TorchDispatchMode):
             self.current_copy[name] = c
             self.ledger.track(t.untyped_storage(), c, self.graph.tensors[name].saved)
             if c in self.held_copies:
-                self.held[c] = t.untyped_storage()
+                # An alias, not `t`: a reference to the op's output itself makes PyTorch alias it
+                # (a detach call the graph lacks); made with every mode off, unseen by the identities.
+                with _disable_current_modes():
+                    self.held[c] = _whole(t.detach())
         self.ledger.poll(self.run_step[begin.op])
         return out
 
@@ -485,33 +506,43 @@ class PlanRun(TorchDispatchMode):
             self._finish_step(self.pos)
 
     def _issue(self, bucket: int) -> None:
-        """Issue the transfers the plan puts after step bucket-1."""
+        """Issue the transfers the plan puts after step bucket-1. In a verified step with every mode
+        off: issued from inside an op's dispatch, the copies' calls would otherwise reach the
+        identities below it, which count every op of a module call (a copy engine's clone would
+        shift the names of the model's own clones after it)."""
+        if not (self.offloads_at[bucket] or self.prefetches_at[bucket]):
+            return
         self.internal = True
         try:
-            for k in self.offloads_at[bucket]:
-                c = self.schedule.offload_copy[k]
-                source = self.held.get(c)
-                if source is None and self.fast:  # not packed yet: offloaded at its first pack
-                    self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
-                    continue
-                self.hosts[k] = (self.copies.offload(source, k), source.device)
-                self.report.offloads += 1
-            for k in self.prefetches_at[bucket]:
-                host, device = self.hosts[self.schedule.prefetch_offload[k]]
-                arriving = self.copies.prefetch(host, device)
-                c = self.schedule.prefetch_copy[k]
-                tensor = self.plan.prefetches[k].tensor
-                self.held[c] = arriving
-                self.current_copy[tensor] = c
-                self.ledger.track(arriving.storage, c)
-                self.report.prefetches += 1
+            with contextlib.nullcontext() if self.fast else _disable_current_modes():
+                self._issue_transfers(bucket)
         finally:
             self.internal = False
 
-    def _storage_of(self, c: int) -> torch.UntypedStorage:
+    def _issue_transfers(self, bucket: int) -> None:
+        for k in self.offloads_at[bucket]:
+            c = self.schedule.offload_copy[k]
+            source = self.held.get(c)
+            if source is None and self.fast:  # not packed yet: offloaded at its first pack
+                self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
+                continue
+            self.hosts[k] = (self.copies.offload(source, k), source.device)
+            self.report.offloads += 1
+        for k in self.prefetches_at[bucket]:
+            host, device = self.hosts[self.schedule.prefetch_offload[k]]
+            arriving = self.copies.prefetch(host, device)
+            c = self.schedule.prefetch_copy[k]
+            tensor = self.plan.prefetches[k].tensor
+            self.held[c] = arriving
+            self.current_copy[tensor] = c
+            self.ledger.track(arriving.storage, c)
+            self.report.prefetches += 1
+
+    def _copy_of(self, c: int) -> torch.Tensor:
+        """Copy `c` as held (`_whole` form); a prefetch not yet arrived is waited for."""
         held = self.held.get(c)
         if type(held) is DoneCopy:  # landed when issued (the CPU stand-in's inline copies): no wait
-            return held.storage
+            return held.tensor
         if held is None:
             copy = self.copy_records[c]
             raise PlanMismatchError(f"tensor {copy.tensor!r}: its {copy.source} copy is not held at this point")
@@ -519,7 +550,7 @@ class PlanRun(TorchDispatchMode):
             if not held.arrived():
                 self.report.late_prefetch_waits += 1
             held.wait()
-            return held.storage
+            return held.tensor
         return held
 
     # ----------------------------------------------------------------------------- recompute
@@ -528,23 +559,23 @@ class PlanRun(TorchDispatchMode):
         members = self.members.get(step.op)
         if not members:
             raise PlanMismatchError(f"plan step {j} recomputes {step.op!r}, which did not run in this forward")
-        env: dict[str, torch.UntypedStorage] = {}
+        env: dict[str, torch.Tensor] = {}
 
         def resolve(x: object) -> object:
             if isinstance(x, InputRef):
-                return _view(self._step_inputs[x.index].untyped_storage(), x)
+                return _read(_whole(self._step_inputs[x.index]), x.dtype, x.size, x.stride, x.offset)
             if not isinstance(x, TensorRef):
                 return x
-            storage = env.get(x.name)
-            if storage is None:
+            held = env.get(x.name)
+            if held is None:
                 c = self.current_copy.get(x.name)
                 if c is None:
                     raise PlanMismatchError(f"plan step {j} ({step.op!r}) reads {x.name!r}, which has no copy")
                 if not self.fast and self.copy_source[c] == "run" and x.name not in self._packed_names:
                     self._refuse(f"plan step {j} ({step.op!r}) reads {x.name!r}, a tensor autograd does not save: "
                                  "no saved-tensor hook hands it over")
-                storage = self._storage_of(c)
-            return _view(storage, x)
+                held = self._copy_of(c)
+            return _read(held, x.dtype, x.size, x.stride, x.offset)
 
         self.internal = True
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -559,14 +590,14 @@ class PlanRun(TorchDispatchMode):
                     args, kwargs = tree_map(resolve, m.spec, is_leaf=lambda x: isinstance(x, (TensorRef, InputRef)))
                     leaves = tree_leaves(m.func(*args, **kwargs))
                     for index, name in m.fresh:
-                        env[name] = leaves[index].untyped_storage()
+                        env[name] = _whole(leaves[index])
                     self.report.recompute_aten_calls += 1
         finally:
             self.internal = False
         for name, c in zip(step.outputs, self.schedule.step_writes[j], strict=True):
             self.held[c] = env[name]
             self.current_copy[name] = c
-            self.ledger.track(env[name], c, self.graph.tensors[name].saved)
+            self.ledger.track(env[name].untyped_storage(), c, self.graph.tensors[name].saved)
         self.report.recompute_steps += 1
         self.ledger.poll(j)
 
@@ -606,10 +637,10 @@ class PlanRun(TorchDispatchMode):
                 f"autograd reads {packed.name!r} before plan step {self.pos} while its current copy is the "
                 f"{source} copy, not a {wanted} copy: the plan places the {wanted} after the reader"
             )
-        storage = self._storage_of(c)
+        held = self._copy_of(c)
         self.internal = True
         try:
-            return _view(storage, packed)
+            return _read(held, packed.dtype, packed.size, packed.stride, packed.offset)
         finally:
             self.internal = False
 
@@ -674,6 +705,7 @@ class PlanRun(TorchDispatchMode):
         self._hooks = contextlib.nullcontext()
         if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._fast_pack, self._fast_unpack)
+        self._poll = getattr(self.copies, "needs_poll", True)
         self._hooks.__enter__()
         self._issue(0)
 
@@ -683,7 +715,7 @@ class PlanRun(TorchDispatchMode):
         try:
             if exc_type is None:
                 self._fast_advance(len(self._program.actions))
-                packs, unpacks = len(self._program.pack_shape), len(self._program.unpack_name)
+                packs, unpacks = len(self._program.packs), len(self._program.unpacks)
                 if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
                     raise PlanMismatchError(
                         f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
@@ -700,11 +732,11 @@ class PlanRun(TorchDispatchMode):
     def _fast_advance(self, due: int) -> None:
         """Run the plan's actions up to (not including) action number `due`: those of the steps
         before the event's position (a recompute, the transfers issued after a step, releases)."""
-        actions, i = self._program.actions, self._next_action
-        held, hosts, copies, report, current_copy = self.held, self.hosts, self.copies, self.report, self.current_copy
-        poll = getattr(copies, "needs_poll", True)
-        while i < due:
-            j, recompute, offloads, prefetches, releases = actions[i]
+        first = self._next_action
+        self._next_action = due
+        held, hosts, copies, current_copy = self.held, self.hosts, self.copies, self.current_copy
+        poll, offloaded, prefetched = self._poll, 0, 0
+        for j, recompute, offloads, prefetches, releases in self._program.actions[first:due]:
             if recompute:
                 self._recompute(j)
             for k, c in offloads:
@@ -713,77 +745,84 @@ class PlanRun(TorchDispatchMode):
                     self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
                     continue
                 hosts[k] = (copies.offload(source, k), source.device)
-                report.offloads += 1
-            for _, offload, c, tensor in prefetches:
-                host, device = hosts[offload]
+                offloaded += 1
+            for offload, last, c, tensor in prefetches:
+                host, device = hosts.pop(offload) if last else hosts[offload]
                 held[c] = copies.prefetch(host, device)
                 current_copy[tensor] = c
-                report.prefetches += 1
+                prefetched += 1
             if poll and (offloads or prefetches):
                 copies.poll()
             for c in releases:
                 held.pop(c, None)
-            i += 1
-        self._next_action = i
+        report = self.report
+        report.offloads += offloaded
+        report.prefetches += prefetched
 
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k
         self._fast_k = k + 1
-        program = self._program
-        if k >= len(program.pack_shape) or t.dtype != program.pack_dtype[k] or t.shape != program.pack_shape[k]:
-            packs = self.recording.packs
-            wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
-            raise PlanMismatchError(
-                f"autograd saves a {tuple(t.shape)} {t.dtype} tensor as saved tensor {k} of the step; the verified "
-                f"step saved {wanted} there: the code path changed (model, inputs, train/eval mode, a "
-                "data-dependent branch). Capture and plan again for the new code path"
-            )
-        if program.pack_reads_rng[k]:
+        packs = self._program.packs
+        if k >= len(packs):
+            raise self._pack_mismatch(k, t)
+        dtype, shape, name, holds, due, by_number, reads_rng, stride, offset, whole = packs[k]
+        if t.dtype != dtype or t.shape != shape:
+            raise self._pack_mismatch(k, t)
+        if reads_rng:
             self._fast_rng[k] = _rng_state()
-        name = program.pack_name[k]
         if name is None:
             return t
-        current_copy = self.current_copy
-        if name not in current_copy:  # its first pack: the run copy is now at hand
-            c, held = program.run_copy[name]
-            current_copy[name] = c
-            if held:
-                storage = self.held[c] = t.untyped_storage()
-                for o in self._deferred.pop(name, ()):
-                    self.hosts[o] = (self.copies.offload(storage, o), t.device)
-                    self.report.offloads += 1
-        due = program.pack_actions_due[k]
+        if holds >= 0:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
+            self.current_copy[name] = holds
+            recorded = t.stride() == stride and t.storage_offset() == offset
+            held = self.held[holds] = t if recorded and whole else _whole(t)
+            deferred = self._deferred.pop(name, None)
+            for o in deferred or ():
+                self.hosts[o] = (self.copies.offload(held, o), t.device)
+                self.report.offloads += 1
         if due > self._next_action:
             self._fast_advance(due)
-        if not program.pack_by_number[k]:
+        if not by_number:
             return t
-        if t.stride() == program.pack_stride[k] and t.storage_offset() == program.pack_offset[k]:
+        if t.stride() == stride and t.storage_offset() == offset:
             return k  # the recorded view: the unpack reads its geometry from the program
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _pack_mismatch(self, k: int, t: torch.Tensor) -> PlanMismatchError:
+        packs = self.recording.packs
+        wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
+        return PlanMismatchError(
+            f"autograd saves a {tuple(t.shape)} {t.dtype} tensor as saved tensor {k} of the step; the verified "
+            f"step saved {wanted} there: the code path changed (model, inputs, train/eval mode, a "
+            "data-dependent branch). Capture and plan again for the new code path"
+        )
 
     def _fast_unpack(self, packed: object) -> torch.Tensor:
         u = self._fast_u
         self._fast_u = u + 1
         program = self._program
-        if u >= len(program.unpack_name):
+        if u >= len(program.unpacks):
             raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
-                                    f"{len(program.unpack_name)}: the code path changed. Capture and plan again")
-        due = program.unpack_actions_due[u]
+                                    f"{len(program.unpacks)}: the code path changed. Capture and plan again")
+        wanted, due = program.unpacks[u]
         if due > self._next_action:
             self._fast_advance(due)
         if type(packed) is int:
-            name = program.pack_name[packed]
-            dtype, size = program.pack_dtype[packed], program.pack_shape[packed]
-            stride, offset = program.pack_stride[packed], program.pack_offset[packed]
-        elif isinstance(packed, TensorRef):
+            dtype, size, name, _, _, _, _, stride, offset, whole = program.packs[packed]
+        elif type(packed) is TensorRef:
             name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
+            whole = False
         else:
             return packed
-        if name != program.unpack_name[u]:
-            raise PlanMismatchError(f"backward read {name!r} where the verified step read {program.unpack_name[u]!r}: "
+        if name != wanted:
+            raise PlanMismatchError(f"backward read {name!r} where the verified step read {wanted!r}: "
                                     "backward ran in another order (the code path changed)")
-        storage = self._storage_of(self.current_copy[name])
-        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+        c = self.current_copy[name]
+        held = self.held.get(c)
+        copy = held.tensor if type(held) is DoneCopy else self._copy_of(c)
+        if whole and copy.dtype == dtype and copy.shape == size:
+            return copy  # a copy in `_whole` form of the recorded whole view's shape and dtype: that view
+        return _read(copy, dtype, size, stride, offset)
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
