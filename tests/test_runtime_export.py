@@ -238,6 +238,12 @@ def test_the_compiled_partition_saves_the_planned_tensors() -> None:
     export = PlanExport(plan, c.graph, c.workload.model)
     backend, partitions = recording_backend()
     exported_step(c, export, compile=True, backend=backend)
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    # The export's compile settings are its own: nothing of them is left in the global configs.
+    assert not inductor_config.fallback_random and inductor_config.joint_custom_post_pass is None
+    assert not functorch_config.enable_activation_offloading
     sizes, facts = c.graph.tensors, export.facts()
     outputs = {n for n, why in facts.fixed_keep.items() if why == LAYER_OUTPUT}
     noises = {n for r in range(len(export.regions)) for ds in export.eager_dropouts(r).values() for _, n in ds}

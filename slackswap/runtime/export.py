@@ -14,9 +14,12 @@ What PyTorch then decides itself, not the plan (docs/runtime.md, "The export"):
 - in torch 2.13 MUST_CPU_OFFLOAD is *not* an offload: eager SAC treats it as recompute and the
   partitioner ignores it (only nodes a pass marks `should_offload` are offloaded). The export
   therefore runs swaps itself in eager mode (`_SaveMode`: the copy is made when the op returns, the
-  reload at the layer's recompute) and, compiled, turns the policy into MUST_SAVE plus
-  `should_offload` in a joint-graph pass, so `torch._functorch`'s offload pass moves it (offload after
+  reload at the layer's recompute) and, compiled, turns the plan's swaps into MUST_SAVE plus
+  `should_offload` in a joint-graph pass, so `torch._functorch`'s offload pass moves them (offload after
   the tensor's last forward use, reload where backward first needs it);
+- compiled, inductor would decompose the ops the plan names and draw its own dropout masks: the
+  export's compile keeps those ops whole and ATen's RNG (`slackswap.runtime.export_compile`), so the
+  partition saves the plan's tensors, a dropout's mask in its compiled form (bool);
 - only ops inside a layer are governed: a tensor outside every layer is saved by autograd as usual,
   a layer's input is held by checkpoint for the recompute, a random op's output is always saved (so
   the RNG stream of a recompute stays aligned), an op with several outputs gets one policy. Each such
@@ -799,7 +802,8 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
     left out; a value computed from exactly one plan tensor (`SavedValue.derived_from`) saves that
     tensor. What remains, by kind: a plan tensor saved otherwise than planned; a planned tensor the
     partition does not save (the layer's output, held outside it; a value the decomposed backward does
-    not read; an identity no call has under compile); a value the plan does not name."""
+    not read; an identity no call has under compile); a plan tensor saved with other bytes (a dropout's
+    mask, bool under compile); a value the plan does not name."""
     saved = [v for part in partitions for v in part if not v.is_input]
     got: dict[str, SavedValue] = {}
     for v in saved:
