@@ -218,21 +218,25 @@ def test_the_compiled_export_keeps_the_ops_that_make_or_read_saved_tensors_undec
 
 
 @pytest.mark.slow
-def test_the_compiled_partition_saves_the_planned_tensors() -> None:
-    """The 2-layer TinyGPT with dropout, slackswap's plan made for the export, each layer compiled (inductor
-    on the CPU). Read from the compiled backward's inputs, the partition saves exactly the plan's tensors
-    inside the layers, each where the plan puts it: every swapped tensor on the host, every kept one on
-    the device, nothing the plan does not name, no recomputed one; with the tensors autograd holds outside
-    the partition (the layers' outputs, what lies outside every layer) that is the plan's kept set. The
-    one residue is the dropout masks' form: under compile a dropout is one `native_dropout` (aten.dropout's
-    Python kernel in torch._decomp, global to the Python dispatcher), whose mask is bool where CPU eager's
-    is the fp32 noise of empty_like / bernoulli_ / div_, so each kept mask saves a quarter of its planned
-    bytes (`MASK_FORM`, the only difference besides the held layer outputs). Offloaded bytes equal the
-    plan's swapped bytes."""
+@pytest.mark.parametrize("kind", ["tiny", "gpt2", "llama"])
+def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
+    """2-layer TinyGPT (with dropout), HF GPT-2 (dropout, an attention mask made once for all blocks) and
+    HF Llama (no dropout), slackswap's plan made for the export, each layer compiled (inductor on the CPU).
+    Read from the compiled backward's inputs, the partition saves exactly the plan's tensors inside the
+    layers, each where the plan puts it: every swapped tensor on the host, every kept one on the device,
+    nothing the plan does not name, no recomputed one; with the tensors autograd holds outside the
+    partition (the layers' outputs, what lies outside every layer, the layer inputs the checkpoints hold)
+    that is the plan's kept set: exactly, on Llama. The one residue is the dropout masks' form: under
+    compile a dropout is one `native_dropout` (aten.dropout's Python kernel in torch._decomp, global to the
+    Python dispatcher), whose mask is bool where CPU eager's is the fp32 noise of empty_like / bernoulli_
+    / div_, so each kept mask saves a quarter of its planned bytes (`MASK_FORM`, the only difference
+    besides the held layer outputs). Offloaded bytes equal the plan's swapped bytes."""
     from slackswap.runtime.export import HELD_OUTPUT, MASK_FORM
     from slackswap.runtime.export_facts import LAYER_OUTPUT, OUTSIDE, module_path, region_of
 
-    c = tiny()
+    if kind not in _C:
+        _C[kind] = capture(kind, layers=2)
+    c = _C[kind]
     plan, fraction = export_plan_for("slackswap", c)
     assert fraction is not None and plan.offloads
     export = PlanExport(plan, c.graph, c.workload.model)
@@ -247,7 +251,7 @@ def test_the_compiled_partition_saves_the_planned_tensors() -> None:
     sizes, facts = c.graph.tensors, export.facts()
     outputs = {n for n, why in facts.fixed_keep.items() if why == LAYER_OUTPUT}
     noises = {n for r in range(len(export.regions)) for ds in export.eager_dropouts(r).values() for _, n in ds}
-    assert noises and all(plan.decisions[n] == Decision.KEEP for n in noises)
+    assert bool(noises) == (kind != "llama") and all(plan.decisions[n] == Decision.KEEP for n in noises)
     reps = {export.group_of[r] for r in range(len(export.regions))}
     assert len(partitions) == len(reps)
     for part in partitions:
@@ -268,6 +272,8 @@ def test_the_compiled_partition_saves_the_planned_tensors() -> None:
         {(n, MASK_FORM) for n in noises} | {(n, HELD_OUTPUT) for n in outputs})
     device, host = saved_bytes(partitions, export)
     held = sum(sizes[n].size_bytes for n, why in facts.fixed_keep.items() if why in (OUTSIDE, LAYER_OUTPUT))
+    held += sum(sizes[n].size_bytes for n in facts.held_inputs)  # graph inputs of the compiled layers
+    assert bool(facts.held_inputs) == (kind != "tiny")
     kept = sum(sizes[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
     swapped = sum(sizes[n].size_bytes for n, d in plan.decisions.items() if d == Decision.SWAP)
     assert host == swapped
