@@ -516,7 +516,9 @@ class PlanExport:
     @contextmanager
     def installed(self, model: torch.nn.Module, compile: bool = False, backend: object = "inductor") -> Iterator[None]:
         """Every layer's forward runs under `checkpoint` with its region's policy (compiled: the
-        checkpointed forward is `torch.compile`d per layer, with the offload pass enabled)."""
+        checkpointed forward is `torch.compile`d per layer, with the offload pass enabled; inductor, given
+        as "inductor" or an `InductorBackend`, compiles with the export's decompositions and config,
+        `slackswap.runtime.export_compile`)."""
         layers = [model.get_submodule(p) for p in self.regions]
         originals = [layer.__dict__.get("forward") for layer in layers]
         reset = model.register_forward_pre_hook(lambda *_: self._reset())
