@@ -301,13 +301,17 @@ class Variants:
         the plan), against the plan's kept bytes; the values the plan does not name (inside ops'
         decompositions) and the planned tensors the partition lacks."""
         from slackswap.runtime.export import LAYER_OUTPUT, OUTSIDE, partition_differences, saved_bytes
+        from slackswap.runtime.export_facts import module_path, region_of
 
         export, plan, sizes = self.compiled_export, self.plans["export"], self.graph.tensors
         decisions = plan.decisions
         device, host = saved_bytes(self.partitions, export)
         unplanned, _ = saved_bytes(self.partitions, export, lambda v: v.plan_tensor not in decisions)
+        saved = {v.plan_tensor for part in self.partitions for v in part if not v.is_input}
+        regions = {n: region_of(module_path(n), export.regions) for n in export.facts().fixed_keep}
         held = sum(sizes[n].size_bytes for n, why in export.facts().fixed_keep.items()
-                   if why in (OUTSIDE, LAYER_OUTPUT))
+                   if why in (OUTSIDE, LAYER_OUTPUT)  # held by autograd unless the partition saves it
+                   and (regions[n] is None or export.translate(n, regions[n]) not in saved))
         held += sum(sizes[n].size_bytes for n in export.facts().held_inputs)  # inputs of the compiled layers
         differences = export.static_differences() + partition_differences(export, self.partitions)
         planned = self._kept_bytes(plan)
