@@ -223,14 +223,15 @@ def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
     """2-layer TinyGPT (with dropout), HF GPT-2 (dropout, an attention mask made once for all blocks), BERT
     (dropout) and HF Llama (no dropout, a mask held by the blocks' checkpoints), slackswap's plan made for
     the export, each layer compiled (inductor on the CPU). Read from the compiled backward's inputs, the
-    partition saves exactly the plan's tensors inside the layers, each where the plan puts it: every swapped tensor on the host, every kept one on the device,
-    nothing the plan does not name, no recomputed one; with the tensors autograd holds outside the
-    partition (the layers' outputs, what lies outside every layer, the layer inputs the checkpoints hold)
-    that is the plan's kept set: exactly, on Llama. The one residue is the dropout masks' form: under
-    compile a dropout is one `native_dropout` (aten.dropout's Python kernel in torch._decomp, global to the
-    Python dispatcher), whose mask is bool where CPU eager's is the fp32 noise of empty_like / bernoulli_
-    / div_, so each kept mask saves a quarter of its planned bytes (`MASK_FORM`, the only difference
-    besides the held layer outputs). Offloaded bytes equal the plan's swapped bytes."""
+    partition saves exactly the plan's tensors inside the layers, each where the plan puts it: every
+    swapped tensor on the host, every kept one on the device, nothing the plan does not name, no
+    recomputed one; with the tensors autograd holds outside the partition (the layers' outputs, what lies
+    outside every layer, the layer inputs the checkpoints hold) that is the plan's kept set: exactly, on
+    Llama. The one residue is the dropout masks' form: under compile a dropout is one `native_dropout`
+    (aten.dropout's Python kernel in torch._decomp, global to the Python dispatcher), whose mask is bool
+    where CPU eager's is the fp32 noise of empty_like / bernoulli_ / div_, so each kept mask saves a
+    quarter of its planned bytes (`MASK_FORM`, the only difference besides the held layer outputs).
+    Offloaded bytes equal the plan's swapped bytes."""
     from slackswap.graph import FORWARD_PHASES
     from slackswap.runtime.export import HELD_OUTPUT, MASK_FORM
     from slackswap.runtime.export_facts import LAYER_OUTPUT, OUTSIDE, module_path, region_of
