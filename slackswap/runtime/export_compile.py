@@ -7,8 +7,11 @@ autograd formula saves). Inductor's default decomposition table rewrites ops suc
 `native_layer_norm`, `gelu`, `_softmax` and their backward ops into primitives before the
 min-cut partitioner runs, so the compiled backward reads other values (layer norm's normalized input
 and rstd / width, GELU's `erf + 1`) than the ones the plan decides, and its dropout draws inductor's
-own random numbers. Three mechanisms of torch 2.13, all scoped to the export's own compile (the
-arguments of `torch._inductor.compile_fx.compile_fx`, nothing global), undo that:
+own random numbers. Three mechanisms of torch 2.13, scoped to the export's own compile (arguments of
+`torch._inductor.compile_fx.compile_fx`, and the joint pass in a config patch inside
+`PlanExport.installed`), undo that. The one process-wide trace they leave is inductor's own: the
+fallback lowering it registers for an op it first lowers by falling back, which a default compile never
+consults (its table decomposes those ops before lowering).
 - `decompositions`: inductor's table without the ops of the captured step that make or read a saved
   tensor (`undecomposed_ops`; views left out, they never change which storage is saved). The joint
   graph then carries eager's ATen ops and their eager autograd formulas, which read exactly eager's
