@@ -38,8 +38,10 @@ same budget) and add `export_saved_bytes`: eager, measured in one extra step, ev
 the step saves for backward (the layers' checkpoint caches and what autograd saves,
 `PlanExport.counting_saved`), which equals `planned_saved_bytes` (`export_saved_equals_planned`);
 compiled, the partitions' saved activations plus the tensors autograd holds outside them whatever the
-policy (outside every layer, the layers' outputs), with `export_saved_unplanned_bytes` (values of the
-ops' decompositions the plan does not name) and `export_differences_by_reason`. Both add
+policy (outside every layer, the layers' outputs, the layer inputs the checkpoints hold), with
+`export_saved_unplanned_bytes` (values the plan does not name) and `export_differences_by_reason`: the
+planned bytes less three quarters of the dropout masks' (bool under compile, fp32 noise in CPU eager:
+`export_dropout_noise_planned_bytes`). Both add
 `export_offloaded_bytes` against `planned_offloaded_bytes`, `export_differences` (decisions PyTorch
 executes otherwise, each named by `slackswap.runtime.export`), and the simulated step time of the plan
 made for the export beside slackswap's own plan (`sim_step_s_plan_for_export`,
@@ -298,22 +300,32 @@ class Variants:
     def _compiled_saved(self) -> dict:
         """The compiled partitions' device bytes (activations, each layer of a compile group counted)
         plus what autograd holds outside them whatever the policy (tensors outside every layer, the layers'
-        outputs: kept by the plan, `ExportFacts.fixed_keep`), against the plan's kept bytes; the values the
-        plan does not name (inside ops' decompositions) and the planned tensors the partition lacks."""
+        outputs, `ExportFacts.fixed_keep`, and the layer inputs the checkpoints hold, `held_inputs`: kept by
+        the plan), against the plan's kept bytes; the values the plan does not name (inside ops'
+        decompositions) and the planned tensors the partition lacks."""
         from slackswap.runtime.export import LAYER_OUTPUT, OUTSIDE, partition_differences, saved_bytes
+        from slackswap.runtime.export_facts import module_path, region_of
 
         export, plan, sizes = self.compiled_export, self.plans["export"], self.graph.tensors
         decisions = plan.decisions
         device, host = saved_bytes(self.partitions, export)
         unplanned, _ = saved_bytes(self.partitions, export, lambda v: v.plan_tensor not in decisions)
+        saved = {v.plan_tensor for part in self.partitions for v in part if not v.is_input}
+        regions = {n: region_of(module_path(n), export.regions) for n in export.facts().fixed_keep}
         held = sum(sizes[n].size_bytes for n, why in export.facts().fixed_keep.items()
-                   if why in (OUTSIDE, LAYER_OUTPUT))
+                   if why in (OUTSIDE, LAYER_OUTPUT)  # held by autograd unless the partition saves it
+                   and (regions[n] is None or export.translate(n, regions[n]) not in saved))
+        held += sum(sizes[n].size_bytes for n in export.facts().held_inputs)  # inputs of the compiled layers
         differences = export.static_differences() + partition_differences(export, self.partitions)
         planned = self._kept_bytes(plan)
         return {"export_saved_bytes": device + held, "export_partition_saved_bytes": device,
                 "export_held_outside_partition_bytes": held, "export_offloaded_bytes": host,
                 "export_saved_unplanned_bytes": unplanned,
                 "export_saved_minus_planned_bytes": device + held - planned,
+                # The planned fp32 noise of eager's dropouts, saved as bool masks under compile (a quarter).
+                "export_dropout_noise_planned_bytes": sum(
+                    sizes[n].size_bytes for r in range(len(export.regions))
+                    for ds in export.eager_dropouts(r).values() for _, n in ds),
                 "export_saved_equals_planned": device + held == planned,
                 "compiled_layer_groups": len(set(export.group_of.values())),
                 "export_differences": len(differences),

@@ -14,9 +14,12 @@ What PyTorch then decides itself, not the plan (docs/runtime.md, "The export"):
 - in torch 2.13 MUST_CPU_OFFLOAD is *not* an offload: eager SAC treats it as recompute and the
   partitioner ignores it (only nodes a pass marks `should_offload` are offloaded). The export
   therefore runs swaps itself in eager mode (`_SaveMode`: the copy is made when the op returns, the
-  reload at the layer's recompute) and, compiled, turns the policy into MUST_SAVE plus
-  `should_offload` in a joint-graph pass, so `torch._functorch`'s offload pass moves it (offload after
+  reload at the layer's recompute) and, compiled, turns the plan's swaps into MUST_SAVE plus
+  `should_offload` in a joint-graph pass, so `torch._functorch`'s offload pass moves them (offload after
   the tensor's last forward use, reload where backward first needs it);
+- compiled, inductor would decompose the ops the plan names and draw its own dropout masks: the
+  export's compile keeps those ops whole and ATen's RNG (`slackswap.runtime.export_compile`), so the
+  partition saves the plan's tensors, a dropout's mask in its compiled form (bool);
 - only ops inside a layer are governed: a tensor outside every layer is saved by autograd as usual,
   a layer's input is held by checkpoint for the recompute, a random op's output is always saved (so
   the RNG stream of a recompute stays aligned), an op with several outputs gets one policy. Each such
@@ -40,6 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
+from slackswap.runtime.export_compile import SWAP_MARK, InductorBackend, OffloadMarks, export_backend, offload_enabled
 from slackswap.runtime.export_facts import (
     IN_PLACE,
     LAYER_OUTPUT,
@@ -52,7 +56,7 @@ from slackswap.runtime.export_facts import (
     module_path,
 )
 from slackswap.runtime.export_facts import region_of as _region_of
-from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
+from slackswap.runtime.op_numbering import fresh_output_flags, overload_of, writes_into
 
 POLICY_OF = {
     Decision.KEEP: CheckpointPolicy.MUST_SAVE,
@@ -163,6 +167,17 @@ class _RegionPolicy:
         eager = [k for k, size in self.export.eager_calls(self.region).get((path, packet), ()) if size == key[2]]
         return eager[c] if c < len(eager) else None
 
+    def _dropout_names(self, path: str) -> list[tuple[str, int]]:
+        """Compiled, a `native_dropout` where eager ran CPU's composite dropout (`empty_like` / `bernoulli_` /
+        `div_` / `mul`: aten.dropout's Python kernel in torch._decomp routes every traced dropout to
+        native_dropout): its output is eager's `mul` output, its mask eager's noise in another form (bool).
+        The k-th native_dropout of a module is the k-th eager dropout there; [] when eager has none."""
+        key = (path, "native_dropout")
+        c = self.counts[key]
+        self.counts[key] = c + 1
+        dropouts = self.export.eager_dropouts(self.region).get(path, [])
+        return [(dropouts[c][0], 0), (dropouts[c][1], 1)] if c < len(dropouts) else []
+
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         path, packet = self._path(), func.overloadpacket.__name__
         out = ctx.op_output
@@ -185,9 +200,13 @@ class _RegionPolicy:
                 return CheckpointPolicy.MUST_SAVE
         leaves = list(tree_leaves(out))
         fresh = fresh_output_flags(func, out)
-        names = [] if k is None else [
-            f"{path}/{packet}#{k}:{i}" for i, (leaf, f) in enumerate(zip(leaves, fresh, strict=False))
+        #: (identity, index of its output leaf)
+        named = [] if k is None else [
+            (f"{path}/{packet}#{k}:{i}", i) for i, (leaf, f) in enumerate(zip(leaves, fresh, strict=False))
             if f and isinstance(leaf, torch.Tensor)]
+        if self.compiled and packet == "native_dropout" and k is None:
+            named = self._dropout_names(path)
+        names = [n for n, _ in named]
         decided = [(n, self.decisions[n]) for n in names if n in self.decisions]
         if random:
             policy = CheckpointPolicy.MUST_SAVE
@@ -204,7 +223,7 @@ class _RegionPolicy:
             if random:
                 self.export.record.random.add(n)
         if self.compiled:
-            self._tag_nodes(names, leaves)
+            self._tag_nodes(named, leaves)
         else:
             for leaf, f in zip(leaves, fresh, strict=False):
                 if f and isinstance(leaf, torch.Tensor):
@@ -212,7 +231,7 @@ class _RegionPolicy:
                     self.export._last_names[_storage(leaf)] = [n for n, _ in decided]
         return policy
 
-    def _tag_nodes(self, names: list[str], leaves: list) -> None:
+    def _tag_nodes(self, named: list[tuple[str, int]], leaves: list) -> None:
         """Compiled: name the traced node of each output (node.meta['slackswap_tensor']), so the
         partition's saved values read back as plan tensors. The output is a FunctionalTensor over a
         FakeTensor; the proxy mode's tracker gives the node that computes it."""
@@ -221,14 +240,16 @@ class _RegionPolicy:
         mode = get_proxy_mode()
         if mode is None:
             return
-        for name in names:
-            leaf = leaves[int(name.rsplit(":", 1)[1])]
+        for name, i in named:
+            leaf = leaves[i]
             inner = torch._from_functional_tensor(leaf.elem) if hasattr(leaf, "elem") else leaf
             slot = get_proxy_slot(inner, mode.tracer, None)
             if slot is None:
                 continue
             node = slot.proxy.node
             node.meta["slackswap_tensor"] = name
+            if self.decisions.get(name) == Decision.SWAP:
+                node.meta[SWAP_MARK] = True
             # Every node this op's decomposition added (back to nodes of earlier ops) is the op's.
             op = name.rsplit(":", 1)[0]
             todo = [node]
@@ -433,6 +454,7 @@ class PlanExport:
         self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
         self._facts = None
         self._eager_calls: dict[int, dict[tuple[str, str], list[tuple[int, int]]]] = {}
+        self._eager_dropouts: dict[int, dict[str, list[tuple[str, str]]]] = {}
         #: Compiled: region -> the region whose compiled function (and partition) it shares.
         self.group_of: dict[int, int] = {}
 
@@ -473,11 +495,30 @@ class PlanExport:
             self._eager_calls[region] = dict(table)
         return self._eager_calls[region]
 
+    def eager_dropouts(self, region: int) -> dict[str, list[tuple[str, str]]]:
+        """Module path -> [(output, noise)] of CPU eager's composite dropouts in `region`, in call order: an
+        `empty_like` (its in-place `bernoulli_` / `div_` joined to it) whose output a forward `mul` reads."""
+        if region not in self._eager_dropouts:
+            table: dict[str, list[tuple[str, str]]] = defaultdict(list)
+            ops, tensors = self.graph.op_by_name, self.graph.tensors
+            for op in self.graph.forward_ops:
+                if op.layer != region or overload_of(op.name) is not torch.ops.aten.empty_like.default:
+                    continue
+                noise = op.outputs[0]
+                readers = [ops[c] for c in tensors[noise].consumers
+                           if ops[c].phase == op.phase and overload_of(c) is torch.ops.aten.mul.Tensor]
+                if readers:
+                    table[module_path(noise)].append((readers[0].outputs[0], noise))
+            self._eager_dropouts[region] = dict(table)
+        return self._eager_dropouts[region]
+
     # ------------------------------------------------------------------ installation
     @contextmanager
     def installed(self, model: torch.nn.Module, compile: bool = False, backend: object = "inductor") -> Iterator[None]:
         """Every layer's forward runs under `checkpoint` with its region's policy (compiled: the
-        checkpointed forward is `torch.compile`d per layer, with the offload pass enabled)."""
+        checkpointed forward is `torch.compile`d per layer, with the offload pass enabled; inductor, given
+        as "inductor" or an `InductorBackend`, compiles with the export's decompositions and config,
+        `slackswap.runtime.export_compile`)."""
         layers = [model.get_submodule(p) for p in self.regions]
         originals = [layer.__dict__.get("forward") for layer in layers]
         reset = model.register_forward_pre_hook(lambda *_: self._reset())
@@ -485,7 +526,7 @@ class PlanExport:
             for i, layer in enumerate(layers):
                 layer.forward = self._forward(layer, i, compile, backend)
             if compile:  # module paths from dynamo's nn_module_stack: global hooks would break the graph
-                with _offload_enabled():
+                with offload_enabled():
                     yield
             else:
                 with self.modules:
@@ -579,7 +620,8 @@ class PlanExport:
                 return checkpoint(partial(type(layer).forward, layer), *args, use_reentrant=False,
                                   context_fn=context_fn, **kwargs)
 
-            self._compiled_fns[signature] = (region, torch.compile(_fresh_function(run), backend=backend))
+            compiled = torch.compile(_fresh_function(run), backend=export_backend(backend, self.graph))
+            self._compiled_fns[signature] = (region, compiled)
         self.group_of[region], compiled = self._compiled_fns[signature]
         return partial(compiled, layer)
 
@@ -649,37 +691,6 @@ class PlanExport:
         return self._facts
 
 
-@contextmanager
-def _offload_enabled() -> Iterator[None]:
-    """torch._functorch's activation-offload pass on, and MUST_CPU_OFFLOAD nodes marked for it."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    with functorch_config.patch(enable_activation_offloading=True), inductor_config.patch(
-            joint_custom_pre_pass=OffloadMarks()):
-        yield
-
-
-def _custom_pass_base() -> type:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    return CustomGraphPass
-
-
-class OffloadMarks(_custom_pass_base()):
-    """Joint-graph pass: a node the policy tagged MUST_CPU_OFFLOAD is saved (MUST_SAVE) and marked
-    `should_offload`, which torch 2.13's partitioner offload pass reads (it reads nothing else)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for node in graph.nodes:
-            if node.meta.get("recompute") in _OFFLOAD:
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                node.meta["should_offload"] = True
-
-    def uuid(self) -> str:
-        return "slackswap.runtime.export.OffloadMarks/1"
-
-
 @dataclass(frozen=True)
 class SavedValue:
     """One value the compiled partition saves for backward."""
@@ -735,7 +746,7 @@ class Partitions(list):
 
 def recording_backend() -> tuple[Callable, Partitions]:
     """An inductor backend that also records each compiled backward's saved inputs (the partition)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.compile_fx import compile_fx_inner
 
     partitions = Partitions()
     forward_names: dict[object, dict[str, tuple[str | None, str | None, str | None]]] = {}
@@ -767,7 +778,7 @@ def recording_backend() -> tuple[Callable, Partitions]:
             partitions.append(saved)
         return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
-    return partial(compile_fx, inner_compile=inner), partitions
+    return InductorBackend(inner), partitions
 
 
 NOT_READ = ("the compiled backward does not read it: its decomposition reads other values (layer norm's "
@@ -779,6 +790,10 @@ DERIVED = ("saved in another form, on the device: the partitioner moved a piece 
            "the forward and saves its result, which no policy tagged for offloading")
 HELD_OUTPUT = "the compiled layer's output: autograd holds it as the next layer's input, outside the partition"
 UNPLANNED = "the plan does not name it: the compiled backward reads a value of the op's decomposition"
+MASK_FORM = ("saved in another form: under compile a dropout is one native_dropout (aten.dropout's Python kernel in "
+             "torch._decomp), whose mask is bool, 1 B per element, where CPU eager's is the fp32 noise of empty_like / "
+             "bernoulli_ / div_, 4 B per element")
+OTHER_BYTES = "saved with other bytes than eager's tensor (another dtype or shape under compile)"
 
 
 def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]) -> list[ExportDifference]:
@@ -789,7 +804,8 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
     left out; a value computed from exactly one plan tensor (`SavedValue.derived_from`) saves that
     tensor. What remains, by kind: a plan tensor saved otherwise than planned; a planned tensor the
     partition does not save (the layer's output, held outside it; a value the decomposed backward does
-    not read; an identity no call has under compile); a value the plan does not name."""
+    not read; an identity no call has under compile); a plan tensor saved with other bytes (a dropout's
+    mask, bool under compile); a value the plan does not name."""
     saved = [v for part in partitions for v in part if not v.is_input]
     got: dict[str, SavedValue] = {}
     for v in saved:
@@ -818,6 +834,10 @@ def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]
                 why = ("one policy per op" if decision != Decision.SWAP else DERIVED if v.tensor is None else
                        "torch's offload pass skips views, non-contiguous tensors and model outputs")
                 out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved", why))
+            elif v.size_bytes != export.graph.tensors[name].size_bytes and v.tensor is not None:
+                noises = {n for ds in export.eager_dropouts(region).values() for _, n in ds}
+                out.append(ExportDifference(name, str(decision), "offloaded" if v.offloaded else "saved",
+                                            MASK_FORM if name in noises else OTHER_BYTES))
     for v in saved:
         if v.plan_tensor is None or v.plan_tensor not in export.plan.decisions:
             what = v.plan_tensor or (f"a value inside {v.op}" if v.op else f"compiled value {v.node}")
@@ -844,5 +864,5 @@ def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = 
     return device, host
 
 
-__all__ = ["DOES", "POLICY_OF", "ExportDifference", "Partitions", "PlanExport", "SavedCount", "SavedValue",
-           "layer_paths", "partition_differences", "recording_backend", "saved_bytes"]
+__all__ = ["DOES", "POLICY_OF", "ExportDifference", "InductorBackend", "OffloadMarks", "Partitions", "PlanExport",
+           "SavedCount", "SavedValue", "layer_paths", "partition_differences", "recording_backend", "saved_bytes"]
