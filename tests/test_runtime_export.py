@@ -6,6 +6,7 @@ in another form), and gradients equal eager's but for the Linear biases'."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
@@ -78,12 +79,14 @@ def test_eager_export_runs_every_planner_bit_exact_and_names_each_difference() -
     assert acted == {"keep", "swap", "recompute"}
 
 
-def export_plan_for(planner: str, c: Captured):
-    """`plan_for_export` at the tightest of FRACTIONS the planner meets with PyTorch's facts fixed."""
+def export_plan_for(planner: str, c: Captured, compile: bool = False):
+    """`plan_for_export` at the tightest of FRACTIONS the planner meets with PyTorch's facts fixed (made
+    for the compiled export with `compile`)."""
     for fraction in FRACTIONS:
         budget = None if fraction is None else int(c.keep_all_peak_bytes * fraction)
         try:
-            return plan_for_export(get_planner(planner), c.graph, c.workload.model, h200(), budget), fraction
+            return plan_for_export(get_planner(planner), c.graph, c.workload.model, h200(), budget,
+                                   compile=compile), fraction
         except InfeasibleBudgetError:
             continue
     raise AssertionError(f"{planner} has no plan for the export even without a budget")
@@ -217,40 +220,56 @@ def test_the_compiled_export_keeps_the_ops_that_make_or_read_saved_tensors_undec
     assert set(table) == set(full) - keep and aten.native_layer_norm.default in full
 
 
+_COMPILED: dict[str, tuple] = {}
+
+
+def compiled_step(kind: str) -> tuple:
+    """One compiled step of the 2-layer `kind` under slackswap's plan made for the compiled export, with
+    each layer's partition recorded: (captured, plan, fraction, export, partitions, loss, grads). Cached:
+    the partition and gradient tests share one compile per model (inductor on the CPU costs seconds)."""
+    if kind not in _COMPILED:
+        if kind not in _C:
+            _C[kind] = capture(kind, layers=2)
+        c = _C[kind]
+        plan, fraction = export_plan_for("slackswap", c, compile=True)
+        export = PlanExport(plan, c.graph, c.workload.model)
+        backend, partitions = recording_backend()
+        loss, grads = exported_step(c, export, compile=True, backend=backend)
+        _COMPILED[kind] = (c, plan, fraction, export, partitions, loss, grads)
+    return _COMPILED[kind]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tiny", "gpt2", "bert", "llama"])
 def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
     """2-layer TinyGPT (with dropout), HF GPT-2 (dropout, an attention mask made once for all blocks), BERT
     (dropout) and HF Llama (no dropout, a mask held by the blocks' checkpoints), slackswap's plan made for
-    the export, each layer compiled (inductor on the CPU). Read from the compiled backward's inputs, the
-    partition saves exactly the plan's tensors inside the layers, each where the plan puts it: every
-    swapped tensor on the host, every kept one on the device, nothing the plan does not name, no
-    recomputed one; with the tensors autograd holds outside the partition (the layers' outputs, what lies
-    outside every layer, the layer inputs the checkpoints hold) that is the plan's kept set: exactly, on
-    Llama. The one residue is the dropout masks' form: under compile a dropout is one `native_dropout`
-    (aten.dropout's Python kernel in torch._decomp, global to the Python dispatcher), whose mask is bool
-    where CPU eager's is the fp32 noise of empty_like / bernoulli_ / div_, so each kept mask saves a
-    quarter of its planned bytes (`MASK_FORM`, the only difference besides the held layer outputs).
-    Offloaded bytes equal the plan's swapped bytes."""
+    the compiled export, each layer compiled (inductor on the CPU). Read from the compiled backward's
+    inputs, the partition saves exactly the plan's tensors inside the layers, each where the plan puts it
+    and with the bytes the plan prices: every swapped tensor on the host, every kept one on the device,
+    nothing the plan does not name, no recomputed one, each dropout's mask at its compiled bytes (bool:
+    the plan was made on the graph as the compiled step stores it, `slackswap.runtime.export_graph`). With
+    the tensors autograd holds outside the partition (the layers' outputs, what lies outside every layer,
+    the layer inputs the checkpoints hold) the saved bytes are the plan's kept bytes, and the offloaded
+    bytes its swapped bytes, exactly. The same decisions priced for eager (CPU eager's fp32 noise) leave
+    each kept mask named as saved in another form (`MASK_FORM`)."""
     from slackswap.graph import FORWARD_PHASES
     from slackswap.runtime.export import HELD_OUTPUT, MASK_FORM
     from slackswap.runtime.export_facts import LAYER_OUTPUT, OUTSIDE, module_path, region_of
+    from slackswap.runtime.export_graph import EXPORT_EXECUTOR, graph_for_compile
 
-    if kind not in _C:
-        _C[kind] = capture(kind, layers=2)
-    c = _C[kind]
-    plan, fraction = export_plan_for("slackswap", c)
+    c, plan, fraction, export, partitions, _, _ = compiled_step(kind)
     assert fraction is not None and plan.offloads
-    export = PlanExport(plan, c.graph, c.workload.model)
-    backend, partitions = recording_backend()
-    exported_step(c, export, compile=True, backend=backend)
+    assert plan.notes[EXPORT_EXECUTOR] == "compile"
+    assert export.graph is not c.graph or kind == "llama"
+    assert export.graph.tensors.keys() == c.graph.tensors.keys()
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     # The export's compile settings are its own: nothing of them is left in the global configs.
     assert not inductor_config.fallback_random and inductor_config.joint_custom_post_pass is None
     assert not functorch_config.enable_activation_offloading
-    sizes, facts = c.graph.tensors, export.facts()
+    sizes, facts = export.graph.tensors, export.facts()
     ops = c.graph.op_by_name
     # The layers' outputs: read by an op of another layer or outside (held by autograd, outside the partition;
     # their ops' other outputs, such as BERT's last layer norm's mean and rstd, are the partition's).
@@ -259,6 +278,7 @@ def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
         if ops[r].phase in FORWARD_PHASES)}
     noises = {n for r in range(len(export.regions)) for ds in export.eager_dropouts(r).values() for _, n in ds}
     assert bool(noises) == (kind != "llama") and all(plan.decisions[n] == Decision.KEEP for n in noises)
+    assert all(sizes[n].size_bytes * 4 == c.graph.tensors[n].size_bytes for n in noises)  # fp32 noise, bool mask
     reps = {export.group_of[r] for r in range(len(export.regions))}
     assert len(partitions) == len(reps)
     for part in partitions:
@@ -273,10 +293,9 @@ def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
         assert set(got) == set(planned)
         for name, v in got.items():
             assert v.offloaded == (planned[name] == Decision.SWAP), v
-            assert v.size_bytes * (4 if name in noises else 1) == sizes[name].size_bytes, v
+            assert v.size_bytes == sizes[name].size_bytes, v
     differences = partition_differences(export, partitions)
-    assert {(d.tensor, d.reason) for d in differences} == (
-        {(n, MASK_FORM) for n in noises} | {(n, HELD_OUTPUT) for n in outputs})
+    assert {(d.tensor, d.reason) for d in differences} == {(n, HELD_OUTPUT) for n in outputs}
     device, host = saved_bytes(partitions, export)
     held = sum(sizes[n].size_bytes for n, why in facts.fixed_keep.items() if why == OUTSIDE)
     held += sum(sizes[n].size_bytes for n in outputs)
@@ -285,7 +304,14 @@ def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
     kept = sum(sizes[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
     swapped = sum(sizes[n].size_bytes for n, d in plan.decisions.items() if d == Decision.SWAP)
     assert host == swapped
-    assert device + held == kept - sum(sizes[n].size_bytes for n in noises) * 3 // 4
+    assert device + held == kept
+    # The same decisions as a plan made for eager: priced with CPU eager's noise, each kept mask is a residue.
+    as_eager = replace(plan, notes={**dict(plan.notes), EXPORT_EXECUTOR: "eager"})
+    eager_export = PlanExport(as_eager, c.graph, c.workload.model)
+    eager_export.group_of = dict(export.group_of)  # the same compiled functions: the same layer groups
+    assert eager_export.graph is c.graph and graph_for_compile(c.graph, export.regions).tensors == sizes
+    assert {(d.tensor, d.reason) for d in partition_differences(eager_export, partitions)} == (
+        {(n, MASK_FORM) for n in noises} | {(n, HELD_OUTPUT) for n in outputs})
 
 
 @pytest.mark.slow
@@ -295,10 +321,7 @@ def test_the_compiled_export_computes_eagers_gradients() -> None:
     back to them, dropout draws eager's mask with `fallback_random`) or inductor code that rounds as they
     do, except the Linear biases' gradients: inductor's own reduction sums the output gradient over the
     tokens in another order than ATen's `sum`, so those match to float rounding only."""
-    c = tiny()
-    plan, _ = export_plan_for("slackswap", c)
-    export = PlanExport(plan, c.graph, c.workload.model)
-    loss, grads = exported_step(c, export, compile=True)
+    c, _, _, export, _, loss, grads = compiled_step("tiny")
     ref_loss, ref_grads = c.reference
     assert torch.equal(ref_loss, loss)
     names = [n for n, p in c.workload.model.named_parameters() if p.requires_grad]

@@ -19,7 +19,8 @@ What PyTorch then decides itself, not the plan (docs/runtime.md, "The export"):
   the tensor's last forward use, reload where backward first needs it);
 - compiled, inductor would decompose the ops the plan names and draw its own dropout masks: the
   export's compile keeps those ops whole and ATen's RNG (`slackswap.runtime.export_compile`), so the
-  partition saves the plan's tensors, a dropout's mask in its compiled form (bool);
+  partition saves the plan's tensors, a dropout's mask in its compiled form (bool), which a plan made
+  for the compiled export prices (`slackswap.runtime.export_graph`);
 - only ops inside a layer are governed: a tensor outside every layer is saved by autograd as usual,
   a layer's input is held by checkpoint for the recompute, a random op's output is always saved (so
   the RNG stream of a recompute stays aligned), an op with several outputs gets one policy. Each such
@@ -56,7 +57,8 @@ from slackswap.runtime.export_facts import (
     module_path,
 )
 from slackswap.runtime.export_facts import region_of as _region_of
-from slackswap.runtime.op_numbering import fresh_output_flags, overload_of, writes_into
+from slackswap.runtime.export_graph import composite_dropouts, export_graph, made_for_compile
+from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
     Decision.KEEP: CheckpointPolicy.MUST_SAVE,
@@ -436,8 +438,10 @@ class PlanExport:
         from slackswap.runtime.executor import check_identity
 
         check_identity(graph, model)
-        self.plan, self.graph = plan, graph
         self.regions = layer_paths(model)
+        #: The graph the plan was made on: compiled (`made_for_compile`), each dropout's mask at its compiled
+        #: bytes (`slackswap.runtime.export_graph`); else the captured one. Saved bytes are checked against it.
+        self.plan, self.graph = plan, export_graph(graph, self.regions, made_for_compile(plan))
         self.region_decisions: list[dict[str, Decision]] = [{} for _ in self.regions]
         self.outside: dict[str, Decision] = {}
         for name, decision in plan.decisions.items():
@@ -500,15 +504,8 @@ class PlanExport:
         `empty_like` (its in-place `bernoulli_` / `div_` joined to it) whose output a forward `mul` reads."""
         if region not in self._eager_dropouts:
             table: dict[str, list[tuple[str, str]]] = defaultdict(list)
-            ops, tensors = self.graph.op_by_name, self.graph.tensors
-            for op in self.graph.forward_ops:
-                if op.layer != region or overload_of(op.name) is not torch.ops.aten.empty_like.default:
-                    continue
-                noise = op.outputs[0]
-                readers = [ops[c] for c in tensors[noise].consumers
-                           if ops[c].phase == op.phase and overload_of(c) is torch.ops.aten.mul.Tensor]
-                if readers:
-                    table[module_path(noise)].append((readers[0].outputs[0], noise))
+            for out, noise in composite_dropouts(self.graph, region):
+                table[module_path(noise)].append((out, noise))
             self._eager_dropouts[region] = dict(table)
         return self._eager_dropouts[region]
 
@@ -792,7 +789,8 @@ HELD_OUTPUT = "the compiled layer's output: autograd holds it as the next layer'
 UNPLANNED = "the plan does not name it: the compiled backward reads a value of the op's decomposition"
 MASK_FORM = ("saved in another form: under compile a dropout is one native_dropout (aten.dropout's Python kernel in "
              "torch._decomp), whose mask is bool, 1 B per element, where CPU eager's is the fp32 noise of empty_like / "
-             "bernoulli_ / div_, 4 B per element")
+             "bernoulli_ / div_, 4 B per element, which a plan made for eager prices (plan_for_export(..., "
+             "compile=True) prices the mask as compiled)")
 OTHER_BYTES = "saved with other bytes than eager's tensor (another dtype or shape under compile)"
 
 
