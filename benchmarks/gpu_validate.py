@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +137,8 @@ def measure_export(w, graph, plan, device, steps: int) -> dict:
 
 def export_row(w, graph, plan, device: str, steps: int, row: dict, hw) -> dict:
     """The export's row: measured compiled steps against the simulator's price of the plan as PyTorch
-    executes it (`slackswap.pytorch_execution`, compiled placement, the decisions it really runs)."""
+    executes it (`slackswap.pytorch_execution`, compiled placement, the decisions it really runs), on
+    `graph`, the graph the plan was made on (`export_plan_graph(..., compile=True)`)."""
     from slackswap.pytorch_execution import pytorch_plan
     from slackswap.runtime.export import PlanExport
     from slackswap.runtime.train import compiled_gradient_check
@@ -153,7 +155,11 @@ def export_row(w, graph, plan, device: str, steps: int, row: dict, hw) -> dict:
     check = compiled_gradient_check(w, graph, plan)
     out = {**row, "executor": "export_compiled", "status": "ok", **measured, "sim_step_s": sim.step_s,
            "sim_peak_activation_bytes": sim.peak_activation_bytes, "grad_bit_exact": check.bit_exact,
-           "grad_max_abs_diff": check.max_abs_diff, "export_differences": len(check.differences)}
+           "grad_max_abs_diff": check.max_abs_diff, "export_differences": len(check.differences),
+           # By the reason's first clause (slackswap.runtime.export): for a plan made for the compiled export
+           # the layers' outputs held outside the partition, no tensor saved with other bytes than planned.
+           "export_differences_by_reason": dict(Counter(d.reason.split(":")[0] for d in check.differences)),
+           "plan_export_executor": plan.notes.get("export_executor")}
     out["step_ratio"] = out["measured_step_s"] / sim.step_s if sim.step_s else None
     out["peak_ratio"] = (out["measured_peak_bytes"] / sim.peak_activation_bytes
                          if out["measured_peak_bytes"] is not None else None)
@@ -165,7 +171,7 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
     import torch
 
     from slackswap.errors import InfeasibleBudgetError
-    from slackswap.experiment.export_plan import plan_for_export
+    from slackswap.experiment.export_plan import export_plan_graph, plan_for_export
     from slackswap.planners.registry import get_planner
     from slackswap.runtime import capture_graph, plan_counts
     from slackswap.runtime.train import gradient_check
@@ -220,13 +226,16 @@ def validate_model(kind: str, device: str, layers: int | None, steps: int, small
         if name in export:
             print(f"[gpu_validate] {model.name} {name}: the export, compiled ...", flush=True)
             base = {k: row[k] for k in ("model", "layers", "planner", "device", "budget_bytes", "capture_s")}
-            # The plan made for the export (inside PyTorch's plan space), so it runs as planned.
+            # The plan made for the compiled export (inside PyTorch's plan space, priced as the compiled
+            # step stores it: a CPU dropout's mask bool), so it runs as planned and the simulator prices it
+            # on that graph.
             try:
-                exported = plan_for_export(get_planner(name), graph, w.model, hw, row["budget_bytes"])
+                exported = plan_for_export(get_planner(name), graph, w.model, hw, row["budget_bytes"], compile=True)
             except InfeasibleBudgetError as exc:
                 rows.append({**base, "executor": "export_compiled", "status": "infeasible", "reason": str(exc)})
                 continue
-            rows.append(export_row(w, graph, exported, device, steps, base, hw))
+            rows.append(export_row(w, export_plan_graph(graph, w.model, compile=True), exported, device, steps,
+                                   base, hw))
     del w
     if device == "cuda":
         torch.cuda.empty_cache()

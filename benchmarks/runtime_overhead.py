@@ -32,16 +32,18 @@ the stand-in copies run on the compute thread; on a GPU the copy engines do that
 interleaved with the rest: the runtime's own cost measured directly. `overhead_s_per_aten_call` and
 `overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
 calls and by the tensors autograd saves (`saved_tensors`).
-`planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device. The
-export rows run slackswap's plan made for the export (`slackswap.experiment.export_plan.plan_for_export`, the
-same budget) and add `export_saved_bytes`: eager, measured in one extra step, every distinct storage
-the step saves for backward (the layers' checkpoint caches and what autograd saves,
-`PlanExport.counting_saved`), which equals `planned_saved_bytes` (`export_saved_equals_planned`);
-compiled, the partitions' saved activations plus the tensors autograd holds outside them whatever the
-policy (outside every layer, the layers' outputs, the layer inputs the checkpoints hold), with
-`export_saved_unplanned_bytes` (values the plan does not name) and `export_differences_by_reason`: the
-planned bytes less three quarters of the dropout masks' (bool under compile, fp32 noise in CPU eager:
-`export_dropout_noise_planned_bytes`). Both add
+`planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device, priced on the
+graph the plan was made on. The export rows run slackswap's plan made for the export
+(`slackswap.experiment.export_plan.plan_for_export`, the same budget): export_eager the plan made for eager,
+export_compiled the plan made for the compiled export (`compile=True`: each layer's dropout mask priced
+bool, as the compiled step stores it), and add `export_saved_bytes`: eager, measured in one extra step, every
+distinct storage the step saves for backward (the layers' checkpoint caches and what autograd saves,
+`PlanExport.counting_saved`); compiled, the partitions' saved activations plus the tensors autograd holds
+outside them whatever the policy (outside every layer, the layers' outputs, the layer inputs the
+checkpoints hold), with `export_saved_unplanned_bytes` (values the plan does not name),
+`export_differences_by_reason`, `export_offloaded_equals_planned` and the masks as the plan prices them
+(`export_dropout_mask_planned_bytes`) beside eager's noise (`export_dropout_noise_eager_bytes`). In both
+rows `export_saved_bytes` equals `planned_saved_bytes` (`export_saved_equals_planned`). Both add
 `export_offloaded_bytes` against `planned_offloaded_bytes`, `export_differences` (decisions PyTorch
 executes otherwise, each named by `slackswap.runtime.export`), and the simulated step time of the plan
 made for the export beside slackswap's own plan (`sim_step_s_plan_for_export`,
@@ -114,7 +116,7 @@ class Variants:
     def __init__(self, layers: int):
         import torch
 
-        from slackswap.experiment.export_plan import plan_for_export
+        from slackswap.experiment.export_plan import export_plan_graph, plan_for_export
         from slackswap.planners.registry import get_planner
         from slackswap.runtime import apply, capture_graph
         from slackswap.runtime.copy_engines import CpuCopies
@@ -144,8 +146,14 @@ class Variants:
         # whatever a plan says are kept, one decision per op), so it executes every decision as planned.
         self.plans["export"] = plan_for_export(get_planner("slackswap"), self.graph, w.model, h200(),
                                                int(keep_all_peak * BUDGET_FRACTION))
+        # The compiled row runs the plan made for the compiled export (the same budget), priced on the graph
+        # as the compiled step stores it (each layer's dropout mask bool, `export_plan_graph`).
+        self.plans["export_compiled"] = plan_for_export(get_planner("slackswap"), self.graph, w.model, h200(),
+                                                        int(keep_all_peak * BUDGET_FRACTION), compile=True)
+        #: The graph each plan was made on (the captured one unless named here).
+        self.plan_graphs = {"export_compiled": export_plan_graph(self.graph, w.model, compile=True)}
         self.export = PlanExport(self.plans["export"], self.graph, w.model)
-        self.compiled_export = PlanExport(self.plans["export"], self.graph, w.model)
+        self.compiled_export = PlanExport(self.plans["export_compiled"], self.graph, w.model)
         self.backend, self.partitions = recording_backend()
         self.layers = [w.model.get_submodule(p) for p in self.export.regions]
         #: Per timed runtime_slackswap step: CPU seconds of its inline copies (`CpuCopies.copy_s`).
@@ -244,10 +252,10 @@ class Variants:
             row = {"variant": v, "layers": len(self.layers), "cpu_s_per_step": cpu, "aten_calls": calls[v],
                    "ratio_to_eager": cpu / eager, "peak_bytes": peaks[v], "planned_saved_bytes": None,
                    "rounds": rounds}
-            plan = {"runtime_keep_all": "keep_all"}.get(v, "slackswap" if v.startswith("runtime") else
-                                                        "export" if v.startswith("export") else None)
+            plan = {"runtime_keep_all": "keep_all", "export_compiled": "export_compiled"}.get(
+                v, "slackswap" if v.startswith("runtime") else "export" if v.startswith("export") else None)
             if plan is not None:
-                row["planned_saved_bytes"] = self._kept_bytes(self.plans[plan])
+                row["planned_saved_bytes"] = self._kept_bytes(plan)
                 row["plan_offloads"] = len(self.plans[plan].offloads)
                 row["plan_recompute_steps"] = sum(1 for x in self.plans[plan].steps if str(x.kind) == "recompute")
             if v in ("runtime_keep_all", "runtime_slackswap"):
@@ -270,17 +278,19 @@ class Variants:
             rows.append(row)
         return rows
 
-    def _plan_accounting(self) -> dict:
-        """The plan made for the export against slackswap's plan of the same budget (what fitting PyTorch's
-        plan space costs, simulated on the H200 preset), and the bytes it keeps and swaps."""
+    def _plan_accounting(self, key: str = "export") -> dict:
+        """The plan made for the export (`key`: for eager, "export"; for compile, "export_compiled") against
+        slackswap's plan of the same budget (what fitting PyTorch's plan space costs, simulated on the H200
+        preset, each on the graph it was made on), and the bytes it keeps and swaps."""
         from slackswap.simulate import simulate
         from tests.runtime_support import h200
 
-        plan, sizes = self.plans["export"], self.graph.tensors
+        plan, graph = self.plans[key], self.plan_graphs.get(key, self.graph)
+        sizes = graph.tensors
         return {"planned_offloaded_bytes": sum(sizes[n].size_bytes for n, d in plan.decisions.items()
                                                if str(d) == "swap"),
                 "plan_fixed_keep": plan.notes["fixed_keep"], "plan_fixed_keep_bytes": plan.notes["fixed_keep_bytes"],
-                "sim_step_s_plan_for_export": simulate(self.graph, plan, h200(), None).step_s,
+                "sim_step_s_plan_for_export": simulate(graph, plan, h200(), None).step_s,
                 "sim_step_s_slackswap_plan": simulate(self.graph, self.plans["slackswap"], h200(), None).step_s}
 
     def _eager_saved(self) -> dict:
@@ -292,7 +302,7 @@ class Variants:
         with export.counting_saved(model) as count, export.installed(model):
             _step(self.w)
         saved = export.saved_activation_bytes(count)
-        planned = self._kept_bytes(self.plans["export"])
+        planned = self._kept_bytes("export")
         return {"export_saved_bytes": saved, "export_offloaded_bytes": export.record.offloaded_bytes,
                 "export_differences": len(export.step_differences()),
                 "export_saved_equals_planned": saved == planned, **self._plan_accounting()}
@@ -306,7 +316,8 @@ class Variants:
         from slackswap.runtime.export import LAYER_OUTPUT, OUTSIDE, partition_differences, saved_bytes
         from slackswap.runtime.export_facts import module_path, region_of
 
-        export, plan, sizes = self.compiled_export, self.plans["export"], self.graph.tensors
+        export, plan = self.compiled_export, self.plans["export_compiled"]
+        sizes = export.graph.tensors  # the graph the plan was made on: dropout masks at their compiled bytes
         decisions = plan.decisions
         device, host = saved_bytes(self.partitions, export)
         unplanned, _ = saved_bytes(self.partitions, export, lambda v: v.plan_tensor not in decisions)
@@ -317,23 +328,31 @@ class Variants:
                    and (regions[n] is None or export.translate(n, regions[n]) not in saved))
         held += sum(sizes[n].size_bytes for n in export.facts().held_inputs)  # inputs of the compiled layers
         differences = export.static_differences() + partition_differences(export, self.partitions)
-        planned = self._kept_bytes(plan)
+        planned = self._kept_bytes("export_compiled")
         return {"export_saved_bytes": device + held, "export_partition_saved_bytes": device,
                 "export_held_outside_partition_bytes": held, "export_offloaded_bytes": host,
                 "export_saved_unplanned_bytes": unplanned,
                 "export_saved_minus_planned_bytes": device + held - planned,
-                # The planned fp32 noise of eager's dropouts, saved as bool masks under compile (a quarter).
-                "export_dropout_noise_planned_bytes": sum(
+                "export_offloaded_equals_planned": host == sum(sizes[n].size_bytes for n, d in plan.decisions.items()
+                                                               if str(d) == "swap"),
+                # The dropout masks inside the layers, as this plan prices them (bool under compile) and as the
+                # eager plan prices CPU eager's fp32 noise.
+                "export_dropout_mask_planned_bytes": sum(
                     sizes[n].size_bytes for r in range(len(export.regions))
+                    for ds in export.eager_dropouts(r).values() for _, n in ds),
+                "export_dropout_noise_eager_bytes": sum(
+                    self.graph.tensors[n].size_bytes for r in range(len(export.regions))
                     for ds in export.eager_dropouts(r).values() for _, n in ds),
                 "export_saved_equals_planned": device + held == planned,
                 "compiled_layer_groups": len(set(export.group_of.values())),
                 "export_differences": len(differences),
                 "export_differences_by_reason": dict(Counter(d.reason.split(":")[0] for d in differences)),
-                **self._plan_accounting()}
+                **self._plan_accounting("export_compiled")}
 
-    def _kept_bytes(self, plan) -> int:
-        return sum(self.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if str(d) == "keep")
+    def _kept_bytes(self, key: str) -> int:
+        """Device bytes the plan `key` keeps, priced on the graph it was made on."""
+        sizes = self.plan_graphs.get(key, self.graph).tensors
+        return sum(sizes[n].size_bytes for n, d in self.plans[key].decisions.items() if str(d) == "keep")
 
     def _one(self, v: str) -> float:
         torch = self.torch

@@ -51,4 +51,7 @@ def test_cpu_path_also_runs_the_export_compiled(tmp_path) -> None:
     r = exported[0]
     assert r["measured_step_s"] > 0 and r["sim_step_s"] > 0 and r["measured_peak_bytes"] is None
     assert r["grad_max_abs_diff"] < 1.0 and r["export_differences"] >= 0
+    # The plan made for the compiled export: no dropout mask saved in another form than it prices.
+    assert r["plan_export_executor"] == "compile"
+    assert set(r["export_differences_by_reason"]) <= {"the compiled layer's output"}
     assert "(export, compiled)" in gpu_validate.table(rows)

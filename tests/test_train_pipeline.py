@@ -88,4 +88,7 @@ def test_train_runs_the_plan_compiled(tmp_path, monkeypatch, capsys) -> None:
     assert figures["grad_check_max_abs_diff"] < 1.0  # compiled numerics and RNG: close, not equal
     assert figures["export_differences"] == len(figures["export_difference_tensors"])
     assert figures["export_static_differences"] == 0  # the plan is made for the export (plan_for_export)
+    # Made for the compiled export: every difference is a layer's output held outside the partition, none
+    # a dropout mask saved in another form than planned (bool under compile, planned so).
+    assert set(figures["export_differences_by_reason"]) <= {"the compiled layer's output"}
     assert "executor=compile" in capsys.readouterr().out

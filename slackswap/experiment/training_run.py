@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -154,7 +155,7 @@ class TrainingRunOutcome:
 def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None) -> TrainingRunOutcome:
     """Run `spec` (module docstring) and return its outcome. An infeasible budget is an outcome; any
     other failure raises."""
-    from slackswap.experiment.export_plan import plan_for_export
+    from slackswap.experiment.export_plan import export_plan_graph, plan_for_export
     from slackswap.runtime import capture_graph, plan_counts
     from slackswap.runtime.training_workload import build_training_workload
     from slackswap.simulate import simulate
@@ -168,6 +169,8 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     t0 = time.perf_counter()
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, f"{spec.model.name}@{hardware.name}")
     capture_s = time.perf_counter() - t0
+    if spec.executor == "compile":  # the step as the compiled export stores it (dropout masks bool)
+        graph = export_plan_graph(graph, w.model, compile=True)
     ideal = simulate_ideal(graph, hardware)
     budget_bytes = spec.budget.resolve_bytes(ideal.peak_activation_bytes)
     progress.captured(graph, capture_s, ideal.peak_activation_bytes, budget_bytes)
@@ -175,7 +178,7 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
                                "keep_all_peak_bytes": ideal.peak_activation_bytes}
     try:
         if spec.executor == "compile":  # inside PyTorch's plan space: the export runs it as planned
-            plan = plan_for_export(spec.planner, graph, w.model, hardware, budget_bytes)
+            plan = plan_for_export(spec.planner, graph, w.model, hardware, budget_bytes, compile=True)
         else:
             plan = spec.planner.plan(graph, hardware, budget_bytes)
     except InfeasibleBudgetError as exc:
@@ -252,7 +255,10 @@ def _run_compiled(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, 
                    # Decisions the export cannot execute as planned whatever the compiler does: none for
                    # a plan made for the export; the rest are the compiled partition's own.
                    export_static_differences=len(check.export.static_differences()),
-                   export_difference_tensors=[d.tensor for d in check.differences])
+                   export_difference_tensors=[d.tensor for d in check.differences],
+                   # By the reason's first clause: for a plan made for the compiled export only the layers'
+                   # outputs (held by autograd outside the partition), no dropout mask saved in another form.
+                   export_differences_by_reason=dict(Counter(d.reason.split(":")[0] for d in check.differences)))
     progress.compiled_checked(check)
     records = train_steps(w, graph, plan, spec.steps, spec.lr, spec.seed, progress.step, executor="compile",
                           export=check.export, backend=check.backend)  # compiled once, in the check
