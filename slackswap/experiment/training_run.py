@@ -169,13 +169,15 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     t0 = time.perf_counter()
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, f"{spec.model.name}@{hardware.name}")
     capture_s = time.perf_counter() - t0
-    if spec.executor == "compile":  # the step as the compiled export stores it (dropout masks bool)
-        graph = export_plan_graph(graph, w.model, compile=True)
     ideal = simulate_ideal(graph, hardware)
     budget_bytes = spec.budget.resolve_bytes(ideal.peak_activation_bytes)
     progress.captured(graph, capture_s, ideal.peak_activation_bytes, budget_bytes)
     figures: dict[str, Any] = {"status": Verdict.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
                                "keep_all_peak_bytes": ideal.peak_activation_bytes}
+    if spec.executor == "compile":
+        # Planned and simulated as the compiled export stores the step (each layer's dropout mask bool); the
+        # budget stays resolved against the captured step's keep-all peak, the same bytes for both executors.
+        graph = export_plan_graph(graph, w.model, compile=True)
     try:
         if spec.executor == "compile":  # inside PyTorch's plan space: the export runs it as planned
             plan = plan_for_export(spec.planner, graph, w.model, hardware, budget_bytes, compile=True)
