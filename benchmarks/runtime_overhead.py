@@ -19,17 +19,24 @@ same batch from the same seed:
   (inductor; compiled in the warm-up step).
 
 Timing: CPU time of the process (`time.process_time`), one core, one intra-op thread, the variants
-interleaved round by round; the median over rounds. `aten_calls`: ATen calls a counting dispatch
+interleaved round by round; the least over rounds (timeit's rule: noise on a shared machine only
+adds time; the median of a few rounds moved ratios by 0.1 from run to run here, the least by 0.03),
+with the median beside it (`cpu_s_per_step_median`). `aten_calls`: ATen calls a counting dispatch
 mode sees in one extra step (null for the compiled variant: a dispatch mode switches compile off).
 `peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
-profiler's memory events (all allocations: activations, gradients, temporaries).
+profiler's memory events, each allocation counted once, by the op that made it (self bytes; all
+allocations: activations, gradients, temporaries).
 `copy_cpu_s_per_step` (runtime_slackswap): CPU time of the copies themselves (allocation and memcpy
 of every offload and prefetch), from an attribution run of the same plan with
 `CpuCopies(measure=True)` after each round (its clock reads stay out of the timed row): on the CPU
 the stand-in copies run on the compute thread; on a GPU the copy engines do that work, so
 `ratio_to_eager_without_copies` is the runtime's own cost. `ratio_to_eager_no_data_copies`
 (runtime_slackswap): the same plan with a copy engine that moves no data (`NoDataCopies`), timed
-interleaved with the rest: the runtime's own cost measured directly. `overhead_s_per_aten_call` and
+interleaved with the rest: the runtime's own cost measured directly. `ratio_to_eager_same_copies_plain_hooks`
+(runtime_slackswap): two-line saved-tensor hooks making the same plan's copies (each swapped tensor
+copied to a host buffer made once, at its pack; cloned back at its unpack), with no plan positions,
+releases or checks: what these copies cost on this CPU by the simplest hooks, the floor under the
+runtime's row. `overhead_s_per_aten_call` and
 `overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
 calls and by the tensors autograd saves (`saved_tensors`).
 `planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device, priced on the
@@ -218,6 +225,29 @@ class Variants:
         with self.runs["no_data"]:
             _step(self.w)
 
+    def same_copies_plain_hooks(self) -> None:
+        """The slackswap plan's copies by the simplest hooks: at the pack, copied into a host buffer made
+        once; at the unpack, cloned back (the saved tensors in the verified step's order)."""
+        torch, swapped, buffers = self.torch, self._swapped_packs, self._plain_host
+        count = [0]
+
+        def pack(t):
+            k = count[0]
+            count[0] = k + 1
+            if not swapped[k]:
+                return t
+            host = buffers.get(k)
+            if host is None:
+                host = buffers[k] = torch.empty_like(t)
+            host.copy_(t)
+            return (host,)
+
+        def unpack(packed):
+            return packed[0].clone() if type(packed) is tuple else packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            _step(self.w)
+
     def export_eager(self) -> None:
         with self.export.installed(self.w.model):
             _step(self.w)
@@ -233,23 +263,29 @@ class Variants:
         calls, peaks = {}, {}
         for v in VARIANTS:  # warm-up: the runtime's verified step, caches
             self._one(v)
-        self._one("runtime_slackswap_no_data")
-        self._one("runtime_slackswap_measured_copies")
+        self._swapped_packs = [r.name is not None and str(r.decision) == "swap"
+                               for r in self.runs["slackswap"].recording.packs]
+        self._plain_host: dict[int, object] = {}
+        attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks")
+        for v in (*attribution, "runtime_slackswap_measured_copies"):
+            self._one(v)
         self.copy_s.clear()
-        no_data = []
+        extra: dict[str, list[float]] = {v: [] for v in attribution}
         for _ in range(rounds):
             for v in VARIANTS:
                 times[v].append(self._one(v))
-            no_data.append(self._one("runtime_slackswap_no_data"))
+            for v in attribution:
+                extra[v].append(self._one(v))
             self._one("runtime_slackswap_measured_copies")
         for v in VARIANTS:
             calls[v] = None if v == "export_compiled" else self._count_calls(v)
             peaks[v] = self._peak(v)
-        eager = statistics.median(times["eager"])
+        eager = min(times["eager"])
         rows = []
         for v in VARIANTS:
-            cpu = statistics.median(times[v])
-            row = {"variant": v, "layers": len(self.layers), "cpu_s_per_step": cpu, "aten_calls": calls[v],
+            cpu = min(times[v])
+            row = {"variant": v, "layers": len(self.layers), "cpu_s_per_step": cpu,
+                   "cpu_s_per_step_median": statistics.median(times[v]), "aten_calls": calls[v],
                    "ratio_to_eager": cpu / eager, "peak_bytes": peaks[v], "planned_saved_bytes": None,
                    "rounds": rounds}
             plan = {"runtime_keep_all": "keep_all", "export_compiled": "export_compiled"}.get(
@@ -266,11 +302,12 @@ class Variants:
                 row["overhead_s_per_aten_call"] = (cpu - eager) / calls["eager"]
                 row["overhead_s_per_saved_tensor"] = (cpu - eager) / len(run.recording.packs)
             if v == "runtime_slackswap":
-                copy = statistics.median(self.copy_s)
+                copy = min(self.copy_s)
                 row["copy_cpu_s_per_step"] = copy
                 row["ratio_to_eager_without_copies"] = (cpu - copy) / eager
-                row["cpu_s_per_step_no_data_copies"] = statistics.median(no_data)
-                row["ratio_to_eager_no_data_copies"] = statistics.median(no_data) / eager
+                row["cpu_s_per_step_no_data_copies"] = min(extra["runtime_slackswap_no_data"])
+                row["ratio_to_eager_no_data_copies"] = min(extra["runtime_slackswap_no_data"]) / eager
+                row["ratio_to_eager_same_copies_plain_hooks"] = min(extra["same_copies_plain_hooks"]) / eager
             if v == "export_eager":
                 row.update(self._eager_saved())
             if v == "export_compiled":
@@ -384,7 +421,10 @@ class Variants:
         _zero(self.w)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             getattr(self, v)()
-        events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage)
+        # Self bytes: an op's `cpu_memory_usage` includes its children's (clone -> empty_like ->
+        # empty_strided would count one allocation three times); frees come as `[memory]` events.
+        events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                        if e.self_cpu_memory_usage)
         level = peak = 0
         for _, delta in events:
             level += delta
@@ -405,7 +445,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     start = machine()
     rows = []
     for layers in args.depths:
-        rows += Variants(layers).run(rounds=3 if args.quick else 9)
+        rows += Variants(layers).run(rounds=7 if args.quick else 21)
     end = machine()
     for row in rows:
         row.update(load_average_start=start["load_average_1_5_15"], load_average_end=end["load_average_1_5_15"],
