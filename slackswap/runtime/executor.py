@@ -164,11 +164,15 @@ def plan_counts(plan: Plan) -> dict[str, int]:
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """The form in which the runtime holds a copy: `t` itself when it is exactly its storage
-    (contiguous from offset 0), else the storage's bytes. Copy engines move that form, and `_read`
-    hands it back as is when autograd saved that very view."""
+    (contiguous from offset 0), else the whole storage flat in `t`'s dtype (one `as_strided`, so the
+    views of it are one `as_strided` each too), or as bytes when `t`'s elements do not tile it. Copy
+    engines move that form, and `_read` hands it back as is when autograd saved that very view."""
     storage = t.untyped_storage()
-    if t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes() and t.is_contiguous():
+    nbytes, size = storage.nbytes(), t.element_size()
+    if t.storage_offset() == 0 and t.numel() * size == nbytes and t.is_contiguous():
         return t
+    if nbytes % size == 0:
+        return t.as_strided((nbytes // size,), (1,), 0)
     return byte_view(storage)
 
 
