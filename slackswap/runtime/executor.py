@@ -776,6 +776,7 @@ class PlanRun(TorchDispatchMode):
             self._fast_rng[k] = _rng_state()
         if name is None:
             return t
+        recorded = None
         if holds >= 0:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
             self.current_copy[name] = holds
             recorded = t.stride() == stride and t.storage_offset() == offset
@@ -788,7 +789,9 @@ class PlanRun(TorchDispatchMode):
             self._fast_advance(due)
         if not by_number:
             return t
-        if t.stride() == stride and t.storage_offset() == offset:
+        if recorded is None:
+            recorded = t.stride() == stride and t.storage_offset() == offset
+        if recorded:
             return k  # the recorded view: the unpack reads its geometry from the program
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
