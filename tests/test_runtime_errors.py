@@ -192,6 +192,6 @@ def test_a_copy_makes_its_consumer_stream_wait_not_the_current_one() -> None:
             self.waited.append(event)
 
     compute, event = Stream(), object()
-    copy = _EventCopy(torch.UntypedStorage(4), event, compute)
+    copy = _EventCopy(torch.empty(4), event, compute)
     copy.wait()
     assert compute.waited == [event]

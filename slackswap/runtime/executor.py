@@ -164,11 +164,15 @@ def plan_counts(plan: Plan) -> dict[str, int]:
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """The form in which the runtime holds a copy: `t` itself when it is exactly its storage
-    (contiguous from offset 0), else the storage's bytes. Copy engines move that form, and `_read`
-    hands it back as is when autograd saved that very view."""
+    (contiguous from offset 0), else the whole storage flat in `t`'s dtype (one `as_strided`, so the
+    views of it are one `as_strided` each too), or as bytes when `t`'s elements do not tile it. Copy
+    engines move that form, and `_read` hands it back as is when autograd saved that very view."""
     storage = t.untyped_storage()
-    if t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes() and t.is_contiguous():
+    nbytes, size = storage.nbytes(), t.element_size()
+    if t.storage_offset() == 0 and t.numel() * size == nbytes and t.is_contiguous():
         return t
+    if nbytes % size == 0:
+        return t.as_strided((nbytes // size,), (1,), 0)
     return byte_view(storage)
 
 
@@ -772,6 +776,7 @@ class PlanRun(TorchDispatchMode):
             self._fast_rng[k] = _rng_state()
         if name is None:
             return t
+        recorded = None
         if holds >= 0:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
             self.current_copy[name] = holds
             recorded = t.stride() == stride and t.storage_offset() == offset
@@ -784,7 +789,9 @@ class PlanRun(TorchDispatchMode):
             self._fast_advance(due)
         if not by_number:
             return t
-        if t.stride() == stride and t.storage_offset() == offset:
+        if recorded is None:
+            recorded = t.stride() == stride and t.storage_offset() == offset
+        if recorded:
             return k  # the recorded view: the unpack reads its geometry from the program
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
