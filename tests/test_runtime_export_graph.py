@@ -95,3 +95,21 @@ def test_a_plan_made_for_the_compiled_export_is_priced_on_the_compiled_graph() -
     sim = simulate(g, compiled, h200(), budget)
     assert sim.peak_activation_bytes <= budget
     assert sim.peak_activation_bytes < simulate(c.graph, eager, h200(), budget).peak_activation_bytes
+
+
+def test_a_plan_is_installed_only_on_the_executor_it_was_priced_for() -> None:
+    """Where the two executors store a layer's dropout mask at different bytes, a plan made for one
+    refuses to be installed on the other, before anything runs, naming both and what to do."""
+    from slackswap.runtime.executor import RuntimeUsageError
+
+    c = tiny()
+    model = c.workload.model
+    budget = int(c.keep_all_peak_bytes * 0.7)
+    for made, asked in ((True, False), (False, True)):
+        plan = plan_for_export(get_planner("slackswap"), c.graph, model, h200(), budget, compile=made)
+        export = PlanExport(plan, c.graph, model)
+        with pytest.raises(RuntimeUsageError, match=f"made for the {'compile' if made else 'eager'} export and is "
+                                                    f"installed {'compile' if asked else 'eager'}"):
+            with export.installed(model, compile=asked):
+                pass
+        assert "forward" not in model.layers[0].__dict__  # nothing was installed

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
+from slackswap.runtime.executor import RuntimeUsageError, check_identity
 from slackswap.runtime.export_compile import SWAP_MARK, InductorBackend, OffloadMarks, export_backend, offload_enabled
 from slackswap.runtime.export_facts import (
     IN_PLACE,
@@ -435,13 +436,14 @@ class PlanExport:
     """
 
     def __init__(self, plan: Plan, graph: Graph, model: torch.nn.Module):
-        from slackswap.runtime.executor import check_identity
-
         check_identity(graph, model)
         self.regions = layer_paths(model)
         #: The graph the plan was made on: compiled (`made_for_compile`), each dropout's mask at its compiled
         #: bytes (`slackswap.runtime.export_graph`); else the captured one. Saved bytes are checked against it.
         self.plan, self.graph = plan, export_graph(graph, self.regions, made_for_compile(plan))
+        #: Whether the other executor stores some tensor at other bytes than this plan was priced at
+        #: (a composite dropout's noise inside a layer): `installed` then refuses that executor.
+        self._executor_matters = export_graph(graph, self.regions, True) is not graph
         self.region_decisions: list[dict[str, Decision]] = [{} for _ in self.regions]
         self.outside: dict[str, Decision] = {}
         for name, decision in plan.decisions.items():
@@ -516,6 +518,13 @@ class PlanExport:
         checkpointed forward is `torch.compile`d per layer, with the offload pass enabled; inductor, given
         as "inductor" or an `InductorBackend`, compiles with the export's decompositions and config,
         `slackswap.runtime.export_compile`)."""
+        if self._executor_matters and compile != made_for_compile(self.plan):
+            made, asked = ("compile", "eager") if made_for_compile(self.plan) else ("eager", "compile")
+            raise RuntimeUsageError(
+                f"plan {self.plan.planner!r} was made for the {made} export and is installed {asked}: the {asked} "
+                "step stores the layers' dropout masks at other bytes than the plan was priced at "
+                f"(slackswap.runtime.export_graph). Install with compile={made == 'compile'}, or plan again with "
+                f"plan_for_export(..., compile={asked == 'compile'})")
         layers = [model.get_submodule(p) for p in self.regions]
         originals = [layer.__dict__.get("forward") for layer in layers]
         reset = model.register_forward_pre_hook(lambda *_: self._reset())
