@@ -108,8 +108,8 @@ def test_a_plan_is_installed_only_on_the_executor_it_was_priced_for() -> None:
     for made, asked in ((True, False), (False, True)):
         plan = plan_for_export(get_planner("slackswap"), c.graph, model, h200(), budget, compile=made)
         export = PlanExport(plan, c.graph, model)
-        with pytest.raises(RuntimeUsageError, match=f"made for the {'compile' if made else 'eager'} export and is "
-                                                    f"installed {'compile' if asked else 'eager'}"):
-            with export.installed(model, compile=asked):
-                pass
+        name = {True: "compile", False: "eager"}
+        expected = f"made for the {name[made]} export and is installed {name[asked]}"
+        with pytest.raises(RuntimeUsageError, match=expected), export.installed(model, compile=asked):
+            pass
         assert "forward" not in model.layers[0].__dict__  # nothing was installed

@@ -114,12 +114,4 @@ def build_hook_program(
 def _is_whole(record, storage_bytes: int) -> bool:
     """The pack's recorded view covers its tensor's storage (`storage_bytes`) exactly, contiguous from offset 0."""
     return (record.offset == 0 and record.shape.numel() * record.dtype.itemsize == storage_bytes
-            and record.stride == _contiguous(record.shape))
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
+            and record.stride == torch.empty(record.shape, device="meta").stride())
