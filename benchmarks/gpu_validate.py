@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,13 +139,16 @@ def export_row(w, graph, plan, device: str, steps: int, row: dict, hw) -> dict:
     executes it (`slackswap.pytorch_execution`, compiled placement, the decisions it really runs), on
     `graph`, the graph the plan was made on (`export_plan_graph(..., compile=True)`)."""
     from slackswap.pytorch_execution import pytorch_plan
-    from slackswap.runtime.export import PlanExport
+    from slackswap.runtime.export import PlanExport, differences_by_reason
+    from slackswap.runtime.export_graph import priced_for
     from slackswap.runtime.train import compiled_gradient_check
     from slackswap.simulate import simulate
 
     measured = measure_export(w, graph, plan, device, steps)
-    export = PlanExport(plan, graph, w.model)
-    with export.installed(w.model):  # one eager step: the decisions PyTorch executes
+    # One eager step: the decisions PyTorch executes (the same decisions, priced for eager: the pricing
+    # changes bytes, not decisions, and a plan priced for compile is not installed eagerly).
+    export = PlanExport(priced_for(plan, compile=False), graph, w.model)
+    with export.installed(w.model):
         w.loss_fn(w.model(w.batch)).backward()
     for p in w.model.parameters():
         p.grad = None
@@ -158,7 +160,7 @@ def export_row(w, graph, plan, device: str, steps: int, row: dict, hw) -> dict:
            "grad_max_abs_diff": check.max_abs_diff, "export_differences": len(check.differences),
            # By the reason's first clause (slackswap.runtime.export): for a plan made for the compiled export
            # the layers' outputs held outside the partition, no tensor saved with other bytes than planned.
-           "export_differences_by_reason": dict(Counter(d.reason.split(":")[0] for d in check.differences)),
+           "export_differences_by_reason": differences_by_reason(check.differences),
            "plan_export_executor": plan.notes.get("export_executor")}
     out["step_ratio"] = out["measured_step_s"] / sim.step_s if sim.step_s else None
     out["peak_ratio"] = (out["measured_peak_bytes"] / sim.peak_activation_bytes

@@ -66,7 +66,6 @@ import json
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +122,7 @@ class Variants:
     def __init__(self, layers: int):
         import torch
 
-        from slackswap.experiment.export_plan import export_plan_graph, plan_for_export
+        from slackswap.experiment.export_plan import plan_for_export
         from slackswap.planners.registry import get_planner
         from slackswap.runtime import apply, capture_graph
         from slackswap.runtime.copy_engines import CpuCopies
@@ -157,10 +156,10 @@ class Variants:
         # as the compiled step stores it (each layer's dropout mask bool, `export_plan_graph`).
         self.plans["export_compiled"] = plan_for_export(get_planner("slackswap"), self.graph, w.model, h200(),
                                                         int(keep_all_peak * BUDGET_FRACTION), compile=True)
-        #: The graph each plan was made on (the captured one unless named here).
-        self.plan_graphs = {"export_compiled": export_plan_graph(self.graph, w.model, compile=True)}
         self.export = PlanExport(self.plans["export"], self.graph, w.model)
         self.compiled_export = PlanExport(self.plans["export_compiled"], self.graph, w.model)
+        #: The graph each plan was made on (the captured one unless named here): an export's own.
+        self.plan_graphs = {"export": self.export.graph, "export_compiled": self.compiled_export.graph}
         self.backend, self.partitions = recording_backend()
         self.layers = [w.model.get_submodule(p) for p in self.export.regions]
         #: Per timed runtime_slackswap step: CPU seconds of its inline copies (`CpuCopies.copy_s`).
@@ -350,7 +349,13 @@ class Variants:
         outputs, `ExportFacts.fixed_keep`, and the layer inputs the checkpoints hold, `held_inputs`: kept by
         the plan), against the plan's kept bytes; the values the plan does not name (inside ops'
         decompositions) and the planned tensors the partition lacks."""
-        from slackswap.runtime.export import LAYER_OUTPUT, OUTSIDE, partition_differences, saved_bytes
+        from slackswap.runtime.export import (
+            LAYER_OUTPUT,
+            OUTSIDE,
+            differences_by_reason,
+            partition_differences,
+            saved_bytes,
+        )
         from slackswap.runtime.export_facts import module_path, region_of
 
         export, plan = self.compiled_export, self.plans["export_compiled"]
@@ -383,7 +388,7 @@ class Variants:
                 "export_saved_equals_planned": device + held == planned,
                 "compiled_layer_groups": len(set(export.group_of.values())),
                 "export_differences": len(differences),
-                "export_differences_by_reason": dict(Counter(d.reason.split(":")[0] for d in differences)),
+                "export_differences_by_reason": differences_by_reason(differences),
                 **self._plan_accounting("export_compiled")}
 
     def _kept_bytes(self, key: str) -> int:

@@ -6,7 +6,6 @@ in another form), and gradients equal eager's but for the Linear biases'."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 
 import pytest
 
@@ -256,7 +255,7 @@ def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
     from slackswap.graph import FORWARD_PHASES
     from slackswap.runtime.export import HELD_OUTPUT, MASK_FORM
     from slackswap.runtime.export_facts import LAYER_OUTPUT, OUTSIDE, module_path, region_of
-    from slackswap.runtime.export_graph import EXPORT_EXECUTOR, graph_for_compile
+    from slackswap.runtime.export_graph import EXPORT_EXECUTOR, graph_for_compile, priced_for
 
     c, plan, fraction, export, partitions, _, _ = compiled_step(kind)
     assert fraction is not None and plan.offloads
@@ -306,7 +305,7 @@ def test_the_compiled_partition_saves_the_planned_tensors(kind: str) -> None:
     assert host == swapped
     assert device + held == kept
     # The same decisions as a plan made for eager: priced with CPU eager's noise, each kept mask is a residue.
-    as_eager = replace(plan, notes={**dict(plan.notes), EXPORT_EXECUTOR: "eager"})
+    as_eager = priced_for(plan, compile=False)
     eager_export = PlanExport(as_eager, c.graph, c.workload.model)
     eager_export.group_of = dict(export.group_of)  # the same compiled functions: the same layer groups
     assert eager_export.graph is c.graph and graph_for_compile(c.graph, export.regions).tensors == sizes

@@ -23,6 +23,7 @@ from slackswap.runtime.export_graph import (  # noqa: E402
     compiled_mask_bytes,
     composite_dropouts,
     graph_for_compile,
+    priced_for,
 )
 from slackswap.simulate import simulate  # noqa: E402
 from tests.runtime_support import Captured, capture, h200  # noqa: E402
@@ -99,17 +100,22 @@ def test_a_plan_made_for_the_compiled_export_is_priced_on_the_compiled_graph() -
 
 def test_a_plan_is_installed_only_on_the_executor_it_was_priced_for() -> None:
     """Where the two executors store a layer's dropout mask at different bytes, a plan made for one
-    refuses to be installed on the other, before anything runs, naming both and what to do."""
+    refuses to be installed on the other, before anything runs, naming both and what to do; also when
+    the export is given the graph the plan was made on (the compiled one) instead of the captured one.
+    The same decisions priced for the executor (`priced_for`) are installed."""
     from slackswap.runtime.executor import RuntimeUsageError
 
     c = tiny()
     model = c.workload.model
     budget = int(c.keep_all_peak_bytes * 0.7)
-    for made, asked in ((True, False), (False, True)):
+    compiled_graph = export_plan_graph(c.graph, model, compile=True)
+    for made, asked, graph in ((True, False, c.graph), (False, True, c.graph), (True, False, compiled_graph)):
         plan = plan_for_export(get_planner("slackswap"), c.graph, model, h200(), budget, compile=made)
-        export = PlanExport(plan, c.graph, model)
+        export = PlanExport(plan, graph, model)
         name = {True: "compile", False: "eager"}
         expected = f"made for the {name[made]} export and is installed {name[asked]}"
         with pytest.raises(RuntimeUsageError, match=expected), export.installed(model, compile=asked):
             pass
         assert "forward" not in model.layers[0].__dict__  # nothing was installed
+        with PlanExport(priced_for(plan, compile=asked), graph, model).installed(model, compile=asked):
+            assert "forward" in model.layers[0].__dict__  # installed

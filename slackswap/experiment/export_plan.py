@@ -11,8 +11,6 @@ imported when the function runs, so importing this module needs no torch.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
@@ -41,14 +39,14 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     compiled, with `compile`: the partition saves the planned bytes). The plan's notes say which
     executor it was made for (`export_executor`), and `PlanExport` checks against that graph."""
     from slackswap.runtime.export_facts import export_facts, layer_paths
-    from slackswap.runtime.export_graph import EXPORT_EXECUTOR
+    from slackswap.runtime.export_graph import priced_for
 
     graph = export_plan_graph(graph, model, compile)
     facts = export_facts(graph, layer_paths(model))
     held = [t for t in facts.held_inputs if t in graph.candidate_names]
     plan = plan_with_fixed_keep(planner, graph, hardware, budget_bytes, facts.fixed_keep, facts.tied,
                                 facts.not_kept, held)
-    return replace(plan, notes={**dict(plan.notes), EXPORT_EXECUTOR: "compile" if compile else "eager"})
+    return priced_for(plan, compile)
 
 
 __all__ = ["export_plan_graph", "plan_for_export"]

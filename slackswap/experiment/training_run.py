@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -249,6 +248,7 @@ def _run_compiled(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, 
     ledger (nothing of slackswap runs inside the step); the export's differences from the plan are
     listed instead, and the gradient check reports the largest difference (compiled kernels and
     inductor's random numbers are not eager's, so bit equality is not expected)."""
+    from slackswap.runtime.export import differences_by_reason
     from slackswap.runtime.train import compiled_gradient_check, train_steps
 
     check = compiled_gradient_check(w, graph, plan, seed=spec.seed + 1)
@@ -260,7 +260,7 @@ def _run_compiled(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, 
                    export_difference_tensors=[d.tensor for d in check.differences],
                    # By the reason's first clause: for a plan made for the compiled export only the layers'
                    # outputs (held by autograd outside the partition), no dropout mask saved in another form.
-                   export_differences_by_reason=dict(Counter(d.reason.split(":")[0] for d in check.differences)))
+                   export_differences_by_reason=differences_by_reason(check.differences))
     progress.compiled_checked(check)
     records = train_steps(w, graph, plan, spec.steps, spec.lr, spec.seed, progress.step, executor="compile",
                           export=check.export, backend=check.backend)  # compiled once, in the check

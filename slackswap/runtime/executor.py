@@ -815,21 +815,15 @@ class PlanRun(TorchDispatchMode):
         if due > self._next_action:
             self._fast_advance(due)
         if type(packed) is int:
-            dtype, size, name, _, _, _, _, stride, offset, whole = program.packs[packed]
+            dtype, size, name, _, _, _, _, stride, offset, _ = program.packs[packed]
         elif type(packed) is TensorRef:
             name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
-            whole = False
         else:
             return packed
         if name != wanted:
             raise PlanMismatchError(f"backward read {name!r} where the verified step read {wanted!r}: "
                                     "backward ran in another order (the code path changed)")
-        c = self.current_copy[name]
-        held = self.held.get(c)
-        copy = held.tensor if type(held) is DoneCopy else self._copy_of(c)
-        if whole and copy.dtype == dtype and copy.shape == size:
-            return copy  # a copy in `_whole` form of the recorded whole view's shape and dtype: that view
-        return _read(copy, dtype, size, stride, offset)
+        return _read(self._copy_of(self.current_copy[name]), dtype, size, stride, offset)
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:

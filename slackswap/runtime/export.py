@@ -30,7 +30,7 @@ What PyTorch then decides itself, not the plan (docs/runtime.md, "The export"):
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,7 +58,13 @@ from slackswap.runtime.export_facts import (
     module_path,
 )
 from slackswap.runtime.export_facts import region_of as _region_of
-from slackswap.runtime.export_graph import composite_dropouts, export_graph, made_for_compile
+from slackswap.runtime.export_graph import (
+    COMPILED_MASKS,
+    composite_dropouts,
+    export_graph,
+    graph_for_compile,
+    made_for_compile,
+)
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
@@ -443,7 +449,7 @@ class PlanExport:
         self.plan, self.graph = plan, export_graph(graph, self.regions, made_for_compile(plan))
         #: Whether the other executor stores some tensor at other bytes than this plan was priced at
         #: (a composite dropout's noise inside a layer): `installed` then refuses that executor.
-        self._executor_matters = export_graph(graph, self.regions, True) is not graph
+        self._executor_matters = COMPILED_MASKS in graph_for_compile(graph, self.regions).meta
         self.region_decisions: list[dict[str, Decision]] = [{} for _ in self.regions]
         self.outside: dict[str, Decision] = {}
         for name, decision in plan.decisions.items():
@@ -803,6 +809,11 @@ MASK_FORM = ("saved in another form: under compile a dropout is one native_dropo
 OTHER_BYTES = "saved with other bytes than eager's tensor (another dtype or shape under compile)"
 
 
+def differences_by_reason(differences: list[ExportDifference]) -> dict[str, int]:
+    """How many differences each reason names, by the reason's first clause (before its first colon)."""
+    return dict(Counter(d.reason.split(":")[0] for d in differences))
+
+
 def partition_differences(export: PlanExport, partitions: list[list[SavedValue]]) -> list[ExportDifference]:
     """The compiled partitions' saved values against the plan, every difference named.
 
@@ -872,4 +883,5 @@ def saved_bytes(partitions: list[list[SavedValue]], export: PlanExport | None = 
 
 
 __all__ = ["DOES", "POLICY_OF", "ExportDifference", "InductorBackend", "OffloadMarks", "Partitions", "PlanExport",
-           "SavedCount", "SavedValue", "layer_paths", "partition_differences", "recording_backend", "saved_bytes"]
+           "SavedCount", "SavedValue", "differences_by_reason", "layer_paths", "partition_differences",
+           "recording_backend", "saved_bytes"]

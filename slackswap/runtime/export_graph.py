@@ -98,10 +98,18 @@ def export_graph(graph: Graph, regions: list[str], compile: bool) -> Graph:
     return graph_for_compile(graph, regions) if compile else graph
 
 
+def priced_for(plan: Plan, compile: bool) -> Plan:
+    """`plan`'s decisions with its notes naming the executor it is priced for (`EXPORT_EXECUTOR`):
+    `plan_for_export` marks its plans so, and the same decisions priced for the other executor
+    (an eager step that reads which decisions PyTorch executes, the residue a compiled step of a
+    plan made for eager leaves) are this plan marked otherwise."""
+    return replace(plan, notes={**dict(plan.notes), EXPORT_EXECUTOR: "compile" if compile else "eager"})
+
+
 def made_for_compile(plan: Plan) -> bool:
     """The plan was made for the compiled export (`plan_for_export(..., compile=True)`)."""
     return plan.notes.get(EXPORT_EXECUTOR) == "compile"
 
 
 __all__ = ["COMPILED_MASKS", "EXECUTORS", "EXPORT_EXECUTOR", "composite_dropouts", "compiled_mask_bytes",
-           "export_graph", "graph_for_compile", "made_for_compile"]
+           "export_graph", "graph_for_compile", "made_for_compile", "priced_for"]
