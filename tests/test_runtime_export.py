@@ -219,6 +219,44 @@ def test_the_compiled_export_keeps_the_ops_that_make_or_read_saved_tensors_undec
     assert set(table) == set(full) - keep and aten.native_layer_norm.default in full
 
 
+def test_the_export_registers_its_fallbacks_where_inductors_ci_guard_refuses_them(monkeypatch) -> None:
+    """Where the environment variable CI is set, inductor's implicit fallback refuses an op that has a
+    decomposition (it asserts); the export registers the fallbacks of the ops it keeps undecomposed
+    itself, checked against its own table, with inductor's layout rule: contiguous inputs for a backward
+    graph's built-in op without a layout tag. Run with both ops taken out of inductor's
+    lowering table (put back afterwards), so the test does not depend on what this process compiled before."""
+    from torch._inductor import lowering
+
+    from slackswap.runtime.export_compile import decomposition_table, register_fallbacks
+
+    aten = torch.ops.aten
+    forward_op, backward_op = aten.native_layer_norm.default, aten.native_layer_norm_backward.default
+    monkeypatch.setenv("CI", "1")
+    for op in (forward_op, backward_op):  # undone at the end: the lowering as it was, or none
+        monkeypatch.setitem(lowering.lowerings, op, None)
+        del lowering.lowerings[op]
+    for table_name in ("_maybe_layout_constraints", "fallbacks", "needs_realized_inputs"):
+        table = getattr(lowering, table_name)
+        monkeypatch.setattr(lowering, table_name, type(table)(table))
+    with pytest.raises(AssertionError, match="a decomposition exists"):
+        lowering.make_fallback(forward_op, get_decomp_fn=lambda: {})
+
+    keep = frozenset({forward_op, backward_op})
+    table = decomposition_table(keep)
+
+    def calls(op: object, arity: int) -> torch.fx.GraphModule:
+        graph = torch.fx.Graph()
+        graph.call_function(op, tuple(graph.placeholder(f"x{i}") for i in range(arity)))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    register_fallbacks(calls(forward_op, 5), keep, table, is_backward=False)
+    register_fallbacks(calls(backward_op, 8), keep, table, is_backward=True)
+    assert forward_op in lowering.lowerings and backward_op in lowering.lowerings
+    assert lowering._maybe_layout_constraints[backward_op] is lowering.require_contiguous
+    assert lowering._maybe_layout_constraints.get(forward_op) is not lowering.require_contiguous
+    assert {forward_op, backward_op} <= set(lowering.fallbacks)
+
+
 _COMPILED: dict[str, tuple] = {}
 
 

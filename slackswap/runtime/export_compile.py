@@ -10,13 +10,18 @@ and rstd / width, GELU's `erf + 1`) than the ones the plan decides, and its drop
 own random numbers. Three mechanisms of torch 2.13, scoped to the export's own compile (arguments of
 `torch._inductor.compile_fx.compile_fx`, and the joint pass in a config patch inside
 `PlanExport.installed`), undo that. The one process-wide trace they leave is inductor's own: the
-fallback lowering it registers for an op it first lowers by falling back, which a default compile never
+fallback lowering registered for an op first lowered by falling back, which a default compile never
 consults (its table decomposes those ops before lowering).
 - `decompositions`: inductor's table without the ops of the captured step that make or read a saved
   tensor (`undecomposed_ops`; views left out, they never change which storage is saved). The joint
   graph then carries eager's ATen ops and their eager autograd formulas, which read exactly eager's
   saved tensors; inductor falls back to the ATen kernel for an op it has no lowering for
-  (`torch._inductor.graph.GraphLowering.call_function`, `implicit_fallbacks`);
+  (`torch._inductor.graph.GraphLowering.call_function`, `implicit_fallbacks`). The export registers
+  those fallbacks itself, just before inductor lowers each graph, with the layout constraint
+  inductor's implicit path would choose (`register_fallbacks`): inductor's implicit path asserts where
+  the environment variable `CI` is set and the op has a decomposition somewhere (its guard against
+  ops of its own lowering table missing a decomposition), which is exactly what the export does on
+  purpose;
 - `config_patches={"fallback_random": True}`: `native_dropout` stays one ATen call (no
   `replace_random` rewrite into `rand > p`) and runs ATen's CPU kernel, which draws eager's mask
   from the same generator (`torch/_inductor/lowering.py: native_dropout`);
@@ -75,24 +80,72 @@ def decomposition_table(keep: frozenset) -> dict:
     return {op: fn for op, fn in table.items() if op not in keep}
 
 
+def register_fallbacks(gm: torch.fx.GraphModule, undecomposed: frozenset, decompositions: dict,
+                       is_backward: bool) -> None:
+    """Register the ATen-kernel fallback lowering of each op of `gm` in `undecomposed` that inductor
+    has none for, with the layout constraint `GraphLowering.call_function`'s implicit path gives it
+    (a built-in op without a layout tag must have contiguous inputs in a backward graph; otherwise
+    its tag's constraint), checked against the compile's own `decompositions` as inductor checks
+    it, and `warn=False`, so that inductor's CI guard does not refuse an op the
+    export keeps undecomposed on purpose. Ops outside `undecomposed`, and everything with
+    `implicit_fallbacks` off, stay inductor's own decision."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag, is_builtin
+
+    if not inductor_config.implicit_fallbacks:
+        return
+    for node in gm.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or op not in undecomposed or op in lowering.lowerings:
+            continue
+        if get_layout_constraint_tag(op, with_default=False) is None and is_builtin(op) and is_backward:
+            constraint = lowering.require_contiguous
+        else:
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        lowering.make_fallback(op, layout_constraint=constraint, warn=False,
+                               get_decomp_fn=lambda: decompositions)
+
+
+@dataclass(frozen=True)
+class FallbackRegisteringCompile:
+    """An inductor `inner_compile` that registers the export's fallbacks (`register_fallbacks`) for
+    the graph it is given, then compiles it with `inner_compile`."""
+
+    inner_compile: Callable
+    undecomposed: frozenset
+    decompositions: dict
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: object) -> object:
+        register_fallbacks(gm, self.undecomposed, self.decompositions,
+                           is_backward=bool(kwargs.get("is_backward", False)))
+        return self.inner_compile(gm, example_inputs, **kwargs)
+
+
 @dataclass(frozen=True)
 class InductorBackend:
     """A `torch.compile` backend: inductor with `inner_compile` (the default one, or a recording one),
-    and, once `for_graph` gave them, the export's decomposition table and config."""
+    and, once `for_graph` gave them, the export's undecomposed ops, decomposition table and config."""
 
     inner_compile: Callable | None = None
+    undecomposed: frozenset | None = None
     decompositions: dict | None = None
     config_patches: dict | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        return compile_fx(gm, example_inputs, inner_compile=self.inner_compile or compile_fx_inner,
+        inner_compile = self.inner_compile or compile_fx_inner
+        if self.undecomposed:
+            inner_compile = FallbackRegisteringCompile(inner_compile, self.undecomposed, self.decompositions)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                           decompositions=self.decompositions, config_patches=self.config_patches)
 
     def for_graph(self, graph: Graph) -> InductorBackend:
-        """This backend with the export's decompositions and config for the captured step `graph`."""
-        return replace(self, decompositions=decomposition_table(undecomposed_ops(graph)),
+        """This backend with the export's undecomposed ops, decompositions and config for the captured
+        step `graph`."""
+        undecomposed = undecomposed_ops(graph)
+        return replace(self, undecomposed=undecomposed, decompositions=decomposition_table(undecomposed),
                        config_patches=dict(CONFIG_PATCHES))
 
 
@@ -155,5 +208,6 @@ def _getitem() -> object:
     return operator.getitem
 
 
-__all__ = ["CONFIG_PATCHES", "SWAP_MARK", "InductorBackend", "OffloadMarks", "decomposition_table",
-           "export_backend", "offload_enabled", "undecomposed_ops"]
+__all__ = ["CONFIG_PATCHES", "SWAP_MARK", "FallbackRegisteringCompile", "InductorBackend", "OffloadMarks",
+           "decomposition_table", "export_backend", "offload_enabled", "register_fallbacks",
+           "undecomposed_ops"]
