@@ -87,7 +87,10 @@ MIN_OFFLOAD_BYTES = 1024
 
 class NoDataCopies:
     """A copy engine that moves no data: the offload keeps the device storage, the prefetch returns
-    it (values unchanged, so the step stays exact; memory is not saved). Timing attribution only."""
+    it (values unchanged, so the step stays exact; memory is not saved). Timing attribution only.
+    Like the CPU stand-in (`CpuCopies`) it has nothing in flight, so the runtime does not poll it."""
+
+    needs_poll = False
 
     def __init__(self) -> None:
         from slackswap.runtime.copy_engines import DoneCopy
