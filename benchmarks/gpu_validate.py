@@ -140,7 +140,7 @@ def export_row(w, graph, plan, device: str, steps: int, row: dict, hw) -> dict:
     `graph`, the graph the plan was made on (`export_plan_graph(..., compile=True)`)."""
     from slackswap.pytorch_execution import pytorch_plan
     from slackswap.runtime.export import PlanExport, differences_by_reason
-    from slackswap.runtime.export_graph import priced_for
+    from slackswap.runtime.export_graph import EXPORT_EXECUTOR, priced_for
     from slackswap.runtime.train import compiled_gradient_check
     from slackswap.simulate import simulate
 
@@ -161,7 +161,7 @@ def export_row(w, graph, plan, device: str, steps: int, row: dict, hw) -> dict:
            # By the reason's first clause (slackswap.runtime.export): for a plan made for the compiled export
            # the layers' outputs held outside the partition, no tensor saved with other bytes than planned.
            "export_differences_by_reason": differences_by_reason(check.differences),
-           "plan_export_executor": plan.notes.get("export_executor")}
+           "plan_export_executor": plan.notes.get(EXPORT_EXECUTOR)}
     out["step_ratio"] = out["measured_step_s"] / sim.step_s if sim.step_s else None
     out["peak_ratio"] = (out["measured_peak_bytes"] / sim.peak_activation_bytes
                          if out["measured_peak_bytes"] is not None else None)

@@ -374,25 +374,22 @@ class Variants:
         held += sum(sizes[n].size_bytes for n in export.facts().held_inputs)  # inputs of the compiled layers
         differences = export.static_differences() + partition_differences(export, self.partitions)
         planned = self._kept_bytes("export_compiled")
+        accounting = self._plan_accounting("export_compiled")
+        # The dropout masks inside the layers, as this plan prices them (bool under compile) and as the
+        # eager plan prices CPU eager's fp32 noise.
+        masks = [n for r in range(len(export.regions)) for ds in export.eager_dropouts(r).values() for _, n in ds]
         return {"export_saved_bytes": device + held, "export_partition_saved_bytes": device,
                 "export_held_outside_partition_bytes": held, "export_offloaded_bytes": host,
                 "export_saved_unplanned_bytes": unplanned,
                 "export_saved_minus_planned_bytes": device + held - planned,
-                "export_offloaded_equals_planned": host == sum(sizes[n].size_bytes for n, d in plan.decisions.items()
-                                                               if str(d) == "swap"),
-                # The dropout masks inside the layers, as this plan prices them (bool under compile) and as the
-                # eager plan prices CPU eager's fp32 noise.
-                "export_dropout_mask_planned_bytes": sum(
-                    sizes[n].size_bytes for r in range(len(export.regions))
-                    for ds in export.eager_dropouts(r).values() for _, n in ds),
-                "export_dropout_noise_eager_bytes": sum(
-                    self.graph.tensors[n].size_bytes for r in range(len(export.regions))
-                    for ds in export.eager_dropouts(r).values() for _, n in ds),
+                "export_offloaded_equals_planned": host == accounting["planned_offloaded_bytes"],
+                "export_dropout_mask_planned_bytes": sum(sizes[n].size_bytes for n in masks),
+                "export_dropout_noise_eager_bytes": sum(self.graph.tensors[n].size_bytes for n in masks),
                 "export_saved_equals_planned": device + held == planned,
                 "compiled_layer_groups": len(set(export.group_of.values())),
                 "export_differences": len(differences),
                 "export_differences_by_reason": differences_by_reason(differences),
-                **self._plan_accounting("export_compiled")}
+                **accounting}
 
     def _kept_bytes(self, key: str) -> int:
         """Device bytes the plan `key` keeps, priced on the graph it was made on."""

@@ -61,7 +61,6 @@ from slackswap.runtime.export_facts import region_of as _region_of
 from slackswap.runtime.export_graph import (
     COMPILED_MASKS,
     composite_dropouts,
-    export_graph,
     graph_for_compile,
     made_for_compile,
 )
@@ -446,10 +445,11 @@ class PlanExport:
         self.regions = layer_paths(model)
         #: The graph the plan was made on: compiled (`made_for_compile`), each dropout's mask at its compiled
         #: bytes (`slackswap.runtime.export_graph`); else the captured one. Saved bytes are checked against it.
-        self.plan, self.graph = plan, export_graph(graph, self.regions, made_for_compile(plan))
+        compiled = graph_for_compile(graph, self.regions)
+        self.plan, self.graph = plan, compiled if made_for_compile(plan) else graph
         #: Whether the other executor stores some tensor at other bytes than this plan was priced at
         #: (a composite dropout's noise inside a layer): `installed` then refuses that executor.
-        self._executor_matters = COMPILED_MASKS in graph_for_compile(graph, self.regions).meta
+        self._executor_matters = COMPILED_MASKS in compiled.meta
         self.region_decisions: list[dict[str, Decision]] = [{} for _ in self.regions]
         self.outside: dict[str, Decision] = {}
         for name, decision in plan.decisions.items():

@@ -34,7 +34,6 @@ from slackswap.runtime.op_numbering import overload_of
 COMPILED_MASKS = "compiled_dropout_masks"
 #: plan.notes key set by `slackswap.experiment.export_plan.plan_for_export`: "eager" or "compile".
 EXPORT_EXECUTOR = "export_executor"
-EXECUTORS = ("eager", "compile")
 
 
 def composite_dropouts(graph: Graph, layer: int | None = None) -> list[tuple[str, str]]:
@@ -111,5 +110,5 @@ def made_for_compile(plan: Plan) -> bool:
     return plan.notes.get(EXPORT_EXECUTOR) == "compile"
 
 
-__all__ = ["COMPILED_MASKS", "EXECUTORS", "EXPORT_EXECUTOR", "composite_dropouts", "compiled_mask_bytes",
+__all__ = ["COMPILED_MASKS", "EXPORT_EXECUTOR", "composite_dropouts", "compiled_mask_bytes",
            "export_graph", "graph_for_compile", "made_for_compile", "priced_for"]
