@@ -27,9 +27,10 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class Copy:
-    """One transfer: `tensor` is its destination, a contiguous tensor of the source's shape and dtype
-    (on the host, for an offload from a pinned slab, a view of the slab); `arrived()` / `wait()` tell
-    whether it has landed."""
+    """One transfer in flight: `tensor` is its destination, a contiguous tensor of the source's shape
+    and dtype (on the host, for an offload from a pinned slab, a view of the slab); `arrived()` /
+    `wait()` tell whether it has landed. A copy that lands when it is issued (the CPU stand-in's inline
+    copies) is returned as its destination tensor itself: no object to make, nothing to wait for."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -45,16 +46,6 @@ class Copy:
     def wait(self) -> None:
         """Make the compute stream wait for the copy (the host blocks only on CPU)."""
         raise NotImplementedError
-
-
-class DoneCopy(Copy):
-    """A copy that landed when it was issued (the CPU stand-in's inline copies)."""
-
-    def arrived(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
 
 
 class _FutureCopy(Copy):
@@ -153,15 +144,17 @@ class CpuCopies:
                 self._pools[direction] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"slackswap-{direction}")
             return self._pools[direction]
 
-    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy:
-        """Copy `source` (a tensor that is exactly its storage) into the host buffer of offload `key`."""
+    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy | torch.Tensor:
+        """Copy `source` (a tensor that is exactly its storage) into the host buffer of offload `key`
+        (inline: the buffer, arrived)."""
         host = self.host.like(key, source)
         if self.delay_s is None:
-            t0 = time.process_time() if self.measure else 0.0
+            if not self.measure:
+                return host.copy_(source)
+            t0 = time.process_time()
             host.copy_(source)
-            if self.measure:
-                self.copy_s += time.process_time() - t0
-            return DoneCopy(host)
+            self.copy_s += time.process_time() - t0
+            return host
         holder = [source]
 
         def run() -> None:
@@ -172,23 +165,26 @@ class CpuCopies:
 
         return _FutureCopy(host, self._pool("d2h").submit(run))
 
-    def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
-        """A new device tensor with the offloaded copy's values (its allocation is the prefetch's memory)."""
+    def prefetch(self, offloaded: Copy | torch.Tensor, device: torch.device) -> Copy | torch.Tensor:
+        """A new device tensor with the offloaded copy's values (its allocation is the prefetch's
+        memory; inline: that tensor, arrived)."""
+        host = offloaded.tensor if isinstance(offloaded, Copy) else offloaded
         if self.delay_s is None:
-            t0 = time.process_time() if self.measure else 0.0
-            host = offloaded.tensor
-            # One call: the allocation and the copy (a clone is the cheaper call where no device differs).
+            if not self.measure:
+                # One call: the allocation and the copy (a clone is the cheaper call where no device differs).
+                return host.clone() if device.type == "cpu" else host.to(device, copy=True)
+            t0 = time.process_time()
             target = host.clone() if device.type == "cpu" else host.to(device, copy=True)
-            if self.measure:
-                self.copy_s += time.process_time() - t0
-            return DoneCopy(target)
-        target = torch.empty_like(offloaded.tensor, device=device)
+            self.copy_s += time.process_time() - t0
+            return target
+        target = torch.empty_like(host, device=device)
 
         def run() -> None:
-            offloaded.wait()
+            if isinstance(offloaded, Copy):
+                offloaded.wait()
             time.sleep(self.delay_s)
             with torch.no_grad():
-                target.copy_(offloaded.tensor)
+                target.copy_(host)
 
         return _FutureCopy(target, self._pool("h2d").submit(run))
 
@@ -245,7 +241,7 @@ class CudaCopies:
         #: Device sources of offloads in flight, released once their event has completed.
         self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
-    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy:
+    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy | torch.Tensor:
         if source.device.type != "cuda":  # a host-side saved tensor (e.g. flash attention's RNG state)
             return CpuCopies().offload(source)
         issued = self.compute.record_event()
@@ -258,7 +254,7 @@ class CudaCopies:
         self._in_flight.append((done, source))
         return _EventCopy(host, done, self.compute)
 
-    def prefetch(self, offloaded: Copy, device: torch.device) -> Copy:
+    def prefetch(self, offloaded: Copy | torch.Tensor, device: torch.device) -> Copy | torch.Tensor:
         if device.type != "cuda":
             return CpuCopies().prefetch(offloaded, device)
         host = offloaded.tensor

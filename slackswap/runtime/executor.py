@@ -29,8 +29,8 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, DoneCopy, byte_view, offload_sizes
-from slackswap.runtime.hook_program import HookProgram, build_hook_program
+from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, byte_view, offload_sizes
+from slackswap.runtime.hook_program import OFFLOAD, PREFETCH, RECOMPUTE, RELEASE, HookProgram, build_hook_program
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 from slackswap.schedule.validate import resolve_schedule
@@ -246,6 +246,9 @@ class PlanRun(TorchDispatchMode):
         self._program: HookProgram | None = None
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
+        #: The traced inputs as `_check_inputs` compares them each step: (shape, dtype) per tensor.
+        self._traced_inputs = [(torch.Size(shape), getattr(torch, dtype.removeprefix("torch.")))
+                               for shape, dtype in graph.meta.get("input_signature") or []]
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
         self.copies = copies
         steps = plan.steps
@@ -344,6 +347,8 @@ class PlanRun(TorchDispatchMode):
         self.held: dict[int, Any] = {}
         self.hosts: dict[int, tuple[Copy, torch.device]] = {}
         self.members: dict[str, list[_Member]] = {}
+        #: Per offload: the device of its source (where its prefetches go), for the hook program.
+        self._offload_devices: dict[int, torch.device] = {}
         self.internal = False
         if self.copies is None:
             self.copies = self._default_copies()
@@ -365,6 +370,10 @@ class PlanRun(TorchDispatchMode):
                 self._exit(exc_type, exc, tb)
                 if exc_type is None and self.recording is None:
                     self.recording = self._finish_recording()
+                    if self.recording.refusal is None:
+                        self._program = self._build_program()
+                        if self._program.refusal is not None:
+                            self.recording = replace(self.recording, refusal=self._program.refusal)
                 self.report.fast_refusal = self.recording.refusal if self.recording is not None else None
         finally:
             for p, old in self._stashed:
@@ -403,14 +412,17 @@ class PlanRun(TorchDispatchMode):
             self.report.aten_calls = self.numbering.calls
 
     def _check_inputs(self, _module, args, kwargs) -> None:
-        self._step_inputs = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: no tree to walk
+            inputs = list(args)
+        else:
+            inputs = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        self._step_inputs = inputs
         if self.fast and -1 in self.recording.rng_events:
             self._fast_rng[-1] = _rng_state()
-        seen = input_signature([args, kwargs])
-        traced = self.graph.meta.get("input_signature")
-        if seen != traced:
+        if [(t.shape, t.dtype) for t in inputs] != self._traced_inputs:
             raise PlanMismatchError(
-                f"model inputs (shape, dtype) {seen} differ from the traced {traced} of graph {self.graph.name!r}"
+                f"model inputs (shape, dtype) {input_signature(inputs)} differ from the traced "
+                f"{self.graph.meta.get('input_signature')} of graph {self.graph.name!r}"
             )
 
     # ----------------------------------------------------------------------------- dispatch
@@ -518,7 +530,7 @@ class PlanRun(TorchDispatchMode):
             return
         self.internal = True
         try:
-            with contextlib.nullcontext() if self.fast else _disable_current_modes():
+            with _disable_current_modes():
                 self._issue_transfers(bucket)
         finally:
             self.internal = False
@@ -526,11 +538,9 @@ class PlanRun(TorchDispatchMode):
     def _issue_transfers(self, bucket: int) -> None:
         for k in self.offloads_at[bucket]:
             c = self.schedule.offload_copy[k]
-            source = self.held.get(c)
-            if source is None and self.fast:  # not packed yet: offloaded at its first pack
-                self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
-                continue
+            source = self.held[c]
             self.hosts[k] = (self.copies.offload(source, k), source.device)
+            self._offload_devices[k] = source.device
             self.report.offloads += 1
         for k in self.prefetches_at[bucket]:
             host, device = self.hosts[self.schedule.prefetch_offload[k]]
@@ -539,27 +549,28 @@ class PlanRun(TorchDispatchMode):
             tensor = self.plan.prefetches[k].tensor
             self.held[c] = arriving
             self.current_copy[tensor] = c
-            self.ledger.track(arriving.storage, c)
+            self.ledger.track(arriving.storage if isinstance(arriving, Copy) else arriving.untyped_storage(), c)
             self.report.prefetches += 1
 
     def _copy_of(self, c: int) -> torch.Tensor:
         """Copy `c` as held (`_whole` form); a prefetch not yet arrived is waited for."""
         held = self.held.get(c)
-        if type(held) is DoneCopy:  # landed when issued (the CPU stand-in's inline copies): no wait
-            return held.tensor
-        if held is None:
-            copy = self.copy_records[c]
-            raise PlanMismatchError(f"tensor {copy.tensor!r}: its {copy.source} copy is not held at this point")
-        if isinstance(held, Copy):
+        if isinstance(held, Copy):  # a transfer in flight (an inline copy is its tensor, arrived)
             if not held.arrived():
                 self.report.late_prefetch_waits += 1
             held.wait()
             return held.tensor
+        if held is None:
+            copy = self.copy_records[c]
+            raise PlanMismatchError(f"tensor {copy.tensor!r}: its {copy.source} copy is not held at this point")
         return held
 
     # ----------------------------------------------------------------------------- recompute
-    def _recompute(self, j: int) -> None:
+    def _recompute(self, j: int, reads: dict[str, int] | None = None) -> None:
+        """Re-run plan step `j`'s recorded calls. `reads`: on a hook-only step, the copy each tensor it
+        reads is (resolved with the program); else the current copies."""
         step = self.plan.steps[j]
+        current_copy = self.current_copy if reads is None else reads
         members = self.members.get(step.op)
         if not members:
             raise PlanMismatchError(f"plan step {j} recomputes {step.op!r}, which did not run in this forward")
@@ -572,7 +583,7 @@ class PlanRun(TorchDispatchMode):
                 return x
             held = env.get(x.name)
             if held is None:
-                c = self.current_copy.get(x.name)
+                c = current_copy.get(x.name)
                 if c is None:
                     raise PlanMismatchError(f"plan step {j} ({step.op!r}) reads {x.name!r}, which has no copy")
                 if not self.fast and self.copy_source[c] == "run" and x.name not in self._packed_names:
@@ -683,6 +694,27 @@ class PlanRun(TorchDispatchMode):
         return Recording(tuple(self._packs), tuple(self._unpacks), members, events, self._refusal)
 
     # ----------------------------------------------------------------------------- hook-only steps
+    def _build_program(self) -> HookProgram:
+        return build_hook_program(
+            self.recording, self.plan, self.schedule, self.run_copy, self.held_copies, self.release_after,
+            self.offloads_at, self.prefetches_at, self._action_steps, getattr(self.copies, "needs_poll", True),
+            self._recompute_reads(), self._offload_devices)
+
+    def _recompute_reads(self) -> dict[int, frozenset[str]]:
+        """Per recompute step: the graph tensors its recorded calls read that they did not make."""
+        reads = {}
+        for j, step in enumerate(self.plan.steps):
+            if step.kind != StepKind.RECOMPUTE:
+                continue
+            made: set[str] = set()
+            read: set[str] = set()
+            for m in self.recording.members.get(step.op, ()):
+                read |= {x.name for x in tree_leaves(m.spec, is_leaf=lambda x: isinstance(x, TensorRef))
+                         if isinstance(x, TensorRef) and x.name not in made}
+                made |= {name for _, name in m.fresh}
+            reads[j] = frozenset(read)
+        return reads
+
     def _enter_fast(self) -> None:
         """A step on the saved-tensor hooks alone: no dispatch mode, cost per saved tensor."""
         self.report = RunReport(verified=False)
@@ -693,32 +725,22 @@ class PlanRun(TorchDispatchMode):
         self.hosts = {}
         self.members = self.recording.members
         self.internal = False
-        if self._program is None:
-            self._program = build_hook_program(
-                self.recording, self.plan, self.schedule, self.run_copy, self.held_copies, self.release_after,
-                self.offloads_at, self.prefetches_at, self._action_steps)
         self._fast_k = 0
         self._fast_u = 0
-        self._next_action = 0
+        self._fast_packs, self._fast_unpacks = self._program.packs, self._program.unpacks
         self._fast_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._deferred: dict[str, list[int]] = {}
         self._step_inputs = []
-        if self.copies is None:
-            self.copies = self._default_copies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._hooks = contextlib.nullcontext()
         if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._fast_pack, self._fast_unpack)
-        self._poll = getattr(self.copies, "needs_poll", True)
         self._hooks.__enter__()
-        self._issue(0)
 
     def _exit_fast(self, exc_type) -> None:
         self._hooks.__exit__(None, None, None)
         self._input_hook.remove()
         try:
             if exc_type is None:
-                self._fast_advance(len(self._program.actions))
                 packs, unpacks = len(self._program.packs), len(self._program.unpacks)
                 if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
                     raise PlanMismatchError(
@@ -726,6 +748,7 @@ class PlanRun(TorchDispatchMode):
                         f"saved {packs} and read back {unpacks}: the code path changed (or backward did not run "
                         "inside the context). Capture and plan again for the new code path"
                     )
+                self._run_ops(self._program.tail)
         finally:
             self.copies.close()
             self.held.clear()
@@ -733,60 +756,48 @@ class PlanRun(TorchDispatchMode):
             self._fast_rng.clear()
             self._step_inputs = []
 
-    def _fast_advance(self, due: int) -> None:
-        """Run the plan's actions up to (not including) action number `due`: those of the steps
-        before the event's position (a recompute, the transfers issued after a step, releases)."""
-        first = self._next_action
-        self._next_action = due
-        held, hosts, copies, current_copy = self.held, self.hosts, self.copies, self.current_copy
-        poll, offloaded, prefetched = self._poll, 0, 0
-        for j, recompute, offloads, prefetches, releases in self._program.actions[first:due]:
-            if recompute:
-                self._recompute(j)
-            for k, c in offloads:
-                source = held.get(c)
-                if source is None:  # not packed yet: offloaded at its first pack
-                    self._deferred.setdefault(self.plan.offloads[k].tensor, []).append(k)
-                    continue
-                hosts[k] = (copies.offload(source, k), source.device)
+    def _run_ops(self, ops: tuple[tuple, ...]) -> None:
+        """Run the plan's operations due at an event (`hook_program`: releases, transfer issues,
+        recompute steps), in the order the plan puts them; tested most frequent first."""
+        held, hosts, copies = self.held, self.hosts, self.copies
+        offloaded = prefetched = 0
+        for op in ops:
+            kind = op[0]
+            if kind == RELEASE:
+                held.pop(op[1], None)
+            elif kind == OFFLOAD:
+                hosts[op[1]] = copies.offload(held[op[2]], op[1])
                 offloaded += 1
-            for offload, last, c, tensor in prefetches:
-                host, device = hosts.pop(offload) if last else hosts[offload]
-                held[c] = copies.prefetch(host, device)
-                current_copy[tensor] = c
+            elif kind == PREFETCH:
+                _, offload, last, c, device = op
+                held[c] = copies.prefetch(hosts.pop(offload) if last else hosts[offload], device)
                 prefetched += 1
-            if poll and (offloads or prefetches):
+            elif kind == RECOMPUTE:
+                self._recompute(op[1], op[2])
+            else:
                 copies.poll()
-            for c in releases:
-                held.pop(c, None)
-        report = self.report
-        report.offloads += offloaded
-        report.prefetches += prefetched
+        if offloaded or prefetched:
+            report = self.report
+            report.offloads += offloaded
+            report.prefetches += prefetched
 
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k
         self._fast_k = k + 1
-        packs = self._program.packs
+        packs = self._fast_packs
         if k >= len(packs):
             raise self._pack_mismatch(k, t)
-        dtype, shape, name, holds, due, by_number, reads_rng, stride, offset, whole = packs[k]
+        dtype, shape, name, holds, ops, by_number, reads_rng, stride, offset, whole = packs[k]
         if t.dtype != dtype or t.shape != shape:
             raise self._pack_mismatch(k, t)
         if reads_rng:
             self._fast_rng[k] = _rng_state()
-        if name is None:
-            return t
         recorded = None
         if holds >= 0:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
-            self.current_copy[name] = holds
             recorded = t.stride() == stride and t.storage_offset() == offset
-            held = self.held[holds] = t if recorded and whole else _whole(t)
-            deferred = self._deferred.pop(name, None)
-            for o in deferred or ():
-                self.hosts[o] = (self.copies.offload(held, o), t.device)
-                self.report.offloads += 1
-        if due > self._next_action:
-            self._fast_advance(due)
+            self.held[holds] = t if recorded and whole else _whole(t)
+        if ops:
+            self._run_ops(ops)
         if not by_number:
             return t
         if recorded is None:
@@ -807,23 +818,31 @@ class PlanRun(TorchDispatchMode):
     def _fast_unpack(self, packed: object) -> torch.Tensor:
         u = self._fast_u
         self._fast_u = u + 1
-        program = self._program
-        if u >= len(program.unpacks):
+        unpacks = self._fast_unpacks
+        if u >= len(unpacks):
             raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
-                                    f"{len(program.unpacks)}: the code path changed. Capture and plan again")
-        wanted, due = program.unpacks[u]
-        if due > self._next_action:
-            self._fast_advance(due)
+                                    f"{len(unpacks)}: the code path changed. Capture and plan again")
+        wanted, ops, c = unpacks[u]
+        if ops:
+            self._run_ops(ops)
         if type(packed) is int:
-            dtype, size, name, _, _, _, _, stride, offset, _ = program.packs[packed]
+            dtype, size, name, _, _, _, _, stride, offset, whole = self._fast_packs[packed]
         elif type(packed) is TensorRef:
             name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
+            whole = False
         else:
             return packed
         if name != wanted:
             raise PlanMismatchError(f"backward read {name!r} where the verified step read {wanted!r}: "
                                     "backward ran in another order (the code path changed)")
-        return _read(self._copy_of(self.current_copy[name]), dtype, size, stride, offset)
+        held = self.held.get(c)
+        if type(held) is not torch.Tensor:  # in flight (a `Copy`), or not held: `_copy_of` says which
+            held = self._copy_of(c)
+        # A copy is held contiguous from offset 0 (`_whole`), so when the saved view is too (`whole`)
+        # the same dtype and shape make it that view: the common case, with no stride to compare.
+        if whole and held.dtype == dtype and held.shape == size:
+            return held
+        return _read(held, dtype, size, stride, offset)
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -2,10 +2,12 @@
 
 A hook-only step (docs/runtime.md, "Hook-only steps") runs on `saved_tensors_hooks` alone, so its
 cost is that of the hooks: per pack and per unpack, one tuple read, one comparison of shape and
-dtype, and the plan's actions due at that event. Everything that does not change from step to step
-is read here once, into one tuple per event (pack k, unpack u) and per action, instead of being
-looked up in dictionaries of records on every event: on a GPU the step stays bound by its kernels
-only while the CPU spends a few microseconds per saved tensor.
+dtype, and the operations of the plan due at that event. Everything that does not change from step
+to step is resolved here once: which of the plan's actions run at which event, in which order, on
+which copies, including the offloads whose source no hook has handed over yet at their position
+(moved to the pack that hands it over). The hooks then run a flat tuple of operations per event and
+look nothing up: on a GPU the step stays bound by its kernels only while the CPU spends a few
+microseconds per saved tensor.
 """
 
 from __future__ import annotations
@@ -18,20 +20,19 @@ import torch
 
 from slackswap.plan import Decision, Plan, StepKind
 
-
-class Action(NamedTuple):
-    """What the plan does at the end of one of its steps, resolved to copy ids (a tuple: the
-    hook-only step unpacks it in its loop)."""
-
-    step: int
-    recompute: bool
-    #: (offload index, the copy it reads).
-    offloads: tuple[tuple[int, int], ...]
-    #: (the offload it reads, whether it is that offload's last prefetch (the runtime then lets the
-    #: host copy go), the copy it makes, its tensor).
-    prefetches: tuple[tuple[int, bool, int, str], ...]
-    #: Copies the plan's last reader has finished with.
-    releases: tuple[int, ...]
+#: Operation codes, the first field of each operation tuple (numbered by how often a step runs them:
+#: the hooks test them in this order).
+#: (RELEASE, a copy its last reader has finished with)
+RELEASE = 0
+#: (OFFLOAD, offload index, the copy it reads)
+OFFLOAD = 1
+#: (PREFETCH, the offload it reads, whether it is that offload's last prefetch (the host copy then
+#: goes), the copy it makes, the device it goes to)
+PREFETCH = 2
+#: (RECOMPUTE, plan step, {tensor the step reads: the copy it reads})
+RECOMPUTE = 3
+#: (POLL,): let an engine with transfers in flight release what has finished (`needs_poll`)
+POLL = 4
 
 
 class PackEvent(NamedTuple):
@@ -44,8 +45,9 @@ class PackEvent(NamedTuple):
     #: The run copy the runtime holds from this pack on (an offload or a recompute reads it), when
     #: this is the tensor's first pack; -1 otherwise.
     holds: int
-    #: How many actions are due by then (those of the plan steps before its position).
-    due: int
+    #: The operations that run at this pack: offloads of the copy it hands over whose position has
+    #: passed, then those of the plan's actions due by the pack's position.
+    ops: tuple[tuple, ...]
     #: The tensor leaves autograd's hands (swap or recompute): the pack returns its number instead.
     by_number: bool
     #: The RNG state at this pack is what a recomputed random call drew from.
@@ -58,57 +60,133 @@ class PackEvent(NamedTuple):
 
 
 class UnpackEvent(NamedTuple):
-    """The u-th read-back of the step: the tensor it must be (None: kept or not a graph tensor)."""
+    """The u-th read-back of the step: the tensor it must be (None: kept or not a graph tensor), the
+    operations due before it (recomputes, prefetch issues, releases) and the copy it reads (-1: none,
+    autograd gets back what the pack returned)."""
 
     name: str | None
-    due: int
+    ops: tuple[tuple, ...]
+    copy: int
 
 
 @dataclass(frozen=True)
 class HookProgram:
-    """Per pack k, per unpack u and per action, what a hook-only step needs."""
+    """Per pack k and per unpack u what a hook-only step needs, and the operations due after the
+    last event (run when the step exits). `refusal`: why no hook-only step can run the plan (None:
+    they can)."""
 
     packs: tuple[PackEvent, ...]
     unpacks: tuple[UnpackEvent, ...]
-    actions: tuple[Action, ...]
+    tail: tuple[tuple, ...]
+    refusal: str | None = None
 
 
 def build_hook_program(
     recording, plan: Plan, schedule, run_copy: dict[str, int], held_copies: set[int],
     release_after: dict[int, list[int]], offloads_at: list[list[int]], prefetches_at: list[list[int]],
-    action_steps: list[int],
+    action_steps: list[int], poll: bool, recompute_reads: dict[int, frozenset[str]],
+    offload_devices: dict[int, torch.device],
 ) -> HookProgram:
-    """`recording`: the verified step's `Recording`; the rest: the `PlanRun`'s schedule facts."""
-    keep = Decision.KEEP
+    """`recording`: the verified step's `Recording`; `poll`: the copy engine needs a `poll` after the
+    transfers of a step; `recompute_reads`: per recompute step, the graph tensors its recorded calls
+    read; `offload_devices`: per offload, the device its source was on in the verified step; the
+    rest: the `PlanRun`'s schedule facts. Which copy each read finds is resolved here, in event
+    order, as the verified step found it."""
     order = [k for j in action_steps for k in prefetches_at[j + 1]]  # prefetches in the order issued
     last_prefetch = {schedule.prefetch_offload[k]: k for k in order}
-    actions = tuple(
-        Action(
-            step=j,
-            recompute=plan.steps[j].kind == StepKind.RECOMPUTE,
-            offloads=tuple((k, schedule.offload_copy[k]) for k in offloads_at[j + 1]),
-            prefetches=tuple((schedule.prefetch_offload[k], last_prefetch[schedule.prefetch_offload[k]] == k,
-                              schedule.prefetch_copy[k], plan.prefetches[k].tensor) for k in prefetches_at[j + 1]),
-            releases=tuple(release_after.get(j, ())),
-        )
-        for j in action_steps
-    )
+    # Step -1: the transfers the plan issues before its first step, due at the first event.
+    action_steps = [-1, *action_steps]
+    actions = []
+    for j in action_steps:
+        ops: list[tuple] = []
+        if j >= 0 and plan.steps[j].kind == StepKind.RECOMPUTE:
+            ops.append((RECOMPUTE, j, recompute_reads.get(j, frozenset())))
+        ops += [(OFFLOAD, k, schedule.offload_copy[k]) for k in offloads_at[j + 1]]
+        for k in prefetches_at[j + 1]:
+            offload = schedule.prefetch_offload[k]
+            ops.append((PREFETCH, offload, last_prefetch[offload] == k, schedule.prefetch_copy[k],
+                        offload_devices[offload], plan.prefetches[k].tensor))
+        if poll and (offloads_at[j + 1] or prefetches_at[j + 1]):
+            ops.append((POLL,))
+        ops += [(RELEASE, c) for c in release_after.get(j, ())]
+        actions.append((j, ops))
+    placing = _Placement(actions, plan, schedule)
     packs, first_seen = [], set()
     for k, r in enumerate(recording.packs):
         c = run_copy.get(r.name, -1) if r.name is not None else -1
         first = r.name is not None and r.name not in first_seen
         first_seen.add(r.name)
+        holds = c if first and c in held_copies else -1
+        ops = placing.hand_over(holds, r.name) + placing.due(bisect_left(action_steps, r.position))
         packs.append(PackEvent(
-            dtype=r.dtype, shape=r.shape, name=r.name,
-            holds=c if first and c in held_copies else -1,
-            due=bisect_left(action_steps, r.position),
-            by_number=r.name is not None and r.decision != keep,
-            reads_rng=k in recording.rng_events,
-            stride=r.stride, offset=r.offset,
+            dtype=r.dtype, shape=r.shape, name=r.name, holds=holds, ops=ops,
+            by_number=r.name is not None and r.decision != Decision.KEEP,
+            reads_rng=k in recording.rng_events, stride=r.stride, offset=r.offset,
             whole=c >= 0 and _is_whole(r, schedule.copy_size[c]),
         ))
-    unpacks = tuple(UnpackEvent(name, bisect_left(action_steps, position)) for position, name in recording.unpacks)
-    return HookProgram(tuple(packs), unpacks, actions)
+    unpacks = []
+    for position, name in recording.unpacks:
+        ops = placing.due(bisect_left(action_steps, position))
+        unpacks.append(UnpackEvent(name, ops, -1 if name is None else placing.copy_of(name)))
+    tail = placing.due(len(actions))
+    refusal = placing.refusal
+    if placing.waiting:
+        c = next(iter(placing.waiting))
+        refusal = (f"the plan offloads the copy of {schedule.copies[c].tensor!r} that no saved-tensor hook hands "
+                   "over before the offload's position: autograd does not save it")
+    return HookProgram(tuple(packs), tuple(unpacks), tail, refusal)
+
+
+class _Placement:
+    """Walks the plan's actions in event order: which operations run at each event, which copies
+    are held (an offload whose source copy no event has handed over waits for the pack that does),
+    and which copy of each tensor is current (what a read at that point finds)."""
+
+    def __init__(self, actions: list[tuple[int, list[tuple]]], plan: Plan, schedule) -> None:
+        self.actions, self.plan, self.schedule = actions, plan, schedule
+        self.next = 0
+        self.held: set[int] = set()
+        #: Per copy not yet held: the offloads waiting for it.
+        self.waiting: dict[int, list[tuple]] = {}
+        #: Per tensor: its current copy.
+        self.current: dict[str, int] = {}
+        self.refusal: str | None = None
+
+    def hand_over(self, c: int, name: str | None) -> tuple[tuple, ...]:
+        if c < 0:
+            return ()
+        self.held.add(c)
+        self.current[name] = c
+        return tuple(self.waiting.pop(c, ()))
+
+    def copy_of(self, name: str) -> int:
+        c = self.current.get(name)
+        if c is None and self.refusal is None:
+            self.refusal = f"tensor {name!r} is read with no copy of it held at that point in a hook-only step"
+        return -1 if c is None else c
+
+    def due(self, until: int) -> tuple[tuple, ...]:
+        out: list[tuple] = []
+        for j, ops in self.actions[self.next:until]:
+            for op in ops:
+                kind = op[0]
+                if kind == OFFLOAD and op[2] not in self.held:
+                    self.waiting.setdefault(op[2], []).append(op)
+                    continue
+                if kind == PREFETCH:
+                    self.held.add(op[3])
+                    self.current[op[5]] = op[3]
+                    op = op[:5]
+                elif kind == RECOMPUTE:
+                    op = (RECOMPUTE, j, {name: self.copy_of(name) for name in sorted(op[2])})
+                    writes = self.schedule.step_writes[j]
+                    self.held.update(writes)
+                    self.current.update(zip(self.plan.steps[j].outputs, writes, strict=True))
+                elif kind == RELEASE:
+                    self.held.discard(op[1])
+                out.append(op)
+        self.next = max(self.next, until)
+        return tuple(out)
 
 
 def _is_whole(record, storage_bytes: int) -> bool:
