@@ -20,8 +20,10 @@ same batch from the same seed:
 
 Timing: CPU time of the process (`time.process_time`), one core, one intra-op thread, the variants
 interleaved round by round; the least over rounds (timeit's rule: noise on a shared machine only
-adds time; the median of a few rounds moved ratios by 0.1 from run to run here, the least by 0.03),
-with the median beside it (`cpu_s_per_step_median`). `aten_calls`: ATen calls a counting dispatch
+adds time), 25 rounds with `--quick`, 61 without, with the median beside it
+(`cpu_s_per_step_median`). On the shared 2-core machine of record the least still moves ratios by up
+to about 0.15 from one run to the next (more at 2 layers, a 2 ms step): read the keep_all row, whose
+steps do what eager's do, as the noise floor of a run. `aten_calls`: ATen calls a counting dispatch
 mode sees in one extra step (null for the compiled variant: a dispatch mode switches compile off).
 `peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
 profiler's memory events, each allocation counted once, by the op that made it (self bytes; all
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     start = machine()
     rows = []
     for layers in args.depths:
-        rows += Variants(layers).run(rounds=7 if args.quick else 21)
+        rows += Variants(layers).run(rounds=25 if args.quick else 61)
     end = machine()
     for row in rows:
         row.update(load_average_start=start["load_average_1_5_15"], load_average_end=end["load_average_1_5_15"],
