@@ -24,6 +24,7 @@ from slackswap.plan import Decision, StepKind  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.runtime import apply, capture_graph  # noqa: E402
 from slackswap.runtime.copy_engines import CpuCopies, HostPool, offload_sizes  # noqa: E402
+from slackswap.runtime.executor import PlanMismatchError  # noqa: E402
 from slackswap.schedule.build import build_schedule  # noqa: E402
 from tests.runtime_support import (  # noqa: E402, F401 (deterministic_kernels: a fixture)
     bit_equal,
@@ -179,3 +180,49 @@ def test_a_hook_only_step_makes_one_aten_call_per_transfer_and_none_per_whole_un
                                       "aten.as_strided.default": held_views + read_views})
     assert plain - hooked == Counter()
     assert held_views > 0 and read_views > 0  # the fused qkv projection's views are held and read as views
+
+
+def test_the_program_reads_each_swapped_or_recomputed_tensor_from_the_copy_the_plan_makes_for_it() -> None:
+    """Every unpack of a tensor that left autograd's hands reads, by the program, a prefetch copy
+    when the plan swaps it and a recompute copy when it recomputes it (never the run copy, which the
+    plan has let go), and each offload runs at or after the pack that hands its source over."""
+    c = capture("tiny", layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=256)
+    budget = int(c.keep_all_peak_bytes * 0.7)  # the runtime benchmark's budget (50 % is infeasible here)
+    kinds = set()
+    for planner in ("slackswap", "recompute_knapsack"):
+        plan = get_planner(planner).plan(c.graph, h200(), budget)
+        run = apply(plan, c.graph, c.workload.model)
+        step_under(c.workload, run)
+        program, schedule = run._program, run.schedule
+        assert program is not None and program.refusal is None, planner
+        for event in program.unpacks:
+            if event.name is None or plan.decisions.get(event.name, Decision.KEEP) == Decision.KEEP:
+                continue
+            wanted = "prefetch" if plan.decisions[event.name] == Decision.SWAP else "recompute"
+            assert schedule.copy_source[event.copy] == wanted, (planner, event.name)
+            kinds.add(wanted)
+        handed = set()
+        for pack in program.packs:
+            handed.add(pack.holds)
+            for op in pack.ops:
+                if op[0] == 1:  # OFFLOAD: its source copy has been handed over by now
+                    assert op[2] in handed, (planner, op)
+    assert kinds == {"prefetch", "recompute"}
+
+
+def test_other_inputs_in_a_hook_only_step_fail_before_any_saved_tensor() -> None:
+    """The input check of a hook-only step (the traced signature, cached) names both signatures."""
+    c = capture("tiny", layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=256)
+    plan = get_planner("slackswap").plan(c.graph, h200(), int(c.keep_all_peak_bytes * 0.7))
+    run = apply(plan, c.graph, c.workload.model)
+    step_under(c.workload, run)
+    w = c.workload
+    other = torch.randint(0, w.vocab_size, (w.batch.shape[0], w.batch.shape[1] // 2))
+    for p in w.model.parameters():
+        p.grad = None
+    seen, traced = r"\[\[\[2, 16\], 'torch.int64'\]\]", r"\[\[\[2, 32\], 'torch.int64'\]\]"
+    message = rf"model inputs \(shape, dtype\) {seen} differ from the traced {traced}"
+    mismatch = pytest.raises(PlanMismatchError, match=message)
+    with mismatch, run:
+        w.model(other)
+    assert not run.report.verified and run._fast_k == 0
