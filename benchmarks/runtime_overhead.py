@@ -38,7 +38,10 @@ interleaved with the rest: the runtime's own cost measured directly. `ratio_to_e
 (runtime_slackswap): two-line saved-tensor hooks making the same plan's copies (each swapped tensor
 copied to a host buffer made once, at its pack; cloned back at its unpack), with no plan positions,
 releases or checks: what these copies cost on this CPU by the simplest hooks, the floor under the
-runtime's row. `overhead_s_per_aten_call` and
+runtime's row. `hooks_s_per_step` and `plain_hooks_s_per_step` (runtime_slackswap): seconds per
+step inside the runtime's saved-tensor hooks and inside those plain hooks (`time.perf_counter`
+around each call, the least over as many extra steps as rounds): whether the gap between the two rows
+is the hooks' own code. `overhead_s_per_aten_call` and
 `overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
 calls and by the tensors autograd saves (`saved_tensors`).
 `planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device, priced on the
@@ -227,6 +230,10 @@ class Variants:
     def same_copies_plain_hooks(self) -> None:
         """The slackswap plan's copies by the simplest hooks: at the pack, copied into a host buffer made
         once; at the unpack, cloned back (the saved tensors in the verified step's order)."""
+        with self.torch.autograd.graph.saved_tensors_hooks(*self._plain_hooks()):
+            _step(self.w)
+
+    def _plain_hooks(self) -> tuple:
         torch, swapped, buffers = self.torch, self._swapped_packs, self._plain_host
         count = [0]
 
@@ -244,8 +251,40 @@ class Variants:
         def unpack(packed):
             return packed[0].clone() if type(packed) is tuple else packed
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            _step(self.w)
+        return pack, unpack
+
+    def _seconds_in_hooks(self, steps: int) -> tuple[float, float]:
+        """Per step, the least over `steps` steps of the seconds spent inside the saved-tensor hooks
+        (`time.perf_counter` around each call; one core, so wall time is CPU time): of the runtime
+        under the slackswap plan, and of the plain hooks making the same copies. Where the gap
+        between the two rows is: in the hooks' own code, or around them."""
+        pc, spent = time.perf_counter, [0.0]
+
+        def timed(hook):
+            def wrapper(x):
+                t0 = pc()
+                out = hook(x)
+                spent[0] += pc() - t0
+                return out
+            return wrapper
+
+        run = self.runs["slackswap"]
+        run._fast_pack, run._fast_unpack = timed(run._fast_pack), timed(run._fast_unpack)
+        plain = []
+        try:
+            for _ in range(steps):
+                spent[0] = 0.0
+                self._one("runtime_slackswap")
+                runtime = spent[0]
+                spent[0] = 0.0
+                self.torch.manual_seed(1)
+                _zero(self.w)
+                with self.torch.autograd.graph.saved_tensors_hooks(*map(timed, self._plain_hooks())):
+                    _step(self.w)
+                plain.append((runtime, spent[0]))
+        finally:
+            del run._fast_pack, run._fast_unpack  # back to the methods
+        return min(r for r, _ in plain), min(p for _, p in plain)
 
     def export_eager(self) -> None:
         with self.export.installed(self.w.model):
@@ -307,6 +346,7 @@ class Variants:
                 row["cpu_s_per_step_no_data_copies"] = min(extra["runtime_slackswap_no_data"])
                 row["ratio_to_eager_no_data_copies"] = min(extra["runtime_slackswap_no_data"]) / eager
                 row["ratio_to_eager_same_copies_plain_hooks"] = min(extra["same_copies_plain_hooks"]) / eager
+                row["hooks_s_per_step"], row["plain_hooks_s_per_step"] = self._seconds_in_hooks(rounds)
             if v == "export_eager":
                 row.update(self._eager_saved())
             if v == "export_compiled":
