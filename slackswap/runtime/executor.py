@@ -345,7 +345,8 @@ class PlanRun(TorchDispatchMode):
         self.current: int | None = None
         self.current_copy: dict[str, int] = {}
         self.held: dict[int, Any] = {}
-        self.hosts: dict[int, tuple[Copy, torch.device]] = {}
+        #: Per offload issued: its host copy (a `Copy` in flight, or the tensor of an inline one).
+        self.hosts: dict[int, Copy | torch.Tensor] = {}
         self.members: dict[str, list[_Member]] = {}
         #: Per offload: the device of its source (where its prefetches go), for the hook program.
         self._offload_devices: dict[int, torch.device] = {}
@@ -539,12 +540,12 @@ class PlanRun(TorchDispatchMode):
         for k in self.offloads_at[bucket]:
             c = self.schedule.offload_copy[k]
             source = self.held[c]
-            self.hosts[k] = (self.copies.offload(source, k), source.device)
+            self.hosts[k] = self.copies.offload(source, k)
             self._offload_devices[k] = source.device
             self.report.offloads += 1
         for k in self.prefetches_at[bucket]:
-            host, device = self.hosts[self.schedule.prefetch_offload[k]]
-            arriving = self.copies.prefetch(host, device)
+            offload = self.schedule.prefetch_offload[k]
+            arriving = self.copies.prefetch(self.hosts[offload], self._offload_devices[offload])
             c = self.schedule.prefetch_copy[k]
             tensor = self.plan.prefetches[k].tensor
             self.held[c] = arriving
@@ -769,7 +770,7 @@ class PlanRun(TorchDispatchMode):
                 hosts[op[1]] = copies.offload(held[op[2]], op[1])
                 offloaded += 1
             elif kind == PREFETCH:
-                _, offload, last, c, device = op
+                _, offload, last, c, device, _ = op
                 held[c] = copies.prefetch(hosts.pop(offload) if last else hosts[offload], device)
                 prefetched += 1
             elif kind == RECOMPUTE:

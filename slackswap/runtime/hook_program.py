@@ -27,7 +27,7 @@ RELEASE = 0
 #: (OFFLOAD, offload index, the copy it reads)
 OFFLOAD = 1
 #: (PREFETCH, the offload it reads, whether it is that offload's last prefetch (the host copy then
-#: goes), the copy it makes, the device it goes to)
+#: goes), the copy it makes, the device it goes to, its tensor)
 PREFETCH = 2
 #: (RECOMPUTE, plan step, {tensor the step reads: the copy it reads})
 RECOMPUTE = 3
@@ -176,7 +176,6 @@ class _Placement:
                 if kind == PREFETCH:
                     self.held.add(op[3])
                     self.current[op[5]] = op[3]
-                    op = op[:5]
                 elif kind == RECOMPUTE:
                     op = (RECOMPUTE, j, {name: self.copy_of(name) for name in sorted(op[2])})
                     writes = self.schedule.step_writes[j]
