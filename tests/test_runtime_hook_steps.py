@@ -226,3 +226,46 @@ def test_other_inputs_in_a_hook_only_step_fail_before_any_saved_tensor() -> None
     with mismatch, run:
         w.model(other)
     assert not run.report.verified and run._fast_k == 0
+
+
+def test_folded_program_holds_no_copy_past_its_last_use_and_counts_what_the_step_reached() -> None:
+    """The hook program folds the plan's releases into the events that use a copy last (`_fold`):
+    a run copy the plan only offloads at its pack is offloaded from the pack's tensor and never held,
+    a prefetched copy goes at its last unpack, and no release of either is left as an operation.
+    Mid-forward the runtime holds only the copies a later event reads; after the step it holds none.
+    The step's transfer counts are the program's for the events reached: all of them after a full
+    step, the packs' alone when the step fails between forward and backward."""
+    from slackswap.runtime.hook_program import OFFLOAD, RELEASE
+
+    c = capture("tiny", layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=256)
+    plan = get_planner("slackswap").plan(c.graph, h200(), int(c.keep_all_peak_bytes * 0.7))
+    run = apply(plan, c.graph, c.workload.model)
+    step_under(c.workload, run)  # verified
+    loss, grads = step_under(c.workload, run)  # hook-only, on the folded program
+    assert not run.report.verified and bit_equal(c.reference, loss, grads)
+    program = run._program
+    direct = {p.holds for p in program.packs if p.offloads}
+    assert direct and all(not p.held for p in program.packs if p.offloads)
+    assert sum(len(p.offloads) for p in program.packs) + sum(
+        op[0] == OFFLOAD for ev in (*program.packs, *program.unpacks) for op in ev.ops) == len(plan.offloads)
+    released_at_read = {u.copy for u in program.unpacks if u.release}
+    assert released_at_read
+    left = {op[1] for ev in (*program.packs, *program.unpacks) for op in ev.ops if op[0] == RELEASE}
+    left |= {op[1] for op in program.tail if op[0] == RELEASE}
+    assert not left & (direct | released_at_read)
+    assert (run.report.offloads, run.report.prefetches) == (len(plan.offloads), len(plan.prefetches))
+
+    read_later = {u.copy for u in program.unpacks if u.copy >= 0}
+    w = c.workload
+    for p in w.model.parameters():
+        p.grad = None
+    with pytest.raises(RuntimeError, match="between forward and backward"), run:
+        torch.manual_seed(0)
+        w.loss_fn(w.model(w.batch))
+        assert set(run.held) <= read_later | {p.holds for p in program.packs if p.held}
+        assert not set(run.held) & direct
+        raise RuntimeError("between forward and backward")
+    assert run._fast_u == 0
+    assert (run.report.offloads, run.report.prefetches) == program.transfers(len(program.packs), 0, False)
+    assert run.report.offloads == len(plan.offloads)  # this plan offloads every swapped tensor in forward
+    assert not run.held  # the failed step let everything go

@@ -751,6 +751,9 @@ class PlanRun(TorchDispatchMode):
                     )
                 self._run_ops(self._program.tail)
         finally:
+            offloads, prefetches = self._program.transfers(self._fast_k, self._fast_u, exc_type is None)
+            self.report.offloads += offloads
+            self.report.prefetches += prefetches
             self.copies.close()
             self.held.clear()
             self.hosts.clear()
@@ -759,28 +762,22 @@ class PlanRun(TorchDispatchMode):
 
     def _run_ops(self, ops: tuple[tuple, ...]) -> None:
         """Run the plan's operations due at an event (`hook_program`: releases, transfer issues,
-        recompute steps), in the order the plan puts them; tested most frequent first."""
+        recompute steps), in the order the plan puts them; tested most frequent first. The step's
+        transfers are counted from the program when it exits (`HookProgram.transfers`)."""
         held, hosts, copies = self.held, self.hosts, self.copies
-        offloaded = prefetched = 0
         for op in ops:
             kind = op[0]
             if kind == RELEASE:
                 held.pop(op[1], None)
             elif kind == OFFLOAD:
                 hosts[op[1]] = copies.offload(held[op[2]], op[1])
-                offloaded += 1
             elif kind == PREFETCH:
                 _, offload, last, c, device, _ = op
                 held[c] = copies.prefetch(hosts.pop(offload) if last else hosts[offload], device)
-                prefetched += 1
             elif kind == RECOMPUTE:
                 self._recompute(op[1], op[2])
             else:
                 copies.poll()
-        if offloaded or prefetched:
-            report = self.report
-            report.offloads += offloaded
-            report.prefetches += prefetched
 
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k
@@ -788,15 +785,21 @@ class PlanRun(TorchDispatchMode):
         packs = self._fast_packs
         if k >= len(packs):
             raise self._pack_mismatch(k, t)
-        dtype, shape, name, holds, ops, by_number, reads_rng, stride, offset, whole = packs[k]
-        if t.dtype != dtype or t.shape != shape:
+        dtype, shape, name, holds, offloads, held, ops, by_number, reads_rng, stride, offset, whole = packs[k]
+        if t.dtype is not dtype or t.shape != shape:
             raise self._pack_mismatch(k, t)
         if reads_rng:
             self._fast_rng[k] = _rng_state()
         recorded = None
         if holds >= 0:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
             recorded = t.stride() == stride and t.storage_offset() == offset
-            self.held[holds] = t if recorded and whole else _whole(t)
+            copy = t if recorded and whole else _whole(t)
+            if held:
+                self.held[holds] = copy
+            if offloads:
+                hosts, copies = self.hosts, self.copies
+                for j in offloads:
+                    hosts[j] = copies.offload(copy, j)
         if ops:
             self._run_ops(ops)
         if not by_number:
@@ -808,6 +811,8 @@ class PlanRun(TorchDispatchMode):
         return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def _pack_mismatch(self, k: int, t: torch.Tensor) -> PlanMismatchError:
+        """The error for pack `k`, which then counts as not reached (its operations have not run)."""
+        self._fast_k = k
         packs = self.recording.packs
         wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
         return PlanMismatchError(
@@ -821,13 +826,14 @@ class PlanRun(TorchDispatchMode):
         self._fast_u = u + 1
         unpacks = self._fast_unpacks
         if u >= len(unpacks):
+            self._fast_u = u  # not reached: the step's transfers are counted by the events reached
             raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
                                     f"{len(unpacks)}: the code path changed. Capture and plan again")
-        wanted, ops, c = unpacks[u]
+        wanted, ops, c, release = unpacks[u]
         if ops:
             self._run_ops(ops)
         if type(packed) is int:
-            dtype, size, name, _, _, _, _, stride, offset, whole = self._fast_packs[packed]
+            dtype, size, name, _, _, _, _, _, _, stride, offset, whole = self._fast_packs[packed]
         elif type(packed) is TensorRef:
             name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
             whole = False
@@ -839,9 +845,11 @@ class PlanRun(TorchDispatchMode):
         held = self.held.get(c)
         if type(held) is not torch.Tensor:  # in flight (a `Copy`), or not held: `_copy_of` says which
             held = self._copy_of(c)
+        if release:  # its last reader: autograd holds it from here for as long as backward reads it
+            del self.held[c]
         # A copy is held contiguous from offset 0 (`_whole`), so when the saved view is too (`whole`)
         # the same dtype and shape make it that view: the common case, with no stride to compare.
-        if whole and held.dtype == dtype and held.shape == size:
+        if whole and held.dtype is dtype and held.shape == size:
             return held
         return _read(held, dtype, size, stride, offset)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -42,11 +43,19 @@ class PackEvent(NamedTuple):
     shape: torch.Size
     #: Graph tensor name (None: a weight or an input, returned as is).
     name: str | None
-    #: The run copy the runtime holds from this pack on (an offload or a recompute reads it), when
-    #: this is the tensor's first pack; -1 otherwise.
+    #: The run copy this pack hands over (an offload or a recompute reads it), when this is the
+    #: tensor's first pack; -1 otherwise.
     holds: int
-    #: The operations that run at this pack: offloads of the copy it hands over whose position has
-    #: passed, then those of the plan's actions due by the pack's position.
+    #: The offloads issued from the copy this pack hands over, at the pack, before `ops`: those whose
+    #: position has passed (`_fold`).
+    offloads: tuple[int, ...]
+    #: The runtime holds the handed-over copy after the pack: a later operation or read uses it (a
+    #: copy only offloaded at its pack is not held: autograd's forward has it until its last use, and
+    #: an engine with transfers in flight holds the sources it reads).
+    held: bool
+    #: The operations that run at this pack, after `offloads`: offloads of the copy it hands over
+    #: whose position has passed (when the copy is held), then those of the plan's actions due by the
+    #: pack's position.
     ops: tuple[tuple, ...]
     #: The tensor leaves autograd's hands (swap or recompute): the pack returns its number instead.
     by_number: bool
@@ -61,12 +70,14 @@ class PackEvent(NamedTuple):
 
 class UnpackEvent(NamedTuple):
     """The u-th read-back of the step: the tensor it must be (None: kept or not a graph tensor), the
-    operations due before it (recomputes, prefetch issues, releases) and the copy it reads (-1: none,
-    autograd gets back what the pack returned)."""
+    operations due before it (recomputes, prefetch issues, releases), the copy it reads (-1: none,
+    autograd gets back what the pack returned) and whether it is that copy's last reader, which lets
+    the copy go as it hands it over (the plan's release, folded in: `_fold`)."""
 
     name: str | None
     ops: tuple[tuple, ...]
     copy: int
+    release: bool
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,29 @@ class HookProgram:
     unpacks: tuple[UnpackEvent, ...]
     tail: tuple[tuple, ...]
     refusal: str | None = None
+
+    def transfers(self, packs: int, unpacks: int, tail: bool) -> tuple[int, int]:
+        """(offloads, prefetches) issued by the first `packs` packs, the first `unpacks` unpacks and,
+        with `tail`, the tail: what a step that reached those events has issued, counted from the
+        program (the hooks count nothing)."""
+        pack_offloads, pack_prefetches = self._counts[0][packs]
+        unpack_offloads, unpack_prefetches = self._counts[1][unpacks]
+        tail_offloads, tail_prefetches = self._counts[2] if tail else (0, 0)
+        return (pack_offloads + unpack_offloads + tail_offloads,
+                pack_prefetches + unpack_prefetches + tail_prefetches)
+
+    @cached_property
+    def _counts(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], tuple[int, int]]:
+        def running(events) -> list[tuple[int, int]]:
+            out, offloads, prefetches = [(0, 0)], 0, 0
+            for event in events:
+                offloads += len(getattr(event, "offloads", ())) + sum(op[0] == OFFLOAD for op in event.ops)
+                prefetches += sum(op[0] == PREFETCH for op in event.ops)
+                out.append((offloads, prefetches))
+            return out
+
+        return (running(self.packs), running(self.unpacks),
+                (sum(op[0] == OFFLOAD for op in self.tail), sum(op[0] == PREFETCH for op in self.tail)))
 
 
 def build_hook_program(
@@ -119,7 +153,7 @@ def build_hook_program(
         holds = c if first and c in held_copies else -1
         ops = placing.hand_over(holds, r.name) + placing.due(bisect_left(action_steps, r.position))
         packs.append(PackEvent(
-            dtype=r.dtype, shape=r.shape, name=r.name, holds=holds, ops=ops,
+            dtype=r.dtype, shape=r.shape, name=r.name, holds=holds, offloads=(), held=holds >= 0, ops=ops,
             by_number=r.name is not None and r.decision != Decision.KEEP,
             reads_rng=k in recording.rng_events, stride=r.stride, offset=r.offset,
             whole=c >= 0 and _is_whole(r, schedule.copy_size[c]),
@@ -127,14 +161,78 @@ def build_hook_program(
     unpacks = []
     for position, name in recording.unpacks:
         ops = placing.due(bisect_left(action_steps, position))
-        unpacks.append(UnpackEvent(name, ops, -1 if name is None else placing.copy_of(name)))
+        unpacks.append(UnpackEvent(name, ops, -1 if name is None else placing.copy_of(name), False))
     tail = placing.due(len(actions))
     refusal = placing.refusal
     if placing.waiting:
         c = next(iter(placing.waiting))
         refusal = (f"the plan offloads the copy of {schedule.copies[c].tensor!r} that no saved-tensor hook hands "
                    "over before the offload's position: autograd does not save it")
+    if refusal is None:
+        packs, unpacks, tail = _fold(packs, unpacks, tail)
     return HookProgram(tuple(packs), tuple(unpacks), tail, refusal)
+
+
+def _fold(packs: list[PackEvent], unpacks: list[UnpackEvent], tail: tuple[tuple, ...]):
+    """Fold the plan's operations on a copy into the events that hand it over and read it, where
+    nothing else uses the copy in between: why, per saved tensor the hooks then do one dictionary
+    operation less and run one operation tuple less, and an event left with no operation skips the
+    loop (on a GPU the hooks' own code is what the CPU adds per saved tensor).
+
+    - A run copy whose only uses are offloads at the pack that hands it over (no recompute reads it,
+      no unpack reads it): the pack issues them from the tensor it is given (`PackEvent.offloads`)
+      and does not hold the copy, so the plan's release of it goes (autograd's forward holds the
+      tensor to its last use, the plan's release point, and a CUDA offload holds its source until
+      the copy is done).
+    - A copy's last reader, an unpack after which no recompute reads it and before the plan's
+      release of it: the unpack lets it go as it hands it over (`UnpackEvent.release`), and the
+      release goes (autograd holds what the unpack returns for as long as backward reads it).
+
+    Events are in the order the hooks see them: the packs, then the unpacks, then the tail."""
+    events = [*packs, *unpacks]
+    n_packs = len(packs)
+    timeline = [ev.ops for ev in events] + [tail]
+    recompute_reads: dict[int, int] = {}  # per copy: the last event index whose recompute reads it
+    offload_events: dict[int, set[int]] = {}  # per copy: events holding an offload of it
+    release_at: dict[int, int] = {}  # per copy: the event of its release
+    for i, ops in enumerate(timeline):
+        for op in ops:
+            if op[0] == RECOMPUTE:
+                for c in op[2].values():
+                    recompute_reads[c] = i
+            elif op[0] == OFFLOAD:
+                offload_events.setdefault(op[2], set()).add(i)
+            elif op[0] == RELEASE:
+                release_at[op[1]] = i
+    last_read = {}  # per copy: the last unpack (its event index) reading it
+    for u, ev in enumerate(unpacks):
+        if ev.copy >= 0:
+            last_read[ev.copy] = n_packs + u
+    dropped: set[int] = set()  # copies whose RELEASE op goes
+    direct: dict[int, tuple[int, ...]] = {}  # pack index: offloads issued from its tensor
+    for k, ev in enumerate(packs):
+        c = ev.holds
+        if (c < 0 or c in recompute_reads or c in last_read or offload_events.get(c, set()) != {k}
+                or c not in release_at):
+            continue
+        direct[k] = tuple(op[1] for op in ev.ops if op[0] == OFFLOAD and op[2] == c)
+        dropped.add(c)
+    releasing: set[int] = set()  # unpack event indices that let their copy go
+    for c, i in last_read.items():
+        if c in dropped or c not in release_at or release_at[c] <= i or recompute_reads.get(c, -1) > i:
+            continue
+        releasing.add(i)
+        dropped.add(c)
+
+    def kept(ops: tuple[tuple, ...], k: int | None = None) -> tuple[tuple, ...]:
+        c = packs[k].holds if k is not None and k in direct else None
+        return tuple(op for op in ops if not (op[0] == RELEASE and op[1] in dropped)
+                     and not (op[0] == OFFLOAD and op[2] == c))
+
+    packs = [ev._replace(offloads=direct[k], held=False, ops=kept(ev.ops, k)) if k in direct
+             else ev._replace(ops=kept(ev.ops)) for k, ev in enumerate(packs)]
+    unpacks = [ev._replace(ops=kept(ev.ops), release=n_packs + u in releasing) for u, ev in enumerate(unpacks)]
+    return packs, unpacks, kept(tail)
 
 
 class _Placement:
