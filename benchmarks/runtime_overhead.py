@@ -38,10 +38,12 @@ interleaved with the rest: the runtime's own cost measured directly. `ratio_to_e
 (runtime_slackswap): two-line saved-tensor hooks making the same plan's copies (each swapped tensor
 copied to a host buffer made once, at its pack; cloned back at its unpack), with no plan positions,
 releases or checks: what these copies cost on this CPU by the simplest hooks, the floor under the
-runtime's row. `hooks_s_per_step` and `plain_hooks_s_per_step` (runtime_slackswap): seconds per
-step inside the runtime's saved-tensor hooks and inside those plain hooks (`time.perf_counter`
-around each call, the least over as many extra steps as rounds): whether the gap between the two rows
-is the hooks' own code. `overhead_s_per_aten_call` and
+runtime's row. `ratio_to_eager_identity_hooks` (runtime_slackswap): saved-tensor hooks that return
+their argument, timed interleaved: what autograd's calls into Python cost per saved tensor before a
+hook does anything, the floor under both hook rows. `hooks_s_per_step` and `plain_hooks_s_per_step`
+(runtime_slackswap): seconds per step inside the runtime's saved-tensor hooks and inside those
+plain hooks (`time.perf_counter` around each call, the least over as many extra steps as rounds):
+whether the gap between the two rows is the hooks' own code. `overhead_s_per_aten_call` and
 `overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
 calls and by the tensors autograd saves (`saved_tensors`).
 `planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device, priced on the
@@ -112,6 +114,10 @@ class NoDataCopies:
 
 def _step(w) -> None:
     w.loss_fn(w.model(w.batch)).backward()
+
+
+def _identity(x):
+    return x
 
 
 def _zero(w) -> None:
@@ -227,6 +233,12 @@ class Variants:
         with self.runs["no_data"]:
             _step(self.w)
 
+    def identity_hooks(self) -> None:
+        """Saved-tensor hooks that return their argument: what autograd's calls into Python cost per
+        saved tensor, before any hook does anything (the floor of every hook-based runtime)."""
+        with self.torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            _step(self.w)
+
     def same_copies_plain_hooks(self) -> None:
         """The slackswap plan's copies by the simplest hooks: at the pack, copied into a host buffer made
         once; at the unpack, cloned back (the saved tensors in the verified step's order)."""
@@ -304,7 +316,7 @@ class Variants:
         self._swapped_packs = [r.name is not None and str(r.decision) == "swap"
                                for r in self.runs["slackswap"].recording.packs]
         self._plain_host: dict[int, object] = {}
-        attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks")
+        attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks", "identity_hooks")
         for v in (*attribution, "runtime_slackswap_measured_copies"):
             self._one(v)
         self.copy_s.clear()
@@ -346,6 +358,7 @@ class Variants:
                 row["cpu_s_per_step_no_data_copies"] = min(extra["runtime_slackswap_no_data"])
                 row["ratio_to_eager_no_data_copies"] = min(extra["runtime_slackswap_no_data"]) / eager
                 row["ratio_to_eager_same_copies_plain_hooks"] = min(extra["same_copies_plain_hooks"]) / eager
+                row["ratio_to_eager_identity_hooks"] = min(extra["identity_hooks"]) / eager
                 row["hooks_s_per_step"], row["plain_hooks_s_per_step"] = self._seconds_in_hooks(rounds)
             if v == "export_eager":
                 row.update(self._eager_saved())
