@@ -73,7 +73,7 @@ class HostPool:
         self._buffers: dict[int, torch.Tensor] = {}
         #: Per key, the buffer as the tensor an offload last wrote, with its dtype and shape: read on
         #: every offload, so the views are made once, not per step.
-        self.typed: dict[object, tuple[torch.dtype, torch.Size, torch.Tensor]] = {}
+        self._typed: dict[object, tuple[torch.dtype, torch.Size, torch.Tensor]] = {}
         self.allocations = 0
 
     def get(self, key: object, nbytes: int) -> torch.Tensor:
@@ -84,18 +84,18 @@ class HostPool:
             self.allocations += 1
             if key is not None:
                 self._buffers[key] = buf
-                self.typed.pop(key, None)
+                self._typed.pop(key, None)
         return buf
 
     def like(self, key: object, source: torch.Tensor) -> torch.Tensor:
         """The buffer of `key` as a contiguous tensor of `source`'s shape and dtype: the destination
         an offload of `source` copies into."""
-        found = self.typed.get(key)
+        found = self._typed.get(key)
         if found is not None and found[0] == source.dtype and found[1] == source.shape:
             return found[2]
         typed = self.get(key, source.numel() * source.element_size()).view(source.dtype).view(source.shape)
         if key is not None:
-            self.typed[key] = (typed.dtype, typed.shape, typed)
+            self._typed[key] = (typed.dtype, typed.shape, typed)
         return typed
 
     def reserve(self, sizes: Mapping[int, int], alignment_bytes: int = 512) -> None:
@@ -112,7 +112,7 @@ class HostPool:
         self.allocations += 1
         for key, nbytes in sizes.items():
             self._buffers[key] = slab.narrow(0, offsets[key], nbytes)
-            self.typed.pop(key, None)
+            self._typed.pop(key, None)
 
     @property
     def bytes(self) -> int:
@@ -137,8 +137,6 @@ class CpuCopies:
         #: With `measure`: CPU time spent in inline copies (allocation and memcpy), work a GPU's copy
         #: engines do, which the CPU stand-in does on the compute thread; the benchmarks report it apart.
         self.copy_s = 0.0
-        #: Inline and unmeasured: the offload and prefetch take their shortest path.
-        self._plain = delay_s is None and not measure
 
     def _pool(self, direction: str) -> ThreadPoolExecutor:
         with self._lock:
@@ -149,10 +147,6 @@ class CpuCopies:
     def offload(self, source: torch.Tensor, key: int | None = None) -> Copy | torch.Tensor:
         """Copy `source` (a tensor that is exactly its storage) into the host buffer of offload `key`
         (inline: the buffer, arrived)."""
-        if self._plain:  # the common case, one lookup and one ATen call (the hooks call it per offload)
-            found = self.host.typed.get(key)
-            if found is not None and found[0] is source.dtype and found[1] == source.shape:
-                return found[2].copy_(source)
         host = self.host.like(key, source)
         if self.delay_s is None:
             if not self.measure:
@@ -174,11 +168,10 @@ class CpuCopies:
     def prefetch(self, offloaded: Copy | torch.Tensor, device: torch.device) -> Copy | torch.Tensor:
         """A new device tensor with the offloaded copy's values (its allocation is the prefetch's
         memory; inline: that tensor, arrived)."""
-        if self._plain and type(offloaded) is torch.Tensor and device.type == "cpu":
-            return offloaded.clone()  # one call: the allocation and the copy
         host = offloaded.tensor if isinstance(offloaded, Copy) else offloaded
         if self.delay_s is None:
             if not self.measure:
+                # One call: the allocation and the copy (a clone is the cheaper call where no device differs).
                 return host.clone() if device.type == "cpu" else host.to(device, copy=True)
             t0 = time.process_time()
             target = host.clone() if device.type == "cpu" else host.to(device, copy=True)

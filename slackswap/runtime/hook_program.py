@@ -103,16 +103,21 @@ class HookProgram:
 
     @cached_property
     def _counts(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], tuple[int, int]]:
-        def running(events) -> list[tuple[int, int]]:
-            out, offloads, prefetches = [(0, 0)], 0, 0
-            for event in events:
-                offloads += len(getattr(event, "offloads", ())) + sum(op[0] == OFFLOAD for op in event.ops)
-                prefetches += sum(op[0] == PREFETCH for op in event.ops)
-                out.append((offloads, prefetches))
+        """Running (offloads, prefetches) over the packs and over the unpacks (index n: the first n
+        events), and the tail's."""
+        def running(per_event) -> list[tuple[int, int]]:
+            out = [(0, 0)]
+            for offloads, prefetches in per_event:
+                out.append((out[-1][0] + offloads, out[-1][1] + prefetches))
             return out
 
-        return (running(self.packs), running(self.unpacks),
-                (sum(op[0] == OFFLOAD for op in self.tail), sum(op[0] == PREFETCH for op in self.tail)))
+        packs = running((len(p.offloads) + _count(p.ops, OFFLOAD), _count(p.ops, PREFETCH)) for p in self.packs)
+        unpacks = running((_count(u.ops, OFFLOAD), _count(u.ops, PREFETCH)) for u in self.unpacks)
+        return packs, unpacks, (_count(self.tail, OFFLOAD), _count(self.tail, PREFETCH))
+
+
+def _count(ops: tuple[tuple, ...], kind: int) -> int:
+    return sum(op[0] == kind for op in ops)
 
 
 def build_hook_program(
@@ -189,9 +194,8 @@ def _fold(packs: list[PackEvent], unpacks: list[UnpackEvent], tail: tuple[tuple,
       release goes (autograd holds what the unpack returns for as long as backward reads it).
 
     Events are in the order the hooks see them: the packs, then the unpacks, then the tail."""
-    events = [*packs, *unpacks]
     n_packs = len(packs)
-    timeline = [ev.ops for ev in events] + [tail]
+    timeline = [ev.ops for ev in (*packs, *unpacks)] + [tail]
     recompute_reads: dict[int, int] = {}  # per copy: the last event index whose recompute reads it
     offload_events: dict[int, set[int]] = {}  # per copy: events holding an offload of it
     release_at: dict[int, int] = {}  # per copy: the event of its release
