@@ -40,7 +40,12 @@ copied to a host buffer made once, at its pack; cloned back at its unpack), with
 releases or checks: what these copies cost on this CPU by the simplest hooks, the floor under the
 runtime's row. `ratio_to_eager_identity_hooks` (runtime_slackswap): saved-tensor hooks that return
 their argument, timed interleaved: what autograd's calls into Python cost per saved tensor before a
-hook does anything, the floor under both hook rows. `hooks_s_per_step` and `plain_hooks_s_per_step`
+hook does anything, the floor under both hook rows. `ratio_to_eager_unchecked_program` (runtime_slackswap): the
+runtime's own hook program for the plan (offloads at the packs, prefetches at the unpacks the plan's
+positions put them at, reads from the copies it names) run by hooks that check nothing and call the
+copies inline, timed interleaved: what executing the plan's schedule costs before the runtime's checks
+and copy-engine layer (null, with `unchecked_program_refusal`, for a program with other operations).
+`hooks_s_per_step` and `plain_hooks_s_per_step`
 (runtime_slackswap): seconds per step inside the runtime's saved-tensor hooks and inside those
 plain hooks (`time.perf_counter` around each call, the least over as many extra steps as rounds):
 whether the gap between the two rows is the hooks' own code. `overhead_s_per_aten_call` and
@@ -245,6 +250,64 @@ class Variants:
         with self.torch.autograd.graph.saved_tensors_hooks(*self._plain_hooks()):
             _step(self.w)
 
+    def unchecked_program(self) -> None:
+        """The runtime's own hook program for the slackswap plan (`PlanRun`'s `HookProgram`: offloads at
+        the packs that hand their tensors over, prefetches at the unpacks the plan's positions put them
+        at, each read from the copy the program names), run by hooks that check nothing and call the
+        copies inline: what executing the plan's schedule costs before any check or engine layer."""
+        with self.torch.autograd.graph.saved_tensors_hooks(*self._unchecked_hooks()):
+            _step(self.w)
+
+    def _unchecked_hooks(self) -> tuple:
+        from slackswap.runtime.executor import _read, _whole
+
+        packs, unpacks, buffers = self._unchecked_packs, self._unchecked_unpacks, self._unchecked_host
+        count, hosts, held = [0, 0], {}, {}
+
+        def pack(t):
+            k = count[0]
+            count[0] = k + 1
+            offloads, by_number, whole = packs[k][:3]
+            if offloads:
+                copy = t if whole else _whole(t)
+                for j in offloads:
+                    host = buffers.get(j)
+                    if host is None:
+                        host = buffers[j] = self.torch.empty_like(copy)
+                    hosts[j] = host.copy_(copy)
+            return k if by_number else t
+
+        def unpack(packed):
+            u = count[1]
+            count[1] = u + 1
+            prefetches, c, release = unpacks[u]
+            for offload, last, made in prefetches:
+                held[made] = (hosts.pop(offload) if last else hosts[offload]).clone()
+            if type(packed) is not int:
+                return packed
+            copy = held.pop(c) if release else held[c]
+            whole, geometry = packs[packed][2:]
+            return copy if whole else _read(copy, *geometry)
+
+        return pack, unpack
+
+    def _unchecked_program_refusal(self) -> str | None:
+        """Why the unchecked hooks cannot run this program (they handle offloads at packs and
+        prefetches at unpacks, nothing else), or None; on None their tables are set."""
+        from slackswap.runtime.hook_program import PREFETCH
+
+        program = self.runs["slackswap"]._program
+        if program.tail or any(p.ops or p.held or p.reads_rng for p in program.packs):
+            return "the program has operations at a pack or after the last event"
+        if any(op[0] != PREFETCH for u in program.unpacks for op in u.ops):
+            return "the program has operations other than prefetches at an unpack"
+        self._unchecked_packs = [(p.offloads, p.by_number, p.whole, (p.dtype, p.shape, p.stride, p.offset))
+                                 for p in program.packs]
+        self._unchecked_unpacks = [(tuple((op[1], op[2], op[3]) for op in u.ops), u.copy, u.release)
+                                   for u in program.unpacks]
+        self._unchecked_host: dict[int, object] = {}
+        return None
+
     def _plain_hooks(self) -> tuple:
         torch, swapped, buffers = self.torch, self._swapped_packs, self._plain_host
         count = [0]
@@ -317,6 +380,9 @@ class Variants:
                                for r in self.runs["slackswap"].recording.packs]
         self._plain_host: dict[int, object] = {}
         attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks", "identity_hooks")
+        unchecked_refusal = self._unchecked_program_refusal()
+        if unchecked_refusal is None:
+            attribution += ("unchecked_program",)
         for v in (*attribution, "runtime_slackswap_measured_copies"):
             self._one(v)
         self.copy_s.clear()
@@ -359,6 +425,9 @@ class Variants:
                 row["ratio_to_eager_no_data_copies"] = min(extra["runtime_slackswap_no_data"]) / eager
                 row["ratio_to_eager_same_copies_plain_hooks"] = min(extra["same_copies_plain_hooks"]) / eager
                 row["ratio_to_eager_identity_hooks"] = min(extra["identity_hooks"]) / eager
+                row["ratio_to_eager_unchecked_program"] = (
+                    min(extra["unchecked_program"]) / eager if unchecked_refusal is None else None)
+                row["unchecked_program_refusal"] = unchecked_refusal
                 row["hooks_s_per_step"], row["plain_hooks_s_per_step"] = self._seconds_in_hooks(rounds)
             if v == "export_eager":
                 row.update(self._eager_saved())

@@ -1,0 +1,51 @@
+"""The hooks `benchmarks/runtime_overhead.py` times beside the runtime (the floors it reads the runtime's
+row against) compute the step they stand in for: gradients bit-equal to plain eager's, the copies the
+plan makes made, and the unchecked program runs the runtime's own program or says why not."""
+from __future__ import annotations
+
+import pytest
+
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+
+from benchmarks.runtime_overhead import Variants  # noqa: E402
+from tests.runtime_support import deterministic_kernels  # noqa: E402, F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("deterministic_kernels")
+
+
+def _grads(v: Variants, variant: str) -> list:
+    v._one(variant)
+    return [p.grad.clone() for p in v.w.model.parameters()]
+
+
+@pytest.mark.slow
+def test_the_attribution_hooks_compute_eagers_gradients_and_make_the_plans_copies() -> None:
+    torch.set_num_threads(1)
+    v = Variants(2)
+    v._one("runtime_slackswap")  # the verified step: the hook program is built from it
+    assert v._unchecked_program_refusal() is None
+    v._swapped_packs = [r.name is not None and str(r.decision) == "swap"
+                        for r in v.runs["slackswap"].recording.packs]
+    v._plain_host = {}
+    eager = _grads(v, "eager")
+    for variant in ("unchecked_program", "same_copies_plain_hooks", "identity_hooks", "runtime_slackswap"):
+        got = _grads(v, variant)
+        assert all(torch.equal(e, g) for e, g in zip(eager, got, strict=True)), variant
+    # One host buffer per offload of the program, each the size of the copy it holds.
+    program = v.runs["slackswap"]._program
+    offloads = [j for p in program.packs for j in p.offloads]
+    assert sorted(v._unchecked_host) == sorted(offloads) and len(offloads) == len(v.plans["slackswap"].offloads)
+    assert sum(t.untyped_storage().nbytes() for t in v._unchecked_host.values()) == sum(
+        v.runs["slackswap"].schedule.copy_size[c] for c in v.runs["slackswap"].schedule.offload_copy)
+
+
+def test_the_unchecked_hooks_refuse_a_program_with_operations_they_do_not_run() -> None:
+    from slackswap.runtime.hook_program import RELEASE, HookProgram, PackEvent
+
+    pack = PackEvent(dtype=torch.float32, shape=torch.Size([1]), name="t", holds=0, offloads=(), held=True,
+                     ops=((RELEASE, 0),), by_number=False, reads_rng=False, stride=(1,), offset=0, whole=True)
+    v = Variants.__new__(Variants)  # the refusal reads the program alone
+    v.runs = {"slackswap": type("Run", (), {"_program": HookProgram((pack,), (), ())})()}
+    assert v._unchecked_program_refusal() == "the program has operations at a pack or after the last event"
