@@ -291,6 +291,14 @@ class Variants:
 
         return pack, unpack
 
+    def _prepare_attribution(self) -> str | None:
+        """After the runtime's verified step: the tables the plain and the unchecked hooks read. Returns
+        why the unchecked hooks cannot run the program (None: they can)."""
+        self._swapped_packs = [r.name is not None and str(r.decision) == "swap"
+                               for r in self.runs["slackswap"].recording.packs]
+        self._plain_host: dict[int, object] = {}
+        return self._unchecked_program_refusal()
+
     def _unchecked_program_refusal(self) -> str | None:
         """Why the unchecked hooks cannot run this program (they handle offloads at packs and
         prefetches at unpacks, nothing else), or None; on None their tables are set."""
@@ -376,11 +384,8 @@ class Variants:
         calls, peaks = {}, {}
         for v in VARIANTS:  # warm-up: the runtime's verified step, caches
             self._one(v)
-        self._swapped_packs = [r.name is not None and str(r.decision) == "swap"
-                               for r in self.runs["slackswap"].recording.packs]
-        self._plain_host: dict[int, object] = {}
         attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks", "identity_hooks")
-        unchecked_refusal = self._unchecked_program_refusal()
+        unchecked_refusal = self._prepare_attribution()
         if unchecked_refusal is None:
             attribution += ("unchecked_program",)
         for v in (*attribution, "runtime_slackswap_measured_copies"):

@@ -25,10 +25,7 @@ def test_the_attribution_hooks_compute_eagers_gradients_and_make_the_plans_copie
     torch.set_num_threads(1)
     v = Variants(2)
     v._one("runtime_slackswap")  # the verified step: the hook program is built from it
-    assert v._unchecked_program_refusal() is None
-    v._swapped_packs = [r.name is not None and str(r.decision) == "swap"
-                        for r in v.runs["slackswap"].recording.packs]
-    v._plain_host = {}
+    assert v._prepare_attribution() is None
     eager = _grads(v, "eager")
     for variant in ("unchecked_program", "same_copies_plain_hooks", "identity_hooks", "runtime_slackswap"):
         got = _grads(v, variant)
