@@ -302,17 +302,14 @@ class Variants:
     def _unchecked_program_refusal(self) -> str | None:
         """Why the unchecked hooks cannot run this program (they handle offloads at packs and
         prefetches at unpacks, nothing else), or None; on None their tables are set."""
-        from slackswap.runtime.hook_program import PREFETCH
-
         program = self.runs["slackswap"]._program
         if program.tail or any(p.ops or p.held or p.reads_rng for p in program.packs):
             return "the program has operations at a pack or after the last event"
-        if any(op[0] != PREFETCH for u in program.unpacks for op in u.ops):
+        if any(u.ops for u in program.unpacks):  # prefetches alone are carried apart (`UnpackEvent.prefetches`)
             return "the program has operations other than prefetches at an unpack"
         self._unchecked_packs = [(p.offloads, p.by_number, p.whole, (p.dtype, p.shape, p.stride, p.offset))
                                  for p in program.packs]
-        self._unchecked_unpacks = [(tuple((op[1], op[2], op[3]) for op in u.ops), u.copy, u.release)
-                                   for u in program.unpacks]
+        self._unchecked_unpacks = [(u.prefetches, u.copy, u.release) for u in program.unpacks]
         self._unchecked_host: dict[int, object] = {}
         return None
 

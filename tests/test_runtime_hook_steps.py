@@ -72,17 +72,38 @@ def _swap_everything():
     return model, x, graph, plan
 
 
+class _CountingPool(HostPool):
+    """Counts the buffers the engine's own `offload` asks for (`like`); the offloads bound at the
+    verified step (`CpuCopies.offloader`) write their buffer directly and ask for none."""
+
+    def __init__(self) -> None:
+        super().__init__(pinned=False)
+        self.asked = 0
+
+    def like(self, key, source):
+        self.asked += 1
+        return super().like(key, source)
+
+
 def test_a_saved_view_with_other_strides_is_read_back_with_its_own_geometry() -> None:
     model, x, graph, plan = _swap_everything()
-    run = apply(plan, graph, model)
+    copies = CpuCopies()
+    copies.host = _CountingPool()
+    run = apply(plan, graph, model, copies=copies)
     _step(model, x, run)  # the verified step records the contiguous geometry
     assert run.report.verified
+    verified_asks = copies.host.asked
+    _step(model, x, run)  # hook-only, the recorded geometry: every offload by its bound callable
+    assert not run.report.verified and copies.host.asked == verified_asks
     transposed = x.t().contiguous().t()  # the same values, shape and dtype; strides (1, 4)
     assert transposed.stride() != x.stride()
     expected = _step(model, transposed)
     got = _step(model, transposed, run)
     assert not run.report.verified  # a hook-only step
     assert run.report.offloads == len(plan.offloads) > 0
+    # The copy the pack hands over has another form than the bound offload's: the engine's own
+    # offload sizes the buffer for it.
+    assert copies.host.asked > verified_asks
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
 
@@ -134,6 +155,48 @@ def test_a_pool_buffer_typed_like_its_source_is_made_once_and_shares_the_slab() 
     assert other.data_ptr() == pool.get(1, 16).data_ptr() != host.data_ptr()
     assert pool.like(0, torch.zeros(3, 2)).shape == (3, 2) and pool.allocations == 1  # same bytes, new shape
     assert pool.like(0, torch.zeros(7)).numel() == 7 and pool.allocations == 2  # other bytes: its own buffer
+
+
+def test_inline_copies_bind_an_offload_to_its_buffer_and_a_prefetch_to_clone() -> None:
+    from slackswap.runtime.copy_engines import bind_offload, bind_prefetch
+
+    copies = CpuCopies()
+    source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    offload = bind_offload(copies, 4, source.dtype, source.shape)
+    host = copies.host.typed(4, source.dtype, source.shape)
+    assert offload.__self__ is host  # the buffer's own copy_: no Python frame between hook and ATen
+    assert offload(source) is host and torch.equal(host, source)
+    assert copies.offload(source, 4) is host  # the engine's own offload finds the same buffer
+    prefetch = bind_prefetch(copies, torch.device("cpu"))
+    back = prefetch(host)
+    assert torch.equal(back, source) and back.data_ptr() != host.data_ptr()  # a new device copy
+
+
+def test_copies_with_work_of_their_own_per_transfer_are_bound_to_their_methods() -> None:
+    from slackswap.runtime.copy_engines import bind_offload, bind_prefetch
+
+    source = torch.arange(4, dtype=torch.float32)
+    delayed = CpuCopies(delay_s=0.001)  # a worker thread: the offload is a Copy in flight
+    in_flight = bind_offload(delayed, 0, source.dtype, source.shape)(source)
+    arriving = bind_prefetch(delayed, torch.device("cpu"))(in_flight)
+    arriving.wait()
+    delayed.close()
+    assert torch.equal(arriving.tensor, source)
+    recording = _RecordingCopies()  # a subclass that overrides offload has it called for every transfer
+    bind_offload(recording, 3, source.dtype, source.shape)(source)
+    assert recording.offloaded == {3: source.untyped_storage().nbytes()}
+
+    class Minimal:  # an engine with no offloader or prefetcher: its offload and prefetch, bound
+        def offload(self, source, key=None):
+            return ("offloaded", key, source)
+
+        def prefetch(self, offloaded, device):
+            return ("prefetched", offloaded[1], device)
+
+    engine = Minimal()
+    assert bind_offload(engine, 7, source.dtype, source.shape)(source)[:2] == ("offloaded", 7)
+    assert bind_prefetch(engine, torch.device("cpu"))(("offloaded", 7, source)) == ("prefetched", 7,
+                                                                                   torch.device("cpu"))
 
 
 def _aten_calls(w, context) -> Counter:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -90,10 +91,14 @@ class HostPool:
     def like(self, key: object, source: torch.Tensor) -> torch.Tensor:
         """The buffer of `key` as a contiguous tensor of `source`'s shape and dtype: the destination
         an offload of `source` copies into."""
+        return self.typed(key, source.dtype, source.shape)
+
+    def typed(self, key: object, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """The buffer of `key` as a contiguous tensor of `dtype` and `shape`."""
         found = self._typed.get(key)
-        if found is not None and found[0] == source.dtype and found[1] == source.shape:
+        if found is not None and found[0] == dtype and found[1] == shape:
             return found[2]
-        typed = self.get(key, source.numel() * source.element_size()).view(source.dtype).view(source.shape)
+        typed = self.get(key, shape.numel() * dtype.itemsize).view(dtype).view(shape)
         if key is not None:
             self._typed[key] = (typed.dtype, typed.shape, typed)
         return typed
@@ -188,6 +193,29 @@ class CpuCopies:
 
         return _FutureCopy(target, self._pool("h2d").submit(run))
 
+    def offloader(self, key: int, dtype: torch.dtype, shape: torch.Size) -> Callable[[torch.Tensor], object]:
+        """`offload` of plan offload `key` for sources the caller guarantees are contiguous tensors of
+        `dtype` and `shape` (`bind_offload`): for inline copies the host buffer's own `copy_`, so the
+        offload costs its one ATen call and no Python frame of ours."""
+        if not self._inline():
+            return partial(self.offload, key=key)
+        return self.host.typed(key, dtype, shape).copy_
+
+    def prefetcher(self, device: torch.device) -> Callable[[object], object]:
+        """`prefetch` to `device` as one callable of the offloaded copy (`bind_prefetch`): for inline
+        copies `Tensor.clone` (or `Tensor.to` for another device) itself."""
+        if not self._inline():
+            return partial(self.prefetch, device=device)
+        if device.type == "cpu":
+            return torch.Tensor.clone
+        return partial(torch.Tensor.to, device=device, copy=True)
+
+    def _inline(self) -> bool:
+        """The copies are inline, unmeasured and this class's own (a subclass that overrides `offload`
+        or `prefetch` has them called for every transfer)."""
+        return (self.delay_s is None and not self.measure and type(self).offload is CpuCopies.offload
+                and type(self).prefetch is CpuCopies.prefetch)
+
     def poll(self) -> None:
         return None
 
@@ -277,6 +305,21 @@ class CudaCopies:
         self.d2h.synchronize()
         self.h2d.synchronize()
         self._in_flight.clear()
+
+
+def bind_offload(engine, key: int, dtype: torch.dtype, shape: torch.Size) -> Callable[[torch.Tensor], object]:
+    """`engine.offload(source, key)` as one callable of `source`, for sources of `dtype` and `shape`:
+    the engine's own `offloader` where it has one (the per-transfer Python an engine can spare),
+    else its `offload` with the key bound. Why: on the hook-only path an offload is then one call."""
+    offloader = getattr(engine, "offloader", None)
+    return partial(engine.offload, key=key) if offloader is None else offloader(key, dtype, shape)
+
+
+def bind_prefetch(engine, device: torch.device) -> Callable[[object], object]:
+    """`engine.prefetch(offloaded, device)` as one callable of `offloaded` (the engine's `prefetcher`
+    where it has one)."""
+    prefetcher = getattr(engine, "prefetcher", None)
+    return partial(engine.prefetch, device=device) if prefetcher is None else prefetcher(device)
 
 
 def offload_sizes(schedule) -> dict[int, int]:

@@ -29,7 +29,15 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import input_signature, loss_boundary, model_signature
-from slackswap.runtime.copy_engines import Copy, CpuCopies, CudaCopies, byte_view, offload_sizes
+from slackswap.runtime.copy_engines import (
+    Copy,
+    CpuCopies,
+    CudaCopies,
+    bind_offload,
+    bind_prefetch,
+    byte_view,
+    offload_sizes,
+)
 from slackswap.runtime.hook_program import OFFLOAD, PREFETCH, RECOMPUTE, RELEASE, HookProgram, build_hook_program
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
@@ -375,6 +383,8 @@ class PlanRun(TorchDispatchMode):
                         self._program = self._build_program()
                         if self._program.refusal is not None:
                             self.recording = replace(self.recording, refusal=self._program.refusal)
+                        else:
+                            self._bind_program()
                 self.report.fast_refusal = self.recording.refusal if self.recording is not None else None
         finally:
             for p, old in self._stashed:
@@ -701,6 +711,25 @@ class PlanRun(TorchDispatchMode):
             self.offloads_at, self.prefetches_at, self._action_steps, getattr(self.copies, "needs_poll", True),
             self._recompute_reads(), self._offload_devices)
 
+    def _bind_program(self) -> None:
+        """The program's events as the hooks read them, with this run's copy engine bound in: per pack
+        its offloads as (offload, callable of the source) (`bind_offload`, for the copy's `form`), per
+        unpack its prefetches as (offload, last, copy made, callable of the host copy), per offload the
+        prefetch callable `_run_ops` uses, and per pack what an unpack of it reads back. Why: a swapped
+        tensor's offload and prefetch are then one call each, with no engine method, buffer lookup or
+        operation code in between (docs/runtime.md, "Hook-only steps")."""
+        program, copies, devices = self._program, self.copies, self._offload_devices
+        fetch = {k: bind_prefetch(copies, device) for k, device in devices.items()}
+        self._fetch = fetch
+        self._hot_packs = tuple(
+            (p.dtype, p.shape, p.holds, p.held, tuple((j, bind_offload(copies, j, *p.form)) for j in p.offloads),
+             p.ops, p.by_number, p.reads_rng, p.stride, p.offset, p.whole, p.form)
+            for p in program.packs)
+        self._hot_unpacks = tuple(
+            (u.name, u.ops, u.copy, u.release, tuple((k, last, made, fetch[k]) for k, last, made in u.prefetches))
+            for u in program.unpacks)
+        self._reads = tuple((p.name, p.dtype, p.shape, p.stride, p.offset, p.whole) for p in program.packs)
+
     def _recompute_reads(self) -> dict[int, frozenset[str]]:
         """Per recompute step: the graph tensors its recorded calls read that they did not make."""
         reads = {}
@@ -728,7 +757,6 @@ class PlanRun(TorchDispatchMode):
         self.internal = False
         self._fast_k = 0
         self._fast_u = 0
-        self._fast_packs, self._fast_unpacks = self._program.packs, self._program.unpacks
         self._fast_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._step_inputs = []
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
@@ -772,8 +800,8 @@ class PlanRun(TorchDispatchMode):
             elif kind == OFFLOAD:
                 hosts[op[1]] = copies.offload(held[op[2]], op[1])
             elif kind == PREFETCH:
-                _, offload, last, c, device, _ = op
-                held[c] = copies.prefetch(hosts.pop(offload) if last else hosts[offload], device)
+                _, offload, last, c, _, _ = op
+                held[c] = self._fetch[offload](hosts.pop(offload) if last else hosts[offload])
             elif kind == RECOMPUTE:
                 self._recompute(op[1], op[2])
             else:
@@ -782,33 +810,41 @@ class PlanRun(TorchDispatchMode):
     def _fast_pack(self, t: torch.Tensor) -> object:
         k = self._fast_k
         self._fast_k = k + 1
-        packs = self._fast_packs
-        if k >= len(packs):
-            raise self._pack_mismatch(k, t)
-        dtype, shape, name, holds, offloads, held, ops, by_number, reads_rng, stride, offset, whole = packs[k]
+        try:
+            dtype, shape, holds, held, offloads, ops, by_number, reads_rng, stride, offset, whole, form = \
+                self._hot_packs[k]
+        except IndexError:
+            raise self._pack_mismatch(k, t) from None
         if t.dtype is not dtype or t.shape != shape:
             raise self._pack_mismatch(k, t)
         if reads_rng:
             self._fast_rng[k] = _rng_state()
-        recorded = None
-        if holds >= 0:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
+        if holds < 0:  # nothing handed over (kept, not a graph tensor, or a later view of a copy)
+            if ops:
+                self._run_ops(ops)
+            if not by_number:
+                return t
+            recorded = t.stride() == stride and t.storage_offset() == offset
+        else:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
             recorded = t.stride() == stride and t.storage_offset() == offset
             copy = t if recorded and whole else _whole(t)
             if held:
                 self.held[holds] = copy
             if offloads:
-                hosts, copies = self.hosts, self.copies
-                for j in offloads:
-                    hosts[j] = copies.offload(copy, j)
-        if ops:
-            self._run_ops(ops)
-        if not by_number:
-            return t
-        if recorded is None:
-            recorded = t.stride() == stride and t.storage_offset() == offset
+                hosts = self.hosts
+                if copy is t or (copy.dtype is form[0] and copy.shape == form[1]):
+                    for j, offload in offloads:  # bound for the copy's form (`_bind_program`)
+                        hosts[j] = offload(copy)
+                else:  # another geometry than the verified step's: the engine sizes its buffer
+                    for j, _ in offloads:
+                        hosts[j] = self.copies.offload(copy, j)
+            if ops:
+                self._run_ops(ops)
+            if not by_number:
+                return t
         if recorded:
             return k  # the recorded view: the unpack reads its geometry from the program
-        return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return TensorRef(self._reads[k][0], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def _pack_mismatch(self, k: int, t: torch.Tensor) -> PlanMismatchError:
         """The error for pack `k`, which then counts as not reached (its operations have not run)."""
@@ -824,16 +860,21 @@ class PlanRun(TorchDispatchMode):
     def _fast_unpack(self, packed: object) -> torch.Tensor:
         u = self._fast_u
         self._fast_u = u + 1
-        unpacks = self._fast_unpacks
-        if u >= len(unpacks):
+        try:
+            wanted, ops, c, release, prefetches = self._hot_unpacks[u]
+        except IndexError:
             self._fast_u = u  # not reached: the step's transfers are counted by the events reached
-            raise PlanMismatchError(f"backward reads back saved tensor {u + 1}; the verified step read back "
-                                    f"{len(unpacks)}: the code path changed. Capture and plan again")
-        wanted, ops, c, release = unpacks[u]
-        if ops:
+            raise PlanMismatchError(
+                f"backward reads back saved tensor {u + 1}; the verified step read back {len(self._hot_unpacks)}: "
+                "the code path changed. Capture and plan again") from None
+        if prefetches:
+            held, hosts = self.held, self.hosts
+            for offload, last, made, fetch in prefetches:
+                held[made] = fetch(hosts.pop(offload) if last else hosts[offload])
+        elif ops:
             self._run_ops(ops)
         if type(packed) is int:
-            dtype, size, name, _, _, _, _, _, _, stride, offset, whole = self._fast_packs[packed]
+            name, dtype, size, stride, offset, whole = self._reads[packed]
         elif type(packed) is TensorRef:
             name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
             whole = False

@@ -66,6 +66,9 @@ class PackEvent(NamedTuple):
     #: The recorded view is exactly the tensor's storage (contiguous from offset 0): the runtime holds
     #: the packed tensor itself as the copy (`executor._whole`), no view of it to make.
     whole: bool
+    #: (dtype, shape) of the copy this pack hands over, as the runtime holds it (`executor._whole`) when
+    #: the pack is the recorded view: what the offloads issued from it move (None: it holds no copy).
+    form: tuple[torch.dtype, torch.Size] | None = None
 
 
 class UnpackEvent(NamedTuple):
@@ -78,6 +81,10 @@ class UnpackEvent(NamedTuple):
     ops: tuple[tuple, ...]
     copy: int
     release: bool
+    #: When every operation due is a prefetch (the common case), those prefetches as (offload it
+    #: reads, whether it is that offload's last, the copy it makes), in order, and `ops` is empty: the
+    #: unpack issues them itself, with no operation codes to test.
+    prefetches: tuple[tuple[int, bool, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,7 @@ class HookProgram:
             return out
 
         packs = running((len(p.offloads) + _count(p.ops, OFFLOAD), _count(p.ops, PREFETCH)) for p in self.packs)
-        unpacks = running((_count(u.ops, OFFLOAD), _count(u.ops, PREFETCH)) for u in self.unpacks)
+        unpacks = running((_count(u.ops, OFFLOAD), _count(u.ops, PREFETCH) + len(u.prefetches)) for u in self.unpacks)
         return packs, unpacks, (_count(self.tail, OFFLOAD), _count(self.tail, PREFETCH))
 
 
@@ -162,6 +169,7 @@ def build_hook_program(
             by_number=r.name is not None and r.decision != Decision.KEEP,
             reads_rng=k in recording.rng_events, stride=r.stride, offset=r.offset,
             whole=c >= 0 and _is_whole(r, schedule.copy_size[c]),
+            form=_held_form(r, schedule.copy_size[c]) if holds >= 0 else None,
         ))
     unpacks = []
     for position, name in recording.unpacks:
@@ -175,7 +183,15 @@ def build_hook_program(
                    "over before the offload's position: autograd does not save it")
     if refusal is None:
         packs, unpacks, tail = _fold(packs, unpacks, tail)
+        unpacks = [_prefetches_apart(u) for u in unpacks]
     return HookProgram(tuple(packs), tuple(unpacks), tail, refusal)
+
+
+def _prefetches_apart(event: UnpackEvent) -> UnpackEvent:
+    """An unpack whose operations are all prefetches carries them as `prefetches` (its `ops` empty)."""
+    if not event.ops or any(op[0] != PREFETCH for op in event.ops):
+        return event
+    return event._replace(ops=(), prefetches=tuple((op[1], op[2], op[3]) for op in event.ops))
 
 
 def _fold(packs: list[PackEvent], unpacks: list[UnpackEvent], tail: tuple[tuple, ...]):
@@ -288,6 +304,17 @@ class _Placement:
                 out.append(op)
         self.next = max(self.next, until)
         return tuple(out)
+
+
+def _held_form(record, storage_bytes: int) -> tuple[torch.dtype, torch.Size]:
+    """(dtype, shape) of `executor._whole` of the recorded view of a storage of `storage_bytes`: the
+    view itself when it is the whole storage, else the storage flat in the view's dtype, or as bytes."""
+    if _is_whole(record, storage_bytes):
+        return record.dtype, record.shape
+    itemsize = record.dtype.itemsize
+    if storage_bytes % itemsize == 0:
+        return record.dtype, torch.Size((storage_bytes // itemsize,))
+    return torch.uint8, torch.Size((storage_bytes,))
 
 
 def _is_whole(record, storage_bytes: int) -> bool:
