@@ -288,7 +288,7 @@ def test_other_inputs_in_a_hook_only_step_fail_before_any_saved_tensor() -> None
     mismatch = pytest.raises(PlanMismatchError, match=message)
     with mismatch, run:
         w.model(other)
-    assert not run.report.verified and run._fast_k == 0
+    assert not run.report.verified and run._reached() == (0, 0)
 
 
 def test_folded_program_holds_no_copy_past_its_last_use_and_counts_what_the_step_reached() -> None:
@@ -328,7 +328,7 @@ def test_folded_program_holds_no_copy_past_its_last_use_and_counts_what_the_step
         assert set(run.held) <= read_later | {p.holds for p in program.packs if p.held}
         assert not set(run.held) & direct
         raise RuntimeError("between forward and backward")
-    assert run._fast_u == 0
+    assert run._reached() == (len(program.packs), 0)
     assert (run.report.offloads, run.report.prefetches) == program.transfers(len(program.packs), 0, False)
     assert run.report.offloads == len(plan.offloads)  # this plan offloads every swapped tensor in forward
     assert not run.held  # the failed step let everything go

@@ -17,6 +17,7 @@ How one step runs (docs/runtime.md has the why of each choice):
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -755,31 +756,32 @@ class PlanRun(TorchDispatchMode):
         self.hosts = {}
         self.members = self.recording.members
         self.internal = False
-        self._fast_k = 0
-        self._fast_u = 0
         self._fast_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._step_inputs = []
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._hooks = contextlib.nullcontext()
+        self._reached = _nothing_reached
         if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._fast_pack, self._fast_unpack)
+            pack, unpack, self._reached = self._step_hooks()
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
 
     def _exit_fast(self, exc_type) -> None:
         self._hooks.__exit__(None, None, None)
         self._input_hook.remove()
+        packs_reached, unpacks_reached = self._reached()
         try:
             if exc_type is None:
                 packs, unpacks = len(self._program.packs), len(self._program.unpacks)
-                if not self.idle and (self._fast_k, self._fast_u) != (packs, unpacks):
+                if not self.idle and (packs_reached, unpacks_reached) != (packs, unpacks):
                     raise PlanMismatchError(
-                        f"this step saved {self._fast_k} and read back {self._fast_u} tensors; the verified step "
+                        f"this step saved {packs_reached} and read back {unpacks_reached} tensors; the verified step "
                         f"saved {packs} and read back {unpacks}: the code path changed (or backward did not run "
                         "inside the context). Capture and plan again for the new code path"
                     )
                 self._run_ops(self._program.tail)
         finally:
-            offloads, prefetches = self._program.transfers(self._fast_k, self._fast_u, exc_type is None)
+            offloads, prefetches = self._program.transfers(packs_reached, unpacks_reached, exc_type is None)
             self.report.offloads += offloads
             self.report.prefetches += prefetches
             self.copies.close()
@@ -807,48 +809,99 @@ class PlanRun(TorchDispatchMode):
             else:
                 copies.poll()
 
-    def _fast_pack(self, t: torch.Tensor) -> object:
-        k = self._fast_k
-        self._fast_k = k + 1
-        try:
-            dtype, shape, holds, held, offloads, ops, by_number, reads_rng, stride, offset, whole, form = \
-                self._hot_packs[k]
-        except IndexError:
-            raise self._pack_mismatch(k, t) from None
-        if t.dtype is not dtype or t.shape != shape:
-            raise self._pack_mismatch(k, t)
-        if reads_rng:
-            self._fast_rng[k] = _rng_state()
-        if holds < 0:  # nothing handed over (kept, not a graph tensor, or a later view of a copy)
-            if ops:
-                self._run_ops(ops)
-            if not by_number:
-                return t
-            recorded = t.stride() == stride and t.storage_offset() == offset
-        else:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
-            recorded = t.stride() == stride and t.storage_offset() == offset
-            copy = t if recorded and whole else _whole(t)
-            if held:
-                self.held[holds] = copy
-            if offloads:
-                hosts = self.hosts
-                if copy is t or (copy.dtype is form[0] and copy.shape == form[1]):
-                    for j, offload in offloads:  # bound for the copy's form (`_bind_program`)
-                        hosts[j] = offload(copy)
-                else:  # another geometry than the verified step's: the engine sizes its buffer
-                    for j, _ in offloads:
-                        hosts[j] = self.copies.offload(copy, j)
-            if ops:
-                self._run_ops(ops)
-            if not by_number:
-                return t
-        if recorded:
-            return k  # the recorded view: the unpack reads its geometry from the program
-        return TensorRef(self._reads[k][0], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    def _step_hooks(self) -> tuple[Callable, Callable, Callable[[], tuple[int, int]]]:
+        """This step's saved-tensor hooks, and a callable telling how many packs and unpacks they have
+        reached. Closures over the bound program (`_bind_program`) and the step's dicts, so that a hook
+        reads its tables as local names: in CPython a closure cell costs a fraction of an attribute
+        lookup on `self`, and a hook does a dozen of those (docs/runtime.md, "Hook-only steps")."""
+        hot_packs, hot_unpacks, reads = self._hot_packs, self._hot_unpacks, self._reads
+        held_copies, hosts, rng_states = self.held, self.hosts, self._fast_rng
+        copies, run_ops, copy_of, pack_mismatch = self.copies, self._run_ops, self._copy_of, self._pack_mismatch
+        tensor_type = torch.Tensor
+        packs_reached = unpacks_reached = 0
+
+        def pack(t: torch.Tensor) -> object:
+            nonlocal packs_reached
+            k = packs_reached
+            try:
+                dtype, shape, holds, held, offloads, ops, by_number, reads_rng, stride, offset, whole, form = \
+                    hot_packs[k]
+            except IndexError:
+                raise pack_mismatch(k, t) from None
+            if t.dtype is not dtype or t.shape != shape:
+                raise pack_mismatch(k, t)  # not reached: its operations have not run
+            packs_reached = k + 1
+            if reads_rng:
+                rng_states[k] = _rng_state()
+            if holds < 0:  # nothing handed over (kept, not a graph tensor, or a later view of a copy)
+                if ops:
+                    run_ops(ops)
+                if not by_number:
+                    return t
+                recorded = t.stride() == stride and t.storage_offset() == offset
+            else:  # the tensor's first pack: its run copy, which the plan reads, is now at hand
+                recorded = t.stride() == stride and t.storage_offset() == offset
+                copy = t if recorded and whole else _whole(t)
+                if held:
+                    held_copies[holds] = copy
+                if offloads:
+                    if copy is t or (copy.dtype is form[0] and copy.shape == form[1]):
+                        for j, offload in offloads:  # bound for the copy's form (`_bind_program`)
+                            hosts[j] = offload(copy)
+                    else:  # another geometry than the verified step's: the engine sizes its buffer
+                        for j, _ in offloads:
+                            hosts[j] = copies.offload(copy, j)
+                if ops:
+                    run_ops(ops)
+                if not by_number:
+                    return t
+            if recorded:
+                return k  # the recorded view: the unpack reads its geometry from the program
+            return TensorRef(reads[k][0], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+        def unpack(packed: object) -> torch.Tensor:
+            nonlocal unpacks_reached
+            u = unpacks_reached
+            try:
+                wanted, ops, c, release, prefetches = hot_unpacks[u]
+            except IndexError:  # not reached: the step's transfers are counted by the events reached
+                raise PlanMismatchError(
+                    f"backward reads back saved tensor {u + 1}; the verified step read back {len(hot_unpacks)}: "
+                    "the code path changed. Capture and plan again") from None
+            unpacks_reached = u + 1
+            if prefetches:
+                for offload, last, made, fetch in prefetches:
+                    held_copies[made] = fetch(hosts.pop(offload) if last else hosts[offload])
+            elif ops:
+                run_ops(ops)
+            if type(packed) is int:
+                name, dtype, size, stride, offset, whole = reads[packed]
+            elif type(packed) is TensorRef:
+                name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
+                whole = False
+            else:
+                return packed
+            if name != wanted:
+                raise PlanMismatchError(f"backward read {name!r} where the verified step read {wanted!r}: "
+                                        "backward ran in another order (the code path changed)")
+            held = held_copies.get(c)
+            if type(held) is not tensor_type:  # in flight (a `Copy`), or not held: `_copy_of` says which
+                held = copy_of(c)
+            if release:  # its last reader: autograd holds it from here for as long as backward reads it
+                del held_copies[c]
+            # A copy is held contiguous from offset 0 (`_whole`), so when the saved view is too (`whole`)
+            # the same dtype and shape make it that view: the common case, with no stride to compare.
+            if whole and held.dtype is dtype and held.shape == size:
+                return held
+            return _read(held, dtype, size, stride, offset)
+
+        def reached() -> tuple[int, int]:
+            return packs_reached, unpacks_reached
+
+        return pack, unpack, reached
 
     def _pack_mismatch(self, k: int, t: torch.Tensor) -> PlanMismatchError:
-        """The error for pack `k`, which then counts as not reached (its operations have not run)."""
-        self._fast_k = k
+        """The error for pack `k` of a hook-only step, which autograd saved as `t`."""
         packs = self.recording.packs
         wanted = f"{packs[k].name!r} {tuple(packs[k].shape)} {packs[k].dtype}" if k < len(packs) else "nothing"
         return PlanMismatchError(
@@ -857,42 +910,9 @@ class PlanRun(TorchDispatchMode):
             "data-dependent branch). Capture and plan again for the new code path"
         )
 
-    def _fast_unpack(self, packed: object) -> torch.Tensor:
-        u = self._fast_u
-        self._fast_u = u + 1
-        try:
-            wanted, ops, c, release, prefetches = self._hot_unpacks[u]
-        except IndexError:
-            self._fast_u = u  # not reached: the step's transfers are counted by the events reached
-            raise PlanMismatchError(
-                f"backward reads back saved tensor {u + 1}; the verified step read back {len(self._hot_unpacks)}: "
-                "the code path changed. Capture and plan again") from None
-        if prefetches:
-            held, hosts = self.held, self.hosts
-            for offload, last, made, fetch in prefetches:
-                held[made] = fetch(hosts.pop(offload) if last else hosts[offload])
-        elif ops:
-            self._run_ops(ops)
-        if type(packed) is int:
-            name, dtype, size, stride, offset, whole = self._reads[packed]
-        elif type(packed) is TensorRef:
-            name, dtype, size, stride, offset = packed.name, packed.dtype, packed.size, packed.stride, packed.offset
-            whole = False
-        else:
-            return packed
-        if name != wanted:
-            raise PlanMismatchError(f"backward read {name!r} where the verified step read {wanted!r}: "
-                                    "backward ran in another order (the code path changed)")
-        held = self.held.get(c)
-        if type(held) is not torch.Tensor:  # in flight (a `Copy`), or not held: `_copy_of` says which
-            held = self._copy_of(c)
-        if release:  # its last reader: autograd holds it from here for as long as backward reads it
-            del self.held[c]
-        # A copy is held contiguous from offset 0 (`_whole`), so when the saved view is too (`whole`)
-        # the same dtype and shape make it that view: the common case, with no stride to compare.
-        if whole and held.dtype is dtype and held.shape == size:
-            return held
-        return _read(held, dtype, size, stride, offset)
+
+def _nothing_reached() -> tuple[int, int]:
+    return 0, 0
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
