@@ -19,11 +19,17 @@ same batch from the same seed:
   (inductor; compiled in the warm-up step).
 
 Timing: CPU time of the process (`time.process_time`), one core, one intra-op thread, the variants
-interleaved round by round; the least over rounds (timeit's rule: noise on a shared machine only
-adds time), 25 rounds with `--quick`, 61 without, with the median beside it
-(`cpu_s_per_step_median`). On the shared 2-core machine of record the least still moves ratios by up
-to about 0.15 from one run to the next (more at 2 layers, a 2 ms step): read the keep_all row, whose
-steps do what eager's do, as the noise floor of a run. `aten_calls`: ATen calls a counting dispatch
+interleaved round by round, 25 rounds with `--quick`, 61 without. `cpu_s_per_step` is the least over
+rounds (timeit's rule: noise on a shared machine only adds time), with the median beside it
+(`cpu_s_per_step_median`). `ratio_to_eager` is paired: the median over rounds of the variant's time
+over eager's in the same round. Why: on the shared 2-core machine of record the speed of the machine
+drifts within a run (each variant's least lies at 0.62-0.86 of its median in one run), so the least of
+one row and the least of eager come from different machine states, and their quotient moved by up to
+about 0.15 from one run to the next (keep_all, whose steps make eager's calls, read 0.89x at 2 layers
+and 1.25x at 8 in one run); a round's variants run within a few hundred milliseconds of each other,
+in one state. The quotient of the leasts is kept beside it (`ratio_to_eager_of_minima`), and so are
+the attribution rows' ratios (`ratio_to_eager_*`, paired in the same rounds). Read the keep_all row,
+whose steps do what eager's do, as the noise floor of a run. `aten_calls`: ATen calls a counting dispatch
 mode sees in one extra step (null for the compiled variant: a dispatch mode switches compile off).
 `peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
 profiler's memory events, each allocation counted once, by the op that made it (self bytes; all
@@ -49,8 +55,8 @@ and copy-engine layer (null, with `unchecked_program_refusal`, for a program wit
 (runtime_slackswap): seconds per step inside the runtime's saved-tensor hooks and inside those
 plain hooks (`time.perf_counter` around each call, the least over as many extra steps as rounds):
 whether the gap between the two rows is the hooks' own code. `overhead_s_per_aten_call` and
-`overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager divided by the plain step's ATen
-calls and by the tensors autograd saves (`saved_tensors`).
+`overhead_s_per_saved_tensor` (runtime rows): CPU seconds over eager (`ratio_to_eager` - 1 times eager's
+`cpu_s_per_step`) divided by the plain step's ATen calls and by the tensors autograd saves (`saved_tensors`).
 `planned_saved_bytes` (plan-driven rows): bytes of the tensors the plan keeps on the device, priced on the
 graph the plan was made on. The export rows run slackswap's plan made for the export
 (`slackswap.experiment.export_plan.plan_for_export`, the same budget): export_eager the plan made for eager,
@@ -115,6 +121,13 @@ class NoDataCopies:
 
     def close(self) -> None:
         return None
+
+
+def paired_ratio(times_s: list[float], eager_times_s: list[float]) -> float:
+    """The median over rounds of a variant's time over eager's in the same round (both lists in round
+    order): a ratio of two steps timed in one machine state, where the quotient of two leasts pairs
+    states far apart when the machine's speed drifts within a run (module docstring, "Timing")."""
+    return statistics.median(t / e for t, e in zip(times_s, eager_times_s, strict=True))
 
 
 def _step(w) -> None:
@@ -349,7 +362,13 @@ class Variants:
             return wrapper
 
         run = self.runs["slackswap"]
-        run._fast_pack, run._fast_unpack = timed(run._fast_pack), timed(run._fast_unpack)
+        step_hooks = run._step_hooks
+
+        def timed_step_hooks():
+            pack, unpack, reached = step_hooks()
+            return timed(pack), timed(unpack), reached
+
+        run._step_hooks = timed_step_hooks
         plain = []
         try:
             for _ in range(steps):
@@ -363,7 +382,7 @@ class Variants:
                     _step(self.w)
                 plain.append((runtime, spent[0]))
         finally:
-            del run._fast_pack, run._fast_unpack  # back to the methods
+            del run._step_hooks  # back to the method
         return min(r for r, _ in plain), min(p for _, p in plain)
 
     def export_eager(self) -> None:
@@ -399,13 +418,18 @@ class Variants:
             calls[v] = None if v == "export_compiled" else self._count_calls(v)
             peaks[v] = self._peak(v)
         eager = min(times["eager"])
+
+        def paired(per_round: list[float]) -> float:
+            return paired_ratio(per_round, times["eager"])
+
         rows = []
         for v in VARIANTS:
             cpu = min(times[v])
+            ratio = paired(times[v])
             row = {"variant": v, "layers": len(self.layers), "cpu_s_per_step": cpu,
                    "cpu_s_per_step_median": statistics.median(times[v]), "aten_calls": calls[v],
-                   "ratio_to_eager": cpu / eager, "peak_bytes": peaks[v], "planned_saved_bytes": None,
-                   "rounds": rounds}
+                   "ratio_to_eager": ratio, "ratio_to_eager_of_minima": cpu / eager,
+                   "peak_bytes": peaks[v], "planned_saved_bytes": None, "rounds": rounds}
             plan = {"runtime_keep_all": "keep_all", "export_compiled": "export_compiled"}.get(
                 v, "slackswap" if v.startswith("runtime") else "export" if v.startswith("export") else None)
             if plan is not None:
@@ -417,18 +441,18 @@ class Variants:
                 # (pack and unpack): against the GPU time per call, what says whether a GPU stays busy.
                 run = self.runs["keep_all" if v == "runtime_keep_all" else "slackswap"]
                 row["saved_tensors"] = len(run.recording.packs)
-                row["overhead_s_per_aten_call"] = (cpu - eager) / calls["eager"]
-                row["overhead_s_per_saved_tensor"] = (cpu - eager) / len(run.recording.packs)
+                row["overhead_s_per_aten_call"] = (ratio - 1) * eager / calls["eager"]
+                row["overhead_s_per_saved_tensor"] = (ratio - 1) * eager / len(run.recording.packs)
             if v == "runtime_slackswap":
                 copy = min(self.copy_s)
                 row["copy_cpu_s_per_step"] = copy
-                row["ratio_to_eager_without_copies"] = (cpu - copy) / eager
+                row["ratio_to_eager_without_copies"] = ratio - copy / eager
                 row["cpu_s_per_step_no_data_copies"] = min(extra["runtime_slackswap_no_data"])
-                row["ratio_to_eager_no_data_copies"] = min(extra["runtime_slackswap_no_data"]) / eager
-                row["ratio_to_eager_same_copies_plain_hooks"] = min(extra["same_copies_plain_hooks"]) / eager
-                row["ratio_to_eager_identity_hooks"] = min(extra["identity_hooks"]) / eager
+                row["ratio_to_eager_no_data_copies"] = paired(extra["runtime_slackswap_no_data"])
+                row["ratio_to_eager_same_copies_plain_hooks"] = paired(extra["same_copies_plain_hooks"])
+                row["ratio_to_eager_identity_hooks"] = paired(extra["identity_hooks"])
                 row["ratio_to_eager_unchecked_program"] = (
-                    min(extra["unchecked_program"]) / eager if unchecked_refusal is None else None)
+                    paired(extra["unchecked_program"]) if unchecked_refusal is None else None)
                 row["unchecked_program_refusal"] = unchecked_refusal
                 row["hooks_s_per_step"], row["plain_hooks_s_per_step"] = self._seconds_in_hooks(rounds)
             if v == "export_eager":
@@ -579,10 +603,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"load average {start['load_average_1_5_15']} -> {end['load_average_1_5_15']}")
-    print(f"{'variant':18} {'layers':>6} {'cpu ms':>8} {'x eager':>8} {'aten':>7} {'peak B':>10}")
+    print(f"{'variant':18} {'layers':>6} {'cpu ms':>8} {'x eager':>8} {'(minima)':>8} {'aten':>7} {'peak B':>10}")
     for r in rows:
         print(f"{r['variant']:18} {r['layers']:>6} {r['cpu_s_per_step'] * 1e3:8.2f} {r['ratio_to_eager']:8.2f} "
-              f"{str(r['aten_calls']):>7} {r['peak_bytes']:>10}")
+              f"{r['ratio_to_eager_of_minima']:8.2f} {str(r['aten_calls']):>7} {r['peak_bytes']:>10}")
     return rows
 
 
