@@ -46,12 +46,12 @@ def capture(kind: str, **shape: int) -> Captured:
     return Captured(w, graph, peak, (loss, grads))
 
 
-def plan_for(planner: str, captured: Captured) -> tuple[Plan, float | None]:
-    """The planner's plan at the tightest of FRACTIONS it can meet."""
+def plan_for(planner: str, captured: Captured, **options: object) -> tuple[Plan, float | None]:
+    """The planner's plan (with `options`) at the tightest of FRACTIONS it can meet."""
     for fraction in FRACTIONS:
         budget = None if fraction is None else int(captured.keep_all_peak_bytes * fraction)
         try:
-            return get_planner(planner).plan(captured.graph, h200(), budget), fraction
+            return get_planner(planner, **options).plan(captured.graph, h200(), budget), fraction
         except InfeasibleBudgetError:
             continue
     raise AssertionError(f"{planner} has no plan even without a budget")

@@ -268,8 +268,12 @@ def test_slackswap_plan_says_why_each_tensor_is_swapped_or_recomputed(tmp_path):
 
     plan, _ = _plan_or_none("slackswap", 0.5)
     dropped = {t for t, d in plan.decisions.items() if d != Decision.KEEP}
-    assert dropped and set(plan.notes["why"]) == dropped
-    assert all(plan.notes["why"][t].startswith(plan.decisions[t].value) for t in dropped)
+    explained = set(plan.notes["why"])
+    # Besides every dropped tensor, the swaps the budget did not need are explained as kept.
+    returned = explained - dropped
+    assert dropped and dropped <= explained and len(returned) == plan.notes.get("dropped_swaps", 0)
+    assert all(plan.notes["why"][t].startswith(plan.decisions[t].value) for t in explained)
+    assert all("the budget does not need its swap" in plan.notes["why"][t] for t in returned)
     assert plan.notes["swap_set"] in plan.notes["why"][plan.tensors_with(Decision.SWAP)[0]]
     write_plan_json(plan, tmp_path / "plan.json")
     assert read_plan_json(tmp_path / "plan.json").notes["why"] == plan.notes["why"]

@@ -55,6 +55,13 @@ class PlanTimeline:
     offload_end_s: tuple[float, ...]
     prefetch_start_s: tuple[float, ...]
     prefetch_end_s: tuple[float, ...]
+    #: The memory profile: each device copy's allocation and free instant and its bytes (the resolved
+    #: schedule's copies, in its order); `peak_bytes` over them is `peak_bytes` above. A planner
+    #: predicts what a change of decisions adds to it before building that schedule
+    #: (`planners/support/unneeded_swaps.py`).
+    copy_alloc_s: tuple[float, ...] = ()
+    copy_free_s: tuple[float, ...] = ()
+    copy_size_bytes: tuple[int, ...] = ()
 
 
 #: The last replays, by identity of (plan, graph, hardware): all three are immutable, and a planner
@@ -208,4 +215,7 @@ def _replay(graph: Graph, plan: Plan, hardware: Hardware) -> PlanTimeline:
         offload_end_s=tuple(offload_end),
         prefetch_start_s=tuple(prefetch_start),
         prefetch_end_s=tuple(prefetch_end),
+        copy_alloc_s=tuple(alloc_s),
+        copy_free_s=tuple(free_s),
+        copy_size_bytes=tuple(copy_size),
     )

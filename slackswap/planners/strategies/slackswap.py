@@ -16,7 +16,12 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
   tries that packing order over the tensors above the recompute tail and over all tensors (when
   the budget asks little, even cheap bytes swapped spare recompute), plus all tensors by bytes per
   copy-second, and keeps whichever of the four swapped sets (these three and the seed-style
-  selection) gives the shortest estimated step (`swap_alternatives`).
+  selection) gives the shortest estimated step (`swap_alternatives`);
+- only the swaps the budget needs: where the winning plan's peak sits below the budget, swapped
+  tensors are returned to keep, smallest first, while the peak fits and the step is no longer
+  (`support/unneeded_swaps.py`). A hidden swap is free in the simulator but not on a machine (a
+  copy launch, the link's fixed latency, host memory, a host link shared with other GPUs).
+  `only_needed_swaps: false` keeps every swap that hides.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
+from slackswap.errors import ConfigError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
@@ -37,6 +43,7 @@ from slackswap.planners.support.greedy import (
     take_while_hidden,
 )
 from slackswap.planners.support.swap_recompute import SwapThenRecompute
+from slackswap.planners.support.unneeded_swaps import drop_unneeded_swaps
 
 
 def by_regen_cost_per_byte(analysis: ProfileAnalysis) -> list[str]:
@@ -157,6 +164,13 @@ class SlackSwap(SwapThenRecompute):
     #: (analysis, labelled swapped sets) of the current `plan` call, for `notes["why"]`.
     _explain: tuple[ProfileAnalysis, dict[str, list[str]]] | None = None
 
+    def __init__(self, only_needed_swaps: bool = True):
+        """`only_needed_swaps`: drop the swaps the budget does not need (`drop_unneeded_swaps`);
+        false keeps every swap that hides, the plans of slackswap before that rule."""
+        if not isinstance(only_needed_swaps, bool):
+            raise ConfigError("planner.options.only_needed_swaps", only_needed_swaps, "must be true or false")
+        self.only_needed_swaps = only_needed_swaps
+
     def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
         return take_while_hidden(analysis, by_shared_regen_cost_per_byte(graph, analysis))
 
@@ -178,7 +192,10 @@ class SlackSwap(SwapThenRecompute):
             return -(infos[t].first_backward_use_s - infos[t].ready_s)
 
         def bytes_per_copy_s(t: str) -> float:
-            return -infos[t].size_bytes / max(infos[t].d2h_s, infos[t].h2d_s)
+            # A copy of no time (a zero-byte view freeing its base's bytes, on a link without
+            # latency) frees bytes for nothing: first.
+            copy_s = max(infos[t].d2h_s, infos[t].h2d_s)
+            return -infos[t].size_bytes / copy_s if copy_s > 0 else -float("inf")
 
         all_sized = [t for t, i in infos.items() if i.size_bytes > 0]
         sets = {
@@ -196,19 +213,26 @@ class SlackSwap(SwapThenRecompute):
         the reason in one line (which swap set it came from and that its copies hide; its price and
         rank in the recompute ranking)."""
         self._explain = None
-        plan = super().plan(graph, hardware, budget_bytes)
+        chosen_plan = super().plan(graph, hardware, budget_bytes)
         if self._explain is None:
-            return plan
+            return chosen_plan
         analysis, sets = self._explain
+        chosen_swaps = set(chosen_plan.tensors_with(Decision.SWAP))
+        origin = next((label for label, chosen in sets.items() if set(chosen) == chosen_swaps), "")
+        plan = chosen_plan
+        if self.only_needed_swaps:
+            plan = drop_unneeded_swaps(graph, hardware, budget_bytes, chosen_plan)
         swaps = set(plan.tensors_with(Decision.SWAP))
-        origin = next((label for label, chosen in sets.items() if set(chosen) == swaps), "")
         prices: dict[str, float] = {}
-        order = self.order_recompute(graph, analysis, self.recompute_pool(graph, analysis, swaps), prices)
+        order = self.order_recompute(graph, analysis, self.recompute_pool(graph, analysis, chosen_swaps), prices)
         rank = {t: i for i, t in enumerate(order)}
         why: dict[str, str] = {}
         for t in plan.tensors_with(Decision.SWAP):
             why[t] = (f"swap: from the swapped set '{origin}'; its offload ends before the forward pass does and its "
                       "prefetch before its first backward use (SlackLedger)")
+        for t in sorted(chosen_swaps - swaps):
+            why[t] = (f"keep: in the swapped set '{origin}', but the budget does not need its swap (kept smallest "
+                      "first while the peak fits and the step is no longer: drop_unneeded_swaps)")
         for t in plan.tensors_with(Decision.RECOMPUTE):
             why[t] = (f"recompute: rank {rank[t] + 1} of {len(order)} in the recompute ranking, "
                       f"{prices[t] * 2**20 * 1e6:.3f} us per MiB (its op's outputs priced together, shared "
