@@ -32,8 +32,8 @@ the attribution rows' ratios (`ratio_to_eager_*`, paired in the same rounds). Re
 whose steps do what eager's do, as the noise floor of a run. `aten_calls`: ATen calls a counting dispatch
 mode sees in one extra step (null for the compiled variant: a dispatch mode switches compile off).
 `peak_bytes`: the peak of CPU bytes allocated during one extra step above its start, from the
-profiler's memory events, each allocation counted once, by the op that made it (self bytes; all
-allocations: activations, gradients, temporaries).
+profiler's memory events (one per allocation and per free, whichever code made it: activations,
+gradients, temporaries, host copies).
 `copy_cpu_s_per_step` (runtime_slackswap): CPU time of the copies themselves (allocation and memcpy
 of every offload and prefetch), from an attribution run of the same plan with
 `CpuCopies(measure=True)` after each round (its clock reads stay out of the timed row): on the CPU
@@ -51,6 +51,10 @@ runtime's own hook program for the plan (offloads at the packs, prefetches at th
 positions put them at, reads from the copies it names) run by hooks that check nothing and call the
 copies inline, timed interleaved: what executing the plan's schedule costs before the runtime's checks
 and copy-engine layer (null, with `unchecked_program_refusal`, for a program with other operations).
+`ratio_to_eager_every_hidden_swap` (runtime_slackswap): the runtime on slackswap's plan with every swap
+that hides left in (`only_needed_swaps: false`, the plans before slackswap dropped the swaps its budget
+does not need), timed interleaved, with that plan's `plan_offloads_every_hidden_swap` and
+`planned_saved_bytes_every_hidden_swap`: the same runtime on the plan with the most transfers.
 `hooks_s_per_step` and `plain_hooks_s_per_step`
 (runtime_slackswap): seconds per step inside the runtime's saved-tensor hooks and inside those
 plain hooks (`time.perf_counter` around each call, the least over as many extra steps as rounds):
@@ -123,6 +127,28 @@ class NoDataCopies:
         return None
 
 
+def peak_cpu_bytes(step) -> int:
+    """The peak of CPU bytes allocated while `step()` runs, above what was allocated before it.
+
+    The allocator's own record: one `[memory]` event per CPU allocation (bytes > 0) and per free
+    (bytes < 0), summed in time order. Read from the profiler's raw results (`kineto_results`, which
+    `torch.profiler`'s memory profiler reads too): `prof.events()` builds the op tree first, 2 s per
+    step at 32 layers, and attributing bytes to ops through it dropped the allocations no op
+    encloses (64-80 KiB of the checkpoint and offload_hooks steps)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    cpu = torch.autograd.DeviceType.CPU
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == cpu)
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
 def paired_ratio(times_s: list[float], eager_times_s: list[float]) -> float:
     """The median over rounds of a variant's time over eager's in the same round (both lists in round
     order): a ratio of two steps timed in one machine state, where the quotient of two leasts pairs
@@ -167,6 +193,11 @@ class Variants:
             "keep_all": get_planner("keep_all").plan(self.graph, h200(), None),
             "slackswap": get_planner("slackswap").plan(self.graph, h200(), int(keep_all_peak * BUDGET_FRACTION)),
         }
+        # Attribution only: slackswap's plan with every swap that hides left in (`only_needed_swaps:
+        # false`, the plans before slackswap dropped the swaps its budget does not need): the runtime's
+        # cost on the plan with the most transfers.
+        self.plans["every_hidden_swap"] = get_planner("slackswap", only_needed_swaps=False).plan(
+            self.graph, h200(), int(keep_all_peak * BUDGET_FRACTION))
         self.runs = {k: apply(p, self.graph, w.model) for k, p in self.plans.items()}
         # Attribution only: the same plan with the CPU stand-in copies timed (`CpuCopies(measure=True)`,
         # two clock reads per copy, so not in the timed runtime_slackswap row).
@@ -249,6 +280,10 @@ class Variants:
 
     def runtime_slackswap_no_data(self) -> None:
         with self.runs["no_data"]:
+            _step(self.w)
+
+    def runtime_every_hidden_swap(self) -> None:
+        with self.runs["every_hidden_swap"]:
             _step(self.w)
 
     def identity_hooks(self) -> None:
@@ -400,7 +435,8 @@ class Variants:
         calls, peaks = {}, {}
         for v in VARIANTS:  # warm-up: the runtime's verified step, caches
             self._one(v)
-        attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks", "identity_hooks")
+        attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks", "identity_hooks",
+                       "runtime_every_hidden_swap")
         unchecked_refusal = self._prepare_attribution()
         if unchecked_refusal is None:
             attribution += ("unchecked_program",)
@@ -454,6 +490,9 @@ class Variants:
                 row["ratio_to_eager_unchecked_program"] = (
                     paired(extra["unchecked_program"]) if unchecked_refusal is None else None)
                 row["unchecked_program_refusal"] = unchecked_refusal
+                row["ratio_to_eager_every_hidden_swap"] = paired(extra["runtime_every_hidden_swap"])
+                row["plan_offloads_every_hidden_swap"] = len(self.plans["every_hidden_swap"].offloads)
+                row["planned_saved_bytes_every_hidden_swap"] = self._kept_bytes("every_hidden_swap")
                 row["hooks_s_per_step"], row["plain_hooks_s_per_step"] = self._seconds_in_hooks(rounds)
             if v == "export_eager":
                 row.update(self._eager_saved())
@@ -566,20 +605,9 @@ class Variants:
         return Count.n
 
     def _peak(self, v: str) -> int:
-        torch = self.torch
-        torch.manual_seed(1)
+        self.torch.manual_seed(1)
         _zero(self.w)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            getattr(self, v)()
-        # Self bytes: an op's `cpu_memory_usage` includes its children's (clone -> empty_like ->
-        # empty_strided would count one allocation three times); frees come as `[memory]` events.
-        events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                        if e.self_cpu_memory_usage)
-        level = peak = 0
-        for _, delta in events:
-            level += delta
-            peak = max(peak, level)
-        return peak
+        return peak_cpu_bytes(getattr(self, v))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

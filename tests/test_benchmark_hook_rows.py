@@ -27,7 +27,8 @@ def test_the_attribution_hooks_compute_eagers_gradients_and_make_the_plans_copie
     v._one("runtime_slackswap")  # the verified step: the hook program is built from it
     assert v._prepare_attribution() is None
     eager = _grads(v, "eager")
-    for variant in ("unchecked_program", "same_copies_plain_hooks", "identity_hooks", "runtime_slackswap"):
+    for variant in ("unchecked_program", "same_copies_plain_hooks", "identity_hooks", "runtime_slackswap",
+                    "runtime_every_hidden_swap"):
         got = _grads(v, variant)
         assert all(torch.equal(e, g) for e, g in zip(eager, got, strict=True)), variant
     # One host buffer per offload of the program, each the size of the copy it holds.
@@ -46,3 +47,20 @@ def test_the_unchecked_hooks_refuse_a_program_with_operations_they_do_not_run() 
     v = Variants.__new__(Variants)  # the refusal reads the program alone
     v.runs = {"slackswap": type("Run", (), {"_program": HookProgram((pack,), (), ())})()}
     assert v._unchecked_program_refusal() == "the program has operations at a pack or after the last event"
+
+
+def test_the_peak_counts_every_allocation_and_free_of_the_step_in_time_order() -> None:
+    from benchmarks.runtime_overhead import peak_cpu_bytes
+
+    held = []
+
+    def step() -> None:
+        a = torch.empty(1000, dtype=torch.uint8)
+        held.append(torch.empty(3000, dtype=torch.uint8))  # outlives the step
+        del a
+        b = torch.empty(500, dtype=torch.uint8)  # in the space `a` left: the peak stays 4000
+        del b
+
+    assert peak_cpu_bytes(step) == 4000
+    # A temporary of 400 bytes and, while it lives, its 4-byte sum.
+    assert peak_cpu_bytes(lambda: torch.empty(10, 10).sum()) == 404
