@@ -17,11 +17,11 @@ Improvements over the seed's rule (`slackswap_seed`), see docs/planners.md:
   the budget asks little, even cheap bytes swapped spare recompute), plus all tensors by bytes per
   copy-second, and keeps whichever of the four swapped sets (these three and the seed-style
   selection) gives the shortest estimated step (`swap_alternatives`);
-- only the swaps the budget needs: where the winning plan's peak sits below the budget, swapped
-  tensors are returned to keep, smallest first, while the peak fits and the step is no longer
-  (`support/unneeded_swaps.py`). A hidden swap is free in the simulator but not on a machine (a
-  copy launch, the link's fixed latency, host memory, a host link shared with other GPUs).
-  `only_needed_swaps: false` keeps every swap that hides.
+- only the small swaps the budget needs: where the winning plan's peak sits below the budget,
+  swapped tensors whose copies are latency-bound are returned to keep, smallest first, while the
+  peak fits and the step is no longer (`support/unneeded_swaps.py`). A hidden swap is free in the
+  simulator, but a small one on a machine costs a copy launch and a hook call, about as much as a
+  large one. `only_needed_swaps: false` keeps every swap that hides.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ class SlackSwap(SwapThenRecompute):
     _explain: tuple[ProfileAnalysis, dict[str, list[str]]] | None = None
 
     def __init__(self, only_needed_swaps: bool = True):
-        """`only_needed_swaps`: drop the swaps the budget does not need (`drop_unneeded_swaps`);
-        false keeps every swap that hides, the plans of slackswap before that rule."""
+        """`only_needed_swaps`: drop the latency-bound swaps the budget does not need
+        (`drop_unneeded_swaps`); false keeps every swap that hides, the plans before that rule."""
         if not isinstance(only_needed_swaps, bool):
             raise ConfigError("planner.options.only_needed_swaps", only_needed_swaps, "must be true or false")
         self.only_needed_swaps = only_needed_swaps

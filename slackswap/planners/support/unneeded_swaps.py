@@ -1,20 +1,25 @@
-"""Drop the swaps a plan's budget does not need, smallest first.
+"""Drop the swaps a plan's budget does not need where a transfer's cost is mostly its fixed part.
 
 A swap-first planner (slackswap) swaps every tensor whose copies hide in the slack, then recomputes
 only what the budget still asks. When the slack is ample that swaps far more than the budget needs:
 on the runtime benchmark's 8-layer step at 70 % of the keep-all peak, slackswap swapped 133 tensors
 and kept 18 % of the saved bytes. In the simulator a hidden swap is free, so nothing told it to stop.
-On a machine it is not: every transfer costs a copy launch and a hook call on the CPU, takes the
-copy engine for the link's fixed latency (`Link.latency_s`) whatever its size, holds host memory,
-and shares the host link with the node's other GPUs. torchtune's activation offload skips tensors
-under 1 KiB for the same reason (`OffloadActivations(min_offload_size=1024)`).
+On a machine a small one is not: every transfer costs a copy launch and a hook call on the CPU
+whatever its size, which the link model does not price (its `latency_s` is on the copy engine, where
+a hidden copy costs nothing). torchtune's activation offload skips tensors under 1 KiB for the
+same reason (`OffloadActivations(min_offload_size=1024)`).
 
-`drop_unneeded_swaps` returns swapped tensors to keep, smallest first (the most transfers spared
-per byte of headroom), as long as the replayed peak still fits the budget and the replayed step is
-no longer than the plan's. How many is predicted from the plan's replayed memory profile (what
-keeping each adds while its swap holds no device copy), and the prediction is confirmed by one
-schedule build and replay: linear in depth, with a numpy sweep per bisection step of the prediction.
-Like `fit_prefix`, it returns only a prefix it has checked.
+`drop_unneeded_swaps` returns to keep the swapped tensors whose copies are latency-bound (their
+bytes take no longer than the link's fixed latency: `latency_bound_bytes`, 250 kB on the A100
+preset), smallest first (the most transfers spared per byte of headroom), as long as the replayed
+peak still fits the budget and the replayed step is no longer than the plan's. Larger swaps stay:
+their cost is their bytes, which the simulator prices, and the headroom they leave is what the
+caching allocator's rounding and fragmentation need (keeping them too made the allocator model
+reject `advise`'s 1-GPU Llama-7B plans made against the allocated peak). How many is predicted
+from the plan's replayed memory profile (what keeping each adds while its swap holds no device
+copy), and the prediction is confirmed by one schedule build and replay: linear in depth, with a
+numpy sweep per bisection step of the prediction. Like `fit_prefix`, it returns only a prefix it
+has checked.
 """
 
 from __future__ import annotations
@@ -29,19 +34,31 @@ from slackswap.schedule.build import build_schedule
 from slackswap.schedule.replay import PlanTimeline, estimate_plan, peak_bytes
 
 
-def smallest_swaps_first(graph: Graph, plan: Plan) -> list[str]:
-    """The plan's swapped tensors, fewest bytes first; ties in graph order."""
+def latency_bound_bytes(hardware: Hardware) -> float:
+    """The size below which a copy is latency-bound: its bytes take no longer than its fixed part (the
+    link's latency, and an offload's setup) in either direction. 250 kB on the A100's PCIe 4.0 preset,
+    520 kB on the H200's PCIe 5.0 one."""
+    link = hardware.link
+    d2h = (link.latency_s + link.d2h_setup_s) * link.d2h_effective_bytes_per_s / link.d2h_engines
+    h2d = link.latency_s * link.h2d_effective_bytes_per_s / link.h2d_engines
+    return min(d2h, h2d)
+
+
+def latency_bound_swaps_smallest_first(graph: Graph, hardware: Hardware, plan: Plan) -> list[str]:
+    """The plan's swapped tensors whose copies are latency-bound (`latency_bound_bytes`), fewest bytes
+    first; ties in graph order."""
     position = {name: i for i, name in enumerate(graph.tensors)}
-    swapped = plan.tensors_with(Decision.SWAP)
+    limit = latency_bound_bytes(hardware)
+    swapped = [t for t in plan.tensors_with(Decision.SWAP) if graph.tensors[t].size_bytes <= limit]
     return sorted(swapped, key=lambda t: (graph.tensors[t].size_bytes, position[t]))
 
 
 def drop_unneeded_swaps(graph: Graph, hardware: Hardware, budget_bytes: int | None, plan: Plan) -> Plan:
-    """`plan` with a prefix of `smallest_swaps_first` kept instead of swapped, whose replayed peak
+    """`plan` with a prefix of `latency_bound_swaps_smallest_first` kept instead of swapped, whose replayed peak
     fits `budget_bytes` and whose replayed step is not longer: the longest the plan's memory profile
     predicts, or if that misses the longest shorter one found by galloping; `plan` itself if none.
     `notes["dropped_swaps"]` says how many were returned."""
-    order = smallest_swaps_first(graph, plan)
+    order = latency_bound_swaps_smallest_first(graph, hardware, plan)
     if budget_bytes is None or not order:
         return plan
     replay = estimate_plan(graph, plan, hardware)
