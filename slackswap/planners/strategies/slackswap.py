@@ -211,7 +211,7 @@ class SlackSwap(SwapThenRecompute):
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         """The swap-then-recompute plan, with `notes["why"]`: for every swapped or recomputed tensor,
         the reason in one line (which swap set it came from and that its copies hide; its price and
-        rank in the recompute ranking)."""
+        rank in the recompute ranking), and for every swap dropped as unneeded, that it is kept."""
         self._explain = None
         chosen_plan = super().plan(graph, hardware, budget_bytes)
         if self._explain is None:

@@ -54,9 +54,10 @@ def latency_bound_swaps_smallest_first(graph: Graph, hardware: Hardware, plan: P
 
 
 def drop_unneeded_swaps(graph: Graph, hardware: Hardware, budget_bytes: int | None, plan: Plan) -> Plan:
-    """`plan` with a prefix of `latency_bound_swaps_smallest_first` kept instead of swapped, whose replayed peak
-    fits `budget_bytes` and whose replayed step is not longer: the longest the plan's memory profile
-    predicts, or if that misses the longest shorter one found by galloping; `plan` itself if none.
+    """`plan` with a prefix of `latency_bound_swaps_smallest_first` kept instead of swapped, whose
+    replayed peak fits `budget_bytes` and whose replayed step is not longer: the longest the plan's
+    memory profile predicts, or if that misses the longest shorter one found by galloping; `plan`
+    itself if none.
     `notes["dropped_swaps"]` says how many were returned."""
     order = latency_bound_swaps_smallest_first(graph, hardware, plan)
     if budget_bytes is None or not order:
@@ -90,7 +91,6 @@ def drop_unneeded_swaps(graph: Graph, hardware: Hardware, budget_bytes: int | No
     if k == 0:
         return plan
     return probe(k)[0]
-
 
 
 def predicted_fitting_count(
