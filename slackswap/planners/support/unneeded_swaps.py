@@ -32,15 +32,18 @@ from slackswap.plan import Decision, Plan
 from slackswap.planners.support.greedy import first_true
 from slackswap.schedule.build import build_schedule
 from slackswap.schedule.replay import PlanTimeline, estimate_plan, peak_bytes
+from slackswap.schedule.transfer import d2h_s, h2d_s
 
 
 def latency_bound_bytes(hardware: Hardware) -> float:
     """The size below which a copy is latency-bound: its bytes take no longer than its fixed part (the
     link's latency, and an offload's setup) in either direction. 250 kB on the A100's PCIe 4.0 preset,
     520 kB on the H200's PCIe 5.0 one."""
+    # The fixed part is a copy of no bytes (`schedule/transfer.py`, the one copy-time formula); each
+    # byte then adds 1 / (the bandwidth one engine sees), the formula's other term.
     link = hardware.link
-    d2h = (link.latency_s + link.d2h_setup_s) * link.d2h_effective_bytes_per_s / link.d2h_engines
-    h2d = link.latency_s * link.h2d_effective_bytes_per_s / link.h2d_engines
+    d2h = d2h_s(0, hardware) * link.d2h_effective_bytes_per_s / link.d2h_engines
+    h2d = h2d_s(0, hardware) * link.h2d_effective_bytes_per_s / link.h2d_engines
     return min(d2h, h2d)
 
 
