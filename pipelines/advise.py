@@ -68,13 +68,14 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
                         host_check=host_check(inputs.node))
     search_s = time.perf_counter() - t_start
     data = advise_report.write_outputs(run_dir, advice, inputs, header)
-    children_s = 0.0
+    children, children_s = 0, 0.0
     if client is not None:
-        children_s = advise_report.log_children(client, experiment_id, info.run_id, data["rows"])
+        children, children_s = advise_report.log_configurations(client, experiment_id, info.run_id, data)
         advise_report.finish_parent(client, info, track, run_dir, advise_report.parent_metrics(
             advice, search_s, children_s), (run_dir / "advice.md").read_text())
     print(advise_report.stdout_summary(advice, inputs, header, search_s))
-    mlflow_note = f"; MLflow: parent {info.run_id}, {len(advice.rows)} children ({children_s:.1f} s)" if info else ""
+    mlflow_note = (f"; MLflow: parent {info.run_id} (every configuration in its advice.json), {children} children "
+                   f"(the best per GPU count and recipe, {children_s:.1f} s)") if info else ""
     print(f"\nadvice.json, advice.md, advise_pareto.png in {run_dir}{mlflow_note}; "
           f"{time.perf_counter() - t_start:.1f} s in all")
     return data

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,76 +276,52 @@ def _child_metrics(row_json: Mapping[str, Any]) -> dict[str, Any]:
     return presentation.with_units(out)
 
 
-def _children(parent_id: str, rows_json: Sequence[Mapping[str, Any]]) -> list[tuple[str, dict, dict, dict]]:
-    """(name, tags, params, metrics) of each child run."""
+def answer_rows(data: Mapping[str, Any]) -> list[int]:
+    """The configurations that answer the question, in rank order: the best per GPU count and recipe
+    (the first of them per GPU count is the answer printed for that count)."""
+    seen: set[tuple[Any, Any]] = set()
+    chosen = []
+    for i in data["ranked"]:
+        row = data["rows"][i]
+        key = (row["gpus"], row["recipe"])
+        if key not in seen:
+            seen.add(key)
+            chosen.append(i)
+    return chosen
+
+
+def _children(parent_id: str, data: Mapping[str, Any]) -> list[tuple[str, dict, dict, dict]]:
+    """(name, tags, params, metrics) of each child run: one per answer row (`answer_rows`)."""
     provenance = tracking.provenance_tags("pipelines/advise.py")
     out = []
-    for i, row in enumerate(rows_json, start=1):
+    for i in answer_rows(data):
+        row = data["rows"][i]
         name = (f"{row['planner']} · {row['layout']} · {row['recipe']} · mb {row['micro_batch']} · "
                 f"{row['plan_against']}")
         tags = {tracking.RUN_NAME_TAG: name, tracking.PARENT_RUN_TAG: parent_id, **provenance,
                 "status": "ok" if row["fits_device"] else "infeasible", "fits_device": str(row["fits_device"]).lower(),
                 "bound": row["bound"] or "-", "reason": (row["reason"] or "")[:4000],
                 "comm_assumption": row["comm_assumption"] or "-", "comm_not_modelled": row["comm_not_modelled"],
-                tracking.NOTE_TAG: f"configuration {i} of the advise; {row['why'] or row['reason'] or ''}"[:4000]}
+                tracking.NOTE_TAG: f"configuration {i + 1} of the advise; {row['why'] or row['reason'] or ''}"[:4000]}
         params = {k: str(row[k]) for k in ("gpus", "zero_stage", "zero_shards", "layout", "recipe", "micro_batch",
                                            "planner", "plan_against")}
         out.append((name, tags, params, tracking.numeric_metrics(_child_metrics(row))))
     return out
 
 
-def log_children(client, experiment_id: str, parent_id: str, rows_json: Sequence[Mapping[str, Any]]) -> float:
-    """One FINISHED child run per evaluated configuration; returns the seconds spent.
+def log_configurations(client, experiment_id: str, parent_id: str, data: Mapping[str, Any]) -> tuple[int, float]:
+    """One FINISHED child run per answer row (`answer_rows`), through MLflow's public client; every
+    evaluated configuration is in the parent's `advice.json` artifact (its `rows`). Returns (children,
+    seconds spent).
 
-    MLflow has no bulk run creation: through the client, a child costs three store transactions
-    (create with its tags, one log_batch of params and metrics, end), 50-150 ms on a busy 2-core
-    machine, minutes for a thousand configurations. On a SQL store the children are written in one
-    transaction with MLflow's own table models instead (`_bulk_children`), the rows each of those
-    three calls would write; any other store (a server) takes the client path."""
-    t0 = time.perf_counter()
-    children = _children(parent_id, rows_json)
-    store = getattr(getattr(client, "_tracking_client", None), "store", None)
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    if isinstance(store, SqlAlchemyStore):
-        _bulk_children(store, experiment_id, children)
-    else:
-        _client_children(client, experiment_id, children)
-    return time.perf_counter() - t0
-
-
-def _bulk_children(store, experiment_id: str, children: Sequence[tuple[str, dict, dict, dict]]) -> None:
-    """The rows `create_run` + `log_batch` + `set_terminated` write, for every child, in one session."""
-    import uuid
-
-    from mlflow.entities import LifecycleStage, SourceType
-    from mlflow.entities import RunStatus as MlflowStatus
-    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric, SqlParam, SqlRun, SqlTag
-    from mlflow.utils.uri import append_to_uri_path
-
-    experiment = store.get_experiment(experiment_id)
-    now_ms = int(time.time() * 1000)
-    with store.ManagedSessionMaker(read_only=False) as session:
-        for name, tags, params, metrics in children:
-            run_id = uuid.uuid4().hex
-            run = SqlRun(
-                name=name, artifact_uri=append_to_uri_path(experiment.artifact_location, run_id, "artifacts"),
-                run_uuid=run_id, experiment_id=experiment_id, source_type=SourceType.to_string(SourceType.LOCAL),
-                source_name="pipelines/advise.py", entry_point_name="", user_id=tags.get("mlflow.user", ""),
-                status=MlflowStatus.to_string(MlflowStatus.FINISHED), start_time=now_ms, end_time=now_ms,
-                deleted_time=None, source_version="", lifecycle_stage=LifecycleStage.ACTIVE,
-            )
-            run.tags = [SqlTag(key=k, value=str(v)) for k, v in tags.items()]
-            run.params = [SqlParam(key=k, value=v) for k, v in params.items()]
-            session.add(run)
-            for k, v in metrics.items():
-                session.add(SqlMetric(key=k, value=v, timestamp=now_ms, step=0, is_nan=False, run_uuid=run_id))
-                session.add(SqlLatestMetric(key=k, value=v, timestamp=now_ms, step=0, is_nan=False, run_uuid=run_id))
-
-
-def _client_children(client, experiment_id: str, children: Sequence[tuple[str, dict, dict, dict]]) -> None:
+    Why not a child per configuration: MLflow has no bulk run creation, and a child costs three store
+    transactions through the client (50-150 ms on a busy 2-core machine, minutes for the thousand
+    configurations of a 7B advise); writing MLflow's SQL tables directly is faster but a private API
+    that breaks when MLflow moves."""
     from mlflow.entities import Metric, Param
 
+    t0 = time.perf_counter()
+    children = _children(parent_id, data)
     now_ms = int(time.time() * 1000)
     for name, tags, params, metrics in children:
         info = client.create_run(experiment_id, tags=tags, run_name=name).info
@@ -354,6 +330,7 @@ def _client_children(client, experiment_id: str, children: Sequence[tuple[str, d
                          params=[Param(k, v) for k, v in params.items()])
         client.set_terminated(info.run_id, status=tracking.MLFLOW_STATUS[RunStatus.OK])
         faults.done_in_flight(info.run_id)
+    return len(children), time.perf_counter() - t0
 
 
 def start_parent(track: Mapping[str, Any], name: str, params: Mapping[str, str]):

@@ -24,13 +24,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf._utils import get_yaml_loader
 
 from pipelines import faults, presentation, tracking
+from pipelines.config_yaml import load_config
 from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
 from pipelines.progress import read_progress
 from pipelines.records import RunRecord, RunStatus
@@ -97,6 +96,11 @@ class SweepCallback(Callback):
             state.records[Path(value.run_dir).name] = value
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if sys.exc_info()[0] is not None:
+            # Hydra 1.4 calls this from a `finally`, also when the sweep is ending by an exception (a
+            # config mistake before any job, an interrupt); Hydra 1.3 does not call it then. Those
+            # endings are closed by `pipelines.faults` (one line, runs KILLED or FAILED), on both.
+            return
         try:
             HydraConfig.instance().set_config(config)
             self._end_sweep(config)
@@ -289,7 +293,7 @@ def place_params(client, parent_run_id: str, sweep_dir: Path, records: Sequence[
             continue
         # A plain YAML load of what the job wrote (OmegaConf.load + to_container give the same dict, at
         # four times the cost, for every job of the sweep).
-        resolved = yaml.load(path.read_text(), Loader=get_yaml_loader())  # noqa: S506 (OmegaConf's safe loader)
+        resolved = load_config(path.read_text())
         per_job.append(presentation.config_params(tracking.flatten_params(resolved)))
         run_ids.append(record.mlflow_run_id)
     constant, varying = presentation.split_params(per_job)

@@ -62,7 +62,9 @@ class Abort(BaseException):
 
 
 def full_error() -> bool:
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+    """Did the user ask for full tracebacks (HYDRA_FULL_ERROR=1)? Inside `hydra_errors_as_one_line`,
+    which sets the variable itself, the user's own setting answers."""
+    return os.environ.get(_USER_FULL_ERROR, os.environ.get("HYDRA_FULL_ERROR")) == "1"
 
 
 @dataclass
@@ -222,40 +224,49 @@ def hydra_error_line(exc: BaseException) -> str | None:
     return f"{key}: {cause_line}"
 
 
-class _OneLineReport:
-    """Replaces `hydra._internal.utils.run_and_report` while `run_cli` runs (see the module docstring)."""
+def one_line_for(exc: Exception) -> Abort:
+    """The one-line `Abort` for an error Hydra raised, or one of the task's own errors."""
+    line = hydra_error_line(exc)
+    if line is not None:
+        return Abort(f"error: {line}", code=EXIT_CONFIG_ERROR)
+    os_line = describe_os_error(exc)
+    if os_line is not None:
+        return Abort(f"error: {os_line}", code=1)
+    return Abort(f"error: {type(exc).__name__}: {first_line(exc)}", code=1)
 
-    def __init__(self, original: Callable[[Any], Any]) -> None:
-        self.original = original
 
-    def __call__(self, func: Any) -> Any:
-        try:
-            return func()
-        except Exception as exc:
-            if full_error():
-                raise
-            line = hydra_error_line(exc)
-            if line is not None:
-                raise Abort(f"error: {line}", code=EXIT_CONFIG_ERROR) from None
-            os_line = describe_os_error(exc)
-            if os_line is not None:
-                raise Abort(f"error: {os_line}", code=1) from None
-            raise Abort(f"error: {type(exc).__name__}: {first_line(exc)}", code=1) from exc
+#: What the user's own HYDRA_FULL_ERROR was while `hydra_errors_as_one_line` sets it (an environment
+#: variable, not a global, so a launcher's worker processes read it too).
+_USER_FULL_ERROR = "SLACKSWAP_USER_HYDRA_FULL_ERROR"
 
 
 @contextmanager
 def hydra_errors_as_one_line() -> Iterator[None]:
-    import hydra._internal.utils as hydra_utils
+    """Hydra's own errors (composition, overrides, a folder it cannot write) as one line.
 
-    original = hydra_utils.run_and_report
-    if isinstance(original, _OneLineReport):  # nested (a test calling one CLI from another)
+    Hydra prints an error and exits 1 unless HYDRA_FULL_ERROR=1 is set, in which case it raises it
+    (its documented switch for a full traceback). The switch is set while the block runs, so the error
+    arrives here as an exception, through Hydra's public behaviour only; `full_error()` still answers
+    what the user asked for, and a user who set HYDRA_FULL_ERROR=1 gets the traceback."""
+    if _USER_FULL_ERROR in os.environ:  # nested (a test calling one CLI from another)
         yield
         return
-    hydra_utils.run_and_report = _OneLineReport(original)
+    os.environ[_USER_FULL_ERROR] = os.environ.get("HYDRA_FULL_ERROR", "")
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         yield
+    except Exception as exc:
+        if full_error():
+            raise
+        abort = one_line_for(exc)
+        raise abort from (exc if abort.code == 1 and describe_os_error(exc) is None else None)
     finally:
-        hydra_utils.run_and_report = original
+        del os.environ[_USER_FULL_ERROR]
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:

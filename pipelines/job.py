@@ -29,6 +29,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines import faults, overrides, plots, presentation, progress, provenance, tracking
+from pipelines.config_yaml import dump_config
 from pipelines.console import format_summary
 from pipelines.records import FINISHED_STATUSES, RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
@@ -86,13 +87,8 @@ def resolve_config(cfg: DictConfig) -> dict[str, Any]:
 
 def resolved_yaml(resolved: Mapping[str, Any]) -> str:
     """`OmegaConf.to_yaml(resolved)`, the same text, without first turning the plain dict back into a
-    DictConfig (two thirds of that call's cost, paid by every job)."""
-    import yaml
-    from omegaconf._utils import get_omega_conf_dumper
-
-    return yaml.dump(
-        resolved, default_flow_style=False, allow_unicode=True, sort_keys=False, Dumper=get_omega_conf_dumper()
-    )
+    DictConfig (two thirds of that call's cost, paid by every job; `pipelines.config_yaml`)."""
+    return dump_config(resolved)
 
 
 def _unresolved(cfg: DictConfig) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipelines import advise_report, tracking
 from slackswap.communication import Fabric, Topology
 from slackswap.errors import ConfigError
 from slackswap.experiment.advise import (
@@ -269,7 +270,10 @@ def test_end_to_end_advise_on_the_tiny_model(tmp_path, mlflow_store, monkeypatch
     runs = client.search_runs([exp.experiment_id], max_results=1000)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(parents) == 1 and len(children) == n
+    answers = advise_report.answer_rows(data)
+    assert len(parents) == 1 and len(children) == len(answers) >= 2  # the best per GPU count and recipe
+    folder = tracking.local_artifact_dir(parents[0].info.artifact_uri, mlflow_store.artifact_root)
+    assert json.loads((folder / "advice.json").read_text())["rows"] == data["rows"]  # every configuration
     assert {r.info.status for r in runs} == {"FINISHED"}
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
     best = data["rows"][data["best"]["8"]]

@@ -102,13 +102,9 @@ def test_a_bad_override_still_fails_before_any_job_runs(tmp_path, monkeypatch, o
     assert not list((tmp_path / "bad").glob("[0-9]*/config.resolved.yaml"))  # no job started
 
 
-class FakeRepository:
-    def group_exists(self, name: str) -> bool:
-        return False
-
-
 class FakeLoader:
-    repository = FakeRepository()
+    def list_groups(self, parent_name: str) -> list[str]:
+        return []
 
     def __init__(self) -> None:
         self.n = 0

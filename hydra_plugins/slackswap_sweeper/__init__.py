@@ -1,6 +1,12 @@
 """`hydra/sweeper=slackswap`: Hydra's basic sweeper plus i/N progress (see pipelines/progress.py), and
 each job's config composed once instead of twice.
 
+Written against Hydra's public plugin API only (`hydra.plugins.sweeper.Sweeper`, the public
+`ConfigLoader` interface, `OverridesParser`, `Plugins`), so it runs on Hydra 1.3 and 1.4: the basic
+sweeper itself lives in `hydra._internal` and moved between the two. Its behaviour is restated here:
+the cartesian product of the sweep overrides in command-line order, `hydra.sweeper.params` first,
+batches of `max_batch_size`, `multirun.yaml` in the sweep folder.
+
 It lives here because Hydra instantiates sweepers only from the `hydra_plugins` namespace.
 
 Why compose once: the basic sweeper composes every job's config before the first job runs (so a bad
@@ -16,8 +22,9 @@ Jobs that differ from an already composed one only in plain values (`budget.frac
 `budget.fraction=0.2`: same keys at the same places, no config group, no `+`/`++`/`~`, no
 `@package`, no `hydra.` key, a number, string or boolean) have the same defaults list, so Hydra would
 build the same config and then set those leaves. Those jobs start from the composed job's config
-and get their values set by Hydra's own override code (`ConfigLoaderImpl._apply_overrides_to_config`),
-their `hydra.overrides.task` and `hydra.job.override_dirname` rewritten as Hydra writes them; any error
+and get their values set as Hydra sets a changed value (`OmegaConf.update(..., merge=True)`), their
+`hydra.overrides.task` and (on Hydra 1.3, where it is a value, not a resolver) `hydra.job.override_dirname`
+rewritten as Hydra writes them; any error
 on that path composes the job from scratch instead, so a bad value fails with Hydra's own message.
 Such a job is derived once by the check and again when it launches (about 3 ms), so only one config
 per shape is kept, not one per job.
@@ -27,16 +34,20 @@ budget_curves composes 33 of its 297 jobs (3 models x 11 planners).
 
 # No `from __future__ import annotations`: Hydra's plugin scan executes this module without
 # registering it in sys.modules, and dataclasses then cannot resolve string annotations.
+import itertools
 import json
 import pickle
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext
 from omegaconf import DictConfig, OmegaConf
 
@@ -63,6 +74,7 @@ class ComposeOnceLoader:
         #: Composed configs by (master, shape of the overrides): see `_shape`.
         self._composed_shapes: dict[tuple[int, tuple[str, ...]], bytes] = {}
         self._parser: Any = None
+        self._group_names: frozenset[str] | None = None
         #: Compositions done by the wrapped loader (tests count them).
         self.compositions = 0
 
@@ -94,10 +106,22 @@ class ComposeOnceLoader:
 
     def _parse(self, overrides: list[str]) -> list[Any]:
         if self._parser is None:
-            from hydra.core.override_parser.overrides_parser import OverridesParser
-
             self._parser = OverridesParser.create(config_loader=self.loader)
         return self._parser.parse_overrides(overrides)
+
+    def _is_group(self, name: str) -> bool:
+        """Is `name` a config group (`model`, `hydra/launcher`)? From the loader's public `list_groups`."""
+        if self._group_names is None:
+            names: set[str] = set()
+            parents = [""]
+            while parents:
+                parent = parents.pop()
+                for child in self.loader.list_groups(parent):
+                    name_of_child = f"{parent}/{child}" if parent else child
+                    names.add(name_of_child)
+                    parents.append(name_of_child)
+            self._group_names = frozenset(names)
+        return name in self._group_names
 
     def _is_plain_value(self, override: Any) -> bool:
         from hydra.core.override_parser.types import OverrideType
@@ -108,7 +132,7 @@ class ComposeOnceLoader:
             and not override.is_sweep_override()
             and not override.is_hydra_override()
             and type(override.value()) in (int, float, str, bool)
-            and not self.loader.repository.group_exists(override.key_or_group)
+            and not self._is_group(override.key_or_group)
         )
 
     def _shape(self, parsed: list[Any]) -> tuple[str, ...]:
@@ -120,16 +144,17 @@ class ComposeOnceLoader:
     def _with_values(self, config: DictConfig, parsed: list[Any]) -> DictConfig | None:
         """`config` (composed for another job of the same shape) with this job's plain values set and
         its overrides recorded as Hydra records them; None when that fails (then the job is composed)."""
-        from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
-
         try:
-            ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if self._is_plain_value(o)], config)
+            for override in parsed:
+                if self._is_plain_value(override):
+                    OmegaConf.update(config, override.key_or_group, override.value(), merge=True)
             task = [o for o in parsed if not o.is_hydra_override()]
             config.hydra.overrides.task = [o.input_line for o in task]
-            naming = config.hydra.job.config.override_dirname
-            config.hydra.job.override_dirname = get_overrides_dirname(
-                overrides=task, kv_sep=naming.kv_sep, item_sep=naming.item_sep, exclude_keys=naming.exclude_keys
-            )
+            if not OmegaConf.is_interpolation(config.hydra.job, "override_dirname"):
+                naming = config.hydra.job.config.override_dirname
+                config.hydra.job.override_dirname = overrides_dirname(
+                    task, exclude_keys=naming.exclude_keys, item_sep=naming.item_sep, kv_sep=naming.kv_sep
+                )
         except Exception:
             return None
         return config
@@ -148,21 +173,75 @@ class ComposeOnceLoader:
         return config
 
 
-class ProgressSweeper(BasicSweeper):
+def overrides_dirname(overrides: Sequence[Any], exclude_keys: Sequence[str], item_sep: str, kv_sep: str) -> str:
+    """`hydra.job.override_dirname` as Hydra 1.3 writes it: the task overrides not excluded, sorted, joined."""
+    lines = sorted(o.input_line for o in overrides if o.key_or_group not in exclude_keys)
+    return re.sub("[=]", kv_sep, item_sep.join(lines))
+
+
+def sweep_jobs(overrides: Sequence[Any]) -> list[list[str]]:
+    """Every job's overrides: the cartesian product of the sweep overrides, in command-line order (a key
+    given twice keeps its last value at its first place), as Hydra's basic sweeper builds them."""
+    per_key: dict[str, list[str]] = {}
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            per_key[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            per_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise HydraException(f"ProgressSweeper does not support sweep type : {override.value_type.name}")
+    return [list(job) for job in itertools.product(*per_key.values())]
+
+
+class ProgressSweeper(Sweeper):
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None) -> None:
+        self.max_batch_size = max_batch_size
+        self.params = dict(params or {})
+        self.hydra_context: HydraContext | None = None
+        self.config: DictConfig | None = None
+        self.launcher: Any = None
+
     def setup(self, *, hydra_context: HydraContext, task_function: Any, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
         loader = ComposeOnceLoader(hydra_context.config_loader)
-        context = HydraContext(config_loader=loader, callbacks=hydra_context.callbacks)
-        super().setup(hydra_context=context, task_function=task_function, config=config)
+        self.hydra_context = HydraContext(config_loader=loader, callbacks=hydra_context.callbacks)
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=self.hydra_context, task_function=task_function, config=config
+        )
 
     def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None:
         """Nothing left to check: `split_arguments` composed every job of every batch already."""
 
-    def split_arguments(self, overrides, max_batch_size):  # type: ignore[override]  (static in the base)
+    def sweep(self, arguments: list[str]) -> Any:
+        assert self.config is not None and self.hydra_context is not None and self.launcher is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        overrides = parser.parse_overrides([*(f"{k}={v}" for k, v in self.params.items()), *arguments])
+        batches = self.split_arguments(overrides, self.max_batch_size)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        returns = []
+        initial_job_idx = 0
+        for batch in batches:
+            results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
+            for result in results:
+                _ = result.return_value  # raises a failed job's exception, as Hydra's sweepers do
+            initial_job_idx += len(batch)
+            returns.append(results)
+        return returns
+
+    def split_arguments(self, overrides: Sequence[Any], max_batch_size: int | None) -> list[list[list[str]]]:
         """Hydra's batches; before any job runs, every job's config composed (a bad override or an
         unknown preset fails here, with one line from `pipelines.faults`), and only then the sweep's
         MLflow parent run opened (`pipelines.callbacks.open_parent`): a config mistake leaves no
         empty parent RUNNING."""
-        batches = BasicSweeper.split_arguments(overrides, max_batch_size)
+        jobs = sweep_jobs(overrides)
+        size = len(jobs) if max_batch_size in (None, -1) else max_batch_size
+        assert size > 0
+        batches = [jobs[i : i + size] for i in range(0, len(jobs), size)]
         total = sum(len(batch) for batch in batches)
         sweep_dir = Path(self.config.hydra.sweep.dir)
         print(f"sweep: {total} jobs -> {sweep_dir} (checking that every job's config composes first)", flush=True)
@@ -181,8 +260,10 @@ class ProgressSweeper(BasicSweeper):
 
 
 @dataclass
-class ProgressSweeperConf(BasicSweeperConf):
+class ProgressSweeperConf:
     _target_: str = "hydra_plugins.slackswap_sweeper.ProgressSweeper"
+    max_batch_size: int | None = None
+    params: dict[str, str] | None = None
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="slackswap", node=ProgressSweeperConf, provider="slackswap")
