@@ -46,10 +46,11 @@ def load_preset(preset: str, layers: int):
     from omegaconf import OmegaConf
 
     import pipelines.schemas  # noqa: F401
+    from pipelines.hydra_versions import MAIN_VERSION
     from slackswap.model_config import ModelConfig
     from slackswap.profile.torch.spec import TorchSpec
 
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(REPO / "conf"), **MAIN_VERSION):
         cfg = compose("train", overrides=[f"model={preset}", f"model.num_layers={layers}", "tracking=off"])
     node = OmegaConf.to_container(cfg.model, resolve=True)
     spec = node.pop("torch")

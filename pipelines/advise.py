@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import pipelines.advise_schema  # noqa: F401  (registers slackswap_advise_schema and the repo_root resolver)
-from pipelines import advise_report, faults
+from pipelines import advise_report, faults, hydra_versions
 from pipelines.job import resolve_config
 from pipelines.tracking import TrackingUnavailable
 from slackswap.errors import ConfigError
@@ -81,7 +81,7 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
     return data
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="advise")
+@hydra.main(**hydra_versions.MAIN_VERSION, config_path="../conf", config_name="advise")
 def main(cfg: DictConfig) -> dict[str, Any]:
     try:
         return advise(cfg)

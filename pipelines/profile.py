@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_root resolver)
-from pipelines import faults, overrides
+from pipelines import faults, hydra_versions, overrides
 from slackswap.errors import ConfigError
 from slackswap.experiment.baseline import analytic_twin
 from slackswap.hardware import Hardware
@@ -30,7 +30,7 @@ from slackswap.model_config import ModelConfig
 EXIT_CONFIG_ERROR = faults.EXIT_CONFIG_ERROR
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(**hydra_versions.MAIN_VERSION, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         profile_stage(cfg)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 import hydra_plugins.slackswap_sweeper  # noqa: F401  (hydra/sweeper=slackswap: basic sweeper + i/N progress)
 import pipelines.schemas  # noqa: F401  (registers the root schema and the repo_root resolver)
-from pipelines import callbacks, faults
+from pipelines import callbacks, faults, hydra_versions
 from pipelines.job import run_job
 from pipelines.tracking import TrackingUnavailable
 from slackswap.errors import ConfigError
@@ -28,7 +28,7 @@ from slackswap.errors import ConfigError
 EXIT_CONFIG_ERROR = faults.EXIT_CONFIG_ERROR
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(**hydra_versions.MAIN_VERSION, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
     try:
         if cfg.get("identify") is not None:  # +experiment=seed_identify: the in-process grid, one run

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
+
+from pipelines import hydra_versions
 
 #: Repository root (the folder holding conf/ and pipelines/). The default MLflow store lives here, so
 #: runs land in one database whatever the working directory.
@@ -253,8 +255,8 @@ def register() -> None:
     """Store the root schemas and the `repo_root` resolver. Idempotent (tests import this repeatedly)."""
     ConfigStore.instance().store(name="slackswap_schema", node=SlackSwapConfig)
     ConfigStore.instance().store(name="slackswap_train_schema", node=SlackSwapTrainConfig)
-    if not OmegaConf.has_resolver("repo_root"):
-        OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
+    hydra_versions.register_resolver("repo_root", lambda: str(REPO_ROOT))
+    hydra_versions.trust_own_callbacks()
 
 
 register()

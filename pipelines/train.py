@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import pipelines.schemas  # noqa: F401  (registers the schemas and the repo_root resolver)
-from pipelines import faults, overrides, provenance, tracking
+from pipelines import faults, hydra_versions, overrides, provenance, tracking
 from pipelines.presentation import size_text
 from pipelines.records import RunStatus
 from slackswap.errors import ConfigError
@@ -97,7 +97,7 @@ def run_training_job(spec: TrainingRunSpec, run_dir: Path) -> dict[str, Any]:
     return figures
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(**hydra_versions.MAIN_VERSION, config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> dict[str, Any]:
     try:
         return train_job(cfg)

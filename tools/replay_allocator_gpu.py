@@ -82,9 +82,10 @@ def _plan_from_overrides(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from pipelines.hydra_versions import MAIN_VERSION
     from slackswap.experiment import RunSpec, run_one
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), **MAIN_VERSION):
         cfg = compose("config", overrides=[*overrides, "tracking=off"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     spec = RunSpec.from_dict(resolved)
