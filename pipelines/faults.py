@@ -28,6 +28,7 @@ import errno
 import gc
 import io
 import os
+import re
 import signal
 import sys
 import threading
@@ -148,6 +149,17 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0].strip() if text else type(exc).__name__
 
 
+def message_line(exc: BaseException) -> str:
+    """The first line of `exc`'s message, with the next one joined on when it ends in a colon (a
+    heading such as Hydra's `In 'model/typo': ConfigKeyError raised while composing config:`)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
+
+
 def os_error_path(exc: OSError) -> str | None:
     """The file an OSError is about: its `filename`, or, for a failed `write()` (which names no file:
     a full disk), the file open for writing in the innermost frame that holds one."""
@@ -207,19 +219,27 @@ def hydra_error_line(exc: BaseException) -> str | None:
         return f"override: {first_line(exc)}"
     if not isinstance(exc, ConfigCompositionException):
         return None
-    cause = exc.__cause__
+    # Hydra raises the composition error of a preset file (`In 'model/typo': ConfigKeyError raised
+    # while composing config:`) inside the handler of omegaconf's error without `from`: the cause is
+    # the context, and the first line of the message ends at the colon before omegaconf's text.
+    cause = exc.__cause__ or exc.__context__
     key = getattr(cause, "full_key", None)
     if cause is None or not key:
-        return first_line(exc)
+        return message_line(exc)
     cause_line = first_line(cause)
+    # The preset file the mistake is in (`In 'model/typo': ...`), when a file rather than the command line.
+    preset = re.match(r"In '([^']+)':", str(exc).strip())
+    where = f" (in preset {preset.group(1)})" if preset else ""
     if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
         node, _, leaf = str(key).rpartition(".")
         schema = getattr(cause, "object_type", None)
         known = ""
         if schema is not None and dataclasses.is_dataclass(schema):
             known = "; known: " + ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
-        return f"{key}: no such key in {node or 'the config'}{known}" if leaf else f"{key}: {cause_line}"
-    return f"{key}: {cause_line}"
+        if leaf:
+            return f"{key}{where}: no such key in {node or 'the config'} ({cause_line}){known}"
+        return f"{key}{where}: {cause_line}"
+    return f"{key}{where}: {cause_line}"
 
 
 class _OneLineReport:

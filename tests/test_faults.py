@@ -65,10 +65,11 @@ def _in_process(monkeypatch, tmp_path: Path, *args: str, module: str = "pipeline
     ("args", "line"),
     [
         (["model=gpt5"], "error: model=gpt5: no such preset (conf/model/gpt5.yaml); known: bert_large,"),
-        (["budget.fracton=0.3"], "error: budget.fracton: no such key in budget; known: bytes, device, fraction"),
+        (["budget.fracton=0.3"],
+         "error: budget.fracton: no such key in budget (Key 'fracton' not in 'BudgetSchema'); known: bytes, device,"),
         (["model.num_layers=three"], "error: model.num_layers: Value 'three' of type 'str' could not be converted"),
         (["-m", "model=tiny,gpt5"], "error: model=gpt5: no such preset"),
-        (["-m", "model=tiny", "model.num_layer=2,3"], "error: model.num_layer: no such key in model; known:"),
+        (["-m", "model=tiny", "model.num_layer=2,3"], "error: model.num_layer: no such key in model (Key 'num_layer'"),
         (["model=tiny_torch", "model.attention=flash"],
          "error: model.attention='flash': ignored by a traced preset: its graph follows model.torch.attention"),
     ],
@@ -87,6 +88,31 @@ def test_config_mistakes_are_one_line_exit_2_before_anything_is_recorded(
     # Nothing recorded: no MLflow run (in a sweep: no empty parent), no sweep folder.
     assert _runs(mlflow_store.db_path) == []
     assert not sweep.exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "line"),
+    [
+        (("num_layers:", "num_layer:"),
+         "error: model.num_layer (in preset model/typo): no such key in model (Key 'num_layer' not in 'ModelSchema')"),
+        (("num_layers: 2", "num_layers: two"),
+         "error: model.num_layers (in preset model/typo): Value 'two' of type 'str' could not be converted"),
+    ],
+)  # fmt: skip
+def test_a_mistake_inside_a_preset_file_names_the_key_and_the_preset(tmp_path, monkeypatch, capsys, edit, line) -> None:
+    """The README's "add a model" path: a new conf/model/<name>.yaml with a typo or a wrong type. Hydra
+    raises its composition error without `from`, and its first line ends at a colon; the key and
+    omegaconf's reason must still be on the one line."""
+    presets = tmp_path / "presets" / "model"
+    presets.mkdir(parents=True)
+    (presets / "typo.yaml").write_text((REPO_ROOT / "conf/model/tiny.yaml").read_text().replace(*edit))
+    code = _in_process(
+        monkeypatch, tmp_path, "model=typo", "tracking=off", f"hydra.run.dir={tmp_path}/run",
+        f"hydra.searchpath=[file://{tmp_path}/presets]",
+    )  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and len(err) == 1 and err[0].startswith(line), err
+    assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------- full disk, read-only folder (tmpfs)
