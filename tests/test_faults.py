@@ -184,6 +184,34 @@ def test_a_full_disk_or_read_only_folder_ends_runs_failed_with_one_line(tmp_path
     assert len(_runs(mlflow_store.db_path)) == before
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_a_read_only_store_is_one_line_naming_it_before_any_run(tmp_path, mlflow_store, what) -> None:
+    """A read-only `mlflow.db` (or its folder): one line with the path and "read-only", exit 1 as other
+    store faults, no Python traceback (it was 92 lines ending in SQLAlchemy's autoflush message).
+    Read-only by a private read-only bind mount: file modes do not stop root, a mount does."""
+    why = _unshare_works(tmp_path)
+    if why is not None:
+        pytest.skip(why)
+    db = mlflow_store.db_path
+    target = db if what == "file" else db.parent
+    before = _runs(db)
+    single = ["model=tiny", f"hydra.run.dir={tmp_path}/run"]
+    sweep = ["-m", "model=tiny", f"hydra.sweep.dir={tmp_path}/sweep"]
+    for args in (single, sweep):
+        script = f'mount --bind "{target}" "{target}" && mount -o remount,ro,bind "{target}" && exec "$@"'
+        done = subprocess.run(
+            ["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-m", "pipelines.run", *args,
+             *_store_args(mlflow_store)],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        err = _errors(done.stderr)
+        assert done.returncode == 1 and len(err) == 1, done.stderr
+        assert err[0].startswith(f"error: tracking store {db} is ") and "read-only" in err[0], err
+        assert "Traceback" not in done.stderr
+    assert _runs(db) == before
+
+
 # ------------------------------------------------------------------------------- pipelines.train
 
 
