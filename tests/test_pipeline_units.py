@@ -178,6 +178,34 @@ def test_a_single_run_does_not_import_pandas_or_the_aggregation() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("metrics", None, "run_record.metrics=None: must be a JSON object"),
+        ("metrics.step_s", "0.5", "run_record.metrics.step_s='0.5': must be a number"),
+        ("metrics.throughput_ratio", [1], "run_record.metrics.throughput_ratio=[1]: must be a number, a boolean, a string or null"),
+        ("choices", ["tiny"], "run_record.choices=['tiny']: must be a JSON object"),
+        ("budget_fraction", "half", "run_record.budget_fraction='half': must be a number or null"),
+        ("planner", None, "run_record.planner=None: must be a string"),
+    ],
+)  # fmt: skip
+def test_a_record_with_a_wrong_field_is_named_and_the_good_jobs_are_summarised(tmp_path, field, value, named):
+    """Valid JSON with a wrong field (a hand edit, another tool's file): one line naming the file and the
+    field, the record left out, the other jobs summarised (it was a traceback and no summary)."""
+    for rec in (_record("0", "tiny", "slackswap", 0.5, "ok", 0.97), _record("1", "tiny", "keep_all", 1.0, "ok", 1.0)):
+        (tmp_path / rec.job).mkdir()
+        rec.write(tmp_path / rec.job)
+    path = tmp_path / "1" / RECORD_FILE
+    data = json.loads(path.read_text())
+    node, _, leaf = field.rpartition(".")
+    (data[node] if node else data)[leaf] = value
+    path.write_text(json.dumps(data))
+    result = aggregate.aggregate_sweep(tmp_path, {}, plots=False)
+    assert result.problems == (f"{path}: unreadable (ConfigError: {named})",)
+    assert [r.job for r in result.records] == ["0"] and result.status_counts == {"ok": 1}
+    assert f"{path}: unreadable" in (tmp_path / "summary.md").read_text()
+
+
 def test_aggregate_without_records_fails_loudly(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="no job"):
         aggregate.aggregate_sweep(tmp_path, {})
