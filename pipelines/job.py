@@ -118,6 +118,7 @@ def run_job(cfg: DictConfig) -> RunRecord:
         resolved = resolve_config(cfg)
         resolved_text = resolved_yaml(resolved)
         overrides.check_traced_attention(resolved, _task_overrides())
+        overrides.check_hook(resolved)
         if ctx.multirun:
             earlier = _keep_or_set_aside_earlier(ctx, resolved_text)
             if earlier is not None:

@@ -113,6 +113,7 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
     resolved = resolve_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     overrides.check_traced_attention(resolved, list(HydraConfig.get().overrides.task))
+    overrides.check_hook(resolved)
     spec = TrainingRunSpec.from_dict(resolved)  # bad values fail before an MLflow run exists
     track = resolved["tracking"]
     client = run_id = None

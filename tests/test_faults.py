@@ -261,6 +261,33 @@ def test_train_bad_values_are_one_line_exit_2(tmp_path, mlflow_store, monkeypatc
     assert _runs(mlflow_store.db_path) == []
 
 
+@pytest.mark.parametrize("module", ["pipelines.run", "pipelines.train"])
+@pytest.mark.parametrize(
+    ("hook", "line"),
+    [
+        ("my_models.mlp:build", "error: model.torch.hook='my_models.mlp:build': cannot be imported "
+         "(ModuleNotFoundError: No module named 'my_models'); the part before ':' must be a module importable "
+         "where you run (put its folder on PYTHONPATH)"),
+        ("slackswap.profile.torch.tiny:no_such_function", "error: model.torch.hook='slackswap.profile.torch.tiny:"
+         "no_such_function': module 'slackswap.profile.torch.tiny' ("),
+    ],
+)  # fmt: skip
+def test_a_model_hook_that_cannot_be_imported_is_a_config_error(
+    tmp_path, mlflow_store, monkeypatch, capsys, module, hook, line
+) -> None:
+    """A user's hook not on the import path is a config mistake (exit 2, one line saying what to check),
+    found before any MLflow run, not a failed run (exit 1) found by the profile stage."""
+    if hook.startswith("slackswap.profile.torch"):
+        require_torch_extra()  # that module imports torch
+    code = _in_process(
+        monkeypatch, tmp_path, "model=tiny_torch", "model.torch.builder=hook", f"model.torch.hook={hook}",
+        *_store_args(mlflow_store), f"hydra.run.dir={tmp_path}/run", module=module,
+    )  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and len(err) == 1 and err[0].startswith(line), err
+    assert _runs(mlflow_store.db_path) == []
+
+
 def test_verify_torch_on_a_cpu_only_torch_is_one_line(tmp_path, monkeypatch, capsys) -> None:
     torch = require_torch_extra()
     if torch.cuda.is_available():
@@ -271,7 +298,7 @@ def test_verify_torch_on_a_cpu_only_torch_is_one_line(tmp_path, monkeypatch, cap
     )  # fmt: skip
     err = _errors(capsys.readouterr().err)
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: device='cuda': torch {torch.__version__} (") and "use device=cpu" in err[0]
+    assert err[0].startswith(f"error: device='cuda': torch {torch.__version__} (") and "use +device=cpu" in err[0]
     assert not (tmp_path / "run" / "verify_torch.json").exists()
 
 
