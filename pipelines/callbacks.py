@@ -383,9 +383,9 @@ def close_interrupted(exc: faults.Interrupted) -> str:
     signame = signal.Signals(exc.signum).name
     state = ACTIVE_SWEEP
     parent = state.parent if state is not None else None
-    killed_here = faults.kill_in_flight_except(parent["run_id"] if parent else None)
+    faults.kill_in_flight_except(parent["run_id"] if parent else None)
     if state is None or state.finished:
-        return f"interrupted by {signame}; {killed_here} MLflow run(s) marked KILLED"
+        return f"interrupted by {signame}{faults.interrupted_tail()}"
     parts = [f"interrupted by {signame}"]
     _killed_in_flight(state.sweep_dir, signame)
     result, summary = _partial_summary(state, parts)

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from pipelines.records import RunStatus
@@ -77,6 +78,25 @@ class InFlightRun:
 IN_FLIGHT: dict[str, InFlightRun] = {}
 
 
+#: MLflow runs this process ended KILLED (by the interrupt handler, or by a job that caught the
+#: interrupt itself and marked its own run), so the interrupt line counts every one of them.
+KILLED_RUN_IDS: set[str] = set()
+#: The output folder of the single run, training or advice in progress: the interrupt line names it.
+OUTPUT_DIR: Path | None = None
+
+
+def note_output_dir(path: Path) -> None:
+    global OUTPUT_DIR
+    OUTPUT_DIR = Path(path)
+
+
+def interrupted_tail() -> str:
+    """What an interrupt line of a single run adds: how many MLflow runs ended KILLED (its own, ended
+    by the job, included) and where its output folder is."""
+    tail = f"; {len(KILLED_RUN_IDS)} MLflow run(s) marked KILLED"
+    return tail + (f"; output in {OUTPUT_DIR}" if OUTPUT_DIR is not None else "")
+
+
 def track_in_flight(client: Any, run_id: str) -> None:
     IN_FLIGHT[run_id] = InFlightRun(client, run_id)
 
@@ -112,6 +132,8 @@ def kill_run(client: Any, run_id: str, status: RunStatus = RunStatus.KILLED, rea
         if reason:
             client.set_tag(run_id, "reason", reason[:4000])
         client.set_terminated(run_id, status="KILLED" if status == RunStatus.KILLED else "FAILED")
+        if status == RunStatus.KILLED:
+            KILLED_RUN_IDS.add(run_id)
     except Exception as exc:
         print(f"warning: could not mark MLflow run {run_id} {status.upper()}: {exc}", file=sys.stderr)
     done_in_flight(run_id)
@@ -330,6 +352,9 @@ def run_cli(
     print; `on_abort` ends what is still open FAILED and returns what to add to the error's line;
     `exit_code` is asked after a normal return (non-zero when a sweep had failed jobs).
     """
+    global OUTPUT_DIR
+    KILLED_RUN_IDS.clear()
+    OUTPUT_DIR = None
     try:
         with signals_raise_interrupted(), hydra_errors_as_one_line():
             main()

@@ -162,6 +162,7 @@ def run_identify(cfg: DictConfig) -> dict[str, Any]:
     _check(node, problem)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    faults.note_output_dir(run_dir)
     track = resolved["tracking"]
     client = run_id = artifact_uri = None
     if track["enabled"]:

@@ -110,6 +110,8 @@ def run_job(cfg: DictConfig) -> RunRecord:
     t_start = time.perf_counter()
     ctx = JobContext.from_hydra()
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    if not ctx.multirun:
+        faults.note_output_dir(ctx.run_dir)
     config_error: ConfigError | None = None
     #: A file of this job that could not be written (a full disk, a read-only folder): one line.
     write_problem: str | None = None

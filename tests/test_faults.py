@@ -234,7 +234,8 @@ def test_sigterm_ends_a_training_run_killed_with_one_line(tmp_path, mlflow_store
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and _errors(err) == ["interrupted by SIGTERM; 1 MLflow run(s) marked KILLED"], err
+    line = f"interrupted by SIGTERM; 1 MLflow run(s) marked KILLED; output in {tmp_path}/run"
+    assert proc.returncode == 143 and _errors(err) == [line], err
     [run] = _runs(mlflow_store.db_path)
     assert (run["status"], run["tag"], run["source"]) == ("KILLED", "killed", "pipelines/train.py")
 
