@@ -30,7 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf._utils import get_yaml_loader
 
-from pipelines import faults, presentation, tracking
+from pipelines import faults, presentation, superseded, tracking
 from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
 from pipelines.progress import read_progress
 from pipelines.records import RunRecord, RunStatus
@@ -57,6 +57,8 @@ class SweepState:
     #: Jobs without a record, records that cannot be read, summary files not written.
     missing: int = 0
     problems: tuple[str, ...] = ()
+    #: The folders already in `<sweep dir>/superseded/` when this sweep run started.
+    superseded_before: frozenset[str] = frozenset()
 
 
 #: Set by on_multirun_start in the launching process; read by `pipelines.run` for the exit code and
@@ -78,7 +80,8 @@ class SweepCallback(Callback):
             HydraConfig.instance().set_config(config)  # ${hydra:...} is not set yet on hydra 1.3.8
             sweep_dir = Path(config.hydra.sweep.dir)
             ACTIVE_SWEEP = SweepState(
-                sweep_dir, OmegaConf.to_container(config.experiment, resolve=True), self._t_start, config=config
+                sweep_dir, OmegaConf.to_container(config.experiment, resolve=True), self._t_start, config=config,
+                superseded_before=frozenset(superseded.folders(sweep_dir)),
             )
             if OmegaConf.select(config, "hydra.sweeper._target_") != PROGRESS_SWEEPER:
                 open_parent()  # another sweeper: before its check of the jobs' configs, as Hydra orders it
@@ -129,11 +132,17 @@ class SweepCallback(Callback):
         if state is not None:
             state.status_counts, state.missing, state.problems = counts, missing, problems
             state.finished = True
+        set_aside = sorted(set(superseded.folders(sweep_dir)) - (state.superseded_before if state else set()))
         parent_file = sweep_dir / PARENT_FILE
         if not parent_file.is_file():
+            if set_aside:
+                print(superseded.line(sweep_dir, set_aside, None))
             return
         parent = json.loads(parent_file.read_text())
         client = tracking.open_client(parent["tracking_uri"])
+        if set_aside:
+            deleted = superseded.delete_children(client, parent, sweep_dir, set_aside)
+            print(superseded.line(sweep_dir, set_aside, deleted))
         outcome, reason = sweep_outcome(counts, missing, problems)
         earlier_wall_s = _earlier_wall_s(client, parent["run_id"])
         tracking.log_metrics(

@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import faults, overrides, plots, presentation, progress, provenance, tracking
+from pipelines import faults, overrides, plots, presentation, progress, provenance, superseded, tracking
 from pipelines.console import format_summary
 from pipelines.records import FINISHED_STATUSES, RECORD_FILE, RunRecord, RunStatus
 from slackswap.errors import ConfigError
@@ -372,7 +372,7 @@ def _outcome_tags(record: RunRecord, resolved: Mapping[str, Any]) -> dict[str, s
 
 #: Outcomes a re-run of the same sweep into the same folder keeps instead of running the job again.
 REUSABLE_STATUSES = FINISHED_STATUSES
-SUPERSEDED_DIR = "superseded"
+SUPERSEDED_DIR = superseded.SUPERSEDED_DIR
 
 
 def _keep_or_set_aside_earlier(ctx: JobContext, resolved_yaml: str) -> RunRecord | None:
