@@ -13,6 +13,7 @@ wrong (one line naming the field and value), 1 the tracking store cannot be used
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,11 @@ from pipelines.tracking import TrackingUnavailable
 from slackswap.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
+#: The rows of advice.json, one JSON object a line, appended as the search evaluates them; removed
+#: once advice.json is written, kept by an interrupted search.
+PARTIAL_FILE = "advice_partial.jsonl"
+#: The partial file of the search in progress and how many rows it holds (for the interrupt line).
+EVALUATED: dict[str, Any] = {"path": None, "rows": 0}
 
 
 def advise(cfg: DictConfig) -> dict[str, Any]:
@@ -41,6 +47,7 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
     inputs = advise_report.validate(resolved, choices)
     run_dir = Path(hc.runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    faults.note_output_dir(run_dir)
     header = {"model": choices.get("model", inputs.model.name),
               "hardware": choices.get("hardware", inputs.hardware.name),
               "node": choices.get("node", inputs.node.name), "seq_len": inputs.model.seq_len,
@@ -56,7 +63,15 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
 
     from slackswap.experiment.advise import graph_source, host_check, rank_hardware, run_search
 
+    partial = run_dir / PARTIAL_FILE
+    partial.unlink(missing_ok=True)
+    EVALUATED.update(path=partial, rows=0)
+
     def progress(i: int, n: int, row: Any) -> None:
+        # Each configuration reaches the disk as it is evaluated: an interrupted search keeps them.
+        with partial.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row.to_json(), default=str) + "\n")
+        EVALUATED["rows"] = i
         c = row.candidate
         tps = "-" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f} tok/s/GPU"
         print(f"[{i}/{n} {time.perf_counter() - t_start:5.1f} s] {c.layout.label}, {c.recipe}, mb {c.micro_batch}, "
@@ -68,6 +83,8 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
                         host_check=host_check(inputs.node))
     search_s = time.perf_counter() - t_start
     data = advise_report.write_outputs(run_dir, advice, inputs, header)
+    partial.unlink(missing_ok=True)  # advice.json has every row now
+    EVALUATED.update(path=None, rows=0)
     children, children_s = 0, 0.0
     if client is not None:
         children, children_s = advise_report.log_configurations(client, experiment_id, info.run_id, data)
@@ -93,11 +110,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _on_interrupt(exc: faults.Interrupted) -> str:
-    killed = faults.kill_in_flight_except(None)
-    return f"interrupted: {killed} MLflow run(s) marked KILLED"
+    faults.kill_in_flight_except(None)
+    kept = ""
+    if EVALUATED.get("path") is not None:
+        kept = f"; {EVALUATED['rows']} configuration(s) evaluated so far kept in {EVALUATED['path']}"
+    return f"interrupted by {exc}{kept}{faults.interrupted_tail()}"
 
 
 def cli() -> int:
+    EVALUATED.update(path=None, rows=0)  # a previous advice in this process (tests)
     return faults.run_cli(main, _on_interrupt, lambda: 0)
 
 

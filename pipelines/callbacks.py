@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import faults, presentation, tracking
+from pipelines import faults, presentation, superseded, tracking
 from pipelines.config_yaml import load_config
 from pipelines.job import PARENT_FILE, RESOLVED_CONFIG_FILE
 from pipelines.progress import read_progress
@@ -56,6 +56,8 @@ class SweepState:
     #: Jobs without a record, records that cannot be read, summary files not written.
     missing: int = 0
     problems: tuple[str, ...] = ()
+    #: The folders already in `<sweep dir>/superseded/` when this sweep run started.
+    superseded_before: frozenset[str] = frozenset()
 
 
 #: Set by on_multirun_start in the launching process; read by `pipelines.run` for the exit code and
@@ -77,7 +79,8 @@ class SweepCallback(Callback):
             HydraConfig.instance().set_config(config)  # ${hydra:...} is not set yet on hydra 1.3.8
             sweep_dir = Path(config.hydra.sweep.dir)
             ACTIVE_SWEEP = SweepState(
-                sweep_dir, OmegaConf.to_container(config.experiment, resolve=True), self._t_start, config=config
+                sweep_dir, OmegaConf.to_container(config.experiment, resolve=True), self._t_start, config=config,
+                superseded_before=frozenset(superseded.folders(sweep_dir)),
             )
             if OmegaConf.select(config, "hydra.sweeper._target_") != PROGRESS_SWEEPER:
                 open_parent()  # another sweeper: before its check of the jobs' configs, as Hydra orders it
@@ -133,11 +136,17 @@ class SweepCallback(Callback):
         if state is not None:
             state.status_counts, state.missing, state.problems = counts, missing, problems
             state.finished = True
+        set_aside = sorted(set(superseded.folders(sweep_dir)) - (state.superseded_before if state else set()))
         parent_file = sweep_dir / PARENT_FILE
         if not parent_file.is_file():
+            if set_aside:
+                print(superseded.line(sweep_dir, set_aside, None))
             return
         parent = json.loads(parent_file.read_text())
         client = tracking.open_client(parent["tracking_uri"])
+        if set_aside:
+            deleted = superseded.delete_children(client, parent, sweep_dir, set_aside)
+            print(superseded.line(sweep_dir, set_aside, deleted))
         outcome, reason = sweep_outcome(counts, missing, problems)
         earlier_wall_s = _earlier_wall_s(client, parent["run_id"])
         tracking.log_metrics(
@@ -387,9 +396,9 @@ def close_interrupted(exc: faults.Interrupted) -> str:
     signame = signal.Signals(exc.signum).name
     state = ACTIVE_SWEEP
     parent = state.parent if state is not None else None
-    killed_here = faults.kill_in_flight_except(parent["run_id"] if parent else None)
+    faults.kill_in_flight_except(parent["run_id"] if parent else None)
     if state is None or state.finished:
-        return f"interrupted by {signame}; {killed_here} MLflow run(s) marked KILLED"
+        return f"interrupted by {signame}{faults.interrupted_tail()}"
     parts = [f"interrupted by {signame}"]
     _killed_in_flight(state.sweep_dir, signame)
     result, summary = _partial_summary(state, parts)

@@ -28,12 +28,14 @@ import errno
 import gc
 import io
 import os
+import re
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 from pipelines.records import RunStatus
@@ -78,6 +80,25 @@ class InFlightRun:
 IN_FLIGHT: dict[str, InFlightRun] = {}
 
 
+#: MLflow runs this process ended KILLED (by the interrupt handler, or by a job that caught the
+#: interrupt itself and marked its own run), so the interrupt line counts every one of them.
+KILLED_RUN_IDS: set[str] = set()
+#: The output folder of the single run, training or advice in progress: the interrupt line names it.
+OUTPUT_DIR: Path | None = None
+
+
+def note_output_dir(path: Path) -> None:
+    global OUTPUT_DIR
+    OUTPUT_DIR = Path(path)
+
+
+def interrupted_tail() -> str:
+    """What an interrupt line of a single run adds: how many MLflow runs ended KILLED (its own, ended
+    by the job, included) and where its output folder is."""
+    tail = f"; {len(KILLED_RUN_IDS)} MLflow run(s) marked KILLED"
+    return tail + (f"; output in {OUTPUT_DIR}" if OUTPUT_DIR is not None else "")
+
+
 def track_in_flight(client: Any, run_id: str) -> None:
     IN_FLIGHT[run_id] = InFlightRun(client, run_id)
 
@@ -113,6 +134,8 @@ def kill_run(client: Any, run_id: str, status: RunStatus = RunStatus.KILLED, rea
         if reason:
             client.set_tag(run_id, "reason", reason[:4000])
         client.set_terminated(run_id, status="KILLED" if status == RunStatus.KILLED else "FAILED")
+        if status == RunStatus.KILLED:
+            KILLED_RUN_IDS.add(run_id)
     except Exception as exc:
         print(f"warning: could not mark MLflow run {run_id} {status.upper()}: {exc}", file=sys.stderr)
     done_in_flight(run_id)
@@ -148,6 +171,17 @@ EXIT_CONFIG_ERROR = 2
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
+def message_line(exc: BaseException) -> str:
+    """The first line of `exc`'s message, with the next one joined on when it ends in a colon (a
+    heading such as Hydra's `In 'model/typo': ConfigKeyError raised while composing config:`)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 def os_error_path(exc: OSError) -> str | None:
@@ -209,19 +243,27 @@ def hydra_error_line(exc: BaseException) -> str | None:
         return f"override: {first_line(exc)}"
     if not isinstance(exc, ConfigCompositionException):
         return None
-    cause = exc.__cause__
+    # Hydra raises the composition error of a preset file (`In 'model/typo': ConfigKeyError raised
+    # while composing config:`) inside the handler of omegaconf's error without `from`: the cause is
+    # the context, and the first line of the message ends at the colon before omegaconf's text.
+    cause = exc.__cause__ or exc.__context__
     key = getattr(cause, "full_key", None)
     if cause is None or not key:
-        return first_line(exc)
+        return message_line(exc)
     cause_line = first_line(cause)
+    # The preset file the mistake is in (`In 'model/typo': ...`), when a file rather than the command line.
+    preset = re.match(r"In '([^']+)':", str(exc).strip())
+    where = f" (in preset {preset.group(1)})" if preset else ""
     if type(cause).__name__ in ("ConfigKeyError", "ConfigAttributeError"):
         node, _, leaf = str(key).rpartition(".")
         schema = getattr(cause, "object_type", None)
         known = ""
         if schema is not None and dataclasses.is_dataclass(schema):
             known = "; known: " + ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
-        return f"{key}: no such key in {node or 'the config'}{known}" if leaf else f"{key}: {cause_line}"
-    return f"{key}: {cause_line}"
+        if leaf:
+            return f"{key}{where}: no such key in {node or 'the config'} ({cause_line}){known}"
+        return f"{key}{where}: {cause_line}"
+    return f"{key}{where}: {cause_line}"
 
 
 def one_line_for(exc: Exception) -> Abort:
@@ -321,6 +363,9 @@ def run_cli(
     print; `on_abort` ends what is still open FAILED and returns what to add to the error's line;
     `exit_code` is asked after a normal return (non-zero when a sweep had failed jobs).
     """
+    global OUTPUT_DIR
+    KILLED_RUN_IDS.clear()
+    OUTPUT_DIR = None
     try:
         with signals_raise_interrupted(), hydra_errors_as_one_line():
             main()

@@ -153,6 +153,24 @@ def _write(run_dir: Path, node: Mapping[str, Any], result: identify.Search, hits
     return summary
 
 
+class Progress:
+    """The grid's console lines as it goes, as a sweep's `[i/N 12.3 s]` (pipelines/progress.py): the
+    seed grid is one run of minutes (80 s idle on 2 cores, much longer loaded) and said nothing."""
+
+    def __init__(self, t0: float, reference: Mapping[str, float]) -> None:
+        self.t0 = t0
+        self.reference = reference
+
+    def line(self, where: str, what: str) -> None:
+        print(f"[{where} {time.perf_counter() - self.t0:6.1f} s] {what}", flush=True)
+
+    def point(self, stage: str, i: int, n: int, point: identify.Point) -> None:
+        err = point.error_pp(self.reference)
+        shown = ", ".join(f"{k} {_pct(point.retained[k])}" for k in self.reference)
+        self.line(f"{stage} {i}/{n}", f"{point.setting.label()}: {shown}; max error "
+                  + ("infeasible" if math.isinf(err) else f"{err:.2f} pp"))
+
+
 def run_identify(cfg: DictConfig) -> dict[str, Any]:
     from pipelines.job import resolve_config
 
@@ -162,6 +180,7 @@ def run_identify(cfg: DictConfig) -> dict[str, Any]:
     _check(node, problem)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    faults.note_output_dir(run_dir)
     track = resolved["tracking"]
     client = run_id = artifact_uri = None
     if track["enabled"]:
@@ -176,12 +195,20 @@ def run_identify(cfg: DictConfig) -> dict[str, Any]:
                                                           "node": resolved["node"]["name"]}))
     try:
         t0 = time.perf_counter()
-        result = identify.search(problem, node["coarse"], node["fine"], node["refine_within_pp"], node["workers"])
+        say = Progress(t0, problem.reference)
+        result = identify.search(problem, node["coarse"], node["fine"], node["refine_within_pp"], node["workers"],
+                                 on_point=say.point)
         ref = problem.reference
         hits = identify.matches(result.points, ref, node["tolerance_pp"])
         ranked = hits or sorted(result.points, key=lambda p: p.error_pp(ref))
-        best = [(p, identify.bound_gaps(problem, p, node["bound_planner"])) for p in ranked[: node["bound_points"]]]
+        best = []
+        for i, p in enumerate(ranked[: node["bound_points"]], start=1):
+            say.line(f"bound {i}/{min(len(ranked), node['bound_points'])}",
+                     f"{node['bound_planner']} at {p.setting.label()}")
+            best.append((p, identify.bound_gaps(problem, p, node["bound_planner"])))
         pins = identify.pinned(hits, result.points)
+        if ranked:
+            say.line("scale check", f"every speed knob x0.8 and x1.2 at {ranked[0].setting.label()}")
         scale = identify.scale_check(problem, ranked[0]) if ranked else {}
         wall_s = time.perf_counter() - t0
         summary = _write(run_dir, node, result, hits, best, pins, scale, wall_s)

@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import faults, overrides, plots, presentation, progress, provenance, tracking
+from pipelines import faults, overrides, plots, presentation, progress, provenance, superseded, tracking
 from pipelines.config_yaml import dump_config
 from pipelines.console import format_summary
 from pipelines.records import FINISHED_STATUSES, RECORD_FILE, RunRecord, RunStatus
@@ -106,6 +106,8 @@ def run_job(cfg: DictConfig) -> RunRecord:
     t_start = time.perf_counter()
     ctx = JobContext.from_hydra()
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    if not ctx.multirun:
+        faults.note_output_dir(ctx.run_dir)
     config_error: ConfigError | None = None
     #: A file of this job that could not be written (a full disk, a read-only folder): one line.
     write_problem: str | None = None
@@ -114,6 +116,7 @@ def run_job(cfg: DictConfig) -> RunRecord:
         resolved = resolve_config(cfg)
         resolved_text = resolved_yaml(resolved)
         overrides.check_traced_attention(resolved, _task_overrides())
+        overrides.check_hook(resolved)
         if ctx.multirun:
             earlier = _keep_or_set_aside_earlier(ctx, resolved_text)
             if earlier is not None:
@@ -365,7 +368,7 @@ def _outcome_tags(record: RunRecord, resolved: Mapping[str, Any]) -> dict[str, s
 
 #: Outcomes a re-run of the same sweep into the same folder keeps instead of running the job again.
 REUSABLE_STATUSES = FINISHED_STATUSES
-SUPERSEDED_DIR = "superseded"
+SUPERSEDED_DIR = superseded.SUPERSEDED_DIR
 
 
 def _keep_or_set_aside_earlier(ctx: JobContext, resolved_yaml: str) -> RunRecord | None:

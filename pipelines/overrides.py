@@ -38,3 +38,16 @@ def check_traced_attention(resolved: Mapping[str, Any], task_overrides: Sequence
         f"ignored by a traced preset: its graph follows model.torch.attention "
         f"(now {torch_node.get('attention')!r}); set model.torch.attention=eager or =sdpa instead",
     )
+
+
+def check_hook(resolved: Mapping[str, Any]) -> None:
+    """A user's model hook (`builder: hook`) is imported before anything is recorded: a hook that cannot
+    be imported is a config mistake (exit 2, one line with what to check), not a failed run found
+    by the profile stage after the MLflow run exists."""
+    profile = resolved.get("profile") or {}
+    for node in ((resolved.get("model") or {}).get("torch"), profile.get("options") if profile.get("source") == "torch"
+                 else None):
+        if node and node.get("builder") == "hook" and node.get("hook"):
+            from slackswap.profile.torch.workloads import hook_function
+
+            hook_function(str(node["hook"]))

@@ -213,13 +213,23 @@ def _reference_table(experiment: Mapping[str, Any]) -> str:
     )
 
 
+#: MLflow's limit on a run tag's value (`mlflow.utils.validation.MAX_TAG_VAL_LENGTH`, MLflow 3.x), which
+#: the parent's Description (`mlflow.note.content`) is: longer text is cut there, mid-table.
+DESCRIPTION_MAX_CHARS = 8000
+
+
 def sweep_description(
     experiment: Mapping[str, Any],
     swept: Mapping[str, str],
     parent_link: str | None = None,
     results_md: str = "",
+    max_chars: int = DESCRIPTION_MAX_CHARS,
 ) -> str:
-    """Markdown for the parent run and the experiment: what was swept, the paper's figures, results."""
+    """Markdown for the parent run and the experiment: what was swept, the paper's figures, results.
+
+    Never over `max_chars`: MLflow cut a long Description (`hardware`, `budget_curves`) mid-table. The
+    results table is shown whole when it fits; otherwise the text says how long it is and links the
+    artifact that holds it, and a swept list too long to show is ended after whole lines."""
     title = experiment.get("description") or f"Sweep {experiment.get('name', '')}".strip()
     lines = [f"**{title}**", "", "Swept (one child run per combination):", ""]
     lines += [f"- `{key}`: {value}" for key, value in swept.items()] or ["- nothing (single combination)"]
@@ -233,5 +243,15 @@ def sweep_description(
     if parent_link:
         text += f"\n\nResults: [paper_table.md and summary.md of the latest sweep]({parent_link})"
     if results_md:
-        text += "\n\n" + results_md
+        table = "\n\n" + results_md
+        if len(text) + len(table) + 1 > max_chars:
+            where = f"[the parent's artifacts]({parent_link})" if parent_link else "the parent's artifacts"
+            table = (f"\n\nThe results table ({len(results_md.splitlines())} lines, {len(results_md):,} characters) "
+                     f"is longer than MLflow's {max_chars:,}-character Description: it is in {where} "
+                     "(`summary.md`, `paper_table.md`), whole.")
+        text += table
+    if len(text) + 1 > max_chars:  # a swept list of very many keys: whole lines, then how many are left out
+        tail = "\n\n... (cut after whole lines at MLflow's limit; the parent's params list every swept key)"
+        kept = text[: max_chars - len(tail) - 1].rsplit("\n", 1)[0]
+        text = kept + tail
     return text + "\n"

@@ -49,6 +49,7 @@ def profile_stage(cfg: DictConfig) -> None:
 
     node = OmegaConf.to_container(cfg.model, resolve=True)
     overrides.check_traced_attention({"model": node}, list(HydraConfig.get().overrides.task))
+    overrides.check_hook({"model": node, "profile": OmegaConf.to_container(cfg.profile, resolve=True)})
     torch_node = node.pop("torch", None)
     profile = OmegaConf.to_container(cfg.profile, resolve=True)
     source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)

@@ -9,7 +9,7 @@ back). The JSON keys are the dataclass fields, so a record read back is the reco
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
@@ -80,6 +80,7 @@ class RunRecord:
         missing = [name for name in required if name not in data]
         if missing:
             raise ConfigError("run_record", missing, "missing field(s)")
+        _check_types(data)
         status = data.get("status")
         if status is not None:
             try:
@@ -88,6 +89,15 @@ class RunRecord:
                 known = [s.value for s in RunStatus]
                 raise ConfigError("run_record.status", status, f"must be one of {known}") from None
         return cls(**{**data, "status": status, "job": job})
+
+    def check_numbers(self, names: Iterable[str]) -> None:
+        """Each metric of `names` the record has is a number, a boolean or null; else a ConfigError
+        naming the field and its value (a hand-edited `"step_s": "0.5"` would crash the summary's
+        arithmetic far from the file)."""
+        for name in names:
+            value = self.metrics.get(name)
+            if value is not None and not isinstance(value, (bool, int, float)):
+                raise ConfigError(f"run_record.metrics.{name}", value, "must be a number")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
@@ -108,3 +118,28 @@ class RunRecord:
         if not isinstance(data, Mapping):
             raise ValueError(f"{path}: a run record is a JSON object, not {type(data).__name__}")
         return cls.from_dict(data, job=job)
+
+
+#: The JSON types of the record's fields: valid JSON with a wrong field (`"metrics": null`, a list for
+#: `choices`) is refused naming the field, not met later as an AttributeError in the summary.
+_MAPPING_FIELDS = ("choices", "metrics", "facts", "timings_s", "versions")
+_TEXT_FIELDS = ("run_name", "planner", "planner_name", "run_dir", "failure_reason")
+_OPTIONAL_TEXT_FIELDS = ("model", "hardware", "mlflow_run_id", "status")
+_OPTIONAL_NUMBER_FIELDS = ("budget_fraction", "budget_bytes_requested")
+
+
+def _check_types(data: Mapping[str, Any]) -> None:
+    for name in _MAPPING_FIELDS:
+        if name in data and not isinstance(data[name], Mapping):
+            raise ConfigError(f"run_record.{name}", data[name], "must be a JSON object")
+    for name in _TEXT_FIELDS + _OPTIONAL_TEXT_FIELDS:
+        value = data.get(name)
+        if name in data and not isinstance(value, str) and not (value is None and name in _OPTIONAL_TEXT_FIELDS):
+            raise ConfigError(f"run_record.{name}", value, "must be a string")
+    for name in _OPTIONAL_NUMBER_FIELDS:
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"run_record.{name}", value, "must be a number or null")
+    for key, value in (data.get("metrics") or {}).items():
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ConfigError(f"run_record.metrics.{key}", value, "must be a number, a boolean, a string or null")

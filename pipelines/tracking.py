@@ -171,6 +171,26 @@ def check_sqlite_store(path: Path) -> None:
         raise TrackingUnavailable(f"tracking store {path} is a SQLite database of another program (tables: {shown})")
 
 
+def check_store_writable(path: Path) -> None:
+    """Refuse a read-only store, naming the path, before MLflow touches it.
+
+    MLflow writes on every run (the run row, params, metrics), and SQLite writes a journal next to
+    the database: a read-only `mlflow.db` (or its folder) otherwise failed at the first write, inside
+    SQLAlchemy's autoflush, with 92 lines and neither the path nor "read-only" in them. `os.access`
+    answers for the effective user and, for root too, for a read-only mount (EROFS)."""
+    if path.exists() and not os.access(path, os.W_OK):
+        raise TrackingUnavailable(
+            f"tracking store {path} is read-only: make it writable or choose another tracking.uri (tracking=off "
+            "records nothing)"
+        )
+    if not os.access(path.parent, os.W_OK):
+        raise TrackingUnavailable(
+            f"tracking store {path} is in a read-only folder ({path.parent}: SQLite writes its journal and "
+            "the store's lock there): make it writable or choose another tracking.uri (tracking=off records "
+            "nothing)"
+        )
+
+
 def probe_server(uri: str, timeout_s: float = SERVER_PROBE_TIMEOUT_S) -> None:
     """Fail fast, naming the URI, when no MLflow server answers at `uri`."""
     import urllib.error
@@ -213,8 +233,12 @@ def open_client(uri: str):
         return MlflowClient(tracking_uri=uri)
     from filelock import FileLock, Timeout
 
-    db.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrackingUnavailable(f"tracking store {db}: its folder cannot be created ({exc.strerror})") from None
     check_sqlite_store(db)
+    check_store_writable(db)
     lock = FileLock(str(db) + ".lock")
     import_paused("mlflow.store.tracking.sqlalchemy_store")  # what the client constructs for SQLite
     try:

@@ -112,7 +112,9 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
 
     resolved = resolve_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    faults.note_output_dir(run_dir)
     overrides.check_traced_attention(resolved, list(HydraConfig.get().overrides.task))
+    overrides.check_hook(resolved)
     spec = TrainingRunSpec.from_dict(resolved)  # bad values fail before an MLflow run exists
     track = resolved["tracking"]
     client = run_id = None
@@ -161,8 +163,8 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _interrupted(exc: faults.Interrupted) -> str:
-    marked = faults.kill_in_flight_except(None)
-    return f"interrupted by {exc}; {marked} MLflow run(s) marked KILLED"
+    faults.kill_in_flight_except(None)
+    return f"interrupted by {exc}{faults.interrupted_tail()}"
 
 
 def cli() -> int:

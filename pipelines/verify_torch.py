@@ -47,7 +47,7 @@ def check_device(device: str) -> None:
     torch = import_torch()
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no GPU visible"
-        raise ConfigError("device", device, f"torch {torch.__version__} ({build}) cannot run it; use device=cpu")
+        raise ConfigError("device", device, f"torch {torch.__version__} ({build}) cannot run it; use +device=cpu")
 
 
 def verify(cfg: DictConfig) -> None:
@@ -58,6 +58,7 @@ def verify(cfg: DictConfig) -> None:
     if torch_node is None:
         raise ConfigError("model.torch", None, "the model preset is analytic; pick a traced one (hf_*, tiny_torch)")
     overrides.check_traced_attention({"model": {**node, "torch": torch_node}}, list(HydraConfig.get().overrides.task))
+    overrides.check_hook({"model": {"torch": torch_node}})
     device = str(cfg.get("device", "cuda"))
     spec = TorchSpec.from_dict(torch_node)
     model = ModelConfig.from_dict(node)

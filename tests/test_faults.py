@@ -65,10 +65,11 @@ def _in_process(monkeypatch, tmp_path: Path, *args: str, module: str = "pipeline
     ("args", "line"),
     [
         (["model=gpt5"], "error: model=gpt5: no such preset (conf/model/gpt5.yaml); known: bert_large,"),
-        (["budget.fracton=0.3"], "error: budget.fracton: no such key in budget; known: bytes, device, fraction"),
+        (["budget.fracton=0.3"],
+         "error: budget.fracton: no such key in budget (Key 'fracton' not in 'BudgetSchema'); known: bytes, device,"),
         (["model.num_layers=three"], "error: model.num_layers: Value 'three' of type 'str' could not be converted"),
         (["-m", "model=tiny,gpt5"], "error: model=gpt5: no such preset"),
-        (["-m", "model=tiny", "model.num_layer=2,3"], "error: model.num_layer: no such key in model; known:"),
+        (["-m", "model=tiny", "model.num_layer=2,3"], "error: model.num_layer: no such key in model (Key 'num_layer'"),
         (["model=tiny_torch", "model.attention=flash"],
          "error: model.attention='flash': ignored by a traced preset: its graph follows model.torch.attention"),
     ],
@@ -87,6 +88,31 @@ def test_config_mistakes_are_one_line_exit_2_before_anything_is_recorded(
     # Nothing recorded: no MLflow run (in a sweep: no empty parent), no sweep folder.
     assert _runs(mlflow_store.db_path) == []
     assert not sweep.exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "line"),
+    [
+        (("num_layers:", "num_layer:"),
+         "error: model.num_layer (in preset model/typo): no such key in model (Key 'num_layer' not in 'ModelSchema')"),
+        (("num_layers: 2", "num_layers: two"),
+         "error: model.num_layers (in preset model/typo): Value 'two' of type 'str' could not be converted"),
+    ],
+)  # fmt: skip
+def test_a_mistake_inside_a_preset_file_names_the_key_and_the_preset(tmp_path, monkeypatch, capsys, edit, line) -> None:
+    """The README's "add a model" path: a new conf/model/<name>.yaml with a typo or a wrong type. Hydra
+    raises its composition error without `from`, and its first line ends at a colon; the key and
+    omegaconf's reason must still be on the one line."""
+    presets = tmp_path / "presets" / "model"
+    presets.mkdir(parents=True)
+    (presets / "typo.yaml").write_text((REPO_ROOT / "conf/model/tiny.yaml").read_text().replace(*edit))
+    code = _in_process(
+        monkeypatch, tmp_path, "model=typo", "tracking=off", f"hydra.run.dir={tmp_path}/run",
+        f"hydra.searchpath=[file://{tmp_path}/presets]",
+    )  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and len(err) == 1 and err[0].startswith(line), err
+    assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------- full disk, read-only folder (tmpfs)
@@ -158,6 +184,34 @@ def test_a_full_disk_or_read_only_folder_ends_runs_failed_with_one_line(tmp_path
     assert len(_runs(mlflow_store.db_path)) == before
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_a_read_only_store_is_one_line_naming_it_before_any_run(tmp_path, mlflow_store, what) -> None:
+    """A read-only `mlflow.db` (or its folder): one line with the path and "read-only", exit 1 as other
+    store faults, no Python traceback (it was 92 lines ending in SQLAlchemy's autoflush message).
+    Read-only by a private read-only bind mount: file modes do not stop root, a mount does."""
+    why = _unshare_works(tmp_path)
+    if why is not None:
+        pytest.skip(why)
+    db = mlflow_store.db_path
+    target = db if what == "file" else db.parent
+    before = _runs(db)
+    single = ["model=tiny", f"hydra.run.dir={tmp_path}/run"]
+    sweep = ["-m", "model=tiny", f"hydra.sweep.dir={tmp_path}/sweep"]
+    for args in (single, sweep):
+        script = f'mount --bind "{target}" "{target}" && mount -o remount,ro,bind "{target}" && exec "$@"'
+        done = subprocess.run(
+            ["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-m", "pipelines.run", *args,
+             *_store_args(mlflow_store)],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        err = _errors(done.stderr)
+        assert done.returncode == 1 and len(err) == 1, done.stderr
+        assert err[0].startswith(f"error: tracking store {db} is ") and "read-only" in err[0], err
+        assert "Traceback" not in done.stderr
+    assert _runs(db) == before
+
+
 # ------------------------------------------------------------------------------- pipelines.train
 
 
@@ -180,7 +234,8 @@ def test_sigterm_ends_a_training_run_killed_with_one_line(tmp_path, mlflow_store
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and _errors(err) == ["interrupted by SIGTERM; 1 MLflow run(s) marked KILLED"], err
+    line = f"interrupted by SIGTERM; 1 MLflow run(s) marked KILLED; output in {tmp_path}/run"
+    assert proc.returncode == 143 and _errors(err) == [line], err
     [run] = _runs(mlflow_store.db_path)
     assert (run["status"], run["tag"], run["source"]) == ("KILLED", "killed", "pipelines/train.py")
 
@@ -207,6 +262,33 @@ def test_train_bad_values_are_one_line_exit_2(tmp_path, mlflow_store, monkeypatc
     assert _runs(mlflow_store.db_path) == []
 
 
+@pytest.mark.parametrize("module", ["pipelines.run", "pipelines.train"])
+@pytest.mark.parametrize(
+    ("hook", "line"),
+    [
+        ("my_models.mlp:build", "error: model.torch.hook='my_models.mlp:build': cannot be imported "
+         "(ModuleNotFoundError: No module named 'my_models'); the part before ':' must be a module importable "
+         "where you run (put its folder on PYTHONPATH)"),
+        ("slackswap.profile.torch.tiny:no_such_function", "error: model.torch.hook='slackswap.profile.torch.tiny:"
+         "no_such_function': module 'slackswap.profile.torch.tiny' ("),
+    ],
+)  # fmt: skip
+def test_a_model_hook_that_cannot_be_imported_is_a_config_error(
+    tmp_path, mlflow_store, monkeypatch, capsys, module, hook, line
+) -> None:
+    """A user's hook not on the import path is a config mistake (exit 2, one line saying what to check),
+    found before any MLflow run, not a failed run (exit 1) found by the profile stage."""
+    if hook.startswith("slackswap.profile.torch"):
+        require_torch_extra()  # that module imports torch
+    code = _in_process(
+        monkeypatch, tmp_path, "model=tiny_torch", "model.torch.builder=hook", f"model.torch.hook={hook}",
+        *_store_args(mlflow_store), f"hydra.run.dir={tmp_path}/run", module=module,
+    )  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and len(err) == 1 and err[0].startswith(line), err
+    assert _runs(mlflow_store.db_path) == []
+
+
 def test_verify_torch_on_a_cpu_only_torch_is_one_line(tmp_path, monkeypatch, capsys) -> None:
     torch = require_torch_extra()
     if torch.cuda.is_available():
@@ -217,7 +299,7 @@ def test_verify_torch_on_a_cpu_only_torch_is_one_line(tmp_path, monkeypatch, cap
     )  # fmt: skip
     err = _errors(capsys.readouterr().err)
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: device='cuda': torch {torch.__version__} (") and "use device=cpu" in err[0]
+    assert err[0].startswith(f"error: device='cuda': torch {torch.__version__} (") and "use +device=cpu" in err[0]
     assert not (tmp_path / "run" / "verify_torch.json").exists()
 
 

@@ -108,6 +108,22 @@ def test_workers_give_the_same_points_as_one_process() -> None:
     assert identify.evaluate_grid(problem, settings, 2) == identify.evaluate_grid(problem, settings, 1)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_search_reports_each_point_as_it_is_evaluated(workers) -> None:
+    """The seed grid runs for minutes: `on_point` says how far it is (stage, i of n), in order, with
+    the point that the result then holds, in this process and over forked workers alike."""
+    problem = _problem()
+    coarse = {"attention": ["eager", "flash"], "dropout": [False], "matmul_efficiency": [0.3, 0.6],
+              "hbm_efficiency": [0.8], "link_gbps": [25.0]}
+    fine = {"matmul_scale": [0.9, 1.1], "hbm_efficiency": [0.8], "link_gbps": [25.0]}
+    seen = []
+    result = identify.search(problem, coarse, fine, refine_within_pp=1e6, workers=workers,
+                             on_point=lambda stage, i, n, point: seen.append((stage, i, n, point)))
+    assert [(s, i, n) for s, i, n, _ in seen] == [("coarse", i, 4) for i in range(1, 5)] + [
+        ("refined", i, 4) for i in range(1, 5)]
+    assert tuple(p for *_, p in seen) == result.points
+
+
 def test_search_refines_only_combinations_near_the_table_and_pinned_reports_spans() -> None:
     problem = _problem()
     coarse = {"attention": ["eager", "flash"], "dropout": [False], "matmul_efficiency": [0.3, 0.6],
@@ -144,6 +160,10 @@ def test_seed_identify_experiment_runs_and_logs_one_run(tmp_path, mlflow_store, 
         "hydra/hydra_logging=disabled",
     ]
     assert _run_cli(monkeypatch, args) in (0, None)
+    out = capsys.readouterr().out
+    # Progress as it goes (it printed nothing for the whole grid): each point, the bound, the scale check.
+    for head in ("[coarse 1/2 ", "[coarse 2/2 ", "[refined 1/1 ", "[bound 1/1 ", "[scale check "):
+        assert any(line.startswith(head) for line in out.splitlines()), (head, out)
     data = json.loads((tmp_path / "run" / "identify.json").read_text())
     assert data["settings_evaluated"] == 2 + 1 and len(data["matches"]) == 3
     assert data["best"][0]["bound_gap"]  # milp ran at the best point

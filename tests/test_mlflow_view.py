@@ -106,6 +106,28 @@ def test_descriptions_say_the_outcome_and_what_is_known() -> None:
     assert "(#/experiments/1/runs/abc/artifacts/paper_table.md)" in note
 
 
+def test_a_sweep_description_stays_under_mlflows_limit_and_never_cuts_the_table() -> None:
+    """MLflow cut the parent's Description at 8,000 characters mid-table (`hardware`, `budget_curves`):
+    a table that does not fit is replaced by a link to the artifact that holds it whole."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    assert presentation.DESCRIPTION_MAX_CHARS == MAX_TAG_VAL_LENGTH
+    experiment = {"name": "hardware", "description": "Every GPU"}
+    link = "#/experiments/1/runs/abc/artifacts/summary.md"
+    rows = [f"| model{i} | h100 | 50% | slackswap | ok | 97.{i % 10}% |" for i in range(300)]
+    long_table = "# Sweep summary\n\n| model | hardware | budget | planner | status | throughput |\n" + "\n".join(rows)
+    note = presentation.sweep_description(experiment, {"hardware": "a100, h100"}, link, long_table)
+    assert len(note) <= MAX_TAG_VAL_LENGTH
+    assert "| model0 |" not in note  # no part of the table, rather than a table cut mid-row
+    assert f"is longer than MLflow's 8,000-character Description: it is in [the parent's artifacts]({link})" in note
+    short_table = "\n".join(long_table.splitlines()[:10])
+    note = presentation.sweep_description(experiment, {"hardware": "a100, h100"}, link, short_table)
+    assert short_table in note and len(note) <= MAX_TAG_VAL_LENGTH
+    many = {f"key{i}": "a, b, c" * 20 for i in range(100)}  # a swept list alone over the limit
+    note = presentation.sweep_description(experiment, many, link)
+    assert len(note) <= MAX_TAG_VAL_LENGTH and note.rstrip().endswith("list every swept key)")
+
+
 @pytest.mark.slow
 def test_artifacts_are_stored_once_and_survive_moving_the_store(tmp_path, mlflow_store) -> None:
     """Log a run's folder, move the whole store elsewhere, and read the artifact back through the

@@ -118,6 +118,8 @@ def test_a_step_over_the_device_is_ok_but_says_so_on_stdout_and_in_mlflow(tmp_pa
     out = capsys.readouterr().out
     status = next(line for line in out.splitlines() if line.startswith("status"))
     assert status.startswith("status       ok; DOES NOT FIT THE DEVICE") and "tokens/s" in out
+    speed = next(line for line in out.splitlines() if line.startswith("speed"))
+    assert "(step: forward + backward, without the optimizer step (model.include_optimizer=false)" in speed
     client = mlflow_store.client()
     (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
     assert run.data.tags["status"] == "ok" and run.data.tags["fits_device"] == "false"

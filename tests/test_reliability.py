@@ -458,17 +458,52 @@ def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(
     children = client.search_runs(
         [client.get_experiment_by_name("test").experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'"
     )
-    assert len(children) == 4  # 2 + job 1 again + job 2; job 0 once
+    # The parent's children are the summary's jobs: job 0 once, job 1 again, job 2. Job 1's killed first
+    # attempt is set aside, said in one line, and its run deleted from the parent (restorable).
+    assert sorted(c.info.run_id for c in children) == sorted(r["mlflow_run_id"] for r in second.values())
+    aside_run = client.get_run(first["1"]["mlflow_run_id"])
+    assert aside_run.info.lifecycle_stage == "deleted" and aside_run.data.tags["superseded"] == "true"
     parent = client.get_run(parent_id)
     # Completed again: no `killed` left over from the interrupted attempt, time of both runs counted.
     assert parent.info.status == "FINISHED" and parent.data.tags["status"] == "ok"
     assert parent.data.metrics["sweep_wall_s"] > first_parent.data.metrics["sweep_wall_s"]
     # The progress counts this run's jobs 1, 2, 3 (the kept one included), not the records on disk.
-    counters = [line.split("]")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    out = capsys.readouterr().out
+    counters = [line.split("]")[0] for line in out.splitlines() if line.startswith("[")]
     assert [c.split()[0] for c in counters] == ["[1/3", "[2/3", "[3/3"], counters
+    assert f"1 earlier job folder(s) set aside in {sweep / 'superseded'} (1-1): " in out
+    assert "their 1 MLflow run(s) deleted from the parent" in out
     import pandas as pd
 
     assert len(pd.read_csv(sweep / "summary.csv")) == 3
+
+
+def test_resuming_a_sweep_folder_with_another_grid_says_so_and_the_parent_matches_the_summary(
+    tmp_path, mlflow_store, monkeypatch, capsys
+) -> None:
+    """The issue's case: 4 jobs, then 2 of another grid into the same folder. Jobs 0 and 1 of the first
+    grid are set aside (replaced by the new grid's 0 and 1), and one line says so; jobs 2 and 3 keep
+    their folders and stay in the summary. The parent lists exactly the summary's children (it kept the
+    set-aside runs too: 6 children beside a 4-row summary)."""
+    sweep = tmp_path / "sweep"
+    common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}"]
+    assert _in_process(monkeypatch, tmp_path, *common, "planner=keep_all,full_recompute",
+                       "budget.fraction=1.0,0.9") == 0
+    capsys.readouterr()
+    assert _in_process(monkeypatch, tmp_path, *common, "planner=swap_only", "budget.fraction=0.8,0.7") == 0
+    out = capsys.readouterr().out
+    [said] = [line for line in out.splitlines() if "set aside" in line]
+    assert said.startswith(f"2 earlier job folder(s) set aside in {sweep / 'superseded'} (0-1, 1-1): another config")
+    assert said.endswith("`mlflow runs restore --run-id <id>` brings one back)") and "their 2 MLflow run(s)" in said
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    client = mlflow_store.client()
+    children = client.search_runs(
+        [client.get_experiment_by_name("test").experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'"
+    )
+    import pandas as pd
+
+    summary = pd.read_csv(sweep / "summary.csv")
+    assert len(summary) == 4 and sorted(c.info.run_id for c in children) == sorted(summary["mlflow_run_id"])
 
 
 # -------------------------------------------------------------------------------------- determinism

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -223,18 +223,34 @@ def _evaluate_one(setting: Setting) -> Point:
     return evaluate(_WORKER_PROBLEM, setting)
 
 
-def evaluate_grid(problem: Problem, settings: Sequence[Setting], workers: int = 1) -> list[Point]:
+#: Called after each evaluated setting with (i from 1, how many, the point): a long grid says how far it is.
+OnPoint = Callable[[int, int, Point], None]
+
+
+def evaluate_grid(problem: Problem, settings: Sequence[Setting], workers: int = 1,
+                  on_point: OnPoint | None = None) -> list[Point]:
     """`evaluate` for every setting, in order, over `workers` forked processes (1, or no fork on this
-    platform: in this process)."""
+    platform: in this process); `on_point` after each, in order."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError("identify.workers", workers, "must be an integer >= 1")
+    points: list[Point] = []
+
+    def done(point: Point) -> None:
+        points.append(point)
+        if on_point is not None:
+            on_point(len(points), len(settings), point)
+
     if workers == 1 or len(settings) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return [evaluate(problem, s) for s in settings]
+        for s in settings:
+            done(evaluate(problem, s))
+        return points
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
                              initargs=(problem,)) as pool:
         # chunks of consecutive settings: a worker gets the link values of one graph together
-        return list(pool.map(_evaluate_one, settings, chunksize=4))
+        for point in pool.map(_evaluate_one, settings, chunksize=4):
+            done(point)
+    return points
 
 
 @dataclass(frozen=True)
@@ -250,15 +266,20 @@ class Search:
 
 
 def search(problem: Problem, coarse: Mapping[str, Sequence], fine: Mapping[str, Sequence],
-           refine_within_pp: float, workers: int = 1) -> Search:
+           refine_within_pp: float, workers: int = 1,
+           on_point: Callable[[str, int, int, Point], None] | None = None) -> Search:
     """Screen the coarse grid; for every (attention, dropout) whose best coarse setting is within
     `refine_within_pp` of the table, evaluate a fine grid centred on that setting: its matmul
     efficiency times each of `fine["matmul_scale"]` (values above 1 dropped), crossed with the fine
-    HBM efficiencies and link bandwidths."""
+    HBM efficiencies and link bandwidths. `on_point(stage, i, n, point)` after each setting, stage
+    "coarse" or "refined"."""
     unknown = sorted(set(fine) - {"matmul_scale", "hbm_efficiency", "link_gbps"})
     if unknown:
         raise ConfigError("identify.fine", unknown, "unknown knob(s); known: matmul_scale, hbm_efficiency, link_gbps")
-    coarse_points = evaluate_grid(problem, grid(coarse), workers)
+    def stage(name: str) -> OnPoint | None:
+        return None if on_point is None else (lambda i, n, point: on_point(name, i, n, point))
+
+    coarse_points = evaluate_grid(problem, grid(coarse), workers, stage("coarse"))
     best: dict[tuple[str, bool], Point] = {}
     for p in coarse_points:
         combo = (p.setting.attention, p.setting.dropout)
@@ -271,7 +292,8 @@ def search(problem: Problem, coarse: Mapping[str, Sequence], fine: Mapping[str, 
         matmul = sorted({round(centre * x, 4) for x in fine["matmul_scale"] if 0 < centre * x <= 1})
         fine_settings += grid({"attention": [combo[0]], "dropout": [combo[1]], "matmul_efficiency": matmul,
                                "hbm_efficiency": fine["hbm_efficiency"], "link_gbps": fine["link_gbps"]})
-    return Search(tuple(coarse_points), tuple(evaluate_grid(problem, fine_settings, workers)), combos)
+    return Search(tuple(coarse_points), tuple(evaluate_grid(problem, fine_settings, workers, stage("refined"))),
+                  combos)
 
 
 def matches(points: Sequence[Point], reference: Mapping[str, float], tolerance_pp: float) -> list[Point]:

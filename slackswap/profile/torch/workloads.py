@@ -83,16 +83,34 @@ def _hf_config(model: ModelConfig, spec: TorchSpec, transformers) -> Any:
 _HF_CLASSES = {"hf_bert": "BertForMaskedLM", "hf_gpt2": "GPT2LMHeadModel", "hf_llama": "LlamaForCausalLM"}
 
 
+def hook_function(hook: str) -> Callable:
+    """The function `package.module:function` names; a ConfigError naming `model.torch.hook`, with what
+    to check, when it cannot be imported: the usual cause is a module that is not on the import path
+    of the process (the repository root is; a folder of one's own is not until PYTHONPATH has it)."""
+    module_name, _, func_name = hook.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            "model.torch.hook", hook,
+            f"cannot be imported ({type(exc).__name__}: {exc}); the part before ':' must be a module importable "
+            "where you run (put its folder on PYTHONPATH), the part after it a function of that module",
+        ) from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ConfigError(
+            "model.torch.hook", hook,
+            f"module {module_name!r} ({getattr(module, '__file__', '?')}) has no function {func_name!r}; "
+            "write it as package.module:function",
+        )
+    return func
+
+
 def build_workload(model: ModelConfig, spec: TorchSpec, device: str = "meta") -> tuple[Any, tuple, Callable]:
     """(nn.Module in train mode, example inputs, loss_fn(output) -> scalar) on `device`."""
     torch = import_torch()
     if spec.builder == "hook":
-        module_name, func_name = spec.hook.split(":")
-        try:
-            func = getattr(importlib.import_module(module_name), func_name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError("model.torch.hook", spec.hook, f"cannot be imported: {exc}") from exc
-        result = func(model, device)
+        result = hook_function(spec.hook)(model, device)
         if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], torch.nn.Module)
                 and callable(result[2])):
             raise ConfigError("model.torch.hook", spec.hook, "must return (nn.Module, inputs tuple, loss_fn)")
