@@ -106,6 +106,7 @@ class NodeSchema:
     nics_per_node: int = 0
     nic_bytes_per_s: float = 0.0
     nic_latency_s: float = 0.0
+    network_busbw_bytes_per_s: float | None = None
     nic_uplink_fraction: float = 0.0
     nvlink_bytes_per_s: float = 0.0
     nvlink_latency_s: float = 0.0
