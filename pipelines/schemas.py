@@ -56,6 +56,7 @@ class ModelSchema:
     attention: str = "eager"
     include_optimizer: bool = False
     source: str = ""
+    attention_kernel: str = ""
     #: Not a `ModelConfig` field: the torch profile source's settings (None: the analytic graph).
     torch: TorchSchema | None = None
 
@@ -85,6 +86,7 @@ class HardwareSchema:
     launch_overhead_s: float = MISSING
     source: str = ""
     sku: str = ""
+    attention_kernels: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
