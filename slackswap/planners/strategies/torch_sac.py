@@ -49,7 +49,7 @@ def sac_decisions(graph: Graph, policy: str, cached: Callable[[str], bool] | Non
     """Keep / recompute per saved tensor and keep per checkpoint candidate (module docstring).
 
     `cached(tensor)`: whether SAC's cache holds that forward output (default: its producer is a
-    `policy` op); a policy that decides per output, not per op, passes its own (torchtitan_sac)."""
+    `policy` op); a policy that decides per output, not per op, passes its own (torch_sac_torchtitan)."""
     boundary = boundary_tensors(graph)
     ops = graph.op_by_name
     if cached is None:

@@ -1,4 +1,4 @@
-"""torchtitan_sac keeps what torchtitan's "op" selective-checkpointing policy keeps: per block the
+"""torch_sac_torchtitan keeps what torchtitan's "op" selective-checkpointing policy keeps: per block the
 fused attention kernel's outputs and the odd-numbered matmuls' (Q, V of the three projections, the
 gate and the down projection of a Llama block), recomputing the rest."""
 
@@ -26,13 +26,14 @@ def _graph(attention: str):
 
 
 def test_registered_with_a_conf_file():
-    assert "torchtitan_sac" in available_planners()
-    assert yaml.safe_load((CONF / "planner" / "torchtitan_sac.yaml").read_text())["name"] == "torchtitan_sac"
+    assert "torch_sac_torchtitan" in available_planners()
+    preset = yaml.safe_load((CONF / "planner" / "torch_sac_torchtitan.yaml").read_text())
+    assert preset["name"] == "torch_sac_torchtitan"
 
 
 def test_saves_attention_and_every_other_matmul_per_block():
     graph = _graph("flash")
-    plan = get_planner("torchtitan_sac").plan(graph, HW, None)
+    plan = get_planner("torch_sac_torchtitan").plan(graph, HW, None)
     kept = {t for t, d in plan.decisions.items() if d == Decision.KEEP}
     recomputed = {t for t, d in plan.decisions.items() if d == Decision.RECOMPUTE}
     # mm 1, 3 (q, v), 5 (gate) and 7 (down) kept; 2 (k), 4 (proj), 6 (up) not cached
@@ -50,7 +51,7 @@ def test_saves_attention_and_every_other_matmul_per_block():
 
 def test_eager_attention_core_is_recomputed():
     graph = _graph("eager")
-    plan = get_planner("torchtitan_sac").plan(graph, HW, None)
+    plan = get_planner("torch_sac_torchtitan").plan(graph, HW, None)
     core = [t for t in graph.saved_tensors if graph.op_by_name[t.producer].attention_core
             and graph.op_by_name[t.producer].layer == 0]
     assert core and all(plan.decisions[t.name] == Decision.RECOMPUTE for t in core)

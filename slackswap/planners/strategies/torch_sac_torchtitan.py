@@ -1,4 +1,4 @@
-"""`torchtitan_sac`: torchtitan's default selective activation checkpointing, as its runs apply it.
+"""`torch_sac_torchtitan`: torchtitan's default selective activation checkpointing, as its runs apply it.
 
 torchtitan (`activation_checkpoint.mode = "selective"`, `selective_ac_option = "op"`,
 torchtitan/models/llama3/infra/parallelize.py, `_apply_ac_to_transformer_block`) wraps every
@@ -48,9 +48,9 @@ def torchtitan_cached(graph: Graph) -> set[str]:
     return cached
 
 
-@register_planner("torchtitan_sac")
-class TorchtitanSAC:
-    name = "torchtitan_sac"
+@register_planner("torch_sac_torchtitan")
+class TorchSACTorchtitan:
+    name = "torch_sac_torchtitan"
 
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
