@@ -58,6 +58,7 @@ class ModelSchema:
     attention: str = "eager"
     include_optimizer: bool = False
     source: str = ""
+    attention_kernel: str = ""
     #: Not a `ModelConfig` field: the torch profile source's settings (None: the analytic graph).
     torch: TorchSchema | None = None
 
@@ -87,6 +88,7 @@ class HardwareSchema:
     launch_overhead_s: float = MISSING
     source: str = ""
     sku: str = ""
+    attention_kernels: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class NodeSchema:
     nics_per_node: int = 0
     nic_bytes_per_s: float = 0.0
     nic_latency_s: float = 0.0
+    network_busbw_bytes_per_s: float | None = None
     nic_uplink_fraction: float = 0.0
     nvlink_bytes_per_s: float = 0.0
     nvlink_latency_s: float = 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -20,6 +20,11 @@ from slackswap.errors import ConfigError, reject_unknown_fields
 #: schema agree on the spelling.
 OP_CLASSES: tuple[str, ...] = ("matmul", "attention", "elementwise")
 DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+#: Attention kernels a model may name (`model.attention_kernel`) and a preset may give an efficiency
+#: of its own (`hardware.attention_kernels`): eager batched bmms, FlashAttention v1 / -2 / -3, Triton's
+#: flash kernel, cuDNN's fused attention. Kept here, beside the op classes, so the model config and
+#: the hardware agree on the spelling.
+ATTENTION_KERNEL_NAMES: tuple[str, ...] = ("eager", "flash1", "flash2", "flash3", "triton", "cudnn")
 
 
 def _positive(field_name: str, value: float) -> None:
@@ -91,6 +96,12 @@ class Hardware:
     source: str = ""
     #: The exact part the figures describe (form factor and memory), e.g. "NVIDIA H100 PCIe 80GB".
     sku: str = ""
+    #: Efficiency of named attention kernels (`ATTENTION_KERNEL_NAMES`), overriding
+    #: `efficiency["attention"]` for a model that names its kernel (`model.attention_kernel`). Kernels
+    #: differ more than GPUs do (FlashAttention-2 reaches 50-73 % of A100 peak and 35 % of H100's,
+    #: FlashAttention-3 75 % of H100's: Dao 2023 and Shah et al. 2024, abstracts), so one number for all
+    #: of them is wrong for most. A kernel the preset does not list runs at `efficiency["attention"]`.
+    attention_kernels: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops_per_s:
@@ -110,10 +121,21 @@ class Hardware:
             if op_class not in OP_CLASSES:
                 raise ConfigError(f"hardware.efficiency.{op_class}", eff, f"unknown op class; known: {OP_CLASSES}")
             _fraction(f"hardware.efficiency.{op_class}", eff)
+        for kernel, eff in dict(self.attention_kernels or {}).items():
+            if kernel not in ATTENTION_KERNEL_NAMES:
+                raise ConfigError(f"hardware.attention_kernels.{kernel}", eff,
+                                  f"unknown kernel; known: {ATTENTION_KERNEL_NAMES}")
+            _fraction(f"hardware.attention_kernels.{kernel}", eff)
         _fraction("hardware.hbm_efficiency", self.hbm_efficiency)
         _non_negative("hardware.launch_overhead_s", self.launch_overhead_s)
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
         object.__setattr__(self, "efficiency", MappingProxyType(dict(self.efficiency)))
+        object.__setattr__(self, "attention_kernels", MappingProxyType(dict(self.attention_kernels or {})))
+
+    def attention_efficiency(self, kernel: str = "") -> float:
+        """The efficiency of attention kernel `kernel` ("" or one the preset does not list: the
+        preset's generic attention efficiency)."""
+        return self.attention_kernels.get(kernel, self.efficiency["attention"])
 
     def peak_for(self, dtype: str) -> float:
         if dtype not in self.peak_flops_per_s:

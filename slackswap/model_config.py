@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slackswap.errors import ConfigError, reject_unknown_fields
-from slackswap.hardware import DTYPES
+from slackswap.hardware import ATTENTION_KERNEL_NAMES, DTYPES
 
 FAMILIES: tuple[str, ...] = ("bert", "gpt2", "llama")
 ATTENTION_KERNELS: tuple[str, ...] = ("eager", "flash")
@@ -33,6 +33,10 @@ class ModelConfig:
     attention: str = "eager"
     include_optimizer: bool = False
     source: str = ""
+    #: The attention kernel that runs `attention` ("": not named, the preset's one attention
+    #: efficiency): "eager" for eager attention, a fused kernel (flash1, flash2, flash3, triton,
+    #: cudnn) for flash. It changes the timing only (`Hardware.attention_kernels`), never the graph.
+    attention_kernel: str = ""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -41,6 +45,12 @@ class ModelConfig:
             raise ConfigError("model.dtype", self.dtype, f"unknown dtype; known: {DTYPES}")
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError("model.attention", self.attention, f"unknown kernel; known: {ATTENTION_KERNELS}")
+        if self.attention_kernel and self.attention_kernel not in ATTENTION_KERNEL_NAMES:
+            raise ConfigError("model.attention_kernel", self.attention_kernel,
+                              f"unknown kernel; known: {ATTENTION_KERNEL_NAMES}")
+        if self.attention_kernel and (self.attention_kernel == "eager") != (self.attention == "eager"):
+            raise ConfigError("model.attention_kernel", self.attention_kernel,
+                              f"does not run model.attention={self.attention!r} (eager runs eager, the rest flash)")
         for name in (
             "num_layers",
             "hidden_size",

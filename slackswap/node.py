@@ -80,6 +80,10 @@ class Node:
     #: Effective network bandwidth of one NIC per direction and its one-way latency.
     nic_bytes_per_s: float = 0.0
     nic_latency_s: float = 0.0
+    #: NCCL bus bandwidth of a collective whose ring leaves the node (nccl-tests' busbw at large
+    #: sizes), bytes/s. None: the node's aggregate NIC rate, `nics_per_node x nic_bytes_per_s` (see
+    #: `network_bus_bytes_per_s`); conf/node cites the measurement where there is one.
+    network_busbw_bytes_per_s: float | None = None
     #: Share of a switch uplink that inter-node traffic holds while activation copies run (0 on one
     #: node: its gradient collectives go over NVLink, not through the switch).
     nic_uplink_fraction: float = 0.0
@@ -98,7 +102,8 @@ class Node:
                 "node.gpus_per_pcie_switch", self.gpus_per_pcie_switch,
                 f"must divide node.gpus_per_node={self.gpus_per_node}",
             )
-        for name in ("switch_uplink_h2d_bytes_per_s", "switch_uplink_d2h_bytes_per_s", "host_dram_bytes_per_numa_s"):
+        for name in ("switch_uplink_h2d_bytes_per_s", "switch_uplink_d2h_bytes_per_s", "host_dram_bytes_per_numa_s",
+                     "network_busbw_bytes_per_s"):
             if getattr(self, name) is not None:
                 _check_number(f"node.{name}", getattr(self, name), positive=True)
         if self.gpus_per_pcie_switch > 1:
@@ -127,6 +132,11 @@ class Node:
             )
         if self.nics_per_node and self.nic_bytes_per_s == 0:
             raise ConfigError("node.nic_bytes_per_s", self.nic_bytes_per_s, "must be positive when the node has NICs")
+        if self.network_busbw_bytes_per_s is not None and self.network_busbw_bytes_per_s > self.nic_line_bytes_per_s:
+            raise ConfigError(
+                "node.network_busbw_bytes_per_s", self.network_busbw_bytes_per_s,
+                f"exceeds the aggregate NIC rate {self.nic_line_bytes_per_s:g} (nics_per_node x nic_bytes_per_s)",
+            )
         _check_fraction("node.nic_uplink_fraction", self.nic_uplink_fraction, allow_zero=True)
         if self.nic_uplink_fraction >= 1:
             raise ConfigError("node.nic_uplink_fraction", self.nic_uplink_fraction, "must be below 1")
@@ -144,6 +154,27 @@ class Node:
     def network_bytes_per_s_per_gpu(self) -> float:
         """Inter-node bandwidth one GPU gets when every GPU of the node sends at once (0: no NIC)."""
         return self.nics_per_node * self.nic_bytes_per_s / self.gpus_per_node
+
+    @property
+    def nic_line_bytes_per_s(self) -> float:
+        """The node's aggregate NIC rate per direction (0: no NIC)."""
+        return self.nics_per_node * self.nic_bytes_per_s
+
+    @property
+    def network_bus_bytes_per_s(self) -> float:
+        """The bus bandwidth B of a ring collective that spans nodes (0: no NIC).
+
+        Not one NIC's share per GPU: NCCL runs one ring (channel) per NIC, and in each ring only one
+        hop per node crosses the network while the others ride NVLink, so nccl-tests' busbw across
+        nodes follows the node's aggregate NIC rate. Measured on 8-GPU A100 nodes with 4 x 200 Gb/s
+        NICs (100 GB/s aggregate): all-reduce busbw ~84.8 GB/s average, ~96 peak over 3 nodes
+        (NVIDIA/nccl-tests issue 119), ~86 GB/s over 2 nodes (NVIDIA/nccl-tests issue 175); the
+        per-GPU share (12.5 GB/s there) would be 6.8-7.7x too slow. A node that states its measured
+        busbw (`network_busbw_bytes_per_s`) uses it; otherwise the aggregate line rate, an upper bound.
+        """
+        if self.network_busbw_bytes_per_s is not None:
+            return float(self.network_busbw_bytes_per_s)
+        return self.nic_line_bytes_per_s
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Node:

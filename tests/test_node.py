@@ -140,3 +140,29 @@ def test_unknown_and_missing_fields_are_errors() -> None:
     with pytest.raises(ConfigError) as info:
         Node.from_dict(data)
     assert info.value.field == "node.pinned_host_bytes"
+
+
+def test_a_ring_across_nodes_runs_at_the_measured_nccl_bus_bandwidth() -> None:
+    """NVIDIA/nccl-tests issues 119 and 175: all-reduce busbw 84.8-86 GB/s across 4-NIC A100 nodes,
+    not one NIC's share per GPU (12.5 GB/s there), and never above the node's aggregate NIC rate."""
+    from slackswap.communication import all_reduce_s
+    from slackswap.experiment.advise import topology_from_node
+
+    four = node("hgx_a100_4nic")
+    assert four.nics_per_node == 4 and 84e9 <= four.network_bus_bytes_per_s <= 86e9
+    assert four.network_bus_bytes_per_s > 6 * four.network_bytes_per_s_per_gpu
+    topo = topology_from_node(four, hardware("a100_80gb_sxm_pcie4"))
+    net = topo.fabric_for(16)
+    assert net.name == "network" and net.bus_bytes_per_s == four.network_bus_bytes_per_s
+    # nccl-tests' busbw definition: a 1 GB all-reduce over 16 ranks takes 2 S (n-1)/n / busbw (+ latency)
+    assert all_reduce_s(1e9, 16, net) == pytest.approx(2 * 1e9 * 15 / 16 / 84.8e9, rel=1e-3)
+    eight = node("dgx_a100")
+    assert eight.nics_per_node == 8 and eight.network_bus_bytes_per_s > four.network_bus_bytes_per_s
+    # a node that states no measurement gets its aggregate line rate; one above it is refused
+    bare = replace(eight, network_busbw_bytes_per_s=None)
+    assert bare.network_bus_bytes_per_s == 8 * 25e9
+    with pytest.raises(ConfigError, match="node.network_busbw_bytes_per_s"):
+        replace(eight, network_busbw_bytes_per_s=201e9)
+    # the ring is never faster than NVLink, its other links
+    fast = replace(eight, network_busbw_bytes_per_s=200e9, nvlink_bytes_per_s=100e9)
+    assert topology_from_node(fast, hardware("a100_80gb_sxm_pcie4")).fabric_for(16).bus_bytes_per_s == 100e9

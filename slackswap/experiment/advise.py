@@ -672,8 +672,9 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 def topology_from_node(node: Any, hardware: Hardware) -> Topology:
     """The two fabrics of `slackswap.node.Node` as the collectives see them: NVLink at the node's
-    effective per-GPU NVLink bandwidth (what nccl-tests measures as busbw), the network at the node's
-    NIC bandwidth per GPU (`network_bytes_per_s_per_gpu`: NICs shared by the node's GPUs). A node
+    effective per-GPU NVLink bandwidth (what nccl-tests measures as busbw), the network at the bus
+    bandwidth a ring leaving the node reaches (`Node.network_bus_bytes_per_s`: the node's NICs
+    together, as nccl-tests measures it across nodes). A node
     without NVLink: ranks exchange through PCIe, at this GPU's effective host-link rate (the slower
     direction; an assumption, printed as the fabric name)."""
     from slackswap.communication import Fabric
@@ -684,8 +685,9 @@ def topology_from_node(node: Any, hardware: Hardware) -> Topology:
         link = hardware.link
         rate = min(link.h2d_effective_bytes_per_s, link.d2h_effective_bytes_per_s)
         intra = Fabric("pcie (no nvlink)", rate, link.latency_s)
-    network = node.network_bytes_per_s_per_gpu
-    inter = Fabric("network", network, node.nic_latency_s) if network > 0 else None
+    network = node.network_bus_bytes_per_s
+    # a ring that leaves the node runs at its slowest link (slackswap.communication, model 1)
+    inter = Fabric("network", min(network, intra.bus_bytes_per_s), node.nic_latency_s) if network > 0 else None
     return Topology(node.gpus_per_node, intra, inter)
 
 

@@ -59,7 +59,7 @@ def build_graph(model: ModelConfig, hardware: Hardware, training: TrainingConfig
     hardware.peak_for(model.dtype)  # reject a dtype the GPU has no peak for before building anything
     training = default_training(model.dtype) if training is None else training
     training.check_model_dtype(model.dtype)
-    gb = GraphBuilder(hardware, model.dtype)
+    gb = GraphBuilder(hardware, model.dtype, model.attention_kernel)
     fb = build_forward(model, gb)
     gb.backward()
     if model.include_optimizer:

@@ -55,9 +55,10 @@ def grad_name(tensor: str) -> str:
 class GraphBuilder:
     """Accumulates forward ops and tensors for one graph; `finish` adds backward/optimizer ops and times all."""
 
-    def __init__(self, hardware: Hardware, dtype: str):
+    def __init__(self, hardware: Hardware, dtype: str, attention_kernel: str = ""):
         self.hardware = hardware
         self.dtype = dtype
+        self.attention_kernel = attention_kernel  # times the attention-class ops (op_duration_s)
         self._tensors: dict[str, _TensorRec] = {}
         self._ops: list[tuple] = []  # Op constructor arguments, in execution order
         self._forward: list[_ForwardRec] = []
@@ -158,7 +159,8 @@ class GraphBuilder:
         ops = []
         for (op_name, phase, op_class, layer, inputs, outputs, flops, extra, forward_op, role) in self._ops:
             moved = extra + sum(tensors[t].size_bytes for t in inputs) + sum(tensors[t].size_bytes for t in outputs)
-            duration = op_duration_s(flops, moved, op_class, self.dtype, self.hardware)
+            duration = op_duration_s(flops, moved, op_class, self.dtype, self.hardware,
+                                     attention_kernel=self.attention_kernel)
             ops.append(Op(op_name, phase, op_class, layer, inputs, outputs, flops, moved, duration, forward_op, role,
                           **self._flags.get(op_name, {})))
         out: dict[str, Tensor] = {}

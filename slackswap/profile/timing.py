@@ -17,8 +17,13 @@ from slackswap.graph import OpClass
 from slackswap.hardware import Hardware
 
 
-def op_duration_s(flops: float, moved_bytes: int, op_class: OpClass | str, dtype: str, hardware: Hardware) -> float:
-    """Seconds one op takes on `hardware` under the roofline model (see the module docstring)."""
+def op_duration_s(flops: float, moved_bytes: int, op_class: OpClass | str, dtype: str, hardware: Hardware,
+                  *, attention_kernel: str = "") -> float:
+    """Seconds one op takes on `hardware` under the roofline model (see the module docstring).
+
+    `attention_kernel`: for an attention-class op, the kernel that runs it (`model.attention_kernel`),
+    timed at the preset's efficiency for that kernel (`Hardware.attention_efficiency`); "" (every
+    caller that names none) keeps the preset's one attention efficiency."""
     if not math.isfinite(flops) or flops < 0:
         raise ConfigError("op.flops", flops, "must be a non-negative finite number")
     if moved_bytes < 0:
@@ -29,6 +34,9 @@ def op_duration_s(flops: float, moved_bytes: int, op_class: OpClass | str, dtype
             f"hardware.efficiency.{op_class}", None, f"op class has no efficiency on hardware {hardware.name!r}"
         )
     peak_flops_per_s = hardware.peak_for(dtype)  # validates the dtype even for a 0-FLOP op
-    compute_s = flops / (peak_flops_per_s * hardware.efficiency[op_class])
+    efficiency = hardware.efficiency[op_class]
+    if op_class == OpClass.ATTENTION:
+        efficiency = hardware.attention_efficiency(attention_kernel)
+    compute_s = flops / (peak_flops_per_s * efficiency)
     memory_s = moved_bytes / (hardware.hbm_bytes_per_s * hardware.hbm_efficiency)
     return max(compute_s, memory_s) + hardware.launch_overhead_s

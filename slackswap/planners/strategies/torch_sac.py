@@ -23,6 +23,8 @@ on the CPU are in docs/planners.md ("torch_sac and torch_budget against PyTorch"
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, OpClass, Phase
 from slackswap.hardware import Hardware
@@ -43,21 +45,27 @@ def policy_saves(graph: Graph, op_name: str, policy: str) -> bool:
     return op.op_class == OpClass.MATMUL and not op.attention_core
 
 
-def sac_decisions(graph: Graph, policy: str) -> dict[str, Decision]:
-    """Keep / recompute per saved tensor and keep per checkpoint candidate (module docstring)."""
+def sac_decisions(graph: Graph, policy: str, cached: Callable[[str], bool] | None = None) -> dict[str, Decision]:
+    """Keep / recompute per saved tensor and keep per checkpoint candidate (module docstring).
+
+    `cached(tensor)`: whether SAC's cache holds that forward output (default: its producer is a
+    `policy` op); a policy that decides per output, not per op, passes its own (torch_sac_torchtitan)."""
     boundary = boundary_tensors(graph)
     ops = graph.op_by_name
+    if cached is None:
+        def cached(name: str) -> bool:
+            return policy_saves(graph, graph.tensors[name].producer, policy)
     out: dict[str, Decision] = {}
     for t in graph.saved_tensors:
         layer = ops[t.producer].layer
         read_outside = any(ops[c].phase == Phase.BACKWARD and ops[c].layer != layer for c in t.consumers)
         keep = (layer == NO_LAYER or t.name in boundary or read_outside
-                or ops[t.producer].phase not in FORWARD_PHASES or policy_saves(graph, t.producer, policy))
+                or ops[t.producer].phase not in FORWARD_PHASES or cached(t.name))
         out[t.name] = Decision.KEEP if keep else Decision.RECOMPUTE
     for t in graph.candidate_tensors:
         if t.name in boundary and any(ops[c].layer != NO_LAYER for c in t.consumers):
             out[t.name] = Decision.KEEP  # a checkpointed layer's input
-        elif ops[t.producer].layer != NO_LAYER and policy_saves(graph, t.producer, policy):
+        elif ops[t.producer].layer != NO_LAYER and cached(t.name):
             out[t.name] = Decision.KEEP
     return out
 
