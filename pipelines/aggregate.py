@@ -61,9 +61,6 @@ METRIC_COLUMNS = (
     "alone_throughput_ratio",
 )
 
-#: The columns the summary computes with (the others name things: the node, what limits a link).
-NUMERIC_METRIC_COLUMNS = tuple(c for c in METRIC_COLUMNS if c not in ("node", "h2d_limit", "d2h_limit"))
-
 #: Rows that share these simulated the same graph on the same hardware at the same budget, so a lower
 #: bound on step time from any of them (the milp planner's) bounds every plan among them. The keep-all
 #: figures are part of the key because a sweep may override model fields under one preset name; the
@@ -105,7 +102,7 @@ def read_records(sweep_dir: Path, known: Mapping[str, RunRecord] | None = None) 
         job = path.parent.name
         try:
             record = RunRecord.read(path, job=job)
-            record.check_numbers(NUMERIC_METRIC_COLUMNS)
+            record.check_numbers(METRIC_COLUMNS)
             records[job] = record
         except (ValueError, OSError) as exc:  # JSONDecodeError and ConfigError are ValueErrors
             if job in known:

@@ -18,6 +18,9 @@ from typing import Any
 from slackswap.errors import ConfigError, reject_unknown_fields
 
 RECORD_FILE = "run_record.json"
+#: Metrics that are text by design (the node, what limits a copy link, why a plan is infeasible, where
+#: the model FLOPs come from); every other metric is a number, a boolean or null.
+TEXT_METRICS = frozenset({"node", "h2d_limit", "d2h_limit", "infeasible_reason", "model_flops_source"})
 
 
 class RunStatus(StrEnum):
@@ -91,10 +94,10 @@ class RunRecord:
         return cls(**{**data, "status": status, "job": job})
 
     def check_numbers(self, names: Iterable[str]) -> None:
-        """Each metric of `names` the record has is a number, a boolean or null; else a ConfigError
-        naming the field and its value (a hand-edited `"step_s": "0.5"` would crash the summary's
-        arithmetic far from the file)."""
-        for name in names:
+        """Each metric of `names` the record has is a number, a boolean or null (but the TEXT_METRICS);
+        else a ConfigError naming the field and its value (a hand-edited `"step_s": "0.5"` would crash
+        the summary's arithmetic far from the file)."""
+        for name in (n for n in names if n not in TEXT_METRICS):
             value = self.metrics.get(name)
             if value is not None and not isinstance(value, (bool, int, float)):
                 raise ConfigError(f"run_record.metrics.{name}", value, "must be a number")

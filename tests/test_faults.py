@@ -90,6 +90,20 @@ def test_config_mistakes_are_one_line_exit_2_before_anything_is_recorded(
     assert not sweep.exists()
 
 
+def test_a_value_error_in_a_sweep_fails_its_job_and_the_sweep_exits_1(tmp_path, monkeypatch, capsys) -> None:
+    """What docs/pipeline.md says (it said both this and "one line, exit 2"): a value the config composes
+    with but the library refuses is checked when its job runs; the other jobs run."""
+    sweep = tmp_path / "sweep"
+    code = _in_process(monkeypatch, tmp_path, "-m", "model=tiny", "planner=keep_all", "budget.fraction=1.5,1.0",
+                       "tracking=off", "plots=none", f"hydra.sweep.dir={sweep}", "hydra/hydra_logging=disabled",
+                       "hydra/job_logging=disabled")  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 1 and _errors(captured.err) == [f"1 of 2 jobs failed (see summary.md in {sweep})"], captured.err
+    records = {r["budget_fraction"]: r for r in (json.loads(p.read_text()) for p in sweep.glob("*/run_record.json"))}
+    assert records[1.0]["status"] == "ok" and records[1.5]["status"] == "failed"
+    assert records[1.5]["failure_reason"].startswith("ConfigError: budget.fraction=1.5: must be in (0, 1]")
+
+
 @pytest.mark.parametrize(
     ("edit", "line"),
     [
