@@ -6,7 +6,8 @@
 Each benchmark runs in its own process (the engine and planner benchmarks pin themselves to one
 core; the pipeline benchmark must keep both) and writes its JSON to benchmarks/results/. This script
 then writes benchmarks/results/summary.json and summary.md: each figure beside the figure measured
-before the speed work (CHANGELOG.md, "speed") and its target, with the machine load.
+before the speed work and its target, with the machine load
+(docs/decisions/0019-speed-targets-and-how-they-are-judged.md).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ QUICK = ("bench_simulate.py", "bench_planners.py", "bench_traced_80.py", "bench_
 #: Every benchmark of the directory, the quick three first.
 FULL = (*QUICK, *sorted(p.name for p in (REPO / "benchmarks").glob("bench_*.py") if p.name not in QUICK))
 
-#: Figures measured on the code before the speed work (CHANGELOG.md, "speed").
+#: Figures measured on the code before the speed work (docs/decisions/0019-speed-targets-and-how-they-are-judged.md).
 BEFORE = {
     "slackswap_k": 1.42,
     "swap_only_k": 1.37,
     "slackswap_80_s": 0.25,
     "slackswap_320_s": 1.86,
-    "slackswap_traced_80_s": 63.0,  # measured before the chain fix (CHANGELOG.md)
+    "slackswap_traced_80_s": 63.0,  # before the chain fix (docs/decisions/0019-...-judged.md)
     "engine_ratio": 1.3,
     "engine_us_per_op": 17.0,
     "marginal_job_s": 0.65,
