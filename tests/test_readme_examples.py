@@ -1,4 +1,4 @@
-"""The README's "Add a planner" example must keep working as written: the module dropped into the
+"""docs/extending.md's "Add a planner" example must keep working as written: the module dropped into the
 strategies package is discovered by the registry, the YAML builds it, and its plans simulate."""
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _block(readme: str, lang: str, path: str) -> str:
     block = re.search(rf"```{lang}\n# {re.escape(path)}\n(.*?)```", readme, re.S)
-    assert block, f"README lost its 'Add a planner' {path} example"
+    assert block, f"docs/extending.md lost its 'Add a planner' {path} example"
     return block.group(1)
 
 
 def test_readme_planner_example_is_discovered_builds_from_its_yaml_and_simulates(tmp_path, monkeypatch) -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "extending.md").read_text()
     module = _block(readme, "python", "slackswap/planners/strategies/my_planner.py")
     conf = yaml.safe_load(_block(readme, "yaml", "conf/planner/my_planner.yaml"))
     (tmp_path / "my_planner.py").write_text(module)
