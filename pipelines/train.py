@@ -70,6 +70,13 @@ class _Console(TrainingProgress):
         print(f"{done} {peak}", flush=True)
 
 
+    def timed(self, figures) -> None:
+        cached = " (cached table)" if figures["op_times_cached"] else ""
+        print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}{cached}; sum of op "
+              f"times {figures['op_times_sum_s'] * 1e3:.1f} ms, plain step {figures['profile_plain_step_s'] * 1e3:.1f}"
+              f" ms", flush=True)
+
+
 def _summary(spec: TrainingRunSpec, f) -> None:
     """The closing lines of an eager run: measured against simulated, step time and peak."""
     print(f"[train] measured step {f['measured_step_s'] * 1e3:.1f} ms (simulated {f['sim_step_s'] * 1e3:.3f} ms "
@@ -78,6 +85,10 @@ def _summary(spec: TrainingRunSpec, f) -> None:
           f"({size_text(f['sim_peak_activation_bytes'])} on {spec.hardware.name}), budget "
           f"{size_text(f['budget_bytes'])}; saved-tensor ledger {size_text(f['ledger_peak_bytes'])} vs "
           f"simulated saved peak {size_text(f['sim_saved_peak_bytes'])}", flush=True)
+    if "step_relative_error" in f:
+        from pipelines.measured_console import comparison_line
+
+        print(comparison_line(f), flush=True)
     if spec.device == "cpu":
         print(f"[train] measured peak == simulated peak: {f['measured_equals_sim']}; within budget: "
               f"{f['measured_within_budget']}", flush=True)
