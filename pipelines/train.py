@@ -160,7 +160,9 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
                                                strict=True)):
             client.log_metric(run_id, "step_loss", loss, step=i)
             client.log_metric(run_id, "step_time_s", step_s, step=i)
-        tracking.log_tags(client, run_id, {"status": str(status)})
+        timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine")
+                  if k in figures}  # which source timed the ops, on the run itself
+        tracking.log_tags(client, run_id, {"status": str(status), **timing})
         if (run_dir / "train.json").exists():
             tracking.store_artifacts(client, run_id, [run_dir / "train.json"], track["artifact_location"])
         tracking.end_run(client, run_id, status)

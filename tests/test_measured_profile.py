@@ -225,3 +225,14 @@ def test_measure_links_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv):
     out = tmp_path / "machine.yaml"
     assert main(["--out", str(out), *argv]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_the_console_line_puts_prediction_measurement_error_and_load_together():
+    from pipelines.measured_console import comparison_line
+
+    line = comparison_line({"predicted_step_s": 0.02, "measured_step_median_s": 0.025, "measured_step_min_s": 0.024,
+                            "measured_step_max_s": 0.03, "measured_steps_compared": 4, "step_relative_error": -0.2,
+                            "predicted_sync_copy_s": 0.001, "machine_synchronous_copies": True})
+    assert "predicted step 20.00 ms" in line and "+ 1.00 ms synchronous copies" in line
+    assert "measured 25.00 ms median of 4 steps after the first (min 24.00, max 30.00)" in line
+    assert "error -20.0 %" in line and "load " in line
