@@ -37,6 +37,8 @@ sys.path[:0] = [str(REPO), str(REPO / "examples" / "byo_model")]
 
 from benchmarks.common import conf, machine, save_result  # noqa: E402
 
+#: The step clock of each `--clock` (the op times use the same, `slackswap.runtime.op_times.CLOCKS`).
+STEP_CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 PLANS = (("keep_all", None), ("full_recompute", None), ("torch_sac", None), ("slackswap", 0.5), ("slackswap", 0.75))
 HARDWARE = "h200_sxm_pcie5"
 
@@ -78,7 +80,7 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps):
+def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock):
     import torch
 
     from slackswap.errors import InfeasibleBudgetError
@@ -94,7 +96,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     w = build_training_workload(model, spec, device, 0)
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
     t0 = time.perf_counter()
-    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats)
+    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
                "plain_step_min_s": table.step_min_s, "plain_step_max_s": table.step_max_s,
@@ -115,7 +117,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
             continue
         prediction = predict_step(timed, plan, hardware, machine_)  # before any step of this plan runs
         torch.manual_seed(0)
-        records = train_steps(w, timed, plan, steps + 1, 1e-4, 0)
+        records = train_steps(w, timed, plan, steps + 1, 1e-4, 0, clock=STEP_CLOCKS[clock])
         c = compare_steps(prediction.step_s, [r.step_s for r in records])
         rows.append(row | {"predicted_s": c.predicted_s, "predicted_sim_s": prediction.simulated_s,
                            "predicted_sync_copy_s": prediction.sync_copy_s, "copies": prediction.copies,
@@ -133,7 +135,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     return profile, rows, table, graph, w
 
 
-def _cross_shape(model, spec, hardware, table, graph, device, steps):
+def _cross_shape(model, spec, hardware, table, graph, device, steps, clock):
     """Fit the preset on `graph`'s measured ops; predict keep_all at another micro-batch and sequence."""
     from slackswap.experiment.prediction import compare_steps, predict_step
     from slackswap.planners.registry import get_planner
@@ -148,7 +150,7 @@ def _cross_shape(model, spec, hardware, table, graph, device, steps):
     g = capture_graph(w.model, (w.batch,), w.loss_fn, report.hardware, "other shape")  # roofline on the fit
     plan = get_planner("keep_all").plan(g, report.hardware, None)
     prediction = predict_step(g, plan, report.hardware, None if device != "cpu" else _sync_free())
-    records = train_steps(w, g, plan, steps + 1, 1e-4, 0)
+    records = train_steps(w, g, plan, steps + 1, 1e-4, 0, clock=STEP_CLOCKS[clock])
     c = compare_steps(prediction.step_s, [r.step_s for r in records])
     return {"fitted_on": f"mb {model.micro_batch_size} seq {model.seq_len}",
             "predicted_for": f"mb {other.micro_batch_size} seq {other.seq_len}",
@@ -170,7 +172,7 @@ def _sync_free():
     return Machine.from_dict(machine_description("no_copies", "cpu", True, rows, [], [], "keep_all: no copies"))
 
 
-def run(quick: bool, device: str = "cpu") -> dict:
+def run(quick: bool, device: str = "cpu", clock: str = "wall") -> dict:
     import torch
 
     from slackswap.hardware import load_preset
@@ -191,7 +193,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
     profiles, rows, cross = [], [], None
     for name, model, spec in _cases():
         profile, model_rows, table, graph, _ = _measure_model(name, model, spec, hardware, machine_, device,
-                                                              warmup, repeats, steps)
+                                                              warmup, repeats, steps, clock)
         profiles.append(profile)
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
@@ -202,7 +204,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
                 continue
             print(_row_line(r), flush=True)
         if name == "hf_gpt2_2l":
-            cross = _cross_shape(model, spec, hardware, table, graph, device, steps)
+            cross = _cross_shape(model, spec, hardware, table, graph, device, steps, clock)
             print(f"[fit] {cross['fitted_on']} -> {cross['predicted_for']}: predicted "
                   f"{cross['predicted_s'] * 1e3:.2f} ms, measured {cross['measured_median_s'] * 1e3:.2f} ms, error "
                   f"{cross['rel_error'] * 100:+.1f} % (held-out ops: median |error| "
@@ -215,10 +217,12 @@ def run(quick: bool, device: str = "cpu") -> dict:
     print(f"[summary] {summary['within_10pct']}/{len(done)} steps within 10 %, {summary['overhead_within_3pp']}/"
           f"{len(done)} overheads within 3 pp, median |error| {summary['median_abs_rel_error']:.1%}; "
           f"{time.perf_counter() - t0:.0f} s; load {_load()}", flush=True)
-    result = {"quick": quick, "device": device, "hardware_preset": HARDWARE, "torch_threads": torch.get_num_threads(),
+    result = {"quick": quick, "device": device, "clock": clock, "hardware_preset": HARDWARE,
+              "torch_threads": torch.get_num_threads(),
               "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
-    path = save_result("measured_profile_quick.json" if quick else "measured_profile.json", result)
+    tag = "" if clock == "wall" else f"_{clock}"
+    path = save_result(f"measured_profile{tag}{'_quick' if quick else ''}.json", result)
     print(f"[saved] {path}", flush=True)
     return result
 
@@ -229,14 +233,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's own); 1 spares a shared machine's cores")
+    parser.add_argument("--clock", default="wall", choices=sorted(STEP_CLOCKS),
+                        help="process: CPU time of this process for op times and steps alike (needs --threads 1)")
     args = parser.parse_args()
+    if args.clock == "process" and (args.threads != 1 or args.device != "cpu"):
+        raise SystemExit("error: --clock=process: needs --threads 1 on the CPU (CPU time of several threads "
+                         "or of a GPU's work is not a step's time)")
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"error: --threads={args.threads}: must be >= 1")
         import torch
 
         torch.set_num_threads(args.threads)
-    run(args.quick, args.device)
+    run(args.quick, args.device, args.clock)
 
 
 if __name__ == "__main__":

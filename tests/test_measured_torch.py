@@ -100,3 +100,18 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path):
     assert f["measured_steps_compared"] == 2 and math.isfinite(f["step_relative_error"])
     # The simulated plan runs on the measured op times, not the roofline's.
     assert outcome.graph.meta["timing"] == "measured"
+
+
+def test_an_op_that_fails_is_one_line_naming_it_and_the_device(captured):
+    import torch
+
+    w, graph = captured
+
+    def failing_loss(out):
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        return torch.ops.aten.mm.default(flat, torch.ones(3, 3)).sum()  # shapes do not match: mm fails
+
+    with pytest.raises(MeasurementError, match=r"^op\d+:aten\.mm\.default failed on cpu: ") as err:
+        measure_op_times(graph, w.model, (w.batch,), failing_loss, warmup=0, repeats=1)
+    assert "\n" not in str(err.value)

@@ -9,16 +9,20 @@ the kernel plus the host work that leads to it (module code, autograd), which is
 these ops costs and what a recompute of the op costs again; timing each op alone on copied inputs
 would leave the host work out, and on the CPU at small shapes that is a large part of the step.
 
-The timer costs host time itself. Its cost per call is measured (the median step under the timer
-minus the median plain step, over the number of calls) and taken off each op's gap, never below the
-call's own duration. Warm-up steps first, then `repeats` steps; each op keeps its median, min and
-max. The step must make the capture's calls: a different count, or a call whose overload is not the
-one the op is named after, is a `MeasurementError` naming the op.
+The timer costs host time itself. Its cost per call is measured (the fastest step under the timer
+minus the fastest plain step, the least disturbed of each, over the number of calls) and taken off
+each op's gap (never below zero), so that the ops of a step add up to the plain step. Warm-up steps first, then
+`repeats` steps; each op keeps its median, min and max. The step must make the capture's calls: a
+different count, or a call whose overload is not the one the op is named after, is a
+`MeasurementError` naming the op; so is a call that fails (its number, overload and the device).
 
-CPU: `time.perf_counter_ns`; every op is synchronous there. CUDA: an event recorded after every call
-and read after the step's synchronize (`torch.cuda.Event(enable_timing=True)`), so an op's time is
-the GPU timeline's end-to-end interval, idle launch gaps included. The CUDA path is written but was
-never run in this repository's tests (no GPU): docs/profile.md says so.
+CPU: `time.perf_counter_ns` (`clock="wall"`), or `time.process_time_ns` (`clock="process"`: the CPU
+time of this process, which waiting for a core shared with other load does not add to; with one
+intra-op thread, the wall time the step would take on a quiet machine); every op is synchronous
+there. CUDA: an event recorded after every call and read after the step's synchronize
+(`torch.cuda.Event(enable_timing=True)`), so an op's time is the GPU timeline's end-to-end interval,
+idle launch gaps included. The CUDA path is written but was never run in this repository's tests
+(no GPU): docs/profile.md says so.
 """
 
 from __future__ import annotations
@@ -37,13 +41,17 @@ from slackswap.profile.measured import MeasurementError, OpTime, OpTimeKey, OpTi
 from slackswap.runtime.op_numbering import call_number
 from slackswap.versions import package_versions
 
+#: CPU clocks (module docstring): nanoseconds since an arbitrary origin.
+CLOCKS = {"wall": time.perf_counter_ns, "process": time.process_time_ns}
+
 
 class _Clock:
     """Marks on the device's timeline: `mark()` during the step, `seconds()` after it (sorted order)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, clock: str = "wall"):
         self.cuda = device.type == "cuda"
         self.device = device
+        self.now_ns = CLOCKS[clock]
         self.marks: list = []
 
     def mark(self) -> None:
@@ -52,7 +60,7 @@ class _Clock:
             e.record()
             self.marks.append(e)
         else:
-            self.marks.append(time.perf_counter_ns())
+            self.marks.append(self.now_ns())
 
     def seconds(self) -> list[float]:
         """Seconds of each mark after the first."""
@@ -64,7 +72,7 @@ class _Clock:
 
 
 class _Timer(TorchDispatchMode):
-    """Records, per ATen call, its overload and clock marks just before and just after it."""
+    """Records, per ATen call, its overload and a clock mark just after it."""
 
     def __init__(self, clock: _Clock):
         super().__init__()
@@ -72,8 +80,11 @@ class _Timer(TorchDispatchMode):
         self.funcs: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.clock.mark()
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception as exc:  # one line naming the op (its call number and overload) and the device
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise MeasurementError(f"op{len(self.funcs)}:{func} failed on {self.clock.device}: {why}") from None
         self.clock.mark()
         self.funcs.append(str(func))
         return out
@@ -82,8 +93,7 @@ class _Timer(TorchDispatchMode):
 @dataclass
 class _Run:
     funcs: list[str]
-    #: Per call: seconds from step start to just before and just after it; then the step's end.
-    before_s: list[float]
+    #: Per call: seconds from the step's start to just after it; then the step's end.
     after_s: list[float]
     end_s: float
 
@@ -100,51 +110,28 @@ def _as_captured():
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
-def _plain_step(model, inputs, loss_fn, device, context) -> float:
+def _plain_step(model, inputs, loss_fn, device, context, clock: str) -> float:
+    now_ns = CLOCKS[clock]
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = now_ns()
     with context():
         loss_fn(model(*inputs)).backward()
     _sync(device)
-    return time.perf_counter() - t0
+    return (now_ns() - t0) / 1e9
 
 
-def _timed_step(model, inputs, loss_fn, device, context) -> tuple[_Run, float]:
-    clock = _Clock(device)
+def _timed_step(model, inputs, loss_fn, device, context, clock_name: str) -> tuple[_Run, float]:
+    clock = _Clock(device, clock_name)
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock.now_ns()
     clock.mark()
     with context(), _Timer(clock) as timer:  # the timer on top: it sees the model's calls only
         loss_fn(model(*inputs)).backward()
     clock.mark()
     _sync(device)
-    wall = time.perf_counter() - t0
+    wall = (clock.now_ns() - t0) / 1e9
     s = clock.seconds()
-    return _Run(timer.funcs, s[1:-1:2], s[2:-1:2], s[-1]), wall
-
-
-def timer_overhead_s(device: torch.device, calls: int = 500, trials: int = 5) -> float:
-    """The timer's own cost per ATen call: a loop of cheap calls (a view) under the timer minus the same
-    loop without it, the fastest of `trials` each (the least disturbed by other load)."""
-    x = torch.zeros(4, device=device)
-
-    def loop(timed: bool) -> float:
-        clock = _Clock(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        if timed:
-            with _Timer(clock):
-                for _ in range(calls):
-                    x.view(-1)
-        else:
-            for _ in range(calls):
-                x.view(-1)
-        _sync(device)
-        return time.perf_counter() - t0
-
-    bare = min(loop(False) for _ in range(trials))
-    timed = min(loop(True) for _ in range(trials))
-    return max(0.0, (timed - bare) / calls)
+    return _Run(timer.funcs, s[1:-1], s[-1]), wall
 
 
 def device_label(device: torch.device) -> str:
@@ -154,7 +141,7 @@ def device_label(device: torch.device) -> str:
     return str(device)
 
 
-def op_time_key(graph: Graph, device: torch.device) -> OpTimeKey:
+def op_time_key(graph: Graph, device: torch.device, clock: str = "wall") -> OpTimeKey:
     """The key of `graph` (a capture's: its meta has the model and input signatures) timed on `device`."""
     meta = graph.meta
     missing = [k for k in ("model_signature", "input_signature", "aten_calls") if k not in meta]
@@ -165,7 +152,8 @@ def op_time_key(graph: Graph, device: torch.device) -> OpTimeKey:
     return OpTimeKey(graph_fingerprint=graph.fingerprint, model_signature=str(meta["model_signature"]),
                      input_signature=signature, device=device_label(device),
                      versions=package_versions(("torch", "transformers")),
-                     method="cuda_events" if device.type == "cuda" else "perf_counter")
+                     method="cuda_events" if device.type == "cuda" else
+                     {"wall": "perf_counter", "process": "process_time"}[clock])
 
 
 def _op_of_call(graph: Graph, calls: int) -> list[int]:
@@ -198,19 +186,23 @@ def measure_op_times(
     loss_fn: Callable[[object], torch.Tensor],
     warmup: int = 2,
     repeats: int = 5,
+    clock: str = "wall",
 ) -> OpTimeTable:
     """Time every op of `graph` (captured from this model and inputs) on the model's device (module
-    docstring). The RNG state and the gradients are left as they were."""
+    docstring; `clock`: the CPU's, "wall" or "process"). The RNG state and the gradients are left as
+    they were."""
     context = _as_captured
     if warmup < 0 or repeats < 1:
         raise MeasurementError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
+    if clock not in CLOCKS:
+        raise MeasurementError(f"clock {clock!r}: unknown; known: {sorted(CLOCKS)}")
     try:
         device = next(model.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MeasurementError(f"device {device}: no CUDA device is visible to this torch build")
-    key = op_time_key(graph, device)
+    key = op_time_key(graph, device, clock)
     owner = _op_of_call(graph, int(graph.meta["aten_calls"]))
     devices = [device.index or 0] if device.type == "cuda" else []
     plain, timed, runs = [], [], []
@@ -218,13 +210,14 @@ def measure_op_times(
         for i in range(warmup + repeats):
             for p in model.parameters():
                 p.grad = None
-            # Alternating plain and timed steps so that drift (other load, clocks) touches both alike.
-            plain_s = _plain_step(model, inputs, loss_fn, device, context)
-            for p in model.parameters():
-                p.grad = None
-            run, wall = _timed_step(model, inputs, loss_fn, device, context)
+            # Timed first (a call that fails is named by the timer), then plain: alternating, so that
+            # drift (other load, clocks) touches both alike.
+            run, wall = _timed_step(model, inputs, loss_fn, device, context, clock)
             if i == 0:
                 _check_calls(graph, run)
+            for p in model.parameters():
+                p.grad = None
+            plain_s = _plain_step(model, inputs, loss_fn, device, context, clock)
             if i >= warmup:
                 plain.append(plain_s)
                 timed.append(wall)
@@ -232,14 +225,16 @@ def measure_op_times(
     for p in model.parameters():
         p.grad = None
     calls = len(owner)
-    overhead = timer_overhead_s(device)
+    # The timer's cost per call: the fastest timed step over the fastest plain step (the least
+    # disturbed of each), spread over the calls. The step's own calls, not a loop of cheap ones: what
+    # a call costs the timer grows with its arguments.
+    overhead = max(0.0, (min(timed) - min(plain)) / calls)
     per_op: list[list[float]] = [[0.0] * len(runs) for _ in graph.ops]
     tails = []
     for r, run in enumerate(runs):
         previous = 0.0
         for k in range(calls):
-            own = run.after_s[k] - run.before_s[k]
-            per_op[owner[k]][r] += max(own, run.after_s[k] - previous - overhead)
+            per_op[owner[k]][r] += max(0.0, run.after_s[k] - previous - overhead)
             previous = run.after_s[k]
         tails.append(max(0.0, run.end_s - previous))
     times = {op.name: OpTime(statistics.median(v), min(v), max(v), len(v)) for op, v in zip(graph.ops, per_op,
@@ -258,14 +253,15 @@ def cached_op_times(
     cache_dir: str | Path | None,
     warmup: int = 2,
     repeats: int = 5,
+    clock: str = "wall",
 ) -> tuple[OpTimeTable, bool]:
     """(table, True when it came from `cache_dir`): measured once per key, reused by later runs."""
     if cache_dir is not None:
         device = next(model.parameters()).device
-        found = load_table(op_time_key(graph, device), cache_dir)
+        found = load_table(op_time_key(graph, device, clock), cache_dir)
         if found is not None:
             return found, True
-    table = measure_op_times(graph, model, inputs, loss_fn, warmup, repeats)
+    table = measure_op_times(graph, model, inputs, loss_fn, warmup, repeats, clock)
     if cache_dir is not None:
         save_table(table, cache_dir)
     return table, False
