@@ -73,7 +73,8 @@ def _row_line(r: dict) -> str:
     return (f"  {r['plan']:<16} predicted {ms['predicted_s']:8.2f} ms  measured {ms['measured_median_s']:8.2f} ms "
             f"({ms['measured_min_s']:.1f}-{ms['measured_max_s']:.1f})  error {r['rel_error'] * 100:+6.1f} %  "
             f"overhead {r.get('overhead_predicted', math.nan):.3f} vs {r.get('overhead_measured', math.nan):.3f} "
-            f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}")
+            f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}"
+            + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else ""))
 
 
 def _load() -> float:
@@ -124,7 +125,10 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
                            "measured_median_s": c.measured_median_s, "measured_min_s": c.measured_min_s,
                            "measured_max_s": c.measured_max_s, "steps": c.steps,
                            "rel_error": c.relative_error, "within_10pct": abs(c.relative_error) <= 0.10,
-                           "load": _load()})
+                           # Steps the runtime ran verified (dispatch modes on every call), which no
+                           # profile prices, and why it could not run them on the hooks alone.
+                           "steps_verified": sum(r.report.verified for r in records[1:]),
+                           "fast_refusal": records[-1].report.fast_refusal, "load": _load()})
     base = next(r for r in rows if r["plan"] == "keep_all")
     for r in rows:
         if "predicted_s" in r and "predicted_s" in base:
@@ -210,12 +214,17 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall") -> dict:
                   f"{cross['rel_error'] * 100:+.1f} % (held-out ops: median |error| "
                   f"{cross['holdout_median_rel_error']:.0%}); load {cross['load']}", flush=True)
     done = [r for r in rows if "rel_error" in r]
+    hook_only = [r for r in done if not r["steps_verified"]]
     summary = {"rows": len(rows), "predicted_rows": len(done),
+               "hook_only_rows": len(hook_only), "hook_only_within_10pct": sum(r["within_10pct"] for r in hook_only),
+               "hook_only_overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in hook_only),
                "within_10pct": sum(r["within_10pct"] for r in done),
                "overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in done),
                "median_abs_rel_error": statistics.median(abs(r["rel_error"]) for r in done) if done else None}
     print(f"[summary] {summary['within_10pct']}/{len(done)} steps within 10 %, {summary['overhead_within_3pp']}/"
-          f"{len(done)} overheads within 3 pp, median |error| {summary['median_abs_rel_error']:.1%}; "
+          f"{len(done)} overheads within 3 pp, median |error| {summary['median_abs_rel_error']:.1%}; of the "
+          f"{len(hook_only)} rows the runtime ran on its hooks alone: {summary['hook_only_within_10pct']} within 10 %, "
+          f"{summary['hook_only_overhead_within_3pp']} overheads within 3 pp; "
           f"{time.perf_counter() - t0:.0f} s; load {_load()}", flush=True)
     result = {"quick": quick, "device": device, "clock": clock, "hardware_preset": HARDWARE,
               "torch_threads": torch.get_num_threads(),

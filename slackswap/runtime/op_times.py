@@ -9,9 +9,10 @@ the kernel plus the host work that leads to it (module code, autograd), which is
 these ops costs and what a recompute of the op costs again; timing each op alone on copied inputs
 would leave the host work out, and on the CPU at small shapes that is a large part of the step.
 
-The timer costs host time itself. Its cost per call is measured (the fastest step under the timer
-minus the fastest plain step, the least disturbed of each, over the number of calls) and taken off
-each op's gap (never below zero), so that the ops of a step add up to the plain step. Warm-up steps first, then
+The timer costs host time itself. Its cost per call is measured (the calling thread's CPU time in a
+step under the timer minus that in the plain step next to it, median over the pairs, over the number
+of calls: neither other load nor intra-op worker threads add to it) and taken off each op's gap
+(never below zero), so that the ops of a step add up to the plain step. Warm-up steps first, then
 `repeats` steps; each op keeps its median, min and max. The step must make the capture's calls: a
 different count, or a call whose overload is not the one the op is named after, is a
 `MeasurementError` naming the op; so is a call that fails (its number, overload and the device).
@@ -110,28 +111,30 @@ def _as_captured():
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
-def _plain_step(model, inputs, loss_fn, device, context, clock: str) -> float:
+def _plain_step(model, inputs, loss_fn, device, context, clock: str) -> tuple[float, float]:
+    """(seconds on `clock`, CPU seconds of this thread)."""
     now_ns = CLOCKS[clock]
     _sync(device)
-    t0 = now_ns()
+    t0, c0 = now_ns(), time.thread_time_ns()
     with context():
         loss_fn(model(*inputs)).backward()
     _sync(device)
-    return (now_ns() - t0) / 1e9
+    return (now_ns() - t0) / 1e9, (time.thread_time_ns() - c0) / 1e9
 
 
-def _timed_step(model, inputs, loss_fn, device, context, clock_name: str) -> tuple[_Run, float]:
+def _timed_step(model, inputs, loss_fn, device, context, clock_name: str) -> tuple[_Run, float, float]:
+    """(the calls and their marks, seconds on the clock, CPU seconds of this thread)."""
     clock = _Clock(device, clock_name)
     _sync(device)
-    t0 = clock.now_ns()
+    t0, c0 = clock.now_ns(), time.thread_time_ns()
     clock.mark()
     with context(), _Timer(clock) as timer:  # the timer on top: it sees the model's calls only
         loss_fn(model(*inputs)).backward()
     clock.mark()
     _sync(device)
-    wall = (clock.now_ns() - t0) / 1e9
+    wall, cpu = (clock.now_ns() - t0) / 1e9, (time.thread_time_ns() - c0) / 1e9
     s = clock.seconds()
-    return _Run(timer.funcs, s[1:-1], s[-1]), wall
+    return _Run(timer.funcs, s[1:-1], s[-1]), wall, cpu
 
 
 def device_label(device: torch.device) -> str:
@@ -205,30 +208,33 @@ def measure_op_times(
     key = op_time_key(graph, device, clock)
     owner = _op_of_call(graph, int(graph.meta["aten_calls"]))
     devices = [device.index or 0] if device.type == "cuda" else []
-    plain, timed, runs = [], [], []
+    plain, timed, runs, cpu_cost = [], [], [], []
     with torch.random.fork_rng(devices=devices):
         for i in range(warmup + repeats):
             for p in model.parameters():
                 p.grad = None
             # Timed first (a call that fails is named by the timer), then plain: alternating, so that
             # drift (other load, clocks) touches both alike.
-            run, wall = _timed_step(model, inputs, loss_fn, device, context, clock)
+            run, wall, timed_cpu = _timed_step(model, inputs, loss_fn, device, context, clock)
             if i == 0:
                 _check_calls(graph, run)
             for p in model.parameters():
                 p.grad = None
-            plain_s = _plain_step(model, inputs, loss_fn, device, context, clock)
+            plain_s, plain_cpu = _plain_step(model, inputs, loss_fn, device, context, clock)
             if i >= warmup:
                 plain.append(plain_s)
                 timed.append(wall)
                 runs.append(run)
+                cpu_cost.append(timed_cpu - plain_cpu)
     for p in model.parameters():
         p.grad = None
     calls = len(owner)
-    # The timer's cost per call: the fastest timed step over the fastest plain step (the least
-    # disturbed of each), spread over the calls. The step's own calls, not a loop of cheap ones: what
-    # a call costs the timer grows with its arguments.
-    overhead = max(0.0, (min(timed) - min(plain)) / calls)
+    # The timer's cost per call: the CPU time of this thread in a timed step over that of the plain
+    # step next to it (median over the pairs), spread over the calls. CPU time of the thread that runs
+    # the step and the timer: waiting for a core shared with other load, and intra-op worker threads,
+    # add nothing to it. The step's own calls, not a loop of cheap ones: what a call costs the timer
+    # grows with its arguments.
+    overhead = max(0.0, statistics.median(cpu_cost) / calls)
     per_op: list[list[float]] = [[0.0] * len(runs) for _ in graph.ops]
     tails = []
     for r, run in enumerate(runs):
