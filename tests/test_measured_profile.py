@@ -236,3 +236,23 @@ def test_the_console_line_puts_prediction_measurement_error_and_load_together():
     assert "predicted step 20.00 ms" in line and "+ 1.00 ms synchronous copies" in line
     assert "measured 25.00 ms median of 4 steps after the first (min 24.00, max 30.00)" in line
     assert "error -20.0 %" in line and "load " in line
+
+
+def test_the_machine_description_is_what_hardware_and_node_configs_load():
+    import yaml
+
+    from slackswap.hardware import Hardware
+    from slackswap.node import Node
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    description = machine_description("t", "cpu", True, [
+        {"direction": d, "host_memory": "pageable", "size_bytes": s, "median_s": 2e-6 + s / 1e10}
+        for d in ("h2d", "d2h", "both") for s in (4096, 1 << 20)], [(4096, 3e-3)], [], "test")
+    hardware = yaml.safe_load((conf / "hardware" / "h200_sxm_pcie5.yaml").read_text())
+    node = yaml.safe_load((conf / "node" / "pcie_workstation.yaml").read_text())
+    loaded_hw = Hardware.from_dict(hardware | {"link": description["link"]})
+    assert loaded_hw.link.d2h_effective_bytes_per_s == pytest.approx(1e10, rel=1e-6)
+    assert loaded_hw.link.latency_s == pytest.approx(2e-6, rel=1e-6)
+    loaded_node = Node.from_dict(node | description["node"])
+    assert loaded_node.pin_setup_s_per_tensor == pytest.approx(3e-3)
+    assert loaded_node.h2d_duplex_fraction == pytest.approx(1.0)
