@@ -69,7 +69,6 @@ class _Console(TrainingProgress):
                 if record.report.verified else "hook-only step (no ledger)")
         print(f"{done} {peak}", flush=True)
 
-
     def timed(self, figures) -> None:
         cached = " (cached table)" if figures["op_times_cached"] else ""
         print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}{cached}; sum of op "
