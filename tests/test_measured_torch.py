@@ -115,3 +115,12 @@ def test_an_op_that_fails_is_one_line_naming_it_and_the_device(captured):
     with pytest.raises(MeasurementError, match=r"^op\d+:aten\.mm\.default failed on cpu: ") as err:
         measure_op_times(graph, w.model, (w.batch,), failing_loss, warmup=0, repeats=1)
     assert "\n" not in str(err.value)
+
+
+def test_no_gpu_is_one_line_naming_the_device():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the CUDA path runs instead")
+    with pytest.raises(MeasurementError, match=r"^device cuda: no CUDA device is visible"):
+        measure_links("cuda")
