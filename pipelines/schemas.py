@@ -124,6 +124,17 @@ class ProfileSchema:
 
     source: str = MISSING
     options: dict[str, Any] = field(default_factory=dict)
+    #: Op durations: "roofline" (the graph's own, `slackswap.profile.timing`) or "measured" (every op of
+    #: the captured step timed on the device, `pipelines.train` only; docs/profile.md "Measured op times").
+    timing: str = "roofline"
+    #: Where measured op-time tables are cached (one file per graph, device and versions); "" : none.
+    cache_dir: str = "${repo_root:}/outputs/op_times"
+    #: Measured timing: steps run before timing, then steps timed (each op keeps its median and spread).
+    warmup: int = 2
+    repeats: int = 5
+    #: A measured machine description (`python -m pipelines.measure_links`); null: the CPU's links are
+    #: measured at the start of a measured run (docs/profile.md "Measured links").
+    machine: str | None = None
 
 
 @dataclass

@@ -69,6 +69,12 @@ class _Console(TrainingProgress):
                 if record.report.verified else "hook-only step (no ledger)")
         print(f"{done} {peak}", flush=True)
 
+    def timed(self, figures) -> None:
+        cached = " (cached table)" if figures["op_times_cached"] else ""
+        print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}{cached}; sum of op "
+              f"times {figures['op_times_sum_s'] * 1e3:.1f} ms, plain step {figures['profile_plain_step_s'] * 1e3:.1f}"
+              f" ms", flush=True)
+
 
 def _summary(spec: TrainingRunSpec, f) -> None:
     """The closing lines of an eager run: measured against simulated, step time and peak."""
@@ -78,6 +84,10 @@ def _summary(spec: TrainingRunSpec, f) -> None:
           f"({size_text(f['sim_peak_activation_bytes'])} on {spec.hardware.name}), budget "
           f"{size_text(f['budget_bytes'])}; saved-tensor ledger {size_text(f['ledger_peak_bytes'])} vs "
           f"simulated saved peak {size_text(f['sim_saved_peak_bytes'])}", flush=True)
+    if "step_relative_error" in f:
+        from pipelines.measured_console import comparison_line
+
+        print(comparison_line(f), flush=True)
     if spec.device == "cpu":
         print(f"[train] measured peak == simulated peak: {f['measured_equals_sim']}; within budget: "
               f"{f['measured_within_budget']}", flush=True)
@@ -151,7 +161,9 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
                                                strict=True)):
             client.log_metric(run_id, "step_loss", loss, step=i)
             client.log_metric(run_id, "step_time_s", step_s, step=i)
-        tracking.log_tags(client, run_id, {"status": str(status)})
+        timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine")
+                  if k in figures}  # which source timed the ops, on the run itself
+        tracking.log_tags(client, run_id, {"status": str(status), **timing})
         if (run_dir / "train.json").exists():
             tracking.store_artifacts(client, run_id, [run_dir / "train.json"], track["artifact_location"])
         tracking.end_run(client, run_id, status)

@@ -94,6 +94,9 @@ class RunSpec:
         model = dict(config["model"])
         torch_node = model.pop("torch", None)
         profile = config.get("profile") or {"source": "analytic"}
+        if profile.get("timing", "roofline") != "roofline":  # never a roofline run that says "measured"
+            raise ConfigError("profile.timing", profile.get("timing"),
+                              "measured op times need a real step on a device: python -m pipelines.train")
         source, profile_options = select_source(profile.get("source"), profile.get("options") or {}, torch_node)
         model_config = ModelConfig.from_dict(model)
         hardware, node, shared_link = hardware_from_config(config)

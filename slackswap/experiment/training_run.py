@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.experiment.measured_timing import MeasuredTiming
 from slackswap.experiment.run import Verdict
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
@@ -66,6 +67,8 @@ class TrainingRunSpec:
     lr: float
     #: The planner, built once from `planner_name` and `planner_options`.
     planner: Planner | None = field(default=None, compare=False, repr=False)
+    #: `profile.timing` and its settings: measured op times replace the roofline's before planning.
+    timing: MeasuredTiming = field(default_factory=MeasuredTiming)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> TrainingRunSpec:
@@ -106,6 +109,7 @@ class TrainingRunSpec:
             seed=train["seed"], lr=float(lr),
             # Unknown planner names and options fail here, before anything runs or is recorded.
             planner=get_planner(planner["name"], **options),
+            timing=MeasuredTiming.from_dict(config.get("profile")),
         )
 
 
@@ -130,6 +134,9 @@ class TrainingProgress:
 
     def step(self, record: StepRecord) -> None:
         """One optimizer step under the plan finished."""
+
+    def timed(self, figures: Mapping[str, Any]) -> None:
+        """profile.timing=measured: the graph's ops were timed on the device (how many by each source)."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,13 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     budget_bytes = spec.budget.resolve_bytes(ideal.peak_activation_bytes)
     progress.captured(graph, capture_s, ideal.peak_activation_bytes, budget_bytes)
     figures: dict[str, Any] = {"status": Verdict.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
-                               "keep_all_peak_bytes": ideal.peak_activation_bytes}
+                               "keep_all_peak_bytes": ideal.peak_activation_bytes, "timing": spec.timing.timing}
+    machine = None
+    if spec.timing.measured:  # the planner and the simulator see the measured op times
+        graph, timed = spec.timing.retime(graph, w)
+        machine = spec.timing.machine(spec.device)
+        figures.update(timed)
+        progress.timed(timed)
     if spec.executor == "compile":
         # Planned and simulated as the compiled export stores the step (each layer's dropout mask bool); the
         # budget stays resolved against the captured step's keep-all peak, the same bytes for both executors.
@@ -201,6 +214,8 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
         records = _run_compiled(spec, w, graph, plan, figures, progress)
     else:
         records = _run_eager(spec, w, graph, plan, counts, figures, progress)
+        if machine is not None:  # the plan's predicted step on this machine beside its measured steps
+            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"]))
         if spec.device == "cpu":
             # The CPU ledger counts the graph's tensors, as the simulator does; on CUDA the measured peak
             # is max_memory_allocated (weights and optimizer state too) and is not compared byte for byte.

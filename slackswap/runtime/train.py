@@ -115,11 +115,13 @@ def train_steps(
     executor: str = "eager",
     export: object = None,
     backend: object = "inductor",
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[StepRecord]:
     """`steps` AdamW steps on fresh random token batches (same shape), under `plan` (None: plain).
 
     `executor`: "eager" runs each step under `apply`; "compile" installs the plan's export once
-    (per-layer selective checkpointing, torch.compile'd; compiled on the first step)."""
+    (per-layer selective checkpointing, torch.compile'd; compiled on the first step). `clock`: seconds
+    the step times are read from (`time.process_time` leaves out waiting for a shared core)."""
     with contextlib.ExitStack() as stack:
         run = None
         if plan is not None and executor == "compile":
@@ -129,10 +131,10 @@ def train_steps(
             stack.enter_context(export.installed(w.model, compile=True, backend=backend))
         elif plan is not None:
             run = apply(plan, graph, w.model)
-        return _steps(w, run, steps, lr, seed, on_step)
+        return _steps(w, run, steps, lr, seed, on_step, clock)
 
 
-def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step) -> list[StepRecord]:
+def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step, clock=time.perf_counter) -> list[StepRecord]:
     device = w.batch.device
     optimizer = torch.optim.AdamW(w.model.parameters(), lr=lr)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -143,12 +145,12 @@ def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step) -> list[
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         with run or contextlib.nullcontext():
             loss = token_loss(batch)(w.model(batch))
             loss.backward()
         _sync(device)
-        step_s = time.perf_counter() - t0
+        step_s = clock() - t0
         optimizer.step()
         report = run.report if run is not None else RunReport()
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.device_peak_bytes

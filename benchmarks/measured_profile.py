@@ -1,0 +1,261 @@
+"""Predict, run, compare: each plan's step simulated on a measured profile beside its measured step.
+
+`python benchmarks/measured_profile.py [--quick]` (CPU; the same script on a CUDA machine with
+`--device cuda`). For 5 models (the hf_gpt2_2l and tiny_torch presets, small HF BERT and Llama, and
+the user-brought residual MLP of examples/byo_model through its hook), per model and shape:
+
+1. the op-time profile is measured once, from plain steps (`slackswap.runtime.op_times`), and the
+   machine's links once per run (`slackswap.profile.torch.links`);
+2. each plan (keep_all, full_recompute, torch_sac, slackswap at two budgets) is made on the measured
+   profile and predicted (`slackswap.experiment.prediction.predict_step`: on the CPU, the plan
+   simulated on an instant link plus its synchronous copies) before any of its steps runs;
+3. the plan runs 1 + N AdamW steps under the runtime; the median of the N after the first is the
+   measured step. No plan's measured step feeds any prediction.
+
+Reported per row: predicted and measured step, the relative error (target |error| <= 10 %), the
+recompute overhead (plan step / keep_all step) predicted and measured and their gap in percentage
+points (target <= 3 pp), and the 1-minute load average when the row was measured. Then the preset fit
+(`slackswap.profile.fit`) on one shape of hf_gpt2_2l, predicting another micro-batch and sequence
+length (target within 15 %). Every row is kept, misses included. Results: benchmarks/results/
+measured_profile[_quick].json. On a loaded machine the measured steps carry the load: read the load
+column before the errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "examples" / "byo_model")]
+
+from benchmarks.common import conf, machine, save_result  # noqa: E402
+
+#: The step clock of each `--clock` (the op times use the same, `slackswap.runtime.op_times.CLOCKS`).
+STEP_CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+PLANS = (("keep_all", None), ("full_recompute", None), ("torch_sac", None), ("slackswap", 0.5), ("slackswap", 0.75))
+HARDWARE = "h200_sxm_pcie5"
+
+
+def _cases():
+    """(name, ModelConfig, TorchSpec) of the 5 models."""
+    from slackswap.model_config import ModelConfig
+    from slackswap.profile.torch.spec import TorchSpec
+    from slackswap.runtime.training_workload import small_config
+
+    def preset(name: str, **change):
+        data = conf("model", name)
+        data.pop("defaults", None)
+        base = conf("model", "gpt2_xl" if name == "hf_gpt2_2l" else "tiny")
+        base.pop("defaults", None)
+        data = {**base, **data, **change}
+        torch_node = data.pop("torch")
+        data.pop("source", None)
+        return ModelConfig.from_dict(data), TorchSpec.from_dict(torch_node)
+
+    bert, bert_spec = small_config("bert", hidden=128, heads=4, seq=128, batch=2, vocab=512)
+    llama, llama_spec = small_config("llama", hidden=128, heads=4, seq=128, batch=2, vocab=512)
+    mlp, _ = preset("tiny_torch")
+    mlp = replace(mlp, name="my_mlp (hook)", num_layers=4, seq_len=128)
+    return [("hf_gpt2_2l", *preset("hf_gpt2_2l")), ("tiny_torch", *preset("tiny_torch")),
+            ("small_bert", bert, bert_spec), ("small_llama", llama, llama_spec),
+            ("my_mlp (hook)", mlp, TorchSpec(builder="hook", hook="my_model:build"))]
+
+
+def _row_line(r: dict) -> str:
+    ms = {k: r[k] * 1e3 for k in ("predicted_s", "measured_median_s", "measured_min_s", "measured_max_s")}
+    return (f"  {r['plan']:<16} predicted {ms['predicted_s']:8.2f} ms  measured {ms['measured_median_s']:8.2f} ms "
+            f"({ms['measured_min_s']:.1f}-{ms['measured_max_s']:.1f})  error {r['rel_error'] * 100:+6.1f} %  "
+            f"overhead {r.get('overhead_predicted', math.nan):.3f} vs {r.get('overhead_measured', math.nan):.3f} "
+            f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}"
+            + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else ""))
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock):
+    import torch
+
+    from slackswap.errors import InfeasibleBudgetError
+    from slackswap.experiment.prediction import compare_steps, predict_step
+    from slackswap.planners.registry import get_planner
+    from slackswap.profile.measured import retime
+    from slackswap.runtime import capture_graph
+    from slackswap.runtime.op_times import measure_op_times
+    from slackswap.runtime.train import train_steps
+    from slackswap.runtime.training_workload import build_training_workload
+    from slackswap.simulate.metrics import simulate_ideal
+
+    w = build_training_workload(model, spec, device, 0)
+    graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
+    t0 = time.perf_counter()
+    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock)
+    profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
+               "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
+               "plain_step_min_s": table.step_min_s, "plain_step_max_s": table.step_max_s,
+               "timer_overhead_per_call_s": table.timer_overhead_per_call_s, "load": _load()}
+    timed, sources = retime(graph, table)
+    profile["ops_measured"], profile["ops_roofline"] = sources.measured, sources.roofline
+    peak = simulate_ideal(timed, hardware).peak_activation_bytes
+    rows = []
+    for planner, fraction in PLANS:
+        budget = None if fraction is None else max(1, math.floor(peak * fraction))
+        row = {"model": name, "plan": planner if fraction is None else f"{planner}@{fraction}",
+               "budget_bytes": budget}
+        options = dict(conf("planner", planner).get("options") or {})
+        try:
+            plan = get_planner(planner, **options).plan(timed, hardware, budget)
+        except InfeasibleBudgetError as exc:
+            rows.append(row | {"infeasible": str(exc), "load": _load()})
+            continue
+        prediction = predict_step(timed, plan, hardware, machine_)  # before any step of this plan runs
+        torch.manual_seed(0)
+        records = train_steps(w, timed, plan, steps + 1, 1e-4, 0, clock=STEP_CLOCKS[clock])
+        c = compare_steps(prediction.step_s, [r.step_s for r in records])
+        rows.append(row | {"predicted_s": c.predicted_s, "predicted_sim_s": prediction.simulated_s,
+                           "predicted_sync_copy_s": prediction.sync_copy_s, "copies": prediction.copies,
+                           "measured_median_s": c.measured_median_s, "measured_min_s": c.measured_min_s,
+                           "measured_max_s": c.measured_max_s, "steps": c.steps,
+                           "rel_error": c.relative_error, "within_10pct": abs(c.relative_error) <= 0.10,
+                           # Steps the runtime ran verified (dispatch modes on every call), which no
+                           # profile prices, and why it could not run them on the hooks alone.
+                           "steps_verified": sum(r.report.verified for r in records[1:]),
+                           "fast_refusal": records[-1].report.fast_refusal, "load": _load()})
+    base = next(r for r in rows if r["plan"] == "keep_all")
+    for r in rows:
+        if "predicted_s" in r and "predicted_s" in base:
+            r["overhead_predicted"] = r["predicted_s"] / base["predicted_s"]
+            r["overhead_measured"] = r["measured_median_s"] / base["measured_median_s"]
+            r["overhead_gap_pp"] = 100 * (r["overhead_predicted"] - r["overhead_measured"])
+            r["overhead_within_3pp"] = abs(r["overhead_gap_pp"]) <= 3.0
+    return profile, rows, table, graph, w
+
+
+def _cross_shape(model, spec, hardware, table, graph, device, steps, clock):
+    """Fit the preset on `graph`'s measured ops; predict keep_all at another micro-batch and sequence."""
+    from slackswap.experiment.prediction import compare_steps, predict_step
+    from slackswap.planners.registry import get_planner
+    from slackswap.profile.fit import fit_preset
+    from slackswap.runtime import capture_graph
+    from slackswap.runtime.train import train_steps
+    from slackswap.runtime.training_workload import build_training_workload
+
+    report = fit_preset(graph, {k: t.median_s for k, t in table.times.items()}, hardware, model.dtype)
+    other = replace(model, micro_batch_size=model.micro_batch_size * 2, seq_len=model.seq_len // 2 * 3)
+    w = build_training_workload(other, spec, device, 0)
+    g = capture_graph(w.model, (w.batch,), w.loss_fn, report.hardware, "other shape")  # roofline on the fit
+    plan = get_planner("keep_all").plan(g, report.hardware, None)
+    prediction = predict_step(g, plan, report.hardware, None if device != "cpu" else _sync_free())
+    records = train_steps(w, g, plan, steps + 1, 1e-4, 0, clock=STEP_CLOCKS[clock])
+    c = compare_steps(prediction.step_s, [r.step_s for r in records])
+    return {"fitted_on": f"mb {model.micro_batch_size} seq {model.seq_len}",
+            "predicted_for": f"mb {other.micro_batch_size} seq {other.seq_len}",
+            "efficiency": dict(report.hardware.efficiency), "hbm_efficiency": report.hardware.hbm_efficiency,
+            "launch_overhead_s": report.hardware.launch_overhead_s,
+            "fit_median_rel_error": report.fit_median_rel_error,
+            "holdout_median_rel_error": report.holdout_median_rel_error,
+            "holdout_sum_rel_error": report.holdout_sum_rel_error,
+            "predicted_s": c.predicted_s, "measured_median_s": c.measured_median_s, "rel_error": c.relative_error,
+            "within_15pct": abs(c.relative_error) <= 0.15, "load": _load()}
+
+
+def _sync_free():
+    """keep_all makes no copies: any synchronous machine predicts it alike; this one says so."""
+    from slackswap.profile.machine import Machine, machine_description
+
+    rows = [{"direction": d, "host_memory": "pageable", "size_bytes": s, "median_s": s / 1e10}
+            for d in ("h2d", "d2h", "both") for s in (4096, 8192)]
+    return Machine.from_dict(machine_description("no_copies", "cpu", True, rows, [], [], "keep_all: no copies"))
+
+
+def run(quick: bool, device: str = "cpu", clock: str = "wall") -> dict:
+    import torch
+
+    from slackswap.hardware import load_preset
+    from slackswap.profile.machine import Machine
+    from slackswap.profile.torch.links import measure_links, measurement_description
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device is visible to this torch build")
+    warmup, repeats, steps = (1, 3, 3) if quick else (2, 5, 5)
+    started = machine()
+    t0 = time.perf_counter()
+    hardware = load_preset(HARDWARE)
+    links = measurement_description(measure_links(device, (64 if quick else 256) * 1024**2, 3), device)
+    machine_ = Machine.from_dict(links)
+    print(f"[links] {device}: h2d {machine_.h2d.bytes_per_s / 1e9:.2f} GB/s + {machine_.h2d.latency_s * 1e6:.1f} us, "
+          f"d2h {machine_.d2h.bytes_per_s / 1e9:.2f} GB/s + {machine_.d2h.latency_s * 1e6:.1f} us; "
+          f"synchronous copies: {machine_.synchronous}; load {_load()}", flush=True)
+    profiles, rows, cross = [], [], None
+    for name, model, spec in _cases():
+        profile, model_rows, table, graph, _ = _measure_model(name, model, spec, hardware, machine_, device,
+                                                              warmup, repeats, steps, clock)
+        profiles.append(profile)
+        rows.extend(model_rows)
+        print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
+              f" plain step {profile['plain_step_median_s'] * 1e3:.1f} ms; load {profile['load']}", flush=True)
+        for r in model_rows:
+            if "infeasible" in r:
+                print(f"  {r['plan']:<16} infeasible; load {r['load']}", flush=True)
+                continue
+            print(_row_line(r), flush=True)
+        if name == "hf_gpt2_2l":
+            cross = _cross_shape(model, spec, hardware, table, graph, device, steps, clock)
+            print(f"[fit] {cross['fitted_on']} -> {cross['predicted_for']}: predicted "
+                  f"{cross['predicted_s'] * 1e3:.2f} ms, measured {cross['measured_median_s'] * 1e3:.2f} ms, error "
+                  f"{cross['rel_error'] * 100:+.1f} % (held-out ops: median |error| "
+                  f"{cross['holdout_median_rel_error']:.0%}); load {cross['load']}", flush=True)
+    done = [r for r in rows if "rel_error" in r]
+    hook_only = [r for r in done if not r["steps_verified"]]
+    summary = {"rows": len(rows), "predicted_rows": len(done),
+               "hook_only_rows": len(hook_only), "hook_only_within_10pct": sum(r["within_10pct"] for r in hook_only),
+               "hook_only_overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in hook_only),
+               "within_10pct": sum(r["within_10pct"] for r in done),
+               "overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in done),
+               "median_abs_rel_error": statistics.median(abs(r["rel_error"]) for r in done) if done else None}
+    print(f"[summary] {summary['within_10pct']}/{len(done)} steps within 10 %, {summary['overhead_within_3pp']}/"
+          f"{len(done)} overheads within 3 pp, median |error| {summary['median_abs_rel_error']:.1%}; of the "
+          f"{len(hook_only)} rows the runtime ran on its hooks alone: {summary['hook_only_within_10pct']} within 10 %, "
+          f"{summary['hook_only_overhead_within_3pp']} overheads within 3 pp; "
+          f"{time.perf_counter() - t0:.0f} s; load {_load()}", flush=True)
+    result = {"quick": quick, "device": device, "clock": clock, "hardware_preset": HARDWARE,
+              "torch_threads": torch.get_num_threads(),
+              "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
+              "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
+    tag = "" if clock == "wall" else f"_{clock}"
+    path = save_result(f"measured_profile{tag}{'_quick' if quick else ''}.json", result)
+    print(f"[saved] {path}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps (a few minutes)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's own); 1 spares a shared machine's cores")
+    parser.add_argument("--clock", default="wall", choices=sorted(STEP_CLOCKS),
+                        help="process: CPU time of this process for op times and steps alike (needs --threads 1)")
+    args = parser.parse_args()
+    if args.clock == "process" and (args.threads != 1 or args.device != "cpu"):
+        raise SystemExit("error: --clock=process: needs --threads 1 on the CPU (CPU time of several threads "
+                         "or of a GPU's work is not a step's time)")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"error: --threads={args.threads}: must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run(args.quick, args.device, args.clock)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Console lines of `profile.timing=measured` runs (pipelines.train)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+
+def load_text() -> str:
+    """The machine's 1-minute load average beside its core count: measured times mean little without it."""
+    return f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+
+
+def comparison_line(f: Mapping[str, Any]) -> str:
+    copies = (f" + {f['predicted_sync_copy_s'] * 1e3:.2f} ms synchronous copies"
+              if f.get("machine_synchronous_copies") else "")
+    return (f"[train] predicted step {f['predicted_step_s'] * 1e3:.2f} ms (simulated on the measured profile"
+            f"{copies}) vs measured {f['measured_step_median_s'] * 1e3:.2f} ms median of "
+            f"{f['measured_steps_compared']} steps after the first (min {f['measured_step_min_s'] * 1e3:.2f}, max "
+            f"{f['measured_step_max_s'] * 1e3:.2f}): error {f['step_relative_error'] * 100:+.1f} %; {load_text()}")

@@ -1,0 +1,118 @@
+"""`profile.timing=measured` in a training run: the captured graph re-timed by its ops measured on the
+device, the machine's links, and the plan's predicted step beside the measured one.
+
+    timing = MeasuredTiming.from_dict(config["profile"])      # checks, ConfigError naming the field
+    graph, figures = timing.retime(graph, workload)           # before the planner sees the graph
+    machine = timing.machine(device)                          # measured links (or the given file)
+    figures |= timing.compare(graph, plan, hardware, machine, step_times_s)
+
+The profile comes from plain steps of the model (`slackswap.runtime.op_times`), measured once
+per graph, device and versions and cached; no plan's own timed steps feed its prediction. Imports
+torch only inside the functions that measure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slackswap.errors import ConfigError
+from slackswap.experiment.prediction import compare_steps, predict_step
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Plan
+from slackswap.profile.machine import Machine
+from slackswap.profile.measured import TIMINGS, retime
+
+if TYPE_CHECKING:
+    from slackswap.runtime.training_workload import Workload
+
+#: Largest copy measured when a run measures the CPU's links itself (a few seconds at most); the
+#: standalone `python -m pipelines.measure_links` goes to 1 GiB where memory allows.
+RUN_LINK_MAX_BYTES = 64 * 1024**2
+
+
+@dataclass(frozen=True)
+class MeasuredTiming:
+    timing: str = "roofline"
+    cache_dir: str | None = None
+    warmup: int = 2
+    repeats: int = 5
+    machine_path: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.timing == "measured"
+
+    @classmethod
+    def from_dict(cls, profile: Mapping[str, Any] | None) -> MeasuredTiming:
+        profile = dict(profile or {})
+        timing = profile.get("timing", "roofline")
+        if timing not in TIMINGS:
+            raise ConfigError("profile.timing", timing, f"unknown timing; known: {TIMINGS}")
+        for name, low in (("warmup", 0), ("repeats", 1)):
+            value = profile.get(name, cls.__dataclass_fields__[name].default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"profile.{name}", value, f"must be an integer >= {low}")
+        machine = profile.get("machine")
+        if machine is not None and not Path(machine).is_file():
+            raise ConfigError("profile.machine", machine, "no such machine description file")
+        return cls(timing=timing, cache_dir=profile.get("cache_dir") or None,
+                   warmup=profile.get("warmup", 2), repeats=profile.get("repeats", 5), machine_path=machine)
+
+    def retime(self, graph: Graph, w: Workload) -> tuple[Graph, dict[str, Any]]:
+        """The graph with its ops' measured times (roofline for any op not measured) and the figures
+        saying how many ops each source timed."""
+        from slackswap.runtime.op_times import cached_op_times
+
+        table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
+                                        self.repeats)
+        retimed, sources = retime(graph, table)
+        figures = {"timing": "measured", "ops_timed_measured": sources.measured,
+                   "ops_timed_roofline": sources.roofline, "op_times_cached": cached,
+                   "op_times_device": table.key.device, "op_times_sum_s": table.measured_sum_s,
+                   "profile_plain_step_s": table.step_median_s,
+                   "profile_plain_step_min_s": table.step_min_s, "profile_plain_step_max_s": table.step_max_s,
+                   "timer_overhead_per_call_s": table.timer_overhead_per_call_s,
+                   "timing_sources_line": sources.line()}
+        return retimed, figures
+
+    def machine(self, device: str) -> Machine:
+        """The machine description of `profile.machine`, else the links of `device` measured now (on
+        the CPU, up to `RUN_LINK_MAX_BYTES`; cached beside the op times)."""
+        import yaml
+
+        if self.machine_path is not None:
+            return Machine.from_dict(yaml.safe_load(Path(self.machine_path).read_text()))
+        from slackswap.profile.torch.links import measure_links, measurement_description
+        from slackswap.versions import package_versions
+
+        versions = package_versions(("torch",))
+        cache = None
+        if self.cache_dir is not None:
+            tag = "-".join(f"{k}{v}" for k, v in sorted(versions.items())).replace("/", "_").replace(" ", "_")
+            cache = Path(self.cache_dir) / f"machine-{device.replace(':', '_')}-{tag}.json"
+            if cache.is_file():
+                return Machine.from_dict(json.loads(cache.read_text()))
+        description = measurement_description(measure_links(device, RUN_LINK_MAX_BYTES, repeats=3), device)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(description, indent=1))
+        return Machine.from_dict(description)
+
+    @staticmethod
+    def compare(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine,
+                step_times_s: Sequence[float]) -> dict[str, Any]:
+        """The predicted step beside the measured steps (after the first) and the relative error."""
+        prediction = predict_step(graph, plan, hardware, machine)
+        c = compare_steps(prediction.step_s, step_times_s)
+        return {"predicted_step_s": c.predicted_s, "predicted_sim_step_s": prediction.simulated_s,
+                "predicted_sync_copy_s": prediction.sync_copy_s, "measured_step_median_s": c.measured_median_s,
+                "measured_step_min_s": c.measured_min_s, "measured_step_max_s": c.measured_max_s,
+                "measured_steps_compared": c.steps, "step_relative_error": c.relative_error,
+                "machine": machine.name, "machine_synchronous_copies": machine.synchronous,
+                "load_avg_1m": os.getloadavg()[0]}

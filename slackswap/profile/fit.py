@@ -1,0 +1,152 @@
+"""Fit a hardware preset's efficiencies and launch overhead to measured op times (`python -m
+pipelines.calibrate`; docs/profile.md "Calibrating a preset").
+
+The roofline is `slackswap.profile.timing.op_duration_s`, unchanged: the fit only chooses its free
+figures (the efficiency of each op class, the HBM efficiency and the per-op launch overhead); the
+peaks stay the preset's datasheet figures. The objective is the log of predicted over measured time
+per op (relative error, so a 5 us op counts as much as a 5 ms one), by `scipy.optimize.least_squares`
+within the validity ranges of `Hardware` ((0, 1] for efficiencies, >= 0 for the overhead). Every
+`holdout_every`-th op is left out of the fit and the fit is reported on those ops as well as on the
+ones it saw: a fit that only describes its own points says nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from slackswap.errors import ConfigError
+from slackswap.graph import Graph, Op
+from slackswap.hardware import OP_CLASSES, Hardware
+from slackswap.profile.timing import op_duration_s
+
+#: Tensor dtype tags (`Tensor.role` of a captured graph) -> the preset's peak keys.
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+#: Smallest efficiency / overhead the search may reach (a CPU timed against a GPU preset's peaks
+#: needs efficiencies far below 1; nothing physical sits below these).
+_MIN_EFFICIENCY = 1e-9
+_MIN_OVERHEAD_S = 1e-12
+
+
+def op_dtype(graph: Graph, op: Op, default: str) -> str:
+    """The peak key of an op: its first output's dtype where the graph records one, else `default`."""
+    for t in op.outputs:
+        key = _DTYPES.get(graph.tensors[t].role)
+        if key is not None:
+            return key
+    return default
+
+
+@dataclass(frozen=True)
+class FitReport:
+    hardware: Hardware
+    #: Median |predicted / measured - 1| over the ops in the fit and over the held-out ops.
+    fit_median_rel_error: float
+    holdout_median_rel_error: float
+    #: Sum of predicted over sum of measured, minus 1, on the held-out ops (what a step sums).
+    holdout_sum_rel_error: float
+    fit_ops: int
+    holdout_ops: int
+    #: Op classes with no op in the fit: their efficiency is the preset's, not fitted.
+    unfitted_classes: tuple[str, ...]
+
+
+def _params(hardware: Hardware, classes: Sequence[str]) -> np.ndarray:
+    effs = [math.log(hardware.efficiency[c]) for c in classes]
+    return np.array(effs + [math.log(hardware.hbm_efficiency), math.log(max(hardware.launch_overhead_s,
+                                                                             _MIN_OVERHEAD_S))])
+
+
+def _hardware(base: Hardware, classes: Sequence[str], x: np.ndarray) -> Hardware:
+    efficiency = dict(base.efficiency) | {c: float(min(1.0, math.exp(v))) for c, v in zip(classes, x, strict=False)}
+    return replace(base, efficiency=efficiency, hbm_efficiency=float(min(1.0, math.exp(x[len(classes)]))),
+                   launch_overhead_s=float(math.exp(x[len(classes) + 1])))
+
+
+def _data_start(ops: Sequence[tuple[Op, str]], measured_s: Mapping[str, float], hardware: Hardware,
+                classes: Sequence[str]) -> np.ndarray:
+    """Log-parameters where each term alone explains half its ops' median time: efficiency of a class
+    from its FLOP ops, HBM efficiency from the 0-FLOP ops, launch overhead from the fastest ops."""
+    times = [measured_s[op.name] for op, _ in ops]
+    x = []
+    for c in classes:
+        x.append(math.log(statistics.median(
+            op.flops / (hardware.peak_for(d) * measured_s[op.name] / 2) for op, d in ops
+            if str(op.op_class) == c and op.flops > 0)))
+    moving = [op.moved_bytes / (hardware.hbm_bytes_per_s * measured_s[op.name] / 2) for op, _ in ops
+              if op.flops == 0 and op.moved_bytes > 0]
+    x.append(math.log(statistics.median(moving)) if moving else math.log(hardware.hbm_efficiency))
+    x.append(math.log(max(_MIN_OVERHEAD_S, float(np.quantile(times, 0.1)))))
+    return np.array(x)
+
+
+def _predict(ops: Sequence[tuple[Op, str]], hardware: Hardware) -> np.ndarray:
+    return np.array([op_duration_s(op.flops, op.moved_bytes, op.op_class, dtype, hardware) for op, dtype in ops])
+
+
+def fit_preset(graph: Graph, measured_s: Mapping[str, float], hardware: Hardware, default_dtype: str,
+               holdout_every: int = 5, name: str | None = None) -> FitReport:
+    """`hardware` with the efficiencies and launch overhead that best time `graph`'s ops as measured
+    (module docstring). `measured_s`: op name -> seconds (a table's medians)."""
+    from scipy.optimize import least_squares
+
+    if holdout_every < 2:
+        raise ConfigError("holdout_every", holdout_every, "must be an integer >= 2 (every k-th op is held out)")
+    ops = [(op, op_dtype(graph, op, default_dtype)) for op in graph.ops if measured_s.get(op.name, 0.0) > 0]
+    if len(ops) < 2 * holdout_every:
+        raise ConfigError("measured ops", len(ops), f"too few timed ops to fit and hold out every {holdout_every}th")
+    held = [p for i, p in enumerate(ops) if i % holdout_every == holdout_every - 1]
+    fit = [p for i, p in enumerate(ops) if i % holdout_every != holdout_every - 1]
+    classes = [c for c in OP_CLASSES if any(str(op.op_class) == c and op.flops > 0 for op, _ in fit)]
+    log_measured = np.log([measured_s[op.name] for op, _ in fit])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        return np.log(_predict(fit, _hardware(hardware, classes, x))) - log_measured
+
+    low = [math.log(_MIN_EFFICIENCY)] * (len(classes) + 1) + [math.log(_MIN_OVERHEAD_S)]
+    high = [0.0] * (len(classes) + 1) + [math.log(1.0)]
+    # The max() of the roofline is flat in whichever term does not bind, so a start where one term
+    # binds everywhere never moves the other: start from the preset and from the data (each term sized
+    # to explain its ops' median time), keep the best.
+    best = None
+    for x0 in (_params(hardware, classes), _data_start(fit, measured_s, hardware, classes)):
+        result = least_squares(residuals, np.clip(x0, low, high), bounds=(low, high))
+        if best is None or result.cost < best.cost:
+            best = result
+    fitted = _hardware(hardware, classes, best.x)
+    fitted = replace(fitted, name=name or f"{hardware.name}_fitted")
+
+    def errors(pairs):
+        pred = _predict(pairs, fitted)
+        meas = np.array([measured_s[op.name] for op, _ in pairs])
+        return [abs(p / m - 1) for p, m in zip(pred, meas, strict=True)], float(pred.sum() / meas.sum() - 1)
+
+    fit_err, _ = errors(fit)
+    held_err, held_sum = errors(held)
+    unfitted = tuple(c for c in OP_CLASSES if c not in classes)
+    return FitReport(fitted, statistics.median(fit_err), statistics.median(held_err), held_sum, len(fit), len(held),
+                     unfitted)
+
+
+def preset_yaml(report: FitReport, base: Mapping[str, object], provenance: Sequence[str]) -> str:
+    """The fitted preset as YAML: the base preset's fields with the fitted ones, the provenance as
+    comments and in `source` (a preset field, so `Hardware.from_dict` loads the file as it is)."""
+    import yaml
+
+    data = dict(base)
+    data.pop("defaults", None)
+    hw = report.hardware
+    data.update(name=hw.name, efficiency=dict(hw.efficiency), hbm_efficiency=hw.hbm_efficiency,
+                launch_overhead_s=hw.launch_overhead_s,
+                source=f"fitted by slackswap.profile.fit to measured op times; {'; '.join(provenance)}")
+    fit_lines = [f"fit on {report.fit_ops} ops: median |error| {report.fit_median_rel_error:.1%}",
+                 f"held out {report.holdout_ops} ops: median |error| {report.holdout_median_rel_error:.1%}, "
+                 f"sum error {report.holdout_sum_rel_error:+.1%}"]
+    if report.unfitted_classes:
+        fit_lines.append(f"not fitted (no such op measured): {', '.join(report.unfitted_classes)}")
+    header = "\n".join(f"# {line}" for line in [*provenance, *fit_lines])
+    return f"{header}\n{yaml.safe_dump(data, sort_keys=False)}"

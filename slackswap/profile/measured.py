@@ -1,0 +1,179 @@
+"""Measured op times: a table of how long each op of a captured step took on a real device, cached on
+disk, and a graph re-timed from it (`profile.timing=measured`, docs/profile.md "Measured op times").
+
+The roofline (`slackswap.profile.timing`) stays the graph builders' timing; a measured table replaces
+op durations *after* the graph is built, per op name, and every op the table lacks keeps its roofline
+duration. `retime` says how many ops each source timed, so a run never mixes sources silently.
+
+A table is keyed by everything its times depend on (`OpTimeKey`): the graph's fingerprint (op
+identities, tensor sizes), the model's parameter signature, the input shapes and dtypes, the device
+and the library versions. It is stored as `<cache_dir>/<key digest>.json`; another shape, device or
+torch version is another digest, so a stale table is never found, and `load_table` checks the stored
+key against the one asked for besides. This module needs no torch: the measuring is
+`slackswap.runtime.op_times`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from slackswap.errors import SlackSwapError
+from slackswap.graph import Graph
+
+TIMINGS = ("roofline", "measured")
+#: Bumped when the measuring method changes what a time means (old tables then miss).
+TABLE_FORMAT = "slackswap.op_times/1"
+
+
+class MeasurementError(SlackSwapError):
+    """A measurement that cannot be made: one line naming the op or the device."""
+
+
+@dataclass(frozen=True)
+class OpTimeKey:
+    """What an op-time table's times depend on; two tables with equal keys time the same ops."""
+
+    graph_fingerprint: str
+    model_signature: str
+    #: [[shape, dtype], ...] of the step's tensor inputs (`slackswap.runtime.capture.input_signature`).
+    input_signature: tuple[tuple[tuple[int, ...], str], ...]
+    #: "cpu", "cuda:0 NVIDIA H200", ...: the device and, on CUDA, its name.
+    device: str
+    #: python, slackswap, torch, transformers versions (`slackswap.versions.package_versions`).
+    versions: Mapping[str, str]
+    #: "perf_counter" (CPU) or "cuda_events".
+    method: str
+    format: str = TABLE_FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph_fingerprint": self.graph_fingerprint, "model_signature": self.model_signature,
+                "input_signature": [[list(s), dt] for s, dt in self.input_signature], "device": self.device,
+                "versions": dict(self.versions), "method": self.method, "format": self.format}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OpTimeKey:
+        d = dict(d)
+        d["input_signature"] = tuple((tuple(s), dt) for s, dt in d["input_signature"])
+        d["versions"] = dict(d["versions"])
+        return cls(**d)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One op's time over the measured repeats (seconds): the median is what the graph takes."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    repeats: int
+
+
+@dataclass(frozen=True)
+class OpTimeTable:
+    key: OpTimeKey
+    times: Mapping[str, OpTime]
+    warmup: int
+    repeats: int
+    #: Median wall time of the plain step (forward, loss, backward) without the timer, and its spread.
+    step_median_s: float
+    step_min_s: float
+    step_max_s: float
+    #: The timer's own cost per ATen call, taken off each op's time (module docstring of op_times).
+    timer_overhead_per_call_s: float = 0.0
+    #: Median time after the last ATen call of the step (backward's return): in no op.
+    unattributed_s: float = 0.0
+    #: Ops that could not be timed, one line each ("op12:aten.bmm.default: <why>").
+    failed: tuple[str, ...] = ()
+    notes: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key.to_dict(), "warmup": self.warmup, "repeats": self.repeats,
+            "step_median_s": self.step_median_s, "step_min_s": self.step_min_s, "step_max_s": self.step_max_s,
+            "timer_overhead_per_call_s": self.timer_overhead_per_call_s, "unattributed_s": self.unattributed_s,
+            "failed": list(self.failed), "notes": dict(self.notes),
+            "times": {name: asdict(t) for name, t in self.times.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OpTimeTable:
+        d = dict(d)
+        key = OpTimeKey.from_dict(d.pop("key"))
+        times = MappingProxyType({name: OpTime(**t) for name, t in d.pop("times").items()})
+        return cls(key=key, times=times, failed=tuple(d.pop("failed", ())),
+                   notes=MappingProxyType(dict(d.pop("notes", {}))), **d)
+
+    @property
+    def measured_sum_s(self) -> float:
+        return sum(t.median_s for t in self.times.values())
+
+
+def table_path(key: OpTimeKey, cache_dir: str | Path) -> Path:
+    return Path(cache_dir) / f"{key.digest()}.json"
+
+
+def save_table(table: OpTimeTable, cache_dir: str | Path) -> Path:
+    path = table_path(table.key, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_dict(), indent=1))
+    tmp.replace(path)  # a sweep's concurrent jobs never read half a table
+    return path
+
+
+def load_table(key: OpTimeKey, cache_dir: str | Path) -> OpTimeTable | None:
+    """The cached table of exactly `key`, or None: another version, shape or device is another file,
+    and a file whose stored key differs (or that does not parse) is not used."""
+    path = table_path(key, cache_dir)
+    if not path.is_file():
+        return None
+    try:
+        table = OpTimeTable.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return table if table.key == key else None
+
+
+@dataclass(frozen=True)
+class TimingSources:
+    """How many ops of a re-timed graph each source timed; `roofline_ops` names the fallbacks."""
+
+    measured: int
+    roofline: int
+    roofline_ops: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        shown = ", ".join(self.roofline_ops[:3]) + (" ..." if len(self.roofline_ops) > 3 else "")
+        tail = f" ({shown})" if self.roofline_ops else ""
+        return f"op times: {self.measured} measured, {self.roofline} roofline fallback{tail}"
+
+
+def retime(graph: Graph, table: OpTimeTable) -> tuple[Graph, TimingSources]:
+    """`graph` with every op the table times at its median; the others keep their roofline duration.
+    A table of another graph (fingerprint) is refused: its op names would mean other ops."""
+    if table.key.graph_fingerprint != graph.fingerprint:
+        raise MeasurementError(f"op-time table is for graph {table.key.graph_fingerprint}, "
+                               f"not {graph.name} ({graph.fingerprint})")
+    ops, fallback = [], []
+    for op in graph.ops:
+        t = table.times.get(op.name)
+        if t is None:
+            fallback.append(op.name)
+            ops.append(op)
+        else:
+            ops.append(replace(op, duration_s=t.median_s))
+    meta = dict(graph.meta) | {"timing": "measured", "op_times": table.key.digest(),
+                               "op_times_device": table.key.device}
+    retimed = Graph(name=graph.name, ops=tuple(ops), tensors=graph.tensors, num_layers=graph.num_layers,
+                    weight_bytes=graph.weight_bytes, weight_grad_bytes=graph.weight_grad_bytes,
+                    optimizer_state_bytes=graph.optimizer_state_bytes, meta=meta)
+    return retimed, TimingSources(len(ops) - len(fallback), len(fallback), tuple(fallback))

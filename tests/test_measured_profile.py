@@ -1,0 +1,258 @@
+"""Measured op times (slackswap.profile.measured), the measured machine (slackswap.profile.machine) and
+the prediction on it: the table round-trips, a version or shape change misses the cache, an op the
+table lacks keeps its roofline time and is counted. Core only (no torch); the measuring itself is
+tests/test_measured_torch.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slackswap.errors import ConfigError
+from slackswap.experiment.measured_timing import MeasuredTiming
+from slackswap.experiment.prediction import compare_steps, predict_step
+from slackswap.plan import Decision
+from slackswap.profile.machine import Machine, fit_link, machine_description
+from slackswap.profile.measured import (
+    MeasurementError,
+    OpTime,
+    OpTimeKey,
+    OpTimeTable,
+    load_table,
+    retime,
+    save_table,
+    table_path,
+)
+from slackswap.testing import bwd, fwd, make_graph, schedule_from_decisions, toy_hardware
+
+
+def _graph():
+    return make_graph([fwd("f1", [], ["a"], 1.0), fwd("f2", ["a"], ["b"], 2.0), bwd("b2", ["b"], ["gb"], 3.0),
+                       bwd("b1", ["a", "gb"], ["ga"], 4.0)], {"a": 100, "b": 200, "gb": 200, "ga": 100})
+
+
+def _key(graph, **change) -> OpTimeKey:
+    fields = dict(graph_fingerprint=graph.fingerprint, model_signature="m0",
+                  input_signature=(((2, 16), "torch.int64"),),
+                  device="cpu", versions={"torch": "2.13.0", "transformers": "5.0"}, method="perf_counter")
+    return OpTimeKey(**(fields | change))
+
+
+def _table(graph, times: dict[str, float], **change) -> OpTimeTable:
+    return OpTimeTable(key=_key(graph, **change), times={n: OpTime(t, t * 0.9, t * 1.2, 5) for n, t in times.items()},
+                       warmup=2, repeats=5, step_median_s=sum(times.values()), step_min_s=0.0, step_max_s=1.0,
+                       failed=("op9:aten.x.default: failed alone",), notes={"aten_calls": 4})
+
+
+def test_table_round_trips_through_the_cache(tmp_path):
+    g = _graph()
+    table = _table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4})
+    path = save_table(table, tmp_path)
+    assert path == table_path(table.key, tmp_path) and path.is_file()
+    loaded = load_table(_key(g), tmp_path)
+    assert loaded == table
+    assert loaded.times["b1"].max_s == pytest.approx(0.48)
+
+
+@pytest.mark.parametrize("change", [
+    {"versions": {"torch": "2.14.0", "transformers": "5.0"}},   # another torch
+    {"input_signature": (((4, 16), "torch.int64"),)},            # another micro-batch
+    {"device": "cuda:0 NVIDIA H200"},                             # another device
+    {"graph_fingerprint": "0" * 16},                              # another graph
+])
+def test_a_version_shape_or_device_change_misses_the_cache(tmp_path, change):
+    g = _graph()
+    save_table(_table(g, {"f1": 0.1}), tmp_path)
+    assert load_table(_key(g, **change), tmp_path) is None
+    assert load_table(_key(g), tmp_path) is not None
+
+
+def test_a_file_whose_stored_key_differs_is_not_used(tmp_path):
+    g = _graph()
+    path = save_table(_table(g, {"f1": 0.1}), tmp_path)
+    data = json.loads(path.read_text())
+    data["key"]["versions"]["torch"] = "1.0"  # the file under this digest says another version
+    path.write_text(json.dumps(data))
+    assert load_table(_key(g), tmp_path) is None
+    path.write_text("{not json")
+    assert load_table(_key(g), tmp_path) is None
+
+
+def test_missing_ops_fall_back_to_the_roofline_with_a_count():
+    g = _graph()
+    retimed, sources = retime(g, _table(g, {"f1": 0.1, "b1": 0.4}))
+    assert (sources.measured, sources.roofline) == (2, 2)
+    assert sources.roofline_ops == ("f2", "b2")
+    assert [op.duration_s for op in retimed.ops] == [0.1, 2.0, 3.0, 0.4]
+    assert retimed.fingerprint == g.fingerprint and retimed.meta["timing"] == "measured"
+    assert "2 measured, 2 roofline fallback (f2, b2)" in sources.line()
+
+
+def test_a_table_of_another_graph_is_refused():
+    g = _graph()
+    other = _table(g, {"f1": 0.1}, graph_fingerprint="feedfacefeedface")
+    with pytest.raises(MeasurementError, match="feedfacefeedface"):
+        retime(g, other)
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    fit = fit_link([(s, 2e-6 + s / 5e9) for s in (4096, 65536, 1 << 20, 1 << 24)])
+    assert fit.latency_s == pytest.approx(2e-6, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(5e9, rel=1e-6)
+
+
+def _machine(synchronous: bool) -> Machine:
+    rows = [{"direction": d, "host_memory": "pageable", "size_bytes": s, "median_s": 1e-6 + s / bw}
+            for d, bw in (("h2d", 100.0), ("d2h", 100.0), ("both", 50.0)) for s in (100, 1000)]
+    return Machine.from_dict(machine_description("t", "cpu", synchronous, rows, [], ["pinned: no accelerator"], "test"))
+
+
+def test_machine_description_loads_and_interpolates_copies():
+    m = _machine(True)
+    assert m.synchronous and m.link.d2h_effective_bytes_per_s == pytest.approx(100.0)
+    assert m.copy_s("d2h", 550) == pytest.approx(1e-6 + 5.5)      # between the measured sizes
+    assert m.copy_s("h2d", 2000) == pytest.approx(1e-6 + 20.0)    # beyond: the last segment's slope
+    assert m.node["h2d_duplex_fraction"] == pytest.approx(0.5)
+
+
+def test_synchronous_copies_add_to_the_predicted_step():
+    g = _graph()
+    plan = schedule_from_decisions(g, {"a": Decision.SWAP, "b": Decision.KEEP, "gb": Decision.KEEP})
+    hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
+    sync = predict_step(g, plan, hw, _machine(True))
+    assert sync.simulated_s == pytest.approx(10.0)                  # ops alone, copies arrived when issued
+    assert sync.sync_copy_s == pytest.approx(2 * (1e-6 + 1.0))      # 100 bytes out and back at 100 B/s
+    assert sync.step_s == pytest.approx(sync.simulated_s + sync.sync_copy_s)
+    overlapped = predict_step(g, plan, hw, _machine(False))
+    assert overlapped.sync_copy_s == 0.0
+
+
+def test_step_comparison_drops_the_first_step():
+    c = compare_steps(1.0, [9.0, 1.0, 2.0, 1.5])
+    assert (c.measured_median_s, c.measured_min_s, c.measured_max_s, c.steps) == (1.5, 1.0, 2.0, 3)
+    assert c.relative_error == pytest.approx(-1 / 3)
+
+
+@pytest.mark.parametrize("profile, field", [({"timing": "guess"}, "profile.timing"),
+                                            ({"timing": "measured", "repeats": 0}, "profile.repeats"),
+                                            ({"timing": "measured", "machine": "/no/such.yaml"}, "profile.machine")])
+def test_bad_timing_settings_name_the_field(profile, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        MeasuredTiming.from_dict(profile)
+
+
+def _roofline_graph():
+    """Ops of every kind: matmuls of several sizes, 0-FLOP elementwise ops, an attention op."""
+    from dataclasses import replace as dc_replace
+
+    from slackswap.graph import OpClass
+
+    specs, sizes, ops_meta = [], {}, []
+    prev = []
+    for i in range(30):
+        out = f"t{i}"
+        specs.append(fwd(f"f{i}", prev, [out], 1.0))
+        sizes[out] = 1000
+        prev = [out]
+        kind = (OpClass.MATMUL, OpClass.ELEMENTWISE, OpClass.ATTENTION)[i % 3]
+        flops = 0.0 if kind == OpClass.ELEMENTWISE else 1e9 * (1 + i)
+        ops_meta.append((kind, flops, 10_000 * (1 + i % 7)))
+    g = make_graph(specs, sizes)
+    ops = tuple(dc_replace(op, op_class=k, flops=f, moved_bytes=b) for op, (k, f, b) in zip(g.ops, ops_meta,
+                                                                                          strict=True))
+    return type(g)(name=g.name, ops=ops, tensors=g.tensors, num_layers=g.num_layers)
+
+
+def test_the_fit_recovers_the_efficiencies_that_made_the_times():
+    from dataclasses import replace as dc_replace
+
+    from slackswap.hardware import load_preset
+    from slackswap.profile.fit import fit_preset, preset_yaml
+    from slackswap.profile.timing import op_duration_s
+
+    base = load_preset("h200_sxm_pcie5")
+    truth = dc_replace(base, efficiency={"matmul": 0.02, "attention": 0.005, "elementwise": 1.0},
+                       hbm_efficiency=0.01, launch_overhead_s=5e-6)
+    g = _roofline_graph()
+    measured = {op.name: op_duration_s(op.flops, op.moved_bytes, op.op_class, "bf16", truth) for op in g.ops}
+    report = fit_preset(g, measured, base, "bf16", holdout_every=5, name="fitted")
+    assert report.hardware.efficiency["matmul"] == pytest.approx(0.02, rel=1e-3)
+    assert report.hardware.efficiency["attention"] == pytest.approx(0.005, rel=1e-3)
+    assert report.hardware.launch_overhead_s == pytest.approx(5e-6, rel=1e-3)
+    assert report.holdout_ops == 6 and report.holdout_median_rel_error < 1e-3
+    assert report.unfitted_classes == ("elementwise",)  # 0-FLOP ops: its efficiency is inert, not fitted
+    import yaml
+
+    from slackswap.hardware import Hardware
+
+    text = preset_yaml(report, {"name": "x", **{k: v for k, v in yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "conf/hardware/h200_sxm_pcie5.yaml").read_text()).items()}},
+        ["fitted in a test"])
+    loaded = Hardware.from_dict(yaml.safe_load(text))
+    assert loaded.name == "fitted" and loaded.efficiency["matmul"] == pytest.approx(0.02, rel=1e-3)
+    assert text.startswith("# fitted in a test") and "held out 6 ops" in text
+
+
+def test_the_fit_refuses_too_few_ops():
+    from slackswap.hardware import load_preset
+    from slackswap.profile.fit import fit_preset
+
+    g = _graph()
+    with pytest.raises(ConfigError, match="measured ops"):
+        fit_preset(g, {op.name: 1e-3 for op in g.ops}, load_preset("h200_sxm_pcie5"), "bf16")
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["model=no_such_model"], "overrides"),
+    (["model=hf_gpt2_2l", "profile.timing=guess"], "profile.timing"),
+    (["model=hf_gpt2_2l", "--holdout-every", "1"], "--holdout-every"),
+])
+def test_calibrate_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, field):
+    from pipelines.calibrate import main
+
+    out = tmp_path / "fitted.yaml"
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0] and not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["--device", "tpu"], ["--max-mib", "0"], ["--repeats", "0"]])
+def test_measure_links_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv):
+    from pipelines.measure_links import main
+
+    out = tmp_path / "machine.yaml"
+    assert main(["--out", str(out), *argv]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_the_console_line_puts_prediction_measurement_error_and_load_together():
+    from pipelines.measured_console import comparison_line
+
+    line = comparison_line({"predicted_step_s": 0.02, "measured_step_median_s": 0.025, "measured_step_min_s": 0.024,
+                            "measured_step_max_s": 0.03, "measured_steps_compared": 4, "step_relative_error": -0.2,
+                            "predicted_sync_copy_s": 0.001, "machine_synchronous_copies": True})
+    assert "predicted step 20.00 ms" in line and "+ 1.00 ms synchronous copies" in line
+    assert "measured 25.00 ms median of 4 steps after the first (min 24.00, max 30.00)" in line
+    assert "error -20.0 %" in line and "load " in line
+
+
+def test_the_machine_description_is_what_hardware_and_node_configs_load():
+    import yaml
+
+    from slackswap.hardware import Hardware
+    from slackswap.node import Node
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    description = machine_description("t", "cpu", True, [
+        {"direction": d, "host_memory": "pageable", "size_bytes": s, "median_s": 2e-6 + s / 1e10}
+        for d in ("h2d", "d2h", "both") for s in (4096, 1 << 20)], [(4096, 3e-3)], [], "test")
+    hardware = yaml.safe_load((conf / "hardware" / "h200_sxm_pcie5.yaml").read_text())
+    node = yaml.safe_load((conf / "node" / "pcie_workstation.yaml").read_text())
+    loaded_hw = Hardware.from_dict(hardware | {"link": description["link"]})
+    assert loaded_hw.link.d2h_effective_bytes_per_s == pytest.approx(1e10, rel=1e-6)
+    assert loaded_hw.link.latency_s == pytest.approx(2e-6, rel=1e-6)
+    loaded_node = Node.from_dict(node | description["node"])
+    assert loaded_node.pin_setup_s_per_tensor == pytest.approx(3e-3)
+    assert loaded_node.h2d_duplex_fraction == pytest.approx(1.0)

@@ -1,0 +1,126 @@
+"""Measuring on the device (slackswap.runtime.op_times, .links) and a training run on measured op
+times. CPU only here: the CUDA paths are written but not run without a GPU (docs/profile.md)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.extras import require_torch_extra
+
+require_torch_extra()
+
+from slackswap.graph import Graph  # noqa: E402
+from slackswap.hardware import load_preset  # noqa: E402
+from slackswap.profile.measured import MeasurementError, retime  # noqa: E402
+from slackswap.profile.torch.links import measure_links, measurement_description  # noqa: E402
+from slackswap.runtime import capture_graph  # noqa: E402
+from slackswap.runtime.op_times import cached_op_times, measure_op_times  # noqa: E402
+from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.fixture(scope="module")
+def captured():
+    w = build_training_workload(*small_config("tiny"))
+    return w, capture_graph(w.model, (w.batch,), w.loss_fn, load_preset("h200_sxm_pcie5"), "tiny")
+
+
+def test_every_op_of_the_captured_step_is_timed(captured):
+    w, graph = captured
+    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=1, repeats=3)
+    assert set(table.times) == {op.name for op in graph.ops}
+    assert all(0 <= t.min_s <= t.median_s <= t.max_s and t.repeats == 3 for t in table.times.values())
+    assert table.key.device == "cpu" and table.key.graph_fingerprint == graph.fingerprint
+    assert table.step_min_s <= table.step_median_s <= table.step_max_s
+    retimed, sources = retime(graph, table)
+    assert (sources.measured, sources.roofline) == (len(graph.ops), 0)
+    assert all(p.grad is None for p in w.model.parameters())  # the model is left as it was
+
+
+def test_the_table_is_measured_once_then_read_from_the_cache(captured, tmp_path):
+    w, graph = captured
+    first, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
+    again, cached_again = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
+    assert (cached, cached_again) == (False, True) and again == first
+
+
+def test_a_step_that_is_not_the_captured_one_is_one_line_naming_it(captured):
+    w, graph = captured
+    wrong_count = Graph(name=graph.name, ops=graph.ops, tensors=graph.tensors, num_layers=graph.num_layers,
+                        meta=dict(graph.meta) | {"aten_calls": graph.meta["aten_calls"] + 1})
+    with pytest.raises(MeasurementError, match="ATen calls"):
+        measure_op_times(wrong_count, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1)
+    op = graph.ops[3]
+    renamed = op.name.split(":")[0] + ":aten.mm.default"
+    ops = tuple(replace(o, name=renamed) if o is op else o for o in graph.ops)
+    tensors = {n: replace(t, producer=renamed if t.producer == op.name else t.producer,
+                          consumers=tuple(renamed if c == op.name else c for c in t.consumers))
+               for n, t in graph.tensors.items()}
+    wrong_op = Graph(name=graph.name, ops=ops, tensors=tensors, num_layers=graph.num_layers, meta=graph.meta)
+    with pytest.raises(MeasurementError, match=rf"op {renamed}"):
+        measure_op_times(wrong_op, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1)
+
+
+def test_cpu_links_are_one_memory_and_say_pinned_is_not_measured():
+    m = measure_links("cpu", max_bytes=64 * 1024, repeats=2)
+    assert m.same_memory and m.pin_rows == ()
+    assert {(r.direction, r.size_bytes) for r in m.rows} == {
+        (d, s) for d in ("h2d", "d2h", "both") for s in (4096, 16384, 65536)}
+    assert any("pinned" in line for line in m.skipped)
+    description = measurement_description(m, "cpu")
+    assert description["synchronous"] is True and description["host_memory"] == "pageable"
+    assert math.isfinite(description["link"]["d2h_effective_bytes_per_s"])
+
+
+@pytest.mark.slow
+def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path):
+    from slackswap.experiment.training_run import TrainingRunSpec, run_training
+
+    def preset(group, name):
+        data = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+        data.pop("defaults", None)
+        return data
+
+    config = {"model": {**preset("model", "tiny"), **preset("model", "tiny_torch")},
+              "hardware": preset("hardware", "h200_sxm_pcie5"), "budget": {"fraction": 0.8},
+              "planner": preset("planner", "slackswap"),
+              "train": {**yaml.safe_load((CONF / "train.yaml").read_text())["train"], "steps": 3},
+              "profile": {"timing": "measured", "cache_dir": str(tmp_path), "warmup": 1, "repeats": 2}}
+    outcome = run_training(TrainingRunSpec.from_dict(config))
+    f = outcome.figures
+    assert outcome.verdict == "ok", outcome.reason
+    assert f["ops_timed_measured"] == len(outcome.graph.ops) and f["ops_timed_roofline"] == 0
+    assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"])
+    assert f["measured_steps_compared"] == 2 and math.isfinite(f["step_relative_error"])
+    # The simulated plan runs on the measured op times, not the roofline's.
+    assert outcome.graph.meta["timing"] == "measured"
+
+
+def test_an_op_that_fails_is_one_line_naming_it_and_the_device(captured):
+    import torch
+
+    w, graph = captured
+
+    def failing_loss(out):
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        return torch.ops.aten.mm.default(flat, torch.ones(3, 3)).sum()  # shapes do not match: mm fails
+
+    with pytest.raises(MeasurementError, match=r"^op\d+:aten\.mm\.default failed on cpu: ") as err:
+        measure_op_times(graph, w.model, (w.batch,), failing_loss, warmup=0, repeats=1)
+    assert "\n" not in str(err.value)
+
+
+def test_no_gpu_is_one_line_naming_the_device():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the CUDA path runs instead")
+    with pytest.raises(MeasurementError, match=r"^device cuda: no CUDA device is visible"):
+        measure_links("cuda")
