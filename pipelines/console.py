@@ -56,6 +56,20 @@ def step_scope(resolved: Mapping[str, Any]) -> str:
     return f"step: {covered}, without {' and '.join(left)}; pipelines.advise prices the whole step"
 
 
+def layout_line(m: Mapping[str, Any]) -> str:
+    """One rank's layout figures: degrees, the layer's saved bytes on this rank, the layout's collectives."""
+    degrees = " ".join(f"{k}={m[f'parallel_{k}']}" for k in ("dp", "tp", "pp", "cp", "ep"))
+    comm = f"{m['layout_collectives']} collectives, {size_text(m['layout_comm_bus_bytes'])} on the bus"
+    if m.get("layout_comm_forward_s") is not None:
+        comm += (f", {1e3 * m['layout_comm_forward_s']:.2f} ms fwd + {1e3 * m['layout_comm_backward_s']:.2f} ms "
+                 f"bwd on {m['layout_comm_fabric']} (not in the step time)")
+    else:
+        comm += f", time not priced: {m['layout_comm_unpriced']}"
+    sp = str(m["parallel_sp"]).lower()
+    return (f"layout       per rank of {m['parallel_world_size']} GPU(s) ({degrees} sp={sp}): "
+            f"{size_text(m['rank_layer_saved_bytes'])} saved per layer; {comm}")
+
+
 def format_one_line(record: RunRecord) -> str:
     m = record.metrics
     ratio = m.get("throughput_ratio")
@@ -108,6 +122,8 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
                 f"({m['real_to_analytic_peak_ratio']:.3f}x)"
             )
         lines.append(line)
+    if m.get("parallel_world_size") is not None:
+        lines.append(layout_line(m))
     verdict = device_verdict(m)
     lines += [
         f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else "")
