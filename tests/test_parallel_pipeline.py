@@ -69,6 +69,31 @@ def test_a_layout_that_does_not_divide_the_model_is_one_line_exit_2(
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("module", "args", "line"),
+    [
+        ("pipelines.advise", ["parallel.tp=8", "advise.gpus=[8,16]"],
+         "error: advise.gpus=16: is not parallel dp*tp*pp*cp = 1*8*1*1 = 8"),
+        ("pipelines.advise", ["parallel.tp=8", "advise.gpus=[8]"],
+         "error: parallel={'dp': 1, 'tp': 8, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: advise searches "
+         "data-parallel layouts of full replicas only; leave parallel at none"),
+        ("pipelines.train", ["model=tiny_torch", "parallel.tp=2"],
+         "error: parallel={'dp': 1, 'tp': 2, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: a training run executes "
+         "one full replica on one device; leave parallel at none"),
+    ],
+)  # fmt: skip
+def test_entry_points_that_do_not_build_rank_graphs_refuse_a_layout(
+    tmp_path, mlflow_store, monkeypatch, capsys, module, args, line
+) -> None:
+    """advise and train are never silently handed a layout they would ignore; advise checks the GPU count."""
+    code = _in_process(
+        monkeypatch, tmp_path, *args, *_store_args(mlflow_store), f"hydra.run.dir={tmp_path}/run", module=module,
+    )  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and err == [line], err
+    assert _runs(mlflow_store.db_path) == []
+
+
 @pytest.mark.slow
 def test_a_sweep_over_tp_runs_every_layout(tmp_path, monkeypatch, capsys) -> None:
     sweep = tmp_path / "sweep"
