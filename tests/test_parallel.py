@@ -242,3 +242,44 @@ def test_head_is_vocab_parallel():
     graph = build_graph(model, HW, parallel=ParallelConfig(tp=8))
     probs = graph.tensors["loss.probs"]
     assert probs.layer == NO_LAYER and probs.size_bytes * 8 == model.seq_len * model.vocab_size * 4
+
+
+# ------------------------------------------------------------------ pipeline stages under 1F1B
+
+
+def test_1f1b_order_of_a_four_stage_pipeline_by_hand():
+    from slackswap.pipeline_stages import one_f_one_b_order
+
+    # Narayanan et al. 2021, Figure 4 (top), 4 stages, 8 micro-batches: the first stage warms up with 3.
+    first = one_f_one_b_order(0, 4, 8)
+    assert first[:5] == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0)]
+    assert first[-4:] == [("B", 4), ("B", 5), ("B", 6), ("B", 7)]
+    assert one_f_one_b_order(3, 4, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 7, 16])
+def test_stage_i_of_p_holds_p_minus_i_microbatches(stages, microbatches):
+    from slackswap.pipeline_stages import in_flight_microbatches, one_f_one_b_order
+
+    for stage in range(stages):
+        order = one_f_one_b_order(stage, stages, microbatches)
+        # every micro-batch once forward, once backward, its backward after its forward
+        every = [("F", j) for j in range(microbatches)] + [("B", j) for j in range(microbatches)]
+        assert sorted(order) == sorted(every)
+        assert all(order.index(("F", j)) < order.index(("B", j)) for j in range(microbatches))
+        assert in_flight_microbatches(stage, stages, microbatches) == min(stages - stage, microbatches)
+
+
+def test_stage_budget_scales_the_capacity_by_the_in_flight_count():
+    from slackswap.pipeline_stages import stage_budget_bytes
+
+    capacity = 60 * 2**30 + 7
+    budgets = [stage_budget_bytes(capacity, i, 4, 8) for i in range(4)]
+    assert budgets == [capacity // 4, capacity // 3, capacity // 2, capacity]
+    for held, budget in zip((4, 3, 2, 1), budgets, strict=True):
+        assert held * budget <= capacity < held * (budget + 1)
+    with pytest.raises(ConfigError, match=r"^stage=4: must be below parallel.pp=4$"):
+        stage_budget_bytes(capacity, 4, 4, 8)
+    with pytest.raises(ConfigError, match=r"^microbatches=0: must be an integer >= 1$"):
+        stage_budget_bytes(capacity, 0, 4, 0)
