@@ -51,9 +51,15 @@ def step_scope(resolved: Mapping[str, Any]) -> str:
     left = [] if with_optimizer else ["the optimizer step (model.include_optimizer=false)"]
     if isinstance(shards, int) and shards > 1:
         left.append(f"ZeRO-{training.get('zero_stage')}'s collectives over {shards} GPUs")
+    layout = resolved.get("parallel") or {}
+    split = (layout.get("tp") or 1) > 1 or (layout.get("cp") or 1) > 1
+    if split:
+        left.append("the layout's collectives (priced on the layout line)")
     if not left:
         return f"step: {covered}"
-    return f"step: {covered}, without {' and '.join(left)}; pipelines.advise prices the whole step"
+    # advise prices data-parallel steps of full replicas only, not a layout's
+    tail = "" if split else "; pipelines.advise prices the whole step"
+    return f"step: {covered}, without {' and '.join(left)}{tail}"
 
 
 def layout_line(m: Mapping[str, Any]) -> str:

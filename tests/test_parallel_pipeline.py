@@ -26,6 +26,7 @@ def test_run_prints_one_ranks_figures(tmp_path, monkeypatch, capsys) -> None:
     assert len(layout) == 1, out
     assert "per rank of 8 GPU(s) (dp=1 tp=8 pp=1 cp=1 ep=1 sp=true): 32.156 MiB saved per layer" in layout[0]
     assert "on tp:nvlink (not in the step time)" in layout[0]
+    assert "without the optimizer step (model.include_optimizer=false) and the layout's collectives" in out
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["rank_layer_saved_bytes"] * 8 == LLAMA7B_LAYER_BYTES
     assert metrics["parallel_tp"] == 8 and metrics["parallel_sp"] is True
