@@ -64,6 +64,7 @@ def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseI
     from slackswap.memory.recipe import TrainingConfig
     from slackswap.model_config import ModelConfig
     from slackswap.node import Node
+    from slackswap.parallel import NO_PARALLELISM, ParallelConfig
     from slackswap.planners.registry import get_planner
     from slackswap.profile.sources import select_source
 
@@ -78,6 +79,15 @@ def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseI
     model = ModelConfig.from_dict(model_node)
     hardware = Hardware.from_dict(resolved["hardware"])
     hardware.peak_for(model.dtype)
+    parallel = ParallelConfig.from_dict(resolved.get("parallel"))
+    parallel.check_model(model)
+    if parallel != NO_PARALLELISM:
+        for gpus in adv.get("gpus") or ():
+            if isinstance(gpus, int) and not isinstance(gpus, bool):
+                parallel.check_gpus(gpus, "advise.gpus")
+        # Never silently ignored: advise's search is data-parallel only until it searches layouts.
+        raise ConfigError("parallel", parallel.as_dict(),
+                          "advise searches data-parallel layouts of full replicas only; leave parallel at none")
     node = Node.from_dict(resolved["node"])
     budget = Budget.from_dict(resolved["budget"])
     if not budget.device:

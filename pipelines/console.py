@@ -51,9 +51,29 @@ def step_scope(resolved: Mapping[str, Any]) -> str:
     left = [] if with_optimizer else ["the optimizer step (model.include_optimizer=false)"]
     if isinstance(shards, int) and shards > 1:
         left.append(f"ZeRO-{training.get('zero_stage')}'s collectives over {shards} GPUs")
+    layout = resolved.get("parallel") or {}
+    split = (layout.get("tp") or 1) > 1 or (layout.get("cp") or 1) > 1
+    if split:
+        left.append("the layout's collectives (priced on the layout line)")
     if not left:
         return f"step: {covered}"
-    return f"step: {covered}, without {' and '.join(left)}; pipelines.advise prices the whole step"
+    # advise prices data-parallel steps of full replicas only, not a layout's
+    tail = "" if split else "; pipelines.advise prices the whole step"
+    return f"step: {covered}, without {' and '.join(left)}{tail}"
+
+
+def layout_line(m: Mapping[str, Any]) -> str:
+    """One rank's layout figures: degrees, the layer's saved bytes on this rank, the layout's collectives."""
+    degrees = " ".join(f"{k}={m[f'parallel_{k}']}" for k in ("dp", "tp", "pp", "cp", "ep"))
+    comm = f"{m['layout_collectives']} collectives, {size_text(m['layout_comm_bus_bytes'])} on the bus"
+    if m.get("layout_comm_forward_s") is not None:
+        comm += (f", {1e3 * m['layout_comm_forward_s']:.2f} ms fwd + {1e3 * m['layout_comm_backward_s']:.2f} ms "
+                 f"bwd on {m['layout_comm_fabric']} (not in the step time)")
+    else:
+        comm += f", time not priced: {m['layout_comm_unpriced']}"
+    sp = str(m["parallel_sp"]).lower()
+    return (f"layout       per rank of {m['parallel_world_size']} GPU(s) ({degrees} sp={sp}): "
+            f"{size_text(m['rank_layer_saved_bytes'])} saved per layer; {comm}")
 
 
 def format_one_line(record: RunRecord) -> str:
@@ -108,6 +128,8 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
                 f"({m['real_to_analytic_peak_ratio']:.3f}x)"
             )
         lines.append(line)
+    if m.get("parallel_world_size") is not None:
+        lines.append(layout_line(m))
     verdict = device_verdict(m)
     lines += [
         f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else "")

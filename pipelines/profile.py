@@ -25,6 +25,7 @@ from slackswap.errors import ConfigError
 from slackswap.experiment.baseline import analytic_twin
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
+from slackswap.parallel import ParallelConfig
 
 #: Exit code of a config value error, as in `pipelines.run`.
 EXIT_CONFIG_ERROR = faults.EXIT_CONFIG_ERROR
@@ -55,7 +56,8 @@ def profile_stage(cfg: DictConfig) -> None:
     source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
     model = ModelConfig.from_dict(node)
     hardware = Hardware.from_dict(OmegaConf.to_container(cfg.hardware, resolve=True))
-    graph = profile_graph(source, model, hardware, **options)
+    parallel = ParallelConfig.from_dict(OmegaConf.to_container(cfg.parallel, resolve=True))
+    graph = profile_graph(source, model, hardware, None, parallel, **options)  # one rank's graph under a layout
     reference = None
     if source == "torch" and options.get("builder") != "hook":  # no analytic twin of a user's module
         reference = build_graph(analytic_twin(model, spec_from_options(model, options)), hardware)

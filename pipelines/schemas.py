@@ -118,6 +118,19 @@ class NodeSchema:
 
 
 @dataclass
+class ParallelSchema:
+    """Mirrors `slackswap.parallel.ParallelConfig`: the layout whose one rank's graph a run builds
+    (conf/parallel documents each field; the defaults are one full replica)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sp: bool = False
+
+
+@dataclass
 class ProfileSchema:
     """Where the op graph comes from: a `slackswap.profile.sources` name plus its keyword options. A
     model preset's `torch` node selects the `torch` source instead (docs/pipeline.md)."""
@@ -238,6 +251,8 @@ class SlackSwapConfig:
     training: TrainingSchema = MISSING
     tracking: TrackingSchema = MISSING
     simulate: SimulateSchema = field(default_factory=SimulateSchema)
+    #: conf/parallel; a default so that a root without the group (advise) keeps one full replica.
+    parallel: ParallelSchema = field(default_factory=ParallelSchema)
     experiment: ExperimentSchema = field(default_factory=ExperimentSchema)
     #: Set by `+experiment=seed_identify`: the run evaluates the shared-assumption grid instead.
     identify: IdentifySchema | None = None

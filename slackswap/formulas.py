@@ -33,3 +33,37 @@ def korthikanti_fwd_flops_per_layer(seq_len: int, micro_batch_size: int, hidden_
 def korthikanti_bwd_flops_per_layer(seq_len: int, micro_batch_size: int, hidden_size: int) -> int:
     """Backward = 2x forward: every matmul has a data-gradient and a weight-gradient GEMM."""
     return 2 * korthikanti_fwd_flops_per_layer(seq_len, micro_batch_size, hidden_size)
+
+
+def _check_tp(num_heads: int, tensor_parallel: int) -> None:
+    _check(tensor_parallel=tensor_parallel)
+    if num_heads % tensor_parallel:
+        raise ConfigError("tensor_parallel", tensor_parallel, f"does not divide num_heads={num_heads}")
+
+
+def korthikanti_saved_bytes_per_layer_tp(
+    seq_len: int, micro_batch_size: int, hidden_size: int, num_heads: int, tensor_parallel: int
+) -> int:
+    """Tensor parallelism alone (Korthikanti et al. 2022, section 4.2.1, Table 2): s*b*h*(10 + 24/t + 5*a*s/(h*t)).
+
+    The 10 sbh stay whole on every rank: the two LayerNorm inputs (2 + 2), the QKV and MLP inputs
+    (2 + 2) and the two dropout masks (1 + 1). The 24 sbh (Q, K, V 6; projection input 2; GeLU input
+    8; second-linear input 8) and the 5as^2b of attention are split over the t ranks. Integer form:
+    10sbh + 24sbh/t + 5as^2b/t, exact when t divides a (h = a * head_dim, so t divides h too).
+    """
+    _check(seq_len=seq_len, micro_batch_size=micro_batch_size, hidden_size=hidden_size, num_heads=num_heads)
+    _check_tp(num_heads, tensor_parallel)
+    s, b, h, a, t = seq_len, micro_batch_size, hidden_size, num_heads, tensor_parallel
+    return 10 * s * b * h + 24 * s * b * h // t + 5 * a * s * s * b // t
+
+
+def korthikanti_saved_bytes_per_layer_tp_sp(
+    seq_len: int, micro_batch_size: int, hidden_size: int, num_heads: int, tensor_parallel: int
+) -> int:
+    """Tensor plus sequence parallelism (Korthikanti et al. 2022, section 4.2.2, Table 2):
+    s*b*h/t*(34 + 5*a*s/h): the 10 sbh of the LayerNorm/dropout region are split along the sequence
+    too. Integer form (34sbh + 5as^2b)/t."""
+    _check(seq_len=seq_len, micro_batch_size=micro_batch_size, hidden_size=hidden_size, num_heads=num_heads)
+    _check_tp(num_heads, tensor_parallel)
+    s, b, h, a, t = seq_len, micro_batch_size, hidden_size, num_heads, tensor_parallel
+    return 34 * s * b * h // t + 5 * a * s * s * b // t

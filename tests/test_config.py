@@ -19,10 +19,11 @@ from slackswap.hardware import Hardware, HostLink
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.node import Node
+from slackswap.parallel import ParallelConfig
 from slackswap.profile.torch.spec import TorchSpec
 
 CONF = schemas.REPO_ROOT / "conf"
-GROUPS = ("model", "hardware", "planner", "budget", "training", "tracking")
+GROUPS = ("model", "hardware", "planner", "budget", "training", "tracking", "parallel")
 
 
 def _compose(overrides: list[str], hydra_node: bool = False):
@@ -121,6 +122,7 @@ def _field_defaults(cls) -> dict:
         (schemas.TrainingSchema, TrainingConfig),
         (schemas.TorchSchema, TorchSpec),
         (schemas.NodeSchema, Node),
+        (schemas.ParallelSchema, ParallelConfig),
     ],
 )
 def test_schema_mirrors_library_dataclass(schema, library) -> None:

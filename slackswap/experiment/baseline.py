@@ -51,7 +51,8 @@ def load_baseline(spec: RunSpec) -> tuple[Baseline, bool]:
     from slackswap.simulate.metrics import simulate_ideal
 
     t0 = time.perf_counter()
-    graph = profile_graph(spec.profile_source, spec.model, spec.hardware, spec.training, **spec.profile_options)
+    graph = profile_graph(spec.profile_source, spec.model, spec.hardware, spec.training, spec.parallel,
+                          **spec.profile_options)
     t1 = time.perf_counter()
     ideal = simulate_ideal(graph, spec.hardware)
     t2 = time.perf_counter()

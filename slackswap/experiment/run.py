@@ -107,7 +107,7 @@ def device_capacity(spec: RunSpec) -> DeviceCapacity:
     from slackswap.memory.static import static_memory
     from slackswap.profile import parameter_counts
 
-    static = static_memory(*parameter_counts(spec.model), spec.training, spec.model.dtype)
+    static = static_memory(*parameter_counts(spec.model, spec.parallel), spec.training, spec.model.dtype)
     return DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes, static)
 
 
@@ -116,7 +116,7 @@ def suggest_shards(spec: RunSpec) -> tuple[int, int] | None:
     from slackswap.profile import parameter_counts
 
     return smallest_fitting_shards(
-        *parameter_counts(spec.model),
+        *parameter_counts(spec.model, spec.parallel),
         spec.training,
         spec.model.dtype,
         spec.hardware.device_memory_bytes,
@@ -246,7 +246,40 @@ def run_metrics(
     metrics["ideal_mfu"] = mfu(flops, simulation["ideal_step_s"], spec.hardware, spec.model.dtype)
     metrics |= _source_metrics(base)
     metrics |= _node_metrics(spec, simulation)
+    metrics |= layout_metrics(spec, base.graph)
     return metrics
+
+
+def layout_metrics(spec: RunSpec, graph: Graph) -> dict[str, Any]:
+    """One rank's layout figures (no keys for one full replica): the degrees, the largest per-layer saved
+    bytes, and the collectives the layout adds with their ring time on the node's fabrics (not part of
+    `step_s`: the simulated step does not wait on them; `slackswap.profile.collectives`)."""
+    from slackswap.parallel import NO_PARALLELISM
+    from slackswap.profile import layout_collectives
+    from slackswap.profile.collectives import price
+
+    if spec.parallel == NO_PARALLELISM:
+        return {}
+    topology = None
+    if spec.node is not None:
+        from slackswap.experiment.advise import topology_from_node
+
+        topology = topology_from_node(spec.node, spec.hardware)
+    comm = price(layout_collectives(graph), spec.parallel, topology, spec.node.name if spec.node else "")
+    saved: dict[int, int] = {}
+    for t in graph.saved_tensors:
+        if t.layer >= 0:
+            saved[t.layer] = saved.get(t.layer, 0) + t.size_bytes
+    return {f"parallel_{k}": v for k, v in spec.parallel.as_dict().items()} | {
+        "parallel_world_size": spec.parallel.world_size,
+        "rank_layer_saved_bytes": max(saved.values()) if saved else 0,
+        "layout_collectives": comm.count,
+        "layout_comm_bus_bytes": comm.bus_bytes,
+        "layout_comm_forward_s": comm.forward_s,
+        "layout_comm_backward_s": comm.backward_s,
+        "layout_comm_fabric": ",".join(f"{g}:{f}" for g, f in sorted(comm.fabrics.items())) or None,
+        "layout_comm_unpriced": comm.unpriced or None,
+    }
 
 
 def _node_metrics(spec: RunSpec, simulation: Mapping[str, Any]) -> dict[str, Any]:

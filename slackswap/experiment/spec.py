@@ -21,6 +21,7 @@ from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
 from slackswap.node import Node
+from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 from slackswap.planners.base import Planner
 from slackswap.profile.torch.spec import TorchSpec
 
@@ -73,6 +74,8 @@ class RunSpec:
     alone_hardware: Hardware | None = field(default=None, compare=False)
     #: The planner, built once from `planner_name` and `planner_options`.
     planner: Planner | None = field(default=None, compare=False, repr=False)
+    #: The parallel layout (conf/parallel); the graph is one rank's (docs/profile.md, "Per-rank graphs").
+    parallel: ParallelConfig = NO_PARALLELISM
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> RunSpec:
@@ -101,6 +104,14 @@ class RunSpec:
         model_config = ModelConfig.from_dict(model)
         hardware, node, shared_link = hardware_from_config(config)
         training = TrainingConfig.from_dict(config.get("training") or {})
+        parallel = ParallelConfig.from_dict(config.get("parallel"))
+        parallel.check_model(model_config)
+        if parallel.pp != 1:
+            raise ConfigError("parallel.pp", parallel.pp,
+                              "per-stage graphs are not built yet (issue 43, item 2); set 1")
+        if parallel != NO_PARALLELISM and source != "analytic":
+            raise ConfigError("parallel", parallel.as_dict(), "per-rank graphs are analytic; the torch source traces "
+                              "one full replica (use parallel=none or an analytic model preset)")
         hardware.peak_for(model_config.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
         training.check_model_dtype(model_config.dtype)
         workload = {
@@ -110,6 +121,8 @@ class RunSpec:
             "training": config.get("training"),
             "profile": config.get("profile"),
         }
+        if parallel != NO_PARALLELISM:  # one full replica keeps the key it always had
+            workload["parallel"] = parallel.as_dict()
         return cls(
             model=model_config,
             hardware=hardware,
@@ -127,9 +140,13 @@ class RunSpec:
             alone_hardware=_alone(config, hardware),
             # Unknown planner names and options fail here, before profiling, naming what was asked for.
             planner=get_planner(name, **options),
+            parallel=parallel,
         )
 
     @property
-    def tokens_per_step(self) -> int:
-        """Tokens one GPU processes per step: micro-batch x sequence length."""
-        return self.model.micro_batch_size * self.model.seq_len
+    def tokens_per_step(self) -> int | float:
+        """Tokens one GPU processes per step: micro-batch x sequence length, shared by the tp x cp ranks
+        that work on one micro-batch together under a parallel layout."""
+        tokens = self.model.micro_batch_size * self.model.seq_len
+        shared = self.parallel.tp * self.parallel.cp
+        return tokens // shared if tokens % shared == 0 else tokens / shared

@@ -32,6 +32,7 @@ from slackswap.experiment.run import Verdict
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.model_config import ModelConfig
+from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 from slackswap.plan import Plan
 from slackswap.planners.base import Planner
 from slackswap.profile.torch.spec import TorchSpec
@@ -99,6 +100,10 @@ class TrainingRunSpec:
                 raise ConfigError("train.device", "cuda", "no CUDA device is visible to this torch build")
         hardware = Hardware.from_dict(config["hardware"])
         model = ModelConfig.from_dict(model_node)
+        parallel = ParallelConfig.from_dict(config.get("parallel"))
+        if parallel != NO_PARALLELISM:  # never silently ignored
+            raise ConfigError("parallel", parallel.as_dict(),
+                              "a training run executes one full replica on one device; leave parallel at none")
         torch_spec = TorchSpec.from_dict(torch_node)
         budget = Budget.from_dict(config["budget"])
         planner = config["planner"]

@@ -8,6 +8,14 @@ BERT or GPT-2 layer are exactly s*b*h*(34 + 5*a*s/h). Op FLOPs count matrix mult
 
 Naming: ops and tensors of layer l are prefixed `L{l}.`; ops outside the stack have no prefix and
 layer NO_LAYER.
+
+Under a parallel layout (`slackswap.parallel.ParallelConfig`) the ops and tensors are ONE RANK's:
+tensor parallelism splits the heads and the MLP's inner width (column-parallel QKV, fc1 / gate+up and
+LM head; row-parallel projection and fc2 / down; vocab-parallel embedding), sequence parallelism splits
+the LayerNorm/dropout/residual region along the sequence, context parallelism splits the sequence of
+the whole layer. The collectives the layout adds are recorded in `FamilyBuilder.collectives`
+(`slackswap.profile.collectives`), not as ops. With the default layout every size is the same integer
+as without one.
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ from dataclasses import dataclass
 from slackswap.errors import ConfigError
 from slackswap.graph import NO_LAYER, OpClass, Phase
 from slackswap.model_config import ModelConfig
+from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 from slackswap.profile.builder import GraphBuilder
+from slackswap.profile.collectives import Collective
 
 #: Dropout masks are stored as torch.bool: one byte per element (Korthikanti et al. 2022).
 MASK_BYTES_PER_ELEMENT = 1
@@ -32,13 +42,25 @@ FLASH_BWD_FLOPS_FACTOR = 2.5
 
 @dataclass(frozen=True)
 class Shape:
-    """Element counts and bytes used throughout one model's graph."""
+    """Element counts and bytes used throughout one rank's graph of one model."""
 
     model: ModelConfig
+    parallel: ParallelConfig = NO_PARALLELISM
+
+    @property
+    def seq(self) -> int:
+        """Sequence positions this rank holds: s / cp."""
+        return self.model.seq_len // self.parallel.cp
 
     @property
     def tokens(self) -> int:
-        return self.model.seq_len * self.model.micro_batch_size
+        """Tokens a GEMM of this rank works on (s / cp x b; a column-parallel GEMM's gathered input under sp)."""
+        return self.seq * self.model.micro_batch_size
+
+    @property
+    def rep_tokens(self) -> int:
+        """Tokens of the LayerNorm/dropout/residual region on this rank: split by tp under sp."""
+        return self.tokens // self.parallel.sequence_shards
 
     @property
     def elt(self) -> int:
@@ -48,25 +70,42 @@ class Shape:
     def kv_dim(self) -> int:
         return self.model.num_kv_heads * self.model.head_dim
 
+    @property
+    def heads(self) -> int:
+        """Attention heads on this rank: a / tp."""
+        return self.model.num_heads // self.parallel.tp
+
+    @property
+    def vocab_shard(self) -> int:
+        """Vocabulary rows on this rank: ceil(V / tp) (Megatron pads V to a multiple of tp, at least)."""
+        return -(-self.model.vocab_size // self.parallel.tp)
+
     def act(self, width: int) -> int:
-        """Bytes of a [s, b, width] activation in the model dtype."""
+        """Bytes of a [s / cp, b, width] activation in the model dtype (width already this rank's)."""
         return self.tokens * width * self.elt
 
+    def rep(self, width: int) -> int:
+        """Bytes of a [s / cp, b, width] activation of the LayerNorm/dropout/residual region (s / tp more under sp)."""
+        return self.rep_tokens * width * self.elt
+
     def scores(self) -> int:
-        """Elements of the [b, a, s, s] attention scores."""
+        """Elements of this rank's [b, a / tp, s / cp, s] attention scores (keys: the whole sequence)."""
         m = self.model
-        return m.micro_batch_size * m.num_heads * m.seq_len * m.seq_len
+        return m.micro_batch_size * self.heads * self.seq * m.seq_len
 
 
 class FamilyBuilder:
     """Emits the forward ops of one model into a GraphBuilder and counts its parameters."""
 
-    def __init__(self, model: ModelConfig, gb: GraphBuilder):
+    def __init__(self, model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig = NO_PARALLELISM):
         self.m = model
         self.g = gb
-        self.shape = Shape(model)
+        self.par = parallel
+        self.shape = Shape(model, parallel)
         self.params = 0
         self.layer_params: dict[int, int] = {}
+        #: The collectives the layout adds, in the order the forward pass meets them.
+        self.collectives: list[Collective] = []
 
     # -- primitives --------------------------------------------------------------------------------
 
@@ -74,17 +113,55 @@ class FamilyBuilder:
         self.params += n
         self.layer_params[layer] = self.layer_params.get(layer, 0) + n
 
+    # -- tensor-parallel region boundaries (slackswap.profile.collectives) --------------------------
+
+    def _collective(self, name: str, layer: int, phase: str, kind: str, group: str, size: int, why: str) -> None:
+        ranks = self.par.tp if group == "tp" else self.par.cp
+        self.collectives.append(Collective(name, layer, phase, kind, group, ranks, size, why))
+
+    def tp_enter(self, name: str, layer: int) -> None:
+        """Megatron's f (ḡ under sp): the replicated input of column-parallel GEMMs of hidden width."""
+        if self.par.tp == 1:
+            return
+        full = self.shape.act(self.m.hidden_size)
+        if self.par.sp:
+            self._collective(name, layer, "forward", "all_gather", "tp", full, "gather the sequence for a column GEMM")
+            self._collective(name, layer, "backward", "reduce_scatter", "tp", full, "input gradient back to shards")
+            self._collective(name, layer, "backward", "all_gather", "tp", full,
+                             "re-gather the saved sequence shard for the weight gradient")
+        else:
+            self._collective(name, layer, "backward", "all_reduce", "tp", full, "sum the replicated input's gradient")
+
+    def tp_exit(self, name: str, layer: int) -> None:
+        """Megatron's g (g̅ under sp): the partial sums of a row-parallel GEMM or vocab-parallel embedding."""
+        if self.par.tp == 1:
+            return
+        full = self.shape.act(self.m.hidden_size)
+        if self.par.sp:
+            self._collective(name, layer, "forward", "reduce_scatter", "tp", full, "sum partials into sequence shards")
+            self._collective(name, layer, "backward", "all_gather", "tp", full, "gather the output gradient")
+        else:
+            self._collective(name, layer, "forward", "all_reduce", "tp", full, "sum the row-parallel partials")
+
     def linear(
-        self, name: str, layer: int, x: str, d_in: int, d_out: int, *, bias: bool, role: str, tied: bool = False
+        self, name: str, layer: int, x: str, d_in: int, d_out: int, *, bias: bool, role: str, tied: bool = False,
+        tp: str = "",
     ) -> str:
         """y = x W (+ b): one GEMM of 2*T*d_in*d_out FLOPs; backward = dgrad + wgrad = 2x.
 
         `tied`: W is another op's matrix (the token embedding), so only the bias is a new parameter.
+        `tp`: "column" splits d_out over the tp ranks (output split too), "row" splits d_in (output
+        summed by the following `tp_exit`, bias whole); "" a GEMM every rank runs whole on its tokens.
         """
+        t = self.par.tp if tp else 1
+        d_in, d_out_bias = (d_in // t, d_out) if tp == "row" else (d_in, d_out // t)
+        d_out = d_out // t if tp == "column" else d_out
         w_bytes = d_in * d_out * self.shape.elt
-        self._count(layer, (0 if tied else d_in * d_out) + (d_out if bias else 0))
-        flops = 2.0 * self.shape.tokens * d_in * d_out
-        y = self.g.tensor(f"{name}.out", self.shape.act(d_out), f"{role}_out")
+        self._count(layer, (0 if tied else d_in * d_out) + (d_out_bias if bias else 0))
+        tokens = self.shape.tokens if tp else self.shape.rep_tokens
+        flops = 2.0 * tokens * d_in * d_out
+        y = self.g.tensor(f"{name}.out", self.shape.act(d_out) if tp == "column" else self.shape.rep(d_out),
+                          f"{role}_out")
         self.g.forward(name, OpClass.MATMUL, layer, (x,), (y,), role=role, flops=flops, extra_bytes=w_bytes,
                        bwd_reads=(x,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
         return y
@@ -131,11 +208,17 @@ class FamilyBuilder:
         """Eager (materialised s x s scores) or flash (fused) attention core; returns the context."""
         s = self.shape
         core_flops = 2.0 * s.scores() * self.m.head_dim  # one of the two batched matmuls
+        ctx_width = self.m.hidden_size // self.par.tp
         ctx = None
+        if self.par.cp > 1:  # ring attention: K and V shards travel round the cp ranks (collectives.py)
+            kv = self.g.size(k) + self.g.size(v)
+            self._collective(f"{p}.ring_kv", layer, "forward", "ring_exchange", "cp", self.par.cp * kv, "K, V")
+            self._collective(f"{p}.ring_kv", layer, "backward", "ring_exchange", "cp", self.par.cp * kv, "K, V again")
+            self._collective(f"{p}.ring_dkv", layer, "backward", "ring_exchange", "cp", self.par.cp * kv, "dK, dV")
         if self.m.attention == "flash":
-            ctx = self.g.tensor(f"{p}.flash.out", s.act(self.m.hidden_size), "attn_ctx")
+            ctx = self.g.tensor(f"{p}.flash.out", s.act(ctx_width), "attn_ctx")
             m = self.m
-            lse = self.g.tensor(f"{p}.flash.lse", m.micro_batch_size * m.num_heads * m.seq_len * LSE_BYTES_PER_ELEMENT,
+            lse = self.g.tensor(f"{p}.flash.lse", m.micro_batch_size * s.heads * s.seq * LSE_BYTES_PER_ELEMENT,
                                 "softmax_lse", differentiable=False)
             # Attention dropout inside the flash kernel regenerates its mask from the RNG state: no mask tensor.
             self.g.forward(f"{p}.flash", OpClass.ATTENTION, layer, (q, k, v), (ctx, lse), role="flash_attn",
@@ -152,19 +235,22 @@ class FamilyBuilder:
                        bwd_reads=(probs,), attention_core=True)
         probs = self.maybe_dropout(f"{p}.attn_drop", layer, probs, s.scores(), role="softmax_dropout",
                                    attention_core=True)
-        ctx = self.g.tensor(f"{p}.pv.out", s.act(self.m.hidden_size), "attn_ctx")
+        ctx = self.g.tensor(f"{p}.pv.out", s.act(ctx_width), "attn_ctx")
         self.g.forward(f"{p}.pv", OpClass.ATTENTION, layer, (probs, v), (ctx,), role="pv_bmm",
                        flops=core_flops, bwd_reads=(probs, v), bwd_flops=2 * core_flops, attention_core=True)
         return ctx
 
     def qkv(self, p: str, layer: int, x: str, *, bias: bool) -> tuple[str, str, str]:
-        """One fused QKV GEMM writing separate Q, K, V tensors (K, V have num_kv_heads heads)."""
-        h, kv = self.m.hidden_size, self.shape.kv_dim
+        """One fused QKV GEMM writing separate Q, K, V tensors (K, V have num_kv_heads heads); column-parallel
+        under tp (this rank's a / tp query and kv / tp key-value heads)."""
+        t = self.par.tp
+        h, kv = self.m.hidden_size // t, self.shape.kv_dim // t
         d_out = h + 2 * kv
+        d_in = self.m.hidden_size
         s = self.shape
-        self._count(layer, h * d_out + (d_out if bias else 0))
-        flops = 2.0 * s.tokens * h * d_out
-        w_bytes = h * d_out * s.elt
+        self._count(layer, d_in * d_out + (d_out if bias else 0))
+        flops = 2.0 * s.tokens * d_in * d_out
+        w_bytes = d_in * d_out * s.elt
         q = self.g.tensor(f"{p}.qkv.q", s.act(h), "q")
         k = self.g.tensor(f"{p}.qkv.k", s.act(kv), "k")
         v = self.g.tensor(f"{p}.qkv.v", s.act(kv), "v")
@@ -177,33 +263,41 @@ class FamilyBuilder:
     def gpt2_layer(self, layer: int, x: str) -> str:
         """Pre-LN decoder layer: x + Drop(Attn(LN(x))), then + Drop(MLP(LN(.)))."""
         p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
-        n_act = self.shape.tokens * h
+        n_act = self.shape.rep_tokens * h
         ln1 = self.norm(f"{p}.ln1", layer, x, rms=False, role="layernorm")
+        self.tp_enter(f"{p}.attn_in", layer)
         q, k, v = self.qkv(p, layer, ln1, bias=True)
         ctx = self.attention(p, layer, q, k, v)
-        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=True, role="proj")
+        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=True, role="proj", tp="row")
+        self.tp_exit(f"{p}.attn_out", layer)
         attn = self.maybe_dropout(f"{p}.proj_drop", layer, attn, n_act, role="dropout")
         mid = self.add(f"{p}.add1", layer, x, attn)
         ln2 = self.norm(f"{p}.ln2", layer, mid, rms=False, role="layernorm")
-        mlp = self.linear(f"{p}.fc1", layer, ln2, h, f, bias=True, role="fc1")
+        self.tp_enter(f"{p}.mlp_in", layer)
+        mlp = self.linear(f"{p}.fc1", layer, ln2, h, f, bias=True, role="fc1", tp="column")
         mlp = self.gelu(f"{p}.gelu", layer, mlp)
-        mlp = self.linear(f"{p}.fc2", layer, mlp, f, h, bias=True, role="fc2")
+        mlp = self.linear(f"{p}.fc2", layer, mlp, f, h, bias=True, role="fc2", tp="row")
+        self.tp_exit(f"{p}.mlp_out", layer)
         mlp = self.maybe_dropout(f"{p}.mlp_drop", layer, mlp, n_act, role="dropout")
         return self.add(f"{p}.add2", layer, mid, mlp)
 
     def bert_layer(self, layer: int, x: str) -> str:
         """Post-LN encoder layer: LN(x + Drop(Attn(x))), then LN(. + Drop(MLP(.)))."""
         p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
-        n_act = self.shape.tokens * h
+        n_act = self.shape.rep_tokens * h
+        self.tp_enter(f"{p}.attn_in", layer)
         q, k, v = self.qkv(p, layer, x, bias=True)
         ctx = self.attention(p, layer, q, k, v)
-        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=True, role="proj")
+        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=True, role="proj", tp="row")
+        self.tp_exit(f"{p}.attn_out", layer)
         attn = self.maybe_dropout(f"{p}.proj_drop", layer, attn, n_act, role="dropout")
         r1 = self.add(f"{p}.add1", layer, x, attn)
         y1 = self.norm(f"{p}.ln1", layer, r1, rms=False, role="layernorm")
-        mlp = self.linear(f"{p}.fc1", layer, y1, h, f, bias=True, role="fc1")
+        self.tp_enter(f"{p}.mlp_in", layer)
+        mlp = self.linear(f"{p}.fc1", layer, y1, h, f, bias=True, role="fc1", tp="column")
         mlp = self.gelu(f"{p}.gelu", layer, mlp)
-        mlp = self.linear(f"{p}.fc2", layer, mlp, f, h, bias=True, role="fc2")
+        mlp = self.linear(f"{p}.fc2", layer, mlp, f, h, bias=True, role="fc2", tp="row")
+        self.tp_exit(f"{p}.mlp_out", layer)
         mlp = self.maybe_dropout(f"{p}.mlp_drop", layer, mlp, n_act, role="dropout")
         r2 = self.add(f"{p}.add2", layer, y1, mlp)
         return self.norm(f"{p}.ln2", layer, r2, rms=False, role="layernorm")
@@ -212,21 +306,25 @@ class FamilyBuilder:
         """Pre-RMSNorm decoder layer with rotary Q/K, optional GQA and a SwiGLU MLP; no dropout."""
         p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
         n1 = self.norm(f"{p}.norm1", layer, x, rms=True, role="rmsnorm")
+        self.tp_enter(f"{p}.attn_in", layer)
         q, k, v = self.qkv(p, layer, n1, bias=False)
         # Rotary embedding: elementwise on Q and K; its backward needs only the cos/sin tables.
         qr = self.g.tensor(f"{p}.rope.q", self.g.size(q), "q_rot")
         kr = self.g.tensor(f"{p}.rope.k", self.g.size(k), "k_rot")
         self.g.forward(f"{p}.rope", OpClass.ELEMENTWISE, layer, (q, k), (qr, kr), role="rope")
         ctx = self.attention(p, layer, qr, kr, v)
-        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=False, role="proj")
+        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=False, role="proj", tp="row")
+        self.tp_exit(f"{p}.attn_out", layer)
         mid = self.add(f"{p}.add1", layer, x, attn)
         n2 = self.norm(f"{p}.norm2", layer, mid, rms=True, role="rmsnorm")
-        gate = self.linear(f"{p}.gate", layer, n2, h, f, bias=False, role="gate")
-        up = self.linear(f"{p}.up", layer, n2, h, f, bias=False, role="up")
+        self.tp_enter(f"{p}.mlp_in", layer)  # one gather serves gate and up (Megatron fuses them: linear_fc1)
+        gate = self.linear(f"{p}.gate", layer, n2, h, f, bias=False, role="gate", tp="column")
+        up = self.linear(f"{p}.up", layer, n2, h, f, bias=False, role="up", tp="column")
         act = self.g.tensor(f"{p}.swiglu.out", self.g.size(gate), "swiglu_out")
         self.g.forward(f"{p}.swiglu", OpClass.ELEMENTWISE, layer, (gate, up), (act,), role="swiglu",
                        bwd_reads=(gate, up))
-        down = self.linear(f"{p}.down", layer, act, f, h, bias=False, role="down")
+        down = self.linear(f"{p}.down", layer, act, f, h, bias=False, role="down", tp="row")
+        self.tp_exit(f"{p}.mlp_out", layer)
         return self.add(f"{p}.add2", layer, mid, down)
 
     # -- embeddings, head, loss --------------------------------------------------------------------
@@ -236,20 +334,21 @@ class FamilyBuilder:
         m, s = self.m, self.shape
         h = m.hidden_size
         tables = {"bert": 3, "gpt2": 2, "llama": 1}[m.family]
-        self._count(NO_LAYER, m.vocab_size * h)
+        self._count(NO_LAYER, s.vocab_shard * h)  # vocab-parallel under tp; position tables stay whole
         if m.family in ("bert", "gpt2"):
             self._count(NO_LAYER, m.seq_len * h)  # learned positions, table sized to seq_len
         if m.family == "bert":
             self._count(NO_LAYER, 2 * h)  # two token types
-        out = s.act(h)
+        out = s.rep(h)
         x = self.g.tensor("embed.out", out, "embedding_out")
         # Reads one row per token from each table; backward writes the same rows of each table's grad.
         self.g.forward("embed", OpClass.ELEMENTWISE, NO_LAYER, (), (x,), role="embedding",
                        extra_bytes=tables * out, bwd_extra_bytes=tables * out)
+        self.tp_exit("embed_out", NO_LAYER)
         if m.family == "bert":
             x = self.norm("embed_ln", NO_LAYER, x, rms=False, role="layernorm")
         if m.family != "llama":
-            x = self.maybe_dropout("embed_drop", NO_LAYER, x, s.tokens * h, role="dropout")
+            x = self.maybe_dropout("embed_drop", NO_LAYER, x, s.rep_tokens * h, role="dropout")
         return x
 
     def head_and_loss(self, x: str) -> None:
@@ -265,10 +364,16 @@ class FamilyBuilder:
             x = self.gelu("mlm_gelu", NO_LAYER, x)
             x = self.norm("mlm_ln", NO_LAYER, x, rms=False, role="layernorm")
         # GPT-2 and BERT tie the LM head to the token embedding; BERT's decoder has its own bias.
-        logits = self.linear("lm_head", NO_LAYER, x, h, m.vocab_size, bias=m.family == "bert", role="lm_head",
-                             tied=m.family in ("bert", "gpt2"))
-        probs = self.g.tensor("loss.probs", s.tokens * m.vocab_size * LOSS_BYTES_PER_ELEMENT, "loss_probs",
+        # Under tp the head is column-parallel over the (padded) vocabulary, the loss vocab-parallel.
+        self.tp_enter("lm_head_in", NO_LAYER)
+        logits = self.linear("lm_head", NO_LAYER, x, h, s.vocab_shard * self.par.tp, bias=m.family == "bert",
+                             role="lm_head", tied=m.family in ("bert", "gpt2"), tp="column")
+        probs = self.g.tensor("loss.probs", s.tokens * s.vocab_shard * LOSS_BYTES_PER_ELEMENT, "loss_probs",
                               differentiable=False)
+        if self.par.tp > 1:  # max logit, target logit, sum of exponentials: one fp32 value per token each
+            for what in ("max", "target", "sum_exp"):
+                self._collective(f"loss.{what}", NO_LAYER, "forward", "all_reduce", "tp",
+                                 s.tokens * LOSS_BYTES_PER_ELEMENT, f"vocab-parallel cross entropy: {what}")
         loss = self.g.tensor("loss.value", LOSS_BYTES_PER_ELEMENT, "loss", differentiable=False)
         # Fused cross entropy: upcasts the 16-bit logits to fp32, keeps the softmax for its backward
         # (grad = probs - onehot), which writes the logits gradient in the model dtype.
@@ -276,11 +381,13 @@ class FamilyBuilder:
                        phase=Phase.LOSS, bwd_reads=(probs, loss))
 
 
-def build_forward(model: ModelConfig, gb: GraphBuilder) -> FamilyBuilder:
-    """Emit embedding, the transformer stack, head and loss of `model` into `gb`."""
+def build_forward(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig = NO_PARALLELISM) -> FamilyBuilder:
+    """Emit embedding, the transformer stack, head and loss of `model` (one rank's share under
+    `parallel`, which must divide the model) into `gb`."""
     if model.family == "llama" and model.dropout:
         raise ConfigError("model.dropout", model.dropout, "the llama family has no dropout; set model.dropout=false")
-    fb = FamilyBuilder(model, gb)
+    parallel.check_model(model)
+    fb = FamilyBuilder(model, gb, parallel)
     layer_fn = {"bert": fb.bert_layer, "gpt2": fb.gpt2_layer, "llama": fb.llama_layer}[model.family]
     x = fb.embedding()
     for layer in range(model.num_layers):

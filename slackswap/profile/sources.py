@@ -22,6 +22,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
+from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 
 #: Source name -> "module:function".
 PROFILE_SOURCES: Mapping[str, str] = {
@@ -55,13 +56,19 @@ def profile_graph(
     model: ModelConfig,
     hardware: Hardware,
     training: TrainingConfig | None = None,
+    parallel: ParallelConfig | None = None,
     **options: Any,
 ) -> Graph:
     """The graph of `model` on `hardware` (and `training` recipe) from profile source `source` with its
-    keyword options."""
+    keyword options; under `parallel` (analytic source only), one rank's graph."""
     check_profile_source(source)
     module_name, function_name = PROFILE_SOURCES[source].split(":")
     build = getattr(importlib.import_module(module_name), function_name)
     if source == "analytic" and options:
         raise ConfigError("profile.options", dict(options), "the analytic source takes no options")
+    if parallel is not None and parallel != NO_PARALLELISM:
+        if source != "analytic":
+            raise ConfigError("parallel", parallel.as_dict(),
+                              f"the {source} profile source builds one full replica; per-rank graphs are analytic")
+        return build(model, hardware, training, parallel=parallel)
     return build(model, hardware, training, **options)

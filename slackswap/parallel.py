@@ -1,0 +1,128 @@
+"""A parallel layout: how one training job's model and data are split over GPUs (the `parallel` group).
+
+`ParallelConfig(dp, tp, pp, cp, ep, sp)` names the layout; the default (every degree 1, sp off) is one
+full replica, the graph every run built before layouts existed. The profile builds ONE RANK's graph
+under a layout (`slackswap.profile.build_graph(..., parallel=...)`, docs/profile.md "Per-rank graphs"):
+
+- **tp** (tensor parallelism, Megatron-LM, Shoeybi et al. 2019): the QKV and first MLP GEMMs are
+  column-parallel, the attention projection and second MLP GEMM row-parallel, so the attention heads
+  and the MLP's inner width are split over tp ranks; the LayerNorm, dropout and residual activations
+  stay whole on every rank. Forward and backward each all-reduce the layer's activations twice.
+- **sp** (sequence parallelism, Korthikanti et al. 2022, section 4.2.2): with tp, the LayerNorm /
+  dropout / residual region is split along the sequence over the same tp ranks; each all-reduce
+  becomes a reduce-scatter plus an all-gather (same bytes), and backward re-gathers the saved
+  sequence shard of each column-parallel GEMM's input. sp with tp=1 splits nothing (Megatron turns it
+  off); it is accepted and changes nothing.
+- **cp** (context parallelism, Megatron-Core / ring attention, Liu et al. 2023): every rank holds s/cp
+  of the sequence for the whole layer; attention exchanges K and V around a ring of cp ranks.
+- **pp** (pipeline parallelism): layers split into pp stages. Validated here; per-stage graphs are
+  not built yet (the profile rejects pp > 1).
+- **ep** (expert parallelism): experts split over ep ranks. No model preset has experts yet, so ep
+  must be 1.
+- **dp** (data parallelism): replicas of the rest; it does not change a rank's activations.
+  Its gradient collectives are priced by `slackswap.communication.step_communication` (advise).
+
+World size = dp * tp * pp * cp (ep is carved out of dp * cp in Megatron-Core, not a factor of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from slackswap.errors import ConfigError, reject_unknown_fields
+from slackswap.model_config import ModelConfig
+
+DEGREES: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One rank's place in a parallel layout. Every degree >= 1; the defaults are one full replica."""
+
+    #: Data-parallel replicas (ZeRO / FSDP shard within them: conf/training).
+    dp: int = 1
+    #: Tensor-parallel ranks (Megatron column/row-parallel linears).
+    tp: int = 1
+    #: Pipeline stages.
+    pp: int = 1
+    #: Context-parallel ranks (the sequence split for the whole layer; ring attention).
+    cp: int = 1
+    #: Expert-parallel ranks (MoE experts; must be 1 for a dense model).
+    ep: int = 1
+    #: Megatron sequence parallelism: shard the LayerNorm/dropout/residual activations by tp.
+    sp: bool = False
+
+    def __post_init__(self) -> None:
+        for name in DEGREES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"parallel.{name}", value, "must be an integer >= 1")
+        if not isinstance(self.sp, bool):
+            raise ConfigError("parallel.sp", self.sp, "must be true or false")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> ParallelConfig:
+        data = dict(data or {})
+        reject_unknown_fields("parallel", data, cls.__dataclass_fields__)
+        return cls(**data)
+
+    @property
+    def is_replica(self) -> bool:
+        """True for the default layout: one rank's graph is the whole model's (no field changes it)."""
+        return self.tp == 1 and self.pp == 1 and self.cp == 1 and self.ep == 1
+
+    @property
+    def world_size(self) -> int:
+        """GPUs the layout occupies: dp * tp * pp * cp."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sequence_shards(self) -> int:
+        """How many ranks split the LayerNorm/dropout/residual region along the sequence (tp under sp)."""
+        return self.tp if self.sp else 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Reject a layout that does not divide `model`: one ConfigError naming the field and value."""
+        if model.num_heads % self.tp:
+            raise ConfigError("parallel.tp", self.tp, f"does not divide model.num_heads={model.num_heads}")
+        if model.num_kv_heads % self.tp:
+            raise ConfigError("parallel.tp", self.tp, f"does not divide model.num_kv_heads={model.num_kv_heads}")
+        if model.ffn_hidden_size % self.tp:
+            raise ConfigError(
+                "parallel.tp", self.tp, f"does not divide model.ffn_hidden_size={model.ffn_hidden_size}"
+            )
+        if model.seq_len % self.cp:
+            raise ConfigError("parallel.cp", self.cp, f"does not divide model.seq_len={model.seq_len}")
+        if self.sp and (model.seq_len // self.cp) % self.tp:
+            raise ConfigError(
+                "parallel.tp", self.tp,
+                f"with parallel.sp=true must divide the sequence each rank holds, "
+                f"model.seq_len / parallel.cp = {model.seq_len // self.cp}",
+            )
+        if self.cp > 1 and model.attention != "flash":
+            raise ConfigError(
+                "parallel.cp", self.cp,
+                "context parallelism runs ring attention in a fused kernel; set model.attention=flash",
+            )
+        if model.num_layers % self.pp:
+            raise ConfigError("parallel.pp", self.pp, f"does not divide model.num_layers={model.num_layers}")
+        if self.ep != 1:
+            # A dense model has no experts to split; MoE presets will give num_experts (issue 43 item 3).
+            raise ConfigError("parallel.ep", self.ep, f"does not divide the experts of {model.name!r} (a dense model)")
+
+    def check_gpus(self, gpus: int, field: str = "gpus") -> None:
+        """Reject a layout whose dp * tp * pp * cp is not the GPU count given (`field` names it)."""
+        if self.world_size != gpus:
+            raise ConfigError(
+                field, gpus,
+                f"is not parallel dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size}",
+            )
+
+
+#: One full replica: the layout of every run that does not choose one.
+NO_PARALLELISM = ParallelConfig()

@@ -1,0 +1,110 @@
+"""The `parallel` config group end to end: a run prints one rank's figures, a sweep over parallel.tp
+runs, and a layout that does not divide the model is one line, exit 2, nothing recorded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_faults import _errors, _in_process, _runs, _store_args
+
+#: llama7b's layer keeps 269,746,176 bytes on one GPU (docs/profile.md); with tp=8 and sp every tensor splits.
+LLAMA7B_LAYER_BYTES = 269_746_176
+
+
+@pytest.mark.slow
+def test_run_prints_one_ranks_figures(tmp_path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "run"
+    code = _in_process(
+        monkeypatch, tmp_path, "model=llama7b", "model.num_layers=2", "parallel.tp=8", "parallel.sp=true",
+        "node=hgx_h100", "hardware=h100_sxm_pcie5", "tracking=off", f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    layout = [line for line in out.splitlines() if line.startswith("layout")]
+    assert len(layout) == 1, out
+    assert "per rank of 8 GPU(s) (dp=1 tp=8 pp=1 cp=1 ep=1 sp=true): 32.156 MiB saved per layer" in layout[0]
+    assert "on tp:nvlink (not in the step time)" in layout[0]
+    assert "without the optimizer step (model.include_optimizer=false) and the layout's collectives" in out
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["rank_layer_saved_bytes"] * 8 == LLAMA7B_LAYER_BYTES
+    assert metrics["parallel_tp"] == 8 and metrics["parallel_sp"] is True
+    assert metrics["tokens_per_step"] == 2048 // 8  # the 8 tp ranks share one micro-batch
+    # 2 layers x (2 fwd + 2 bwd all-gather/reduce-scatter + 2 bwd re-gathers) + embedding 2 + head 3 + loss 3
+    assert metrics["layout_collectives"] == 2 * 10 + 8
+    assert metrics["layout_comm_forward_s"] > 0 and metrics["layout_comm_backward_s"] > metrics["layout_comm_forward_s"]
+
+
+@pytest.mark.slow
+def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "run"
+    code = _in_process(monkeypatch, tmp_path, "model=tiny", "tracking=off", f"hydra.run.dir={run_dir}")
+    out = capsys.readouterr().out
+    assert code == 0 and not [line for line in out.splitlines() if line.startswith("layout")]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert not any(key.startswith(("parallel_", "layout_")) for key in metrics)
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["parallel.tp=3"], "error: parallel.tp=3: does not divide model.num_heads=32"),
+        (["parallel.tp=16", "model.num_kv_heads=8"], "error: parallel.tp=16: does not divide model.num_kv_heads=8"),
+        (["parallel.cp=3"], "error: parallel.cp=3: does not divide model.seq_len=2048"),
+        (["parallel.pp=3"], "error: parallel.pp=3: does not divide model.num_layers=32"),
+        (["parallel.ep=2"], "error: parallel.ep=2: does not divide the experts of 'llama7b' (a dense model)"),
+        (["parallel.dp=0"], "error: parallel.dp=0: must be an integer >= 1"),
+        (["parallel.tpp=2"], "error: parallel.tpp: no such key in parallel"),
+    ],
+)  # fmt: skip
+def test_a_layout_that_does_not_divide_the_model_is_one_line_exit_2(
+    tmp_path, mlflow_store, monkeypatch, capsys, args, line
+) -> None:
+    code = _in_process(
+        monkeypatch, tmp_path, "model=llama7b", *args, *_store_args(mlflow_store), f"hydra.run.dir={tmp_path}/run",
+    )  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and len(err) == 1 and err[0].startswith(line), err
+    assert _runs(mlflow_store.db_path) == []
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "line"),
+    [
+        ("pipelines.advise", ["parallel.tp=8", "advise.gpus=[8,16]"],
+         "error: advise.gpus=16: is not parallel dp*tp*pp*cp = 1*8*1*1 = 8"),
+        ("pipelines.advise", ["parallel.tp=8", "advise.gpus=[8]"],
+         "error: parallel={'dp': 1, 'tp': 8, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: advise searches "
+         "data-parallel layouts of full replicas only; leave parallel at none"),
+        ("pipelines.train", ["model=tiny_torch", "parallel.tp=2"],
+         "error: parallel={'dp': 1, 'tp': 2, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: a training run executes "
+         "one full replica on one device; leave parallel at none"),
+    ],
+)  # fmt: skip
+def test_entry_points_that_do_not_build_rank_graphs_refuse_a_layout(
+    tmp_path, mlflow_store, monkeypatch, capsys, module, args, line
+) -> None:
+    """advise and train are never silently handed a layout they would ignore; advise checks the GPU count."""
+    code = _in_process(
+        monkeypatch, tmp_path, *args, *_store_args(mlflow_store), f"hydra.run.dir={tmp_path}/run", module=module,
+    )  # fmt: skip
+    err = _errors(capsys.readouterr().err)
+    assert code == 2 and err == [line], err
+    assert _runs(mlflow_store.db_path) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_over_tp_runs_every_layout(tmp_path, monkeypatch, capsys) -> None:
+    sweep = tmp_path / "sweep"
+    code = _in_process(
+        monkeypatch, tmp_path, "-m", "model=llama7b", "model.num_layers=2", "parallel.tp=1,2,4,8", "parallel.sp=true",
+        "tracking=off", f"hydra.sweep.dir={sweep}",
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr()
+    saved = {}
+    for job in range(4):
+        metrics = json.loads((sweep / str(job) / "metrics.json").read_text())
+        saved[metrics["parallel_tp"]] = metrics["rank_layer_saved_bytes"]
+    assert {tp: saved[tp] * tp for tp in saved} == dict.fromkeys((1, 2, 4, 8), LLAMA7B_LAYER_BYTES)
