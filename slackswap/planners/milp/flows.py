@@ -69,3 +69,46 @@ def swap_flow(cols, rows, q_by_interval, v_by_interval, *, swap_col: int, k_firs
     rows.add([(swap_col, d2h_ms), (Q[kb], -1)], -np.inf, 0)
     rows.add([(swap_col, h2d_ms), (V[kb], -1)], -np.inf, 0)
     return o, u
+
+
+def group_swap_flow(cols, rows, q_by_interval, v_by_interval, *, k_first: int, kb: int,
+                    members: list[tuple[int, float, float, float]], d2h_ms_per_unit: float, h2d_ms_per_unit: float,
+                    d2h_fixed_ms: float, latency_ms: float,
+                    exact_sizes: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """One flow for a group of copies sharing (k_first, kb): the sum of their `swap_flow` rows.
+
+    `members`: (swap column, units, d2h ms, h2d ms) per copy, units = the bytes its copy moves (or
+    fewer: then `exact_sizes` must be false) in budget fractions. Returns (O, U): O[k] stands for
+    sum_i units_i o_i[k], U[k] for sum_i units_i u_i[k]. Every row is a sum of per-copy rows, with the
+    fixed time of a copy bounded through the group's largest member (a copy of at most `largest`
+    units takes at least (bytes term + fixed time / largest) per unit) or, where every member moves
+    exactly its units, its smallest (at most (bytes term + latency / smallest) per unit); so the
+    group is a relaxation of its members' flows (docs/milp.md, "Model size")."""
+    s_terms = [(c, w) for c, w, _, _ in members]
+    lat_terms = [(c, latency_ms) for c, _, _, _ in members]
+    largest = max(w for _, w, _, _ in members)
+    d2h_floor_per_unit = d2h_ms_per_unit + (d2h_fixed_ms / largest if largest > 0 else 0.0)
+    smallest = min(w for _, w, _, _ in members)
+    h2d_ceil_per_unit = h2d_ms_per_unit + latency_ms / smallest if exact_sizes and smallest > 0 else None
+    inner = list(range(k_first, kb))
+    o = {k: cols.add(0, np.inf) for k in inner}
+    u = {k: cols.add(0, np.inf) for k in inner}
+    Q, V = cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
+    non_decreasing(rows, (o, u), inner)
+    for k in inner:
+        rows.add([(o[k], 1)] + [(c, -w) for c, w in s_terms], -np.inf, 0)
+        rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
+        rows.add([(o[k], d2h_floor_per_unit), (Q[k], -1)], -np.inf, 0)
+        # prefetch work in interval k <= the started prefetches' copy times (latency kept: <=)
+        previous = [(V[k - 1], -1)] if k > k_first else []
+        rows.add([(V[k], 1), (u[k], -h2d_ms_per_unit)] + [(c, -w) for c, w in lat_terms] + previous, -np.inf, 0)
+        rows.add([(c, w * h2d_ms_per_unit) for c, w in s_terms]
+                 + [(u[k], -h2d_ms_per_unit), (V[kb], -1), (V[k], 1)], -np.inf, 0)
+        if h2d_ceil_per_unit is not None:
+            rows.add([(V[k], 1), (u[k], -h2d_ceil_per_unit)] + previous, -np.inf, 0)
+            rows.add([(c, h2d) for c, _, _, h2d in members]
+                     + [(u[k], -h2d_ceil_per_unit), (V[kb], -1), (V[k], 1)], -np.inf, 0)
+    # every swapped member's whole copy time, latency included, by the group's deadline
+    rows.add([(c, d2h) for c, _, d2h, _ in members] + [(Q[kb], -1)], -np.inf, 0)
+    rows.add([(c, h2d) for c, _, _, h2d in members] + [(V[kb], -1)], -np.inf, 0)
+    return o, u

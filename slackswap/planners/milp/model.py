@@ -33,7 +33,7 @@ import numpy as np
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
-from slackswap.planners.milp.flows import cumulative_engine_work, non_decreasing, swap_flow
+from slackswap.planners.milp.flows import group_swap_flow, swap_flow
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
 
 if TYPE_CHECKING:  # scipy.sparse (~0.25 s) is imported when a problem is built, not by the planner registry
@@ -384,41 +384,16 @@ def build_bound_problem(
             if group_of[i] == len(g_members):
                 g_members.append([])
             g_members[group_of[i]].append(i)
+        d2h_fixed_ms = (link.latency_s + link.d2h_setup_s) * MS_PER_S
         for (k_first, kb), g in keys.items():
             members = g_members[g]
-            s_terms = [(decision_cols[i][1], saved[i].size_bytes * scale) for i in members]
-            lat_terms = [(decision_cols[i][1], link.latency_s * MS_PER_S) for i in members]
-            # Latency per budget unit: a copy of at most `largest` units takes at least (bytes term +
-            # fixed time / largest) per unit, one of at least `smallest` units at most (bytes term +
-            # latency / smallest) (the latter only where every member's copy moves what it owns).
-            largest = max(saved[i].size_bytes for i in members) * scale
-            d2h_fixed_ms = (link.latency_s + link.d2h_setup_s) * MS_PER_S
-            d2h_floor_per_unit = d2h_ms_per_unit + (d2h_fixed_ms / largest if largest > 0 else 0.0)
-            exact_sizes = all(saved[i].size_bytes == graph.tensors[saved[i].name].size_bytes > 0 for i in members)
-            smallest = min(saved[i].size_bytes for i in members) * scale
-            h2d_ceil_per_unit = h2d_ms_per_unit + link.latency_s * MS_PER_S / smallest if exact_sizes else None
-            inner = list(range(k_first, kb))
-            o = {k: cols.add(0, np.inf) for k in inner}
-            u = {k: cols.add(0, np.inf) for k in inner}
-            Q, V = cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
-            non_decreasing(rows, (o, u), inner)
-            for k in inner:
-                rows.add([(o[k], 1)] + [(c, -w) for c, w in s_terms], -np.inf, 0)
-                rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
-                rows.add([(o[k], d2h_floor_per_unit), (Q[k], -1)], -np.inf, 0)
-                # prefetch work in interval k <= the started prefetches' copy times (latency kept: <=)
-                previous = [(V[k - 1], -1)] if k > k_first else []
-                rows.add([(V[k], 1), (u[k], -h2d_ms_per_unit)] + [(c, -w) for c, w in lat_terms] + previous,
-                         -np.inf, 0)
-                rows.add([(c, w * h2d_ms_per_unit) for c, w in s_terms]
-                         + [(u[k], -h2d_ms_per_unit), (V[kb], -1), (V[k], 1)], -np.inf, 0)
-                if h2d_ceil_per_unit is not None:
-                    rows.add([(V[k], 1), (u[k], -h2d_ceil_per_unit)] + previous, -np.inf, 0)
-                    rows.add([(decision_cols[i][1], saved[i].h2d_ms) for i in members]
-                             + [(u[k], -h2d_ceil_per_unit), (V[kb], -1), (V[k], 1)], -np.inf, 0)
-            # every swapped member's whole copy time, latency included, by the group's deadline
-            rows.add([(decision_cols[i][1], saved[i].d2h_ms) for i in members] + [(Q[kb], -1)], -np.inf, 0)
-            rows.add([(decision_cols[i][1], saved[i].h2d_ms) for i in members] + [(V[kb], -1)], -np.inf, 0)
+            o, u = group_swap_flow(
+                cols, rows, q_by_interval, v_by_interval, k_first=k_first, kb=kb,
+                members=[(decision_cols[i][1], saved[i].size_bytes * scale, saved[i].d2h_ms, saved[i].h2d_ms)
+                         for i in members],
+                d2h_ms_per_unit=d2h_ms_per_unit, h2d_ms_per_unit=h2d_ms_per_unit, d2h_fixed_ms=d2h_fixed_ms,
+                latency_ms=link.latency_s * MS_PER_S,
+                exact_sizes=all(saved[i].size_bytes == graph.tensors[saved[i].name].size_bytes for i in members))
             g_o.append(o)
             g_u.append(u)
     else:
@@ -439,6 +414,8 @@ def build_bound_problem(
     cut_w = []
     cut_escape: list[tuple[int, dict[int, int], dict[int, int]] | None] = []
     candidate_names = graph.candidate_names if candidates else frozenset()
+    escape_groups: dict[tuple[int, int], list[int]] = {}
+    escape_members: dict[int, tuple[int, float, float, float]] = {}
     for i, p_u, _, _, _, u in cut_pairs:
         w = cols.add(0, 1)
         rows.add([(w, 1), (decision_cols[i][2], -1)], -np.inf, 0)
@@ -448,10 +425,26 @@ def build_bound_problem(
             continue
         e = cols.add(0, 1)
         size = graph.tensors[u].size_bytes
-        o, pf = swap_flow(cols, rows, q_by_interval, v_by_interval, swap_col=e,
-                          k_first=bisect.bisect_right(cps, p_u), kb=first_cp_at_or_after(saved[i].first_bwd),
-                          d2h_ms=d2h_s(size, hardware) * MS_PER_S, h2d_ms=h2d_s(size, hardware) * MS_PER_S)
+        k_first, kb = bisect.bisect_right(cps, p_u), first_cp_at_or_after(saved[i].first_bwd)
+        copy_ms = (d2h_s(size, hardware) * MS_PER_S, h2d_s(size, hardware) * MS_PER_S)
+        if transfer_groups:  # one flow per (k_first, kb), as for saved tensors; built below
+            escape_groups.setdefault((k_first, kb), []).append(len(cut_escape))
+            escape_members[len(cut_escape)] = (e, size * scale, *copy_ms)
+            cut_escape.append((e, {}, {}))
+            continue
+        o, pf = swap_flow(cols, rows, q_by_interval, v_by_interval, swap_col=e, k_first=k_first, kb=kb,
+                          d2h_ms=copy_ms[0], h2d_ms=copy_ms[1])
         cut_escape.append((e, o, pf))
+    # grouped escapes: (pair indices, O, U); O[k], U[k] stand for sum_n size_u o_n[k], sum_n size_u u_n[k]
+    escape_flows: list[tuple[list[int], dict[int, int], dict[int, int]]] = []
+    escape_flow_of: dict[int, int] = {}
+    for (k_first, kb), pairs in escape_groups.items():
+        o, pf = group_swap_flow(cols, rows, q_by_interval, v_by_interval, k_first=k_first, kb=kb,
+                                members=[escape_members[n] for n in pairs], d2h_ms_per_unit=d2h_ms_per_unit,
+                                h2d_ms_per_unit=h2d_ms_per_unit, d2h_fixed_ms=d2h_fixed_ms,
+                                latency_ms=link.latency_s * MS_PER_S, exact_sizes=True)
+        escape_flow_of.update(dict.fromkeys(pairs, len(escape_flows)))
+        escape_flows.append((pairs, o, pf))
 
     for k in range(1, K + 1):
         for engines, work in ((link.d2h_engines, q_by_interval[k]), (link.h2d_engines, v_by_interval[k])):
@@ -527,16 +520,31 @@ def build_bound_problem(
                     terms += [(sc, w), (o_col[i][nc], -w)]
                 if pc in u_col[i]:
                     terms.append((u_col[i][pc], w))
-        for (i, _, m_bytes, lo_j, hi_j, _), w, escape in zip(cut_pairs, cut_w, cut_escape, strict=True):
+        escape_status: dict[int, list[int]] = {}
+        for n, ((i, _, m_bytes, lo_j, hi_j, _), w, escape) in enumerate(zip(cut_pairs, cut_w, cut_escape,
+                                                                             strict=True)):
             if lo_j <= j <= hi_j and j not in saved[i].readers:
                 m = m_bytes * scale
                 terms += [(decision_cols[i][2], m), (w, -m)]
-                if escape:  # u swapped: its run copy until the offload ends, its prefetched copy after
+                if n in escape_flow_of:
+                    escape_status.setdefault(escape_flow_of[n], []).append(n)
+                elif escape:  # u swapped: its run copy until the offload ends, its prefetched copy after
                     e, o, pf = escape
                     if nc in o:
                         terms += [(e, m), (o[nc], -m)]
                     if pc in pf:
                         terms.append((pf[pc], m))
+        for g, pairs_at_j in escape_status.items():
+            # sum_n m_n (e_n - o_n[nc] + u_n[pc]) over these pairs is at least sum_n m_n e_n - O[nc]
+            # (m_n <= size_u), + U[pc] when every pair of the flow is here and m_n = size_u for each.
+            pairs, o, pf = escape_flows[g]
+            if nc not in o:
+                continue
+            terms += [(cut_escape[n][0], cut_pairs[n][2] * scale) for n in pairs_at_j]
+            terms.append((o[nc], -1.0))
+            if (len(pairs_at_j) == len(pairs) and pc in pf
+                    and all(cut_pairs[n][2] == graph.tensors[cut_pairs[n][5]].size_bytes for n in pairs)):
+                terms.append((pf[pc], 1.0))
         for g, members in swap_status.items():
             # sum_i size_i (s_i - o[i,nc] + u[i,pc]) over the members in swap status at j is at least
             # S_members - O_g[nc] (+ U_g[pc] when every member of the group is among them).
