@@ -33,6 +33,7 @@ import numpy as np
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
+from slackswap.planners.milp.flows import group_swap_flow, swap_flow
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
 
 if TYPE_CHECKING:  # scipy.sparse (~0.25 s) is imported when a problem is built, not by the planner registry
@@ -321,9 +322,10 @@ def build_bound_problem(
     `candidates=True` (the enlarged plan space, docs/milp.md "Checkpoint candidates"): a plan may also
     keep or swap forward tensors autograd does not save. Keeping u is a copy of u the chain cut
     already counts; swapping u is a third way out of it, so a cut whose u is a checkpoint candidate
-    gets an escape column e in [0, 1] (w <= z + e) whose only price is u's copy times on the copy
-    engines (one row per direction over the whole step). `candidates=False` is the bound over plans
-    that decide only saved tensors.
+    gets an escape column e in [0, 1] (w <= z + e) that switches on u's own offload / prefetch flow
+    (due before t's first backward reader, on the per-interval engine rows) and the memory of u's
+    copies while the offload runs and once the prefetch has started: a swap of u, priced as one.
+    `candidates=False` is the bound over plans that decide only saved tensors.
     """
     if memory_rows not in MEMORY_ROWS:
         raise ConfigError("planner.options.memory_rows", memory_rows, f"unknown; known: {MEMORY_ROWS}")
@@ -369,9 +371,9 @@ def build_bound_problem(
         # Grouped (relaxed) transfer model: one flow per group of tensors sharing (first checkpoint
         # after the producer, first checkpoint at/after the first backward reader). O_g[k], U_g[k]
         # (budget fractions) stand for sum_i size_i o[i,k] and sum_i size_i u[i,k]; Q_g, V_g (ms) for the
-        # summed cumulative engine work. Every row below is a sum of per-tensor rows with latency
-        # dropped where that loosens it (copy time >= bytes / bandwidth), so it is a relaxation of the
-        # per-tensor model (docs/milp.md).
+        # summed cumulative engine work. Every row below is a sum of per-tensor rows, with the fixed
+        # time of a copy bounded through the group's largest (or smallest) member where only the bytes
+        # are known, so it is a relaxation of the per-tensor model (docs/milp.md).
         # the bytes term of slackswap.schedule.transfer's formula, per budget unit
         d2h_ms_per_unit = transfer_s(budget_bytes, link.d2h_effective_bytes_per_s, 0.0, link.d2h_engines) * MS_PER_S
         h2d_ms_per_unit = transfer_s(budget_bytes, link.h2d_effective_bytes_per_s, 0.0, link.h2d_engines) * MS_PER_S
@@ -382,81 +384,72 @@ def build_bound_problem(
             if group_of[i] == len(g_members):
                 g_members.append([])
             g_members[group_of[i]].append(i)
+        d2h_fixed_ms = (link.latency_s + link.d2h_setup_s) * MS_PER_S
         for (k_first, kb), g in keys.items():
             members = g_members[g]
-            s_terms = [(decision_cols[i][1], saved[i].size_bytes * scale) for i in members]
-            lat_terms = [(decision_cols[i][1], link.latency_s * MS_PER_S) for i in members]
-            inner = list(range(k_first, kb))
-            o = {k: cols.add(0, np.inf) for k in inner}
-            u = {k: cols.add(0, np.inf) for k in inner}
-            Q, V = _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
-            _non_decreasing(rows, (o, u), inner)
-            for k in inner:
-                rows.add([(o[k], 1)] + [(c, -w) for c, w in s_terms], -np.inf, 0)
-                rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
-                rows.add([(o[k], d2h_ms_per_unit), (Q[k], -1)], -np.inf, 0)
-                # prefetch work in interval k <= the started prefetches' copy times (latency kept: <=)
-                rows.add([(V[k], 1), (u[k], -h2d_ms_per_unit)] + [(c, -w) for c, w in lat_terms]
-                         + ([(V[k - 1], -1)] if k > k_first else []), -np.inf, 0)
-                rows.add([(c, w * h2d_ms_per_unit) for c, w in s_terms]
-                         + [(u[k], -h2d_ms_per_unit), (V[kb], -1), (V[k], 1)], -np.inf, 0)
-            rows.add([(c, w * d2h_ms_per_unit) for c, w in s_terms] + [(Q[kb], -1)], -np.inf, 0)
-            rows.add([(c, w * h2d_ms_per_unit) for c, w in s_terms] + [(V[kb], -1)], -np.inf, 0)
+            o, u = group_swap_flow(
+                cols, rows, q_by_interval, v_by_interval, k_first=k_first, kb=kb,
+                members=[(decision_cols[i][1], saved[i].size_bytes * scale, saved[i].d2h_ms, saved[i].h2d_ms)
+                         for i in members],
+                d2h_ms_per_unit=d2h_ms_per_unit, h2d_ms_per_unit=h2d_ms_per_unit, d2h_fixed_ms=d2h_fixed_ms,
+                latency_ms=link.latency_s * MS_PER_S,
+                exact_sizes=all(saved[i].size_bytes == graph.tensors[saved[i].name].size_bytes for i in members))
             g_o.append(o)
             g_u.append(u)
     else:
         for info, (_, sc, _) in zip(saved, decision_cols, strict=True):
-            kb = first_cp_at_or_after(info.first_bwd)
-            k_first = bisect.bisect_right(cps, info.producer)  # first checkpoint strictly after producer
-            inner = list(range(k_first, kb))  # checkpoints with producer < c_k < first_bwd
-            o = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
-            u = {k: cols.add(0, 1, 0, plan_rules) for k in inner}
-            Q, V = _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first, kb)
-            _non_decreasing(rows, (o, u), inner)
-            for k in inner:
-                rows.add([(o[k], 1), (sc, -1)], -np.inf, 0)
-                rows.add([(u[k], 1), (o[k], -1)], -np.inf, 0)
-                # offload completed by S_{c_k} => its work was done in intervals up to k
-                rows.add([(o[k], info.d2h_ms), (Q[k], -1)], -np.inf, 0)
-                # any prefetch work in interval k => the prefetch started by S_{c_k}
-                rows.add([(V[k], 1), (u[k], -info.h2d_ms)] + ([(V[k - 1], -1)] if k > k_first else []), -np.inf, 0)
-                # not started by S_{c_k} => all its work lies in (S_{c_k}, S_{first_bwd}]
-                rows.add([(sc, info.h2d_ms), (u[k], -info.h2d_ms), (V[kb], -1), (V[k], 1)], -np.inf, 0)
-            rows.add([(V[kb], 1), (sc, -info.h2d_ms)] + ([(V[kb - 1], -1)] if kb > k_first else []), -np.inf, 0)
-            rows.add([(sc, info.d2h_ms), (Q[kb], -1)], -np.inf, 0)
-            rows.add([(sc, info.h2d_ms), (V[kb], -1)], -np.inf, 0)
+            o, u = swap_flow(cols, rows, q_by_interval, v_by_interval, swap_col=sc,
+                             k_first=bisect.bisect_right(cps, info.producer),  # first checkpoint after it
+                             kb=first_cp_at_or_after(info.first_bwd), d2h_ms=info.d2h_ms, h2d_ms=info.h2d_ms,
+                             binary=plan_rules)
             o_col.append(o)
             u_col.append(u)
+
+    # Chain cuts: w = r_t x [u's producer recomputed before t's first backward reader, or u swapped]
+    # (w <= r_t, and w <= z[u's producer, kb(t)] + e below); memory rows between u's last reader and
+    # t's first backward reader hold min(size_t, size_u) x (r_t - w), plus, when u is a checkpoint
+    # candidate, the copies of u its swap holds: e - o_e[nc] + u_e[pc] (docs/milp.md "Checkpoint
+    # candidates"). e switches on u's own offload / prefetch flow, due before t's first backward reader.
+    cut_pairs = chain_cut_pairs(graph, saved) if chain_cuts and not plan_rules else ()
+    cut_w = []
+    cut_escape: list[tuple[int, dict[int, int], dict[int, int]] | None] = []
+    candidate_names = graph.candidate_names if candidates else frozenset()
+    escape_groups: dict[tuple[int, int], list[int]] = {}
+    escape_members: dict[int, tuple[int, float, float, float]] = {}
+    for i, p_u, _, _, _, u in cut_pairs:
+        w = cols.add(0, 1)
+        rows.add([(w, 1), (decision_cols[i][2], -1)], -np.inf, 0)
+        cut_w.append(w)
+        if u not in candidate_names:
+            cut_escape.append(None)
+            continue
+        e = cols.add(0, 1)
+        size = graph.tensors[u].size_bytes
+        k_first, kb = bisect.bisect_right(cps, p_u), first_cp_at_or_after(saved[i].first_bwd)
+        copy_ms = (d2h_s(size, hardware) * MS_PER_S, h2d_s(size, hardware) * MS_PER_S)
+        if transfer_groups:  # one flow per (k_first, kb), as for saved tensors; built below
+            escape_groups.setdefault((k_first, kb), []).append(len(cut_escape))
+            escape_members[len(cut_escape)] = (e, size * scale, *copy_ms)
+            cut_escape.append((e, {}, {}))
+            continue
+        o, pf = swap_flow(cols, rows, q_by_interval, v_by_interval, swap_col=e, k_first=k_first, kb=kb,
+                          d2h_ms=copy_ms[0], h2d_ms=copy_ms[1])
+        cut_escape.append((e, o, pf))
+    # grouped escapes: (pair indices, O, U); O[k], U[k] stand for sum_n size_u o_n[k], sum_n size_u u_n[k]
+    escape_flows: list[tuple[list[int], dict[int, int], dict[int, int]]] = []
+    escape_flow_of: dict[int, int] = {}
+    for (k_first, kb), pairs in escape_groups.items():
+        o, pf = group_swap_flow(cols, rows, q_by_interval, v_by_interval, k_first=k_first, kb=kb,
+                                members=[escape_members[n] for n in pairs], d2h_ms_per_unit=d2h_ms_per_unit,
+                                h2d_ms_per_unit=h2d_ms_per_unit, d2h_fixed_ms=d2h_fixed_ms,
+                                latency_ms=link.latency_s * MS_PER_S, exact_sizes=True)
+        escape_flow_of.update(dict.fromkeys(pairs, len(escape_flows)))
+        escape_flows.append((pairs, o, pf))
 
     for k in range(1, K + 1):
         for engines, work in ((link.d2h_engines, q_by_interval[k]), (link.h2d_engines, v_by_interval[k])):
             if work:
                 rows.add(work + [(sigma[k], -engines)], -np.inf, engines * run_ms[k])
-
-    # Chain cuts: w = r_t x [u's producer recomputed before t's first backward reader] (w <= r_t, and
-    # w <= z[u's producer, kb(t)] below); memory rows between u's last reader and t's first backward
-    # reader hold min(size_t, size_u) x (r_t - w).
-    cut_pairs = chain_cut_pairs(graph, saved) if chain_cuts and not plan_rules else ()
-    cut_w = []
-    cut_escape: list[int | None] = []
-    escape_work: tuple[list[tuple[int, float]], list[tuple[int, float]]] = ([], [])
-    candidate_names = graph.candidate_names if candidates else frozenset()
-    for i, _, _, _, _, u in cut_pairs:
-        w = cols.add(0, 1)
-        rows.add([(w, 1), (decision_cols[i][2], -1)], -np.inf, 0)
-        cut_w.append(w)
-        e = cols.add(0, 1) if u in candidate_names else None
-        cut_escape.append(e)
-        if e is not None:
-            size = graph.tensors[u].size_bytes
-            escape_work[0].append((e, d2h_s(size, hardware) * MS_PER_S))
-            escape_work[1].append((e, h2d_s(size, hardware) * MS_PER_S))
-    for engines, work, extra in ((link.d2h_engines, q_by_interval, escape_work[0]),
-                                 (link.h2d_engines, v_by_interval, escape_work[1])):
-        if extra:  # all copy work of the step, the escapes' included, fits the engines over T
-            terms = [term for k in range(1, K + 1) for term in work[k]] + extra
-            terms += [(sigma[k], -engines) for k in range(1, K + 1)]
-            rows.add(terms, -np.inf, engines * sum(run_ms[1:]))
 
     # Recompute: each recomputed producer runs once more, before its tensor's first backward reader.
     # z[p,k] is non-decreasing in k and >= r_t for every t of p due by c_k (the due sets grow with k).
@@ -487,8 +480,8 @@ def build_bound_problem(
         terms += [(z, -dur_ms[p]) for p, z in z_last.items()]
         rows.add(terms, 0, np.inf)
 
-    for (i, p_u, _, _, _, _), w, e in zip(cut_pairs, cut_w, cut_escape, strict=True):
-        rows.add([(w, 1), (z_at[(p_u, kb_of[i])], -1)] + ([(e, -1)] if e is not None else []), -np.inf, 0)
+    for (i, p_u, _, _, _, _), w, escape in zip(cut_pairs, cut_w, cut_escape, strict=True):
+        rows.add([(w, 1), (z_at[(p_u, kb_of[i])], -1)] + ([(escape[0], -1)] if escape else []), -np.inf, 0)
 
     # Memory at the start of the selected ops (all, or the reduced set: dropping rows is valid).
     const = list(fixed)
@@ -527,9 +520,31 @@ def build_bound_problem(
                     terms += [(sc, w), (o_col[i][nc], -w)]
                 if pc in u_col[i]:
                     terms.append((u_col[i][pc], w))
-        for (i, _, m_bytes, lo_j, hi_j, _), w in zip(cut_pairs, cut_w, strict=True):
+        escape_status: dict[int, list[int]] = {}
+        for n, ((i, _, m_bytes, lo_j, hi_j, _), w, escape) in enumerate(zip(cut_pairs, cut_w, cut_escape,
+                                                                             strict=True)):
             if lo_j <= j <= hi_j and j not in saved[i].readers:
-                terms += [(decision_cols[i][2], m_bytes * scale), (w, -m_bytes * scale)]
+                m = m_bytes * scale
+                terms += [(decision_cols[i][2], m), (w, -m)]
+                if n in escape_flow_of:
+                    escape_status.setdefault(escape_flow_of[n], []).append(n)
+                elif escape:  # u swapped: its run copy until the offload ends, its prefetched copy after
+                    e, o, pf = escape
+                    if nc in o:
+                        terms += [(e, m), (o[nc], -m)]
+                    if pc in pf:
+                        terms.append((pf[pc], m))
+        for g, pairs_at_j in escape_status.items():
+            # sum_n m_n (e_n - o_n[nc] + u_n[pc]) over these pairs is at least sum_n m_n e_n - O[nc]
+            # (m_n <= size_u), + U[pc] when every pair of the flow is here and m_n = size_u for each.
+            pairs, o, pf = escape_flows[g]
+            if nc not in o:
+                continue
+            terms += [(cut_escape[n][0], cut_pairs[n][2] * scale) for n in pairs_at_j]
+            terms.append((o[nc], -1.0))
+            if (len(pairs_at_j) == len(pairs) and pc in pf
+                    and all(cut_pairs[n][2] == graph.tensors[cut_pairs[n][5]].size_bytes for n in pairs)):
+                terms.append((pf[pc], 1.0))
         for g, members in swap_status.items():
             # sum_i size_i (s_i - o[i,nc] + u[i,pc]) over the members in swap status at j is at least
             # S_members - O_g[nc] (+ U_g[pc] when every member of the group is among them).
@@ -572,28 +587,3 @@ def keep_all_peak_bytes(graph: Graph) -> int:
         diff[start] += graph.owned_bytes(t.name)
         diff[end + 1] -= graph.owned_bytes(t.name)
     return int(np.max(np.cumsum(diff[:-1])))
-
-
-def _cumulative_engine_work(cols, rows, q_by_interval, v_by_interval, k_first: int, kb: int):
-    """Columns Q[k], V[k] (ms): a flow's cumulative d2h / h2d engine work up to checkpoint k, for k in
-    k_first..kb. They never decrease, and each interval's share (Q[k] - Q[k-1]) is charged to that
-    interval's engine capacity through `q_by_interval` / `v_by_interval`."""
-    span = range(k_first, kb + 1)
-    Q = {k: cols.add() for k in span}
-    V = {k: cols.add() for k in span}
-    for k in span:
-        q_by_interval[k].append((Q[k], 1.0))
-        v_by_interval[k].append((V[k], 1.0))
-        if k > k_first:
-            q_by_interval[k].append((Q[k - 1], -1.0))
-            v_by_interval[k].append((V[k - 1], -1.0))
-            rows.add([(Q[k - 1], 1), (Q[k], -1)], -np.inf, 0)
-            rows.add([(V[k - 1], 1), (V[k], -1)], -np.inf, 0)
-    return Q, V
-
-
-def _non_decreasing(rows, columns: tuple[dict[int, int], ...], checkpoints: list[int]) -> None:
-    """"Done by checkpoint k" indicators only ever switch on: column[a] <= column[b] for a < b."""
-    for a, b in zip(checkpoints, checkpoints[1:], strict=False):
-        for column in columns:
-            rows.add([(column[a], 1), (column[b], -1)], -np.inf, 0)
