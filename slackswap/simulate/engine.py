@@ -43,6 +43,9 @@ issued after a finished step i < j (j the next step), so it always comes first i
 event is left in flight while work remains, no waiting request can ever be served: the run is
 infeasible, and the first of them in plan order is named.
 
+A plan that names a tool offloader (`slackswap.schedule.offloader`) runs as `_ToolRun`: this loop with
+`slackswap.simulate.tool_offload.ToolRules` (offload window, per-tensor pins) in front of `_Run`'s steps.
+
 tests/test_simulate_simpy.py checks this loop against an independent SimPy model of the same rules;
 `benchmarks/bench_simulate.py` times the two side by side.
 """
