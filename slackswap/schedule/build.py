@@ -27,6 +27,9 @@ Every planner (including the MILP) decides *what* happens to each saved activati
     as possible, early enough to hide.
   - "layer_ahead" (vDNN): issued when the backward pass of the next-higher layer begins, i.e. one
     layer ahead of use; tensors outside the layer stack or of the top layer at the start of backward.
+  - "at_unpack": as the offloaders people run fetch (`slackswap.schedule.offloader`): when the
+    step `unpack_lookahead_steps` before the first backward reader finishes (0: right before the
+    reader, which waits for the copy), never before the forward pass ends.
   - `prefetch_after_op` overrides the policy per tensor: issue after the run step of that op.
   Every prefetch is issued no earlier than the tensor's last forward reader and before its first
   backward use, and issue steps are non-decreasing in FIFO order so the H2D engine never blocks a
@@ -46,7 +49,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import ComputeStep, Decision, Direction, Plan, StepKind, Transfer
 from slackswap.schedule.transfer import h2d_s
 
-PREFETCH_POLICIES: tuple[str, ...] = ("alap", "layer_ahead")
+PREFETCH_POLICIES: tuple[str, ...] = ("alap", "layer_ahead", "at_unpack")
 
 
 def keep_all_plan(graph: Graph, budget_bytes: int | None = None) -> Plan:
@@ -135,6 +138,7 @@ def build_schedule(
     prefetch_after_op: Mapping[str, str] | None = None,
     bound_step_s: float | None = None,
     notes: Mapping[str, object] | None = None,
+    unpack_lookahead_steps: int = 0,
 ) -> Plan:
     """Build the explicit schedule for `decisions` (saved tensor name -> keep/swap/recompute).
 
@@ -145,11 +149,15 @@ def build_schedule(
         raise ConfigError("prefetch", prefetch, f"unknown prefetch policy; known: {PREFETCH_POLICIES}")
     if not prefetch_lead_s >= 0:
         raise ConfigError("prefetch_lead_s", prefetch_lead_s, "must be >= 0")
+    lookahead = unpack_lookahead_steps
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+        raise ConfigError("unpack_lookahead_steps", unpack_lookahead_steps, "must be an integer >= 0")
     decided = check_decisions(graph, decisions)
     steps = _compute_steps(graph, decided)
     offloads = _offloads(graph, decided, steps)
     prefetches = _prefetches(
-        graph, decided, steps, hardware, prefetch, prefetch_lead_s, dict(prefetch_after_op or {})
+        graph, decided, steps, hardware, prefetch, prefetch_lead_s, dict(prefetch_after_op or {}),
+        unpack_lookahead_steps,
     )
     return Plan(
         planner=planner,
@@ -284,6 +292,7 @@ def _prefetches(
     policy: str,
     lead_s: float,
     after_op: dict[str, str],
+    lookahead_steps: int = 0,
 ) -> tuple[Transfer, ...]:
     swapped = [t.name for t in _swapped(graph, decided)]
     unknown = sorted(set(after_op) - set(swapped))
@@ -300,6 +309,8 @@ def _prefetches(
     order = sorted(swapped, key=lambda t: first_bwd[t])
     if policy == "alap":
         issue = _alap_issue(graph, steps, hardware, order, first_bwd, lead_s)
+    elif policy == "at_unpack":
+        issue = {t: max(first_bwd[t] - 1 - lookahead_steps, n_fwd - 1) for t in order}
     else:
         issue = _layer_ahead_issue(graph, steps, n_fwd, order)
     run_index = _run_index(steps) if after_op else {}

@@ -43,6 +43,9 @@ issued after a finished step i < j (j the next step), so it always comes first i
 event is left in flight while work remains, no waiting request can ever be served: the run is
 infeasible, and the first of them in plan order is named.
 
+A plan that names a tool offloader (`slackswap.schedule.offloader`) runs as `_ToolRun`: this loop with
+`slackswap.simulate.tool_offload.ToolRules` (offload window, per-tensor pins) in front of `_Run`'s steps.
+
 tests/test_simulate_simpy.py checks this loop against an independent SimPy model of the same rules;
 `benchmarks/bench_simulate.py` times the two side by side.
 """
@@ -58,9 +61,11 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.schedule.copies import ResolvedSchedule
+from slackswap.schedule.offloader import offloader_of
 from slackswap.schedule.transfer import d2h_s, h2d_s
 from slackswap.schedule.validate import resolve_schedule
 from slackswap.simulate.result import EventLog, Infeasibility, SimResult
+from slackswap.simulate.tool_offload import ToolRules
 
 _D2H_END, _H2D_END = 1, 2
 
@@ -80,8 +85,13 @@ def simulate(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | N
 
 
 def _execute(graph: Graph, plan: Plan, hardware: Hardware, budget_bytes: int | None, s: ResolvedSchedule) -> SimResult:
-    """Run the resolved plan `s` to its end (or to the stall that makes it infeasible) and report it."""
-    run = _Run(graph, plan, hardware, budget_bytes, s)
+    """Run the resolved plan `s` to its end (or to the stall that makes it infeasible) and report it,
+    its copies run as the plan's offloader runs them (`slackswap.simulate.tool_offload`)."""
+    offloader = offloader_of(plan.notes)
+    if offloader.is_ideal:
+        run = _Run(graph, plan, hardware, budget_bytes, s)
+    else:
+        run = _ToolRun(graph, plan, hardware, budget_bytes, s, offloader)
     run.run()
     return run.result(plan, budget_bytes, s)
 
@@ -412,6 +422,7 @@ class _Run:
                 offload_start_s=off_start, offload_end_s=off_end, offload_engine=self.off_engine,
                 prefetches=plan.prefetches, prefetch_bytes=s.prefetch_bytes, prefetch_start_s=pre_start,
                 prefetch_end_s=pre_end, prefetch_engine=self.pre_engine, order=self.order,
+                step_wait_offload_s=getattr(self, "step_wait_offload", None),  # a _ToolRun's
             ),
             memory_times_s=tuple(self.mem_t),
             memory_bytes=tuple(self.mem_b),
@@ -450,6 +461,12 @@ class _Run:
             f"simulator stalled at t={now} with no memory request pending (step {next_step}, "
             f"offload {self.next_off}, prefetch {next_pre}); validation should have rejected this plan"
         )
+
+
+class _ToolRun(ToolRules, _Run):
+    """A run under a tool offloader (`slackswap.simulate.tool_offload`)."""
+
+    __slots__ = ToolRules.SLOTS
 
 
 def _busy_s(starts: list[float], ends: list[float]) -> float:

@@ -85,6 +85,8 @@ def _metrics(
         "stall_s": None if r is None else r.stall_s,
         "stall_prefetch_s": None if r is None else r.stall_prefetch_s,
         "stall_memory_s": None if r is None else r.stall_memory_s,
+        "stall_offload_s": None if r is None else r.stall_offload_s,
+        "pin_s": None if r is None else r.pin_s,
         "compute_busy_s": None if r is None else r.compute_busy_s,
         "d2h_bytes": None if r is None else int(r.d2h_bytes),
         "h2d_bytes": None if r is None else int(r.h2d_bytes),

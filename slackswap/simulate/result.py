@@ -23,7 +23,9 @@ class TraceEvent(NamedTuple):
 
     Compute events: `kind` is "run" or "recompute", `index` the step index, `op` the op,
     `size_bytes` the bytes allocated when the step started, and the two waits say how long the step
-    was held after the previous step finished (waiting for an input's prefetch, then for memory).
+    was held after the previous step finished (waiting for an input's prefetch, then for memory);
+    `wait_offload_s` is the part held for offloads still in flight, under an offloader that makes the
+    compute stream wait for them (`slackswap.schedule.offloader`; 0 under the ideal one).
     Transfer events: `kind` is "offload" (stream d2h) or "prefetch" (stream h2d), `index` the index
     into `plan.offloads` / `plan.prefetches`, `tensor` and `size_bytes` what was moved.
     """
@@ -39,6 +41,7 @@ class TraceEvent(NamedTuple):
     engine: int = 0
     wait_prefetch_s: float = 0.0
     wait_memory_s: float = 0.0
+    wait_offload_s: float = 0.0
 
     @property
     def duration_s(self) -> float:
@@ -79,6 +82,7 @@ class EventLog(Sequence[TraceEvent]):
         prefetch_end_s: Sequence[float],
         prefetch_engine: Sequence[int],
         order: Sequence[int],
+        step_wait_offload_s: Sequence[float] | None = None,
     ):
         """Columns are indexed by step / offload / prefetch index (entries of what never started are
         not read); `order` lists the events as they started, step j as j, offload k as
@@ -86,7 +90,7 @@ class EventLog(Sequence[TraceEvent]):
         self._columns = (
             steps, step_bytes, step_start_s, step_end_s, step_wait_prefetch_s, step_wait_memory_s,
             offloads, offload_bytes, offload_start_s, offload_end_s, offload_engine,
-            prefetches, prefetch_bytes, prefetch_start_s, prefetch_end_s, prefetch_engine,
+            prefetches, prefetch_bytes, prefetch_start_s, prefetch_end_s, prefetch_engine, step_wait_offload_s,
         )
         self._order = order
         self._events: tuple[TraceEvent, ...] | None = None
@@ -95,21 +99,21 @@ class EventLog(Sequence[TraceEvent]):
         if self._events is None:
             (steps, step_bytes, step_start, step_end, wait_prefetch, wait_memory,
              offloads, offload_bytes, offload_start, offload_end, offload_engine,
-             prefetches, prefetch_bytes, prefetch_start, prefetch_end, prefetch_engine) = self._columns
+             prefetches, prefetch_bytes, prefetch_start, prefetch_end, prefetch_engine, wait_offload) = self._columns
             recompute = StepKind.RECOMPUTE  # compared with ==: a plan may carry plain strings
             make = tuple.__new__  # TraceEvent is a NamedTuple: built without its Python-level __new__
             events = list(map(make, repeat(TraceEvent), zip(
                 repeat("compute"), ["recompute" if st.kind == recompute else "run" for st in steps],
                 range(len(steps)), step_start, step_end, [st.op for st in steps], repeat(""), step_bytes,
-                repeat(0), wait_prefetch, wait_memory,
+                repeat(0), wait_prefetch, wait_memory, repeat(0.0) if wait_offload is None else wait_offload,
             )))
             events += map(make, repeat(TraceEvent), zip(
                 repeat("d2h"), repeat("offload"), range(len(offloads)), offload_start, offload_end, repeat(""),
-                [t.tensor for t in offloads], offload_bytes, offload_engine, repeat(0.0), repeat(0.0),
+                [t.tensor for t in offloads], offload_bytes, offload_engine, repeat(0.0), repeat(0.0), repeat(0.0),
             ))
             events += map(make, repeat(TraceEvent), zip(
                 repeat("h2d"), repeat("prefetch"), range(len(prefetches)), prefetch_start, prefetch_end, repeat(""),
-                [t.tensor for t in prefetches], prefetch_bytes, prefetch_engine, repeat(0.0), repeat(0.0),
+                [t.tensor for t in prefetches], prefetch_bytes, prefetch_engine, repeat(0.0), repeat(0.0), repeat(0.0),
             ))
             self._events = tuple(map(events.__getitem__, self._order))
         return self._events
@@ -189,11 +193,18 @@ class SimResult:
     swapped_tensors: int
     recomputed_tensors: int
     bound_step_s: float | None = None
+    #: The offloader the plan's copies were priced as (`slackswap.schedule.offloader`).
+    offloader: str = "ideal"
+    #: Compute idle time waiting for offloads in flight (only under a tool offloader that waits for them).
+    stall_offload_s: float = 0.0
+    #: Host time spent pinning a buffer per offload, inside the compute steps that issue them
+    #: (counted in `compute_busy_s`; only under a tool offloader that pins per tensor).
+    pin_s: float = 0.0
 
     @property
     def stall_s(self) -> float:
-        """Time the compute stream was idle between steps (prefetch waits + memory waits)."""
-        return self.stall_prefetch_s + self.stall_memory_s
+        """Time the compute stream was idle between steps (prefetch, offload and memory waits)."""
+        return self.stall_prefetch_s + self.stall_memory_s + self.stall_offload_s
 
     def stream_events(self, stream: str) -> tuple[TraceEvent, ...]:
         return tuple(e for e in self.events if e.stream == stream)

@@ -53,6 +53,8 @@ def trace_events(result: SimResult) -> list[dict]:
                 "wait_prefetch_s": e.wait_prefetch_s,
                 "wait_memory_s": e.wait_memory_s,
             }
+            if e.wait_offload_s:  # only under a tool offloader (slackswap.schedule.offloader)
+                event["args"]["wait_offload_s"] = e.wait_offload_s
         else:
             event["name"] = f"{e.kind} {e.tensor}"
             event["args"] = {"tensor": e.tensor, "bytes": e.size_bytes, "kind": e.kind, "index": e.index}
