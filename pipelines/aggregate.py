@@ -1,7 +1,8 @@
 """Aggregate a finished sweep: summary.csv / summary.md, plots, and the paper table.
 
 This module reads the records into the summary frame and writes the files; the markdown tables are
-`pipelines.sweep_tables`, the plots `pipelines.sweep_plots`.
+`pipelines.sweep_tables`, the plots `pipelines.sweep_plots`. The metric columns are the summary
+metrics of `slackswap.metrics_table`.
 
 Reads the `run_record.json` each job wrote into its folder of the sweep directory (Hydra's
 `on_multirun_end` gets no job results). Files are the source rather than MLflow, so aggregation also
@@ -30,40 +31,14 @@ from pipelines.progress import read_progress
 from pipelines.records import RECORD_FILE, RunRecord
 from pipelines.sweep_plots import plot_planner_comparison, plot_throughput_vs_budget
 from pipelines.sweep_tables import paper_table, summary_markdown
+from slackswap.metrics_table import names as metric_names
 
-METRIC_COLUMNS = (
-    "throughput_ratio",
-    "step_s",
-    "ideal_step_s",
-    "peak_activation_bytes",
-    "keep_all_peak_bytes",
-    "budget_bytes",
-    "recompute_s",
-    "stall_s",
-    "d2h_bytes",
-    "h2d_bytes",
-    "swapped_tensors",
-    "recomputed_tensors",
-    "plan_wall_s",
-    "sim_wall_s",
-    "feasible",
-    "bound_step_s",
-    "static_bytes",
-    "headroom_bytes",
-    "peak_reserved_bytes",
-    "fragmentation_share",
-    "fits_reserved",
-    "tokens_per_s",
-    "mfu",
-    "fits_device",
-    # the node (conf/node): what each GPU's host link really gave, and the same plan with the GPU alone
-    "node",
-    "gpus_per_node",
-    "effective_h2d_gbps",
-    "effective_d2h_gbps",
-    "h2d_limit",
-    "alone_throughput_ratio",
-)
+
+def metric_columns() -> tuple[str, ...]:
+    """The summary's metric columns: the summary metrics of `slackswap.metrics_table`, in its order
+    (read when a sweep is aggregated, so a metric added to the table is a column with no edit here)."""
+    return metric_names(summary=True)
+
 
 #: Rows that share these simulated the same graph on the same hardware at the same budget, so a lower
 #: bound on step time from any of them (the milp planner's) bounds every plan among them. The keep-all
@@ -106,7 +81,7 @@ def read_records(sweep_dir: Path, known: Mapping[str, RunRecord] | None = None) 
         job = path.parent.name
         try:
             record = RunRecord.read(path, job=job)
-            record.check_numbers(METRIC_COLUMNS)
+            record.check_numbers(metric_columns())
             records[job] = record
         except (ValueError, OSError) as exc:  # JSONDecodeError and ConfigError are ValueErrors
             if job in known:
@@ -164,6 +139,7 @@ def records_to_frame(
 ) -> pd.DataFrame:
     """One row per record; `swept` ({key: {job: value}}) adds a column per swept key after planner."""
     swept = dict(swept or {})
+    columns_m = metric_columns()
     rows = []
     for rec in records:
         m = rec.metrics
@@ -178,7 +154,7 @@ def records_to_frame(
             "status": "running" if rec.status is None else str(rec.status),
         }
         row |= {key: values.get(rec.job, "") for key, values in swept.items()}
-        row |= {col: m.get(col) for col in METRIC_COLUMNS}
+        row |= {col: m.get(col) for col in columns_m}
         # The x axis of the curves: budget / keep-all peak, also defined for absolute-byte budgets.
         peak, budget = m.get("keep_all_peak_bytes"), m.get("budget_bytes")
         # Rounded so that one requested fraction is one group across models: budget_bytes is floored
@@ -189,7 +165,7 @@ def records_to_frame(
         row["mlflow_run_id"] = rec.mlflow_run_id
         rows.append(row)
     columns = ["job", "model", "hardware", "planner", *swept, "budget_fraction", "budget_bytes_requested", "status"]
-    columns += [*METRIC_COLUMNS, "budget_share", "failure_reason", "mlflow_run_id"]
+    columns += [*columns_m, "budget_share", "failure_reason", "mlflow_run_id"]
     frame = pd.DataFrame(rows, columns=columns)
     frame = _with_gap_to_best_bound(frame)
     order = ["model", "hardware", "budget_share", "planner", *swept]
