@@ -260,7 +260,7 @@ def test_profile_cli_names_a_bad_value_in_one_line_and_exits_2(tmp_path) -> None
     cmd = [sys.executable, "-m", "pipelines.profile", "model=tiny", "model.num_layers=-3", f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip() == "error: model.num_layers=-3: must be a positive integer"
+    assert out.stderr.strip() == "error: model.num_layers=-3: must be an integer >= 1"
     assert not (tmp_path / "profile.csv").exists()
 
 
