@@ -151,6 +151,22 @@ def with_units(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def units_note(metrics: Mapping[str, Any]) -> str:
+    """The units of the metrics this run logs, from `slackswap.metrics_table` (MLflow shows a metric's
+    name and value, never its unit): one line per unit, naming the metrics in it. Text and null metrics
+    are not logged, so not listed; booleans are logged as 0 / 1."""
+    from slackswap.metrics_table import units_by_unit
+
+    logged = [k for k, v in metrics.items() if v is not None and not isinstance(v, str)]
+    lines = [f"- {unit}: {', '.join(f'`{n}`' for n in names)}" for unit, names in units_by_unit(logged).items()]
+    if not lines:
+        return ""
+    return (
+        "Metric units (their meanings: docs/contract.md; `*_gib` are the `*_bytes` in GiB, `throughput_pct` "
+        "is `throughput_ratio` in percent, booleans are 0 / 1):\n\n" + "\n".join(lines) + "\n"
+    )
+
+
 def _pct(value: Any) -> str:
     return f"{100 * value:.2f} %" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
 
@@ -198,7 +214,8 @@ def child_description(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         "Artifacts: `timeline.png` (compute, d2h, h2d streams and memory against the budget), `plan.json`, "
         f"`metrics.json`, `config.resolved.yaml`. {PERFETTO_HINT}"
     )
-    return f"{head}\n\n{what}\n\n{files}\n"
+    units = units_note(m)
+    return f"{head}\n\n{what}\n\n{files}\n" + (f"\n{units}" if units else "")
 
 
 def _reference_table(experiment: Mapping[str, Any]) -> str:

@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from slackswap.errors import ConfigError, reject_unknown_fields
+from slackswap.metrics_table import names as metric_names
 
 RECORD_FILE = "run_record.json"
-#: Metrics that are text by design (the node, what limits a copy link, why a plan is infeasible, where
-#: the model FLOPs come from); every other metric is a number, a boolean or null.
-TEXT_METRICS = frozenset({"node", "h2d_limit", "d2h_limit", "infeasible_reason", "model_flops_source"})
 
 
 class RunStatus(StrEnum):
@@ -94,10 +92,12 @@ class RunRecord:
         return cls(**{**data, "status": status, "job": job})
 
     def check_numbers(self, names: Iterable[str]) -> None:
-        """Each metric of `names` the record has is a number, a boolean or null (but the TEXT_METRICS);
-        else a ConfigError naming the field and its value (a hand-edited `"step_s": "0.5"` would crash
-        the summary's arithmetic far from the file)."""
-        for name in (n for n in names if n not in TEXT_METRICS):
+        """Each metric of `names` the record has is a number, a boolean or null (but the metrics that are
+        text by design: kind "text" in `slackswap.metrics_table`, such as the node or why a plan is
+        infeasible); else a ConfigError naming the field and its value (a hand-edited `"step_s": "0.5"`
+        would crash the summary's arithmetic far from the file)."""
+        text = set(metric_names(kind="text"))
+        for name in (n for n in names if n not in text):
             value = self.metrics.get(name)
             if value is not None and not isinstance(value, (bool, int, float)):
                 raise ConfigError(f"run_record.metrics.{name}", value, "must be a number")

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 
 
@@ -31,30 +32,18 @@ class Budget:
     reserve_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device, bool):
-            raise ConfigError("budget.device", self.device, "must be true or false")
+        check.flag("budget.device", self.device)
         if (self.fraction is not None) + (self.bytes is not None) + self.device != 1:
             raise ConfigError(
                 "budget",
                 {"fraction": self.fraction, "bytes": self.bytes, "device": self.device},
                 "set exactly one of budget.fraction, budget.bytes and budget.device",
             )
-        value = self.reserve_bytes
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError("budget.reserve_bytes", value, "must be a non-negative integer")
+        check.integer("budget.reserve_bytes", self.reserve_bytes, 0)
         if self.fraction is not None:
-            value = self.fraction
-            if (
-                not isinstance(value, (int, float))
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or not 0 < value <= 1
-            ):
-                raise ConfigError("budget.fraction", value, "must be in (0, 1] (a share of the keep-all peak)")
+            check.fraction("budget.fraction", self.fraction, why="a share of the keep-all peak")
         if self.bytes is not None:
-            value = self.bytes
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError("budget.bytes", value, "must be a positive integer")
+            check.integer("budget.bytes", self.bytes, 1)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Budget:

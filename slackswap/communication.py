@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError
 
 #: What the step-communication model leaves out (printed with every configuration it prices).
@@ -66,14 +67,8 @@ class Fabric:
     latency_s: float
 
     def __post_init__(self) -> None:
-        for field_name in ("bus_bytes_per_s", "latency_s"):
-            value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ConfigError(f"fabric.{field_name}", value, "must be a finite number")
-        if self.bus_bytes_per_s <= 0:
-            raise ConfigError("fabric.bus_bytes_per_s", self.bus_bytes_per_s, "must be positive")
-        if self.latency_s < 0:
-            raise ConfigError("fabric.latency_s", self.latency_s, "must be non-negative")
+        check.positive("fabric.bus_bytes_per_s", self.bus_bytes_per_s)
+        check.non_negative("fabric.latency_s", self.latency_s)
 
 
 def _check(size_bytes: float, ranks: int) -> None:

@@ -7,13 +7,13 @@ Hydra, from a script or from a test.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 
 #: Op classes that need an efficiency figure. Kept in one place so the profile and the config
@@ -25,21 +25,6 @@ DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 #: flash kernel, cuDNN's fused attention. Kept here, beside the op classes, so the model config and
 #: the hardware agree on the spelling.
 ATTENTION_KERNEL_NAMES: tuple[str, ...] = ("eager", "flash1", "flash2", "flash3", "triton", "cudnn")
-
-
-def _positive(field_name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(field_name, value, "must be a positive finite number")
-
-
-def _non_negative(field_name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ConfigError(field_name, value, "must be a non-negative finite number")
-
-
-def _fraction(field_name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value <= 1):
-        raise ConfigError(field_name, value, "must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -65,7 +50,7 @@ class HostLink:
             "d2h_effective_bytes_per_s",
             "h2d_effective_bytes_per_s",
         ):
-            _positive(f"link.{name}", getattr(self, name))
+            check.positive(f"link.{name}", getattr(self, name))
         for direction in ("d2h", "h2d"):
             eff = getattr(self, f"{direction}_effective_bytes_per_s")
             theo = getattr(self, f"{direction}_theoretical_bytes_per_s")
@@ -73,12 +58,10 @@ class HostLink:
                 raise ConfigError(
                     f"link.{direction}_effective_bytes_per_s", eff, f"exceeds the theoretical {theo}"
                 )
-        _non_negative("link.latency_s", self.latency_s)
-        _non_negative("link.d2h_setup_s", self.d2h_setup_s)
+        check.non_negative("link.latency_s", self.latency_s)
+        check.non_negative("link.d2h_setup_s", self.d2h_setup_s)
         for name in ("d2h_engines", "h2d_engines"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"link.{name}", value, "must be an integer >= 1")
+            check.integer(f"link.{name}", getattr(self, name), 1)
 
 
 @dataclass(frozen=True)
@@ -109,9 +92,9 @@ class Hardware:
         for dtype, flops in self.peak_flops_per_s.items():
             if dtype not in DTYPES:
                 raise ConfigError(f"hardware.peak_flops_per_s.{dtype}", flops, f"unknown dtype; known: {DTYPES}")
-            _positive(f"hardware.peak_flops_per_s.{dtype}", flops)
-        _positive("hardware.hbm_bytes_per_s", self.hbm_bytes_per_s)
-        _positive("hardware.device_memory_bytes", self.device_memory_bytes)
+            check.positive(f"hardware.peak_flops_per_s.{dtype}", flops)
+        check.positive("hardware.hbm_bytes_per_s", self.hbm_bytes_per_s)
+        check.positive("hardware.device_memory_bytes", self.device_memory_bytes)
         for op_class in OP_CLASSES:
             if op_class not in self.efficiency:
                 raise ConfigError(
@@ -120,14 +103,14 @@ class Hardware:
         for op_class, eff in self.efficiency.items():
             if op_class not in OP_CLASSES:
                 raise ConfigError(f"hardware.efficiency.{op_class}", eff, f"unknown op class; known: {OP_CLASSES}")
-            _fraction(f"hardware.efficiency.{op_class}", eff)
+            check.fraction(f"hardware.efficiency.{op_class}", eff)
         for kernel, eff in dict(self.attention_kernels or {}).items():
             if kernel not in ATTENTION_KERNEL_NAMES:
                 raise ConfigError(f"hardware.attention_kernels.{kernel}", eff,
                                   f"unknown kernel; known: {ATTENTION_KERNEL_NAMES}")
-            _fraction(f"hardware.attention_kernels.{kernel}", eff)
-        _fraction("hardware.hbm_efficiency", self.hbm_efficiency)
-        _non_negative("hardware.launch_overhead_s", self.launch_overhead_s)
+            check.fraction(f"hardware.attention_kernels.{kernel}", eff)
+        check.fraction("hardware.hbm_efficiency", self.hbm_efficiency)
+        check.non_negative("hardware.launch_overhead_s", self.launch_overhead_s)
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
         object.__setattr__(self, "efficiency", MappingProxyType(dict(self.efficiency)))
         object.__setattr__(self, "attention_kernels", MappingProxyType(dict(self.attention_kernels or {})))

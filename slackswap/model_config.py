@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 from slackswap.hardware import ATTENTION_KERNEL_NAMES, DTYPES
 
@@ -61,9 +62,7 @@ class ModelConfig:
             "micro_batch_size",
             "vocab_size",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{name}", value, "must be a positive integer")
+            check.integer(f"model.{name}", getattr(self, name), 1)
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 "model.hidden_size", self.hidden_size, f"is not divisible by model.num_heads={self.num_heads}"

@@ -13,35 +13,16 @@ every rank of the node draws its offload buffers from.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 
 #: Where the NICs sit: on the GPUs' PCIe switches (their traffic shares the switch uplink with the
 #: activation copies, as on DGX A100 / HGX H100), on their own root ports, or there are none.
 NIC_PLACEMENTS: tuple[str, ...] = ("gpu_switch", "own_root_port", "none")
-
-
-def _check_number(field_name: str, value: Any, *, positive: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        kind = "a positive" if positive else "a non-negative"
-        raise ConfigError(field_name, value, f"must be {kind} finite number")
-
-
-def _check_int(field_name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(field_name, value, f"must be an integer >= {minimum}")
-
-
-def _check_fraction(field_name: str, value: Any, *, allow_zero: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    low_ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not (low_ok and value <= 1):
-        raise ConfigError(field_name, value, "must be in [0, 1]" if allow_zero else "must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -95,8 +76,8 @@ class Node:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("node.name", self.name, "must be a non-empty string")
-        _check_int("node.gpus_per_node", self.gpus_per_node, 1)
-        _check_int("node.gpus_per_pcie_switch", self.gpus_per_pcie_switch, 1)
+        check.integer("node.gpus_per_node", self.gpus_per_node, 1)
+        check.integer("node.gpus_per_pcie_switch", self.gpus_per_pcie_switch, 1)
         if self.gpus_per_node % self.gpus_per_pcie_switch:
             raise ConfigError(
                 "node.gpus_per_pcie_switch", self.gpus_per_pcie_switch,
@@ -105,7 +86,7 @@ class Node:
         for name in ("switch_uplink_h2d_bytes_per_s", "switch_uplink_d2h_bytes_per_s", "host_dram_bytes_per_numa_s",
                      "network_busbw_bytes_per_s"):
             if getattr(self, name) is not None:
-                _check_number(f"node.{name}", getattr(self, name), positive=True)
+                check.positive(f"node.{name}", getattr(self, name))
         if self.gpus_per_pcie_switch > 1:
             for name in ("switch_uplink_h2d_bytes_per_s", "switch_uplink_d2h_bytes_per_s"):
                 if getattr(self, name) is None:
@@ -113,19 +94,19 @@ class Node:
                         f"node.{name}", None, f"is needed: {self.gpus_per_pcie_switch} GPUs share each switch"
                     )
         for name in ("h2d_duplex_fraction", "d2h_duplex_fraction"):
-            _check_fraction(f"node.{name}", getattr(self, name), allow_zero=False)
-        _check_int("node.numa_nodes", self.numa_nodes, 1)
+            check.fraction(f"node.{name}", getattr(self, name))
+        check.integer("node.numa_nodes", self.numa_nodes, 1)
         if self.gpus_per_node % self.numa_nodes:
             raise ConfigError(
                 "node.numa_nodes", self.numa_nodes, f"must divide node.gpus_per_node={self.gpus_per_node}"
             )
-        _check_int("node.pinned_host_bytes", self.pinned_host_bytes, 1)
+        check.integer("node.pinned_host_bytes", self.pinned_host_bytes, 1)
         for name in ("pin_setup_s_per_tensor", "nic_bytes_per_s", "nic_latency_s", "nvlink_bytes_per_s",
                      "nvlink_latency_s"):
-            _check_number(f"node.{name}", getattr(self, name), positive=False)
+            check.non_negative(f"node.{name}", getattr(self, name))
         if self.nic_placement not in NIC_PLACEMENTS:
             raise ConfigError("node.nic_placement", self.nic_placement, f"must be one of {NIC_PLACEMENTS}")
-        _check_int("node.nics_per_node", self.nics_per_node, 0)
+        check.integer("node.nics_per_node", self.nics_per_node, 0)
         if (self.nic_placement == "none") != (self.nics_per_node == 0):
             raise ConfigError(
                 "node.nics_per_node", self.nics_per_node, f"contradicts node.nic_placement={self.nic_placement!r}"
@@ -137,9 +118,7 @@ class Node:
                 "node.network_busbw_bytes_per_s", self.network_busbw_bytes_per_s,
                 f"exceeds the aggregate NIC rate {self.nic_line_bytes_per_s:g} (nics_per_node x nic_bytes_per_s)",
             )
-        _check_fraction("node.nic_uplink_fraction", self.nic_uplink_fraction, allow_zero=True)
-        if self.nic_uplink_fraction >= 1:
-            raise ConfigError("node.nic_uplink_fraction", self.nic_uplink_fraction, "must be below 1")
+        check.fraction("node.nic_uplink_fraction", self.nic_uplink_fraction, zero=True, one=False)
         if self.nic_uplink_fraction and self.nic_placement != "gpu_switch":
             raise ConfigError(
                 "node.nic_uplink_fraction", self.nic_uplink_fraction,

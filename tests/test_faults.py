@@ -369,7 +369,7 @@ def test_a_corrupt_graph_or_plan_file_is_one_error_naming_it(tmp_path) -> None:
 
 
 def test_every_planner_has_its_own_colour_and_marker_and_milp_shows_over_slackswap() -> None:
-    from pipelines.aggregate import planner_styles
+    from pipelines.sweep_plots import planner_styles
 
     presets = sorted(p.stem for p in (REPO_ROOT / "conf" / "planner").glob("*.yaml"))
     styles = planner_styles([*presets, "my_planner", "capuchin[swap_only]"])

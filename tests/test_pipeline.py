@@ -13,15 +13,13 @@ import pytest
 
 from pipelines import tracking
 from pipelines.job import PARENT_FILE, RECORD_FILE, RESOLVED_CONFIG_FILE
+from slackswap.metrics_table import names as metric_names
 from tests.cli_support import run_cli_in_process
 from tests.extras import require_torch_extra
 
 RUN_FILES = ("profile.csv", "graph.json", "plan.json", "metrics.json", "trace.json", "timeline.png")
-CONTRACT_METRICS = (
-    "throughput_ratio", "step_s", "ideal_step_s", "peak_activation_bytes", "keep_all_peak_bytes", "budget_bytes",
-    "recompute_s", "stall_s", "d2h_bytes", "h2d_bytes", "swapped_tensors", "recomputed_tensors", "plan_wall_s",
-    "sim_wall_s", "feasible",
-)  # fmt: skip
+#: docs/contract.md's "at least" list (tests/test_metrics_table.py checks the doc against the table).
+CONTRACT_METRICS = metric_names(contract=True)
 
 
 def _common(tmp_path: Path, store) -> list[str]:
@@ -262,7 +260,7 @@ def test_profile_cli_names_a_bad_value_in_one_line_and_exits_2(tmp_path) -> None
     cmd = [sys.executable, "-m", "pipelines.profile", "model=tiny", "model.num_layers=-3", f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip() == "error: model.num_layers=-3: must be a positive integer"
+    assert out.stderr.strip() == "error: model.num_layers=-3: must be an integer >= 1"
     assert not (tmp_path / "profile.csv").exists()
 
 

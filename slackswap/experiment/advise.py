@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from slackswap import validation as check
 from slackswap.communication import NOT_MODELLED, StepCommunication, Topology, check_sharding, step_communication
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
@@ -104,12 +105,9 @@ class SearchSpace:
                 raise ConfigError("advise.zero_stages", list(self.zero_stages), f"{stage!r} not in 0..3")
         if not self.zero_stages:
             raise ConfigError("advise.zero_stages", [], "must list at least one ZeRO stage")
-        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ConfigError("advise.grad_accum", self.grad_accum, "must be an integer >= 1")
-        if isinstance(self.milp_top_k, bool) or not isinstance(self.milp_top_k, int) or self.milp_top_k < 0:
-            raise ConfigError("advise.milp_top_k", self.milp_top_k, "must be an integer >= 0")
-        if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
-            raise ConfigError("budget.reserve_bytes", self.reserve_bytes, "must be a non-negative integer")
+        check.integer("advise.grad_accum", self.grad_accum, 1)
+        check.integer("advise.milp_top_k", self.milp_top_k, 0)
+        check.integer("budget.reserve_bytes", self.reserve_bytes, 0)
 
 
 @dataclass(frozen=True)

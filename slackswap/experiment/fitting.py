@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
@@ -55,11 +56,8 @@ class FitOptions:
             raise ConfigError("simulate.plan_against", self.plan_against, f"must be one of {PLAN_AGAINST}")
         if self.plan_against == "reserved" and self.allocator != "caching":
             raise ConfigError("simulate.plan_against", self.plan_against, "needs simulate.allocator=caching")
-        margin = self.plan_margin_fraction
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ConfigError("simulate.plan_margin_fraction", margin, "must be in [0, 1)")
-        if isinstance(self.max_rounds, bool) or not isinstance(self.max_rounds, int) or self.max_rounds < 1:
-            raise ConfigError("simulate.max_rounds", self.max_rounds, "must be a positive integer")
+        check.fraction("simulate.plan_margin_fraction", self.plan_margin_fraction, zero=True, one=False)
+        check.integer("simulate.max_rounds", self.max_rounds, 1)
 
     @property
     def models_allocator(self) -> bool:

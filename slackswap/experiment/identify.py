@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
@@ -51,14 +52,10 @@ class Setting:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError("identify.attention", self.attention, f"must be one of {ATTENTION_KERNELS}")
-        if not isinstance(self.dropout, bool):
-            raise ConfigError("identify.dropout", self.dropout, "must be true or false")
+        check.flag("identify.dropout", self.dropout)
         for name in ("matmul_efficiency", "hbm_efficiency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ConfigError(f"identify.{name}", value, "must be in (0, 1]")
-        if isinstance(self.link_gbps, bool) or not isinstance(self.link_gbps, (int, float)) or self.link_gbps <= 0:
-            raise ConfigError("identify.link_gbps", self.link_gbps, "must be a positive number")
+            check.fraction(f"identify.{name}", getattr(self, name))
+        check.positive("identify.link_gbps", self.link_gbps)
 
     def model(self, model: ModelConfig) -> ModelConfig:
         dropout = self.dropout if model.family in DROPOUT_FAMILIES else model.dropout
@@ -102,8 +99,7 @@ class Problem:
         if set(self.workloads) != set(self.reference):
             raise ConfigError("identify.reference", sorted(self.reference),
                               f"must name exactly the workloads {sorted(self.workloads)}")
-        if not 0 < self.budget_fraction <= 1:
-            raise ConfigError("identify.budget_fraction", self.budget_fraction, "must be in (0, 1]")
+        check.fraction("identify.budget_fraction", self.budget_fraction)
 
 
 @dataclass(frozen=True)
@@ -231,8 +227,7 @@ def evaluate_grid(problem: Problem, settings: Sequence[Setting], workers: int = 
                   on_point: OnPoint | None = None) -> list[Point]:
     """`evaluate` for every setting, in order, over `workers` forked processes (1, or no fork on this
     platform: in this process); `on_point` after each, in order."""
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError("identify.workers", workers, "must be an integer >= 1")
+    check.integer("identify.workers", workers, 1)
     points: list[Point] = []
 
     def done(point: Point) -> None:

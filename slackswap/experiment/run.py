@@ -28,6 +28,8 @@ from slackswap.experiment.spec import RunSpec
 from slackswap.experiment.throughput import FLOPS_SOURCE, mfu, model_flops, tokens_per_s
 from slackswap.graph import Graph
 from slackswap.memory.static import DeviceCapacity
+from slackswap.metrics_table import check_metrics
+from slackswap.metrics_table import names as metric_names
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import gib
 from slackswap.simulate.result import SimResult
@@ -212,7 +214,8 @@ def run_metrics(
     fitted: FittedPlan | None = None,
 ) -> dict[str, Any]:
     """metrics.json, built here only, with one key set for every outcome of one spec (ok, planner
-    infeasible, simulator infeasible, device infeasible): the simulation's keys
+    infeasible, simulator infeasible, device infeasible), checked against `slackswap.metrics_table`
+    (where each name, unit and meaning is declared): the simulation's keys
     (`slackswap.simulate.metrics`), the device's static split and fit, the allocator replay's keys when
     the allocator is modelled, the planning budget, throughput and MFU, and the real-vs-analytic peaks
     when the graph is traced. What an outcome did not compute is None.
@@ -220,12 +223,10 @@ def run_metrics(
     `fitted` is the `plan_and_simulate` result of a planned and simulated run; None when no plan was
     made.
     """
-    from slackswap.memory.allocator_replay import AllocatorReport
-
     report = None if fitted is None else fitted.report
     metrics = dict(simulation) | _static_metrics(capacity)
     if spec.fit.models_allocator:
-        metrics |= dict.fromkeys(AllocatorReport.METRIC_KEYS) if report is None else report.metrics()
+        metrics |= dict.fromkeys(metric_names("allocator")) if report is None else report.metrics()
     # What the device has left at this run's peak (reserved peak when the allocator is modelled); with
     # no plan, all of the activation capacity.
     peak = simulation["peak_activation_bytes"] if report is None else report.peak_reserved_bytes
@@ -247,6 +248,7 @@ def run_metrics(
     metrics |= _source_metrics(base)
     metrics |= _node_metrics(spec, simulation)
     metrics |= layout_metrics(spec, base.graph)
+    check_metrics(metrics)
     return metrics
 
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from slackswap import validation as check
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment.measured_timing import MeasuredTiming
@@ -86,13 +87,9 @@ class TrainingRunSpec:
             raise ConfigError("train.device", train["device"], f"unknown device; known: {DEVICES}")
         if train["executor"] not in EXECUTORS:
             raise ConfigError("train.executor", train["executor"], f"unknown executor; known: {EXECUTORS}")
-        if not isinstance(train["steps"], int) or isinstance(train["steps"], bool) or train["steps"] < 1:
-            raise ConfigError("train.steps", train["steps"], "must be an integer >= 1")
-        if not isinstance(train["seed"], int) or isinstance(train["seed"], bool):
-            raise ConfigError("train.seed", train["seed"], "must be an integer")
-        lr = train["lr"]
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
-            raise ConfigError("train.lr", lr, "must be a number > 0")
+        check.integer("train.steps", train["steps"], 1)
+        check.integer("train.seed", train["seed"])
+        lr = check.positive("train.lr", train["lr"])
         if train["device"] == "cuda":
             import torch
 

@@ -65,17 +65,8 @@ class AllocatorReport:
             return 0.0
         return 1.0 - self.peak_allocated_bytes / self.peak_reserved_bytes
 
-    #: The keys of `metrics()`: a run that was never replayed reports them as None.
-    METRIC_KEYS = (
-        "peak_reserved_bytes",
-        "peak_block_bytes",
-        "fragmentation_share",
-        "fits_reserved",
-        "allocator_oom_reason",
-        "allocator_segments",
-    )
-
     def metrics(self) -> dict[str, object]:
+        """The `allocator` group of `slackswap.metrics_table` (a run never replayed has them None)."""
         return {
             "peak_reserved_bytes": self.peak_reserved_bytes,
             "peak_block_bytes": self.peak_block_bytes,

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
@@ -48,8 +49,7 @@ class TrainingConfig:
         stage = self.zero_stage
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in ZERO_STAGES:
             raise ConfigError("training.zero_stage", self.zero_stage, f"must be one of {ZERO_STAGES}")
-        if not isinstance(self.zero_shards, int) or isinstance(self.zero_shards, bool) or self.zero_shards < 1:
-            raise ConfigError("training.zero_shards", self.zero_shards, "must be an integer >= 1")
+        check.integer("training.zero_shards", self.zero_shards, 1)
 
     def check_model_dtype(self, model_dtype: str) -> None:
         """The recipe and the model's activation dtype must agree (fp32 recipe <=> fp32 model)."""

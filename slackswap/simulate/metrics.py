@@ -1,6 +1,7 @@
 """metrics.json: the simulate stage's numbers under the names of docs/contract.md (plain JSON values),
 for a simulated run (`compute_metrics`) and for a run that ended infeasible before any simulation
-(`unsimulated_metrics`), with one key set."""
+(`unsimulated_metrics`), with one key set: the `simulation` group of `slackswap.metrics_table`, which
+declares each name, unit and meaning (checked on every build)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 from slackswap.errors import ConfigError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
+from slackswap.metrics_table import check_group
 from slackswap.schedule.build import keep_all_plan
 from slackswap.simulate.engine import simulate
 from slackswap.simulate.result import SimResult
@@ -104,6 +106,7 @@ def _metrics(
     for name, value in metrics.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"metrics.{name}", value, "is not finite")
+    check_group(metrics, "simulation")
     return metrics
 
 

@@ -13,8 +13,7 @@ Two products (docs/milp.md):
 
 from __future__ import annotations
 
-import numpy as np
-
+from slackswap import validation as check
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
@@ -27,26 +26,8 @@ from slackswap.schedule.build import build_schedule
 from slackswap.schedule.replay import estimate_plan
 
 
-def _positive_number(field: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
-        raise ConfigError(field, value, "must be a positive finite number")
-    return float(value)
-
-
 def _optional_positive_number(field: str, value: object) -> float | None:
-    return None if value is None else _positive_number(field, value)
-
-
-def _positive_int(field: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(field, value, "must be an integer >= 1")
-    return value
-
-
-def _non_negative_int(field: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(field, value, "must be an integer >= 0")
-    return value
+    return None if value is None else float(check.positive(field, value))
 
 
 #: Branch-and-bound node limits of the exact bound MILP and of the plan MILP. They stop HiGHS at the
@@ -83,19 +64,17 @@ class MilpPlanner:
         chain_cuts: bool = True,
         candidates: bool = True,
     ):
-        self.node_limit = _positive_int("planner.options.node_limit", node_limit)
-        self.plan_node_limit = _positive_int("planner.options.plan_node_limit", plan_node_limit)
+        self.node_limit = check.integer("planner.options.node_limit", node_limit, 1)
+        self.plan_node_limit = check.integer("planner.options.plan_node_limit", plan_node_limit, 1)
         # Wall-clock caps: off by default, because a cap that binds makes the plan depend on the machine.
         self.time_limit_s = _optional_positive_number("planner.options.time_limit_s", time_limit_s)
-        if isinstance(mip_rel_gap, bool) or not isinstance(mip_rel_gap, (int, float)) or not 0 <= mip_rel_gap < 1:
-            raise ConfigError("planner.options.mip_rel_gap", mip_rel_gap, "must be in [0, 1)")
-        self.mip_rel_gap = float(mip_rel_gap)
+        self.mip_rel_gap = float(check.fraction("planner.options.mip_rel_gap", mip_rel_gap, zero=True, one=False))
         if granularity not in ("auto", *GRANULARITIES):
             raise ConfigError("planner.options.granularity", granularity, f"known: {('auto', *GRANULARITIES)}")
         self.granularity = granularity
-        self.op_level_max_ops = _non_negative_int("planner.options.op_level_max_ops", op_level_max_ops)
-        self.exact_max_layers = _non_negative_int("planner.options.exact_max_layers", exact_max_layers)
-        self.max_repair_rounds = _non_negative_int("planner.options.max_repair_rounds", max_repair_rounds)
+        self.op_level_max_ops = check.integer("planner.options.op_level_max_ops", op_level_max_ops, 0)
+        self.exact_max_layers = check.integer("planner.options.exact_max_layers", exact_max_layers, 0)
+        self.max_repair_rounds = check.integer("planner.options.max_repair_rounds", max_repair_rounds, 0)
         self.relaxed_time_limit_s = _optional_positive_number(
             "planner.options.relaxed_time_limit_s", relaxed_time_limit_s
         )
@@ -118,14 +97,12 @@ class MilpPlanner:
         if bad or isinstance(heuristic_candidates, str):
             raise ConfigError("planner.options.heuristic_candidates", heuristic_candidates, f"known: {sorted(known)}")
         self.heuristic_candidates = tuple(heuristic_candidates)
-        if not isinstance(chain_cuts, bool):
-            raise ConfigError("planner.options.chain_cuts", chain_cuts, "must be true or false")
+        check.flag("planner.options.chain_cuts", chain_cuts)
         self.chain_cuts = chain_cuts
-        if not isinstance(candidates, bool):
-            raise ConfigError("planner.options.candidates", candidates, "must be true or false")
+        check.flag("planner.options.candidates", candidates)
         self.candidates = candidates
-        self.plan_problem_max_layers = _non_negative_int(
-            "planner.options.plan_problem_max_layers", plan_problem_max_layers
+        self.plan_problem_max_layers = check.integer(
+            "planner.options.plan_problem_max_layers", plan_problem_max_layers, 0
         )
 
     def _exact(self, graph: Graph) -> bool:

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import heapq
 
-from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap import validation as check
+from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import FORWARD_PHASES, Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
@@ -383,9 +384,7 @@ class Dtr:
     name = "dtr"
 
     def __init__(self, max_rounds: int = 8):
-        if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
-            raise ConfigError("planner.options.max_rounds", max_rounds, "must be an integer >= 0")
-        self.max_rounds = max_rounds
+        self.max_rounds = check.integer("planner.options.max_rounds", max_rounds, 0)
 
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)

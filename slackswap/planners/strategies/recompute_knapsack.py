@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from slackswap.errors import ConfigError, InfeasibleBudgetError, SolverError
+from slackswap import validation as check
+from slackswap.errors import InfeasibleBudgetError, SolverError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
@@ -85,9 +86,7 @@ class RecomputeKnapsack:
     name = "recompute_knapsack"
 
     def __init__(self, max_rounds: int = 30):
-        if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
-            raise ConfigError("max_rounds", max_rounds, "must be an integer >= 1")
-        self.max_rounds = max_rounds
+        self.max_rounds = check.integer("planner.options.max_rounds", max_rounds, 1)
 
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)

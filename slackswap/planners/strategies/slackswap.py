@@ -30,7 +30,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
-from slackswap.errors import ConfigError
+from slackswap import validation as check
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
@@ -167,9 +167,7 @@ class SlackSwap(SwapThenRecompute):
     def __init__(self, only_needed_swaps: bool = True):
         """`only_needed_swaps`: drop the latency-bound swaps the budget does not need
         (`drop_unneeded_swaps`); false keeps every swap that hides, the plans before that rule."""
-        if not isinstance(only_needed_swaps, bool):
-            raise ConfigError("planner.options.only_needed_swaps", only_needed_swaps, "must be true or false")
-        self.only_needed_swaps = only_needed_swaps
+        self.only_needed_swaps = check.flag("planner.options.only_needed_swaps", only_needed_swaps)
 
     def select_swaps(self, graph: Graph, analysis: ProfileAnalysis) -> list[str]:
         return take_while_hidden(analysis, by_shared_regen_cost_per_byte(graph, analysis))

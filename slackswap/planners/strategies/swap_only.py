@@ -27,7 +27,7 @@ simulator waits only when an allocation does not fit, so our vDNN stalls less th
 
 from __future__ import annotations
 
-from slackswap.errors import ConfigError
+from slackswap import validation as check
 from slackswap.graph import NO_LAYER, Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
@@ -53,9 +53,7 @@ class SwapOnly:
     name = "swap_only"
 
     def __init__(self, memory_waits: bool = True):
-        if not isinstance(memory_waits, bool):
-            raise ConfigError("planner.options.memory_waits", memory_waits, "must be true or false")
-        self.memory_waits = memory_waits
+        self.memory_waits = check.flag("planner.options.memory_waits", memory_waits)
 
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
