@@ -27,22 +27,13 @@ Gradient accumulation runs each micro-batch under `apply(..., accumulate=True)`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from slackswap.integrations.planning import (
-    EXECUTORS,
-    IntegrationError,
-    PeakCheck,
-    StepPlan,
-    capture_step,
-    plan_step,
-)
-from slackswap.runtime.capture import input_signature, model_signature
+from slackswap.integrations.planning import EXECUTORS, IntegrationError, StepPlan
+from slackswap.integrations.step import PlannedStep
 
 
 class _Called(Exception):
@@ -102,25 +93,6 @@ def check_trainer(trainer: Any, executor: str) -> None:
                                "the runtime runs eager; use executor='export' for a compiled model")
 
 
-@dataclass
-class PlannedTrainer:
-    """What `plan_for` installed: the plan (made at the first step) and each verified step's figures."""
-
-    budget: object
-    planner: str
-    hardware: object
-    executor: str
-    verify_steps: int
-    certify: bool = False
-    planned: StepPlan | None = None
-    peaks: PeakCheck | None = None
-    #: One dict per step whose figures were logged (the ones `trainer.log` got).
-    logged: list[dict[str, float]] = field(default_factory=list)
-    steps: int = 0
-    _runner: Any = None
-    _print: Callable[[str], None] = print
-
-
 def _model_call(trainer: Any, model: torch.nn.Module, inputs: Mapping[str, Any],
                 num_items_in_batch: object) -> dict[str, Any]:
     """The keywords `trainer.compute_loss` calls the model with for these inputs."""
@@ -149,40 +121,7 @@ def _finish(trainer: Any, model: torch.nn.Module, inputs: Mapping[str, Any],
     return finish
 
 
-def _make_plan(trainer: Any, state: PlannedTrainer, model: torch.nn.Module, call: dict[str, Any],
-               finish: Callable[[object], torch.Tensor]) -> None:
-    from slackswap.runtime import apply
-    from slackswap.runtime.export import PlanExport
-
-    if isinstance(state.planned, StepPlan):  # a plan made before: for this model and this batch shape?
-        graph = state.planned.graph
-        for key, now in (("model_signature", model_signature(model)),
-                         ("input_signature", input_signature(list(call.values())))):
-            if graph.meta.get(key) != now:
-                raise IntegrationError(f"plan.graph.meta[{key!r}]", graph.meta.get(key),
-                                       f"the plan was made for another {key.split('_')[0]}: this run has {now}")
-    else:
-        name = f"{type(model).__name__}@{'x'.join(str(d) for d in input_signature(list(call.values()))[0][0])}"
-        graph = capture_step(model, call, finish, _hardware(state.hardware), name)
-        state.planned = plan_step(graph, model, state.budget, state.planner, state.hardware, state.executor,
-                                  state.certify)
-    state._print(state.planned.summary())
-    state.peaks = PeakCheck(state.planned)
-    plan = state.planned.plan
-    if state.executor == "export":
-        state._runner = PlanExport(plan, graph, model)
-    else:
-        state._runner = apply(plan, graph, model, accumulate=True)
-
-
-def _hardware(hardware: object) -> Any:
-    from slackswap.hardware import Hardware, load_preset
-    from slackswap.integrations.planning import DEFAULT_HARDWARE
-
-    return hardware if isinstance(hardware, Hardware) else load_preset(hardware or DEFAULT_HARDWARE)
-
-
-def _step(trainer: Any, state: PlannedTrainer, model: torch.nn.Module, inputs: Mapping[str, Any],
+def _step(trainer: Any, planned: PlannedStep, model: torch.nn.Module, inputs: Mapping[str, Any],
           num_items_in_batch: object = None) -> torch.Tensor:
     """`Trainer.training_step` under the plan: forward, the trainer's loss arithmetic, backward."""
     model.train()
@@ -191,35 +130,15 @@ def _step(trainer: Any, state: PlannedTrainer, model: torch.nn.Module, inputs: M
     inputs = trainer._prepare_inputs(inputs)
     call = _model_call(trainer, model, inputs, num_items_in_batch)
     finish = _finish(trainer, model, inputs, num_items_in_batch)
-    if state._runner is None:
-        _make_plan(trainer, state, model, call, finish)
-    runner = state._runner
-    verify = state.executor == "runtime" and state.steps < state.verify_steps
-    if state.executor == "runtime":
-        runner.verify = verify
-        context = runner
-    else:
-        context = runner.installed(model)
-    on_cuda = any(p.is_cuda for p in model.parameters())
-    t0 = time.perf_counter()
-    with context, trainer.compute_loss_context_manager():
-        loss = finish(model(**call))
-        loss.backward()
-    if on_cuda:
-        torch.cuda.synchronize()
-    step_s = time.perf_counter() - t0
-    state.steps += 1
-    if verify and runner.report.verified:
-        figures = state.peaks.observe(runner.report.device_peak_bytes)
-        figures.update({"slackswap/step_s": step_s, "slackswap/predicted_step_s": state.planned.predicted_step_s})
-        state.logged.append(dict(figures))
+    loss, figures = planned.run(model, call, finish, trainer.compute_loss_context_manager)
+    if figures is not None:
         trainer.log(dict(figures))
     return loss.detach()
 
 
 def plan_for(trainer: Any, budget: object = 0.5, *, planner: str = "slackswap", hardware: object = None,
              executor: str = "runtime", verify_steps: int = 1, certify: bool = False,
-             plan: StepPlan | None = None, printer: Callable[[str], None] = print) -> PlannedTrainer:
+             plan: StepPlan | None = None, printer: Callable[[str], None] = print) -> PlannedStep:
     """Run every training step of `trainer` under a plan of its model's step within `budget`.
 
     `budget`: a fraction of the keep-all activation peak (float in (0, 1]), bytes (int), "device" or a
@@ -231,9 +150,7 @@ def plan_for(trainer: Any, budget: object = 0.5, *, planner: str = "slackswap", 
     `plan`: a `StepPlan` made before (by an earlier `plan_for`): refused at the first step if it was
     made for another model or batch shape."""
     check_trainer(trainer, executor)
-    if isinstance(verify_steps, bool) or not isinstance(verify_steps, int) or verify_steps < 1:
-        raise IntegrationError("verify_steps", verify_steps, "must be a positive integer")
-    state = PlannedTrainer(budget, planner, hardware, executor, verify_steps, certify, planned=plan, _print=printer)
+    state = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer)
 
     def training_step(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in_batch: object = None):
         return _step(trainer, state, model, inputs, num_items_in_batch)

@@ -14,7 +14,7 @@ device's link (what the runtime's ledger measures) and the step time and gap on 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -61,15 +61,22 @@ def called_with_keywords(model: torch.nn.Module, keys: tuple[str, ...]) -> Itera
             model.forward = own
 
 
-def capture_step(model: torch.nn.Module, call: Mapping[str, object], finish: Callable[[object], torch.Tensor],
-                 hardware: Hardware, name: str) -> Graph:
-    """The graph of one step: `finish(model(**call)).backward()`, captured (RNG and gradients left as
-    they were, `capture_graph`)."""
+def capture_step(model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
+                 finish: Callable[[object], torch.Tensor], hardware: Hardware, name: str) -> Graph:
+    """The graph of one step: `finish(model(**call)).backward()` (`model(*call)` for a sequence),
+    captured (RNG and gradients left as they were, `capture_graph`)."""
     from slackswap.runtime import capture_graph
 
+    if not isinstance(call, Mapping):
+        return capture_graph(model, list(call), finish, hardware, name=name)
     keys = tuple(call)
     with called_with_keywords(model, keys):
         return capture_graph(model, [call[k] for k in keys], finish, hardware, name=name)
+
+
+def hardware_of(hardware: Hardware | str | None) -> Hardware:
+    """A `Hardware`, a preset's name (conf/hardware/), or None for `DEFAULT_HARDWARE`."""
+    return hardware if isinstance(hardware, Hardware) else load_preset(hardware or DEFAULT_HARDWARE)
 
 
 def resolve_budget(budget: object, keep_all_peak_bytes: int, model: torch.nn.Module) -> int:
@@ -142,8 +149,7 @@ def plan_step(graph: Graph, model: torch.nn.Module, budget: object, planner: str
 
     if executor not in EXECUTORS:
         raise IntegrationError("executor", executor, f"must be one of {', '.join(EXECUTORS)}")
-    if not isinstance(hardware, Hardware):
-        hardware = load_preset(hardware or DEFAULT_HARDWARE)
+    hardware = hardware_of(hardware)
     keep_all = simulate_ideal(graph, hardware).peak_activation_bytes
     budget_bytes = resolve_budget(budget, keep_all, model)
     chosen = get_planner(planner)
