@@ -52,6 +52,7 @@ class PlannedStep:
     logged: list[dict[str, float]] = field(default_factory=list)
     steps: int = 0
     _runner: Any = None
+    _context: Any = None
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -85,33 +86,57 @@ class PlannedStep:
         else:
             self._runner = apply(self.planned.plan, graph, model, accumulate=True)
 
+    def enter(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
+              finish: Callable[[object], torch.Tensor]) -> None:
+        """Start one step under the plan (planning it first at the first step); `exit` ends it. For a
+        trainer whose step starts and ends in two different hooks (Lightning)."""
+        if self._runner is None:
+            self.prepare(model, call, finish)
+        runner = self._runner
+        self._verify = self.executor == "runtime" and self.steps < self.verify_steps
+        if self.executor == "runtime":
+            runner.verify = self._verify
+            self._context = runner
+        else:
+            self._context = runner.installed(model)
+        self._on_cuda = any(p.is_cuda for p in model.parameters())
+        self._context.__enter__()
+        self._t0 = time.perf_counter()
+
+    def exit(self, exc_type: type | None = None, exc: BaseException | None = None,
+             tb: object = None) -> dict[str, float] | None:
+        """End the step `enter` started; for a verified step, its figures (measured and predicted
+        peak, budget, step time)."""
+        context, self._context = self._context, None
+        context.__exit__(exc_type, exc, tb)
+        if self._on_cuda:
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - self._t0
+        self.steps += 1
+        if exc_type is not None or not (self._verify and self._runner.report.verified):
+            return None
+        figures = self.peaks.observe(self._runner.report.device_peak_bytes)
+        figures.update({"slackswap/step_s": step_s, "slackswap/predicted_step_s": self.planned.predicted_step_s})
+        self.logged.append(dict(figures))
+        return figures
+
+    @property
+    def active(self) -> bool:
+        """Between `enter` and `exit`."""
+        return self._context is not None
+
     def run(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
             finish: Callable[[object], torch.Tensor],
             around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
             ) -> tuple[torch.Tensor, dict[str, float] | None]:
         """`finish(model(call)).backward()` under the plan (`around()` entered inside it: a trainer's
         autocast); returns the tensor backward ran from and, for a verified step, its figures."""
-        if self._runner is None:
-            self.prepare(model, call, finish)
-        runner = self._runner
-        verify = self.executor == "runtime" and self.steps < self.verify_steps
-        if self.executor == "runtime":
-            runner.verify = verify
-            context = runner
-        else:
-            context = runner.installed(model)
-        on_cuda = any(p.is_cuda for p in model.parameters())
-        t0 = time.perf_counter()
-        with context, around():
-            loss = finish(model(**call) if isinstance(call, Mapping) else model(*call))
-            loss.backward()
-        if on_cuda:
-            torch.cuda.synchronize()
-        step_s = time.perf_counter() - t0
-        self.steps += 1
-        if not (verify and runner.report.verified):
-            return loss, None
-        figures = self.peaks.observe(runner.report.device_peak_bytes)
-        figures.update({"slackswap/step_s": step_s, "slackswap/predicted_step_s": self.planned.predicted_step_s})
-        self.logged.append(dict(figures))
-        return loss, figures
+        self.enter(model, call, finish)
+        try:
+            with around():
+                loss = finish(model(**call) if isinstance(call, Mapping) else model(*call))
+                loss.backward()
+        except BaseException as failure:
+            self.exit(type(failure), failure, failure.__traceback__)
+            raise
+        return loss, self.exit()
