@@ -144,6 +144,14 @@ def test_the_example_runs_and_prints_the_certified_gap(capsys) -> None:
     assert gap >= 0.0  # the milp bound is a lower bound on every plan's step, slackswap's included
 
 
+@pytest.mark.slow
+def test_the_example_runs_t5(capsys) -> None:
+    ex["main"](["--model", "t5", "--budget", "0.6", "--steps", "1"])
+    out = capsys.readouterr().out
+    peaks = re.search(r"t5: 1 steps, .*measured peak \[(\d+)\] B, predicted (\d+) B, budget (\d+) B", out)
+    assert peaks and int(peaks.group(1)) == int(peaks.group(2)) <= int(peaks.group(3))
+
+
 def test_a_compute_loss_that_calls_the_model_twice_is_refused(tmp_path) -> None:
     trainer = ex["make_trainer"]("llama", str(tmp_path))
 
