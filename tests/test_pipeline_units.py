@@ -213,7 +213,7 @@ def test_aggregate_without_records_fails_loudly(tmp_path) -> None:
 
 
 # The library's parts behind the `torch` extra (pyproject.toml): everything else imports without torch.
-TORCH_PACKAGES = ("slackswap.runtime", "slackswap.profile.torch")
+TORCH_PACKAGES = ("slackswap.runtime", "slackswap.profile.torch", "slackswap.integrations")
 
 # Prints the sorted names of slackswap's modules, found on disk (walk_packages would import the torch
 # packages' __init__ to look inside them), leaving out TORCH_PACKAGES when argv[1] is "core".

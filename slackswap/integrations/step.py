@@ -1,0 +1,142 @@
+"""One planned training step per micro-batch, for any trainer's loop (imports torch).
+
+A trainer integration knows two things about its loop: the model call it makes (`call`: keywords, or
+positional arguments) and its arithmetic from the model's outputs to the tensor it calls `backward()`
+on (`finish`). `PlannedStep` does the rest: at its first step it captures that step and plans it (or
+checks a plan made before against it), prints the plan's summary, and from then on runs each step
+under the runtime (`apply(..., accumulate=True)`: micro-batches add to the gradients as plain PyTorch
+does) or inside the export; the first `verify_steps` steps run verified and return their measured
+peak beside the prediction (`PeakCheck`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slackswap.integrations.planning import (
+    EXECUTORS,
+    IntegrationError,
+    PeakCheck,
+    StepPlan,
+    capture_step,
+    hardware_of,
+    plan_step,
+)
+from slackswap.runtime.capture import input_signature, model_signature
+
+
+def _values(call: Mapping[str, object] | Sequence[object]) -> list[object]:
+    return list(call.values()) if isinstance(call, Mapping) else list(call)
+
+
+@dataclass
+class PlannedStep:
+    """The plan of a trainer's step (made at the first step) and each verified step's figures."""
+
+    budget: object
+    planner: str = "slackswap"
+    hardware: object = None
+    executor: str = "runtime"
+    verify_steps: int = 1
+    certify: bool = False
+    planned: StepPlan | None = None
+    printer: Callable[[str], None] = print
+    peaks: PeakCheck | None = None
+    #: One dict per verified step: predicted and measured peak, budget, step time.
+    logged: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+    _runner: Any = None
+    _context: Any = None
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise IntegrationError("executor", self.executor, f"must be one of {', '.join(EXECUTORS)}")
+        v = self.verify_steps
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise IntegrationError("verify_steps", v, "must be a positive integer")
+
+    def prepare(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
+                finish: Callable[[object], torch.Tensor]) -> None:
+        """Capture and plan the step (or check the plan given against this model and call)."""
+        from slackswap.runtime import apply
+        from slackswap.runtime.export import PlanExport
+
+        signature = input_signature(_values(call))
+        if self.planned is not None:
+            graph = self.planned.graph
+            for key, now in (("model_signature", model_signature(model)), ("input_signature", signature)):
+                if graph.meta.get(key) != now:
+                    raise IntegrationError(f"plan.graph.meta[{key!r}]", graph.meta.get(key),
+                                           f"the plan was made for another {key.split('_')[0]}: this run has {now}")
+        else:
+            shape = "x".join(str(d) for d in signature[0][0]) if signature else "()"
+            graph = capture_step(model, call, finish, hardware_of(self.hardware), f"{type(model).__name__}@{shape}")
+            self.planned = plan_step(graph, model, self.budget, self.planner, self.hardware, self.executor,
+                                     self.certify)
+        self.printer(self.planned.summary())
+        self.peaks = PeakCheck(self.planned)
+        if self.executor == "export":
+            self._runner = PlanExport(self.planned.plan, graph, model)
+        else:
+            self._runner = apply(self.planned.plan, graph, model, accumulate=True)
+
+    def enter(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
+              finish: Callable[[object], torch.Tensor]) -> None:
+        """Start one step under the plan (planning it first at the first step); `exit` ends it. For a
+        trainer whose step starts and ends in two different hooks (Lightning)."""
+        if self._runner is None:
+            self.prepare(model, call, finish)
+        runner = self._runner
+        self._verify = self.executor == "runtime" and self.steps < self.verify_steps
+        if self.executor == "runtime":
+            runner.verify = self._verify
+            self._context = runner
+        else:
+            self._context = runner.installed(model)
+        self._on_cuda = any(p.is_cuda for p in model.parameters())
+        self._context.__enter__()
+        self._t0 = time.perf_counter()
+
+    def exit(self, exc_type: type | None = None, exc: BaseException | None = None,
+             tb: object = None) -> dict[str, float] | None:
+        """End the step `enter` started; for a verified step, its figures (measured and predicted
+        peak, budget, step time)."""
+        context, self._context = self._context, None
+        context.__exit__(exc_type, exc, tb)
+        if self._on_cuda:
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - self._t0
+        self.steps += 1
+        if exc_type is not None or not (self._verify and self._runner.report.verified):
+            return None
+        figures = self.peaks.observe(self._runner.report.device_peak_bytes)
+        figures.update({"slackswap/step_s": step_s, "slackswap/predicted_step_s": self.planned.predicted_step_s})
+        self.logged.append(dict(figures))
+        return figures
+
+    @property
+    def active(self) -> bool:
+        """Between `enter` and `exit`."""
+        return self._context is not None
+
+    def run(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
+            finish: Callable[[object], torch.Tensor],
+            around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+            ) -> tuple[torch.Tensor, dict[str, float] | None]:
+        """`finish(model(call)).backward()` under the plan (`around()` entered inside it: a trainer's
+        autocast); returns the tensor backward ran from and, for a verified step, its figures."""
+        self.enter(model, call, finish)
+        try:
+            with around():
+                loss = finish(model(**call) if isinstance(call, Mapping) else model(*call))
+                loss.backward()
+        except BaseException as failure:
+            self.exit(type(failure), failure, failure.__traceback__)
+            raise
+        return loss, self.exit()

@@ -1,0 +1,72 @@
+"""The plan in a hand-written Accelerate loop (slackswap.integrations.accelerate, docs/integrations.md):
+three optimizer steps of the example's Llama-like decoder (examples/hf_trainer.py), plain and with
+`step = plan_for(accelerator, model, budget=...)`: losses and every gradient equal bit for bit, the
+first step's measured peak equal to the predicted one and within the budget."""
+
+from __future__ import annotations
+
+import runpy
+
+import pytest
+
+from pipelines.schemas import REPO_ROOT
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra()
+require_torch_extra("transformers")
+accelerate = require_torch_extra("accelerate")
+
+from slackswap.integrations.accelerate import plan_for  # noqa: E402
+from slackswap.integrations.planning import IntegrationError  # noqa: E402
+
+ex = runpy.run_path(str(REPO_ROOT / "examples" / "hf_trainer.py"))
+
+
+def _loop(planned: dict | None, steps: int = 3, accumulation: int = 1):
+    """`steps` optimizer steps of the Llama-like decoder on batches of 2 rows; the losses, the
+    gradients each step's optimizer gets, and the plan."""
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = ex["tiny_model"]("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+    rows = ex["tiny_dataset"]("llama", 2 * steps * accumulation)
+    batches = [{k: torch.stack([r[k] for r in rows[i:i + 2]]) for k in rows[0]} for i in range(0, len(rows), 2)]
+    step = plan_for(accelerator, model, printer=lambda _: None, **planned) if planned is not None else None
+    losses, grads = [], []
+    for batch in batches:
+        with accelerator.accumulate(model):
+            if step is None:
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+            else:
+                loss = step(batch)
+            losses.append(loss.detach().clone())
+            if accelerator.sync_gradients:
+                grads.append([p.grad.detach().clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, grads, step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_an_accelerate_loop_under_the_plan_is_bit_exact_within_budget(accumulation) -> None:
+    plain = _loop(None, accumulation=accumulation)
+    losses, grads, step = _loop({"budget": 0.5}, accumulation=accumulation)
+    assert len(losses) == len(plain[0]) == 3 * accumulation
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], losses, strict=True))
+    assert len(grads) == len(plain[1]) == 3
+    for a, b in zip(plain[1], grads, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    p = step.planned.planned
+    assert len(step.planned.logged) == 1
+    assert step.planned.logged[0]["slackswap/measured_peak_bytes"] == p.predicted_peak_bytes <= p.budget_bytes
+    assert p.budget_bytes < p.keep_all_peak_bytes
+
+
+def test_a_batch_of_another_kind_is_one_line() -> None:
+    accelerator = accelerate.Accelerator(cpu=True)
+    step = plan_for(accelerator, ex["tiny_model"]("llama"))
+    with pytest.raises(IntegrationError, match=r"^batch='str': must be a mapping"):
+        step("tokens")

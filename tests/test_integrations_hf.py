@@ -1,0 +1,166 @@
+"""The plan inside the Hugging Face Trainer (slackswap.integrations.hf, docs/integrations.md).
+
+Three Trainer steps on the example's random-weight Llama-like decoder and T5 (examples/hf_trainer.py),
+without and with `plan_for`: the logged losses and every gradient the optimizer steps on equal bit for
+bit, and the first step's measured peak (the runtime's ledger) equals the predicted one and is within
+the budget. The conflicting settings are refused before any step runs."""
+
+from __future__ import annotations
+
+import re
+import runpy
+
+import pytest
+
+from pipelines.schemas import REPO_ROOT
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra()
+require_torch_extra("transformers")
+require_torch_extra("accelerate")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from slackswap.integrations.hf import plan_for  # noqa: E402
+from slackswap.integrations.planning import IntegrationError  # noqa: E402
+from slackswap.plan import Decision  # noqa: E402
+
+EXAMPLE = REPO_ROOT / "examples" / "hf_trainer.py"
+ex = runpy.run_path(str(EXAMPLE))
+
+
+class Grads(TrainerCallback):
+    """Every gradient the optimizer is about to step on."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs) -> None:
+        self.steps.append([p.grad.detach().clone() for p in model.parameters()])
+
+
+def _train(kind: str, tmp_path, plan: dict | None, steps: int = 3, accumulation: int = 1):
+    grads = Grads()
+    trainer = ex["make_trainer"](kind, str(tmp_path / ("plan" if plan else "plain")), steps, accumulation, [grads])
+    lines: list[str] = []
+    planned = plan_for(trainer, printer=lines.append, **plan) if plan is not None else None
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, grads.steps, planned, lines, trainer
+
+
+def _assert_same_training(plain, planned) -> None:
+    assert len(plain[0]) == len(planned[0]) > 0
+    assert plain[0] == planned[0]
+    assert len(plain[1]) == len(planned[1]) > 0
+    for a, b in zip(plain[1], planned[1], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _assert_predicted_and_within_budget(state, lines) -> None:
+    p = state.planned
+    assert p is not None and any(d != Decision.KEEP for d in p.plan.decisions.values())
+    assert len(state.logged) == 1
+    figures = state.logged[0]
+    assert figures["slackswap/measured_peak_bytes"] == p.predicted_peak_bytes <= p.budget_bytes
+    assert figures["slackswap/within_budget"] == 1.0
+    assert p.budget_bytes < p.keep_all_peak_bytes
+    assert len(lines) == 1 and f"predicted peak {p.predicted_peak_bytes} B" in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "budget"), [("llama", 0.5), ("t5", 0.6)])
+def test_three_trainer_steps_under_the_plan_are_bit_exact_within_budget(kind, budget, tmp_path) -> None:
+    plain = _train(kind, tmp_path, None)
+    planned = _train(kind, tmp_path, {"budget": budget})
+    _assert_same_training(plain, planned)
+    _assert_predicted_and_within_budget(planned[2], planned[3])
+    # the trainer's own log has the prediction and the measurement of the verified step
+    logged = [h for h in planned[4].state.log_history if "slackswap/measured_peak_bytes" in h]
+    assert len(logged) == 1 and logged[0]["slackswap/predicted_peak_bytes"] == planned[2].planned.predicted_peak_bytes
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_under_the_plan_is_bit_exact(tmp_path) -> None:
+    plain = _train("llama", tmp_path, None, steps=2, accumulation=2)
+    planned = _train("llama", tmp_path, {"budget": 0.5}, steps=2, accumulation=2)
+    _assert_same_training(plain, planned)
+    assert planned[2].steps == 4  # one planned step per micro-batch
+
+
+@pytest.mark.slow
+def test_the_export_runs_the_trainer_steps_bit_exact(tmp_path) -> None:
+    plain = _train("llama", tmp_path, None)
+    planned = _train("llama", tmp_path, {"budget": 0.7, "executor": "export"})
+    _assert_same_training(plain, planned)
+    assert planned[2].planned.plan.notes.get("export_executor") == "eager"
+
+
+@pytest.mark.parametrize("setting", ["activation_checkpointing", "gradient_checkpointing"])
+def test_hf_gradient_checkpointing_is_refused_before_training(setting, tmp_path) -> None:
+    """transformers 5's name and its deprecated alias (gradient_checkpointing) alike."""
+    trainer = ex["make_trainer"]("llama", str(tmp_path), **{setting: True})
+    with pytest.raises(IntegrationError, match=r"^TrainingArguments.activation_checkpointing=True: .*set it to False"):
+        plan_for(trainer, budget=0.5)
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("executor", "compiled", r"^executor='compiled': must be one of runtime, export"),
+    ("verify_steps", 0, r"^verify_steps=0: must be a positive integer"),
+])  # fmt: skip
+def test_bad_arguments_are_one_line(field, value, match, tmp_path) -> None:
+    trainer = ex["make_trainer"]("llama", str(tmp_path))
+    with pytest.raises(IntegrationError, match=match):
+        plan_for(trainer, **{field: value})
+
+
+@pytest.mark.slow
+def test_a_budget_the_model_cannot_meet_stops_before_the_first_step(tmp_path) -> None:
+    trainer = ex["make_trainer"]("llama", str(tmp_path))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    plan_for(trainer, budget=0.1, printer=lambda _: None)
+    with pytest.raises(IntegrationError, match=r"^budget=0.1: \d+ B cannot be met by slackswap"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+@pytest.mark.slow
+def test_a_plan_made_for_another_batch_shape_is_refused(tmp_path) -> None:
+    made = _train("llama", tmp_path, {"budget": 0.5}, steps=1)[2].planned
+    trainer = ex["make_trainer"]("llama", str(tmp_path / "other"), batch=1)
+    plan_for(trainer, plan=made, printer=lambda _: None)
+    with pytest.raises(IntegrationError, match=r"^plan.graph.meta\['input_signature'\]=.*another input"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.slow
+def test_the_example_runs_and_prints_the_certified_gap(capsys) -> None:
+    ex["main"](["--steps", "1", "--certify"])
+    out = capsys.readouterr().out
+    assert "slackswap: slackswap plan (runtime)" in out and "llama: 1 steps" in out
+    gap = float(re.search(r"certified gap (-?[\d.]+) %", out).group(1))
+    assert gap >= 0.0  # the milp bound is a lower bound on every plan's step, slackswap's included
+
+
+@pytest.mark.slow
+def test_the_example_runs_t5(capsys) -> None:
+    ex["main"](["--model", "t5", "--budget", "0.6", "--steps", "1"])
+    out = capsys.readouterr().out
+    peaks = re.search(r"t5: 1 steps, .*measured peak \[(\d+)\] B, predicted (\d+) B, budget (\d+) B", out)
+    assert peaks and int(peaks.group(1)) == int(peaks.group(2)) <= int(peaks.group(3))
+
+
+def test_a_compute_loss_that_calls_the_model_twice_is_refused(tmp_path) -> None:
+    trainer = ex["make_trainer"]("llama", str(tmp_path))
+
+    def twice(model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss + model(**inputs).loss
+
+    trainer.compute_loss = twice
+    plan_for(trainer, budget=0.5, printer=lambda _: None)
+    with pytest.raises(IntegrationError, match=r"^compute_loss='a second model call'"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert "forward" not in trainer.model.__dict__  # the capture's keyword call undone
