@@ -22,7 +22,7 @@ from tests.extras import require_torch_extra
 torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
-from benchmarks.zoo import Arch, compare  # noqa: E402
+from benchmarks.zoo import Arch, compare, step  # noqa: E402
 from slackswap.graph import REWRITTEN_KEY  # noqa: E402
 from slackswap.plan import StepKind  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
@@ -95,3 +95,23 @@ def test_hf_in_place_writes_run_exact_or_are_infeasible(name: str, planner: str)
     cell = arch(name).cell(planner, 0.7, "runtime")
     assert cell == "exact" or cell.startswith("infeasible"), cell
 
+
+def test_recomputing_a_batch_norm_updates_its_running_statistics_once() -> None:
+    """Item 6: module state is training state. The recompute replays BatchNorm into scratch statistics,
+    on the verified step and on the hook-only steps after it (two steps each, against two plain ones)."""
+    import copy
+
+    from slackswap.runtime import apply
+
+    a = arch("resnet_bn")
+    plan = get_planner("full_recompute").plan(a.graph, a.hardware, int(a.peak * 0.7))
+    assert sum(s.kind == StepKind.RECOMPUTE and "batch_norm" in s.op for s in plan.steps) >= 4
+    plain, planned = copy.deepcopy(a.pristine), copy.deepcopy(a.pristine)
+    run = apply(plan, a.graph, planned)
+    for _ in range(2):
+        assert compare(step(a.w, plain), step(a.w, planned, run)) == "exact"
+    assert not run.report.verified  # the second step ran on the hooks alone
+    stats = dict(planned.named_buffers())
+    assert all(int(v) == 2 for k, v in stats.items() if k.endswith("num_batches_tracked"))
+    for k, v in plain.named_buffers():
+        assert torch.equal(v, stats[k]), k

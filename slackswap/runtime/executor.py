@@ -43,7 +43,7 @@ from slackswap.runtime.hook_program import OFFLOAD, PREFETCH, RECOMPUTE, RELEASE
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
 from slackswap.runtime.recording import InputRef, PackRecord, Recording, TensorRef, _Member
-from slackswap.runtime.replay_check import WriteCounts
+from slackswap.runtime.replay_check import WriteCounts, scratch_state
 from slackswap.schedule.validate import resolve_schedule
 
 
@@ -559,6 +559,7 @@ class PlanRun(TorchDispatchMode):
                         if rng[1] is not None:
                             torch.cuda.set_rng_state(rng[1])
                     args, kwargs = tree_map(resolve, m.spec, is_leaf=lambda x: isinstance(x, (TensorRef, InputRef)))
+                    args = scratch_state(m.func, m.spec[0], args, lambda x: isinstance(x, TensorRef))
                     leaves = tree_leaves(m.func(*args, **kwargs))
                     for index, name in m.fresh:
                         env[name] = _whole(leaves[index])
