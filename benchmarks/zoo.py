@@ -48,6 +48,8 @@ HARDWARE = "a100_80gb_pcie4"
 #: same candidacy rule wraps it, `--planners milp` runs it).
 DEFAULT_PLANNERS = tuple(p for p in available_planners() if p != "milp")
 _REFUSALS = (PlanMismatchError, InexactRecomputeError)
+#: Characters of a refusal's or infeasibility's reason kept in the saved matrix (printed in full).
+REASON_CHARS = 100
 
 
 def _short(exc: BaseException, limit: int = 240) -> str:
@@ -175,6 +177,18 @@ def run(models, planners, fractions, executors, log=print) -> dict:
             "fractions": list(fractions), "executors": list(executors), "summary": summary, "cells": rows}
 
 
+def _compact(result: dict) -> str:
+    """The result as JSON with the cells nested model -> planner -> "<percent> <executor>" -> cell (each
+    reason cut to `REASON_CHARS`), one model per line: the file stays small enough to read in a diff."""
+    matrix: dict[str, dict[str, dict[str, str]]] = {}
+    for r in result["cells"]:
+        cell = r["cell"] if len(r["cell"]) <= REASON_CHARS else r["cell"][:REASON_CHARS] + "..."
+        matrix.setdefault(r["model"], {}).setdefault(r["planner"], {})[f"{r['fraction']:.0%} {r['executor']}"] = cell
+    head = {k: v for k, v in result.items() if k != "cells"}
+    lines = [f"  {json.dumps(m)}: {json.dumps(row, separators=(',', ':'))}" for m, row in matrix.items()]
+    return json.dumps(head, indent=1)[:-2] + ',\n "matrix": {\n' + ",\n".join(lines) + "\n }\n}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(FACTORIES))
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.models, args.planners, args.fractions, args.executors)
     print(json.dumps(result["summary"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(_compact(result))
     print(f"wrote {args.out}")
     failures = sum(kind(r["cell"]) in ("different", "crash") for r in result["cells"])
     return 1 if failures else 0

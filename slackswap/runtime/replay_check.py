@@ -23,6 +23,7 @@ state) is refused in the verified step (and the capture marks its outputs not re
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections import Counter
 
@@ -57,7 +58,10 @@ def model_line() -> str:
     return "<unknown line>"
 
 
+@functools.cache
 def _written(func: torch._ops.OpOverload) -> tuple[int, ...]:
+    """Arguments `func` writes: its schema's, and a batch norm's running statistics (once per overload:
+    a hook-only step's replay asks per recomputed call)."""
     from slackswap.runtime.op_numbering import writes_into
 
     extra = STATE_WRITES.get(func._overloadpacket.__name__, ())

@@ -50,6 +50,7 @@ def _hf(config_name: str, auto: str = "AutoModelForCausalLM", call=None, **confi
         import transformers
 
         cfg = getattr(transformers, config_name)(**config)
+        cfg.use_cache = False  # a recomputed layer must not append to a key/value cache again
         torch.manual_seed(seed)
         model = getattr(transformers, auto).from_config(cfg, attn_implementation="eager")
         model.train()
@@ -79,12 +80,12 @@ def _vit(seed: int) -> Workload:
     import transformers
 
     cfg = transformers.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                 intermediate_size=2 * HIDDEN, image_size=16, patch_size=4, num_labels=8)
+                                 intermediate_size=2 * HIDDEN, image_size=32, patch_size=4, num_labels=8)
     torch.manual_seed(seed)
     model = transformers.ViTForImageClassification(cfg)
     model.train()
     gen = torch.Generator().manual_seed(seed)
-    images = torch.randn(BATCH, 3, 16, 16, generator=gen)
+    images = torch.randn(BATCH, 3, 32, 32, generator=gen)
     labels = torch.randint(0, 8, (BATCH,), generator=gen)
     net = _Logits(model, lambda m, x: m(pixel_values=x).logits)
     return Workload("vit", net, images, lambda out: nn.functional.cross_entropy(out, labels), 8)
