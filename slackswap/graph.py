@@ -96,6 +96,12 @@ NO_LAYER = -1
 #: the default generator is this state, 16 bytes).
 RNG_STATE_BYTES = 16
 
+#: Graph meta of a captured graph (`slackswap.runtime.capture`): forward tensor -> [the op that writes it
+#: in place after its producer, the model line], and forward op -> [module state it writes in place, the
+#: line]; what `slackswap.planners.support.replay_rule` reads (a recompute replays the producer only).
+REWRITTEN_KEY = "rewritten_in_place"
+STATE_KEY = "writes_module_state"
+
 #: Phase order `check_graph` enforces: forward and loss ops, then backward, then optimizer.
 _PHASE_RANK = {Phase.FORWARD: 0, Phase.LOSS: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
 

@@ -4,6 +4,10 @@ Planner modules register themselves with `@register_planner("name")`. `get_plann
 `available_planners` first import every module of `slackswap.planners.strategies` (discovered, not
 listed) and the MILP planner, so a name works no matter which modules the caller imported, and
 adding a planner needs no edit here.
+
+Registering a planner also puts its `plan` under the replay rule
+(`slackswap.planners.support.replay_rule`): no planner offers a recompute that cannot yield the tensor
+autograd saved, and every planner reads the same rule.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 
 from slackswap.errors import ConfigError
 from slackswap.planners.base import Planner
+from slackswap.planners.support.replay_rule import ruled_plan
 
 #: Planner modules outside the strategies package.
 _OTHER_MODULES: tuple[str, ...] = ("slackswap.planners.milp.planner",)
@@ -28,6 +33,7 @@ def register_planner(name: str) -> Callable[[type], type]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ConfigError("planner.name", name, f"is registered twice ({_REGISTRY[name]} and {cls})")
         _REGISTRY[name] = cls
+        cls.plan = ruled_plan(cls.plan)
         return cls
 
     return decorate

@@ -20,10 +20,21 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
+from slackswap.graph import (
+    FORWARD_PHASES,
+    NO_LAYER,
+    REWRITTEN_KEY,
+    STATE_KEY,
+    Graph,
+    Op,
+    OpClass,
+    Phase,
+    Tensor,
+)
 from slackswap.hardware import Hardware
 from slackswap.profile.torch.identity import StorageIdentities
-from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering, writes_into
+from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS, model_line
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
@@ -73,6 +84,10 @@ class _Recorder(TorchDispatchMode):
         #: The stand-ins autograd unpacked (tensor name, weak reference): a backward node holds what it
         #: unpacked until it finishes, which may be several ops after the one that reads it first.
         self.unpacked: list[tuple[str, StorageWeakRef]] = []
+        #: Forward in-place writes a replay of the producer does not redo (`replay_rule`): graph tensor
+        #: -> [writing op, model line]; and op -> [module state it writes, model line].
+        self.rewritten: dict[str, list[str]] = {}
+        self.state_writes: dict[str, list[str]] = {}
 
     def poll_releases(self) -> None:
         """Storages that died since the last new op were released after it; a stand-in released
@@ -94,11 +109,28 @@ class _Recorder(TorchDispatchMode):
                     self.tensors[name]["consumers"].append(last)
             self.unpacked = alive
 
+    def _note_writes(self, func, args: tuple, begin) -> None:
+        """Record a forward in-place write that a recompute of its target's producer would not replay:
+        into a graph tensor of an earlier op, or into module state (a buffer) other than the
+        running statistics of a batch norm, which the runtime replays into scratch
+        (`slackswap.runtime.replay_check`)."""
+        for i in writes_into(func):
+            t = args[i] if i < len(args) else None
+            if not isinstance(t, torch.Tensor):
+                continue
+            name = self.numbering.name_of(t)
+            if name is not None and begin.new_op and name not in self.rewritten:
+                self.rewritten[name] = [begin.op, model_line()]
+            elif name is None and func._overloadpacket.__name__ not in REPLAYABLE_STATE_WRITERS:
+                self.state_writes.setdefault(begin.op, [f"argument {i} of {func}", model_line()])
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         begin = self.numbering.begin(func, args, kwargs)
         if begin.new_op:
             self.poll_releases()
+        if self.phase != Phase.BACKWARD and writes_into(func):
+            self._note_writes(func, args, begin)
         out = func(*args, **kwargs)
         fresh = self.numbering.end(func, out)
         if begin.new_op:
@@ -286,6 +318,8 @@ def capture_graph(
         "packed_never_read": never_read,
         "weight_bytes_from_params": sum(p.numel() * p.element_size() for p in model.parameters()),
         "hardware": hardware.name,
+        **({REWRITTEN_KEY: recorder.rewritten} if recorder.rewritten else {}),
+        **({STATE_KEY: recorder.state_writes} if recorder.state_writes else {}),
     }
     weight_bytes = int(meta["weight_bytes_from_params"])
     return Graph(name=name, ops=ops, tensors=tensors, num_layers=max(len(layers), 1),

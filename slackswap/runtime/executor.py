@@ -42,78 +42,13 @@ from slackswap.runtime.copy_engines import (
 from slackswap.runtime.hook_program import OFFLOAD, PREFETCH, RECOMPUTE, RELEASE, HookProgram, build_hook_program
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering
+from slackswap.runtime.recording import InputRef, PackRecord, Recording, TensorRef, _Member
+from slackswap.runtime.replay_check import WriteCounts, scratch_state
 from slackswap.schedule.validate import resolve_schedule
 
 
 class PlanMismatchError(SlackSwapError):
     """The plan's graph does not describe the step being run (model, shapes, torch build, plan edits)."""
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A graph tensor as some ATen call saw it: which tensor, and the view it used."""
-
-    name: str
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass(frozen=True)
-class InputRef:
-    """A model input (a forward argument, by flattened position) as a recorded ATen call saw it."""
-
-    index: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass
-class _Member:
-    func: Any
-    spec: Any
-    rng: tuple[torch.Tensor, torch.Tensor | None] | None
-    fresh: list[tuple[int, str]]
-    #: Hook-only steps: the pack event after which the RNG is in the state this random call drew
-    #: from (-1: the model's forward pre-hook); None when another random call came in between.
-    rng_event: int | None = None
-
-
-@dataclass(frozen=True)
-class PackRecord:
-    """The k-th tensor autograd saved in the verified step: what it is and where the plan was."""
-
-    name: str | None
-    shape: torch.Size
-    dtype: torch.dtype
-    decision: Decision | None
-    #: Plan steps before this index had finished when the tensor was packed.
-    position: int
-    #: The view autograd saved (a hook-only step hands the recorded geometry back when it matches).
-    stride: tuple[int, ...] = ()
-    offset: int = 0
-
-
-@dataclass(frozen=True)
-class Recording:
-    """What a verified step (dispatch modes on) tells the later hook-only steps.
-
-    Autograd packs and unpacks saved tensors in the same order on every step of the same code path,
-    so the k-th pack names the k-th recorded tensor (checked by shape and dtype) and the u-th unpack
-    is at the recorded plan position. `refusal` says why hook-only steps cannot run this plan (every
-    step then runs verified)."""
-
-    packs: tuple[PackRecord, ...]
-    #: Per unpack event, in order: the plan position reached, and the tensor name (None: kept or not
-    #: a graph tensor).
-    unpacks: tuple[tuple[int, str | None], ...]
-    members: dict[str, list[_Member]]
-    #: Pack events whose RNG state a recomputed random call needs (-1: the forward pre-hook).
-    rng_events: frozenset[int]
-    refusal: str | None = None
 
 
 class _NoLedger:
@@ -259,6 +194,7 @@ class PlanRun(TorchDispatchMode):
         self._traced_inputs = [(torch.Size(shape), getattr(torch, dtype.removeprefix("torch.")))
                                for shape, dtype in graph.meta.get("input_signature") or []]
         self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
+        self._never_read = frozenset(graph.meta.get("packed_never_read") or ())
         self.copies = copies
         steps = plan.steps
         self.run_step = {s.op: j for j, s in enumerate(steps) if s.kind == StepKind.RUN}
@@ -360,6 +296,7 @@ class PlanRun(TorchDispatchMode):
         #: Per offload: the device of its source (where its prefetches go), for the hook program.
         self._offload_devices: dict[int, torch.device] = {}
         self.internal = False
+        self.versions = WriteCounts()
         if self.copies is None:
             self.copies = self._default_copies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
@@ -472,6 +409,7 @@ class PlanRun(TorchDispatchMode):
             self.members.setdefault(begin.op, []).append(member)
         if random:
             self._random_since_pack = True
+        self.versions.note(func, args, begin.op, begin.new_op, self.numbering.name_of)
         out = func(*args, **kwargs)
         op = self.graph.op_by_name[begin.op]
         for index, name, t in self.numbering.end(func, out):
@@ -491,14 +429,15 @@ class PlanRun(TorchDispatchMode):
                 # (a detach call the graph lacks); made with every mode off, unseen by the identities.
                 with _disable_current_modes():
                     self.held[c] = _whole(t.detach())
-        self.ledger.poll(self.run_step[begin.op])
+        self.ledger.poll(self.current)  # a joined write may belong to an earlier op (`OpNumbering`)
         return out
 
     def _to_spec(self, x: object) -> object:
         if isinstance(x, torch.Tensor):
             name = self.numbering.name_of(x)
             if name is not None:
-                return TensorRef(name, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+                return TensorRef(name, x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset(),
+                                 self.versions.total[name])
         return x
 
     # ----------------------------------------------------------------------------- plan positions
@@ -552,6 +491,7 @@ class PlanRun(TorchDispatchMode):
             c = self.schedule.offload_copy[k]
             source = self.held[c]
             self.hosts[k] = self.copies.offload(source, k)
+            self.versions.offloaded[k] = self.versions.total[self.plan.offloads[k].tensor]
             self._offload_devices[k] = source.device
             self.report.offloads += 1
         for k in self.prefetches_at[bucket]:
@@ -560,6 +500,7 @@ class PlanRun(TorchDispatchMode):
             c = self.schedule.prefetch_copy[k]
             tensor = self.plan.prefetches[k].tensor
             self.held[c] = arriving
+            self.versions.copy[c] = self.versions.offloaded[offload]
             self.current_copy[tensor] = c
             self.ledger.track(arriving.storage if isinstance(arriving, Copy) else arriving.untyped_storage(), c)
             self.report.prefetches += 1
@@ -601,6 +542,9 @@ class PlanRun(TorchDispatchMode):
                 if not self.fast and self.copy_source[c] == "run" and x.name not in self._packed_names:
                     self._refuse(f"plan step {j} ({step.op!r}) reads {x.name!r}, a tensor autograd does not save: "
                                  "no saved-tensor hook hands it over")
+                if not self.fast:
+                    self.versions.check(x.name, x.version, self._copy_version(c, x.name), f"plan step {j} "
+                                        f"recomputes {step.op!r}, which reads")
                 held = self._copy_of(c)
             return _read(held, x.dtype, x.size, x.stride, x.offset)
 
@@ -615,6 +559,7 @@ class PlanRun(TorchDispatchMode):
                         if rng[1] is not None:
                             torch.cuda.set_rng_state(rng[1])
                     args, kwargs = tree_map(resolve, m.spec, is_leaf=lambda x: isinstance(x, (TensorRef, InputRef)))
+                    args = scratch_state(m.func, m.spec[0], args, lambda x: isinstance(x, TensorRef))
                     leaves = tree_leaves(m.func(*args, **kwargs))
                     for index, name in m.fresh:
                         env[name] = _whole(leaves[index])
@@ -624,9 +569,15 @@ class PlanRun(TorchDispatchMode):
         for name, c in zip(step.outputs, self.schedule.step_writes[j], strict=True):
             self.held[c] = env[name]
             self.current_copy[name] = c
+            if not self.fast:
+                self.versions.copy[c] = self.versions.own[name]
             self.ledger.track(env[name].untyped_storage(), c, self.graph.tensors[name].saved)
         self.report.recompute_steps += 1
         self.ledger.poll(j)
+
+    def _copy_version(self, c: int, name: str) -> int:
+        """In-place writes copy `c` of `name` holds: a run copy is the storage (the live count)."""
+        return self.versions.total[name] if self.copy_source[c] == "run" else self.versions.copy.get(c, -2)
 
     # ----------------------------------------------------------------------------- saved tensors
     def _pack(self, t: torch.Tensor) -> object:
@@ -634,6 +585,8 @@ class PlanRun(TorchDispatchMode):
             return t
         name = self.numbering.name_of(t)
         decision = None if name is None else self.plan.decisions.get(name)
+        if decision is None and name in self._never_read:
+            decision = Decision.KEEP  # packed, never unpacked (no gradient reaches its node): as captured
         position = self.pos if self.current is None else self.current + 1
         self._packs.append(PackRecord(name, t.shape, t.dtype, decision, position, tuple(t.stride()),
                                       t.storage_offset()))
@@ -647,7 +600,8 @@ class PlanRun(TorchDispatchMode):
         self._packed_names.add(name)
         if decision == Decision.KEEP:
             return t
-        return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return TensorRef(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                         self.versions.total[name])
 
     def _unpack(self, packed: object) -> torch.Tensor:
         self.numbering.close_op()
@@ -664,6 +618,8 @@ class PlanRun(TorchDispatchMode):
                 f"autograd reads {packed.name!r} before plan step {self.pos} while its current copy is the "
                 f"{source} copy, not a {wanted} copy: the plan places the {wanted} after the reader"
             )
+        self.versions.check(packed.name, packed.version, self._copy_version(c, packed.name),
+                            f"autograd unpacks the {source}")
         held = self._copy_of(c)
         self.internal = True
         try:

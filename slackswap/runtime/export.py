@@ -206,6 +206,8 @@ class _RegionPolicy:
                     self.export.record.applied[n] = CheckpointPolicy.MUST_SAVE
                     self.export.record.in_place.add(n)
                 return CheckpointPolicy.MUST_SAVE
+            if not any(_storage(t) in self.chain or t.requires_grad for t in written):
+                return CheckpointPolicy.MUST_SAVE  # module state (num_batches_tracked += 1): never twice
         leaves = list(tree_leaves(out))
         fresh = fresh_output_flags(func, out)
         #: (identity, index of its output leaf)

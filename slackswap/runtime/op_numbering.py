@@ -10,7 +10,12 @@ a prefetch or run a recompute at the plan's position. `OpNumbering` adds it: eve
 step, in execution order, is one graph op named ``op{k}:{overload}`` (k: the call's sequence number),
 except that an in-place call on a tensor the *current* op produced (CPU dropout's ``empty_like`` ->
 ``bernoulli_`` -> ``div_``) joins that op: the tensor only exists once all of them ran, and a
-recompute must replay all of them. The rule reads schemas and storages, never values, so the same
+recompute must replay all of them. So does an in-place call on the outputs of the latest op that
+created a storage when only calls that created none (views: `matmul`'s `_unsafe_view`) came in
+between: `scores = q @ k.T; scores /= 4.0` is one op, bmm then div_, and a recompute of it yields
+the version every later reader saw. A write after another storage was created is an op of its own,
+and its target cannot be recomputed (`slackswap.planners.support.replay_rule`).
+The rule reads schemas and storages, never values, so the same
 model on the same input shapes with the same torch build numbers the same way in the capture
 (`capture.py`) and in the run (`executor.py`); anything else is a name or size the graph lacks.
 Tensors whose storage no op of the step created (weights, the input batch) are not graph tensors.
@@ -27,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 #: A version tag recorded in every captured graph and checked when a plan is applied; its text is kept
 #: as first written (it names this module by its earlier name), so graphs captured before still match.
-IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/2"
+IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/3"
 
 
 def call_number(op_name: str) -> int:
@@ -84,6 +89,8 @@ class OpNumbering:
         self.calls = 0
         self.current_op: str | None = None
         self.current_outputs: list[str] = []
+        #: The latest op that created a storage and its outputs, while no later op created one.
+        self._storage_op: tuple[str, list[str]] | None = None
         self._by_storage: dict[int, tuple[str, StorageWeakRef]] = {}
 
     def name_of(self, t: torch.Tensor) -> str | None:
@@ -104,6 +111,10 @@ class OpNumbering:
             and bool(targets)
             and all(self.name_of(t) in self.current_outputs for t in targets)
         )
+        if not joins and targets and self._storage_op is not None and self.current_op is not None:
+            op, outputs = self._storage_op
+            if all(self.name_of(t) in outputs for t in targets):
+                self.current_op, self.current_outputs, joins = op, outputs, True
         if not joins:
             self.current_op = f"op{k}:{func}"
             self.current_outputs = []
@@ -128,6 +139,7 @@ class OpNumbering:
             if not name:
                 continue  # the identities saw no new storage here (it aliases an input): not a tensor
             self.current_outputs.append(name)
+            self._storage_op = (self.current_op, self.current_outputs)
             self._by_storage[storage.data_ptr()] = (name, StorageWeakRef(storage))
             fresh.append((i, name, leaf))
         return fresh
@@ -136,3 +148,4 @@ class OpNumbering:
         """No later call may join the current op (used at a backward node boundary)."""
         self.current_op = None
         self.current_outputs = []
+        self._storage_op = None

@@ -1,0 +1,220 @@
+"""The conformance zoo: every architecture x planner x budget x executor, each cell exact, refused or infeasible.
+
+    PYTHONPATH=. python benchmarks/zoo.py                 # all of `slackswap.runtime.zoo.FACTORIES`
+    PYTHONPATH=. python benchmarks/zoo.py --models llama t5 --planners full_recompute --fractions 0.7
+
+Per architecture (`slackswap.runtime.zoo`, tiny shapes, CPU, fp32, seeded random weights) the step is
+captured once (`capture_graph`), and per planner and budget (a fraction of the keep-all peak) the plan
+runs on each executor:
+- `runtime`: `apply(plan, graph, model)`; loss, every gradient and every buffer (BatchNorm's running
+  statistics) compared bit for bit with a plain step of a copy of the same model from the same RNG
+  seed (deterministic kernels);
+- `export`: the plan made for the export (`plan_for_export`) through `PlanExport(...).installed(model)`
+  (eager selective checkpointing), compared the same way.
+A cell is `exact`, `infeasible: <why>` (the planner has no plan within the budget), `refused: <why>`
+(the executor declined the plan with its error: `PlanMismatchError`, `InexactRecomputeError`,
+`RuntimeUsageError`), `different: <what>` (a gradient, loss or buffer differs) or `crash: <error>`.
+The last two are the failures this suite exists to find (issue 39). The matrix is printed and saved as
+JSON (`benchmarks/results/zoo.json`, or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import RESULTS
+from slackswap.errors import InfeasibleBudgetError, SlackSwapError
+from slackswap.hardware import load_preset
+from slackswap.planners.registry import available_planners, get_planner
+from slackswap.runtime import apply, capture_graph
+from slackswap.runtime.executor import PlanMismatchError
+from slackswap.runtime.replay_check import InexactRecomputeError
+from slackswap.runtime.training_workload import Workload
+from slackswap.runtime.zoo import FACTORIES, build
+from slackswap.simulate.metrics import simulate_ideal
+
+FRACTIONS = (0.3, 0.5, 0.7)
+EXECUTORS = ("runtime", "export")
+HARDWARE = "a100_80gb_pcie4"
+#: Planners run by default: every registered one but the MILP (minutes per graph on a shared CPU; the
+#: same candidacy rule wraps it, `--planners milp` runs it).
+DEFAULT_PLANNERS = tuple(p for p in available_planners() if p != "milp")
+_REFUSALS = (PlanMismatchError, InexactRecomputeError)
+#: Characters of a refusal's or infeasibility's reason kept in the saved matrix (printed in full).
+REASON_CHARS = 100
+
+
+def _short(exc: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}"
+
+
+def step(w: Workload, model: torch.nn.Module, context=None) -> tuple[torch.Tensor, list, list]:
+    """One step of `model` (a copy of `w.model`) from seed 1, plainly or inside `context`: (loss, grads, buffers)."""
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = None
+    with context if context is not None else _Null():
+        loss = w.loss_fn(model(w.batch))
+        loss.backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return loss.detach(), grads, [b.clone() for b in model.buffers()]
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def compare(reference: tuple, got: tuple) -> str:
+    """'exact', or 'different: ...' naming what differs (loss, how many gradients / buffers, max abs diff)."""
+    (loss_a, grads_a, bufs_a), (loss_b, grads_b, bufs_b) = reference, got
+    bad = []
+    if not torch.equal(loss_a, loss_b):
+        bad.append(f"loss {float(loss_a):.6g} vs {float(loss_b):.6g}")
+    diffs = [(a - b).abs().max().item() if a is not None and b is not None else float("inf")
+             for a, b in zip(grads_a, grads_b, strict=True) if not (a is None and b is None)
+             and not (a is not None and b is not None and torch.equal(a, b))]
+    if diffs:
+        bad.append(f"{len(diffs)} of {len(grads_a)} gradients (max abs diff {max(diffs):.3g})")
+    buf = sum(not torch.equal(a, b) for a, b in zip(bufs_a, bufs_b, strict=True))
+    if buf:
+        bad.append(f"{buf} of {len(bufs_a)} buffers")
+    return "exact" if not bad else "different: " + "; ".join(bad)
+
+
+class Arch:
+    """One architecture captured once: its workload, graph, keep-all peak and reference step."""
+
+    def __init__(self, name: str, hardware) -> None:
+        self.name, self.hardware = name, hardware
+        self.w = build(name)
+        self.pristine = copy.deepcopy(self.w.model)
+        self.graph = capture_graph(copy.deepcopy(self.pristine), (self.w.batch,), self.w.loss_fn, hardware, name=name)
+        self.peak = simulate_ideal(self.graph, hardware).peak_activation_bytes
+        self.reference = step(self.w, copy.deepcopy(self.pristine))
+
+    def plan(self, planner: str, fraction: float, executor: str):
+        budget = max(1, int(self.peak * fraction))
+        if executor == "export":
+            from slackswap.experiment.export_plan import plan_for_export
+
+            return plan_for_export(get_planner(planner), self.graph, self.pristine, self.hardware, budget)
+        return get_planner(planner).plan(self.graph, self.hardware, budget)
+
+    def run(self, plan, executor: str) -> tuple:
+        model = copy.deepcopy(self.pristine)
+        if executor == "export":
+            from slackswap.runtime.export import PlanExport
+
+            return step(self.w, model, PlanExport(plan, self.graph, model).installed(model))
+        return step(self.w, model, apply(plan, self.graph, model))
+
+    def cell(self, planner: str, fraction: float, executor: str) -> str:
+        try:
+            plan = self.plan(planner, fraction, executor)
+        except InfeasibleBudgetError as exc:
+            return f"infeasible: {_short(exc)}"
+        except SlackSwapError as exc:
+            return f"refused: {_short(exc)}"
+        except Exception as exc:  # noqa: BLE001 - a crash is a result of this suite, reported as such
+            return f"crash: planning: {_short(exc)}"
+        try:
+            got = self.run(plan, executor)
+        except _REFUSALS as exc:
+            return f"refused: {_short(exc)}"
+        except Exception as exc:  # noqa: BLE001
+            return f"crash: {_short(exc)}"
+        return compare(self.reference, got)
+
+
+def kind(cell: str) -> str:
+    return cell.split(":", 1)[0]
+
+
+def run(models, planners, fractions, executors, log=print) -> dict:
+    torch.set_num_threads(1)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    hardware = load_preset(HARDWARE)
+    rows = []
+    try:
+        for name in models:
+            t0 = time.process_time()
+            try:
+                arch = Arch(name, hardware)
+            except Exception as exc:  # noqa: BLE001
+                cell = f"crash: capture: {_short(exc)}"
+                rows += [dict(model=name, planner=p, fraction=f, executor=e, cell=cell)
+                         for p in planners for f in fractions for e in executors]
+                log(f"{name}: {cell}")
+                continue
+            for p in planners:
+                for f in fractions:
+                    for e in executors:
+                        cell = arch.cell(p, f, e)
+                        rows.append(dict(model=name, planner=p, fraction=f, executor=e, cell=cell))
+                        if kind(cell) not in ("exact", "infeasible"):
+                            log(f"  {name} {p} {f:.0%} {e}: {cell}")
+            counts = Counter(kind(r["cell"]) for r in rows if r["model"] == name)
+            log(f"{name}: {dict(sorted(counts.items()))} ({time.process_time() - t0:.1f} s CPU)")
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    summary = {e: dict(sorted(Counter(kind(r["cell"]) for r in rows if r["executor"] == e).items()))
+               for e in executors}
+    return {"hardware": HARDWARE, "torch": torch.__version__, "models": list(models), "planners": list(planners),
+            "fractions": list(fractions), "executors": list(executors), "summary": summary, "cells": rows}
+
+
+def _compact(result: dict) -> str:
+    """The result as JSON with the cells nested model -> planner -> "<percent> <executor>" -> cell (each
+    reason cut to `REASON_CHARS`), one model per line: the file stays small enough to read in a diff."""
+    matrix: dict[str, dict[str, dict[str, str]]] = {}
+    for r in result["cells"]:
+        cell = r["cell"] if len(r["cell"]) <= REASON_CHARS else r["cell"][:REASON_CHARS] + "..."
+        matrix.setdefault(r["model"], {}).setdefault(r["planner"], {})[f"{r['fraction']:.0%} {r['executor']}"] = cell
+    head = {k: v for k, v in result.items() if k != "cells"}
+    lines = [f"  {json.dumps(m)}: {json.dumps(row, separators=(',', ':'))}" for m, row in matrix.items()]
+    return json.dumps(head, indent=1)[:-2] + ',\n "matrix": {\n' + ",\n".join(lines) + "\n }\n}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(FACTORIES))
+    parser.add_argument("--planners", nargs="+", default=list(DEFAULT_PLANNERS))
+    parser.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS))
+    parser.add_argument("--executors", nargs="+", default=list(EXECUTORS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "zoo.json")
+    args = parser.parse_args(argv)
+    for field, values, known in (("--models", args.models, FACTORIES), ("--planners", args.planners,
+                                 available_planners()), ("--executors", args.executors, EXECUTORS)):
+        bad = [v for v in values if v not in known]
+        if bad:
+            print(f"{field}: {bad[0]!r} unknown; known: {', '.join(known)}", file=sys.stderr)
+            return 2
+    bad = [f for f in args.fractions if not 0 < f <= 1]
+    if bad:
+        print(f"--fractions: {bad[0]} is not in (0, 1]", file=sys.stderr)
+        return 2
+    result = run(args.models, args.planners, args.fractions, args.executors)
+    print(json.dumps(result["summary"], indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(_compact(result))
+    print(f"wrote {args.out}")
+    failures = sum(kind(r["cell"]) in ("different", "crash") for r in result["cells"])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

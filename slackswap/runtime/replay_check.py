@@ -1,0 +1,123 @@
+"""A recompute yields the tensor at the version autograd saved, or the verified step refuses the plan.
+
+Why version counts of our own and not only `Tensor._version`: autograd's counter belongs to a view
+family, and an op such as `_unsafe_view` (what `matmul` returns) starts a new family on the same
+storage, so `scores = q @ k.T; scores /= 4.0` bumps a counter the bmm output never sees. The
+verified step's dispatch mode sees every ATen call, so `WriteCounts` counts in-place writes per
+graph storage (`OpNumbering` names): `total` (every write so far) and `own` (the writes by calls of
+the storage's producer op, which a recompute replays). A copy of a tensor is then at a known count:
+a run copy at the live `total` (it is the storage), a recompute copy at `own` (the replay redoes
+exactly those), a prefetched copy at `total` when its offload was issued. Every read of a recompute
+(`TensorRef.version`, the count the forward call read) and every unpack of a swapped or recomputed
+tensor (the count autograd packed) is checked against the copy it gets; a difference raises
+`InexactRecomputeError` naming the op, the tensor (whose name is its module path and ATen op) and
+the model line of the write. The planners' rule (`slackswap.planners.support.replay_rule`) keeps
+such tensors out of every plan; this check is what makes a plan made without it fail loudly.
+
+Module state: a batch norm in training mode updates its running statistics in place (its schema
+does not say so). Its outputs do not depend on them (batch statistics), so a replay passes scratch
+clones of them (`scratch_state`): the buffers are updated once, by the forward, and the recomputed
+outputs are bit-identical. Any other op that writes a tensor that is not its own output (module
+state) is refused in the verified step (and the capture marks its outputs not replayable).
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections import Counter
+
+import torch
+
+from slackswap.errors import SlackSwapError
+
+#: Batch norms: positional indices of the running statistics they update in training mode, whose
+#: value their outputs do not depend on (PyTorch's native_batch_norm family; schemas from
+#: aten/src/ATen/native/native_functions.yaml).
+STATE_WRITES: dict[str, tuple[int, ...]] = {
+    "native_batch_norm": (3, 4), "_native_batch_norm_legit": (3, 4), "_batch_norm_with_update": (3, 4),
+    "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4),
+}
+REPLAYABLE_STATE_WRITERS = frozenset(STATE_WRITES)
+
+#: Frames that are not the model's code: torch, the project's machinery (its zoo of models is model
+#: code), the standard library's context managers.
+_SKIP = ("/torch/", "/contextlib.py", "/transformers/utils/", "<frozen")
+
+
+class InexactRecomputeError(SlackSwapError):
+    """The plan recomputes or swaps a tensor whose copy would not be the version the step used."""
+
+
+def model_line() -> str:
+    """'file:line (function)' of the innermost frame of the model's own code (not torch's, not ours)."""
+    for frame in reversed(traceback.extract_stack()):
+        own = "/slackswap/" in frame.filename and not frame.filename.endswith("/runtime/zoo.py")
+        if not own and not any(s in frame.filename for s in _SKIP):
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return "<unknown line>"
+
+
+@functools.cache
+def _written(func: torch._ops.OpOverload) -> tuple[int, ...]:
+    """Arguments `func` writes: its schema's, and a batch norm's running statistics (once per overload:
+    a hook-only step's replay asks per recomputed call)."""
+    from slackswap.runtime.op_numbering import writes_into
+
+    extra = STATE_WRITES.get(func._overloadpacket.__name__, ())
+    return tuple(sorted(set(writes_into(func)) | set(extra)))
+
+
+def scratch_state(func: torch._ops.OpOverload, spec_args: tuple, args: tuple, is_ref) -> tuple:
+    """`args` of a replayed call with every written argument that is not a graph tensor (module state:
+    `spec_args[i]` not a graph-tensor reference) replaced by a clone, so the replay does not write it
+    again. Raises for an op not known to leave its outputs independent of that state."""
+    idx = [i for i in _written(func) if i < len(args) and isinstance(args[i], torch.Tensor)
+           and not is_ref(spec_args[i])]
+    if not idx:
+        return args
+    if func._overloadpacket.__name__ not in REPLAYABLE_STATE_WRITERS:
+        raise InexactRecomputeError(
+            f"the recompute of {func} would write module state (argument {idx[0]}) a second time: "
+            "keep its outputs (plans from slackswap's planners do, on a captured graph)")
+    out = list(args)
+    for i in idx:
+        out[i] = args[i].clone()
+    return tuple(out)
+
+
+class WriteCounts:
+    """Per graph tensor: in-place writes so far (`total`), those by its producer's calls (`own`), where
+    the latest write after the producer came from (`writer`), and per copy the count it holds."""
+
+    def __init__(self) -> None:
+        self.total: Counter[str] = Counter()
+        self.own: Counter[str] = Counter()
+        self.writer: dict[str, tuple[str, str]] = {}
+        self.copy: dict[int, int] = {}
+        #: Per offload issued: the count its source held then.
+        self.offloaded: dict[int, int] = {}
+
+    def note(self, func, args: tuple, op: str, new_op: bool, name_of) -> None:
+        """Before an ATen call of op `op` (`new_op`: it starts the op) runs: count its writes."""
+        from slackswap.runtime.op_numbering import writes_into
+
+        for i in writes_into(func):
+            name = name_of(args[i]) if i < len(args) and isinstance(args[i], torch.Tensor) else None
+            if name is None:
+                continue
+            self.total[name] += 1
+            if new_op:
+                self.writer[name] = (op, model_line())
+            else:
+                self.own[name] += 1
+
+    def check(self, tensor: str, expected: int, actual: int, what: str) -> None:
+        if expected == actual or expected < 0:
+            return
+        op, line = self.writer.get(tensor, ("<unknown op>", "<unknown line>"))
+        raise InexactRecomputeError(
+            f"{what} tensor {tensor!r} at in-place write {actual}, but the step used it at write {expected}: "
+            f"op {op!r} at {line} writes it in place after its producer, and a recompute replays the "
+            "producer only (a swap copies it before the write). The plan cannot run exactly; keep that "
+            "tensor (slackswap's planners do on a graph captured with this version)")

@@ -1,0 +1,277 @@
+"""The conformance zoo: small models of many architectures, each with its inputs and a scalar loss.
+
+Why here (the runtime's package, not tests/): the zoo command (`benchmarks/zoo.py`) and the
+test suite (tests/test_zoo.py, tests/test_replay_exact.py) run the same models, and a user checking
+a runtime change against architectures the project has no preset for imports them the same way.
+Hugging Face models are built from their config classes at tiny shapes with seeded random weights
+(no download; transformers is imported only by the factories that need it); the plain `nn.Module`s
+carry what HF models rarely do: BatchNorm running statistics, weight tying, a buffer mutated in
+forward, in-place writes after a producer and uninitialised memory filled by an index write (the
+cases of issue 39: `scores /= 4.0`, Mixtral's `inv_perm = empty_like(perm); inv_perm[perm] = ...`).
+
+Each factory returns a `Workload` (`slackswap.runtime.training_workload`): a module called with one
+tensor (an HF model is wrapped so that its outputs are one logits tensor), the batch, and a loss of
+that output (cross entropy against the batch's own tokens, or fixed labels for images).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from slackswap.runtime.training_workload import Workload, token_loss
+
+VOCAB, HIDDEN, LAYERS, HEADS, SEQ, BATCH = 64, 64, 2, 4, 64, 2
+#: Depth of the plain modules: at two layers their activations are no larger than the loss's logits,
+#: and no budget below the keep-all peak could be met by any plan of the layers.
+PLAIN_LAYERS = 4
+
+
+class _Logits(nn.Module):
+    """An HF model called with one tensor, returning its logits (`call` builds the keyword arguments)."""
+
+    def __init__(self, model: nn.Module, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self._call = call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(self.model, x)
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(config_name: str, auto: str = "AutoModelForCausalLM", call=None, **config: object) -> Callable[[int], Workload]:
+    def build(seed: int) -> Workload:
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        cfg.use_cache = False  # a recomputed layer must not append to a key/value cache again
+        torch.manual_seed(seed)
+        model = getattr(transformers, auto).from_config(cfg, attn_implementation="eager")
+        model.train()
+        batch = _tokens(seed)
+        net = _Logits(model, call or (lambda m, x: m(input_ids=x).logits))
+        return Workload(config_name.removesuffix("Config").lower(), net, batch, token_loss(batch), VOCAB)
+
+    return build
+
+
+_DEC = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": HEADS // 2, "max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+_ENC = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "max_position_embeddings": 64, "pad_token_id": 0}
+
+
+def _mlm(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=x).logits
+
+
+def _seq2seq(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=x, decoder_input_ids=x).logits
+
+
+def _vit(seed: int) -> Workload:
+    import transformers
+
+    cfg = transformers.ViTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                 intermediate_size=2 * HIDDEN, image_size=32, patch_size=4, num_labels=8)
+    torch.manual_seed(seed)
+    model = transformers.ViTForImageClassification(cfg)
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(BATCH, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 8, (BATCH,), generator=gen)
+    net = _Logits(model, lambda m, x: m(pixel_values=x).logits)
+    return Workload("vit", net, images, lambda out: nn.functional.cross_entropy(out, labels), 8)
+
+
+# ----------------------------------------------------------------------------- plain modules
+class InPlaceAttention(nn.Module):
+    """`scores = q @ k.T; scores /= 4.0` (Falcon's `attention_scores /= math.sqrt(head_dim)`)."""
+
+    def __init__(self, d: int = HIDDEN) -> None:
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        scores /= 4.0
+        return x + self.o(scores.softmax(-1) @ x)
+
+
+class Routing(nn.Module):
+    """Mixtral's token sort: `inv_perm = torch.empty_like(perm); inv_perm[perm] = torch.arange(...)`."""
+
+    def __init__(self, d: int = HIDDEN) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(d, 1), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        perm = self.gate(flat).squeeze(-1).argsort()
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+        y = self.up(flat[perm]).relu()
+        return x + y[inv_perm].reshape(x.shape)
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers: list[nn.Module], d_in: int = HIDDEN, d_out: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_in)
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class MixerBlock(nn.Module):
+    def __init__(self, tokens: int = SEQ, d: int = HIDDEN) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.tok = nn.Sequential(nn.Linear(tokens, 2 * tokens), nn.GELU(), nn.Linear(2 * tokens, tokens))
+        self.ch = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.tok(self.n1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.ch(self.n2(x))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block: conv-BN-ReLU(in place)-conv-BN, `out += identity`, ReLU in place."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    def __init__(self, c: int = 8, classes: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
+        self.layers = nn.ModuleList([BasicBlock(c) for _ in range(PLAIN_LAYERS)])
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.fc(h.mean((2, 3)))
+
+
+class Counted(nn.Module):
+    """A buffer mutated in forward (a step counter that scales the activations)."""
+
+    def __init__(self, d: int = HIDDEN) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x + torch.tanh(self.fc(x)) * (1 + self.calls * 0.01)
+
+
+def _mlp(d: int = HIDDEN) -> nn.Module:
+    return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * d, d))
+
+
+class _Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+def _plain(make: Callable[[], nn.Module], name: str, tie: bool = False) -> Callable[[int], Workload]:
+    def build(seed: int) -> Workload:
+        torch.manual_seed(seed)
+        net = make()
+        if tie:
+            net.head.weight = net.embed.weight
+        net.train()
+        batch = _tokens(seed)
+        return Workload(name, net, batch, token_loss(batch), VOCAB)
+
+    return build
+
+
+def _resnet(seed: int) -> Workload:
+    torch.manual_seed(seed)
+    net = ResNet()
+    net.train()
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(BATCH, 3, 8, 8, generator=gen)
+    labels = torch.randint(0, 8, (BATCH,), generator=gen)
+    return Workload("resnet_bn", net, images, lambda out: nn.functional.cross_entropy(out, labels), 8)
+
+
+#: Name -> factory(seed) -> Workload. Hugging Face first (config class names), then plain modules.
+FACTORIES: dict[str, Callable[[int], Workload]] = {
+    "llama": _hf("LlamaConfig", **_DEC),
+    "qwen2": _hf("Qwen2Config", **_DEC),
+    "qwen3": _hf("Qwen3Config", head_dim=HIDDEN // HEADS, **_DEC),
+    "phi3": _hf("Phi3Config", **_DEC),
+    "gemma2": _hf("Gemma2Config", head_dim=HIDDEN // HEADS, sliding_window=8, **_DEC),
+    "mistral": _hf("MistralConfig", sliding_window=8, **_DEC),
+    "starcoder2": _hf("Starcoder2Config", **_DEC),
+    "stablelm": _hf("StableLmConfig", **_DEC),
+    "mixtral": _hf("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, **_DEC),
+    "qwen2_moe": _hf("Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
+                     shared_expert_intermediate_size=HIDDEN, **_DEC),
+    "gpt_neox": _hf("GPTNeoXConfig", **{k: v for k, v in _DEC.items() if k != "num_key_value_heads"}),
+    "falcon": _hf("FalconConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    "gpt2": _hf("GPT2Config", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+                bos_token_id=0, eos_token_id=0),
+    "opt": _hf("OPTConfig", vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS,
+               num_attention_heads=HEADS, max_position_embeddings=64, word_embed_proj_dim=HIDDEN, pad_token_id=1),
+    "bloom": _hf("BloomConfig", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS),
+    "mamba": _hf("MambaConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, state_size=8,
+                 expand=2, conv_kernel=4, pad_token_id=0),
+    "bert": _hf("BertConfig", "AutoModelForMaskedLM", _mlm, **_ENC),
+    "roberta": _hf("RobertaConfig", "AutoModelForMaskedLM", _mlm, **{**_ENC, "pad_token_id": 1}),
+    "distilbert": _hf("DistilBertConfig", "AutoModelForMaskedLM", _mlm, vocab_size=VOCAB, dim=HIDDEN,
+                      n_layers=LAYERS, n_heads=HEADS, hidden_dim=2 * HIDDEN, max_position_embeddings=64,
+                      pad_token_id=0),
+    "t5": _hf("T5Config", "AutoModelForSeq2SeqLM", _seq2seq, vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS,
+              d_ff=2 * HIDDEN, num_layers=LAYERS, num_heads=HEADS, decoder_start_token_id=0, pad_token_id=0),
+    "bart": _hf("BartConfig", "AutoModelForSeq2SeqLM", _seq2seq, vocab_size=VOCAB, d_model=HIDDEN,
+                encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
+                decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN,
+                max_position_embeddings=64, pad_token_id=1),
+    "vit": _vit,
+    "mlp_mixer": _plain(lambda: _Stack([MixerBlock() for _ in range(PLAIN_LAYERS)]), "mlp_mixer"),
+    "resnet_bn": _resnet,
+    "tied": _plain(lambda: _Stack([_Residual(_mlp()) for _ in range(PLAIN_LAYERS)]), "tied", tie=True),
+    "buffer_mutated": _plain(lambda: _Stack([Counted() for _ in range(PLAIN_LAYERS)]), "buffer_mutated"),
+    "inplace_attention": _plain(lambda: _Stack([InPlaceAttention() for _ in range(PLAIN_LAYERS)]), "inplace_attention"),
+    "routing": _plain(lambda: _Stack([Routing() for _ in range(PLAIN_LAYERS)]), "routing"),
+}
+
+
+def build(name: str, seed: int = 0) -> Workload:
+    """The zoo's `name` model with weights and batch from `seed` (one line naming a bad name)."""
+    if name not in FACTORIES:
+        raise KeyError(f"zoo model {name!r} unknown; known: {', '.join(FACTORIES)}")
+    return FACTORIES[name](seed)

@@ -1,0 +1,126 @@
+"""Exact or refused, never silent (issue 39): a recompute yields the tensor at the version autograd saved.
+
+The cases of the issue, on the zoo's models (`slackswap.runtime.zoo`), each run for real on CPU and
+compared bit for bit (loss, gradients, buffers) with a plain step of the same model and RNG seed:
+- `scores = q @ k.T; scores /= 4.0`: the write joins the bmm op (`OpNumbering`), so a recompute
+  replays both (before: every recompute of the softmax read the unscaled scores);
+- Mixtral's `inv_perm = empty_like(perm); inv_perm[perm] = arange(...)`: the write comes after other
+  ops, so no planner recomputes `inv_perm` (the plan's notes say why), and a plan made without that
+  rule is refused by the runtime's write counts with one error naming the op, tensor and line
+  (before: `empty_like` alone, an IndexError or a silently wrong gradient);
+- T5's `relative_buckets += ...`, Falcon's `attention_scores /= math.sqrt(head_dim)` and HF Mixtral's
+  expert routing (slow).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
+
+from benchmarks.zoo import Arch, compare, step  # noqa: E402
+from slackswap.graph import REWRITTEN_KEY  # noqa: E402
+from slackswap.plan import StepKind  # noqa: E402
+from slackswap.planners.registry import get_planner  # noqa: E402
+from slackswap.planners.support.replay_rule import replay_rule  # noqa: E402
+from slackswap.runtime.replay_check import InexactRecomputeError  # noqa: E402
+from slackswap.testing import random_graph  # noqa: E402
+from tests.runtime_support import deterministic_kernels, h200  # noqa: E402, F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("deterministic_kernels")
+_ARCHS: dict[str, Arch] = {}
+
+
+def arch(name: str) -> Arch:
+    if name not in _ARCHS:
+        _ARCHS[name] = Arch(name, h200())
+    return _ARCHS[name]
+
+
+def unruled(planner: str, a: Arch, fraction: float):
+    """The planner's own plan, without the replay rule: what every planner offered before issue 39."""
+    p = get_planner(planner)
+    return type(p).plan.__wrapped__(p, a.graph, a.hardware, int(a.peak * fraction))
+
+
+def test_a_write_right_after_its_producer_is_replayed_with_it() -> None:
+    a = arch("inplace_attention")
+    ops = {op.name: op for op in a.graph.ops}
+    assert not any("div_" in name for name in ops), "the in-place div_ is a member of the bmm op, not an op"
+    assert REWRITTEN_KEY not in a.graph.meta
+    plan = get_planner("full_recompute").plan(a.graph, a.hardware, int(a.peak * 0.7))
+    assert any(s.kind == StepKind.RECOMPUTE and "bmm" in s.op for s in plan.steps)
+    assert "not_recomputable" not in plan.notes
+    assert compare(a.reference, a.run(plan, "runtime")) == "exact"
+
+
+def test_a_later_index_write_into_empty_like_is_kept_with_its_reason() -> None:
+    a = arch("routing")
+    rewritten = a.graph.meta[REWRITTEN_KEY]
+    inv_perm = "layers.0/empty_like#0:0"
+    assert rewritten[inv_perm][0].endswith("index_put_.default")
+    assert rewritten[inv_perm][1].split(":")[0].endswith("slackswap/runtime/zoo.py")
+    for planner in ("slackswap", "dtr"):
+        plan = get_planner(planner).plan(a.graph, a.hardware, int(a.peak * 0.7))
+        assert plan.decisions[inv_perm].value == "keep"
+        assert "index_put_" in plan.notes["not_recomputable"][inv_perm]
+        assert compare(a.reference, a.run(plan, "runtime")) == "exact"
+
+
+def test_a_plan_that_recomputes_a_rewritten_tensor_is_refused_by_name() -> None:
+    a = arch("routing")
+    plan = unruled("full_recompute", a, 0.7)
+    assert any(plan.decisions[t].value == "recompute" for t in a.graph.meta[REWRITTEN_KEY])
+    with pytest.raises(InexactRecomputeError) as info:
+        a.run(plan, "runtime")
+    message = str(info.value)
+    assert "index_put_" in message and "/empty_like#0:0" in message and "zoo.py:" in message
+
+
+def test_the_rule_leaves_graphs_without_in_place_writes_alone() -> None:
+    graph, hardware = random_graph(random.Random(3)), h200()
+    assert replay_rule(graph).fixed == {}
+    p = get_planner("slackswap")
+    assert p.plan(graph, hardware, None) == type(p).plan.__wrapped__(p, graph, hardware, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["t5", "falcon", "mixtral"])
+@pytest.mark.parametrize("planner", ["full_recompute", "torch_sac", "slackswap", "memo"])
+def test_hf_in_place_writes_run_exact_or_are_infeasible(name: str, planner: str) -> None:
+    cell = arch(name).cell(planner, 0.7, "runtime")
+    assert cell == "exact" or cell.startswith("infeasible"), cell
+
+
+def test_recomputing_a_batch_norm_updates_its_running_statistics_once() -> None:
+    """Item 6: module state is training state. The recompute replays BatchNorm into scratch statistics,
+    on the verified step and on the hook-only steps after it (two steps each, against two plain ones)."""
+    import copy
+
+    from slackswap.runtime import apply
+
+    a = arch("resnet_bn")
+    plan = get_planner("full_recompute").plan(a.graph, a.hardware, int(a.peak * 0.7))
+    assert sum(s.kind == StepKind.RECOMPUTE and "batch_norm" in s.op for s in plan.steps) >= 4
+    plain, planned = copy.deepcopy(a.pristine), copy.deepcopy(a.pristine)
+    run = apply(plan, a.graph, planned)
+    for _ in range(2):
+        assert compare(step(a.w, plain), step(a.w, planned, run)) == "exact"
+    assert not run.report.verified  # the second step ran on the hooks alone
+    stats = dict(planned.named_buffers())
+    assert all(int(v) == 2 for k, v in stats.items() if k.endswith("num_batches_tracked"))
+    for k, v in plain.named_buffers():
+        assert torch.equal(v, stats[k]), k
+
+
+def test_an_exported_batch_norm_counts_its_batches_once() -> None:
+    """The export's checkpoint recompute re-runs a layer's Python forward: BatchNorm's
+    `num_batches_tracked += 1` is cached (saved), not run again (before: 8 of 27 buffers differed)."""
+    a = arch("resnet_bn")
+    plan = a.plan("slackswap", 0.7, "export")
+    assert compare(a.reference, a.run(plan, "export")) == "exact"
