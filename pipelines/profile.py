@@ -56,7 +56,7 @@ def profile_stage(cfg: DictConfig) -> None:
     hardware = Hardware.from_dict(OmegaConf.to_container(cfg.hardware, resolve=True))
     graph = profile_graph(source, model, hardware, **options)
     reference = None
-    if source == "torch" and options.get("builder") != "hook":  # no analytic twin of a user's module
+    if source == "torch" and options.get("builder") not in ("hook", "hf"):  # no analytic twin of a user's module
         reference = build_graph(analytic_twin(model, spec_from_options(model, options)), hardware)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     write_profile_csv(graph, run_dir / "profile.csv", reference=reference)

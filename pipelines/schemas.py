@@ -36,6 +36,7 @@ class TorchSchema:
     attention: str = "eager"
     semantics: str = "cuda"
     hook: str = ""
+    config_class: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
