@@ -81,3 +81,29 @@ def hf_causal_lm(config_class: str, *, dtype: torch.dtype = torch.float32, **ove
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.reshape(-1))
 
     return capture_module(config_class, model, batch, loss_fn)
+
+
+class BatchNormBlock(nn.Module):
+    """A ResNet-style block's core: Linear, BatchNorm (whose normalised output ReLU reads, so autograd saves
+    only its statistics), ReLU. BatchNorm's op makes its output beside the saved statistics."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.lin(x)))
+
+
+class TopKBlock(nn.Module):
+    """topk whose indices a gather reads: the values are made beside the saved indices."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        _, idx = torch.topk(y.detach(), 4, dim=-1)
+        return torch.gather(y, -1, idx).sum(-1, keepdim=True) * y

@@ -64,8 +64,8 @@ def test_eager_export_runs_every_planner_bit_exact_and_names_each_difference() -
         loss, grads = exported_step(c, export)
         assert bit_equal(c.reference, loss, grads), planner
         differences = {d.tensor: d for d in export.step_differences()}
-        for d in differences.values():
-            assert d.reason and d.exported != WANTS[Decision(d.decision)], d
+        for d in differences.values():  # "none": a storage the caches held that the plan does not decide
+            assert d.reason and (d.decision == "none" or d.exported != WANTS[Decision(d.decision)]), d
         # Every decision of a layer not named as a difference ran as planned.
         for decisions in export.region_decisions:
             for name, decision in decisions.items():

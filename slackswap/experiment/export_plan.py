@@ -45,7 +45,7 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     facts = export_facts(graph, layer_paths(model))
     held = [t for t in facts.held_inputs if t in graph.candidate_names]
     plan = plan_with_fixed_keep(planner, graph, hardware, budget_bytes, facts.fixed_keep, facts.tied,
-                                facts.not_kept, held)
+                                facts.not_kept, held, cached_together=facts.cached_together)
     return priced_for(plan, compile)
 
 

@@ -65,7 +65,7 @@ from slackswap.runtime.export_graph import (
     graph_for_compile,
     made_for_compile,
 )
-from slackswap.runtime.export_heads import head_outputs, weak_outputs
+from slackswap.runtime.export_heads import cached_differences, head_outputs, name_storages, weak_outputs
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
@@ -139,6 +139,8 @@ class StepRecord:
     saved_bytes: int = 0
     #: Storage -> bytes of every tensor the layers' checkpoint caches save (eager): `saved_bytes` by storage.
     saved_storages: dict[int, int] = field(default_factory=dict)
+    #: Storage -> (identity of the op output that made it, weak reference) (eager): names what caches hold.
+    names_of: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -240,6 +242,7 @@ class _RegionPolicy:
         if self.compiled:
             self._tag_nodes(named, leaves)
         else:
+            name_storages(self.export.record.names_of, named, leaves)
             for leaf, f in zip(leaves, fresh, strict=False):
                 if f and isinstance(leaf, torch.Tensor):
                     self.chain[_storage(leaf)] = [n for n, _ in decided]
@@ -673,7 +676,8 @@ class PlanExport:
                                                 "the layer's forward under checkpoint made no such tensor"))
                 elif DOES[applied] != WANTS[decision]:
                     out.append(ExportDifference(name, str(decision), DOES[applied], self._why(name, applied)))
-        return out
+        return out + cached_differences(self.record.saved_storages, self.record.names_of, self.plan.decisions,
+                                        {d.tensor for d in out})
 
     def effective_decisions(self) -> dict[str, Decision]:
         """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside

@@ -80,6 +80,11 @@ class ExportFacts:
     #: Tensors autograd does not save that a layer reads from outside it (an attention mask made once
     #: for all layers): the layer's checkpoint holds them for its recompute, so they are kept.
     held_inputs: Mapping[str, str] = field(default_factory=dict)
+    #: Per op inside a layer with a saved output or several candidate outputs: every output a plan can
+    #: decide (saved tensors and checkpoint candidates). Selective checkpointing caches an op's outputs
+    #: whole, so a kept member keeps them all (LayerNorm's and BatchNorm's outputs beside their saved
+    #: statistics, topk's values beside its indices): `plan_for_export` decides them alike and prices it.
+    cached_together: tuple[tuple[str, ...], ...] = ()
     #: Every output (saved or not) of an op inside a layer that read a version of a tensor a later
     #: in-place op overwrote (`VERSION_READ`): the export's policy saves these ops whatever the plan says.
     version_readers: frozenset[str] = frozenset()
@@ -135,7 +140,15 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
             tied.append(group)
     outside = frozenset(t for t in graph.candidate_names if region_of(module_path(t), regions) is None
                         and t not in held)
-    return ExportFacts(fixed, tuple(tied), outside, held, readers)
+    together = []
+    candidates = graph.candidate_names
+    for op in forward:
+        if not 0 <= op.layer < len(regions):
+            continue
+        members = tuple(t for t in op.outputs if t in saved or t in candidates)
+        if any(t in candidates for t in members) and (len(members) > 1):
+            together.append(members)
+    return ExportFacts(fixed, tuple(tied), outside, held, tuple(together), readers)
 
 
 def _version_readers(graph: Graph, forward: list, regions: list[str]) -> frozenset[str]:
