@@ -107,3 +107,38 @@ class TopKBlock(nn.Module):
         y = self.lin(x)
         _, idx = torch.topk(y.detach(), 4, dim=-1)
         return torch.gather(y, -1, idx).sum(-1, keepdim=True) * y
+
+
+class ScoresBlock(nn.Module):
+    """Falcon's attention in small: scores divided in place (`attention_scores /= math.sqrt(head_dim)`), the
+    probabilities returned beside the output (Falcon's decoder layer returns them; its caller reads only
+    the output, holding the tuple until the next layer returns)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.q(x) @ self.k(x).T
+        scores /= 4.0
+        probs = scores.softmax(-1)
+        return probs @ x, probs
+
+
+class TupleStack(Stack):
+    """`Stack` whose layers return (output, extra) and whose loop keeps the tuple, as HF's loops do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            outputs = layer(x)
+            x = x + outputs[0]
+        return self.out(x)
+
+
+def tuple_stack(layer, width: int = 16, rows: int = 8) -> Captured:
+    torch.manual_seed(0)
+    model = TupleStack(layer, width)
+    batch = torch.randn(rows, width)
+    return capture_module(f"tuple_stack_{layer.__name__.lower()}", model, batch, lambda out: out.square().mean())

@@ -22,7 +22,15 @@ from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.runtime.export import PlanExport  # noqa: E402
 from slackswap.runtime.export_facts import VERSION_READ  # noqa: E402
 from slackswap.runtime.export_heads import CACHED_WITH_OP  # noqa: E402
-from tests.export_models import BatchNormBlock, Router, TopKBlock, hf_causal_lm, stack  # noqa: E402
+from tests.export_models import (  # noqa: E402
+    BatchNormBlock,
+    Router,
+    ScoresBlock,
+    TopKBlock,
+    hf_causal_lm,
+    stack,
+    tuple_stack,
+)
 from tests.runtime_support import (  # noqa: E402, F401 (deterministic_kernels: a fixture)
     bit_equal,
     deterministic_kernels,
@@ -103,3 +111,44 @@ def test_a_plan_not_made_for_the_export_names_every_storage_the_caches_hold_beyo
     kept = sum(c.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
     extra = sum(c.graph.tensors[n].size_bytes for n in cached)
     assert export.saved_activation_bytes(count) == kept + extra  # the differences account for every byte
+
+
+@pytest.mark.parametrize("planner", ["slackswap", "full_recompute", "keep_all"])
+def test_an_in_place_chains_output_and_a_returned_unread_tensor_run_as_planned(planner: str) -> None:
+    """Falcon's pattern: `scores /= 4` joins the matmul (the chain is cached whole: its candidate output is
+    priced as held), and the probabilities the layer returns but no one reads are executed as planned
+    (before, the step named them a layer output, saved, whatever the plan; and the cached scores were
+    unpriced)."""
+    c = tuple_stack(ScoresBlock)
+    model = c.workload.model
+    plan = plan_for_export(get_planner(planner), c.graph, model, h200(), None)
+    export = PlanExport(plan, c.graph, model)
+    with export.counting_saved(model) as count:
+        loss, grads = step_under(c.workload, export.installed(model))
+    assert bit_equal(c.reference, loss, grads)
+    assert export.step_differences() == []
+    kept = sum(c.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
+    assert export.saved_activation_bytes(count) == kept
+
+
+def test_every_plan_made_for_the_export_fits_its_budget_as_pytorch_places_it() -> None:
+    """PyTorch's eager checkpointing recomputes a layer's tensors at once; a plan is re-planned or refused
+    when that placement peaks over the budget (`within_pytorchs_peak`), before any step runs."""
+    from slackswap.errors import InfeasibleBudgetError
+    from slackswap.experiment.export_plan import pytorch_peak_bytes
+    from tests.runtime_support import FRACTIONS, capture
+
+    c = capture("tiny", layers=2)
+    model = c.workload.model
+    checked = 0
+    for planner in ["slackswap", "full_recompute", "recompute_knapsack", "torch_sac"]:
+        for fraction in FRACTIONS[:-1]:
+            budget = int(c.keep_all_peak_bytes * fraction)
+            try:
+                plan = plan_for_export(get_planner(planner), c.graph, model, h200(), budget)
+            except InfeasibleBudgetError:
+                continue
+            peak = pytorch_peak_bytes(c.graph, plan, h200(), "eager")
+            assert peak == plan.notes["pytorch_peak_bytes"] <= budget, (planner, fraction)
+            checked += 1
+    assert checked >= 4

@@ -602,10 +602,14 @@ class PlanExport:
         return sum({**count.autograd, **self.record.saved_storages}.values())
 
     def _note_outputs(self, out: object) -> None:
-        """The layer's returned tensors stay alive as the next layer's input: any policy on them is moot."""
+        """The layer's returned tensors that a later layer or an op outside reads (`LAYER_OUTPUT` in the
+        facts) stay alive as its input: any policy on them is moot. A returned tensor nobody reads
+        (Falcon's attention probabilities) is held by the caller only until its hold in the graph ends
+        (`Tensor.held_until`, which the plan prices) and its policy is executed as planned."""
+        outputs = {n for n, why in self.facts().fixed_keep.items() if why == LAYER_OUTPUT}
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                for n in self._last_names.get(_storage(leaf), ()):
+                for n in (x for x in self._last_names.get(_storage(leaf), ()) if x in outputs):
                     self.record.region_outputs.add(n)
                     self.record.applied[n] = CheckpointPolicy.MUST_SAVE
 

@@ -106,6 +106,8 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
         for t in ops[op_name].outputs:
             if t in saved:
                 fixed.setdefault(t, reason)
+            elif reason in (IN_PLACE, RANDOM) and t in graph.candidate_names:
+                held.setdefault(t, reason)  # cached whole with its op (Falcon's scores /= ...): held
 
     for name in sorted(saved):
         if region_of(module_path(name), regions) is None:
