@@ -62,19 +62,20 @@ def stack(layer, width: int = 16, rows: int = 8) -> Captured:
     return capture_module(f"stack_{layer.__name__.lower()}", model, batch, lambda out: out.square().mean())
 
 
-def hf_causal_lm(config_class: str, *, dtype: torch.dtype = torch.float32, **overrides: object) -> Captured:
-    """A 2-layer causal LM of `transformers.<config_class>` (width 64, 4 heads, 2 KV heads, seq 16, batch 2),
-    eager attention, random weights from seed 0, a random token batch as its own labels."""
+def hf_causal_lm(config_class: str, *, dtype: torch.dtype = torch.float32, seq: int = 16, batch_size: int = 2,
+                 **overrides: object) -> Captured:
+    """A 2-layer causal LM of `transformers.<config_class>` (width 64, 4 heads, 2 KV heads, seq 16, batch 2 unless
+    given), eager attention, random weights from seed 0, a random token batch as its own labels."""
     import transformers
 
     cfg = getattr(transformers, config_class)(**{
         "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **overrides})
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": max(64, seq), **overrides})
     cfg._attn_implementation = "eager"
     cfg.use_cache = False
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
-    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(0, 64, (batch_size, seq), generator=torch.Generator().manual_seed(0))
 
     def loss_fn(out) -> torch.Tensor:
         logits = out.logits.float()

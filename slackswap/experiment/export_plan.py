@@ -32,16 +32,17 @@ def export_plan_graph(graph: Graph, model: object, compile: bool = False) -> Gra
 
 
 def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Hardware,
-                    budget_bytes: int | None, compile: bool = False) -> Plan:
+                    budget_bytes: int | None, compile: bool = False, fit_pytorch_placement: bool = True) -> Plan:
     """`planner`'s plan of `graph` (captured by `slackswap.runtime.capture_graph` from `model`) with every
     tensor PyTorch keeps whatever a plan says kept, the tensors one policy decides together decided
     alike and no decision for a candidate nothing keeps, its peak within `budget_bytes`
-    and its peak as PyTorch places the decisions (`within_pytorchs_peak`) too (`InfeasibleBudgetError`
-    with the reason otherwise), every tensor at the bytes the export's executor
-    stores: `compile`, the compiled step's (`export_plan_graph`), else CPU eager's. `PlanExport(plan,
-    graph, model)` then executes every decision as planned (eager: `step_differences()` is empty;
-    compiled, with `compile`: the partition saves the planned bytes). The plan's notes say which
-    executor it was made for (`export_executor`), and `PlanExport` checks against that graph."""
+    and, unless `fit_pytorch_placement` is false, its peak as PyTorch places the decisions
+    (`within_pytorchs_peak`) too (`InfeasibleBudgetError` with the reason otherwise), every tensor at
+    the bytes the export's executor stores: `compile`, the compiled step's (`export_plan_graph`), else
+    CPU eager's. `PlanExport(plan, graph, model)` then executes every decision as planned (eager:
+    `step_differences()` is empty; compiled, with `compile`: the partition saves the planned bytes).
+    The plan's notes say which executor it was made for (`export_executor`), and `PlanExport` checks
+    against that graph."""
     from slackswap.runtime.export_facts import export_facts, layer_paths
     from slackswap.runtime.export_graph import priced_for
 
@@ -53,6 +54,8 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
         return plan_with_fixed_keep(planner, graph, hardware, inner_budget, facts.fixed_keep, facts.tied,
                                     facts.not_kept, held, cached_together=facts.cached_together)
 
+    if not fit_pytorch_placement:  # the plan within its own replay only (a benchmark timing a fixed budget)
+        return priced_for(plan_at(budget_bytes), compile)
     plan = within_pytorchs_peak(graph, hardware, budget_bytes, "compiled" if compile else "eager", plan_at,
                                 planner.name)
     return priced_for(plan, compile)
