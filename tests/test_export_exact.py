@@ -152,30 +152,3 @@ def test_every_plan_made_for_the_export_fits_its_budget_as_pytorch_places_it() -
             assert peak == plan.notes["pytorch_peak_bytes"] <= budget, (planner, fraction)
             checked += 1
     assert checked >= 4
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("config_class", ["Qwen3Config", "Qwen2Config", "Gemma2Config"])
-def test_an_exported_steps_measured_peak_is_within_its_budget(config_class: str) -> None:
-    """The CPU allocator's peak of one exported step (the profiler's memory events, as
-    benchmarks/runtime_overhead.py reads them; recompute-only planners, so no host copy counts) is within
-    the budget, or the plan was refused before the step. Before: recompute_knapsack on Qwen3 at 80 %,
-    21,181,272 B against 18,060,902 (+17.3 %): PyTorch's replay re-runs every uncached op of a layer."""
-    from benchmarks.runtime_overhead import peak_cpu_bytes
-    from slackswap.errors import InfeasibleBudgetError
-
-    c = hf_causal_lm(config_class, seq=128, batch_size=4)
-    model = c.workload.model
-    ran = 0
-    for planner in ("recompute_knapsack", "full_recompute", "torch_sac"):
-        for fraction in (0.7, 0.8, 0.9):
-            budget = int(c.keep_all_peak_bytes * fraction)
-            try:
-                plan = plan_for_export(get_planner(planner), c.graph, model, h200(), budget)
-            except InfeasibleBudgetError:
-                continue
-            export = PlanExport(plan, c.graph, model)
-            peak = peak_cpu_bytes(lambda export=export: step_under(c.workload, export.installed(model)))
-            assert peak <= budget, (planner, fraction, peak, budget)
-            ran += 1
-    assert ran >= 3
