@@ -680,8 +680,8 @@ class PlanExport:
                                                 "the layer's forward under checkpoint made no such tensor"))
                 elif DOES[applied] != WANTS[decision]:
                     out.append(ExportDifference(name, str(decision), DOES[applied], self._why(name, applied)))
-        return out + cached_differences(self.record.saved_storages, self.record.names_of, self.plan.decisions,
-                                        {d.tensor for d in out})
+        return out + [ExportDifference(*d) for d in cached_differences(
+            self.record.saved_storages, self.record.names_of, self.plan.decisions, {d.tensor for d in out})]
 
     def effective_decisions(self) -> dict[str, Decision]:
         """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside

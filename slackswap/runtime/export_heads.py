@@ -45,11 +45,11 @@ def name_storages(names_of: dict, named: list, leaves: list) -> None:
             names_of[key] = (name, StorageWeakRef(storage))
 
 
-def cached_differences(saved_storages: dict, names_of: dict, decisions: dict, named: set) -> list:
-    """One `ExportDifference` per storage the step's caches held whose identity the plan does not keep
-    (and no earlier difference named): decision "none" for a tensor the plan does not decide."""
+def cached_differences(saved_storages: dict, names_of: dict, decisions: dict, named: set) -> list[tuple]:
+    """(tensor, decision, exported, reason) of an `ExportDifference` per storage the step's caches held
+    whose identity the plan does not keep (and no earlier difference named): decision "none" for a
+    tensor the plan does not decide."""
     from slackswap.plan import Decision
-    from slackswap.runtime.export import ExportDifference
 
     out = []
     for storage in saved_storages:
@@ -57,7 +57,7 @@ def cached_differences(saved_storages: dict, names_of: dict, decisions: dict, na
         if name is None or name in named or decisions.get(name) == Decision.KEEP:
             continue
         named.add(name)
-        out.append(ExportDifference(name, str(decisions.get(name, "none")), "saved", CACHED_WITH_OP))
+        out.append((name, str(decisions.get(name, "none")), "saved", CACHED_WITH_OP))
     return out
 
 

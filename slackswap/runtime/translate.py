@@ -25,16 +25,16 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
-from slackswap.planners.base import Planner, gib
 from slackswap.runtime.executor import PlanMismatchError
 
 
 def plan_on_captured(plan: Plan, traced: Graph, captured: Graph, hardware: Hardware,
-                     planner: Planner | None = None) -> Plan:
+                     planner: object | None = None) -> Plan:
     """`plan` (made on `traced`) with the same decisions, scheduled on `captured`, its replayed peak there
     within `plan.budget_bytes`. Over the budget: `planner`'s own plan of `captured` at that budget (its
-    notes say why), or without a planner `InfeasibleBudgetError` naming both peaks. Named error on a
-    mismatch of the saved tensors."""
+    notes say why; any object with `plan(graph, hardware, budget_bytes)`, a planner of the registry:
+    the runtime sits below the planners), or without a planner `InfeasibleBudgetError` naming both
+    peaks. Named error on a mismatch of the saved tensors."""
     from slackswap.schedule.build import build_schedule
     from slackswap.schedule.replay import estimate_plan
 
@@ -60,8 +60,8 @@ def plan_on_captured(plan: Plan, traced: Graph, captured: Graph, hardware: Hardw
     peak = estimate_plan(captured, moved, hardware).peak_bytes
     if peak <= budget:
         return moved
-    why = (f"plan {plan.planner!r} of graph {traced.name!r} peaks at {gib(peak)} ({peak} B) on the captured graph "
-           f"{captured.name!r}, over its budget {gib(budget)} ({budget} B) by {100 * (peak - budget) / budget:.1f} %: "
+    why = (f"plan {plan.planner!r} of graph {traced.name!r} peaks at {peak} B on the captured graph "
+           f"{captured.name!r}, over its budget {budget} B by {100 * (peak - budget) / budget:.1f} %: "
            "the captured step holds what the traced one does not count (weight gradients to the step's end) "
            "and runs the decisions at other positions")
     if planner is None:
