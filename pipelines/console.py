@@ -115,7 +115,8 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
     ) or {}  # fmt: skip
     if torch_node or m.get("analytic_keep_all_peak_bytes") is not None:
         builder = torch_node.get("builder", resolved["model"]["family"])
-        what = f"hook {torch_node['hook']}" if builder == "hook" else builder
+        what = (f"hook {torch_node['hook']}" if builder == "hook" else
+                f"hf {torch_node['config_class']}" if builder == "hf" else builder)
         line = (
             f"profile      traced {what} ({torch_node.get('attention', 'default')} attention, "
             f"{torch_node.get('semantics', 'default')} kernels): "

@@ -221,7 +221,10 @@ def run_job(cfg: DictConfig) -> RunRecord:
     if error is not None and not ctx.multirun:
         if faults.full_error():
             raise error
-        raise faults.Abort(failed_run_line(record, ctx.run_dir))
+        # A bad input found while running (a model the tracer cannot follow: a ConfigError naming the
+        # op and the module) exits as every bad config value does, with 2; anything else with 1.
+        code = faults.EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else 1
+        raise faults.Abort(failed_run_line(record, ctx.run_dir), code=code)
     return record
 
 

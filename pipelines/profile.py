@@ -59,7 +59,7 @@ def profile_stage(cfg: DictConfig) -> None:
     parallel = ParallelConfig.from_dict(OmegaConf.to_container(cfg.parallel, resolve=True))
     graph = profile_graph(source, model, hardware, None, parallel, **options)  # one rank's graph under a layout
     reference = None
-    if source == "torch" and options.get("builder") != "hook":  # no analytic twin of a user's module
+    if source == "torch" and options.get("builder") not in ("hook", "hf"):  # no analytic twin of a user's module
         reference = build_graph(analytic_twin(model, spec_from_options(model, options)), hardware)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     write_profile_csv(graph, run_dir / "profile.csv", reference=reference)

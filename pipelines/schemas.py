@@ -38,6 +38,7 @@ class TorchSchema:
     attention: str = "eager"
     semantics: str = "cuda"
     hook: str = ""
+    config_class: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -71,12 +71,6 @@ class ModelConfig:
             raise ConfigError(
                 "model.num_kv_heads", self.num_kv_heads, f"does not divide model.num_heads={self.num_heads}"
             )
-        if self.family != "llama" and self.num_kv_heads != self.num_heads:
-            raise ConfigError(
-                "model.num_kv_heads",
-                self.num_kv_heads,
-                f"grouped-query attention is only modelled for the llama family, not {self.family!r}",
-            )
 
     @property
     def head_dim(self) -> int:

@@ -51,7 +51,8 @@ def pytorch_plan(graph: Graph, plan: Plan, decisions: Mapping[str, Decision], ha
             if tensor.saved and tensor.layer != NO_LAYER:
                 first_reader.setdefault(tensor.layer, j)
     if mode == "eager":
-        new_steps, index = _recompute_at_layer_start(graph, steps, first_reader)
+        extra = _replayed_transients(graph, steps, first_reader, decisions)
+        new_steps, index = _recompute_at_layer_start(graph, steps, first_reader, extra)
     else:
         new_steps, index = steps, list(range(len(steps)))
     block_start = {layer: index[j] for layer, j in first_reader.items()}
@@ -77,8 +78,32 @@ def pytorch_plan(graph: Graph, plan: Plan, decisions: Mapping[str, Decision], ha
                    graph_fingerprint=plan.graph_fingerprint or base.graph_fingerprint)
 
 
-def _recompute_at_layer_start(graph: Graph, steps: list[ComputeStep], first_reader: dict[int, int]):
-    """Every recompute step of a layer moved, in order, right before the layer's first backward reader."""
+def _replayed_transients(graph: Graph, steps: list[ComputeStep], first_reader: dict[int, int],
+                         decisions: Mapping[str, Decision]) -> dict[int, list[ComputeStep]]:
+    """Eager: the recompute replays the layer's forward up to its last op with a saved output, and every op
+    on the way that is not cached (no output kept or swapped) runs again, its outputs alive until the
+    replay's later ops no longer read them (the attention scores a cached softmax was made from). The
+    plan's own recomputes cover the tensors it decided; the others are recompute steps of the layer's
+    block (first backward reader's step index -> steps), which `_recompute_at_layer_start` places."""
+    have = {t for st in steps if st.kind == StepKind.RECOMPUTE for t in st.outputs}
+    cached = {t for t, d in decisions.items() if d in (Decision.KEEP, Decision.SWAP)}
+    added: dict[int, list[ComputeStep]] = {}
+    for layer, j in first_reader.items():
+        ops = [op for op in graph.forward_ops if op.layer == layer]
+        last = max((i for i, op in enumerate(ops) if any(graph.tensors[t].saved for t in op.outputs)), default=-1)
+        for op in ops[:last + 1]:
+            outs = tuple(t for t in op.outputs if not graph.tensors[t].base)
+            if not outs or cached.intersection(op.outputs) or have.intersection(op.outputs):
+                continue
+            added.setdefault(j, []).append(ComputeStep(op.name, StepKind.RECOMPUTE, outs))
+    return added
+
+
+def _recompute_at_layer_start(graph: Graph, steps: list[ComputeStep], first_reader: dict[int, int],
+                              extra: Mapping[int, list[ComputeStep]] | None = None):
+    """Every recompute step of a layer moved right before the layer's first backward reader, with the
+    `extra` steps of that reader, in the forward order of their ops (the order the replay runs them).
+    Returns the new steps and, per old step, its new index."""
     moved: dict[int, list[int]] = {}
     for j, step in enumerate(steps):
         if step.kind == StepKind.RECOMPUTE:
@@ -86,12 +111,16 @@ def _recompute_at_layer_start(graph: Graph, steps: list[ComputeStep], first_read
             if layer in first_reader and first_reader[layer] < j:
                 moved.setdefault(first_reader[layer], []).append(j)
     skip = {j for js in moved.values() for j in js}
+    order = graph.op_index
     new_steps: list[ComputeStep] = []
     index = [0] * len(steps)
     for j, step in enumerate(steps):
-        for m in moved.get(j, ()):
-            index[m] = len(new_steps)
-            new_steps.append(steps[m])
+        block = [(order[steps[m].op], 0, m, steps[m]) for m in moved.get(j, ())]
+        block += [(order[x.op], 1, -1, x) for x in (extra or {}).get(j, ())]
+        for _, _, m, x in sorted(block, key=lambda e: (e[0], e[1])):
+            if m >= 0:
+                index[m] = len(new_steps)
+            new_steps.append(x)
         if j in skip:
             continue
         index[j] = len(new_steps)

@@ -111,12 +111,13 @@ def test_plan_of_the_traced_graph_runs_on_the_captured_one(planner: str) -> None
 
     c = captured("gpt2")
     traced = build_torch_graph(*small_config("gpt2"), h200())
-    budget = int(simulate_ideal(traced, h200()).peak_activation_bytes * 0.6)
+    budget = int(simulate_ideal(traced, h200()).peak_activation_bytes * 0.8)
     from slackswap.planners.registry import get_planner
 
     plan = get_planner(planner).plan(traced, h200(), budget)
-    runnable = plan_on_captured(plan, traced, c.graph, h200())
-    assert dict(runnable.decisions) == dict(plan.decisions)
+    # Over its budget on the captured graph, the plan is made again there (tests/test_translate_budget.py).
+    runnable = plan_on_captured(plan, traced, c.graph, h200(), planner=get_planner(planner))
+    assert dict(runnable.decisions) == dict(plan.decisions) or runnable.notes["replanned_on"] == c.graph.name
     loss, grads, report = run_step(c.workload, runnable, c.graph)
     assert bit_equal(c.reference, loss, grads)
     assert (report.recompute_steps, report.offloads) == (

@@ -75,11 +75,12 @@ def test_the_mask_bytes_come_from_native_dropouts_meta_kernel() -> None:
 def test_a_plan_made_for_the_compiled_export_is_priced_on_the_compiled_graph() -> None:
     """plan_for_export(compile=True) plans the compiled graph: its notes say so, PlanExport checks against
     that graph (given the captured one), its kept bytes price each mask at its compiled bytes and its
-    simulated peak, within the budget, is below the eager plan's on the captured graph; the eager plan
-    stays on the captured graph."""
+    simulated peak is within the budget; the eager plan stays on the captured graph. (Its peak is no longer
+    compared with the eager plan's: plan_for_export now plans the eager one lower, to fit PyTorch's eager
+    replay of it to the budget.)"""
     c = tiny()
     model = c.workload.model
-    budget = int(c.keep_all_peak_bytes * 0.7)
+    budget = int(c.keep_all_peak_bytes * 0.9)  # at 0.7 refused: PyTorch's eager replay peaks over it
     eager = plan_for_export(get_planner("slackswap"), c.graph, model, h200(), budget)
     compiled = plan_for_export(get_planner("slackswap"), c.graph, model, h200(), budget, compile=True)
     assert eager.notes[EXPORT_EXECUTOR] == "eager" and compiled.notes[EXPORT_EXECUTOR] == "compile"
@@ -95,7 +96,6 @@ def test_a_plan_made_for_the_compiled_export_is_priced_on_the_compiled_graph() -
     assert kept(compiled, g) == kept(compiled, c.graph) - sum(b - g.tensors[n].size_bytes for n, b in masks.items())
     sim = simulate(g, compiled, h200(), budget)
     assert sim.peak_activation_bytes <= budget
-    assert sim.peak_activation_bytes < simulate(c.graph, eager, h200(), budget).peak_activation_bytes
 
 
 def test_a_plan_is_installed_only_on_the_executor_it_was_priced_for() -> None:
@@ -107,7 +107,7 @@ def test_a_plan_is_installed_only_on_the_executor_it_was_priced_for() -> None:
 
     c = tiny()
     model = c.workload.model
-    budget = int(c.keep_all_peak_bytes * 0.7)
+    budget = int(c.keep_all_peak_bytes * 0.9)
     compiled_graph = export_plan_graph(c.graph, model, compile=True)
     for made, asked, graph in ((True, False, c.graph), (False, True, c.graph), (True, False, compiled_graph)):
         plan = plan_for_export(get_planner("slackswap"), c.graph, model, h200(), budget, compile=made)

@@ -59,8 +59,8 @@ def load_baseline(spec: RunSpec) -> tuple[Baseline, bool]:
     if not ideal.feasible:
         raise RuntimeError(f"the keep-all plan with no memory limit is infeasible: {ideal.infeasible_reason}")
     analytic_peak = analytic = None
-    if spec.torch_spec is not None and spec.torch_spec.builder != "hook":
-        # The analytic twin has the traced model's shape and attention; a user's hook model is any
+    if spec.torch_spec is not None and spec.torch_spec.builder not in ("hook", "hf"):
+        # The analytic twin has the traced model's shape and attention; a user's hook or hf model is any
         # module, which no analytic graph describes: no comparison rather than a meaningless one.
         analytic = build_graph(analytic_twin(spec.model, spec.torch_spec), spec.hardware, spec.training)
         analytic_peak = int(simulate_ideal(analytic, spec.hardware).peak_activation_bytes)

@@ -11,10 +11,13 @@ imported when the function runs, so importing this module needs no torch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
-from slackswap.planners.base import Planner
+from slackswap.planners.base import Planner, gib
 from slackswap.planners.support.fixed_keep import plan_with_fixed_keep
 
 
@@ -29,24 +32,75 @@ def export_plan_graph(graph: Graph, model: object, compile: bool = False) -> Gra
 
 
 def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Hardware,
-                    budget_bytes: int | None, compile: bool = False) -> Plan:
+                    budget_bytes: int | None, compile: bool = False, fit_pytorch_placement: bool = True) -> Plan:
     """`planner`'s plan of `graph` (captured by `slackswap.runtime.capture_graph` from `model`) with every
     tensor PyTorch keeps whatever a plan says kept, the tensors one policy decides together decided
     alike and no decision for a candidate nothing keeps, its peak within `budget_bytes`
-    (`InfeasibleBudgetError` with the reason otherwise), every tensor at the bytes the export's executor
-    stores: `compile`, the compiled step's (`export_plan_graph`), else CPU eager's. `PlanExport(plan,
-    graph, model)` then executes every decision as planned (eager: `step_differences()` is empty;
-    compiled, with `compile`: the partition saves the planned bytes). The plan's notes say which
-    executor it was made for (`export_executor`), and `PlanExport` checks against that graph."""
+    and, unless `fit_pytorch_placement` is false, its peak as PyTorch places the decisions
+    (`within_pytorchs_peak`) too (`InfeasibleBudgetError` with the reason otherwise), every tensor at
+    the bytes the export's executor stores: `compile`, the compiled step's (`export_plan_graph`), else
+    CPU eager's. `PlanExport(plan, graph, model)` then executes every decision as planned (eager:
+    `step_differences()` is empty; compiled, with `compile`: the partition saves the planned bytes).
+    The plan's notes say which executor it was made for (`export_executor`), and `PlanExport` checks
+    against that graph."""
     from slackswap.runtime.export_facts import export_facts, layer_paths
     from slackswap.runtime.export_graph import priced_for
 
     graph = export_plan_graph(graph, model, compile)
     facts = export_facts(graph, layer_paths(model))
     held = [t for t in facts.held_inputs if t in graph.candidate_names]
-    plan = plan_with_fixed_keep(planner, graph, hardware, budget_bytes, facts.fixed_keep, facts.tied,
-                                facts.not_kept, held)
+
+    def plan_at(inner_budget: int | None) -> Plan:
+        return plan_with_fixed_keep(planner, graph, hardware, inner_budget, facts.fixed_keep, facts.tied,
+                                    facts.not_kept, held, cached_together=facts.cached_together)
+
+    if not fit_pytorch_placement:  # the plan within its own replay only (a benchmark timing a fixed budget)
+        return priced_for(plan_at(budget_bytes), compile)
+    plan = within_pytorchs_peak(graph, hardware, budget_bytes, "compiled" if compile else "eager", plan_at,
+                                planner.name)
     return priced_for(plan, compile)
 
 
-__all__ = ["export_plan_graph", "plan_for_export"]
+def pytorch_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, mode: str) -> int:
+    """The replayed activation peak of `plan` as PyTorch places its decisions (`mode` "eager": each
+    layer's recomputes in one block before its first backward reader, reloads there; "compiled": the
+    partitioner's placement), `slackswap.pytorch_execution.pytorch_plan`."""
+    from slackswap.pytorch_execution import pytorch_plan
+    from slackswap.schedule.replay import estimate_plan
+
+    return estimate_plan(graph, pytorch_plan(graph, plan, dict(plan.decisions), hardware, mode), hardware).peak_bytes
+
+
+def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | None, mode: str,
+                         plan_at, planner_name: str, max_rounds: int = 4) -> Plan:
+    """`plan_at(inner_budget)`'s plan whose peak as PyTorch executes it fits `budget_bytes`: PyTorch
+    recomputes a layer's tensors all at once, before its first backward reader, where the plan's own
+    schedule recomputes each right before its reader, so a plan within its budget can run over it.
+    Over it, planned again with the inner budget lowered by the excess (at most `max_rounds` times);
+    still over: `InfeasibleBudgetError` naming both peaks. Refused before the step runs, not after."""
+    plan = plan_at(budget_bytes)
+    if budget_bytes is None:
+        return plan
+    inner = budget_bytes
+    for round_ in range(max_rounds + 1):
+        peak = pytorch_peak_bytes(graph, plan, hardware, mode)
+        excess = peak - budget_bytes
+        if excess <= 0:
+            return replace(plan, notes={**dict(plan.notes), "pytorch_peak_bytes": peak,
+                                        "pytorch_peak_rounds": round_})
+        if round_ == max_rounds or inner - excess <= 0:
+            break
+        inner -= excess
+        try:
+            plan = plan_at(inner)
+        except InfeasibleBudgetError as exc:
+            raise InfeasibleBudgetError(
+                f"{planner_name}: its plan within {gib(budget_bytes)} peaks at {gib(peak)} as PyTorch's {mode} "
+                f"checkpointing runs it (a layer's recomputes at once); planned again at {gib(inner)}: {exc}") from None
+    raise InfeasibleBudgetError(
+        f"{planner_name}: the plan made for the export peaks at {gib(peak)} ({peak} B) as PyTorch's {mode} "
+        f"checkpointing runs it (a layer's recomputes at once, before its first backward reader), over the budget "
+        f"{gib(budget_bytes)} ({budget_bytes} B) after {round_ + 1} round(s) of planning lower")
+
+
+__all__ = ["export_plan_graph", "plan_for_export", "pytorch_peak_bytes", "within_pytorchs_peak"]

@@ -104,21 +104,31 @@ class RunOutcome:
         return () if self.plan is None else tuple(self.plan.tensors_with(Decision.RECOMPUTE))
 
 
-def device_capacity(spec: RunSpec) -> DeviceCapacity:
-    """Device memory - reserve - static training state per GPU (`slackswap.memory.static`)."""
-    from slackswap.memory.static import static_memory
+def model_parameter_counts(spec: RunSpec, graph: Graph | None = None) -> tuple[int, int]:
+    """(parameters, largest parameter group) of the run's model: a traced graph's own (the module's
+    parameters, counted by the tracer: a user's model is not the analytic family of its shape keys),
+    else the analytic model's (`slackswap.profile.parameter_counts`)."""
+    if graph is not None and graph.meta.get("source") == "torch" and "num_params" in graph.meta:
+        return int(graph.meta["num_params"]), int(graph.meta.get("max_unit_params") or graph.meta["num_params"])
     from slackswap.profile import parameter_counts
 
-    static = static_memory(*parameter_counts(spec.model, spec.parallel), spec.training, spec.model.dtype)
+    return parameter_counts(spec.model, spec.parallel)
+
+
+def device_capacity(spec: RunSpec, graph: Graph | None = None) -> DeviceCapacity:
+    """Device memory - reserve - static training state per GPU (`slackswap.memory.static`), of the
+    parameters `model_parameter_counts` gives (the traced module's with `graph`)."""
+    from slackswap.memory.static import static_memory
+
+    static = static_memory(*model_parameter_counts(spec, graph), spec.training, spec.model.dtype)
     return DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes, static)
 
 
-def suggest_shards(spec: RunSpec) -> tuple[int, int] | None:
+def suggest_shards(spec: RunSpec, graph: Graph | None = None) -> tuple[int, int] | None:
     from slackswap.memory.static import smallest_fitting_shards
-    from slackswap.profile import parameter_counts
 
     return smallest_fitting_shards(
-        *parameter_counts(spec.model, spec.parallel),
+        *model_parameter_counts(spec, graph),
         spec.training,
         spec.model.dtype,
         spec.hardware.device_memory_bytes,
@@ -138,7 +148,7 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
     timings["profile_s"] = 0.0 if hit else base.profile_wall_s
     timings["ideal_sim_s"] = 0.0 if hit else base.ideal_sim_wall_s
     ideal = base.ideal
-    capacity = device_capacity(spec)
+    capacity = device_capacity(spec, base.graph)
 
     def outcome(verdict: Verdict, reason: str, simulation: Mapping[str, Any], budget: int | None,
                 fitted: FittedPlan | None = None) -> RunOutcome:
@@ -148,7 +158,7 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
 
     if spec.budget.device and not capacity.fits:
         # Static memory alone fills the device: a result (infeasible), reported term by term.
-        reason = capacity_reason(capacity, suggest_shards(spec))
+        reason = capacity_reason(capacity, suggest_shards(spec, base.graph))
         return outcome(Verdict.INFEASIBLE, f"device memory: {reason}", unsimulated_metrics(ideal, None, reason), None)
     budget_bytes = spec.budget.resolve_bytes(base.keep_all_peak_bytes, capacity.activation_capacity_bytes)
 

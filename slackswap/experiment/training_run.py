@@ -175,7 +175,7 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     progress.building(spec)
     w = build_training_workload(spec.model, spec.torch_spec, spec.device, spec.seed)
     t0 = time.perf_counter()
-    graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, f"{spec.model.name}@{hardware.name}")
+    graph = capture_graph(w.model, w.inputs, w.loss_fn, hardware, f"{spec.model.name}@{hardware.name}")
     capture_s = time.perf_counter() - t0
     ideal = simulate_ideal(graph, hardware)
     budget_bytes = spec.budget.resolve_bytes(ideal.peak_activation_bytes)

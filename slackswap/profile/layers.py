@@ -386,6 +386,10 @@ def build_forward(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig
     `parallel`, which must divide the model) into `gb`."""
     if model.family == "llama" and model.dropout:
         raise ConfigError("model.dropout", model.dropout, "the llama family has no dropout; set model.dropout=false")
+    if model.family != "llama" and model.num_kv_heads != model.num_heads:
+        # The analytic families' limit, not the model's: a traced model (model.torch) has any attention.
+        raise ConfigError("model.num_kv_heads", model.num_kv_heads,
+                          f"grouped-query attention is only modelled for the llama family, not {model.family!r}")
     parallel.check_model(model)
     fb = FamilyBuilder(model, gb, parallel)
     layer_fn = {"bert": fb.bert_layer, "gpt2": fb.gpt2_layer, "llama": fb.llama_layer}[model.family]

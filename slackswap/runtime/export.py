@@ -53,6 +53,7 @@ from slackswap.runtime.export_facts import (
     OUTSIDE,
     RANDOM,
     SEVERAL_OUTPUTS,
+    VERSION_READ,
     export_facts,
     layer_paths,
     module_path,
@@ -64,6 +65,7 @@ from slackswap.runtime.export_graph import (
     graph_for_compile,
     made_for_compile,
 )
+from slackswap.runtime.export_heads import cached_differences, head_outputs, name_storages, weak_outputs
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
@@ -131,10 +133,14 @@ class StepRecord:
     region_outputs: set[str] = field(default_factory=set)
     #: Identities saved because their op is random (a recompute must draw the same numbers).
     random: set[str] = field(default_factory=set)
+    #: Identities saved because their op read a version a later in-place op overwrote (`VERSION_READ`).
+    version_read: set[str] = field(default_factory=set)
     offloaded_bytes: int = 0
     saved_bytes: int = 0
     #: Storage -> bytes of every tensor the layers' checkpoint caches save (eager): `saved_bytes` by storage.
     saved_storages: dict[int, int] = field(default_factory=dict)
+    #: Storage -> (identity of the op output that made it, weak reference) (eager): names what caches hold.
+    names_of: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,7 +224,8 @@ class _RegionPolicy:
             named = self._dropout_names(path)
         names = [n for n, _ in named]
         decided = [(n, self.decisions[n]) for n in names if n in self.decisions]
-        if random:
+        read_old = not self.compiled and any(n in self.export.facts().version_readers for n in names)
+        if random or read_old:
             policy = CheckpointPolicy.MUST_SAVE
         elif not decided:
             policy = CheckpointPolicy.PREFER_RECOMPUTE
@@ -232,9 +239,12 @@ class _RegionPolicy:
             self.export.record.applied[n] = policy
             if random:
                 self.export.record.random.add(n)
+            elif read_old:
+                self.export.record.version_read.add(n)
         if self.compiled:
             self._tag_nodes(named, leaves)
         else:
+            name_storages(self.export.record.names_of, named, leaves)
             for leaf, f in zip(leaves, fresh, strict=False):
                 if f and isinstance(leaf, torch.Tensor):
                     self.chain[_storage(leaf)] = [n for n, _ in decided]
@@ -299,7 +309,7 @@ class _SaveMode(TorchDispatchMode):
         self.policy, self.storage, self.export = policy, storage, export
         self.counter: dict[object, int] = defaultdict(int)
         #: Storage -> (storage key of the op that created it, its policy), for in-place chains.
-        self.heads: dict[int, tuple[tuple, CheckpointPolicy]] = {}
+        self.heads: dict[int, tuple[tuple, CheckpointPolicy, object]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -314,18 +324,18 @@ class _SaveMode(TorchDispatchMode):
         written = [args[i] for i in writes_into(func) if i < len(args) and isinstance(args[i], torch.Tensor)]
         head = self.heads.get(_storage(written[0])) if written else None
         if head is not None:
-            key, head_policy = head
+            key, head_policy, shape = head
             if head_policy not in _SAVE:  # the head returns the chain's final tensor at replay
                 self._undo(key)
-                self.storage[key] = _Entry("save", _detach(written[0]))
+                self.storage[key] = _Entry("save", head_outputs(shape, key))
                 self.export.record.saved_bytes += written[0].untyped_storage().nbytes()
                 self.export.record.saved_storages[_storage(written[0])] = written[0].untyped_storage().nbytes()
-                self.heads[_storage(written[0])] = (key, CheckpointPolicy.MUST_SAVE)
+                self.heads[_storage(written[0])] = (key, CheckpointPolicy.MUST_SAVE, shape)
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             return out
         for leaf, f in zip(tree_leaves(out), fresh_output_flags(func, out), strict=False):
             if f and isinstance(leaf, torch.Tensor):
-                self.heads[_storage(leaf)] = ((func, idx), policy)
+                self.heads[_storage(leaf)] = ((func, idx), policy, weak_outputs(out))
         if policy in _SAVE:
             self.storage[(func, idx)] = _Entry("save", tree_map(_detach, out))
             self.export.record.saved_bytes += _fresh_bytes(func, out)
@@ -594,10 +604,14 @@ class PlanExport:
         return sum({**count.autograd, **self.record.saved_storages}.values())
 
     def _note_outputs(self, out: object) -> None:
-        """The layer's returned tensors stay alive as the next layer's input: any policy on them is moot."""
+        """The layer's returned tensors that a later layer or an op outside reads (`LAYER_OUTPUT` in the
+        facts) stay alive as its input: any policy on them is moot. A returned tensor nobody reads
+        (Falcon's attention probabilities) is held by the caller only until its hold in the graph ends
+        (`Tensor.held_until`, which the plan prices) and its policy is executed as planned."""
+        outputs = {n for n, why in self.facts().fixed_keep.items() if why == LAYER_OUTPUT}
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                for n in self._last_names.get(_storage(leaf), ()):
+                for n in (x for x in self._last_names.get(_storage(leaf), ()) if x in outputs):
                     self.record.region_outputs.add(n)
                     self.record.applied[n] = CheckpointPolicy.MUST_SAVE
 
@@ -668,7 +682,8 @@ class PlanExport:
                                                 "the layer's forward under checkpoint made no such tensor"))
                 elif DOES[applied] != WANTS[decision]:
                     out.append(ExportDifference(name, str(decision), DOES[applied], self._why(name, applied)))
-        return out
+        return out + [ExportDifference(*d) for d in cached_differences(
+            self.record.saved_storages, self.record.names_of, self.plan.decisions, {d.tensor for d in out})]
 
     def effective_decisions(self) -> dict[str, Decision]:
         """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside
@@ -695,6 +710,8 @@ class PlanExport:
             return LAYER_OUTPUT
         if name in self.record.random:
             return RANDOM
+        if name in self.record.version_read:
+            return VERSION_READ
         return SEVERAL_OUTPUTS
 
     def facts(self):

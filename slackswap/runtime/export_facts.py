@@ -37,6 +37,9 @@ LAYER_OUTPUT = ("an output of its layer: the next layer's checkpoint (or an op o
 IN_PLACE = ("an in-place op wrote into it after its op (CPU dropout's bernoulli_ and div_): a replay cannot redo "
             "the writes into the tensor the caller holds, so the chain is saved")
 RANDOM = "a random op's output: saved so a recompute draws the same numbers"
+VERSION_READ = ("it read a tensor of its layer that a later in-place op overwrites (Mixtral's router: topk, then "
+                "sum, then div_ into topk's values): the checkpoint's cache holds that tensor's last version only, so "
+                "a recompute would read the overwritten one; saved so the recompute never runs it")
 SEVERAL_OUTPUTS = "its op also makes a tensor the plan decides otherwise: one policy per op"
 LAYER_INPUT = ("an input of a layer autograd does not save: the layer's checkpoint holds it for the recompute "
                "until the layer's backward, whatever the plan")
@@ -77,6 +80,14 @@ class ExportFacts:
     #: Tensors autograd does not save that a layer reads from outside it (an attention mask made once
     #: for all layers): the layer's checkpoint holds them for its recompute, so they are kept.
     held_inputs: Mapping[str, str] = field(default_factory=dict)
+    #: Per op inside a layer with a saved output or several candidate outputs: every output a plan can
+    #: decide (saved tensors and checkpoint candidates). Selective checkpointing caches an op's outputs
+    #: whole, so a kept member keeps them all (LayerNorm's and BatchNorm's outputs beside their saved
+    #: statistics, topk's values beside its indices): `plan_for_export` decides them alike and prices it.
+    cached_together: tuple[tuple[str, ...], ...] = ()
+    #: Every output (saved or not) of an op inside a layer that read a version of a tensor a later
+    #: in-place op overwrote (`VERSION_READ`): the export's policy saves these ops whatever the plan says.
+    version_readers: frozenset[str] = frozenset()
 
 
 def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
@@ -95,6 +106,8 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
         for t in ops[op_name].outputs:
             if t in saved:
                 fixed.setdefault(t, reason)
+            elif reason in (IN_PLACE, RANDOM) and t in graph.candidate_names:
+                held.setdefault(t, reason)  # cached whole with its op (Falcon's scores /= ...): held
 
     for name in sorted(saved):
         if region_of(module_path(name), regions) is None:
@@ -118,6 +131,10 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
                 fix(tensors[t].producer, LAYER_OUTPUT)
             if region is not None and source != region and t not in saved:
                 held[t] = LAYER_INPUT
+    readers = _version_readers(graph, forward, regions)
+    for name in readers:
+        if name in saved:
+            fixed.setdefault(name, VERSION_READ)
     tied = []
     for op in forward:
         group = tuple(t for t in op.outputs if t in saved and t not in fixed)
@@ -125,8 +142,40 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
             tied.append(group)
     outside = frozenset(t for t in graph.candidate_names if region_of(module_path(t), regions) is None
                         and t not in held)
-    return ExportFacts(fixed, tuple(tied), outside, held)
+    together = []
+    candidates = graph.candidate_names
+    for op in forward:
+        if not 0 <= op.layer < len(regions):
+            continue
+        members = tuple(t for t in op.outputs if t in saved or t in candidates)
+        if any(t in candidates for t in members) and (len(members) > 1):
+            together.append(members)
+    return ExportFacts(fixed, tuple(tied), outside, held, tuple(together), readers)
 
 
-__all__ = ["IN_PLACE", "LAYER_INPUT", "LAYER_OUTPUT", "NOT_KEPT", "OUTSIDE", "RANDOM", "SEVERAL_OUTPUTS", "ExportFacts",
-           "export_facts", "layer_paths", "module_path", "region_of"]
+def _version_readers(graph: Graph, forward: list, regions: list[str]) -> frozenset[str]:
+    """The outputs of every op inside a layer that read (through any view) a tensor of its layer between the
+    op that made the tensor and a later in-place op (one of its own, not joined to the maker) that writes
+    into it. Views are left out: at the replay they alias the cached tensor, whose last version the ops
+    after the write read anyway."""
+    index = {op.name: i for i, op in enumerate(forward)}
+    tensors = graph.tensors
+    out: set[str] = set()
+    for i, op in enumerate(forward):
+        func = overload_of(op.name)
+        if op.layer < 0 or op.layer >= len(regions) or func is None or not writes_into(func) or not op.inputs:
+            continue
+        root = graph.storage_root(op.inputs[0])
+        if region_of(module_path(root), regions) is None or tensors[root].producer not in index:
+            continue
+        for reader in forward[index[tensors[root].producer] + 1:i]:
+            f = overload_of(reader.name)
+            if f is None or f.is_view or writes_into(f):
+                continue
+            if any(graph.storage_root(t) == root for t in reader.inputs):
+                out.update(reader.outputs)
+    return frozenset(out)
+
+
+__all__ = ["IN_PLACE", "LAYER_INPUT", "LAYER_OUTPUT", "NOT_KEPT", "OUTSIDE", "RANDOM", "SEVERAL_OUTPUTS",
+           "VERSION_READ", "ExportFacts", "export_facts", "layer_paths", "module_path", "region_of"]

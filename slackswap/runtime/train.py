@@ -20,7 +20,7 @@ import torch
 from slackswap.graph import Graph
 from slackswap.plan import Plan
 from slackswap.runtime.executor import RunReport, apply
-from slackswap.runtime.training_workload import Workload, token_loss
+from slackswap.runtime.training_workload import Workload
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def _grad_step(w: Workload, batch: torch.Tensor, seed: int, run=None) -> tuple[t
     for p in w.model.parameters():
         p.grad = None
     with run or contextlib.nullcontext():
-        loss = token_loss(batch)(w.model(batch))
+        loss = w.loss_for(batch)(w.model(*w.inputs_for(batch)))
         loss.backward()
     grads = [p.grad.detach().clone() for p in w.model.parameters() if p.grad is not None]
     for p in w.model.parameters():
@@ -140,14 +140,15 @@ def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step, clock=ti
     generator = torch.Generator(device=device).manual_seed(seed)
     records = []
     for i in range(steps):
-        batch = torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=device)
+        batch = (torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=device)
+                 if w.token_slots else w.batch)
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = clock()
         with run or contextlib.nullcontext():
-            loss = token_loss(batch)(w.model(batch))
+            loss = w.loss_for(batch)(w.model(*w.inputs_for(batch)))
             loss.backward()
         _sync(device)
         step_s = clock() - t0

@@ -1,9 +1,11 @@
 """Training workloads for the runtime: the torch profile source's models with a random token batch.
 
 The model comes from `slackswap.profile.torch.workloads.build_workload` (HF BERT / GPT-2 / Llama from
-config classes, the plain-torch TinyGPT, or a user hook), built on a real device with seeded weights.
-The runtime adds what training needs and the trace does not: a random token batch (seeded) and a
-loss whose labels are that batch, cross entropy in fp32 as the tracer's loss computes it.
+config classes, any HF config class by name, the plain-torch TinyGPT, or a user hook), built on a real
+device with seeded weights. The runtime adds what training needs and the trace does not: a random
+token batch (seeded) and a loss whose labels are that batch, cross entropy in fp32 as the tracer's
+loss computes it. A user's hook is the exception: its own inputs and loss are the step (SlackSwap
+cannot know what a fresh batch of an arbitrary model is), every training step reuses them.
 """
 
 from __future__ import annotations
@@ -21,9 +23,27 @@ from slackswap.profile.torch.spec import TorchSpec
 class Workload:
     name: str
     model: torch.nn.Module
+    #: The token batch (`model(batch)` for the shipped builders); for a hook, its first tensor input.
     batch: torch.Tensor
     loss_fn: Callable[[object], torch.Tensor]
     vocab_size: int
+    #: Everything `model(*inputs)` takes; empty means `(batch,)`.
+    inputs: tuple = ()
+    #: Positions in `inputs` that hold the token batch: a training step puts a fresh batch there and
+    #: scores against it (`token_loss`). Empty for a user's hook, whose own inputs and loss every step uses.
+    token_slots: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            self.inputs = (self.batch,)
+
+    def inputs_for(self, batch: torch.Tensor) -> tuple:
+        """The model's inputs with `batch` as the token batch (the hook's own inputs for a hook)."""
+        return tuple(batch if i in self.token_slots else x for i, x in enumerate(self.inputs))
+
+    def loss_for(self, batch: torch.Tensor) -> Callable[[object], torch.Tensor]:
+        """The loss of a step on `batch`: cross entropy against it, or the hook's own loss."""
+        return token_loss(batch) if self.token_slots else self.loss_fn
 
 
 def token_loss(batch: torch.Tensor) -> Callable[[object], torch.Tensor]:
@@ -47,14 +67,23 @@ def build_training_workload(model: ModelConfig, spec: TorchSpec, device: str = "
     from slackswap.profile.torch.workloads import build_workload
 
     torch.manual_seed(seed)
-    net, inputs, _ = build_workload(model, spec, device)
+    net, inputs, hook_loss = build_workload(model, spec, device)
     if net.training is False:
         net.train()
+    if spec.builder == "hook":  # the user's inputs and loss, as the trace had them
+        first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+        if first is None:
+            raise ValueError(f"the hook {spec.hook} returned no tensor among its inputs")
+        return Workload(model.name, net, first, hook_loss, model.vocab_size, tuple(inputs), ())
     generator = torch.Generator(device=device).manual_seed(seed)
     batch = random_batch(model, device, generator)
     if tuple(inputs[0].shape) != tuple(batch.shape):
         raise ValueError(f"the workload's input shape {tuple(inputs[0].shape)} is not (micro_batch, seq)")
-    return Workload(model.name, net, batch, token_loss(batch), model.vocab_size)
+    # The token ids wherever the builder put them (an encoder-decoder reads them twice).
+    slots = tuple(i for i, x in enumerate(inputs) if x is inputs[0])
+    w = Workload(model.name, net, batch, token_loss(batch), model.vocab_size, tuple(inputs), slots)
+    w.inputs = w.inputs_for(batch)
+    return w
 
 
 #: Small shapes of the three HF families and TinyGPT, for tests and CPU smoke runs (2 layers).

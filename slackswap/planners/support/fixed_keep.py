@@ -81,10 +81,13 @@ def graph_with_fixed_keep(graph: Graph, fixed: Collection[str]) -> Graph:
 
 def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware: Hardware,
              tied: Sequence[Sequence[str]] = (), notes: Mapping[str, object] | None = None,
-             not_kept: Collection[str] = (), kept_candidates: Collection[str] = ()) -> Plan:
+             not_kept: Collection[str] = (), kept_candidates: Collection[str] = (),
+             cached_together: Sequence[Sequence[str]] = ()) -> Plan:
     """The derived graph's plan on `graph`: fixed tensors keep, tied groups one decision, `not_kept`
-    candidates undecided, `kept_candidates` kept, the schedule rebuilt by `build_schedule`; the
-    planner's transfers are kept where the steps and swaps are the same."""
+    candidates undecided, `kept_candidates` kept, each `cached_together` group (saved tensors and
+    candidates of one op) its strongest decision, a recomputed group's candidates undecided; the
+    schedule rebuilt by `build_schedule`; the planner's transfers are kept where the steps and swaps
+    are the same."""
     fixed = frozenset(fixed)
     decisions: dict[str, Decision] = {}
     for name, decision in derived_plan.decisions.items():
@@ -96,6 +99,17 @@ def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware:
     for group in tied:
         strongest = min((decisions[t] for t in group), key=_STRENGTH.index)
         decisions.update(dict.fromkeys(group, strongest))
+    saved = {t.name for t in graph.saved_tensors}
+    for group in cached_together:
+        decided = [decisions[t] for t in group if t in decisions]
+        if not decided:
+            continue
+        strongest = min(decided, key=_STRENGTH.index)
+        for t in group:
+            if strongest != Decision.RECOMPUTE or t in saved:
+                decisions[t] = strongest
+            else:
+                decisions.pop(t, None)  # a candidate of a recomputed op: not kept, nothing cached
     plan = build_schedule(graph, decisions, planner=derived_plan.planner, budget_bytes=derived_plan.budget_bytes,
                           hardware=hardware, bound_step_s=derived_plan.bound_step_s,
                           notes={**dict(derived_plan.notes), **dict(notes or {})})
@@ -115,11 +129,13 @@ def plan_with_fixed_keep(
     not_kept: Collection[str] = (),
     kept_candidates: Collection[str] = (),
     max_rounds: int = 4,
+    cached_together: Sequence[Sequence[str]] = (),
 ) -> Plan:
     """`planner`'s plan of `graph` with the `fixed` saved tensors kept, each `tied` group deciding alike,
     no decision for the `not_kept` checkpoint candidates (the executor never keeps them: a decision a
     planner makes for one is dropped) and the `kept_candidates` kept (the executor holds them), within
-    `budget_bytes` (module docstring); `InfeasibleBudgetError` with the reason otherwise."""
+    `budget_bytes` (module docstring), each `cached_together` group (the outputs of one op an executor
+    caches whole) decided alike (`map_back`); `InfeasibleBudgetError` with the reason otherwise."""
     check_fixed(graph, fixed, tied)
     for field, names in (("not_kept", not_kept), ("kept_candidates", kept_candidates)):
         unknown = sorted(set(names) - graph.candidate_names)
@@ -133,6 +149,13 @@ def plan_with_fixed_keep(
         if fixed.intersection(group):
             fixed.update(group)
     tied = [g for g in tied if fixed.isdisjoint(g)]
+    # An op's outputs cached together: with a fixed member, its candidates are held and its saved ones kept.
+    saved = {t.name for t in graph.saved_tensors}
+    together = [tuple(g) for g in cached_together if len(g) > 1]
+    held_too = {t for g in together if fixed.intersection(g) for t in g if t not in saved}
+    fixed.update(t for g in together if fixed.intersection(g) for t in g if t in saved)
+    kept_candidates = kept_candidates | (held_too & graph.candidate_names) - not_kept
+    together = [g for g in together if fixed.isdisjoint(g)]
     derived = graph_with_fixed_keep(graph, fixed)
     notes = {"fixed_keep": len(fixed), "fixed_keep_bytes": sum(graph.tensors[t].size_bytes for t in fixed)}
     def plan_at(round_: int, plan_budget: int | None) -> Plan:
@@ -145,7 +168,7 @@ def plan_with_fixed_keep(
                 f"budget {gib(budget_bytes)}{lowered}: {exc}") from None
         plan = map_back(graph, derived_plan, fixed, hardware, tied,
                         {**notes, "fixed_keep_rounds": round_, "fixed_keep_plan_budget_bytes": plan_budget}, not_kept,
-                        kept_candidates)
+                        kept_candidates, together)
         return replace(plan, budget_bytes=budget_bytes)
 
     if budget_bytes is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from slackswap.errors import ConfigError, reject_unknown_fields
 
-BUILDERS: tuple[str, ...] = ("hf_bert", "hf_gpt2", "hf_llama", "tiny_gpt", "hook")
+BUILDERS: tuple[str, ...] = ("hf_bert", "hf_gpt2", "hf_llama", "tiny_gpt", "hook", "hf")
 ATTENTION_IMPLS: tuple[str, ...] = ("eager", "sdpa")
 SEMANTICS: tuple[str, ...] = ("cuda", "cpu")
 
@@ -27,6 +27,8 @@ class TorchSpec:
     semantics: str = "cuda"
     #: `package.module:function` for `builder: hook` (see docs/torch_profile.md), else empty.
     hook: str = ""
+    #: A `transformers` config class by name (`Qwen3Config`, `MixtralConfig`...) for `builder: hf`, else empty.
+    config_class: str = ""
     #: Extra keyword arguments of the builder (HF config keys for the hf_* builders).
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -40,6 +42,9 @@ class TorchSpec:
             raise ConfigError("model.torch.semantics", self.semantics, f"unknown kernel semantics; known: {SEMANTICS}")
         if (self.builder == "hook") != bool(self.hook):
             raise ConfigError("model.torch.hook", self.hook, "is required for builder 'hook' and only for it")
+        if (self.builder == "hf") != bool(self.config_class):
+            raise ConfigError("model.torch.config_class", self.config_class,
+                              "is required for builder 'hf' and only for it")
         if self.hook and (self.hook.count(":") != 1 or not all(self.hook.split(":"))):
             raise ConfigError("model.torch.hook", self.hook, "must be 'package.module:function'")
 

@@ -35,7 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
-from slackswap.errors import SlackSwapError
+from slackswap.errors import ConfigError, SlackSwapError
 from slackswap.graph import NO_LAYER, OpClass, Phase
 from slackswap.profile.torch.identity import LOSS_PATH, ROOT_PATH, StorageIdentities, storage_key, tensor_leaves
 from slackswap.profile.torch.semantics import KernelRouting, check_semantics, cpu_size_correction
@@ -75,6 +75,19 @@ def is_random(aten: str, args: tuple) -> bool:
 
 class TraceError(SlackSwapError):
     """The traced step could not run: the message names the stage (forward, loss, backward)."""
+
+
+class UntraceableOpError(TraceError, ConfigError):
+    """An ATen op of the model's step failed on the trace's meta tensors (a data-dependent shape or value:
+    `nonzero`, `.item()`; an op with no meta kernel): the model, as given, is one the tracer cannot
+    follow. A bad input, not a crash: it names the op and the module path (`model.torch` is the field,
+    exit code 2 on the CLI) and the run is recorded as failed."""
+
+    def __init__(self, stage: str, op: str, path: str, exc: BaseException):
+        self.op, self.path = op, path
+        ConfigError.__init__(self, "model.torch", path, (
+            f"the tracer cannot follow {op} in module {path!r} (the model's {stage}, on meta tensors): "
+            f"{type(exc).__name__}: {exc}"))
 
 
 @dataclass(frozen=True)
@@ -176,6 +189,17 @@ def op_class_of(aten: str) -> OpClass:
 
 
 class _Tracer(StorageIdentities):
+    #: (op, module path) of the first ATen call that raised, for `UntraceableOpError`.
+    failed_at: tuple[str, str] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = (str(func), self.modules.current(self.outside))
+            raise
+
     def __init__(self, model: torch.nn.Module, semantics: str, layers_path: str):
         # Storages are not kept alive (their release is measured), so a freed storage's address may be
         # reused: `key` maps an address to the storage created there last, checked by a weak reference.
@@ -363,6 +387,8 @@ def trace_step(
         try:
             output = model(*inputs)
         except Exception as exc:
+            if tracer.failed_at is not None:
+                raise UntraceableOpError("forward", *tracer.failed_at, exc) from exc
             raise TraceError(f"trace: the model's forward raised {type(exc).__name__}: {exc}") from exc
         tracer.phase = Phase.LOSS
         tracer.enter_loss()

@@ -5,6 +5,8 @@
   published extra keys: nothing is read from or fetched off a hub. On the meta device nothing is
   allocated either, so a 70B model builds in milliseconds.
 - tiny_gpt: a plain-torch GPT-2-style model (slackswap.profile.torch.tiny), the test model.
+- hf: any `transformers` config class by name (`model.torch.config_class`), with its LM head
+  (slackswap.profile.torch.hf_any).
 - hook: a user's `package.module:function(model_config, device)` returning (model, inputs, loss_fn).
 
 Loss: cross entropy over every position in fp32, as HF's `ForCausalLMLoss` and MLM loss compute it
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -116,6 +119,13 @@ def build_workload(model: ModelConfig, spec: TorchSpec, device: str = "meta") ->
             raise ConfigError("model.torch.hook", spec.hook, "must return (nn.Module, inputs tuple, loss_fn)")
         return result[0], tuple(result[1]), result[2]
     dtype = getattr(torch, TORCH_DTYPES[model.dtype])
+    if spec.builder == "hf":
+        from slackswap.profile.torch.hf_any import build_hf
+
+        import_transformers()
+        net, inputs, _ = build_hf(model, spec.config_class, dict(spec.extra), spec.attention, device, dtype)
+        labels = torch.zeros(model.micro_batch_size * model.seq_len, dtype=torch.long, device=device)
+        return net, inputs, _token_loss(labels, torch)
     if spec.builder == "tiny_gpt":
         from slackswap.profile.torch.tiny import TinyGPT
 
@@ -131,12 +141,16 @@ def build_workload(model: ModelConfig, spec: TorchSpec, device: str = "meta") ->
     ids = torch.zeros(b, s, dtype=torch.long, device=device)
     labels = torch.zeros(b * s, dtype=torch.long, device=device)
 
+    return net, (ids,), _token_loss(labels, torch)
+
+
+def _token_loss(labels: Any, torch) -> Callable[[Any], Any]:
     def loss_fn(output: Any) -> Any:
         logits = output if isinstance(output, torch.Tensor) else output.logits
         logits = logits.float()
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
 
-    return net, (ids,), loss_fn
+    return loss_fn
 
 
 @contextlib.contextmanager
@@ -145,10 +159,12 @@ def meta_trace_patches(spec: TorchSpec) -> Iterator[None]:
 
     `transformers.masking_utils.find_packed_sequence_indices` asks whether the position ids pack
     several sequences into one row (`.all()` on data). The example inputs here are one unpadded
-    sequence per row, for which HF itself returns None, so the trace answers None. Only for the hf_*
-    builders; a run on a real device (measure.py) needs and gets no patch.
+    sequence per row, for which HF itself returns None, so the trace answers None. For the hf_* builders
+    and for any model built with transformers loaded (a hook's Qwen, Phi-3, Gemma 2, Mixtral...: every
+    decoder that builds its mask through masking_utils asks it); a run on a real device (measure.py)
+    needs and gets no patch.
     """
-    if not spec.builder.startswith("hf_"):
+    if not spec.builder.startswith("hf_") and "transformers" not in sys.modules:
         yield
         return
     masking_utils = importlib.import_module("transformers.masking_utils")
