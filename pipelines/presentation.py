@@ -24,7 +24,9 @@ from pipelines.records import RunRecord, RunStatus
 SEPARATOR = " · "
 GIB = 2**30
 #: Flattened config keys that are never params (where the run is logged: machine-specific paths).
-EXCLUDED_PARAM_PREFIXES = ("tracking.",)
+#: Config keys that are not part of the experiment: where the store and the op-time cache live (paths of
+#: one machine; a param must stay comparable across machines and clones).
+EXCLUDED_PARAM_PREFIXES = ("tracking.", "profile.cache_dir")
 #: Group choices every child logs as params so it can be filtered on its own.
 FILTER_GROUPS = ("model", "hardware", "planner")
 PERFETTO_HINT = (
@@ -101,7 +103,7 @@ def sweep_keys(task_overrides: Sequence[str], sweeper_params: Mapping[str, Any])
 
 
 def config_params(flat: Mapping[str, str]) -> dict[str, str]:
-    """The flattened config minus `tracking.*`."""
+    """The flattened config minus `tracking.*` and the op-time cache's folder."""
     return {k: v for k, v in flat.items() if not k.startswith(EXCLUDED_PARAM_PREFIXES)}
 
 

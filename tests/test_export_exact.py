@@ -61,8 +61,14 @@ def test_an_op_that_read_a_version_later_overwritten_is_saved_and_the_step_is_bi
 
 
 def test_a_plan_not_made_for_the_export_names_the_saved_reader() -> None:
+    """Every registered planner keeps the reader under the replay rule (its recompute would read the
+    overwritten values); a plan made without the rule (the planner's own `plan`, unwrapped) recomputes
+    it, and the export saves it anyway and names the difference."""
     c = stack(Router)
-    plan = get_planner("full_recompute").plan(c.graph, h200(), None)
+    planner = get_planner("full_recompute")
+    ruled = planner.plan(c.graph, h200(), None)
+    assert set(ruled.notes["not_recomputable"]) & {"layers.0/sum#0:0", "layers.1/sum#0:0"}
+    plan = type(planner).plan.__wrapped__(planner, c.graph, h200(), None)  # without the replay rule
     export, loss, grads = _exported(c, "full_recompute", plan=plan)
     assert bit_equal(c.reference, loss, grads)
     named = {d.tensor for d in export.step_differences() if d.reason == VERSION_READ}

@@ -225,7 +225,10 @@ class _RegionPolicy:
         names = [n for n, _ in named]
         decided = [(n, self.decisions[n]) for n in names if n in self.decisions]
         read_old = not self.compiled and any(n in self.export.facts().version_readers for n in names)
-        if random or read_old:
+        # A layer output another layer or an op outside reads stays alive as that reader's input: an
+        # offload or a recompute of it would only add a copy (`_note_outputs` records it as saved).
+        held = not self.compiled and any(self.export.facts().fixed_keep.get(n) == LAYER_OUTPUT for n in names)
+        if random or read_old or held:
             policy = CheckpointPolicy.MUST_SAVE
         elif not decided:
             policy = CheckpointPolicy.PREFER_RECOMPUTE
