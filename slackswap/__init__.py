@@ -4,4 +4,5 @@ The library is pure Python + numpy/scipy. It imports neither Hydra nor MLflow: t
 `pipelines/`, so the planners and the simulator can be used from any driver.
 """
 
-__version__ = "0.1.0"
+#: The release (CHANGELOG.md); pyproject.toml reads it from here.
+__version__ = "0.2.0"
