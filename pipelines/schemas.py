@@ -7,8 +7,8 @@ entry of `conf/config.yaml`'s defaults list, so every group preset is merged int
 - a wrong type (`model.num_layers=three`) fails with "Value 'three' ... could not be converted to Integer";
 - an unknown preset (`model=gpt5`) fails with Hydra's "Could not find 'model/gpt5'" plus the options.
 
-`ModelSchema`, `HardwareSchema`, `HostLinkSchema` and `NodeSchema` mirror the library dataclasses field for field
-(tests/test_config.py keeps them from drifting); `ModelSchema.torch` is the one extra node, mirrored by
+`ModelSchema`, `MoESchema`, `HardwareSchema`, `HostLinkSchema` and `NodeSchema` mirror the library dataclasses
+field for field (tests/test_config.py keeps them from drifting); `ModelSchema.torch` is the one extra node, mirrored by
 `slackswap.profile.torch.spec.TorchSpec`. Range checks (positive bandwidth, budget in
 (0, 1]) stay in the library (`from_dict` -> `ConfigError`), so a script and Hydra reject the same values.
 """
@@ -43,6 +43,17 @@ class TorchSchema:
 
 
 @dataclass
+class MoESchema:
+    """Mirrors `slackswap.moe_config.MoEConfig`: the experts of an MoE model (`model.moe`)."""
+
+    num_experts: int = MISSING
+    top_k: int = MISSING
+    expert_ffn_hidden_size: int = MISSING
+    capacity_factor: float = 0.0
+    load_percentile: float = 99.0
+
+
+@dataclass
 class ModelSchema:
     name: str = MISSING
     family: str = MISSING
@@ -60,6 +71,8 @@ class ModelSchema:
     include_optimizer: bool = False
     source: str = ""
     attention_kernel: str = ""
+    #: None: a dense model.
+    moe: MoESchema | None = None
     #: Not a `ModelConfig` field: the torch profile source's settings (None: the analytic graph).
     torch: TorchSchema | None = None
 

@@ -9,6 +9,7 @@ from typing import Any
 from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 from slackswap.hardware import ATTENTION_KERNEL_NAMES, DTYPES
+from slackswap.moe_config import MoEConfig
 
 FAMILIES: tuple[str, ...] = ("bert", "gpt2", "llama")
 ATTENTION_KERNELS: tuple[str, ...] = ("eager", "flash")
@@ -38,8 +39,14 @@ class ModelConfig:
     #: efficiency): "eager" for eager attention, a fused kernel (flash1, flash2, flash3, triton,
     #: cudnn) for flash. It changes the timing only (`Hardware.attention_kernels`), never the graph.
     attention_kernel: str = ""
+    #: Mixture-of-experts MLP in every layer (`slackswap.moe_config`); None: a dense model.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):  # a `moe:` block, or a graph's meta
+            object.__setattr__(self, "moe", MoEConfig.from_dict(self.moe))
+        if self.moe is not None and self.family != "llama":
+            raise ConfigError("model.family", self.family, "model.moe (experts) is modelled for the llama family only")
         if self.family not in FAMILIES:
             raise ConfigError("model.family", self.family, f"unknown family; known: {FAMILIES}")
         if self.dtype not in DTYPES:

@@ -17,8 +17,9 @@ under a layout (`slackswap.profile.build_graph(..., parallel=...)`, docs/profile
   of the sequence for the whole layer; attention exchanges K and V around a ring of cp ranks.
 - **pp** (pipeline parallelism): layers split into pp stages. Validated here; per-stage graphs are
   not built yet (the profile rejects pp > 1).
-- **ep** (expert parallelism): experts split over ep ranks. No model preset has experts yet, so ep
-  must be 1.
+- **ep** (expert parallelism, GShard / Megatron-Core): an MoE model's experts split over ep ranks,
+  each holding num_experts / ep experts and the tokens dispatched to them; all-to-all dispatch and
+  combine (`slackswap.profile.moe`). ep must divide the experts and dp * cp; a dense model has ep 1.
 - **dp** (data parallelism): replicas of the rest; it does not change a rank's activations.
   Its gradient collectives are priced by `slackswap.communication.step_communication` (advise).
 
@@ -49,7 +50,7 @@ class ParallelConfig:
     pp: int = 1
     #: Context-parallel ranks (the sequence split for the whole layer; ring attention).
     cp: int = 1
-    #: Expert-parallel ranks (MoE experts; must be 1 for a dense model).
+    #: Expert-parallel ranks (MoE experts, out of dp * cp; must be 1 for a dense model).
     ep: int = 1
     #: Megatron sequence parallelism: shard the LayerNorm/dropout/residual activations by tp.
     sp: bool = False
@@ -111,9 +112,26 @@ class ParallelConfig:
             )
         if model.num_layers % self.pp:
             raise ConfigError("parallel.pp", self.pp, f"does not divide model.num_layers={model.num_layers}")
-        if self.ep != 1:
-            # A dense model has no experts to split; MoE presets will give num_experts (issue 43 item 3).
-            raise ConfigError("parallel.ep", self.ep, f"does not divide the experts of {model.name!r} (a dense model)")
+        self._check_experts(model)
+
+    def _check_experts(self, model: ModelConfig) -> None:
+        """ep divides the experts and dp * cp (Megatron-Core carves the ep group out of them); the
+        analytic profile splits experts by ep only (no expert tensor parallelism: tp must be 1)."""
+        experts = model.moe.num_experts if model.moe is not None else 0
+        if not experts:
+            if self.ep != 1:
+                raise ConfigError("parallel.ep", self.ep,
+                                  f"does not divide the experts of {model.name!r} (a dense model)")
+            return
+        if experts % self.ep:
+            raise ConfigError("parallel.ep", self.ep, f"does not divide model.moe.num_experts={experts}")
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError("parallel.ep", self.ep,
+                              f"does not divide parallel.dp * parallel.cp = {self.dp * self.cp} "
+                              "(the ep ranks are data/context-parallel ranks)")
+        if self.tp != 1:
+            raise ConfigError("parallel.tp", self.tp,
+                              "expert tensor parallelism is not modelled for an MoE model; use parallel.ep")
 
     def check_gpus(self, gpus: int, field: str = "gpus") -> None:
         """Reject a layout whose dp * tp * pp * cp is not the GPU count given (`field` names it)."""

@@ -18,6 +18,7 @@ from slackswap.experiment import RunSpec
 from slackswap.hardware import Hardware, HostLink
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
+from slackswap.moe_config import MoEConfig
 from slackswap.node import Node
 from slackswap.parallel import ParallelConfig
 from slackswap.profile.torch.spec import TorchSpec
@@ -116,6 +117,7 @@ def _field_defaults(cls) -> dict:
     ("schema", "library"),
     [
         (schemas.ModelSchema, ModelConfig),
+        (schemas.MoESchema, MoEConfig),
         (schemas.HardwareSchema, Hardware),
         (schemas.HostLinkSchema, HostLink),
         (schemas.BudgetSchema, Budget),

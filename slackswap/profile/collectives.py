@@ -20,6 +20,9 @@ values per token in forward (max logit, target logit, sum of exponentials; Megat
 `_VocabParallelCrossEntropy`). Context parallelism passes K and V around a ring of cp ranks in forward
 (cp - 1 steps) and K, V and their gradients in backward (Megatron-Core / Transformer Engine ring
 attention), priced as a ring all-gather of the cp shards, which has the same steps and bytes.
+Expert parallelism adds four all-to-alls per MoE layer over the ep group (dispatch and combine in
+forward, their gradients in backward; GShard, Lepikhin et al. 2020; Megatron-Core's alltoall token
+dispatcher), each of this rank's T k routed token rows (`slackswap.profile.moe`).
 
 Not here: data-parallel gradient collectives (ZeRO / DDP over dp, and over dp * cp under context
 parallelism), which `slackswap.communication.step_communication` prices, so nothing is counted twice;
@@ -35,7 +38,7 @@ from typing import Any
 from slackswap.communication import Topology, all_gather_s, all_reduce_s, reduce_scatter_s
 from slackswap.errors import ConfigError
 
-KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "ring_exchange")
+KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "ring_exchange", "all_to_all")
 PHASES: tuple[str, ...] = ("forward", "backward")
 
 
@@ -47,10 +50,10 @@ class Collective:
     layer: int
     phase: str
     kind: str
-    #: The parallel group: "tp" or "cp".
+    #: The parallel group: "tp", "cp" or "ep".
     group: str
     ranks: int
-    #: Bytes of the full (unsharded) buffer.
+    #: Bytes of the full (unsharded) buffer; for an all-to-all, this rank's send buffer.
     size_bytes: int
     why: str
 
@@ -72,7 +75,9 @@ class Collective:
             return all_reduce_s(self.size_bytes, self.ranks, fabric)
         if self.kind == "reduce_scatter":
             return reduce_scatter_s(self.size_bytes, self.ranks, fabric)
-        return all_gather_s(self.size_bytes, self.ranks, fabric)  # all-gather and the ring exchange
+        # All-gather and the ring exchange; an all-to-all as n - 1 pairwise exchanges of S / n each, which
+        # has the all-gather's steps and bytes on a switched fabric (NVSwitch, a fat-tree network).
+        return all_gather_s(self.size_bytes, self.ranks, fabric)
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,9 @@ class LayoutCommunication:
 
 
 def group_strides(parallel) -> dict[str, int]:
-    """GPU distance between neighbours of each group in Megatron-Core's rank order (tp fastest, then cp)."""
-    return {"tp": 1, "cp": parallel.tp}
+    """GPU distance between neighbours of each group in Megatron-Core's rank order (tp fastest, then cp;
+    the expert layers' order tp-ep-dp puts ep right after tp)."""
+    return {"tp": 1, "cp": parallel.tp, "ep": parallel.tp}
 
 
 def price(collectives: Sequence[Collective], parallel, topology: Topology | None,

@@ -28,6 +28,7 @@ from slackswap.model_config import ModelConfig
 from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 from slackswap.profile.builder import GraphBuilder
 from slackswap.profile.collectives import Collective
+from slackswap.profile.moe import moe_mlp
 
 #: Dropout masks are stored as torch.bool: one byte per element (Korthikanti et al. 2022).
 MASK_BYTES_PER_ELEMENT = 1
@@ -317,6 +318,8 @@ class FamilyBuilder:
         self.tp_exit(f"{p}.attn_out", layer)
         mid = self.add(f"{p}.add1", layer, x, attn)
         n2 = self.norm(f"{p}.norm2", layer, mid, rms=True, role="rmsnorm")
+        if self.m.moe is not None:  # experts instead of the dense MLP (slackswap.profile.moe; tp is 1)
+            return self.add(f"{p}.add2", layer, mid, moe_mlp(self, p, layer, n2))
         self.tp_enter(f"{p}.mlp_in", layer)  # one gather serves gate and up (Megatron fuses them: linear_fc1)
         gate = self.linear(f"{p}.gate", layer, n2, h, f, bias=False, role="gate", tp="column")
         up = self.linear(f"{p}.up", layer, n2, h, f, bias=False, role="up", tp="column")
