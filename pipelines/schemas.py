@@ -178,6 +178,8 @@ class TrainingSchema:
     grad_buffers: str = "param"
     zero_stage: int = 3
     zero_shards: int = 1
+    #: Transformer Engine-style FP8 copies of the transformer layers' linear inputs (docs/profile.md).
+    fp8_linear_inputs: bool = False
 
 
 @dataclass
