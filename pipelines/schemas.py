@@ -220,6 +220,9 @@ class ExperimentSchema:
     #: The planner whose results are compared with `paper_reference`.
     paper_planner: str = "slackswap"
     paper_source: str = ""
+    #: No published figures: the sweep writes and prints workload_table.md instead (one row per workload,
+    #: every planner beside `paper_planner` with its gap to the milp bound; pipelines/modern_table.py).
+    workload_table: bool = False
 
 
 @dataclass
