@@ -27,6 +27,8 @@ from typing import Any
 
 import pandas as pd
 
+from pipelines.modern_table import FILE_NAME as WORKLOAD_TABLE_FILE
+from pipelines.modern_table import workload_table
 from pipelines.progress import read_progress
 from pipelines.records import RECORD_FILE, RunRecord
 from pipelines.sweep_plots import plot_planner_comparison, plot_throughput_vs_budget
@@ -60,6 +62,9 @@ class AggregateResult:
     #: One line per record that could not be read, and per file that could not be written.
     problems: tuple[str, ...] = ()
     records: tuple[RunRecord, ...] = ()
+    #: The file `paper_table_md` was written to: paper_table.md, or the workload table of an experiment
+    #: without published figures (`experiment.workload_table`, pipelines/modern_table.py).
+    results_file: str = "paper_table.md"
 
 
 @dataclass(frozen=True)
@@ -233,13 +238,15 @@ def aggregate_sweep(
         curve.unlink(missing_ok=True)
     if plots:
         write(sweep_dir / "planner_comparison.png", lambda path: plot_planner_comparison(frame, path))
-    paper_md = paper_table(frame, experiment)
+    paper_md, results_file = paper_table(frame, experiment), "paper_table.md"
+    if not paper_md:
+        paper_md, results_file = workload_table(frame, experiment), WORKLOAD_TABLE_FILE
     if paper_md:
-        write(sweep_dir / "paper_table.md", lambda path: path.write_text(paper_md))
+        write(sweep_dir / results_file, lambda path: path.write_text(paper_md))
     missing = max(0, total - len(records)) if isinstance(total, int) else 0
     counts = dict(Counter(frame["status"]))
     return AggregateResult(
-        frame, tuple(files), summary_md, paper_md, counts, missing, tuple(problems), tuple(records)
+        frame, tuple(files), summary_md, paper_md, counts, missing, tuple(problems), tuple(records), results_file
     )
 
 

@@ -165,10 +165,11 @@ class SweepCallback(Callback):
             swept = place_params(client, parent["run_id"], sweep_dir, result.records)
             tracking.store_artifacts(client, parent["run_id"], list(result.files), parent.get("artifact_root"))
             link = f"#/experiments/{parent['experiment_id']}/runs/{parent['run_id']}/artifacts/" + (
-                "paper_table.md" if result.paper_table_md else "summary.md"
+                result.results_file if result.paper_table_md else "summary.md"
             )
             note = presentation.sweep_description(
-                experiment, swept, parent_link=link, results_md=result.paper_table_md or result.summary_md
+                experiment, swept, parent_link=link, results_md=result.paper_table_md or result.summary_md,
+                results_file=result.results_file,
             )
         else:
             note = presentation.sweep_description(experiment, {}) + f"\n\nNo summary: {reason}"

@@ -243,6 +243,7 @@ def sweep_description(
     parent_link: str | None = None,
     results_md: str = "",
     max_chars: int = DESCRIPTION_MAX_CHARS,
+    results_file: str = "paper_table.md",
 ) -> str:
     """Markdown for the parent run and the experiment: what was swept, the paper's figures, results.
 
@@ -254,20 +255,20 @@ def sweep_description(
     lines += [f"- `{key}`: {value}" for key, value in swept.items()] or ["- nothing (single combination)"]
     lines.append("")
     lines.append(
-        "Compare planners: the parent's `planner_comparison.png` and `paper_table.md`, or the Chart view "
+        f"Compare planners: the parent's `planner_comparison.png` and `{results_file}`, or the Chart view "
         "with the `throughput_pct` bar chart (one bar per child, named planner first; an infeasible run "
         "has `feasible` = 0 and no throughput)."
     )
     text = "\n".join(lines) + _reference_table(experiment)
     if parent_link:
-        text += f"\n\nResults: [paper_table.md and summary.md of the latest sweep]({parent_link})"
+        text += f"\n\nResults: [{results_file} and summary.md of the latest sweep]({parent_link})"
     if results_md:
         table = "\n\n" + results_md
         if len(text) + len(table) + 1 > max_chars:
             where = f"[the parent's artifacts]({parent_link})" if parent_link else "the parent's artifacts"
             table = (f"\n\nThe results table ({len(results_md.splitlines())} lines, {len(results_md):,} characters) "
                      f"is longer than MLflow's {max_chars:,}-character Description: it is in {where} "
-                     "(`summary.md`, `paper_table.md`), whole.")
+                     f"(`summary.md`, `{results_file}`), whole.")
         text += table
     if len(text) + 1 > max_chars:  # a swept list of very many keys: whole lines, then how many are left out
         tail = "\n\n... (cut after whole lines at MLflow's limit; the parent's params list every swept key)"

@@ -191,6 +191,8 @@ class TrainingSchema:
     grad_buffers: str = "param"
     zero_stage: int = 3
     zero_shards: int = 1
+    #: Transformer Engine-style FP8 copies of the transformer layers' linear inputs (docs/profile.md).
+    fp8_linear_inputs: bool = False
 
 
 @dataclass
@@ -231,6 +233,9 @@ class ExperimentSchema:
     #: The planner whose results are compared with `paper_reference`.
     paper_planner: str = "slackswap"
     paper_source: str = ""
+    #: No published figures: the sweep writes and prints workload_table.md instead (one row per workload,
+    #: every planner beside `paper_planner` with its gap to the milp bound; pipelines/modern_table.py).
+    workload_table: bool = False
 
 
 @dataclass

@@ -67,3 +67,36 @@ def korthikanti_saved_bytes_per_layer_tp_sp(
     _check_tp(num_heads, tensor_parallel)
     s, b, h, a, t = seq_len, micro_batch_size, hidden_size, num_heads, tensor_parallel
     return 34 * s * b * h // t + 5 * a * s * s * b // t
+
+
+def llama_flash_saved_bytes_per_layer(
+    seq_len: int, micro_batch_size: int, hidden_size: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int,
+    *, tensor_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1,
+    fp8_linear_inputs: bool = False,
+) -> int:
+    """Korthikanti's per-layer accounting applied to a Llama layer (RMSNorm, rotary, GQA, fused flash
+    attention, SwiGLU, no dropout) with 2-byte activations, for one rank of tp x cp (sp: with tp).
+
+    With s' = s / cp tokens per rank and kv = num_kv_heads * head_dim:
+    - whole on every tp rank (split by t only under sp): the two RMSNorm inputs, the QKV input and the
+      gate/up input, 4 x 2s'bh;
+    - split by t: rotated Q (2s'bh), rotated K and V (2 x 2s'b*kv), the flash output (2s'bh, the
+      projection's input too), gate and up outputs and the SwiGLU output (3 x 2s'bf), and the fp32
+      log-sum-exp (4 b a s').
+    With FP8 linear inputs (Transformer Engine) the QKV, gate/up and down inputs are 1 byte each, and
+    the projection keeps a 1-byte copy beside flash's own 2-byte output (s'bh/t more).
+    """
+    _check(seq_len=seq_len, micro_batch_size=micro_batch_size, hidden_size=hidden_size, num_heads=num_heads,
+           num_kv_heads=num_kv_heads, ffn_hidden_size=ffn_hidden_size, context_parallel=context_parallel)
+    _check_tp(num_kv_heads, tensor_parallel)
+    t, s, b, h, a, f = tensor_parallel, seq_len // context_parallel, micro_batch_size, hidden_size, num_heads, \
+        ffn_hidden_size
+    kv = num_kv_heads * (h // a)
+    shards = t if sequence_parallel else 1
+    linear_in = 1 if fp8_linear_inputs else 2  # bytes per element of a saved linear input
+    whole = (2 * 2 + 2 * linear_in) * s * b * h // shards  # two norm inputs; QKV and gate/up inputs
+    split = (2 * s * b * h + 4 * s * b * kv + 2 * s * b * h + 4 * s * b * f) // t + 4 * b * a * s // t
+    split += linear_in * s * b * f // t  # the down projection's input (the SwiGLU output)
+    if fp8_linear_inputs:
+        split += s * b * h // t  # the projection's 1-byte copy of the flash output
+    return whole + split

@@ -112,6 +112,9 @@ class RunSpec:
         if parallel != NO_PARALLELISM and source != "analytic":
             raise ConfigError("parallel", parallel.as_dict(), "per-rank graphs are analytic; the torch source traces "
                               "one full replica (use parallel=none or an analytic model preset)")
+        if training.fp8_linear_inputs and source != "analytic":
+            raise ConfigError("training.fp8_linear_inputs", True, "FP8 copies of linear inputs are modelled by "
+                              "the analytic profile; the torch source saves what the traced model saves")
         hardware.peak_for(model_config.dtype)  # e.g. bf16 on a V100: ConfigError naming model.dtype
         training.check_model_dtype(model_config.dtype)
         workload = {

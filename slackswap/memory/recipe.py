@@ -38,6 +38,11 @@ class TrainingConfig:
     grad_buffers: str = "param"
     zero_stage: int = 3
     zero_shards: int = 1
+    #: Keep the saved input of every transformer-layer linear in FP8 (1 byte per element) instead of the
+    #: model dtype, as NVIDIA Transformer Engine's FP8 `Linear` / `LayerNormLinear` / `LayerNormMLP` do
+    #: (they save the FP8 cast of the input for the weight-gradient GEMM; TE docs, "Using FP8 with
+    #: Transformer Engine"). The analytic profile only (`slackswap.profile.layers`); off by default.
+    fp8_linear_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -50,6 +55,8 @@ class TrainingConfig:
         if not isinstance(stage, int) or isinstance(stage, bool) or stage not in ZERO_STAGES:
             raise ConfigError("training.zero_stage", self.zero_stage, f"must be one of {ZERO_STAGES}")
         check.integer("training.zero_shards", self.zero_shards, 1)
+        if not isinstance(self.fp8_linear_inputs, bool):
+            raise ConfigError("training.fp8_linear_inputs", self.fp8_linear_inputs, "must be true or false")
 
     def check_model_dtype(self, model_dtype: str) -> None:
         """The recipe and the model's activation dtype must agree (fp32 recipe <=> fp32 model)."""

@@ -84,7 +84,7 @@ def build_graph(model: ModelConfig, hardware: Hardware, training: TrainingConfig
     training = default_training(model.dtype) if training is None else training
     training.check_model_dtype(model.dtype)
     gb = GraphBuilder(hardware, model.dtype, model.attention_kernel)
-    fb = build_forward(model, gb, parallel)
+    fb = build_forward(model, gb, parallel, training.fp8_linear_inputs)
     gb.backward()
     if model.include_optimizer:
         for layer in sorted(fb.layer_params, key=lambda n: (n == NO_LAYER, n)):

@@ -36,6 +36,10 @@ MASK_BYTES_PER_ELEMENT = 1
 LSE_BYTES_PER_ELEMENT = 4
 #: Cross-entropy works on fp32 probabilities, as Megatron's fused vocab cross entropy and HF do.
 LOSS_BYTES_PER_ELEMENT = 4
+#: Transformer Engine's FP8 formats (E4M3 forward, E5M2 gradients) are one byte per element; the
+#: per-tensor scale lives in the module's FP8 metadata, not in the activation (TE docs, "Using FP8 with
+#: Transformer Engine").
+FP8_BYTES_PER_ELEMENT = 1
 #: FlashAttention-2 backward runs 5 matmuls (recompute S=QK^T, dP=dO V^T, dV=P^T dO, dQ=dS K,
 #: dK=dS^T Q) against 2 in the forward: 2.5x the forward FLOPs (Dao 2023, section 3.2 / 4.1).
 FLASH_BWD_FLOPS_FACTOR = 2.5
@@ -98,8 +102,12 @@ class Shape:
 class FamilyBuilder:
     """Emits the forward ops of one model into a GraphBuilder and counts its parameters."""
 
-    def __init__(self, model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig = NO_PARALLELISM):
+    def __init__(self, model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig = NO_PARALLELISM,
+                 fp8_linear_inputs: bool = False):
         self.m = model
+        #: Save the transformer layers' linear inputs as FP8 copies (`TrainingConfig.fp8_linear_inputs`).
+        self.fp8_linear_inputs = fp8_linear_inputs
+        self._fp8_copies: dict[str, str] = {}
         self.g = gb
         self.par = parallel
         self.shape = Shape(model, parallel)
@@ -113,6 +121,25 @@ class FamilyBuilder:
     def _count(self, layer: int, n: int) -> None:
         self.params += n
         self.layer_params[layer] = self.layer_params.get(layer, 0) + n
+
+    def _saved_linear_input(self, x: str, layer: int) -> tuple[str, tuple[str, ...]]:
+        """(the tensor a linear's backward reads for its weight gradient, extra outputs of its forward op).
+
+        Without FP8 storage: `x` itself. With it (Transformer Engine's FP8 Linear): a 1-byte copy of `x`,
+        written by the first linear that reads `x` (the cast is fused into that GEMM's input path) and
+        shared by every later linear on the same input (gate and up: TE's LayerNormMLP / Megatron's fused
+        linear_fc1 cast it once). `x` stays in the model dtype for its other readers (the flash kernel
+        keeps its own bf16 output). Only inside the transformer stack: the LM head and BERT's MLM dense
+        stay in 16 bits, as Megatron-LM keeps its output layer out of Transformer Engine's FP8 region.
+        """
+        if not self.fp8_linear_inputs or layer == NO_LAYER:
+            return x, ()
+        if x in self._fp8_copies:
+            return self._fp8_copies[x], ()
+        elements = self.g.size(x) // self.shape.elt
+        copy = self.g.tensor(f"{x}.fp8", elements * FP8_BYTES_PER_ELEMENT, "fp8_linear_input", differentiable=False)
+        self._fp8_copies[x] = copy
+        return copy, (copy,)
 
     # -- tensor-parallel region boundaries (slackswap.profile.collectives) --------------------------
 
@@ -163,8 +190,9 @@ class FamilyBuilder:
         flops = 2.0 * tokens * d_in * d_out
         y = self.g.tensor(f"{name}.out", self.shape.act(d_out) if tp == "column" else self.shape.rep(d_out),
                           f"{role}_out")
-        self.g.forward(name, OpClass.MATMUL, layer, (x,), (y,), role=role, flops=flops, extra_bytes=w_bytes,
-                       bwd_reads=(x,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
+        saved, copies = self._saved_linear_input(x, layer)
+        self.g.forward(name, OpClass.MATMUL, layer, (x,), (y, *copies), role=role, flops=flops, extra_bytes=w_bytes,
+                       bwd_reads=(saved,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
         return y
 
     def norm(self, name: str, layer: int, x: str, *, rms: bool, role: str) -> str:
@@ -255,8 +283,9 @@ class FamilyBuilder:
         q = self.g.tensor(f"{p}.qkv.q", s.act(h), "q")
         k = self.g.tensor(f"{p}.qkv.k", s.act(kv), "k")
         v = self.g.tensor(f"{p}.qkv.v", s.act(kv), "v")
-        self.g.forward(f"{p}.qkv", OpClass.MATMUL, layer, (x,), (q, k, v), role="qkv", flops=flops,
-                       extra_bytes=w_bytes, bwd_reads=(x,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
+        saved, copies = self._saved_linear_input(x, layer)
+        self.g.forward(f"{p}.qkv", OpClass.MATMUL, layer, (x,), (q, k, v, *copies), role="qkv", flops=flops,
+                       extra_bytes=w_bytes, bwd_reads=(saved,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
         return q, k, v
 
     # -- layers ------------------------------------------------------------------------------------
@@ -384,9 +413,11 @@ class FamilyBuilder:
                        phase=Phase.LOSS, bwd_reads=(probs, loss))
 
 
-def build_forward(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig = NO_PARALLELISM) -> FamilyBuilder:
+def build_forward(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig = NO_PARALLELISM,
+                  fp8_linear_inputs: bool = False) -> FamilyBuilder:
     """Emit embedding, the transformer stack, head and loss of `model` (one rank's share under
-    `parallel`, which must divide the model) into `gb`."""
+    `parallel`, which must divide the model) into `gb`; `fp8_linear_inputs`: the layers' linears save
+    1-byte copies of their inputs (`TrainingConfig.fp8_linear_inputs`)."""
     if model.family == "llama" and model.dropout:
         raise ConfigError("model.dropout", model.dropout, "the llama family has no dropout; set model.dropout=false")
     if model.family != "llama" and model.num_kv_heads != model.num_heads:
@@ -394,7 +425,7 @@ def build_forward(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig
         raise ConfigError("model.num_kv_heads", model.num_kv_heads,
                           f"grouped-query attention is only modelled for the llama family, not {model.family!r}")
     parallel.check_model(model)
-    fb = FamilyBuilder(model, gb, parallel)
+    fb = FamilyBuilder(model, gb, parallel, fp8_linear_inputs)
     layer_fn = {"bert": fb.bert_layer, "gpt2": fb.gpt2_layer, "llama": fb.llama_layer}[model.family]
     x = fb.embedding()
     for layer in range(model.num_layers):

@@ -62,6 +62,9 @@ def profile_graph(
     """The graph of `model` on `hardware` (and `training` recipe) from profile source `source` with its
     keyword options; under `parallel` (analytic source only), one rank's graph."""
     check_profile_source(source)
+    if training is not None and training.fp8_linear_inputs and source != "analytic":
+        raise ConfigError("training.fp8_linear_inputs", True,
+                          f"the {source} profile source saves what the traced model saves; FP8 copies are analytic")
     module_name, function_name = PROFILE_SOURCES[source].split(":")
     build = getattr(importlib.import_module(module_name), function_name)
     if source == "analytic" and options:
