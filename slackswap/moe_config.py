@@ -28,8 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scipy.stats import binom
-
 from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 
@@ -80,6 +78,8 @@ class MoEConfig:
         p = self.top_k / self.num_experts
         if p >= 1.0 or self.load_percentile >= 100:
             return n  # every token reaches the expert (E = k), or the plan covers the worst case
+        from scipy.stats import binom  # here, not at import: scipy.stats costs every command ~0.4 s
+
         return int(binom.ppf(self.load_percentile / 100.0, n, p))
 
     def planned_tokens_per_expert(self, tokens: int, ep: int = 1) -> int:
