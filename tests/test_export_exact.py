@@ -49,6 +49,20 @@ def _exported(c, planner: str, budget_bytes: int | None = None, plan=None):
     return export, loss, grads
 
 
+def _planned_export_saves_its_kept_bytes(c, planner: str):
+    """`planner`'s plan made for the export, one exported step: bit-exact, and the step saves exactly
+    the plan's kept bytes. Returns (plan, export)."""
+    model = c.workload.model
+    plan = plan_for_export(get_planner(planner), c.graph, model, h200(), None)
+    export = PlanExport(plan, c.graph, model)
+    with export.counting_saved(model) as count:
+        loss, grads = step_under(c.workload, export.installed(model))
+    assert bit_equal(c.reference, loss, grads), planner
+    kept = sum(c.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
+    assert export.saved_activation_bytes(count) == kept, planner
+    return plan, export
+
+
 @pytest.mark.parametrize("planner", ["full_recompute", "torch_sac", "slackswap"])
 def test_an_op_that_read_a_version_later_overwritten_is_saved_and_the_step_is_bit_exact(planner: str) -> None:
     c = stack(Router)
@@ -91,14 +105,7 @@ def test_mixtral_exported_gradients_equal_eager(planner: str, dtype: str) -> Non
 def test_every_output_the_caches_hold_is_priced_in_the_plan_made_for_the_export(block, planner: str) -> None:
     """Before: BatchNorm 5376 B saved against 4352 planned, topk 3904 against 3648, no difference named."""
     c = stack(block)
-    model = c.workload.model
-    plan = plan_for_export(get_planner(planner), c.graph, model, h200(), None)
-    export = PlanExport(plan, c.graph, model)
-    with export.counting_saved(model) as count:
-        loss, grads = step_under(c.workload, export.installed(model))
-    assert bit_equal(c.reference, loss, grads)
-    kept = sum(c.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
-    assert export.saved_activation_bytes(count) == kept, planner
+    plan, export = _planned_export_saves_its_kept_bytes(c, planner)
     assert export.step_differences() == []
     for group in export.facts().cached_together:  # one decision per op, candidates none when recomputed
         assert len({plan.decisions.get(t) for t in group if plan.decisions.get(t) is not None}) <= 1, group
@@ -126,15 +133,8 @@ def test_an_in_place_chains_output_and_a_returned_unread_tensor_run_as_planned(p
     (before, the step named them a layer output, saved, whatever the plan; and the cached scores were
     unpriced)."""
     c = tuple_stack(ScoresBlock)
-    model = c.workload.model
-    plan = plan_for_export(get_planner(planner), c.graph, model, h200(), None)
-    export = PlanExport(plan, c.graph, model)
-    with export.counting_saved(model) as count:
-        loss, grads = step_under(c.workload, export.installed(model))
-    assert bit_equal(c.reference, loss, grads)
+    _, export = _planned_export_saves_its_kept_bytes(c, planner)
     assert export.step_differences() == []
-    kept = sum(c.graph.tensors[n].size_bytes for n, d in plan.decisions.items() if d == Decision.KEEP)
-    assert export.saved_activation_bytes(count) == kept
 
 
 def test_every_plan_made_for_the_export_fits_its_budget_as_pytorch_places_it() -> None:
