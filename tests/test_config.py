@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipelines import schemas
+from pipelines.hydra_versions import MAIN_VERSION
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError
 from slackswap.experiment import RunSpec
@@ -28,7 +29,7 @@ GROUPS = ("model", "hardware", "planner", "budget", "training", "tracking", "par
 
 
 def _compose(overrides: list[str], hydra_node: bool = False):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), **MAIN_VERSION):
         return compose("config", overrides=overrides, return_hydra_config=hydra_node)
 
 

@@ -13,6 +13,7 @@ from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
+from pipelines.hydra_versions import MAIN_VERSION
 from tests.test_pipeline import _run_cli
 
 
@@ -139,7 +140,7 @@ def test_resolved_yaml_is_the_text_omegaconf_writes(overrides) -> None:
     import pipelines.schemas  # noqa: F401  (root schema, repo_root resolver)
     from pipelines.job import resolve_config, resolved_yaml
 
-    with initialize(version_base="1.3", config_path="../conf"):
+    with initialize(**MAIN_VERSION, config_path="../conf"):
         resolved = resolve_config(compose("config", overrides))
     assert resolved_yaml(resolved) == OmegaConf.to_yaml(resolved)
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from pipelines import schemas
+from pipelines.hydra_versions import MAIN_VERSION
 from pipelines.records import RunStatus
 from slackswap.experiment import FitOptions, RunSpec, plan_and_simulate, run_one, write_run_files
 from slackswap.simulate import simulate
@@ -21,7 +22,7 @@ CONF = schemas.REPO_ROOT / "conf"
 
 
 def _inputs(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), **MAIN_VERSION):
         cfg = compose("config", overrides=[*overrides, "tracking=off"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     return RunSpec.from_dict(resolved), resolved
@@ -128,7 +129,7 @@ def test_the_optimizer_step_is_in_the_step_and_in_the_trace(tmp_path):
 
 def test_each_experiment_states_its_optimizer_step_and_the_paper_models_the_allocator():
     def composed(experiment: str):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF), **MAIN_VERSION):
             return compose("config", overrides=[f"+experiment={experiment}"])
 
     paper, curves, hardware = composed("paper"), composed("budget_curves"), composed("hardware")

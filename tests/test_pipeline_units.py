@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from pipelines import aggregate, tracking
+from pipelines.hydra_versions import MAIN_VERSION
 from pipelines.records import RECORD_FILE, RunRecord, RunStatus
 
 
@@ -371,7 +372,7 @@ def _stage_outcome(tmp_path, name: str, overrides: list[str]):
     from pipelines import schemas
     from slackswap.experiment import RunSpec, run_one, write_run_files
 
-    with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), **MAIN_VERSION):
         cfg = compose("config", overrides=[*overrides, "tracking=off", "plots=none"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     run_dir = tmp_path / name
@@ -410,7 +411,7 @@ def test_profile_source_is_a_config_choice_and_an_unknown_one_is_named() -> None
     from slackswap.profile.sources import select_source
 
     def resolved(overrides):
-        with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), **MAIN_VERSION):
             cfg = compose("config", overrides=[*overrides, "tracking=off"])
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
 

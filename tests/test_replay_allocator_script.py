@@ -9,13 +9,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from pipelines import schemas
+from pipelines.hydra_versions import MAIN_VERSION
 from slackswap.experiment import RunSpec, run_one, write_run_files
 from tests.extras import require_torch_extra
 from tools import replay_allocator_gpu as script
 
 
 def test_dry_run_from_a_run_dir_reproduces_the_runs_reserved_peak(tmp_path, capsys):
-    with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(schemas.REPO_ROOT / "conf"), **MAIN_VERSION):
         cfg = compose("config", overrides=["model=tiny", "simulate.allocator=caching", "tracking=off"])
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     (tmp_path / "config.resolved.yaml").write_text(OmegaConf.to_yaml(resolved))
