@@ -1,6 +1,6 @@
 """Export a plan to PyTorch's own machinery: one selective-checkpoint policy per transformer layer.
 
-Why: the eager runtime (`executor.py`) runs a plan at its own positions but pays Python per ATen
+Why: the eager runtime (`slackswap.runtime.eager`) runs a plan at its own positions but pays Python per ATen
 call, and it turns `torch.compile` off. PyTorch already executes such decisions itself:
 `torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, context_fn=...)` with a
 selective-checkpoint (SAC) policy saves what the policy says (`CheckpointPolicy.MUST_SAVE`) and
@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
-from slackswap.runtime.executor import RuntimeUsageError, check_identity
+from slackswap.runtime.errors import RuntimeUsageError
 from slackswap.runtime.export_compile import SWAP_MARK, InductorBackend, OffloadMarks, export_backend, offload_enabled
 from slackswap.runtime.export_facts import (
     IN_PLACE,
@@ -66,6 +66,7 @@ from slackswap.runtime.export_graph import (
     made_for_compile,
 )
 from slackswap.runtime.export_heads import cached_differences, head_outputs, name_storages, weak_outputs
+from slackswap.runtime.identity import check_identity
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
 
 POLICY_OF = {
