@@ -310,7 +310,7 @@ class Variants:
             _step(self.w)
 
     def _unchecked_hooks(self) -> tuple:
-        from slackswap.runtime.executor import _read, _whole
+        from slackswap.runtime.eager.views import _read, _whole
 
         packs, unpacks, buffers = self._unchecked_packs, self._unchecked_unpacks, self._unchecked_host
         count, hosts, held = [0, 0], {}, {}

@@ -35,7 +35,7 @@ from slackswap.errors import InfeasibleBudgetError, SlackSwapError
 from slackswap.hardware import load_preset
 from slackswap.planners.registry import available_planners, get_planner
 from slackswap.runtime import apply, capture_graph
-from slackswap.runtime.executor import PlanMismatchError
+from slackswap.runtime.errors import PlanMismatchError
 from slackswap.runtime.replay_check import InexactRecomputeError
 from slackswap.runtime.training_workload import Workload
 from slackswap.runtime.zoo import FACTORIES, build

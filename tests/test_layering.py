@@ -103,6 +103,33 @@ def test_every_import_runs_down_the_layers_and_never_sideways() -> None:
     assert not broken, "\n".join(broken)
 
 
+def _apart() -> list[tuple[str, str]]:
+    """Pairs of packages within one unit that never import each other (docs/architecture.md's apart block)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- apart: begin -->(.*?)<!-- apart: end -->", text, re.S)
+    assert block, "docs/architecture.md has no apart block"
+    return re.findall(r"^- `([\w.]+)` / `([\w.]+)`", block.group(1), re.M)
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_packages_held_apart_never_import_each_other() -> None:
+    """The runtime's two executors (`runtime.eager`, `runtime.export`) stand on the runtime's base only."""
+    modules = _modules()
+    edges = _imports(modules)
+    pairs = _apart()
+    assert ("slackswap.runtime.eager", "slackswap.runtime.export") in pairs
+    broken = []
+    for a, b in pairs:
+        assert any(_under(m, a) for m in modules) and any(_under(m, b) for m in modules), (a, b)
+        for source, target in ((a, b), (b, a)):
+            broken += [f"{m} imports {t}" for m in sorted(modules) if _under(m, source)
+                       for t in sorted(edges[m]) if _under(t, target)]
+    assert not broken, "packages held apart import each other:\n" + "\n".join(broken)
+
+
 def test_no_import_cycle_between_modules() -> None:
     edges = _imports(_modules())
     index: dict[str, int] = {}

@@ -39,227 +39,35 @@ from typing import Any
 
 import numpy as np
 
-from slackswap import validation as check
-from slackswap.communication import NOT_MODELLED, StepCommunication, Topology, check_sharding, step_communication
+from slackswap.communication import Topology, check_sharding, step_communication
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
+from slackswap.experiment.advise_node import (
+    graph_source,
+    host_check,
+    rank_hardware,
+    topology_from_node,
+)
+from slackswap.experiment.advise_space import (
+    ACTIVATIONS_DO_NOT_FIT,
+    COMMUNICATION_BOUND,
+    COMMUNICATION_BOUND_SHARE,
+    PLAN_AGAINST,
+    RECIPE_DOES_NOT_APPLY,
+    STATIC_DOES_NOT_FIT,
+    Advice,
+    Candidate,
+    Layout,
+    Region,
+    Row,
+    SearchSpace,
+    layouts,
+)
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import bytes_per_param, optimizer_step_moved_bytes, static_memory
 from slackswap.model_config import ModelConfig
-
-PLAN_AGAINST = ("allocated", "reserved")
-#: Rejected-region reasons (advice.json `rejected_regions[].reason`).
-STATIC_DOES_NOT_FIT = "static memory does not fit"
-ACTIVATIONS_DO_NOT_FIT = "activations do not fit"
-COMMUNICATION_BOUND = "communication bound"
-RECIPE_DOES_NOT_APPLY = "recipe does not apply"
-#: A configuration whose exposed communication takes at least this share of its step is flagged
-#: communication bound (and a layout all of whose fitting rows are, is a rejected region).
-COMMUNICATION_BOUND_SHARE = 0.25
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """What the advise searches. Every list is tried exhaustively, up to the pruning rules."""
-
-    gpus: tuple[int, ...]
-    #: Recipe name -> its optimizer / precision / gradient buffers (the ZeRO fields are searched).
-    recipes: Mapping[str, TrainingConfig]
-    micro_batches: tuple[int, ...]
-    #: Planner name -> options. "milp" is run on the best `milp_top_k` configurations only.
-    planners: Mapping[str, Mapping[str, Any]]
-    plan_against: tuple[str, ...] = PLAN_AGAINST
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    grad_accum: int = 1
-    milp_top_k: int = 3
-    reserve_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        def positive_ints(name: str, values: Sequence[int]) -> None:
-            if not values:
-                raise ConfigError(f"advise.{name}", list(values), "must list at least one value")
-            for v in values:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ConfigError(f"advise.{name}", list(values), f"{v!r} is not an integer >= 1")
-
-        positive_ints("gpus", self.gpus)
-        positive_ints("micro_batches", self.micro_batches)
-        if list(self.micro_batches) != sorted(set(self.micro_batches)):
-            raise ConfigError("advise.micro_batches", list(self.micro_batches), "must be strictly increasing")
-        if not self.recipes:
-            raise ConfigError("advise.recipes", [], "must list at least one training recipe")
-        if not self.planners:
-            raise ConfigError("advise.planners", [], "must list at least one planner")
-        if set(self.planners) == {"milp"}:
-            raise ConfigError("advise.planners", ["milp"], "milp refines the best configurations of the other "
-                              "planners: list at least one more")
-        for against in self.plan_against:
-            if against not in PLAN_AGAINST:
-                raise ConfigError("advise.plan_against", list(self.plan_against), f"{against!r} not in {PLAN_AGAINST}")
-        if not self.plan_against:
-            raise ConfigError("advise.plan_against", [], f"must list some of {PLAN_AGAINST}")
-        for stage in self.zero_stages:
-            if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-                raise ConfigError("advise.zero_stages", list(self.zero_stages), f"{stage!r} not in 0..3")
-        if not self.zero_stages:
-            raise ConfigError("advise.zero_stages", [], "must list at least one ZeRO stage")
-        check.integer("advise.grad_accum", self.grad_accum, 1)
-        check.integer("advise.milp_top_k", self.milp_top_k, 0)
-        check.integer("budget.reserve_bytes", self.reserve_bytes, 0)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How `gpus` data-parallel GPUs hold the training state."""
-
-    gpus: int
-    zero_stage: int
-    zero_shards: int
-
-    @property
-    def label(self) -> str:
-        if self.gpus == 1:
-            return "1 GPU"
-        if self.zero_stage == 0:
-            return f"{self.gpus} GPUs DDP"
-        if self.zero_stage == 3 and self.zero_shards < self.gpus:
-            return f"{self.gpus} GPUs ZeRO-3 HSDP x{self.zero_shards}"
-        return f"{self.gpus} GPUs ZeRO-{self.zero_stage}"
-
-
-def layouts(gpus: int, stages: Sequence[int], gpus_per_node: int) -> list[Layout]:
-    """The layouts of `gpus` GPUs: one on a single GPU (nothing to shard: every stage is the same);
-    else DDP (stage 0), stages 1 / 2 over all GPUs, stage 3 over all GPUs and, when the job spans
-    nodes, FSDP's HYBRID_SHARD: stage 3 within each node, replicated across nodes (the layout HSDP is
-    for: gathers on NVLink, only the gradient all-reduce on the network)."""
-    if gpus == 1:
-        return [Layout(1, 0, 1)]
-    out = []
-    for stage in stages:
-        if stage == 0:
-            out.append(Layout(gpus, 0, 1))
-        elif stage in (1, 2):
-            out.append(Layout(gpus, stage, gpus))
-        else:
-            out.append(Layout(gpus, 3, gpus))
-            if 1 < gpus_per_node < gpus and gpus % gpus_per_node == 0:
-                out.append(Layout(gpus, 3, gpus_per_node))
-    return out
-
-
-@dataclass(frozen=True)
-class Candidate:
-    layout: Layout
-    recipe: str
-    training: TrainingConfig
-    micro_batch: int
-    planner: str
-    plan_against: str
-
-    def choices(self) -> dict[str, Any]:
-        return {
-            "gpus": self.layout.gpus,
-            "zero_stage": self.layout.zero_stage,
-            "zero_shards": self.layout.zero_shards,
-            "layout": self.layout.label,
-            "recipe": self.recipe,
-            "micro_batch": self.micro_batch,
-            "planner": self.planner,
-            "plan_against": self.plan_against,
-        }
-
-
-@dataclass(frozen=True)
-class Row:
-    """One evaluated configuration (advice.json `rows[]`)."""
-
-    candidate: Candidate
-    status: str  # "ok" | "infeasible"
-    reason: str
-    fits_device: bool
-    tokens_per_s: float | None
-    mfu: float | None
-    step_s: float | None
-    micro_step_s: float | None
-    optimizer_s: float
-    comm: StepCommunication | None
-    comm_exposed_s: float | None
-    peak_bytes: int | None
-    headroom_bytes: int | None
-    static_bytes: int
-    activation_capacity_bytes: int
-    peak_activation_bytes: int | None
-    peak_reserved_bytes: int | None
-    swapped: int | None
-    recomputed: int | None
-    recompute_s: float | None
-    stall_s: float | None
-    model_flops_per_step: float
-    bound: str = ""
-    why: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        c = self.comm
-        return {
-            **self.candidate.choices(),
-            "status": self.status,
-            "reason": self.reason,
-            "fits_device": self.fits_device,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "step_s": self.step_s,
-            "micro_step_s": self.micro_step_s,
-            "optimizer_s": self.optimizer_s,
-            "comm_total_s": None if c is None else c.total_comm_s,
-            "comm_exposed_s": self.comm_exposed_s,
-            "comm_fabric": None if c is None else c.fabric,
-            "comm_replica_fabric": None if c is None else c.replica_fabric,
-            "comm_assumption": None if c is None else c.assumption,
-            "comm_not_modelled": NOT_MODELLED,
-            "peak_bytes": self.peak_bytes,
-            "headroom_bytes": self.headroom_bytes,
-            "static_bytes": self.static_bytes,
-            "activation_capacity_bytes": self.activation_capacity_bytes,
-            "peak_activation_bytes": self.peak_activation_bytes,
-            "peak_reserved_bytes": self.peak_reserved_bytes,
-            "swapped_tensors": self.swapped,
-            "recomputed_tensors": self.recomputed,
-            "recompute_s": self.recompute_s,
-            "stall_s": self.stall_s,
-            "model_flops_per_step": self.model_flops_per_step,
-            "bound": self.bound,
-            "why": self.why,
-        }
-
-
-@dataclass(frozen=True)
-class Region:
-    """Configurations rejected together, before or after planning, and why."""
-
-    reason: str
-    detail: str
-    choices: Mapping[str, Any]
-    configurations: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"reason": self.reason, "detail": self.detail, "configurations": self.configurations,
-                **dict(self.choices)}
-
-
-@dataclass(frozen=True)
-class Advice:
-    rows: tuple[Row, ...]
-    regions: tuple[Region, ...]
-    #: GPU count -> index into `rows` of the fastest fitting configuration (absent: none fits).
-    best: Mapping[int, int]
-    ranked: tuple[int, ...]
-    pruned_configurations: int
-
-    def best_rows(self) -> dict[int, Row]:
-        return {g: self.rows[i] for g, i in self.best.items()}
-
 
 # --- the pieces of a step -------------------------------------------------------------------------
 
@@ -268,7 +76,7 @@ def activation_floor_bytes(graph: Graph) -> int:
     """The least activation memory any plan needs: per op, the non-saved tensors resident at its
     start plus the saved tensors it produces or reads (they must be on the device then), the most over
     ops. The MILP's all-recompute floor (`slackswap.planners.milp.model`, `floor_bytes`)."""
-    from slackswap.planners.milp.model import fixed_bytes_per_op
+    from slackswap.planners.milp.facts import fixed_bytes_per_op
 
     const = np.asarray(fixed_bytes_per_op(graph), dtype=np.int64)
     index = graph.op_index
@@ -668,70 +476,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def topology_from_node(node: Any, hardware: Hardware) -> Topology:
-    """The two fabrics of `slackswap.node.Node` as the collectives see them: NVLink at the node's
-    effective per-GPU NVLink bandwidth (what nccl-tests measures as busbw), the network at the bus
-    bandwidth a ring leaving the node reaches (`Node.network_bus_bytes_per_s`: the node's NICs
-    together, as nccl-tests measures it across nodes). A node
-    without NVLink: ranks exchange through PCIe, at this GPU's effective host-link rate (the slower
-    direction; an assumption, printed as the fabric name)."""
-    from slackswap.communication import Fabric
-
-    if node.nvlink_bytes_per_s > 0:
-        intra = Fabric("nvlink", node.nvlink_bytes_per_s, node.nvlink_latency_s)
-    else:
-        link = hardware.link
-        rate = min(link.h2d_effective_bytes_per_s, link.d2h_effective_bytes_per_s)
-        intra = Fabric("pcie (no nvlink)", rate, link.latency_s)
-    network = node.network_bus_bytes_per_s
-    # a ring that leaves the node runs at its slowest link (slackswap.communication, model 1)
-    inter = Fabric("network", min(network, intra.bus_bytes_per_s), node.nic_latency_s) if network > 0 else None
-    return Topology(node.gpus_per_node, intra, inter)
-
-
-def graph_source(model: ModelConfig, hardware: Hardware, graph_mode: str, profile_source: str,
-                 profile_options: Mapping[str, Any]) -> Callable[[int], Graph]:
-    """A function micro-batch -> graph (no optimizer ops), cached per micro-batch. A traced preset
-    searched on its analytic twin (`graph_mode == "analytic"`) takes the twin's attention kernel from
-    the traced one (sdpa -> flash, else eager)."""
-    from slackswap.profile import build_graph
-    from slackswap.profile.sources import profile_graph
-
-    cache: dict[int, Graph] = {}
-    twin = model
-    if profile_source == "torch" and graph_mode == "analytic":
-        twin = replace(model, attention="flash" if profile_options.get("attention", "sdpa") == "sdpa" else "eager")
-
-    def graph_for(mb: int) -> Graph:
-        if mb not in cache:
-            m = replace(twin, micro_batch_size=mb, include_optimizer=False)
-            if graph_mode == "traced" and profile_source == "torch":
-                cache[mb] = profile_graph("torch", m, hardware, None, **profile_options)
-            else:
-                cache[mb] = build_graph(m, hardware)
-        return cache[mb]
-
-    return graph_for
-
-
-def rank_hardware(hardware: Hardware, node: Any, gpu_counts: Sequence[int]) -> dict[int, Hardware]:
-    """Per GPU count, the hardware one rank plans on (`slackswap.sharing.shared_hardware`): one GPU
-    is alone on its node (no switch uplink shared, the node's DRAM and duplex derate still apply);
-    more GPUs share the node as a full node of ranks does (on fewer GPUs than the node holds that is
-    conservative: their neighbours are taken as busy)."""
-    from slackswap.sharing import shared_hardware
-
-    one, _ = shared_hardware(hardware, replace(node, gpus_per_node=node.numa_nodes, gpus_per_pcie_switch=1))
-    shared, _ = shared_hardware(hardware, node)
-    return {g: (one if g == 1 else shared) for g in gpu_counts}
-
-
-def host_check(node: Any) -> Callable[[int, int], str | None]:
-    """(GPU count, swapped bytes per rank) -> why the node's pinned host memory cannot hold them, or
-    None: a job on one GPU pins for one rank, a job on more for every GPU of the node."""
-    from slackswap.node import pinned_reason
-
-    def check(gpus: int, offloaded_bytes: int) -> str | None:
-        return pinned_reason(node, offloaded_bytes, ranks=1 if gpus == 1 else None)
-
-    return check
+#: The records (`advise_space`) and the node's part (`advise_node`) stay importable from here.
+__all__ = ["ACTIVATIONS_DO_NOT_FIT", "Advice", "COMMUNICATION_BOUND", "COMMUNICATION_BOUND_SHARE", "Candidate",
+    "Layout", "PLAN_AGAINST", "RECIPE_DOES_NOT_APPLY", "Region", "Row", "STATIC_DOES_NOT_FIT", "SearchSpace",
+    "graph_source", "host_check", "layouts", "rank_hardware", "topology_from_node"]

@@ -7,6 +7,6 @@ See docs/runtime.md.
 """
 
 from slackswap.runtime.capture import capture_graph
-from slackswap.runtime.executor import PlanMismatchError, PlanRun, RunReport, apply, plan_counts
+from slackswap.runtime.eager import PlanMismatchError, PlanRun, RunReport, apply, plan_counts
 
 __all__ = ["PlanMismatchError", "PlanRun", "RunReport", "apply", "capture_graph", "plan_counts"]

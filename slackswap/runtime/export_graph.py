@@ -6,7 +6,7 @@ them. CPU eager runs a dropout as ATen's composite (`empty_like` / `bernoulli_` 
 its saved mask is the noise tensor in the input's dtype (fp32: 4 B per element), which the captured
 graph records. Under `torch.compile` a dropout is one `native_dropout` (aten.dropout's Python kernel
 in torch._decomp routes every traced dropout to it) and its saved mask is that op's second output;
-the export names that mask as eager's noise (`slackswap.runtime.export._RegionPolicy._dropout_names`).
+the export names that mask as eager's noise (`slackswap.runtime.export.policy._RegionPolicy._dropout_names`).
 A plan priced on the captured graph therefore overstates the compiled step's kept bytes by the
 difference, and the simulator's figures for it describe eager, not the compiled step.
 `graph_for_compile` gives each such noise, inside a checkpointed layer (only those are compiled: the

@@ -17,7 +17,7 @@ the version every later reader saw. A write after another storage was created is
 and its target cannot be recomputed (`slackswap.planners.support.replay_rule`).
 The rule reads schemas and storages, never values, so the same
 model on the same input shapes with the same torch build numbers the same way in the capture
-(`capture.py`) and in the run (`executor.py`); anything else is a name or size the graph lacks.
+(`capture.py`) and in the run (`eager.verified`); anything else is a name or size the graph lacks.
 Tensors whose storage no op of the step created (weights, the input batch) are not graph tensors.
 """
 

@@ -1,5 +1,5 @@
 """What the runtime records of a verified step: the graph tensors and inputs ATen calls read, the
-recorded calls of each recomputed op, and the saved-tensor events (moved out of executor.py, which
+recorded calls of each recomputed op, and the saved-tensor events (kept apart from `slackswap.runtime.eager`, which
 uses them, to keep that module one concern)."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 
 from slackswap.graph import Graph
 from slackswap.plan import Plan
-from slackswap.runtime.executor import RunReport, apply
+from slackswap.runtime.eager import RunReport, apply
 from slackswap.runtime.training_workload import Workload
 
 

@@ -25,7 +25,7 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
-from slackswap.runtime.executor import PlanMismatchError
+from slackswap.runtime.errors import PlanMismatchError
 
 
 def plan_on_captured(plan: Plan, traced: Graph, captured: Graph, hardware: Hardware,

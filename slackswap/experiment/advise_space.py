@@ -1,0 +1,226 @@
+"""The records of the advise search (`experiment.advise`): what is searched (`SearchSpace`, `Layout`),
+a configuration (`Candidate`), its priced row (`Row`), a rejected region (`Region`) and the answer
+(`Advice`), with the reasons a region is rejected."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from slackswap import validation as check
+from slackswap.communication import NOT_MODELLED, StepCommunication
+from slackswap.errors import ConfigError
+from slackswap.memory.recipe import TrainingConfig
+
+PLAN_AGAINST = ("allocated", "reserved")
+#: Rejected-region reasons (advice.json `rejected_regions[].reason`).
+STATIC_DOES_NOT_FIT = "static memory does not fit"
+ACTIVATIONS_DO_NOT_FIT = "activations do not fit"
+COMMUNICATION_BOUND = "communication bound"
+RECIPE_DOES_NOT_APPLY = "recipe does not apply"
+#: A configuration whose exposed communication takes at least this share of its step is flagged
+#: communication bound (and a layout all of whose fitting rows are, is a rejected region).
+COMMUNICATION_BOUND_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the advise searches. Every list is tried exhaustively, up to the pruning rules."""
+
+    gpus: tuple[int, ...]
+    #: Recipe name -> its optimizer / precision / gradient buffers (the ZeRO fields are searched).
+    recipes: Mapping[str, TrainingConfig]
+    micro_batches: tuple[int, ...]
+    #: Planner name -> options. "milp" is run on the best `milp_top_k` configurations only.
+    planners: Mapping[str, Mapping[str, Any]]
+    plan_against: tuple[str, ...] = PLAN_AGAINST
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    grad_accum: int = 1
+    milp_top_k: int = 3
+    reserve_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        def positive_ints(name: str, values: Sequence[int]) -> None:
+            if not values:
+                raise ConfigError(f"advise.{name}", list(values), "must list at least one value")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(f"advise.{name}", list(values), f"{v!r} is not an integer >= 1")
+
+        positive_ints("gpus", self.gpus)
+        positive_ints("micro_batches", self.micro_batches)
+        if list(self.micro_batches) != sorted(set(self.micro_batches)):
+            raise ConfigError("advise.micro_batches", list(self.micro_batches), "must be strictly increasing")
+        if not self.recipes:
+            raise ConfigError("advise.recipes", [], "must list at least one training recipe")
+        if not self.planners:
+            raise ConfigError("advise.planners", [], "must list at least one planner")
+        if set(self.planners) == {"milp"}:
+            raise ConfigError("advise.planners", ["milp"], "milp refines the best configurations of the other "
+                              "planners: list at least one more")
+        for against in self.plan_against:
+            if against not in PLAN_AGAINST:
+                raise ConfigError("advise.plan_against", list(self.plan_against), f"{against!r} not in {PLAN_AGAINST}")
+        if not self.plan_against:
+            raise ConfigError("advise.plan_against", [], f"must list some of {PLAN_AGAINST}")
+        for stage in self.zero_stages:
+            if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+                raise ConfigError("advise.zero_stages", list(self.zero_stages), f"{stage!r} not in 0..3")
+        if not self.zero_stages:
+            raise ConfigError("advise.zero_stages", [], "must list at least one ZeRO stage")
+        check.integer("advise.grad_accum", self.grad_accum, 1)
+        check.integer("advise.milp_top_k", self.milp_top_k, 0)
+        check.integer("budget.reserve_bytes", self.reserve_bytes, 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `gpus` data-parallel GPUs hold the training state."""
+
+    gpus: int
+    zero_stage: int
+    zero_shards: int
+
+    @property
+    def label(self) -> str:
+        if self.gpus == 1:
+            return "1 GPU"
+        if self.zero_stage == 0:
+            return f"{self.gpus} GPUs DDP"
+        if self.zero_stage == 3 and self.zero_shards < self.gpus:
+            return f"{self.gpus} GPUs ZeRO-3 HSDP x{self.zero_shards}"
+        return f"{self.gpus} GPUs ZeRO-{self.zero_stage}"
+
+
+def layouts(gpus: int, stages: Sequence[int], gpus_per_node: int) -> list[Layout]:
+    """The layouts of `gpus` GPUs: one on a single GPU (nothing to shard: every stage is the same);
+    else DDP (stage 0), stages 1 / 2 over all GPUs, stage 3 over all GPUs and, when the job spans
+    nodes, FSDP's HYBRID_SHARD: stage 3 within each node, replicated across nodes (the layout HSDP is
+    for: gathers on NVLink, only the gradient all-reduce on the network)."""
+    if gpus == 1:
+        return [Layout(1, 0, 1)]
+    out = []
+    for stage in stages:
+        if stage == 0:
+            out.append(Layout(gpus, 0, 1))
+        elif stage in (1, 2):
+            out.append(Layout(gpus, stage, gpus))
+        else:
+            out.append(Layout(gpus, 3, gpus))
+            if 1 < gpus_per_node < gpus and gpus % gpus_per_node == 0:
+                out.append(Layout(gpus, 3, gpus_per_node))
+    return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    recipe: str
+    training: TrainingConfig
+    micro_batch: int
+    planner: str
+    plan_against: str
+
+    def choices(self) -> dict[str, Any]:
+        return {
+            "gpus": self.layout.gpus,
+            "zero_stage": self.layout.zero_stage,
+            "zero_shards": self.layout.zero_shards,
+            "layout": self.layout.label,
+            "recipe": self.recipe,
+            "micro_batch": self.micro_batch,
+            "planner": self.planner,
+            "plan_against": self.plan_against,
+        }
+
+
+@dataclass(frozen=True)
+class Row:
+    """One evaluated configuration (advice.json `rows[]`)."""
+
+    candidate: Candidate
+    status: str  # "ok" | "infeasible"
+    reason: str
+    fits_device: bool
+    tokens_per_s: float | None
+    mfu: float | None
+    step_s: float | None
+    micro_step_s: float | None
+    optimizer_s: float
+    comm: StepCommunication | None
+    comm_exposed_s: float | None
+    peak_bytes: int | None
+    headroom_bytes: int | None
+    static_bytes: int
+    activation_capacity_bytes: int
+    peak_activation_bytes: int | None
+    peak_reserved_bytes: int | None
+    swapped: int | None
+    recomputed: int | None
+    recompute_s: float | None
+    stall_s: float | None
+    model_flops_per_step: float
+    bound: str = ""
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.comm
+        return {
+            **self.candidate.choices(),
+            "status": self.status,
+            "reason": self.reason,
+            "fits_device": self.fits_device,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "step_s": self.step_s,
+            "micro_step_s": self.micro_step_s,
+            "optimizer_s": self.optimizer_s,
+            "comm_total_s": None if c is None else c.total_comm_s,
+            "comm_exposed_s": self.comm_exposed_s,
+            "comm_fabric": None if c is None else c.fabric,
+            "comm_replica_fabric": None if c is None else c.replica_fabric,
+            "comm_assumption": None if c is None else c.assumption,
+            "comm_not_modelled": NOT_MODELLED,
+            "peak_bytes": self.peak_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "static_bytes": self.static_bytes,
+            "activation_capacity_bytes": self.activation_capacity_bytes,
+            "peak_activation_bytes": self.peak_activation_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "swapped_tensors": self.swapped,
+            "recomputed_tensors": self.recomputed,
+            "recompute_s": self.recompute_s,
+            "stall_s": self.stall_s,
+            "model_flops_per_step": self.model_flops_per_step,
+            "bound": self.bound,
+            "why": self.why,
+        }
+
+
+@dataclass(frozen=True)
+class Region:
+    """Configurations rejected together, before or after planning, and why."""
+
+    reason: str
+    detail: str
+    choices: Mapping[str, Any]
+    configurations: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "detail": self.detail, "configurations": self.configurations,
+                **dict(self.choices)}
+
+
+@dataclass(frozen=True)
+class Advice:
+    rows: tuple[Row, ...]
+    regions: tuple[Region, ...]
+    #: GPU count -> index into `rows` of the fastest fitting configuration (absent: none fits).
+    best: Mapping[int, int]
+    ranked: tuple[int, ...]
+    pruned_configurations: int
+
+    def best_rows(self) -> dict[int, Row]:
+        return {g: self.rows[i] for g, i in self.best.items()}
+

@@ -1,0 +1,217 @@
+"""Execute a `Plan` in a real PyTorch training step: keep, swap or recompute each saved tensor.
+
+How one step runs (docs/runtime.md has the why of each choice):
+- A `TorchDispatchMode` sees every ATen call. `OpNumbering` names it, which places it on the plan:
+  the call of graph op X is plan step `run_step[X]`. Before it runs, every recompute step and
+  transfer the plan puts earlier is executed or issued; the call's fresh outputs become the run
+  copies of their tensors.
+- `saved_tensors_hooks` decide per saved tensor: keep returns the tensor (autograd saves it as
+  usual); swap and recompute return a small reference, so autograd holds no device memory for them.
+- Offloads and prefetches are issued at the plan's positions on the copy engines (`copies.py`). An
+  unpack of a swapped tensor waits for its prefetch only if it has not arrived.
+- Recompute steps replay the recorded ATen calls of the op (in-place members included) on the copies
+  resident at that point, with the RNG state of the forward call restored, so dropout masks match.
+- Held copies are released once the plan says their last reader has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from slackswap.graph import Graph
+from slackswap.plan import Decision, Plan, StepKind
+from slackswap.runtime.capture import input_signature
+from slackswap.runtime.copy_engines import (
+    CpuCopies,
+    CudaCopies,
+    offload_sizes,
+)
+from slackswap.runtime.eager.hook_only import _HookOnlyStep
+from slackswap.runtime.eager.program import HookProgram
+from slackswap.runtime.eager.verified import _VerifiedStep
+from slackswap.runtime.eager.views import _rng_state
+from slackswap.runtime.errors import PlanMismatchError, RuntimeUsageError
+from slackswap.runtime.identity import check_identity
+from slackswap.runtime.recording import Recording
+from slackswap.schedule.validate import resolve_schedule
+
+_ACTIVE: list[PlanRun] = []
+
+
+def _compiled(model: torch.nn.Module) -> str | None:
+    """The path of a module that torch.compile wraps (`torch.compile(m)` or `m.compile()`), or None."""
+    if type(model).__name__ == "OptimizedModule":
+        return "<the model>"
+    for name, m in model.named_modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            return name or "<the model>"
+    return None
+
+
+class PlanRun(_HookOnlyStep, _VerifiedStep):
+    """`with apply(plan, graph, model): ...` runs one training step under the plan. Reusable per step."""
+
+    def __init__(
+        self, plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
+        accumulate: bool = False, verify: bool = False,
+    ):
+        super().__init__()
+        compiled = _compiled(model)
+        if compiled is not None:
+            raise RuntimeUsageError(
+                f"module {compiled!r} is torch.compile'd: under the eager runtime's dispatch modes torch.compile "
+                "falls back to eager, silently. Run the plan through PyTorch instead: "
+                "slackswap.runtime.export.PlanExport(plan, graph, model).installed(model, compile=True)"
+            )
+        self.trace = trace
+        self.accumulate = accumulate
+        #: Every step under the dispatch modes (else only the first, and after a refusal).
+        self.verify = verify
+        self.recording: Recording | None = None
+        #: Built at the first hook-only step, from the recording (`eager.program`).
+        self._program: HookProgram | None = None
+        check_identity(graph, model)
+        self.plan, self.graph, self.model = plan, graph, model
+        #: The traced inputs as `_check_inputs` compares them each step: (shape, dtype) per tensor.
+        self._traced_inputs = [(torch.Size(shape), getattr(torch, dtype.removeprefix("torch.")))
+                               for shape, dtype in graph.meta.get("input_signature") or []]
+        self.schedule = resolve_schedule(graph, plan)  # PlanValidationError names a bad plan
+        self._never_read = frozenset(graph.meta.get("packed_never_read") or ())
+        self.copies = copies
+        steps = plan.steps
+        self.run_step = {s.op: j for j, s in enumerate(steps) if s.kind == StepKind.RUN}
+        self.recompute_ops = {s.op for s in steps if s.kind == StepKind.RECOMPUTE}
+        n = len(steps)
+        self.offloads_at: list[list[int]] = [[] for _ in range(n + 1)]
+        self.prefetches_at: list[list[int]] = [[] for _ in range(n + 1)]
+        for k, tr in enumerate(plan.offloads):
+            self.offloads_at[tr.issue_after_step + 1].append(k)
+        for k, tr in enumerate(plan.prefetches):
+            self.prefetches_at[tr.issue_after_step + 1].append(k)
+        self.run_copy: dict[str, int] = {}
+        self.held_copies: set[int] = set()
+        self.release_after: dict[int, list[int]] = {}
+        recompute_steps = {j for j, s in enumerate(steps) if s.kind == StepKind.RECOMPUTE}
+        #: Built once: `ResolvedSchedule.copies` rebuilds every Copy on each access.
+        self.copy_records = self.schedule.copies
+        #: Per copy: its source, read on every swapped or recomputed unpack.
+        self.copy_source = self.schedule.copy_source
+        for c, copy in enumerate(self.copy_records):
+            if copy.source == "run":
+                self.run_copy[copy.tensor] = c
+            needs_hold = copy.source != "run" or copy.offload is not None or bool(set(copy.readers) & recompute_steps)
+            if not needs_hold:
+                continue
+            self.held_copies.add(c)
+            produced = copy.source_index
+            if copy.source == "prefetch":
+                produced = plan.prefetches[copy.source_index].issue_after_step
+            # The resolver's facts: its last use (readers, views, the model's hold) and the offloads
+            # it waits for (issued by then on this runtime's copy engines, which it then holds).
+            last = max([produced, copy.last_use, *(plan.offloads[k].issue_after_step for k in copy.wait_offloads)])
+            self.release_after.setdefault(last, []).append(c)
+        #: The plan keeps every tensor and moves none: a hook-only step has nothing to do.
+        self.idle = not (recompute_steps or plan.offloads or plan.prefetches) and all(
+            d == Decision.KEEP for d in plan.decisions.values())
+        #: Steps at whose end the plan acts (a recompute, a transfer issued after it, a release).
+        self._action_steps = sorted(
+            recompute_steps | set(self.release_after)
+            | {j for j in range(n) if self.offloads_at[j + 1] or self.prefetches_at[j + 1]})
+
+    def _default_copies(self) -> object:
+        """CUDA streams with one pinned slab sized from the plan's offloads on a GPU; inline CPU copies."""
+        if any(p.is_cuda for p in self.model.parameters()):
+            return CudaCopies(offload_sizes(self.schedule))
+        return CpuCopies()
+
+    # ----------------------------------------------------------------------------- step lifecycle
+    def __enter__(self) -> PlanRun:
+        if _ACTIVE:
+            raise RuntimeUsageError(
+                "apply(...) entered while another plan run is active"
+                + (" (this same run)" if self in _ACTIVE else "")
+                + ": a plan describes exactly one step, and a run inside a run would see the outer run's calls. "
+                "Exit the outer `with` first; for micro-batches enter one run per micro-batch with "
+                "apply(..., accumulate=True)"
+            )
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if self.accumulate:
+            # Micro-batches: an existing .grad would turn AccumulateGrad's assignment into an in-place
+            # add the graph lacks. Set it aside and add it back after the step: the same float addition
+            # AccumulateGrad does (old + new), so the sum is bit for bit a plain accumulation's.
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    self._stashed.append((p, p.grad))
+                    p.grad = None
+        _ACTIVE.append(self)
+        try:
+            self._enter()
+        except BaseException:
+            _ACTIVE.remove(self)
+            for p, old in self._stashed:
+                p.grad = old
+            raise
+        return self
+
+    def _enter(self) -> None:
+        self.hook_only = (self.recording is not None and self.recording.refusal is None
+                          and not (self.trace or self.verify))
+        if self.hook_only:
+            self._enter_hook_only()
+            return
+        self._enter_verified()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _ACTIVE.remove(self)
+        try:
+            if self.hook_only:
+                self._exit_hook_only(exc_type)
+            else:
+                self._exit(exc_type, exc, tb)
+                if exc_type is None and self.recording is None:
+                    self.recording = self._finish_recording()
+                    if self.recording.refusal is None:
+                        self._program = self._build_program()
+                        if self._program.refusal is not None:
+                            self.recording = replace(self.recording, refusal=self._program.refusal)
+                        else:
+                            self._bind_program()
+                self.report.fast_refusal = self.recording.refusal if self.recording is not None else None
+        finally:
+            for p, old in self._stashed:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+            self._stashed = []
+
+    def _check_inputs(self, _module, args, kwargs) -> None:
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: no tree to walk
+            inputs = list(args)
+        else:
+            inputs = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        self._step_inputs = inputs
+        if self.hook_only and -1 in self.recording.rng_events:
+            self._hook_only_rng[-1] = _rng_state()
+        if [(t.shape, t.dtype) for t in inputs] != self._traced_inputs:
+            raise PlanMismatchError(
+                f"model inputs (shape, dtype) {input_signature(inputs)} differ from the traced "
+                f"{self.graph.meta.get('input_signature')} of graph {self.graph.name!r}"
+            )
+
+
+def apply(
+    plan: Plan, graph: Graph, model: torch.nn.Module, copies: object | None = None, trace: bool = False,
+    accumulate: bool = False, verify: bool = False,
+) -> PlanRun:
+    """Context manager running one training step of `model` under `plan` (checked against `graph` now).
+
+    `copies`: a copy engine (default: CUDA streams when the model is on a GPU, inline CPU copies
+    otherwise). `trace`: keep the per-step live copies in the report, for `explain_ledger`.
+    `accumulate`: gradients already present are added to (micro-batches), bit for bit as plain
+    PyTorch accumulates them. The first step runs verified (dispatch modes: every ATen call checked
+    against the graph, the ledger measured) and records the pack order; later steps run on the
+    saved-tensor hooks alone (docs/runtime.md, "Hook-only steps"). `verify` or `trace`: every step
+    verified.
+    """
+    return PlanRun(plan, graph, model, copies, trace, accumulate, verify)

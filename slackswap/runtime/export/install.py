@@ -1,0 +1,342 @@
+"""`PlanExport`: a plan installed on a model as one checkpointed (eager or compiled) forward per layer,
+with the counts and differences of each step."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from slackswap.graph import Graph
+from slackswap.plan import Decision, Plan
+from slackswap.profile.torch.identity import ModuleStack
+from slackswap.runtime.errors import RuntimeUsageError
+from slackswap.runtime.export.modes import HostCopies, _ReplayMode, _SaveMode
+from slackswap.runtime.export.policy import (
+    DOES,
+    WANTS,
+    ExportDifference,
+    SavedCount,
+    StepRecord,
+    _RegionPolicy,
+    _storage,
+)
+from slackswap.runtime.export_compile import export_backend, offload_enabled
+from slackswap.runtime.export_facts import (
+    IN_PLACE,
+    LAYER_OUTPUT,
+    NOT_KEPT,
+    OUTSIDE,
+    RANDOM,
+    SEVERAL_OUTPUTS,
+    VERSION_READ,
+    export_facts,
+    layer_paths,
+    module_path,
+)
+from slackswap.runtime.export_facts import region_of as _region_of
+from slackswap.runtime.export_graph import (
+    COMPILED_MASKS,
+    composite_dropouts,
+    graph_for_compile,
+    made_for_compile,
+)
+from slackswap.runtime.export_heads import cached_differences
+from slackswap.runtime.identity import check_identity
+
+
+def _fresh_function(fn: Callable) -> Callable:
+    """A copy of `fn` with its own code object (dynamo caches and guards per code object; closures
+    over another layer and another policy would otherwise reuse the first layer's graph)."""
+    import types
+
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{id(fn):x}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+
+class PlanExport:
+    """A plan as one SAC policy per layer of `model` (the children of its first ModuleList).
+
+        export = PlanExport(plan, graph, model)
+        with export.installed(model):                 # eager: per-layer checkpoint with the policy
+            loss_fn(model(batch)).backward()
+        with export.installed(model, compile=True):   # each layer torch.compile'd, policy in the partition
+            ...
+    """
+
+    def __init__(self, plan: Plan, graph: Graph, model: torch.nn.Module):
+        check_identity(graph, model)
+        self.regions = layer_paths(model)
+        #: The graph the plan was made on: compiled (`made_for_compile`), each dropout's mask at its compiled
+        #: bytes (`slackswap.runtime.export_graph`); else the captured one. Saved bytes are checked against it.
+        compiled = graph_for_compile(graph, self.regions)
+        self.plan, self.graph = plan, compiled if made_for_compile(plan) else graph
+        #: Whether the other executor stores some tensor at other bytes than this plan was priced at
+        #: (a composite dropout's noise inside a layer): `installed` then refuses that executor.
+        self._executor_matters = COMPILED_MASKS in compiled.meta
+        self.region_decisions: list[dict[str, Decision]] = [{} for _ in self.regions]
+        self.outside: dict[str, Decision] = {}
+        for name, decision in plan.decisions.items():
+            region = _region_of(module_path(name), self.regions)
+            if region is None:
+                self.outside[name] = Decision(decision)
+            else:
+                self.region_decisions[region][name] = Decision(decision)
+        self.modules = ModuleStack(model)
+        self.host = HostCopies()
+        self.record = StepRecord()
+        #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
+        self._last_names: dict[int, list[str]] = {}
+        self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
+        self._facts = None
+        self._eager_calls: dict[int, dict[tuple[str, str], list[tuple[int, int]]]] = {}
+        self._eager_dropouts: dict[int, dict[str, list[tuple[str, str]]]] = {}
+        #: Compiled: region -> the region whose compiled function (and partition) it shares.
+        self.group_of: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ policies
+    def policy(self, region: int, compiled: bool = False) -> Callable:
+        """A fresh policy function for one call of region `region` (counters start at zero)."""
+        return _RegionPolicy(self, region, compiled)
+
+    def context_fn(self, region: int, compiled: bool = False) -> Callable[[], tuple]:
+        """`checkpoint(..., context_fn=export.context_fn(i))`: eager, the export's own SAC modes (offloads
+        included); compiled, PyTorch's `create_selective_checkpoint_contexts` with the same policy."""
+        if compiled:
+            return lambda: create_selective_checkpoint_contexts(self.policy(region, compiled=True))
+
+        def contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
+            storage: dict = {}
+            return _SaveMode(self.policy(region), storage, self), _ReplayMode(storage, self)
+
+        return contexts
+
+    def eager_calls(self, region: int) -> dict[tuple[str, str], list[tuple[int, int]]]:
+        """(module path, ATen packet) -> [(eager call number, bytes of its first output)] of the graph's
+        tensors in `region`, in call order: what a compiled call's identity is matched against."""
+        if region not in self._eager_calls:
+            first: dict[tuple[str, str, int], tuple[int, int]] = {}
+            for name, t in self.graph.tensors.items():
+                if _region_of(module_path(name), self.regions) != region or "#" not in name:
+                    continue
+                head, _, tail = name.rpartition("#")
+                path, _, packet = head.rpartition("/")
+                k, _, i = tail.partition(":")
+                key = (path, packet, int(k))
+                if key not in first or int(i) < first[key][0]:
+                    first[key] = (int(i), t.size_bytes)
+            table: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+            for (path, packet, k), (_, size) in sorted(first.items(), key=lambda e: e[0][2]):
+                table[(path, packet)].append((k, size))
+            self._eager_calls[region] = dict(table)
+        return self._eager_calls[region]
+
+    def eager_dropouts(self, region: int) -> dict[str, list[tuple[str, str]]]:
+        """Module path -> [(output, noise)] of CPU eager's composite dropouts in `region`, in call order: an
+        `empty_like` (its in-place `bernoulli_` / `div_` joined to it) whose output a forward `mul` reads."""
+        if region not in self._eager_dropouts:
+            table: dict[str, list[tuple[str, str]]] = defaultdict(list)
+            for out, noise in composite_dropouts(self.graph, region):
+                table[module_path(noise)].append((out, noise))
+            self._eager_dropouts[region] = dict(table)
+        return self._eager_dropouts[region]
+
+    # ------------------------------------------------------------------ installation
+    @contextmanager
+    def installed(self, model: torch.nn.Module, compile: bool = False, backend: object = "inductor") -> Iterator[None]:
+        """Every layer's forward runs under `checkpoint` with its region's policy (compiled: the
+        checkpointed forward is `torch.compile`d per layer, with the offload pass enabled; inductor, given
+        as "inductor" or an `InductorBackend`, compiles with the export's decompositions and config,
+        `slackswap.runtime.export_compile`)."""
+        if self._executor_matters and compile != made_for_compile(self.plan):
+            made, asked = ("compile", "eager") if made_for_compile(self.plan) else ("eager", "compile")
+            raise RuntimeUsageError(
+                f"plan {self.plan.planner!r} was made for the {made} export and is installed {asked}: the {asked} "
+                "step stores the layers' dropout masks at other bytes than the plan was priced at "
+                f"(slackswap.runtime.export_graph). Install with compile={made == 'compile'}, or plan again with "
+                f"plan_for_export(..., compile={asked == 'compile'})")
+        layers = [model.get_submodule(p) for p in self.regions]
+        originals = [layer.__dict__.get("forward") for layer in layers]
+        reset = model.register_forward_pre_hook(lambda *_: self._reset())
+        try:
+            for i, layer in enumerate(layers):
+                layer.forward = self._forward(layer, i, compile, backend)
+            if compile:  # module paths from dynamo's nn_module_stack: global hooks would break the graph
+                with offload_enabled():
+                    yield
+            else:
+                with self.modules:
+                    yield
+        finally:
+            reset.remove()
+            for layer, original in zip(layers, originals, strict=True):
+                layer.__dict__.pop("forward", None)
+                if original is not None:
+                    layer.forward = original
+
+    @contextmanager
+    def counting_saved(self, model: torch.nn.Module) -> Iterator[SavedCount]:
+        """Around `installed(model)` (eager): counts every storage autograd saves outside the layers'
+        checkpoint caches (tensors outside every layer) and every tensor a layer is called with (its
+        checkpoint holds them for the recompute, some through `save_for_backward`, those nested in a tuple
+        or passed by keyword by reference), so `saved_activation_bytes` is the step's whole saved set.
+        Outside: inside `installed`, the checkpoints' own hooks are the innermost and see the layers'
+        tensors."""
+        count = SavedCount()
+        fixed = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+
+        def pre(_module, args, kwargs):
+            count.autograd.clear()
+            count.excluded = fixed | {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage(t)
+            if key not in count.excluded:
+                count.autograd[key] = t.untyped_storage().nbytes()
+            return t
+
+        def layer_inputs(_module, args, kwargs):  # checkpoint holds them all for the recompute
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and _storage(t) not in count.excluded:
+                    count.autograd[_storage(t)] = t.untyped_storage().nbytes()
+
+        handles = [model.register_forward_pre_hook(pre, with_kwargs=True)]
+        handles += [model.get_submodule(p).register_forward_pre_hook(layer_inputs, with_kwargs=True)
+                    for p in self.regions]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield count
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def saved_activation_bytes(self, count: SavedCount) -> int:
+        """After an eager step inside `counting_saved`: the device bytes of every distinct storage the step
+        saved for backward (the checkpoint caches and autograd's), offloaded host copies left out."""
+        return sum({**count.autograd, **self.record.saved_storages}.values())
+
+    def _note_outputs(self, out: object) -> None:
+        """The layer's returned tensors that a later layer or an op outside reads (`LAYER_OUTPUT` in the
+        facts) stay alive as its input: any policy on them is moot. A returned tensor nobody reads
+        (Falcon's attention probabilities) is held by the caller only until its hold in the graph ends
+        (`Tensor.held_until`, which the plan prices) and its policy is executed as planned."""
+        outputs = {n for n, why in self.facts().fixed_keep.items() if why == LAYER_OUTPUT}
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                for n in (x for x in self._last_names.get(_storage(leaf), ()) if x in outputs):
+                    self.record.region_outputs.add(n)
+                    self.record.applied[n] = CheckpointPolicy.MUST_SAVE
+
+    def _reset(self) -> None:
+        self.record = StepRecord()
+        self._last_names = {}
+        self.modules._calls.clear()
+
+    def _forward(self, layer: torch.nn.Module, region: int, compile: bool, backend: object) -> Callable:
+        if compile:
+            return self._compiled(layer, region, backend)
+        plain = type(layer).forward
+        context_fn = self.context_fn(region)
+
+        def run(*args, **kwargs):
+            out = checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            self._note_outputs(out)
+            return out
+
+        return run
+
+    def _compiled(self, layer: torch.nn.Module, region: int, backend: object) -> Callable:
+        """Layers whose decisions read the same below their own path share one compiled function (the
+        layer is an argument: its parameters are graph inputs), traced with the first such layer's
+        policy; other layers get their own. Dynamo keys compiled code by code object, so each group's
+        function is a fresh one (`_fresh_function`). Kept: a later installation reuses the code."""
+        path = self.regions[region]
+        signature = (type(layer), id(backend), tuple(sorted(
+            (n[len(path):], str(d)) for n, d in self.region_decisions[region].items())))
+        if signature not in self._compiled_fns:
+            context_fn = self.context_fn(region, compiled=True)
+
+            def run(layer, *args, **kwargs):
+                return checkpoint(partial(type(layer).forward, layer), *args, use_reentrant=False,
+                                  context_fn=context_fn, **kwargs)
+
+            compiled = torch.compile(_fresh_function(run), backend=export_backend(backend, self.graph))
+            self._compiled_fns[signature] = (region, compiled)
+        self.group_of[region], compiled = self._compiled_fns[signature]
+        return partial(compiled, layer)
+
+    def translate(self, name: str, region: int) -> str:
+        """A tensor of `region` as its compile group's representative layer names it."""
+        rep = self.group_of.get(region, region)
+        return self.regions[rep] + name[len(self.regions[region]):]
+
+    # ------------------------------------------------------------------ differences
+    def static_differences(self) -> list[ExportDifference]:
+        """Decisions no region governs: a saved tensor outside every layer is saved by autograd as usual, a
+        checkpoint candidate there is not saved at all, unless a layer reads it (then the layer's
+        checkpoint holds it: a difference where the plan does not keep it)."""
+        saved = {t.name for t in self.graph.saved_tensors}
+        held = self.facts().held_inputs
+        out = [ExportDifference(n, str(d), "saved by autograd", OUTSIDE) if n in saved else
+               ExportDifference(n, str(d), "not saved", NOT_KEPT) for n, d in sorted(self.outside.items())
+               if (d != Decision.KEEP or n not in saved) and n not in held]
+        return out + [ExportDifference(n, str(self.plan.decisions.get(n, "none")), "held", why)
+                      for n, why in sorted(held.items()) if self.plan.decisions.get(n) != Decision.KEEP]
+
+    def step_differences(self) -> list[ExportDifference]:
+        """After an eager step: every decided tensor of a region whose policy differs, with the reason."""
+        out = self.static_differences()
+        for decisions in self.region_decisions:
+            for name, decision in sorted(decisions.items()):
+                applied = self.record.applied.get(name)
+                if applied is None:
+                    out.append(ExportDifference(name, str(decision), "saved by autograd",
+                                                "the layer's forward under checkpoint made no such tensor"))
+                elif DOES[applied] != WANTS[decision]:
+                    out.append(ExportDifference(name, str(decision), DOES[applied], self._why(name, applied)))
+        return out + [ExportDifference(*d) for d in cached_differences(
+            self.record.saved_storages, self.record.names_of, self.plan.decisions, {d.tensor for d in out})]
+
+    def effective_decisions(self) -> dict[str, Decision]:
+        """After an eager step: the decision PyTorch executed for every saved tensor (a tensor outside
+        every layer, or one the layer's forward did not make, is saved by autograd: keep); a checkpoint
+        candidate outside every layer is not kept, so it has none, unless a layer reads it (its
+        checkpoint holds it: keep). Input of
+        `slackswap.pytorch_execution.pytorch_plan`, which the simulator runs."""
+        does = {"saved": Decision.KEEP, "offloaded": Decision.SWAP, "recomputed": Decision.RECOMPUTE}
+        out = {}
+        saved = {t.name for t in self.graph.saved_tensors}
+        held = {t for t in self.facts().held_inputs if t in self.graph.candidate_names}
+        out.update(dict.fromkeys(held, Decision.KEEP))  # held by a layer's checkpoint: kept
+        for name in self.plan.decisions:
+            if name in held or (name in self.outside and name not in saved):
+                continue
+            applied = self.record.applied.get(name)
+            out[name] = Decision.KEEP if applied is None else does[DOES[applied]]
+        return out
+
+    def _why(self, name: str, applied: CheckpointPolicy) -> str:
+        if name in self.record.in_place:
+            return IN_PLACE
+        if name in self.record.region_outputs:
+            return LAYER_OUTPUT
+        if name in self.record.random:
+            return RANDOM
+        if name in self.record.version_read:
+            return VERSION_READ
+        return SEVERAL_OUTPUTS
+
+    def facts(self):
+        """What PyTorch decides itself for this graph and these layers, before any step
+        (`slackswap.runtime.export_facts.export_facts`): the tensors it keeps, the decisions it ties."""
+        if self._facts is None:
+            self._facts = export_facts(self.graph, self.regions)
+        return self._facts
+
