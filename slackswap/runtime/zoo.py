@@ -41,11 +41,12 @@ class _Logits(nn.Module):
         return self._call(self.model, x)
 
 
-def _tokens(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+def _tokens(seed: int, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def _hf(config_name: str, auto: str = "AutoModelForCausalLM", call=None, **config: object) -> Callable[[int], Workload]:
+def _hf(config_name: str, auto: str = "AutoModelForCausalLM", call=None, seq: int = SEQ,
+        **config: object) -> Callable[[int], Workload]:
     def build(seed: int) -> Workload:
         import transformers
 
@@ -54,7 +55,7 @@ def _hf(config_name: str, auto: str = "AutoModelForCausalLM", call=None, **confi
         torch.manual_seed(seed)
         model = getattr(transformers, auto).from_config(cfg, attn_implementation="eager")
         model.train()
-        batch = _tokens(seed)
+        batch = _tokens(seed, seq)
         net = _Logits(model, call or (lambda m, x: m(input_ids=x).logits))
         return Workload(config_name.removesuffix("Config").lower(), net, batch, token_loss(batch), VOCAB)
 
@@ -247,8 +248,9 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
     "opt": _hf("OPTConfig", vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS,
                num_attention_heads=HEADS, max_position_embeddings=64, word_embed_proj_dim=HIDDEN, pad_token_id=1),
     "bloom": _hf("BloomConfig", vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS),
-    "mamba": _hf("MambaConfig", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, state_size=8,
-                 expand=2, conv_kernel=4, pad_token_id=0),
+    # A shorter sequence: without mamba_ssm its selective scan runs several ops per token on the CPU.
+    "mamba": _hf("MambaConfig", seq=16, vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                 state_size=8, expand=2, conv_kernel=4, pad_token_id=0),
     "bert": _hf("BertConfig", "AutoModelForMaskedLM", _mlm, **_ENC),
     "roberta": _hf("RobertaConfig", "AutoModelForMaskedLM", _mlm, **{**_ENC, "pad_token_id": 1}),
     "distilbert": _hf("DistilBertConfig", "AutoModelForMaskedLM", _mlm, vocab_size=VOCAB, dim=HIDDEN,
