@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError
 from slackswap.experiment.prediction import compare_steps, predict_step
 from slackswap.graph import Graph
@@ -54,15 +55,13 @@ class MeasuredTiming:
         timing = profile.get("timing", "roofline")
         if timing not in TIMINGS:
             raise ConfigError("profile.timing", timing, f"unknown timing; known: {TIMINGS}")
-        for name, low in (("warmup", 0), ("repeats", 1)):
-            value = profile.get(name, cls.__dataclass_fields__[name].default)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"profile.{name}", value, f"must be an integer >= {low}")
+        warmup = check.integer("profile.warmup", profile.get("warmup", cls.warmup), 0)
+        repeats = check.integer("profile.repeats", profile.get("repeats", cls.repeats), 1)
         machine = profile.get("machine")
         if machine is not None and not Path(machine).is_file():
             raise ConfigError("profile.machine", machine, "no such machine description file")
-        return cls(timing=timing, cache_dir=profile.get("cache_dir") or None,
-                   warmup=profile.get("warmup", 2), repeats=profile.get("repeats", 5), machine_path=machine)
+        return cls(timing=timing, cache_dir=profile.get("cache_dir") or None, warmup=warmup, repeats=repeats,
+                   machine_path=machine)
 
     def retime(self, graph: Graph, w: Workload) -> tuple[Graph, dict[str, Any]]:
         """The graph with its ops' measured times (roofline for any op not measured) and the figures
