@@ -49,3 +49,23 @@ def test_no_module_reaches_into_mlflow_internals() -> None:
         for path in sorted((REPO / root).rglob("*.py")):
             found += _offences(path.read_text(), str(path.relative_to(REPO)))
     assert found == []
+
+
+def test_a_moved_store_module_costs_the_warm_up_not_the_run(tmp_path, monkeypatch) -> None:
+    """open_client imports MLflow's SQLAlchemy store by name only to warm it up (collector paused, outside
+    the lock): an MLflow that moves the module still opens the store."""
+    from pipelines import heavy_imports, tracking
+
+    real = heavy_imports.import_paused
+    asked = []
+
+    def moved(name: str):
+        asked.append(name)
+        if name == "mlflow.store.tracking.sqlalchemy_store":
+            raise ModuleNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(heavy_imports, "import_paused", moved)
+    client = tracking.open_client(f"sqlite:///{tmp_path}/mlflow.db")
+    assert "mlflow.store.tracking.sqlalchemy_store" in asked
+    assert [e.name for e in client.search_experiments()] == ["Default"]
