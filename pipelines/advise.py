@@ -6,9 +6,11 @@ python -m pipelines.advise model=llama7b advise.gpus=[1,8,16] advise.recipes=[ad
 
 Searches micro-batch, ZeRO stage and shards, the training recipes, the planners and the planning
 target (allocated or reserved peak); `slackswap.experiment.advise` does the work, docs/advise.md says
-how. Writes advice.json, advice.md and advise_pareto.png to outputs/<date>/<time>/, one MLflow parent
-run with a child per evaluated configuration. Exit codes as `pipelines.run`: 2 a config value is
-wrong (one line naming the field and value), 1 the tracking store cannot be used, 130 / 143 interrupted.
+how; `slackswap.experiment.advise_spec` checks the inputs. Writes advice.json, advice.md and
+advise_pareto.png to outputs/<date>/<time>/, one MLflow parent run (every configuration in its
+advice.json) with a child per answer row (the best per GPU count and recipe). Exit codes as
+`pipelines.run`: 2 a config value is wrong (one line naming the field and value), 1 the tracking store
+cannot be used, 130 / 143 interrupted.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 import pipelines.advise_schema  # noqa: F401  (registers slackswap_advise_schema and the repo_root resolver)
 from pipelines import advise_report, faults, hydra_versions
 from pipelines.job import resolve_config
+from pipelines.schemas import REPO_ROOT
 from pipelines.tracking import TrackingUnavailable
 from slackswap.errors import ConfigError
+from slackswap.experiment.advise_spec import AdviseSpec
 
 EXIT_CONFIG_ERROR = 2
 #: The rows of advice.json, one JSON object a line, appended as the search evaluates them; removed
@@ -35,33 +40,58 @@ EXIT_CONFIG_ERROR = 2
 PARTIAL_FILE = "advice_partial.jsonl"
 #: The partial file of the search in progress and how many rows it holds (for the interrupt line).
 EVALUATED: dict[str, Any] = {"path": None, "rows": 0}
+#: The config groups whose presets the search names (`advise.recipes`, `advise.planners`).
+PRESET_GROUPS = ("training", "planner")
+
+
+class _Presets(Mapping[str, Mapping[str, Any]]):
+    """The presets of one `conf/<group>/` folder by name, each read (and its interpolations resolved)
+    when the spec asks for it: the spec names the known ones in an error, and reads only those searched."""
+
+    def __init__(self, group: str) -> None:
+        self.folder = REPO_ROOT / "conf" / group
+        self.names = sorted(p.stem for p in self.folder.glob("*.yaml"))
+
+    def __getitem__(self, name: str) -> Mapping[str, Any]:
+        if name not in self.names:
+            raise KeyError(name)
+        return OmegaConf.to_container(OmegaConf.load(self.folder / f"{name}.yaml"), resolve=True)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def conf_presets() -> dict[str, Mapping[str, Mapping[str, Any]]]:
+    """The presets `AdviseSpec.from_dict` may name, from `conf/`."""
+    return {group: _Presets(group) for group in PRESET_GROUPS}
 
 
 def advise(cfg: DictConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     hc = HydraConfig.get()
     choices = {k: str(v) for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None}
-    # planner and training are searched, not chosen: they stay out of the config (validate says so if set).
+    # planner and training are searched, not chosen: they stay out of the config (the spec says so if set).
     keys = [k for k in cfg if k not in ("planner", "training") or k in choices]
     resolved = resolve_config(OmegaConf.masked_copy(cfg, keys))
-    inputs = advise_report.validate(resolved, choices)
+    spec = AdviseSpec.from_dict(resolved, conf_presets(), choices)
     run_dir = Path(hc.runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     faults.note_output_dir(run_dir)
-    header = {"model": choices.get("model", inputs.model.name),
-              "hardware": choices.get("hardware", inputs.hardware.name),
-              "node": choices.get("node", inputs.node.name), "seq_len": inputs.model.seq_len,
-              "device_memory_bytes": inputs.hardware.device_memory_bytes}
+    header = {"model": choices.get("model", spec.model.name),
+              "hardware": choices.get("hardware", spec.hardware.name),
+              "node": choices.get("node", spec.node.name), "seq_len": spec.model.seq_len,
+              "device_memory_bytes": spec.hardware.device_memory_bytes}
     track = resolved["tracking"]
     client = info = None
     if track.get("enabled"):
         name = f"advise · {header['model']} · {header['hardware']} · {header['node']}"
         params = {"model": header["model"], "hardware": header["hardware"], "node": header["node"],
                   **{f"advise.{k}": str(v) for k, v in resolved["advise"].items()},
-                  "budget.reserve_bytes": str(inputs.space.reserve_bytes)}
+                  "budget.reserve_bytes": str(spec.space.reserve_bytes)}
         client, experiment_id, info = advise_report.start_parent(track, name, params)
-
-    from slackswap.experiment.advise import graph_source, host_check, rank_hardware, run_search
 
     partial = run_dir / PARTIAL_FILE
     partial.unlink(missing_ok=True)
@@ -77,12 +107,9 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
         print(f"[{i}/{n} {time.perf_counter() - t_start:5.1f} s] {c.layout.label}, {c.recipe}, mb {c.micro_batch}, "
               f"{c.planner}/{c.plan_against}: {tps}{'' if row.fits_device else ' (does not fit)'}", flush=True)
 
-    graphs = graph_source(inputs.model, inputs.hardware, inputs.graph, inputs.profile_source, inputs.profile_options)
-    advice = run_search(inputs.model, inputs.hardware, inputs.topology, inputs.space, graphs, on_row=progress,
-                        rank_hardware=rank_hardware(inputs.hardware, inputs.node, inputs.space.gpus),
-                        host_check=host_check(inputs.node))
+    advice = spec.search(on_row=progress)
     search_s = time.perf_counter() - t_start
-    data = advise_report.write_outputs(run_dir, advice, inputs, header)
+    data = advise_report.write_outputs(run_dir, advice, spec, header)
     partial.unlink(missing_ok=True)  # advice.json has every row now
     EVALUATED.update(path=None, rows=0)
     children, children_s = 0, 0.0
@@ -90,7 +117,7 @@ def advise(cfg: DictConfig) -> dict[str, Any]:
         children, children_s = advise_report.log_configurations(client, experiment_id, info.run_id, data)
         advise_report.finish_parent(client, info, track, run_dir, advise_report.parent_metrics(
             advice, search_s, children_s), (run_dir / "advice.md").read_text())
-    print(advise_report.stdout_summary(advice, inputs, header, search_s))
+    print(advise_report.stdout_summary(advice, spec, header, search_s))
     mlflow_note = (f"; MLflow: parent {info.run_id} (every configuration in its advice.json), {children} children "
                    f"(the best per GPU count and recipe, {children_s:.1f} s)") if info else ""
     print(f"\nadvice.json, advice.md, advise_pareto.png in {run_dir}{mlflow_note}; "

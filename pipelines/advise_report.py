@@ -1,133 +1,23 @@
-"""What `pipelines.advise` reads from the config and what it writes: the search's inputs (validated,
-every bad value one `ConfigError`), the printed summary, advice.json / advice.md, and the MLflow parent
-run with one child per evaluated configuration. No modelling: that is `slackswap.experiment.advise`."""
+"""What `pipelines.advise` writes: the printed summary, advice.json / advice.md, and the MLflow parent
+run with a child per answer row. No modelling: the inputs are `slackswap.experiment.advise_spec`'s and
+the search is `slackswap.experiment.advise`'s."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelines import faults, presentation, tracking
 from pipelines.records import RunStatus
-from pipelines.schemas import REPO_ROOT
-from slackswap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from slackswap.experiment.advise_spec import AdviseSpec
 
 GIB = 2**30
 ADVICE_SCHEMA = "slackswap-advice/1"
-GRAPH_SOURCES = ("analytic", "traced")
-#: Groups `pipelines.run` has that advise searches instead of taking one preset of.
-SEARCHED_GROUPS = {"planner": "advise.planners", "training": "advise.recipes"}
-
-
-@dataclass(frozen=True)
-class AdviseInputs:
-    model: Any
-    hardware: Any
-    node: Any
-    topology: Any
-    space: Any
-    #: "analytic" or "traced": where the search's graphs come from.
-    graph: str
-    profile_source: str
-    profile_options: Mapping[str, Any]
-    top: int
-    notes: tuple[str, ...]
-
-
-def _preset(group: str, name: Any, field: str) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    folder = REPO_ROOT / "conf" / group
-    known = sorted(p.stem for p in folder.glob("*.yaml"))
-    if not isinstance(name, str) or name not in known:
-        raise ConfigError(field, name, f"no preset conf/{group}/{name}.yaml; known: {', '.join(known)}")
-    return OmegaConf.to_container(OmegaConf.load(folder / f"{name}.yaml"), resolve=True)
-
-
-def _names(field: str, value: Any) -> list[str]:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ConfigError(field, value, "must be a non-empty list of preset names")
-    if len(set(value)) != len(value):
-        raise ConfigError(field, list(value), "lists a preset twice")
-    return list(value)
-
-
-def validate(resolved: Mapping[str, Any], choices: Mapping[str, str]) -> AdviseInputs:
-    """Every check before any work (and before MLflow). Raises `ConfigError` naming the field."""
-    from slackswap.budget import Budget
-    from slackswap.experiment.advise import SearchSpace, topology_from_node
-    from slackswap.hardware import Hardware
-    from slackswap.memory.recipe import TrainingConfig
-    from slackswap.model_config import ModelConfig
-    from slackswap.node import Node
-    from slackswap.parallel import NO_PARALLELISM, ParallelConfig
-    from slackswap.planners.registry import get_planner
-    from slackswap.profile.sources import select_source
-
-    for group, instead in SEARCHED_GROUPS.items():
-        if group in choices:
-            raise ConfigError(group, choices[group], f"advise searches {instead}; list the presets there instead")
-    adv = dict(resolved["advise"])
-    model_node = dict(resolved["model"])
-    torch_node = model_node.pop("torch", None)
-    profile = resolved["profile"]
-    source, options = select_source(profile["source"], profile.get("options") or {}, torch_node)
-    model = ModelConfig.from_dict(model_node)
-    hardware = Hardware.from_dict(resolved["hardware"])
-    hardware.peak_for(model.dtype)
-    parallel = ParallelConfig.from_dict(resolved.get("parallel"))
-    parallel.check_model(model)
-    if parallel != NO_PARALLELISM:
-        for gpus in adv.get("gpus") or ():
-            if isinstance(gpus, int) and not isinstance(gpus, bool):
-                parallel.check_gpus(gpus, "advise.gpus")
-        # Never silently ignored: advise's search is data-parallel only until it searches layouts.
-        raise ConfigError("parallel", parallel.as_dict(),
-                          "advise searches data-parallel layouts of full replicas only; leave parallel at none")
-    node = Node.from_dict(resolved["node"])
-    budget = Budget.from_dict(resolved["budget"])
-    if not budget.device:
-        raise ConfigError("budget", choices.get("budget", "?"), "advise plans against the device: use budget=device")
-    graph = adv.get("graph")
-    if graph not in GRAPH_SOURCES:
-        raise ConfigError("advise.graph", graph, f"must be one of {GRAPH_SOURCES}")
-    recipes = {}
-    for name in _names("advise.recipes", adv.get("recipes")):
-        recipes[name] = TrainingConfig.from_dict(_preset("training", name, "advise.recipes"))
-    planners = {}
-    for name in _names("advise.planners", adv.get("planners")):
-        preset = _preset("planner", name, "advise.planners")
-        planners[preset["name"]] = dict(preset.get("options") or {})
-        get_planner(preset["name"], **planners[preset["name"]])  # unknown options fail here
-    top = adv.get("top")
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ConfigError("advise.top", top, "must be an integer >= 1")
-    space = SearchSpace(
-        gpus=tuple(adv["gpus"]), recipes=recipes, micro_batches=tuple(adv["micro_batches"]), planners=planners,
-        plan_against=tuple(adv["plan_against"]), zero_stages=tuple(adv["zero_stages"]),
-        grad_accum=adv["grad_accum"], milp_top_k=adv["milp_top_k"], reserve_bytes=budget.reserve_bytes,
-    )
-    topology = topology_from_node(node, hardware)
-    for gpus in space.gpus:
-        topology.fabric_for(gpus)  # a job wider than the node needs its network
-    notes = []
-    if source == "torch" and graph == "analytic":
-        notes.append(
-            f"graphs: the analytic {model.family} graph of {model.name}'s shape (attention "
-            f"{'flash' if options.get('attention', 'sdpa') == 'sdpa' else 'eager'}), not the traced one: tracing "
-            "costs seconds per micro-batch (advise.graph=traced searches on traced graphs, cached per micro-batch)"
-        )
-    if source == "torch" and graph == "traced":
-        notes.append(f"graphs: traced from the torch model of {model.name}, once per micro-batch")
-    if model.include_optimizer:
-        notes.append("model.include_optimizer: the advise prices the optimizer step itself, from the recipe")
-    else:
-        notes.append("optimizer step: included in every step (advise prices whole training steps)")
-    return AdviseInputs(model, hardware, node, topology, space, graph, source, options, top, tuple(notes))
 
 
 # --- printing ---------------------------------------------------------------------------------------
@@ -170,20 +60,20 @@ def _best_description(r: Any) -> str:
             f"{r.headroom_bytes / GIB:.1f} GiB")
 
 
-def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> str:
+def summary_markdown(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> str:
     """advice.md: the answer per GPU count, the ranked table, the best per recipe, the rejected regions."""
     from slackswap.communication import NOT_MODELLED
     from slackswap.experiment.advise import distinct_ranked
 
-    m, hw = inputs.model, inputs.hardware
+    m, hw = spec.model, spec.hardware
     lines = [f"# advise: {m.name} on {header['hardware']} ({hw.device_memory_bytes / GIB:.0f} GiB), node "
              f"{header['node']}, seq {m.seq_len}", ""]
-    lines += [f"- {n}" for n in inputs.notes]
+    lines += [f"- {n}" for n in spec.notes]
     lines += [f"- communication not modelled: {NOT_MODELLED}",
               f"- {len(advice.rows)} configurations evaluated, {advice.pruned_configurations} pruned before planning",
               ""]
     lines += ["## Best fitting configuration per GPU count", ""]
-    for gpus in inputs.space.gpus:
+    for gpus in spec.space.gpus:
         r = advice.best_rows().get(gpus)
         if r is None:
             lines.append(f"- **{gpus} GPU(s)**: nothing fits (see the rejected regions)")
@@ -192,8 +82,8 @@ def summary_markdown(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any
             f"- **{gpus} GPU(s)**: {r.tokens_per_s:,.0f} tokens/s per GPU ({r.tokens_per_s * gpus:,.0f} in all), "
             f"{_best_description(r)}. Why: {r.why}"
         )
-    lines += ["", f"## Top {inputs.top} (fitting, by tokens/s per GPU)", "", TABLE_HEADER, _separator()]
-    for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1):
+    lines += ["", f"## Top {spec.top} (fitting, by tokens/s per GPU)", "", TABLE_HEADER, _separator()]
+    for k, i in enumerate(distinct_ranked(advice)[: spec.top], start=1):
         lines.append(_table_row(k, advice, i))
     lines += ["", "## Best per GPU count and recipe", "", TABLE_HEADER, _separator()]
     seen = set()
@@ -217,13 +107,13 @@ def _separator() -> str:
     return "|" + "---|" * (TABLE_HEADER.count("|") - 1)
 
 
-def stdout_summary(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any], wall_s: float) -> str:
+def stdout_summary(advice: Any, spec: AdviseSpec, header: Mapping[str, Any], wall_s: float) -> str:
     from slackswap.experiment.advise import distinct_ranked
 
-    lines = ["", f"advise: {inputs.model.name} on {header['hardware']}, node {header['node']}: "
+    lines = ["", f"advise: {spec.model.name} on {header['hardware']}, node {header['node']}: "
              f"{len(advice.rows)} configurations evaluated in {wall_s:.1f} s, {advice.pruned_configurations} pruned"]
-    lines += [f"  note: {n}" for n in inputs.notes]
-    for gpus in inputs.space.gpus:
+    lines += [f"  note: {n}" for n in spec.notes]
+    for gpus in spec.space.gpus:
         r = advice.best_rows().get(gpus)
         if r is None:
             lines.append(f"best on {gpus} GPU(s): nothing fits")
@@ -231,7 +121,7 @@ def stdout_summary(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any],
         lines.append(f"best on {gpus} GPU(s): {r.tokens_per_s:,.0f} tokens/s per GPU, {_best_description(r)}")
         lines.append(f"    why: {r.why}")
     lines += ["", TABLE_HEADER, _separator()]
-    lines += [_table_row(k, advice, i) for k, i in enumerate(distinct_ranked(advice)[: inputs.top], start=1)]
+    lines += [_table_row(k, advice, i) for k, i in enumerate(distinct_ranked(advice)[: spec.top], start=1)]
     lines += ["", "best per recipe:"]
     seen = set()
     for i in advice.ranked:
@@ -251,19 +141,19 @@ def stdout_summary(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any],
     return "\n".join(lines)
 
 
-def advice_json(advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> dict[str, Any]:
+def advice_json(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> dict[str, Any]:
     from slackswap.communication import NOT_MODELLED
 
-    space = inputs.space
+    space = spec.space
     return {
         "schema": ADVICE_SCHEMA,
         **header,
-        "notes": list(inputs.notes),
+        "notes": list(spec.notes),
         "communication_not_modelled": NOT_MODELLED,
         "space": {"gpus": list(space.gpus), "recipes": list(space.recipes), "micro_batches": list(space.micro_batches),
                   "planners": list(space.planners), "plan_against": list(space.plan_against),
                   "zero_stages": list(space.zero_stages), "grad_accum": space.grad_accum,
-                  "milp_top_k": space.milp_top_k, "reserve_bytes": space.reserve_bytes, "graph": inputs.graph},
+                  "milp_top_k": space.milp_top_k, "reserve_bytes": space.reserve_bytes, "graph": spec.graph},
         "evaluated": len(advice.rows),
         "pruned": advice.pruned_configurations,
         "best": {str(g): i for g, i in advice.best.items()},
@@ -372,12 +262,12 @@ def parent_metrics(advice: Any, wall_s: float, mlflow_children_s: float) -> dict
     return out
 
 
-def write_outputs(run_dir: Path, advice: Any, inputs: AdviseInputs, header: Mapping[str, Any]) -> dict[str, Any]:
+def write_outputs(run_dir: Path, advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> dict[str, Any]:
     from slackswap.experiment.advise_plot import write_pareto_png
 
-    data = advice_json(advice, inputs, header)
+    data = advice_json(advice, spec, header)
     (run_dir / "advice.json").write_text(json.dumps(data, indent=1) + "\n")
-    (run_dir / "advice.md").write_text(summary_markdown(advice, inputs, header))
-    title = f"{inputs.model.name} on {header['hardware']} / {header['node']}: tokens/s per GPU vs peak memory"
-    write_pareto_png(advice, run_dir / "advise_pareto.png", inputs.hardware.device_memory_bytes, title)
+    (run_dir / "advice.md").write_text(summary_markdown(advice, spec, header))
+    title = f"{spec.model.name} on {header['hardware']} / {header['node']}: tokens/s per GPU vs peak memory"
+    write_pareto_png(advice, run_dir / "advise_pareto.png", spec.hardware.device_memory_bytes, title)
     return data

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 from collections.abc import Mapping
+from contextlib import suppress
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,11 @@ def open_client(uri: str):
     check_sqlite_store(db)
     check_store_writable(db)
     lock = FileLock(str(db) + ".lock")
-    import_paused("mlflow.store.tracking.sqlalchemy_store")  # what the client constructs for SQLite
+    # A warm-up only: the module the client constructs for SQLite, imported here with the collector
+    # paused and outside the lock. The client never needs it by this name, so a MLflow that moves it
+    # costs this warm-up, not the run (no pin depends on MLflow's store layout).
+    with suppress(ImportError):
+        import_paused("mlflow.store.tracking.sqlalchemy_store")
     try:
         with lock.acquire(timeout=STORE_LOCK_TIMEOUT_S):
             return _sqlite_client(MlflowClient, uri, db)

@@ -210,12 +210,11 @@ def test_budget_resolves_fraction_by_flooring() -> None:
 
 
 def test_seed_identify_composes_its_three_models_and_validates_every_knob() -> None:
-    from pipelines.identify import _check, problem_from
+    from slackswap.experiment.identify_spec import IdentifySpec
 
     resolved = _resolved(_compose(["+experiment=seed_identify"]))
-    problem = problem_from(resolved)
+    spec = IdentifySpec.from_dict(resolved)  # every coarse and fine setting is a valid one
+    problem = spec.problem
     assert set(problem.workloads) == set(problem.reference) == {"bert_large", "gpt2_xl", "llama7b"}
     assert not any(m.include_optimizer for m in problem.workloads.values())  # as the paper experiment
-    _check(resolved["identify"], problem)  # every coarse and fine setting is a valid one
-    assert set(resolved["identify"]["ranges"]) == {"attention", "dropout", "matmul_efficiency", "hbm_efficiency",
-                                                    "link_gbps"}
+    assert set(spec.ranges) == {"attention", "dropout", "matmul_efficiency", "hbm_efficiency", "link_gbps"}
