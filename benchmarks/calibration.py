@@ -222,8 +222,8 @@ def _op_table(meas: Measurement, base: Hardware) -> dict:
         "flops": np.array([op.flops for op in graph.ops]),
         "moved": np.array([op.moved_bytes for op in graph.ops], dtype=float),
         "key": np.array([kernel if str(op.op_class) == "attention" else str(op.op_class) for op in graph.ops]),
-        "phases": [str(op.phase) for op in graph.ops],
-        "layers": [op.layer for op in graph.ops],
+        "phases": np.array([str(op.phase) for op in graph.ops]),
+        "layers": np.array([op.layer for op in graph.ops]),
     }
 
 
@@ -243,11 +243,17 @@ def fit(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = None) 
         p.update(dict(zip(free, (float(v) for v in x), strict=True)))
         return p
 
+    # Per table, the ops each efficiency key times (elementwise ops run at efficiency 1), found once:
+    # the optimizer evaluates the loss thousands of times.
+    timed_by = [{k: t["key"] == k for k in np.unique(t["key"]) if k != "elementwise"} for t in tables]
+
     def loss(x: np.ndarray) -> float:
         p = params(x)
         total = 0.0
-        for meas, t in zip(rows, tables, strict=True):
-            eff = np.array([1.0 if k == "elementwise" else p.get(k, p["attention"]) for k in t["key"]])
+        for meas, t, by_key in zip(rows, tables, timed_by, strict=True):
+            eff = np.ones(len(t["key"]))
+            for k, ops in by_key.items():
+                eff[ops] = p.get(k, p["attention"])
             dur = np.maximum(t["flops"] / (peak * eff), t["moved"] / (base.hbm_bytes_per_s * p["hbm"]))
             dur = dur + base.launch_overhead_s
             total += math.log(to_unit(meas, _step_from_ops(meas, t["phases"], t["layers"], dur)) / meas.published) ** 2
