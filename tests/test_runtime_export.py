@@ -17,7 +17,7 @@ require_torch_extra("transformers")
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
 from slackswap.experiment.export_plan import plan_for_export  # noqa: E402
 from slackswap.plan import Decision  # noqa: E402
-from slackswap.planners.registry import available_planners, get_planner  # noqa: E402
+from slackswap.planners.registry import available_planners  # noqa: E402
 from slackswap.runtime.export import (  # noqa: E402
     DOES,
     WANTS,
@@ -35,6 +35,7 @@ from tests.runtime_support import (  # noqa: E402, F401 (deterministic_kernels: 
     deterministic_kernels,
     h200,
     plan_for,
+    planner_for_runtime,
     step_under,
 )
 
@@ -84,7 +85,7 @@ def export_plan_for(planner: str, c: Captured, compile: bool = False):
     for fraction in FRACTIONS:
         budget = None if fraction is None else int(c.keep_all_peak_bytes * fraction)
         try:
-            return plan_for_export(get_planner(planner), c.graph, c.workload.model, h200(), budget,
+            return plan_for_export(planner_for_runtime(planner), c.graph, c.workload.model, h200(), budget,
                                    compile=compile), fraction
         except InfeasibleBudgetError:
             continue

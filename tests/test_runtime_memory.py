@@ -31,7 +31,7 @@ from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
 from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
 from slackswap.simulate import simulate  # noqa: E402
 from slackswap.simulate.saved_peak import instant_link  # noqa: E402
-from tests.runtime_support import Captured, bit_equal, deterministic_kernels, h200, run_step  # noqa: E402, F401 (deterministic_kernels: a fixture)
+from tests.runtime_support import Captured, bit_equal, deterministic_kernels, h200, planner_for_runtime, run_step  # noqa: E402, F401 (deterministic_kernels: a fixture)
 
 FRACTIONS = (0.3, 0.5, 0.7)
 MODELS = ("hf_gpt2_2l", "tiny_torch", "bert", "llama")
@@ -80,7 +80,7 @@ def test_measured_peak_equals_the_simulated_peak_for_every_planner_and_budget(na
         for fraction in FRACTIONS:
             budget = int(c.keep_all_peak_bytes * fraction)
             try:
-                plan = get_planner(planner).plan(c.graph, h200(), budget)
+                plan = planner_for_runtime(planner).plan(c.graph, h200(), budget)
             except InfeasibleBudgetError:
                 continue
             budgeted = simulate(c.graph, plan, h200(), budget)
