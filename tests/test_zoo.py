@@ -1,7 +1,11 @@
-"""The conformance zoo (`benchmarks/zoo.py`, issue 39): no cell of the runtime executor differs or crashes.
+"""The conformance zoo (`benchmarks/zoo.py`): no cell of the runtime executor differs or crashes.
 
 Fast: the in-place patterns and BatchNorm at 70 % under every default planner (the
-runtime executor). Slow: every architecture of `slackswap.runtime.zoo` at 30 / 50 / 70 %.
+runtime executor). Slow: every architecture of `slackswap.runtime.zoo` under every default planner at
+two of the budgets 30 / 50 / 70 %, the one left out turning with the architecture, so each budget
+meets two thirds of the architectures. A cell costs a verified step (0.3-0.7 s on a 2-layer model),
+and the whole grid of 28 architectures x 3 budgets (about 100 s of the suite's two workers) is the
+benchmark's record, `benchmarks/results/zoo.json`, with the export's cells beside it.
 """
 
 from __future__ import annotations
@@ -36,8 +40,20 @@ def test_the_fast_zoo_runs_every_planner_exact_or_infeasible_at_70_percent() -> 
         assert any(r["cell"] == "exact" for r in result["cells"] if r["model"] == model), model
 
 
+BUDGETS = (0.3, 0.5, 0.7)
+#: Per architecture, the budgets its test runs: all but one, a different one for consecutive models.
+BUDGETS_BY_MODEL = {model: tuple(f for j, f in enumerate(BUDGETS) if j != i % len(BUDGETS))
+                    for i, model in enumerate(FACTORIES)}
+
+
+def test_every_budget_meets_most_architectures() -> None:
+    for fraction in BUDGETS:
+        met = sum(fraction in fractions for fractions in BUDGETS_BY_MODEL.values())
+        assert met >= len(FACTORIES) * 2 // 3, (fraction, met)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(FACTORIES))
 def test_every_zoo_architecture_runs_exact_refused_or_infeasible(model: str) -> None:
-    result = run((model,), DEFAULT_PLANNERS, (0.3, 0.5, 0.7), ("runtime",), log=lambda _line: None)
+    result = run((model,), DEFAULT_PLANNERS, BUDGETS_BY_MODEL[model], ("runtime",), log=lambda _line: None)
     assert not _failures(result), _failures(result)
