@@ -176,7 +176,7 @@ def test_copies_with_work_of_their_own_per_transfer_are_bound_to_their_methods()
     from slackswap.runtime.copy_engines import bind_offload, bind_prefetch
 
     source = torch.arange(4, dtype=torch.float32)
-    delayed = CpuCopies(delay_s=0.001)  # a worker thread: the offload is a Copy in flight
+    delayed = CpuCopies(delay_s=0.001)  # a worker thread: the offload is `InFlight`
     in_flight = bind_offload(delayed, 0, source.dtype, source.shape)(source)
     arriving = bind_prefetch(delayed, torch.device("cpu"))(in_flight)
     arriving.wait()

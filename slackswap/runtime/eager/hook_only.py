@@ -25,10 +25,8 @@ class _HookOnlyStep:
     recording, run on the saved-tensor hooks alone (docs/runtime.md, "Hook-only steps")."""
 
     def _build_program(self) -> HookProgram:
-        return build_hook_program(
-            self.recording, self.plan, self.schedule, self.run_copy, self.held_copies, self.release_after,
-            self.offloads_at, self.prefetches_at, self._action_steps, getattr(self.copies, "needs_poll", True),
-            self._recompute_reads(), self._offload_devices)
+        return build_hook_program(self.recording, self.positions, getattr(self.copies, "needs_poll", True),
+                                  self._recompute_reads(), self._offload_devices)
 
     def _bind_program(self) -> None:
         """The program's events as the hooks read them, with this run's copy engine bound in: per pack
@@ -203,7 +201,7 @@ class _HookOnlyStep:
                 raise PlanMismatchError(f"backward read {name!r} where the verified step read {wanted!r}: "
                                         "backward ran in another order (the code path changed)")
             held = held_copies.get(c)
-            if type(held) is not tensor_type:  # in flight (a `Copy`), or not held: `_copy_of` says which
+            if type(held) is not tensor_type:  # in flight (`InFlight`), or not held: `_copy_of` says which
                 held = copy_of(c)
             if release:  # its last reader: autograd holds it from here for as long as backward reads it
                 del held_copies[c]
