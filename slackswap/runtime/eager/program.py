@@ -264,7 +264,7 @@ class _Placement:
     def __init__(self, actions: list[tuple[int, list[tuple]]], plan: Plan, schedule) -> None:
         self.actions, self.plan, self.schedule = actions, plan, schedule
         self.next = 0
-        self.held: set[int] = set()
+        self.held_copies: set[int] = set()
         #: Per copy not yet held: the offloads waiting for it.
         self.waiting: dict[int, list[tuple]] = {}
         #: Per tensor: its current copy.
@@ -274,7 +274,7 @@ class _Placement:
     def hand_over(self, c: int, name: str | None) -> tuple[tuple, ...]:
         if c < 0:
             return ()
-        self.held.add(c)
+        self.held_copies.add(c)
         self.current[name] = c
         return tuple(self.waiting.pop(c, ()))
 
@@ -289,19 +289,19 @@ class _Placement:
         for j, ops in self.actions[self.next:until]:
             for op in ops:
                 kind = op[0]
-                if kind == OFFLOAD and op[2] not in self.held:
+                if kind == OFFLOAD and op[2] not in self.held_copies:
                     self.waiting.setdefault(op[2], []).append(op)
                     continue
                 if kind == PREFETCH:
-                    self.held.add(op[3])
+                    self.held_copies.add(op[3])
                     self.current[op[5]] = op[3]
                 elif kind == RECOMPUTE:
                     op = (RECOMPUTE, j, {name: self.copy_of(name) for name in sorted(op[2])})
                     writes = self.schedule.step_writes[j]
-                    self.held.update(writes)
+                    self.held_copies.update(writes)
                     self.current.update(zip(self.plan.steps[j].outputs, writes, strict=True))
                 elif kind == RELEASE:
-                    self.held.discard(op[1])
+                    self.held_copies.discard(op[1])
                 out.append(op)
         self.next = max(self.next, until)
         return tuple(out)

@@ -57,7 +57,7 @@ class RunReport:
     #: hook-only step (saved-tensor hooks only; no ledger: its figures are 0).
     verified: bool = True
     #: Why this plan's steps cannot run hook-only (None: they can, or have).
-    fast_refusal: str | None = None
+    hook_only_refusal: str | None = None
 
 
 def plan_counts(plan: Plan) -> dict[str, int]:

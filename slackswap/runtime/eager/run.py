@@ -157,7 +157,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
                             self.recording = replace(self.recording, refusal=self._program.refusal)
                         else:
                             self._bind_program()
-                self.report.fast_refusal = self.recording.refusal if self.recording is not None else None
+                self.report.hook_only_refusal = self.recording.refusal if self.recording is not None else None
         finally:
             for p, old in self._stashed:
                 p.grad = old if p.grad is None else old.add_(p.grad)

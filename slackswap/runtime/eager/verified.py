@@ -40,7 +40,8 @@ class _VerifiedStep(TorchDispatchMode):
         self.pos = 0
         self.current: int | None = None
         self.current_copy: dict[str, int] = {}
-        self.held: dict[int, Any] = {}
+        #: Per copy the runtime holds (`held_copies`), the tensor it holds it as, until its release.
+        self.held_tensors: dict[int, Any] = {}
         #: Per offload issued: its host copy (`InFlight`, or the tensor of an inline copy), until the
         #: prefetch that frees it; and their bytes.
         self.hosts: dict[int, InFlight | torch.Tensor] = {}
@@ -80,7 +81,7 @@ class _VerifiedStep(TorchDispatchMode):
                     )
         finally:
             self.copies.close()
-            self.held.clear()
+            self.held_tensors.clear()
             self.hosts.clear()
             self._last_members, self.members = self.members, {}
             self.ledger.poll(-1)
@@ -146,7 +147,7 @@ class _VerifiedStep(TorchDispatchMode):
                 # An alias, not `t`: a reference to the op's output itself makes PyTorch alias it
                 # (a detach call the graph lacks); made with every mode off, unseen by the identities.
                 with _disable_current_modes():
-                    self.held[c] = _whole(t.detach())
+                    self.held_tensors[c] = _whole(t.detach())
         self.ledger.poll(self.current)  # a joined write may belong to an earlier op (`OpNumbering`)
         return out
 
@@ -167,7 +168,7 @@ class _VerifiedStep(TorchDispatchMode):
     def _finish_step(self, j: int) -> None:
         self._issue(j + 1)
         for c in self.release_after.get(j, ()):
-            self.held.pop(c, None)
+            self.held_tensors.pop(c, None)
         self.pos = j + 1
         self.copies.poll()
 
@@ -210,7 +211,7 @@ class _VerifiedStep(TorchDispatchMode):
         held between the two are what `PlanPositions.host_live_bytes` says step `bucket` holds."""
         for k in self.offloads_at[bucket]:
             c = self.schedule.offload_copy[k]
-            source = self.held[c]
+            source = self.held_tensors[c]
             self.hosts[k] = host = self.copies.offload(source, k)
             self._host_bytes += (host.tensor if isinstance(host, InFlight) else host).nbytes
             self.versions.offloaded[k] = self.versions.total[self.plan.offloads[k].tensor]
@@ -227,7 +228,7 @@ class _VerifiedStep(TorchDispatchMode):
             arriving = self.copies.prefetch(host, self._offload_devices[offload])
             c = self.schedule.prefetch_copy[k]
             tensor = self.plan.prefetches[k].tensor
-            self.held[c] = arriving
+            self.held_tensors[c] = arriving
             self.versions.copy[c] = self.versions.offloaded[offload]
             self.current_copy[tensor] = c
             self.ledger.track(arriving.storage if isinstance(arriving, InFlight) else arriving.untyped_storage(), c)
@@ -235,7 +236,7 @@ class _VerifiedStep(TorchDispatchMode):
 
     def _copy_of(self, c: int) -> torch.Tensor:
         """Copy `c` as held (`_whole` form); a prefetch not yet arrived is waited for."""
-        held = self.held.get(c)
+        held = self.held_tensors.get(c)
         if isinstance(held, InFlight):  # a transfer in flight (an inline copy is its tensor, arrived)
             if not held.arrived():
                 self.report.late_prefetch_waits += 1
@@ -295,7 +296,7 @@ class _VerifiedStep(TorchDispatchMode):
         finally:
             self.internal = False
         for name, c in zip(step.outputs, self.schedule.step_writes[j], strict=True):
-            self.held[c] = env[name]
+            self.held_tensors[c] = env[name]
             self.current_copy[name] = c
             if not self.hook_only:
                 self.versions.copy[c] = self.versions.own[name]
