@@ -32,32 +32,66 @@ from slackswap.schedule.copies import ResolvedSchedule
 class PlanPositions:
     """The positions of a plan's actions (module docstring); every table is indexed as the plan is:
     by step, by boundary, by copy id of the resolved schedule, by index into `plan.offloads` /
-    `plan.prefetches`. The transfer and host tables are made with the record (a pass over the
-    transfers); the device-copy tables on first use (`cached_property`), as they read every copy's
-    record and the simulator needs only the host tables."""
+    `plan.prefetches`. Each offload's last prefetch and host bytes are made with the record (a pass
+    over the transfers, all the simulator reads); every other table on first use (`cached_property`),
+    once: the per-step tables cost a pass over the steps and the held copies one over every copy."""
 
     plan: Plan
     schedule: ResolvedSchedule
-    #: Per boundary b (0 to n_steps): the offloads / prefetches issued there, in plan order.
-    offloads_at: tuple[tuple[int, ...], ...]
-    prefetches_at: tuple[tuple[int, ...], ...]
+    #: Per offload: the index of its last prefetch (the last issued: by boundary, then plan order; -1: none).
+    last_prefetch: tuple[int, ...]
     #: Per offload: the bytes of its host copy (the bytes it moves, `ResolvedSchedule.offload_bytes`).
     host_bytes: tuple[int, ...]
-    #: Per offload: the boundary where its host copy is taken (its issue) and the boundary where it
-    #: is freed (its last prefetch's issue; n_steps when no prefetch reads it).
-    host_taken_at: tuple[int, ...]
-    host_freed_at: tuple[int, ...]
-    #: Per offload: the index of its last prefetch (the last issued; -1: none).
-    last_prefetch: tuple[int, ...]
-    #: Per prefetch: whether it is its offload's last, after which the host copy goes.
-    frees_host: tuple[bool, ...]
-    #: Per step j (0 to n_steps; entry n_steps: after the last step): host bytes live while it runs,
-    #: the host copies taken at or before boundary j and freed at or after it.
-    host_live_bytes: tuple[int, ...]
 
     @property
     def n_steps(self) -> int:
         return len(self.plan.steps)
+
+    @cached_property
+    def offloads_at(self) -> tuple[tuple[int, ...], ...]:
+        """Per boundary b (0 to n_steps): the offloads issued there, in plan order."""
+        return _by_boundary(self.plan.offloads, self.n_steps)
+
+    @cached_property
+    def prefetches_at(self) -> tuple[tuple[int, ...], ...]:
+        """Per boundary b (0 to n_steps): the prefetches issued there, in plan order."""
+        return _by_boundary(self.plan.prefetches, self.n_steps)
+
+    @cached_property
+    def host_taken_at(self) -> tuple[int, ...]:
+        """Per offload: the boundary where its host copy is taken (its issue)."""
+        return tuple(tr.issue_after_step + 1 for tr in self.plan.offloads)
+
+    @cached_property
+    def host_freed_at(self) -> tuple[int, ...]:
+        """Per offload: the boundary where its host copy is freed (its last prefetch's issue; n_steps
+        when no prefetch reads it)."""
+        prefetches, n = self.plan.prefetches, self.n_steps
+        return tuple(n if p < 0 else prefetches[p].issue_after_step + 1 for p in self.last_prefetch)
+
+    @cached_property
+    def frees_host(self) -> tuple[bool, ...]:
+        """Per prefetch: whether it is its offload's last, after which the host copy goes."""
+        frees = [False] * len(self.plan.prefetches)
+        for p in self.last_prefetch:
+            if p >= 0:
+                frees[p] = True
+        return tuple(frees)
+
+    @cached_property
+    def host_live_bytes(self) -> tuple[int, ...]:
+        """Per step j (0 to n_steps; entry n_steps: after the last step): host bytes live while it runs,
+        the host copies taken at or before boundary j and freed at or after it."""
+        n = self.n_steps
+        delta = [0] * (n + 2)
+        for nbytes, o, p in zip(self.host_bytes, self.host_taken_at, self.host_freed_at, strict=True):
+            delta[o] += nbytes
+            delta[p + 1] -= nbytes
+        live, running = [], 0
+        for d in delta[: n + 1]:
+            running += d
+            live.append(running)
+        return tuple(live)
 
     @property
     def host_peak_bytes(self) -> int:
@@ -123,44 +157,15 @@ class PlanPositions:
 
 def plan_positions(plan: Plan, schedule: ResolvedSchedule) -> PlanPositions:
     """The positions of `plan`'s actions, from its resolved schedule (`resolve_schedule(graph, plan)`)."""
-    n = len(plan.steps)
-    offloads_at: list[list[int]] = [[] for _ in range(n + 1)]
-    prefetches_at: list[list[int]] = [[] for _ in range(n + 1)]
-    for k, tr in enumerate(plan.offloads):
-        offloads_at[tr.issue_after_step + 1].append(k)
-    for k, tr in enumerate(plan.prefetches):
-        prefetches_at[tr.issue_after_step + 1].append(k)
-
-    # Host copies: the last prefetch of each offload in issue order (boundary, then plan order).
     last_prefetch = [-1] * len(plan.offloads)
-    for bucket in prefetches_at:
-        for k in bucket:
-            last_prefetch[schedule.prefetch_offload[k]] = k
-    taken = tuple(tr.issue_after_step + 1 for tr in plan.offloads)
-    freed = tuple(n if p < 0 else plan.prefetches[p].issue_after_step + 1 for p in last_prefetch)
-    host_bytes = schedule.offload_bytes
-    delta = [0] * (n + 2)
-    for nbytes, o, p in zip(host_bytes, taken, freed, strict=True):
-        delta[o] += nbytes
-        delta[p + 1] -= nbytes
-    live, running = [], 0
-    for d in delta[: n + 1]:
-        running += d
-        live.append(running)
-    frees_host = [False] * len(plan.prefetches)
-    for p in last_prefetch:
-        if p >= 0:
-            frees_host[p] = True
+    prefetches, prefetch_offload = plan.prefetches, schedule.prefetch_offload
+    for k in sorted(range(len(prefetches)), key=lambda k: prefetches[k].issue_after_step):  # stable
+        last_prefetch[prefetch_offload[k]] = k
+    return PlanPositions(plan, schedule, tuple(last_prefetch), schedule.offload_bytes)
 
-    return PlanPositions(
-        plan=plan,
-        schedule=schedule,
-        offloads_at=tuple(map(tuple, offloads_at)),
-        prefetches_at=tuple(map(tuple, prefetches_at)),
-        host_bytes=host_bytes,
-        host_taken_at=taken,
-        host_freed_at=freed,
-        last_prefetch=tuple(last_prefetch),
-        frees_host=tuple(frees_host),
-        host_live_bytes=tuple(live),
-    )
+
+def _by_boundary(transfers, n: int) -> tuple[tuple[int, ...], ...]:
+    at: list[list[int]] = [[] for _ in range(n + 1)]
+    for k, tr in enumerate(transfers):
+        at[tr.issue_after_step + 1].append(k)
+    return tuple(map(tuple, at))
