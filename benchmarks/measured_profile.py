@@ -128,7 +128,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
                            # Steps the runtime ran verified (dispatch modes on every call), which no
                            # profile prices, and why it could not run them on the hooks alone.
                            "steps_verified": sum(r.report.verified for r in records[1:]),
-                           "fast_refusal": records[-1].report.fast_refusal, "load": _load()})
+                           "hook_only_refusal": records[-1].report.hook_only_refusal, "load": _load()})
     base = next(r for r in rows if r["plan"] == "keep_all")
     for r in rows:
         if "predicted_s" in r and "predicted_s" in base:

@@ -76,6 +76,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _sim("feasible", "bool", "the plan was simulated within its budget", "bool", **_C),
     _sim("infeasible_reason", "text", "why the run is infeasible (null when feasible)", "text"),
     _sim("min_feasible_bytes", "bytes", "least budget the planner plans within (planner-infeasible runs)"),
+    _sim("host_peak_bytes", "bytes", "most pinned host bytes live at once (host copies: offload to last prefetch)"),
     _sim("stall_prefetch_s", "s", "stall waiting for a prefetch"),
     _sim("stall_memory_s", "s", "stall waiting for memory to be freed"),
     _sim("stall_offload_s", "s", "stall waiting for an offload a tool's offloader runs on the compute stream"),
@@ -131,7 +132,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("d2h_limit", "text", "what limits device-to-host", "text", "node"),
     MetricSpec("sharing_gpus", "count", "GPUs sharing one switch uplink", group="node"),
     MetricSpec("pinned_host_bytes", "bytes", "the node's pinned host memory", group="node"),
-    MetricSpec("pinned_needed_bytes", "bytes", "pinned host bytes the node's ranks need", group="node"),
+    MetricSpec("pinned_needed_bytes", "bytes", "pinned host bytes the node's ranks need (host peak x GPUs)",
+               group="node"),
     MetricSpec("alone_throughput_ratio", "ratio", "throughput retained with the GPU alone on its link",
                group="node", **_S),
     # One rank of a parallel layout (slackswap.experiment.run.layout_metrics, slackswap.profile.collectives).

@@ -108,7 +108,7 @@ def test_a_step_over_the_device_is_ok_for_its_budget_but_never_fits_device() -> 
 def test_a_run_over_the_nodes_pinned_memory_is_infeasible_but_its_step_still_fits_the_device() -> None:
     node = _preset("node", "pcie_workstation") | {"pinned_host_bytes": 1}
     out = run_one(RunSpec.from_dict(_config("tiny", "slackswap", {"fraction": 0.5}, node=node)))
-    assert out.metrics["d2h_bytes"] > 1 and out.verdict == Verdict.INFEASIBLE
+    assert out.metrics["host_peak_bytes"] > 1 and out.verdict == Verdict.INFEASIBLE
     assert out.reason.startswith("pinned host memory") and out.fits_device is True
 
 

@@ -182,7 +182,7 @@ def test_slow_copies_over_several_steps_reuse_host_buffers_and_stay_exact() -> N
 def test_a_copy_makes_its_consumer_stream_wait_not_the_current_one() -> None:
     """The torchtitan 2581 pitfall: inside `with torch.cuda.stream(s)`, current_stream() is s. The
     engine's copies hold the compute stream and wait on it (CPU stand-ins for stream and event)."""
-    from slackswap.runtime.copy_engines import _EventCopy
+    from slackswap.runtime.copy_engines import _EventInFlight
 
     class Stream:
         def __init__(self) -> None:
@@ -192,6 +192,6 @@ def test_a_copy_makes_its_consumer_stream_wait_not_the_current_one() -> None:
             self.waited.append(event)
 
     compute, event = Stream(), object()
-    copy = _EventCopy(torch.empty(4), event, compute)
+    copy = _EventInFlight(torch.empty(4), event, compute)
     copy.wait()
     assert compute.waited == [event]

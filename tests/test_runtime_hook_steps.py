@@ -176,7 +176,7 @@ def test_copies_with_work_of_their_own_per_transfer_are_bound_to_their_methods()
     from slackswap.runtime.copy_engines import bind_offload, bind_prefetch
 
     source = torch.arange(4, dtype=torch.float32)
-    delayed = CpuCopies(delay_s=0.001)  # a worker thread: the offload is a Copy in flight
+    delayed = CpuCopies(delay_s=0.001)  # a worker thread: the offload is `InFlight`
     in_flight = bind_offload(delayed, 0, source.dtype, source.shape)(source)
     arriving = bind_prefetch(delayed, torch.device("cpu"))(in_flight)
     arriving.wait()
@@ -325,10 +325,10 @@ def test_folded_program_holds_no_copy_past_its_last_use_and_counts_what_the_step
     with pytest.raises(RuntimeError, match="between forward and backward"), run:
         torch.manual_seed(0)
         w.loss_fn(w.model(w.batch))
-        assert set(run.held) <= read_later | {p.holds for p in program.packs if p.held}
-        assert not set(run.held) & direct
+        assert set(run.held_tensors) <= read_later | {p.holds for p in program.packs if p.held}
+        assert not set(run.held_tensors) & direct
         raise RuntimeError("between forward and backward")
     assert run._reached() == (len(program.packs), 0)
     assert (run.report.offloads, run.report.prefetches) == program.transfers(len(program.packs), 0, False)
     assert run.report.offloads == len(plan.offloads)  # this plan offloads every swapped tensor in forward
-    assert not run.held  # the failed step let everything go
+    assert not run.held_tensors  # the failed step let everything go

@@ -27,8 +27,9 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-class Copy:
-    """One transfer in flight: `tensor` is its destination, a contiguous tensor of the source's shape
+class InFlight:
+    """One transfer in flight (not a device copy of the plan: that is `slackswap.schedule.copies.Copy`):
+    `tensor` is its destination, a contiguous tensor of the source's shape
     and dtype (on the host, for an offload from a pinned slab, a view of the slab); `arrived()` /
     `wait()` tell whether it has landed. A copy that lands when it is issued (the CPU stand-in's inline
     copies) is returned as its destination tensor itself: no object to make, nothing to wait for."""
@@ -49,7 +50,7 @@ class Copy:
         raise NotImplementedError
 
 
-class _FutureCopy(Copy):
+class _FutureInFlight(InFlight):
     def __init__(self, tensor: torch.Tensor, future: Future):
         super().__init__(tensor)
         self.future = future
@@ -149,7 +150,7 @@ class CpuCopies:
                 self._pools[direction] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"slackswap-{direction}")
             return self._pools[direction]
 
-    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy | torch.Tensor:
+    def offload(self, source: torch.Tensor, key: int | None = None) -> InFlight | torch.Tensor:
         """Copy `source` (a tensor that is exactly its storage) into the host buffer of offload `key`
         (inline: the buffer, arrived)."""
         host = self.host.like(key, source)
@@ -168,12 +169,12 @@ class CpuCopies:
             with torch.no_grad():
                 host.copy_(holder.pop())  # the device copy is released when the copy is done
 
-        return _FutureCopy(host, self._pool("d2h").submit(run))
+        return _FutureInFlight(host, self._pool("d2h").submit(run))
 
-    def prefetch(self, offloaded: Copy | torch.Tensor, device: torch.device) -> Copy | torch.Tensor:
+    def prefetch(self, offloaded: InFlight | torch.Tensor, device: torch.device) -> InFlight | torch.Tensor:
         """A new device tensor with the offloaded copy's values (its allocation is the prefetch's
         memory; inline: that tensor, arrived)."""
-        host = offloaded.tensor if isinstance(offloaded, Copy) else offloaded
+        host = offloaded.tensor if isinstance(offloaded, InFlight) else offloaded
         if self.delay_s is None:
             if not self.measure:
                 # One call: the allocation and the copy (a clone is the cheaper call where no device differs).
@@ -185,13 +186,13 @@ class CpuCopies:
         target = torch.empty_like(host, device=device)
 
         def run() -> None:
-            if isinstance(offloaded, Copy):
+            if isinstance(offloaded, InFlight):
                 offloaded.wait()
             time.sleep(self.delay_s)
             with torch.no_grad():
                 target.copy_(host)
 
-        return _FutureCopy(target, self._pool("h2d").submit(run))
+        return _FutureInFlight(target, self._pool("h2d").submit(run))
 
     def offloader(self, key: int, dtype: torch.dtype, shape: torch.Size) -> Callable[[torch.Tensor], object]:
         """`offload` of plan offload `key` for sources the caller guarantees are contiguous tensors of
@@ -225,7 +226,7 @@ class CpuCopies:
         self._pools.clear()
 
 
-class _EventCopy(Copy):
+class _EventInFlight(InFlight):
     """A CUDA copy and the stream that consumes it. `wait` makes *that* stream wait, not whatever
     `current_stream()` is at the call: inside `with torch.cuda.stream(s)` it is `s`, and waiting on
     the wrong stream let compute read a buffer still being written (pytorch/torchtitan issue 2581;
@@ -269,7 +270,7 @@ class CudaCopies:
         #: Device sources of offloads in flight, released once their event has completed.
         self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
 
-    def offload(self, source: torch.Tensor, key: int | None = None) -> Copy | torch.Tensor:
+    def offload(self, source: torch.Tensor, key: int | None = None) -> InFlight | torch.Tensor:
         if source.device.type != "cuda":  # a host-side saved tensor (e.g. flash attention's RNG state)
             return CpuCopies().offload(source)
         issued = self.compute.record_event()
@@ -280,9 +281,9 @@ class CudaCopies:
             done = self.d2h.record_event()
         source.record_stream(self.d2h)  # the allocator must not reuse it before the copy has read it
         self._in_flight.append((done, source))
-        return _EventCopy(host, done, self.compute)
+        return _EventInFlight(host, done, self.compute)
 
-    def prefetch(self, offloaded: Copy | torch.Tensor, device: torch.device) -> Copy | torch.Tensor:
+    def prefetch(self, offloaded: InFlight | torch.Tensor, device: torch.device) -> InFlight | torch.Tensor:
         if device.type != "cuda":
             return CpuCopies().prefetch(offloaded, device)
         host = offloaded.tensor
@@ -291,12 +292,12 @@ class CudaCopies:
         issued = self.compute.record_event()
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(issued)
-            if isinstance(offloaded, _EventCopy):
+            if isinstance(offloaded, _EventInFlight):
                 self.h2d.wait_event(offloaded.event)
             target.copy_(host, non_blocking=True)
             done = self.h2d.record_event()
         target.record_stream(self.h2d)
-        return _EventCopy(target, done, self.compute)
+        return _EventInFlight(target, done, self.compute)
 
     def poll(self) -> None:
         self._in_flight = [(e, s) for e, s in self._in_flight if not e.query()]

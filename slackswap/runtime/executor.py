@@ -1,4 +1,4 @@
-"""Moved to `slackswap.runtime.eager` (issue 40): the verified step (`eager.verified`), the hook-only
+"""Moved to `slackswap.runtime.eager`: the verified step (`eager.verified`), the hook-only
 steps (`eager.hook_only`) and `PlanRun` joining them (`eager.run`). This path keeps working for old
 imports."""
 

@@ -1,4 +1,4 @@
-"""Moved to `slackswap.runtime.eager.program` (issue 40): this path keeps working for old imports."""
+"""Moved to `slackswap.runtime.eager.program`: this path keeps working for old imports."""
 
 from slackswap.runtime.eager.program import (
     OFFLOAD,

@@ -50,7 +50,9 @@ def overload_of(op_name: str) -> torch._ops.OpOverload | None:
         return None
 
 
-def storage_key(t: torch.Tensor) -> int:
+def storage_address(t: torch.Tensor) -> int:
+    """The address of `t`'s storage: reused once the storage is freed, so `OpNumbering` keeps a weak
+    reference beside it (unlike `profile.torch.identity.storage_key`, the storage object's identity)."""
     return t.untyped_storage().data_ptr()
 
 
@@ -97,7 +99,7 @@ class OpNumbering:
         """The graph tensor whose storage `t` uses, or None (weights, inputs, empty storages)."""
         if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
             return None
-        entry = self._by_storage.get(storage_key(t))
+        entry = self._by_storage.get(storage_address(t))
         if entry is None or entry[1].expired():
             return None
         return entry[0]

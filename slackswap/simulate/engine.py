@@ -62,8 +62,10 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.schedule.copies import ResolvedSchedule
 from slackswap.schedule.offloader import offloader_of
+from slackswap.schedule.positions import plan_positions
 from slackswap.schedule.transfer import d2h_s, h2d_s
 from slackswap.schedule.validate import resolve_schedule
+from slackswap.simulate.host_memory import host_peak_bytes
 from slackswap.simulate.result import EventLog, Infeasibility, SimResult
 from slackswap.simulate.tool_offload import ToolRules
 
@@ -434,6 +436,8 @@ class _Run:
             h2d_busy_s=_busy_s(pre_start[:next_pre], pre_end[:next_pre]),
             d2h_bytes=sum(s.offload_bytes[:next_off]),
             h2d_bytes=sum(self.copy_size[self.pre_copy[k]] for k in range(next_pre)),
+            host_peak_bytes=host_peak_bytes(plan_positions(plan, s), off_start, next_off, pre_end, next_pre,
+                                            max(end_s, self.now)),
             swapped_tensors=decided[Decision.SWAP],
             recomputed_tensors=decided[Decision.RECOMPUTE],
             bound_step_s=plan.bound_step_s,

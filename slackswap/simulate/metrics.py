@@ -92,6 +92,7 @@ def _metrics(
         "compute_busy_s": None if r is None else r.compute_busy_s,
         "d2h_bytes": None if r is None else int(r.d2h_bytes),
         "h2d_bytes": None if r is None else int(r.h2d_bytes),
+        "host_peak_bytes": None if r is None else int(r.host_peak_bytes),
         "d2h_busy_s": None if r is None else r.d2h_busy_s,
         "h2d_busy_s": None if r is None else r.h2d_busy_s,
         "swapped_tensors": None if r is None else int(r.swapped_tensors),

@@ -190,6 +190,9 @@ class SimResult:
     h2d_busy_s: float
     d2h_bytes: int
     h2d_bytes: int
+    #: The most pinned host bytes live at once: host copies from their offload's start to the end of
+    #: the prefetch that frees them (`slackswap.simulate.host_memory`).
+    host_peak_bytes: int
     swapped_tensors: int
     recomputed_tensors: int
     bound_step_s: float | None = None

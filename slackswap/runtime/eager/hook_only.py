@@ -25,10 +25,8 @@ class _HookOnlyStep:
     recording, run on the saved-tensor hooks alone (docs/runtime.md, "Hook-only steps")."""
 
     def _build_program(self) -> HookProgram:
-        return build_hook_program(
-            self.recording, self.plan, self.schedule, self.run_copy, self.held_copies, self.release_after,
-            self.offloads_at, self.prefetches_at, self._action_steps, getattr(self.copies, "needs_poll", True),
-            self._recompute_reads(), self._offload_devices)
+        return build_hook_program(self.recording, self.positions, getattr(self.copies, "needs_poll", True),
+                                  self._recompute_reads(), self._offload_devices)
 
     def _bind_program(self) -> None:
         """The program's events as the hooks read them, with this run's copy engine bound in: per pack
@@ -70,7 +68,7 @@ class _HookOnlyStep:
         self.ledger = _NoLedger()
         self.current = None
         self.current_copy = {}
-        self.held = {}
+        self.held_tensors = {}
         self.hosts = {}
         self.members = self.recording.members
         self.internal = False
@@ -103,7 +101,7 @@ class _HookOnlyStep:
             self.report.offloads += offloads
             self.report.prefetches += prefetches
             self.copies.close()
-            self.held.clear()
+            self.held_tensors.clear()
             self.hosts.clear()
             self._hook_only_rng.clear()
             self._step_inputs = []
@@ -112,7 +110,7 @@ class _HookOnlyStep:
         """Run the plan's operations due at an event (`eager.program`: releases, transfer issues,
         recompute steps), in the order the plan puts them; tested most frequent first. The step's
         transfers are counted from the program when it exits (`HookProgram.transfers`)."""
-        held, hosts, copies = self.held, self.hosts, self.copies
+        held, hosts, copies = self.held_tensors, self.hosts, self.copies
         for op in ops:
             kind = op[0]
             if kind == RELEASE:
@@ -133,7 +131,7 @@ class _HookOnlyStep:
         reads its tables as local names: in CPython a closure cell costs a fraction of an attribute
         lookup on `self`, and a hook does a dozen of those (docs/runtime.md, "Hook-only steps")."""
         hot_packs, hot_unpacks, reads = self._hot_packs, self._hot_unpacks, self._reads
-        held_copies, hosts, rng_states = self.held, self.hosts, self._hook_only_rng
+        held_tensors, hosts, rng_states = self.held_tensors, self.hosts, self._hook_only_rng
         copies, run_ops, copy_of, pack_mismatch = self.copies, self._run_ops, self._copy_of, self._pack_mismatch
         tensor_type = torch.Tensor
         packs_reached = unpacks_reached = 0
@@ -161,7 +159,7 @@ class _HookOnlyStep:
                 recorded = t.stride() == stride and t.storage_offset() == offset
                 copy = t if recorded and whole else _whole(t)
                 if held:
-                    held_copies[holds] = copy
+                    held_tensors[holds] = copy
                 if offloads:
                     if copy is t or (copy.dtype is form[0] and copy.shape == form[1]):
                         for j, offload in offloads:  # bound for the copy's form (`_bind_program`)
@@ -189,7 +187,7 @@ class _HookOnlyStep:
             unpacks_reached = u + 1
             if prefetches:
                 for offload, last, made, fetch in prefetches:
-                    held_copies[made] = fetch(hosts.pop(offload) if last else hosts[offload])
+                    held_tensors[made] = fetch(hosts.pop(offload) if last else hosts[offload])
             elif ops:
                 run_ops(ops)
             if type(packed) is int:
@@ -202,11 +200,11 @@ class _HookOnlyStep:
             if name != wanted:
                 raise PlanMismatchError(f"backward read {name!r} where the verified step read {wanted!r}: "
                                         "backward ran in another order (the code path changed)")
-            held = held_copies.get(c)
-            if type(held) is not tensor_type:  # in flight (a `Copy`), or not held: `_copy_of` says which
+            held = held_tensors.get(c)
+            if type(held) is not tensor_type:  # in flight (`InFlight`), or not held: `_copy_of` says which
                 held = copy_of(c)
             if release:  # its last reader: autograd holds it from here for as long as backward reads it
-                del held_copies[c]
+                del held_tensors[c]
             # A copy is held contiguous from offset 0 (`_whole`), so when the saved view is too (`whole`)
             # the same dtype and shape make it that view: the common case, with no stride to compare.
             if whole and held.dtype is dtype and held.shape == size:

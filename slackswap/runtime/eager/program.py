@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from slackswap.plan import Decision, Plan, StepKind
+from slackswap.schedule.positions import PlanPositions
 
 #: Operation codes, the first field of each operation tuple (numbered by how often a step runs them:
 #: the hooks test them in this order).
@@ -128,20 +129,20 @@ def _count(ops: tuple[tuple, ...], kind: int) -> int:
 
 
 def build_hook_program(
-    recording, plan: Plan, schedule, run_copy: dict[str, int], held_copies: set[int],
-    release_after: dict[int, list[int]], offloads_at: list[list[int]], prefetches_at: list[list[int]],
-    action_steps: list[int], poll: bool, recompute_reads: dict[int, frozenset[str]],
+    recording, positions: PlanPositions, poll: bool, recompute_reads: dict[int, frozenset[str]],
     offload_devices: dict[int, torch.device],
 ) -> HookProgram:
-    """`recording`: the verified step's `Recording`; `poll`: the copy engine needs a `poll` after the
-    transfers of a step; `recompute_reads`: per recompute step, the graph tensors its recorded calls
-    read; `offload_devices`: per offload, the device its source was on in the verified step; the
-    rest: the `PlanRun`'s schedule facts. Which copy each read finds is resolved here, in event
-    order, as the verified step found it."""
-    order = [k for j in action_steps for k in prefetches_at[j + 1]]  # prefetches in the order issued
-    last_prefetch = {schedule.prefetch_offload[k]: k for k in order}
+    """`recording`: the verified step's `Recording`; `positions`: where the plan acts (the transfers
+    after each step, the copies held and when they go, the prefetch that frees each host copy);
+    `poll`: the copy engine needs a `poll` after the transfers of a step; `recompute_reads`: per
+    recompute step, the graph tensors its recorded calls read; `offload_devices`: per offload, the
+    device its source was on in the verified step. Which copy each read finds is resolved here, in
+    event order, as the verified step found it."""
+    plan, schedule = positions.plan, positions.schedule
+    offloads_at, prefetches_at, release_after = positions.offloads_at, positions.prefetches_at, positions.release_after
+    run_copy, held_copies = positions.run_copy, positions.held_copies
     # Step -1: the transfers the plan issues before its first step, due at the first event.
-    action_steps = [-1, *action_steps]
+    action_steps = [-1, *positions.action_steps]
     actions = []
     for j in action_steps:
         ops: list[tuple] = []
@@ -150,7 +151,7 @@ def build_hook_program(
         ops += [(OFFLOAD, k, schedule.offload_copy[k]) for k in offloads_at[j + 1]]
         for k in prefetches_at[j + 1]:
             offload = schedule.prefetch_offload[k]
-            ops.append((PREFETCH, offload, last_prefetch[offload] == k, schedule.prefetch_copy[k],
+            ops.append((PREFETCH, offload, positions.frees_host[k], schedule.prefetch_copy[k],
                         offload_devices[offload], plan.prefetches[k].tensor))
         if poll and (offloads_at[j + 1] or prefetches_at[j + 1]):
             ops.append((POLL,))
@@ -263,7 +264,7 @@ class _Placement:
     def __init__(self, actions: list[tuple[int, list[tuple]]], plan: Plan, schedule) -> None:
         self.actions, self.plan, self.schedule = actions, plan, schedule
         self.next = 0
-        self.held: set[int] = set()
+        self.held_copies: set[int] = set()
         #: Per copy not yet held: the offloads waiting for it.
         self.waiting: dict[int, list[tuple]] = {}
         #: Per tensor: its current copy.
@@ -273,7 +274,7 @@ class _Placement:
     def hand_over(self, c: int, name: str | None) -> tuple[tuple, ...]:
         if c < 0:
             return ()
-        self.held.add(c)
+        self.held_copies.add(c)
         self.current[name] = c
         return tuple(self.waiting.pop(c, ()))
 
@@ -288,19 +289,19 @@ class _Placement:
         for j, ops in self.actions[self.next:until]:
             for op in ops:
                 kind = op[0]
-                if kind == OFFLOAD and op[2] not in self.held:
+                if kind == OFFLOAD and op[2] not in self.held_copies:
                     self.waiting.setdefault(op[2], []).append(op)
                     continue
                 if kind == PREFETCH:
-                    self.held.add(op[3])
+                    self.held_copies.add(op[3])
                     self.current[op[5]] = op[3]
                 elif kind == RECOMPUTE:
                     op = (RECOMPUTE, j, {name: self.copy_of(name) for name in sorted(op[2])})
                     writes = self.schedule.step_writes[j]
-                    self.held.update(writes)
+                    self.held_copies.update(writes)
                     self.current.update(zip(self.plan.steps[j].outputs, writes, strict=True))
                 elif kind == RELEASE:
-                    self.held.discard(op[1])
+                    self.held_copies.discard(op[1])
                 out.append(op)
         self.next = max(self.next, until)
         return tuple(out)

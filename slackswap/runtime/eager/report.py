@@ -45,6 +45,11 @@ class RunReport:
     recompute_aten_calls: int = 0
     offloads: int = 0
     prefetches: int = 0
+    #: Host bytes the runtime held after the offloads issued before each plan step (index n: after the
+    #: last step) where it issued transfers, and their peak: `PlanPositions.host_live_bytes` and
+    #: `host_peak_bytes` as measured (verified steps; 0 and empty on hook-only steps).
+    host_live_bytes: dict[int, int] = field(default_factory=dict)
+    host_peak_bytes: int = 0
     #: Unpacks that found their prefetch not yet arrived and made compute wait for it.
     late_prefetch_waits: int = 0
     counts_by_kind: dict[str, int] = field(default_factory=dict)
@@ -52,7 +57,7 @@ class RunReport:
     #: hook-only step (saved-tensor hooks only; no ledger: its figures are 0).
     verified: bool = True
     #: Why this plan's steps cannot run hook-only (None: they can, or have).
-    fast_refusal: str | None = None
+    hook_only_refusal: str | None = None
 
 
 def plan_counts(plan: Plan) -> dict[str, int]:

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from slackswap.graph import Graph
-from slackswap.plan import Decision, Plan, StepKind
+from slackswap.plan import Plan, StepKind
 from slackswap.runtime.capture import input_signature
 from slackswap.runtime.copy_engines import (
     CpuCopies,
@@ -36,6 +36,7 @@ from slackswap.runtime.eager.views import _rng_state
 from slackswap.runtime.errors import PlanMismatchError, RuntimeUsageError
 from slackswap.runtime.identity import check_identity
 from slackswap.runtime.recording import Recording
+from slackswap.schedule.positions import plan_positions
 from slackswap.schedule.validate import resolve_schedule
 
 _ACTIVE: list[PlanRun] = []
@@ -84,42 +85,19 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         steps = plan.steps
         self.run_step = {s.op: j for j, s in enumerate(steps) if s.kind == StepKind.RUN}
         self.recompute_ops = {s.op for s in steps if s.kind == StepKind.RECOMPUTE}
-        n = len(steps)
-        self.offloads_at: list[list[int]] = [[] for _ in range(n + 1)]
-        self.prefetches_at: list[list[int]] = [[] for _ in range(n + 1)]
-        for k, tr in enumerate(plan.offloads):
-            self.offloads_at[tr.issue_after_step + 1].append(k)
-        for k, tr in enumerate(plan.prefetches):
-            self.prefetches_at[tr.issue_after_step + 1].append(k)
-        self.run_copy: dict[str, int] = {}
-        self.held_copies: set[int] = set()
-        self.release_after: dict[int, list[int]] = {}
-        recompute_steps = {j for j, s in enumerate(steps) if s.kind == StepKind.RECOMPUTE}
+        #: Where the plan acts, built once (`schedule.positions`): the transfers after each step, the
+        #: copies held and when each goes, each host copy's last prefetch.
+        self.positions = positions = plan_positions(plan, self.schedule)
+        self.offloads_at, self.prefetches_at = positions.offloads_at, positions.prefetches_at
+        self.run_copy = positions.run_copy
+        self.held_copies = positions.held_copies
+        self.release_after = positions.release_after
         #: Built once: `ResolvedSchedule.copies` rebuilds every Copy on each access.
         self.copy_records = self.schedule.copies
         #: Per copy: its source, read on every swapped or recomputed unpack.
         self.copy_source = self.schedule.copy_source
-        for c, copy in enumerate(self.copy_records):
-            if copy.source == "run":
-                self.run_copy[copy.tensor] = c
-            needs_hold = copy.source != "run" or copy.offload is not None or bool(set(copy.readers) & recompute_steps)
-            if not needs_hold:
-                continue
-            self.held_copies.add(c)
-            produced = copy.source_index
-            if copy.source == "prefetch":
-                produced = plan.prefetches[copy.source_index].issue_after_step
-            # The resolver's facts: its last use (readers, views, the model's hold) and the offloads
-            # it waits for (issued by then on this runtime's copy engines, which it then holds).
-            last = max([produced, copy.last_use, *(plan.offloads[k].issue_after_step for k in copy.wait_offloads)])
-            self.release_after.setdefault(last, []).append(c)
         #: The plan keeps every tensor and moves none: a hook-only step has nothing to do.
-        self.idle = not (recompute_steps or plan.offloads or plan.prefetches) and all(
-            d == Decision.KEEP for d in plan.decisions.values())
-        #: Steps at whose end the plan acts (a recompute, a transfer issued after it, a release).
-        self._action_steps = sorted(
-            recompute_steps | set(self.release_after)
-            | {j for j in range(n) if self.offloads_at[j + 1] or self.prefetches_at[j + 1]})
+        self.idle = positions.idle
 
     def _default_copies(self) -> object:
         """CUDA streams with one pinned slab sized from the plan's offloads on a GPU; inline CPU copies."""
@@ -179,7 +157,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
                             self.recording = replace(self.recording, refusal=self._program.refusal)
                         else:
                             self._bind_program()
-                self.report.fast_refusal = self.recording.refusal if self.recording is not None else None
+                self.report.hook_only_refusal = self.recording.refusal if self.recording is not None else None
         finally:
             for p, old in self._stashed:
                 p.grad = old if p.grad is None else old.add_(p.grad)

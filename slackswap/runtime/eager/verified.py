@@ -12,9 +12,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from slackswap.plan import Decision, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import loss_boundary
-from slackswap.runtime.copy_engines import (
-    Copy,
-)
+from slackswap.runtime.copy_engines import InFlight
 from slackswap.runtime.eager.report import RunReport
 from slackswap.runtime.eager.views import _read, _rng_state, _whole
 from slackswap.runtime.errors import PlanMismatchError
@@ -42,9 +40,12 @@ class _VerifiedStep(TorchDispatchMode):
         self.pos = 0
         self.current: int | None = None
         self.current_copy: dict[str, int] = {}
-        self.held: dict[int, Any] = {}
-        #: Per offload issued: its host copy (a `Copy` in flight, or the tensor of an inline one).
-        self.hosts: dict[int, Copy | torch.Tensor] = {}
+        #: Per copy the runtime holds (`held_copies`), the tensor it holds it as, until its release.
+        self.held_tensors: dict[int, Any] = {}
+        #: Per offload issued: its host copy (`InFlight`, or the tensor of an inline copy), until the
+        #: prefetch that frees it; and their bytes.
+        self.hosts: dict[int, InFlight | torch.Tensor] = {}
+        self._host_bytes = 0
         self.members: dict[str, list[_Member]] = {}
         #: Per offload: the device of its source (where its prefetches go), for the hook program.
         self._offload_devices: dict[int, torch.device] = {}
@@ -80,7 +81,7 @@ class _VerifiedStep(TorchDispatchMode):
                     )
         finally:
             self.copies.close()
-            self.held.clear()
+            self.held_tensors.clear()
             self.hosts.clear()
             self._last_members, self.members = self.members, {}
             self.ledger.poll(-1)
@@ -146,7 +147,7 @@ class _VerifiedStep(TorchDispatchMode):
                 # An alias, not `t`: a reference to the op's output itself makes PyTorch alias it
                 # (a detach call the graph lacks); made with every mode off, unseen by the identities.
                 with _disable_current_modes():
-                    self.held[c] = _whole(t.detach())
+                    self.held_tensors[c] = _whole(t.detach())
         self.ledger.poll(self.current)  # a joined write may belong to an earlier op (`OpNumbering`)
         return out
 
@@ -167,7 +168,7 @@ class _VerifiedStep(TorchDispatchMode):
     def _finish_step(self, j: int) -> None:
         self._issue(j + 1)
         for c in self.release_after.get(j, ()):
-            self.held.pop(c, None)
+            self.held_tensors.pop(c, None)
         self.pos = j + 1
         self.copies.poll()
 
@@ -205,28 +206,38 @@ class _VerifiedStep(TorchDispatchMode):
             self.internal = False
 
     def _issue_transfers(self, bucket: int) -> None:
+        """Offloads, then prefetches; a prefetch that frees its host copy (`PlanPositions.frees_host`)
+        lets it go as it is issued, the engine keeping what it reads until it lands. The host bytes
+        held between the two are what `PlanPositions.host_live_bytes` says step `bucket` holds."""
         for k in self.offloads_at[bucket]:
             c = self.schedule.offload_copy[k]
-            source = self.held[c]
-            self.hosts[k] = self.copies.offload(source, k)
+            source = self.held_tensors[c]
+            self.hosts[k] = host = self.copies.offload(source, k)
+            self._host_bytes += (host.tensor if isinstance(host, InFlight) else host).nbytes
             self.versions.offloaded[k] = self.versions.total[self.plan.offloads[k].tensor]
             self._offload_devices[k] = source.device
             self.report.offloads += 1
+        self.report.host_live_bytes[bucket] = self._host_bytes
+        self.report.host_peak_bytes = max(self.report.host_peak_bytes, self._host_bytes)
+        frees_host = self.positions.frees_host
         for k in self.prefetches_at[bucket]:
             offload = self.schedule.prefetch_offload[k]
-            arriving = self.copies.prefetch(self.hosts[offload], self._offload_devices[offload])
+            host = self.hosts.pop(offload) if frees_host[k] else self.hosts[offload]
+            if frees_host[k]:
+                self._host_bytes -= (host.tensor if isinstance(host, InFlight) else host).nbytes
+            arriving = self.copies.prefetch(host, self._offload_devices[offload])
             c = self.schedule.prefetch_copy[k]
             tensor = self.plan.prefetches[k].tensor
-            self.held[c] = arriving
+            self.held_tensors[c] = arriving
             self.versions.copy[c] = self.versions.offloaded[offload]
             self.current_copy[tensor] = c
-            self.ledger.track(arriving.storage if isinstance(arriving, Copy) else arriving.untyped_storage(), c)
+            self.ledger.track(arriving.storage if isinstance(arriving, InFlight) else arriving.untyped_storage(), c)
             self.report.prefetches += 1
 
     def _copy_of(self, c: int) -> torch.Tensor:
         """Copy `c` as held (`_whole` form); a prefetch not yet arrived is waited for."""
-        held = self.held.get(c)
-        if isinstance(held, Copy):  # a transfer in flight (an inline copy is its tensor, arrived)
+        held = self.held_tensors.get(c)
+        if isinstance(held, InFlight):  # a transfer in flight (an inline copy is its tensor, arrived)
             if not held.arrived():
                 self.report.late_prefetch_waits += 1
             held.wait()
@@ -285,7 +296,7 @@ class _VerifiedStep(TorchDispatchMode):
         finally:
             self.internal = False
         for name, c in zip(step.outputs, self.schedule.step_writes[j], strict=True):
-            self.held[c] = env[name]
+            self.held_tensors[c] = env[name]
             self.current_copy[name] = c
             if not self.hook_only:
                 self.versions.copy[c] = self.versions.own[name]
