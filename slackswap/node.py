@@ -168,21 +168,22 @@ class Node:
         return cls(**data)
 
 
-def pinned_reason(node: Node, host_peak_bytes: int, ranks: int | None = None) -> str | None:
+def pinned_reason(node: Node, pinned_bytes: int, ranks: int | None = None) -> str | None:
     """Why a plan does not fit the node's pinned host memory, or None when it fits.
 
-    Every rank of the node runs the same plan, so each holds `host_peak_bytes` of pinned host copies
-    at its peak: the simulator's `SimResult.host_peak_bytes`, from the plan's positions (host copies
-    live from their offload to the prefetch that frees them, `slackswap.schedule.positions`).
+    Every rank of the node runs the same plan, so each pins `pinned_bytes`: the simulator's
+    `SimResult.host_pinned_bytes`, the runtime's slab of a buffer per offload
+    (`slackswap.schedule.positions.PlanPositions.pinned_slab_bytes`). Its host copies are live at once
+    for at most `SimResult.host_peak_bytes` of it.
     `ranks`: how many ranks of the plan share the node's host memory (default: every GPU of the node;
     a job on one GPU of the node has one).
     """
     ranks = node.gpus_per_node if ranks is None else ranks
-    needed = host_peak_bytes * ranks
+    needed = pinned_bytes * ranks
     if needed <= node.pinned_host_bytes:
         return None
     return (
-        f"pinned host memory: {ranks} rank(s) x {host_peak_bytes / 2**30:.2f} GiB of host copies at their peak = "
+        f"pinned host memory: {ranks} rank(s) x {pinned_bytes / 2**30:.2f} GiB of pinned host buffers = "
         f"{needed / 2**30:.2f} GiB exceeds node {node.name!r}'s {node.pinned_host_bytes / 2**30:.2f} GiB "
         "(node.pinned_host_bytes)"
     )

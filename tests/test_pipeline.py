@@ -304,9 +304,10 @@ def test_a_shared_node_plans_at_the_shared_link_and_pinned_memory_is_a_constrain
     m = json.loads((tmp_path / "a" / "metrics.json").read_text())
     assert m["effective_h2d_gbps"] == pytest.approx(25 / 2 * 0.44) and m["h2d_limit"] == "switch_uplink"
     assert m["gpus_per_node"] == 8 and m["alone_throughput_ratio"] >= m["throughput_ratio"]
-    assert 0 < m["host_peak_bytes"] <= m["d2h_bytes"] and m["pinned_needed_bytes"] == 8 * m["host_peak_bytes"]
+    assert 0 < m["host_peak_bytes"] <= m["d2h_bytes"] <= m["host_pinned_bytes"]
+    assert m["pinned_needed_bytes"] == 8 * m["host_pinned_bytes"]
     # The same plan with too little pinned host memory for 8 ranks: infeasible, the reason names the field.
-    small = m["host_peak_bytes"] * 8 - 1
+    small = m["host_pinned_bytes"] * 8 - 1
     args = [*common, f"node.pinned_host_bytes={small}", f"hydra.run.dir={tmp_path}/b"]
     assert _run_cli(monkeypatch, args) in (0, None)
     record = json.loads((tmp_path / "b" / "run_record.json").read_text())

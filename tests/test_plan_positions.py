@@ -81,15 +81,17 @@ def test_keep_all_holds_no_host_bytes_and_is_idle() -> None:
     assert simulate(g, plan, HW, None).host_peak_bytes == 0
 
 
-def test_the_nodes_pinned_check_reads_the_host_peak() -> None:
-    # Two ranks of the plan above (300 B at their peak each): 600 B fit, 599 B do not.
+def test_the_nodes_pinned_check_reads_the_runtimes_slab() -> None:
+    # The runtime pins a 512-byte-aligned buffer per offload: 512 + 512 B, though at most 300 B of host
+    # copies are live at once. Two ranks: 2048 B fit, 2047 B do not.
     g = three_layer_graph(a=100, b=200, f3_s=4.0)
     r = simulate(g, _swap(g, {"a": 0, "b": 1}, {"b": 2, "a": 3}), HW, None)
-    node = Node.from_dict({**_node_dict(), "pinned_host_bytes": 2 * r.host_peak_bytes})
-    assert pinned_reason(node, r.host_peak_bytes, ranks=2) is None
-    tight = Node.from_dict({**_node_dict(), "pinned_host_bytes": 2 * r.host_peak_bytes - 1})
-    reason = pinned_reason(tight, r.host_peak_bytes, ranks=2)
-    assert reason is not None and "host copies at their peak" in reason
+    assert r.host_peak_bytes == 300 and r.host_pinned_bytes == 1024
+    node = Node.from_dict({**_node_dict(), "pinned_host_bytes": 2 * r.host_pinned_bytes})
+    assert pinned_reason(node, r.host_pinned_bytes, ranks=2) is None
+    tight = Node.from_dict({**_node_dict(), "pinned_host_bytes": 2 * r.host_pinned_bytes - 1})
+    reason = pinned_reason(tight, r.host_pinned_bytes, ranks=2)
+    assert reason is not None and "pinned host buffers" in reason
 
 
 def _node_dict() -> dict:
@@ -128,3 +130,12 @@ def test_the_runtime_measures_the_host_bytes_the_record_and_the_simulator_give()
     _step(model, x, run)  # a hook-only step, on the same positions
     assert not run.report.verified and run.report.offloads == len(plan.offloads)
     assert torch.is_tensor(x)
+    # What the CUDA engine pins (one slab, `CudaCopies(offload_sizes(...))`) is what the simulator
+    # reports and the node's check reads.
+    from slackswap.runtime.copy_engines import HostPool, offload_sizes
+
+    sizes = offload_sizes(resolve_schedule(graph, plan))
+    pool = HostPool(pinned=False)
+    pool.reserve(sizes)
+    slab = pool.get(0, sizes[0]).untyped_storage().nbytes()
+    assert slab == positions.pinned_slab_bytes == fast.host_pinned_bytes > positions.host_peak_bytes

@@ -227,7 +227,7 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     reserved = min(report.peak_reserved_bytes, capacity) if fits else report.peak_reserved_bytes
     peak = static.total_bytes + space.reserve_bytes + reserved
     reason = "" if fits else f"allocator: {report.oom_reason}"
-    host = ctx.host_check(cand.layout.gpus, int(result.host_peak_bytes)) if ctx.host_check else None
+    host = ctx.host_check(cand.layout.gpus, int(result.host_pinned_bytes)) if ctx.host_check else None
     if fits and host:
         fits, reason = False, host
     slow_s = result.recompute_s + result.stall_s
@@ -343,7 +343,7 @@ def run_search(
     milp on the best heuristic configurations, rank, and explain the winners.
 
     `rank_hardware`: GPU count -> the per-rank hardware (shared host link) to plan on; absent counts
-    use `hardware`. `host_check(gpus, host_peak_bytes)`: why the host cannot hold a plan's host copies."""
+    use `hardware`. `host_check(gpus, host_pinned_bytes)`: why the host cannot pin a plan's host buffers."""
     plan, ctx = plan_search(model, hardware, topology, space, graph_for, rank_hardware=dict(rank_hardware or {}),
                             host_check=host_check)
     total = len(plan.candidates) + plan.milp_runs

@@ -72,12 +72,12 @@ def rank_hardware(hardware: Hardware, node: Any, gpu_counts: Sequence[int]) -> d
 
 
 def host_check(node: Any) -> Callable[[int, int], str | None]:
-    """(GPU count, host peak bytes per rank: `SimResult.host_peak_bytes`) -> why the node's pinned
+    """(GPU count, pinned host bytes per rank: `SimResult.host_pinned_bytes`) -> why the node's pinned
     host memory cannot hold them, or
     None: a job on one GPU pins for one rank, a job on more for every GPU of the node."""
     from slackswap.node import pinned_reason
 
-    def check(gpus: int, host_peak_bytes: int) -> str | None:
-        return pinned_reason(node, host_peak_bytes, ranks=1 if gpus == 1 else None)
+    def check(gpus: int, pinned_bytes: int) -> str | None:
+        return pinned_reason(node, pinned_bytes, ranks=1 if gpus == 1 else None)
 
     return check

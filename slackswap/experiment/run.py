@@ -185,7 +185,7 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
     timings["plan_s"] = fitted.plan_wall_s
     timings["sim_s"] = fitted.sim_wall_s
     simulation = compute_metrics(fitted.result, ideal, plan_wall_s=fitted.plan_wall_s, sim_wall_s=fitted.sim_wall_s)
-    pinned = None if spec.node is None else pinned_reason(spec.node, int(fitted.result.host_peak_bytes))
+    pinned = None if spec.node is None else pinned_reason(spec.node, int(fitted.result.host_pinned_bytes))
     if fitted.result.feasible and pinned is not None:
         # Every rank of the node holds the same host copies in pinned host memory: over it, infeasible.
         return outcome(Verdict.INFEASIBLE, pinned, dict(simulation) | {"feasible": False}, budget_bytes, fitted)
@@ -298,12 +298,12 @@ def _node_metrics(spec: RunSpec, simulation: Mapping[str, Any]) -> dict[str, Any
     """The node's share of the host link each GPU got and the pinned host bytes the node's ranks need."""
     if spec.node is None:
         return {}
-    host_peak = simulation.get("host_peak_bytes")
+    pinned = simulation.get("host_pinned_bytes")
     return spec.shared_link.metrics() | {
         "node": spec.node.name,
         "gpus_per_node": spec.node.gpus_per_node,
         "pinned_host_bytes": spec.node.pinned_host_bytes,
-        "pinned_needed_bytes": None if host_peak is None else host_peak * spec.node.gpus_per_node,
+        "pinned_needed_bytes": None if pinned is None else pinned * spec.node.gpus_per_node,
         # set by `run_one` once an ok plan is also simulated with the GPU alone (a node that shares)
         "alone_throughput_ratio": None,
     }

@@ -22,6 +22,8 @@ from functools import partial
 
 import torch
 
+from slackswap.schedule.positions import HOST_BUFFER_ALIGNMENT_BYTES
+
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
@@ -104,7 +106,7 @@ class HostPool:
             self._typed[key] = (typed.dtype, typed.shape, typed)
         return typed
 
-    def reserve(self, sizes: Mapping[int, int], alignment_bytes: int = 512) -> None:
+    def reserve(self, sizes: Mapping[int, int], alignment_bytes: int = HOST_BUFFER_ALIGNMENT_BYTES) -> None:
         """One allocation (one pinning) for every buffer: `sizes` maps each offload's key to its bytes.
         Buffers start at multiples of `alignment_bytes` (so any dtype can view them); they are views
         of the slab, whose storage they share."""

@@ -27,6 +27,10 @@ from functools import cached_property
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.schedule.copies import ResolvedSchedule
 
+#: Each offload's pinned buffer starts at a multiple of this in the runtime's slab, so any dtype can
+#: view it (`slackswap.runtime.copy_engines.HostPool.reserve`).
+HOST_BUFFER_ALIGNMENT_BYTES = 512
+
 
 @dataclass(frozen=True, eq=False)
 class PlanPositions:
@@ -97,6 +101,16 @@ class PlanPositions:
     def host_peak_bytes(self) -> int:
         """The most host bytes live over any step: the pinned memory the plan needs per rank."""
         return max(self.host_live_bytes)
+
+    @property
+    def pinned_slab_bytes(self) -> int:
+        """The pinned host bytes the runtime holds for the plan: one slab with a buffer per offload,
+        pinned once and reused every step (`HostPool.reserve`). Host copies fill at most
+        `host_peak_bytes` of it at once; a slab packed by lifetime could be that small, but an offload
+        into reused bytes would then have to wait for the prefetch that last read them (not built:
+        docs/decisions/0020-host-copies-go-at-the-last-prefetch.md)."""
+        align = HOST_BUFFER_ALIGNMENT_BYTES
+        return sum(-(-nbytes // align) * align for nbytes in self.host_bytes)
 
     def transfers_after(self, j: int) -> bool:
         """Whether the plan issues a transfer after step j (-1: before step 0)."""

@@ -408,6 +408,7 @@ class _Run:
         # The end of the last event: steps end in order, copies of a direction may not (several engines).
         end_s = max([self.step_stop[next_step - 1] if next_step else 0.0, *off_end[:next_off], *pre_end[:next_pre]])
         decided = Counter(plan.decisions.values())
+        positions = plan_positions(plan, s)
         return SimResult(
             planner=plan.planner,
             feasible=infeasibility is None,
@@ -436,8 +437,8 @@ class _Run:
             h2d_busy_s=_busy_s(pre_start[:next_pre], pre_end[:next_pre]),
             d2h_bytes=sum(s.offload_bytes[:next_off]),
             h2d_bytes=sum(self.copy_size[self.pre_copy[k]] for k in range(next_pre)),
-            host_peak_bytes=host_peak_bytes(plan_positions(plan, s), off_start, next_off, pre_end, next_pre,
-                                            max(end_s, self.now)),
+            host_peak_bytes=host_peak_bytes(positions, off_start, next_off, pre_end, next_pre, max(end_s, self.now)),
+            host_pinned_bytes=positions.pinned_slab_bytes,
             swapped_tensors=decided[Decision.SWAP],
             recomputed_tensors=decided[Decision.RECOMPUTE],
             bound_step_s=plan.bound_step_s,

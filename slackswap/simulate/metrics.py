@@ -93,6 +93,7 @@ def _metrics(
         "d2h_bytes": None if r is None else int(r.d2h_bytes),
         "h2d_bytes": None if r is None else int(r.h2d_bytes),
         "host_peak_bytes": None if r is None else int(r.host_peak_bytes),
+        "host_pinned_bytes": None if r is None else int(r.host_pinned_bytes),
         "d2h_busy_s": None if r is None else r.d2h_busy_s,
         "h2d_busy_s": None if r is None else r.h2d_busy_s,
         "swapped_tensors": None if r is None else int(r.swapped_tensors),

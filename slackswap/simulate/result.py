@@ -193,6 +193,9 @@ class SimResult:
     #: The most pinned host bytes live at once: host copies from their offload's start to the end of
     #: the prefetch that frees them (`slackswap.simulate.host_memory`).
     host_peak_bytes: int
+    #: The pinned host bytes the runtime holds for the plan (`PlanPositions.pinned_slab_bytes`: a
+    #: buffer per offload); what the node's pinned check reads.
+    host_pinned_bytes: int
     swapped_tensors: int
     recomputed_tensors: int
     bound_step_s: float | None = None
