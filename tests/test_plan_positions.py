@@ -8,14 +8,13 @@ Link 100 B/s per direction, so a 100-byte copy takes 1 s."""
 
 from __future__ import annotations
 
-import pytest
-
 from slackswap.node import Node, pinned_reason
 from slackswap.plan import Decision, Direction, Plan, Transfer
 from slackswap.schedule.positions import plan_positions
 from slackswap.schedule.validate import resolve_schedule
 from slackswap.simulate import simulate
 from slackswap.testing import toy_hardware
+from tests.extras import require_torch_extra
 from tests.test_simulate_hand import run_steps, three_layer_graph
 
 HW = toy_hardware()
@@ -109,7 +108,7 @@ def test_the_runtime_measures_the_host_bytes_the_record_and_the_simulator_give()
     backward): the verified step's host bytes at each boundary where it issues transfers are the
     record's, and on a link fast enough that each copy ends within its step the simulator's host
     peak is the record's too (every host copy is live once the forward's last offload has started)."""
-    torch = pytest.importorskip("torch")
+    torch = require_torch_extra("torch")
     from slackswap.runtime import apply
     from slackswap.runtime.copy_engines import CpuCopies
     from tests.test_runtime_hook_steps import _step, _swap_everything
