@@ -36,7 +36,8 @@ def check_accelerator(accelerator: Any) -> None:
     distributed = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     if distributed != "NO":
         raise IntegrationError("accelerator.distributed_type", distributed,
-                               "a plan runs one process on one device (no DDP/FSDP/DeepSpeed)")
+                               "this plan runs one process on one device; for FSDP2 run "
+                               "slackswap.integrations.step.PlannedStep on the fully_shard model")
     if getattr(accelerator, "scaler", None) is not None:
         raise IntegrationError("accelerator.mixed_precision", "fp16", "fp16 loss scaling is not supported; use bf16")
 

@@ -83,7 +83,8 @@ def check_trainer(trainer: Any, executor: str) -> None:
     distributed = str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1]
     if distributed != "NO" or args.n_gpu > 1:
         raise IntegrationError("accelerator.distributed_type", distributed if distributed != "NO" else
-                               f"n_gpu={args.n_gpu}", "a plan runs one process on one device (no DDP/FSDP/DeepSpeed)")
+                               f"n_gpu={args.n_gpu}", "the Trainer's plan runs one process on one device; for "
+                               "FSDP2 run slackswap.integrations.step.PlannedStep in your own loop")
     if getattr(trainer.accelerator, "scaler", None) is not None:
         raise IntegrationError("TrainingArguments.fp16", True, "fp16 loss scaling is not supported; use bf16")
     if "lomo" in str(args.optim).lower():

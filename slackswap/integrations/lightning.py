@@ -82,7 +82,9 @@ class PlanCallback:
         if stage != "fit":
             return
         if trainer.world_size > 1:
-            raise IntegrationError("Trainer.world_size", trainer.world_size, "a plan runs one process on one device")
+            raise IntegrationError("Trainer.world_size", trainer.world_size,
+                                   "this plan runs one process on one device; for FSDP2 run "
+                                   "slackswap.integrations.step.PlannedStep in your own loop")
         if not pl_module.automatic_optimization:
             raise IntegrationError("LightningModule.automatic_optimization", False,
                                    "the plan brackets Lightning's automatic training step and backward")

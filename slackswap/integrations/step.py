@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from slackswap.integrations.distributed import check_processes, rank_suffix, settle_fsdp2
 from slackswap.integrations.planning import (
     EXECUTORS,
     IntegrationError,
@@ -75,10 +76,14 @@ class PlannedStep:
 
     def prepare(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
                 finish: Callable[[object], torch.Tensor]) -> None:
-        """Capture and plan the step (or check the plan given against this model and call)."""
+        """Capture and plan the step (or check the plan given against this model and call). In
+        several processes, each rank plans its own step: under FSDP2, after its first step has run
+        plain (`slackswap.integrations.distributed`); DDP, FSDP1 and DeepSpeed are refused."""
         from slackswap.runtime import apply
         from slackswap.runtime.export import PlanExport
 
+        check_processes(model, self.executor)
+        settle_fsdp2(model, call, finish)
         signature = input_signature(_values(call))
         if self.planned is not None:
             graph = self.planned.graph
@@ -88,7 +93,8 @@ class PlannedStep:
                                            f"the plan was made for another {key.split('_')[0]}: this run has {now}")
         else:
             shape = "x".join(str(d) for d in signature[0][0]) if signature else "()"
-            graph = capture_step(model, call, finish, hardware_of(self.hardware), f"{type(model).__name__}@{shape}")
+            name = f"{type(model).__name__}@{shape}{rank_suffix()}"
+            graph = capture_step(model, call, finish, hardware_of(self.hardware), name)
             self.planned = plan_step(graph, model, self.budget, self.planner, self.hardware, self.executor,
                                      self.certify)
         self.printer(self.planned.summary())
