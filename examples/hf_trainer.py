@@ -62,9 +62,10 @@ def make_trainer(kind: str, output_dir: str, steps: int = 3, accumulation: int =
                  callbacks: list[TrainerCallback] | None = None, batch: int = 2, **args: object) -> Trainer:
     """A Trainer of `steps` optimizer steps over exactly as many full batches (the last batch of an
     epoch is never short); `args` go to `TrainingArguments`."""
+    args = {"report_to": [], **args}  # no tracker unless asked
     training = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch,
                                  gradient_accumulation_steps=accumulation, logging_steps=1, learning_rate=1e-3,
-                                 report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+                                 use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
                                  **args)  # fmt: skip
     data = tiny_dataset(kind, batch * steps * accumulation)
     return Trainer(model=tiny_model(kind), args=training, train_dataset=data, callbacks=callbacks)

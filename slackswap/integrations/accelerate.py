@@ -23,6 +23,7 @@ import torch
 
 from slackswap.integrations.planning import IntegrationError, StepPlan
 from slackswap.integrations.step import PlannedStep
+from slackswap.integrations.verify import Tolerances
 
 
 def model_loss(outputs: object, batch: object) -> torch.Tensor:
@@ -35,7 +36,8 @@ def check_accelerator(accelerator: Any) -> None:
     distributed = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     if distributed != "NO":
         raise IntegrationError("accelerator.distributed_type", distributed,
-                               "a plan runs one process on one device (no DDP/FSDP/DeepSpeed)")
+                               "this plan runs one process on one device; for FSDP2 run "
+                               "slackswap.integrations.step.PlannedStep on the fully_shard model")
     if getattr(accelerator, "scaler", None) is not None:
         raise IntegrationError("accelerator.mixed_precision", "fp16", "fp16 loss scaling is not supported; use bf16")
 
@@ -71,10 +73,17 @@ class AcceleratePlan:
 def plan_for(accelerator: Any, model: torch.nn.Module, budget: object = 0.5, *,
              loss: Callable[[object, object], torch.Tensor] = model_loss, planner: str = "slackswap",
              hardware: object = None, executor: str = "runtime", verify_steps: int = 1, certify: bool = False,
-             plan: StepPlan | None = None, printer: Callable[[str], None] = print) -> AcceleratePlan:
+             plan: StepPlan | None = None, printer: Callable[[str], None] = print,
+             peak_tolerance: float = 0.0, step_tolerance: float = 0.5) -> AcceleratePlan:
     """The planned step of `model` (as `accelerator.prepare` returned it) within `budget`; the
     arguments are `slackswap.integrations.hf.plan_for`'s, and `loss(outputs, batch)` is the user's
-    loss of the model's outputs (default: the loss an HF model computes from the batch's labels)."""
+    loss of the model's outputs (default: the loss an HF model computes from the batch's labels). The
+    verified figures go to `accelerator.log`, and to the active MLflow run when the user has one and
+    the accelerator has no mlflow tracker already taking them there."""
+    tolerances = Tolerances(peak_tolerance, step_tolerance)
     check_accelerator(accelerator)
-    planned = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer)
+    planned = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer,
+                          tolerances=tolerances,
+                          reports_to_mlflow=lambda: any(getattr(t, "name", None) == "mlflow"
+                                                        for t in accelerator.trackers))
     return AcceleratePlan(accelerator, model, planned, loss)

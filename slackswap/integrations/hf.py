@@ -34,6 +34,7 @@ import torch
 
 from slackswap.integrations.planning import EXECUTORS, IntegrationError, StepPlan
 from slackswap.integrations.step import PlannedStep
+from slackswap.integrations.verify import Tolerances
 
 
 class _Called(Exception):
@@ -82,7 +83,8 @@ def check_trainer(trainer: Any, executor: str) -> None:
     distributed = str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1]
     if distributed != "NO" or args.n_gpu > 1:
         raise IntegrationError("accelerator.distributed_type", distributed if distributed != "NO" else
-                               f"n_gpu={args.n_gpu}", "a plan runs one process on one device (no DDP/FSDP/DeepSpeed)")
+                               f"n_gpu={args.n_gpu}", "the Trainer's plan runs one process on one device; for "
+                               "FSDP2 run slackswap.integrations.step.PlannedStep in your own loop")
     if getattr(trainer.accelerator, "scaler", None) is not None:
         raise IntegrationError("TrainingArguments.fp16", True, "fp16 loss scaling is not supported; use bf16")
     if "lomo" in str(args.optim).lower():
@@ -91,6 +93,11 @@ def check_trainer(trainer: Any, executor: str) -> None:
     if executor == "runtime" and args.torch_compile:
         raise IntegrationError("TrainingArguments.torch_compile", True,
                                "the runtime runs eager; use executor='export' for a compiled model")
+
+
+def _reports_to_mlflow(trainer: Any) -> bool:
+    """Whether `trainer.log` already reaches MLflow (transformers' `MLflowCallback`, `report_to`)."""
+    return any(type(c).__name__ == "MLflowCallback" for c in trainer.callback_handler.callbacks)
 
 
 def _model_call(trainer: Any, model: torch.nn.Module, inputs: Mapping[str, Any],
@@ -138,7 +145,8 @@ def _step(trainer: Any, planned: PlannedStep, model: torch.nn.Module, inputs: Ma
 
 def plan_for(trainer: Any, budget: object = 0.5, *, planner: str = "slackswap", hardware: object = None,
              executor: str = "runtime", verify_steps: int = 1, certify: bool = False,
-             plan: StepPlan | None = None, printer: Callable[[str], None] = print) -> PlannedStep:
+             plan: StepPlan | None = None, printer: Callable[[str], None] = print,
+             peak_tolerance: float = 0.0, step_tolerance: float = 0.5) -> PlannedStep:
     """Run every training step of `trainer` under a plan of its model's step within `budget`.
 
     `budget`: a fraction of the keep-all activation peak (float in (0, 1]), bytes (int), "device" or a
@@ -148,9 +156,14 @@ def plan_for(trainer: Any, budget: object = 0.5, *, planner: str = "slackswap", 
     how many first steps run verified, each logging its measured peak beside the predicted one.
     `certify`: bound the step with the `milp` planner, for the certified gap the summary prints.
     `plan`: a `StepPlan` made before (by an earlier `plan_for`): refused at the first step if it was
-    made for another model or batch shape."""
+    made for another model or batch shape. `peak_tolerance`, `step_tolerance`: how far a verified
+    step may be from the prediction before it warns (`slackswap.integrations.verify.Tolerances`).
+    The verified figures go through `trainer.log`, and to the active MLflow run when the user has
+    one and no `MLflowCallback` of the trainer already takes them there."""
+    tolerances = Tolerances(peak_tolerance, step_tolerance)
     check_trainer(trainer, executor)
-    state = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer)
+    state = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer,
+                        tolerances=tolerances, reports_to_mlflow=lambda: _reports_to_mlflow(trainer))
 
     def training_step(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in_batch: object = None):
         return _step(trainer, state, model, inputs, num_items_in_batch)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from slackswap.integrations.planning import IntegrationError, StepPlan
 from slackswap.integrations.step import PlannedStep
+from slackswap.integrations.verify import Tolerances
 
 
 class _TrainingStep(torch.nn.Module):
@@ -63,9 +64,14 @@ class PlanCallback:
 
     def __init__(self, budget: object = 0.5, *, planner: str = "slackswap", hardware: object = None,
                  executor: str = "runtime", verify_steps: int = 1, certify: bool = False,
-                 plan: StepPlan | None = None, printer: Callable[[str], None] = print):
+                 plan: StepPlan | None = None, printer: Callable[[str], None] = print,
+                 peak_tolerance: float = 0.0, step_tolerance: float = 0.5):
         self.planned = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan,
-                                   printer=printer)
+                                   printer=printer, tolerances=Tolerances(peak_tolerance, step_tolerance),
+                                   reports_to_mlflow=lambda: self._reports_to_mlflow)
+        #: Whether one of the trainer's loggers is Lightning's `MLFlowLogger` (then the verified figures
+        #: reach MLflow through it, once).
+        self._reports_to_mlflow = False
         self._wrapper: _TrainingStep | None = None
         self._accumulate = 1
         #: The gradients set aside during a step (earlier micro-batches'), as (parameter, gradient).
@@ -76,7 +82,9 @@ class PlanCallback:
         if stage != "fit":
             return
         if trainer.world_size > 1:
-            raise IntegrationError("Trainer.world_size", trainer.world_size, "a plan runs one process on one device")
+            raise IntegrationError("Trainer.world_size", trainer.world_size,
+                                   "this plan runs one process on one device; for FSDP2 run "
+                                   "slackswap.integrations.step.PlannedStep in your own loop")
         if not pl_module.automatic_optimization:
             raise IntegrationError("LightningModule.automatic_optimization", False,
                                    "the plan brackets Lightning's automatic training step and backward")
@@ -90,6 +98,7 @@ class PlanCallback:
             raise IntegrationError("LightningModule.optimizer_zero_grad", "overridden",
                                    "Lightning calls it between training_step and backward, inside the planned step")
         self._accumulate = trainer.accumulate_grad_batches
+        self._reports_to_mlflow = any(type(lg).__name__ == "MLFlowLogger" for lg in trainer.loggers)
 
         def optimizer_zero_grad(epoch: int, batch_idx: int, optimizer: Any) -> None:
             # What optimizer.zero_grad() (set_to_none) does, without its profiler record_function: Lightning

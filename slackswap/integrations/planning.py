@@ -8,12 +8,12 @@ with the same keywords for the length of the capture, `called_with_keywords`) an
 arithmetic the trainer's integration will run (`finish`). `plan_step` then prices the budget against
 the captured step's keep-all peak, plans, simulates, and keeps what it predicts: the peak on this
 device's link (what the runtime's ledger measures) and the step time and gap on the chosen hardware.
-`PeakCheck` compares the measured peak of the verified steps with that prediction.
+`slackswap.integrations.verify.PeakCheck` compares the verified steps' measured figures with that
+prediction.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -172,26 +172,3 @@ def plan_step(graph: Graph, model: torch.nn.Module, budget: object, planner: str
     gap = (sim.step_s - bound) / bound if bound else None
     return StepPlan(graph, plan, hardware, executor, keep_all, budget_bytes, on_link.peak_activation_bytes,
                     sim.step_s, gap)
-
-
-class PeakCheck:
-    """Predict, then verify: each verified step's measured peak (the runtime's ledger of every device
-    storage of a graph tensor) against the predicted one; warns once when a step exceeds it."""
-
-    def __init__(self, planned: StepPlan):
-        self.planned = planned
-        self.measured: list[int] = []
-        self.warned = False
-
-    def observe(self, measured_peak_bytes: int) -> dict[str, float]:
-        """The figures of one verified step, for the trainer's logger."""
-        self.measured.append(measured_peak_bytes)
-        p = self.planned
-        if measured_peak_bytes > p.predicted_peak_bytes and not self.warned:
-            self.warned = True
-            warnings.warn(f"slackswap: measured peak {measured_peak_bytes} B exceeds the predicted "
-                          f"{p.predicted_peak_bytes} B (budget {p.budget_bytes} B) on {p.graph.name}", stacklevel=2)
-        return {"slackswap/predicted_peak_bytes": p.predicted_peak_bytes,
-                "slackswap/measured_peak_bytes": measured_peak_bytes,
-                "slackswap/budget_bytes": p.budget_bytes,
-                "slackswap/within_budget": float(measured_peak_bytes <= p.budget_bytes)}

@@ -6,7 +6,9 @@ on (`finish`). `PlannedStep` does the rest: at its first step it captures that s
 checks a plan made before against it), prints the plan's summary, and from then on runs each step
 under the runtime (`apply(..., accumulate=True)`: micro-batches add to the gradients as plain PyTorch
 does) or inside the export; the first `verify_steps` steps run verified and return their measured
-peak beside the prediction (`PeakCheck`).
+peak and step time beside the prediction (`slackswap.integrations.verify.PeakCheck`, within
+`tolerances`), which also go to the active MLflow run when the user has one and the trainer's own
+logger does not already report there (`reports_to_mlflow`).
 """
 
 from __future__ import annotations
@@ -19,16 +21,21 @@ from typing import Any
 
 import torch
 
+from slackswap.integrations.distributed import check_processes, rank_suffix, settle_fsdp2
 from slackswap.integrations.planning import (
     EXECUTORS,
     IntegrationError,
-    PeakCheck,
     StepPlan,
     capture_step,
     hardware_of,
     plan_step,
 )
+from slackswap.integrations.verify import PeakCheck, Tolerances, log_to_mlflow
 from slackswap.runtime.capture import input_signature, model_signature
+
+
+def _never() -> bool:
+    return False
 
 
 def _values(call: Mapping[str, object] | Sequence[object]) -> list[object]:
@@ -50,6 +57,12 @@ class PlannedStep:
     peaks: PeakCheck | None = None
     #: One dict per verified step: predicted and measured peak, budget, step time.
     logged: list[dict[str, float]] = field(default_factory=list)
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    #: Whether the trainer's own logger already sends its metrics to MLflow (then the verified
+    #: figures reach MLflow through it, once); asked at each verified step.
+    reports_to_mlflow: Callable[[], bool] = _never
+    #: Which verified steps went to the active MLflow run directly (their `steps` index).
+    mlflow_steps: list[int] = field(default_factory=list)
     steps: int = 0
     _runner: Any = None
     _context: Any = None
@@ -63,10 +76,14 @@ class PlannedStep:
 
     def prepare(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
                 finish: Callable[[object], torch.Tensor]) -> None:
-        """Capture and plan the step (or check the plan given against this model and call)."""
+        """Capture and plan the step (or check the plan given against this model and call). In
+        several processes, each rank plans its own step: under FSDP2, after its first step has run
+        plain (`slackswap.integrations.distributed`); DDP, FSDP1 and DeepSpeed are refused."""
         from slackswap.runtime import apply
         from slackswap.runtime.export import PlanExport
 
+        check_processes(model, self.executor)
+        settle_fsdp2(model, call, finish)
         signature = input_signature(_values(call))
         if self.planned is not None:
             graph = self.planned.graph
@@ -76,11 +93,12 @@ class PlannedStep:
                                            f"the plan was made for another {key.split('_')[0]}: this run has {now}")
         else:
             shape = "x".join(str(d) for d in signature[0][0]) if signature else "()"
-            graph = capture_step(model, call, finish, hardware_of(self.hardware), f"{type(model).__name__}@{shape}")
+            name = f"{type(model).__name__}@{shape}{rank_suffix()}"
+            graph = capture_step(model, call, finish, hardware_of(self.hardware), name)
             self.planned = plan_step(graph, model, self.budget, self.planner, self.hardware, self.executor,
                                      self.certify)
         self.printer(self.planned.summary())
-        self.peaks = PeakCheck(self.planned)
+        self.peaks = PeakCheck(self.planned, self.tolerances)
         if self.executor == "export":
             self._runner = PlanExport(self.planned.plan, graph, model)
         else:
@@ -115,9 +133,10 @@ class PlannedStep:
         self.steps += 1
         if exc_type is not None or not (self._verify and self._runner.report.verified):
             return None
-        figures = self.peaks.observe(self._runner.report.device_peak_bytes)
-        figures.update({"slackswap/step_s": step_s, "slackswap/predicted_step_s": self.planned.predicted_step_s})
+        figures = self.peaks.observe(self._runner.report.device_peak_bytes, step_s)
         self.logged.append(dict(figures))
+        if not self.reports_to_mlflow() and log_to_mlflow(figures, self.steps - 1):
+            self.mlflow_steps.append(self.steps - 1)
         return figures
 
     @property

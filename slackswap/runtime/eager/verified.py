@@ -22,6 +22,29 @@ from slackswap.runtime.recording import InputRef, PackRecord, Recording, TensorR
 from slackswap.runtime.replay_check import WriteCounts, scratch_state
 
 
+def model_storages(model: torch.nn.Module) -> set[int]:
+    """The model's own storages (parameters, buffers), by storage object (`_cdata`), not address.
+
+    Under FSDP2 (`torch.distributed.fsdp.fully_shard`) a parameter is a DTensor whose storage is its
+    local shard, and what a layer's ops read is the unsharded parameter: a view of the parameter's
+    all-gather output, a storage FSDP2 keeps for the model's life, emptied (`resize_(0)`) after each
+    use and all-gathered into again before the next. Its address changes with every refill and is
+    null after the step, its storage object does not: a recompute that reads it reads that step's
+    gathered weight, as the step itself did, so it is the model's state and not an activation."""
+    tensors: list[torch.Tensor] = []
+    for t in [*model.parameters(), *model.buffers()]:
+        tensors.append(t.to_local() if hasattr(t, "to_local") else t)
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            tensors.extend(getattr(fsdp_param, "all_gather_outputs", ()))
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                tensors.append(unsharded.to_local() if hasattr(unsharded, "to_local") else unsharded)
+    return {t.untyped_storage()._cdata for t in tensors}
+
+
 class _VerifiedStep(TorchDispatchMode):
     """The verified step of `PlanRun` (`eager.run`): every ATen call under a dispatch mode, checked
     against the graph and placed on the plan, the ledger measured, the recording made."""
@@ -366,15 +389,15 @@ class _VerifiedStep(TorchDispatchMode):
         """After a complete verified step: what the hook-only steps need. Arguments of recomputed calls
         that are not graph tensors must be parameters or buffers (the same storage every step) or
         model inputs (taken from each step's forward pre-hook); anything else refuses."""
-        owned = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+        owned = model_storages(self.model)
         inputs = {t.untyped_storage().data_ptr(): i for i, t in enumerate(self._step_inputs)}
 
         def external(x: object, op: str) -> object:
             if not isinstance(x, torch.Tensor):
                 return x
-            ptr = x.untyped_storage().data_ptr()
-            if ptr in owned:
+            if x.untyped_storage()._cdata in owned:
                 return x
+            ptr = x.untyped_storage().data_ptr()
             if ptr in inputs:
                 return InputRef(inputs[ptr], x.dtype, tuple(x.shape), tuple(x.stride()), x.storage_offset())
             self._refuse(f"the recompute of {op!r} reads a tensor that is neither a graph tensor, a parameter "
