@@ -52,10 +52,13 @@ class _Calls:
 
     def __init__(self, monkeypatch):
         self.policy = self.modules = 0
+        #: The regions whose policy was asked.
+        self.regions: set[int] = set()
         policy, pre = _RegionPolicy.__call__, ModuleStack._pre
 
         def counted_policy(this, *a, **k):
             self.policy += 1
+            self.regions.add(this.region)
             return policy(this, *a, **k)
 
         def counted_pre(this, *a, **k):
@@ -120,23 +123,59 @@ def test_a_step_with_other_input_shapes_is_audited_again(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("change", ["one more call", "another op at the same position"])
-def test_a_step_whose_calls_differ_from_the_audited_ones_is_refused_and_the_next_audited(monkeypatch,
-                                                                                         change: str) -> None:
+def test_a_layer_whose_calls_differ_is_run_again_audited_and_the_step_stays_exact(monkeypatch, change: str) -> None:
+    """A data-dependent path at the same shapes (a mixture of experts routing elsewhere): the layer's
+    calls differ from its table, so it runs again audited from the same RNG state; bit-exact against a
+    plain step taking the same path, and audited alone at each step until the next audited step."""
     c, export = _exported()
     w = c.workload
     calls = _Calls(monkeypatch)
     ln2 = w.model.layers[0].ln2
     with export.installed(w.model):
         step_under(w)
+        record = export.record
         # The same shapes and the same step key: only the calls tell the change.
         ln2.forward = ((lambda x: torch.nn.LayerNorm.forward(ln2, x) * 1.0) if change == "one more call"
                        else torch.nn.functional.gelu)  # one call, as native_layer_norm's
         try:
-            with pytest.raises(CallsDiffer, match="audited"):
-                step_under(w)
+            calls.regions.clear()
+            changed = step_under(w)
+            assert calls.regions == {0}  # layer 0 audited again, layer 1 from its table
+            assert export.record is record  # the record stays the audited step's
+            calls.regions.clear()
+            step_under(w)
+            assert calls.regions == {0}  # audited alone at each step now
+            plain = step_under(w, contextlib.nullcontext())
         finally:
             ln2.__dict__.pop("forward")
-        calls.policy = 0
-        loss, grads = step_under(w)
-        assert calls.policy > 0  # the step after a refusal is audited
-    assert bit_equal(c.reference, loss, grads)
+        export.audit_next_step()
+        step_under(w)
+        calls.regions.clear()
+        again = step_under(w)
+        assert calls.regions == set()  # after a whole audited step, both layers from their tables
+    assert bit_equal(plain, *changed)
+    assert bit_equal(c.reference, *again)
+
+
+def test_a_layer_writing_state_it_did_not_make_is_refused_when_its_calls_differ(monkeypatch) -> None:
+    """A layer that writes module state (here a counter) cannot run its forward twice: where its calls
+    differ from its table the step is refused, and the next step is audited (and exact)."""
+    c, export = _exported()
+    w = c.workload
+    calls = _Calls(monkeypatch)
+    ln2, counter = w.model.layers[0].ln2, torch.zeros(1)
+    ln2.forward = lambda x: (counter.add_(1), torch.nn.LayerNorm.forward(ln2, x))[1]
+    try:
+        with export.installed(w.model):
+            step_under(w)
+            assert export.call_table(0).writes_outside and not export.call_table(1).writes_outside
+            ln2.forward = lambda x: (counter.add_(1), torch.nn.LayerNorm.forward(ln2, x) * 1.0)[1]
+            with pytest.raises(CallsDiffer, match="audited"):
+                step_under(w)
+            calls.regions.clear()
+            exported = step_under(w)
+            assert calls.regions == {0, 1}  # the step after a refusal is audited
+        plain = step_under(w)
+    finally:
+        ln2.__dict__.pop("forward")
+    assert bit_equal(plain, *exported)

@@ -17,7 +17,7 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
 from slackswap.runtime.errors import RuntimeUsageError
-from slackswap.runtime.export.modes import CallsDiffer, CallTable, HostCopies, _ReplayMode, _SaveMode, _TableSaveMode
+from slackswap.runtime.export.modes import HostCopies, _ReplayMode, _SaveMode, _TableSaveMode
 from slackswap.runtime.export.policy import (
     DOES,
     WANTS,
@@ -27,6 +27,7 @@ from slackswap.runtime.export.policy import (
     _RegionPolicy,
     _storage,
 )
+from slackswap.runtime.export.steady import TableSteps
 from slackswap.runtime.export_compile import export_backend, offload_enabled
 from slackswap.runtime.export_facts import (
     IN_PLACE,
@@ -61,7 +62,7 @@ def _fresh_function(fn: Callable) -> Callable:
 
 
 
-class PlanExport:
+class PlanExport(TableSteps):
     """A plan as one SAC policy per layer of `model` (the children of its first ModuleList).
 
         export = PlanExport(plan, graph, model)
@@ -100,14 +101,7 @@ class PlanExport:
         self._eager_dropouts: dict[int, dict[str, list[tuple[str, str]]]] = {}
         #: Compiled: region -> the region whose compiled function (and partition) it shares.
         self.group_of: dict[int, int] = {}
-        #: Eager: (region, its call number in the step) -> the audited forward's `CallTable`.
-        self._tables: dict[tuple[int, int], CallTable] = {}
-        #: Eager: the key (`_step_key`) of the step the tables come from; None before any audited step.
-        self._audited_key: tuple | None = None
-        self._audit_next, self._audit_all, self._auditing = False, 0, True
-        self._region_calls: dict[int, int] = defaultdict(int)
-        self._layers: list[torch.nn.Module] = []
-        self._pending_key: tuple | None = None
+        self._init_steps()
 
     # ------------------------------------------------------------------ policies
     def policy(self, region: int, compiled: bool = False) -> Callable:
@@ -122,64 +116,14 @@ class PlanExport:
 
         def contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
             storage: dict = {}
-            call = self._region_calls[region]
-            self._region_calls[region] = call + 1
-            if self._auditing:
-                return (_SaveMode(self.policy(region), storage, self, self._tables, (region, call)),
+            current = self._current  # (call number, audited), set by `_run_layer`; None outside a step
+            if current is None or current[1]:
+                tables = self._tables if self._auditing and current is not None else None
+                return (_SaveMode(self.policy(region), storage, self, tables, (region, current and current[0])),
                         _ReplayMode(storage, self))
-            table = self._tables.get((region, call))
-            if table is None:
-                self._audit_next = True
-                raise RuntimeUsageError(
-                    f"layer {self.regions[region]} is called {call + 1} times in this step, more than in the "
-                    "audited step: its decisions are not known; the next step is audited")
-            return _TableSaveMode(table, storage, self.host), _ReplayMode(storage, self)
+            return _TableSaveMode(self._tables[(region, current[0])], storage, self.host), _ReplayMode(storage, self)
 
         return contexts
-
-    def audit_next_step(self) -> None:
-        """The next eager step runs audited (every call named, the policy asked, `record` rewritten), as
-        the first step after installation and every step whose inputs differ from the audited one's do."""
-        self._audit_next = True
-
-    def call_table(self, region: int, call: int = 0) -> CallTable:
-        """The audited eager forward's decisions for call `call` of region `region` in a step, per ATen
-        call (`CallTable.policies()`: as a selective-checkpoint policy would make them); the steady-state
-        steps execute exactly these. Raises KeyError before any audited step."""
-        return self._tables[(region, call)]
-
-    def _step_key(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-        """What the layers' ATen calls depend on besides the code: the inputs' shapes, dtypes and devices
-        (plain values as they are), train or eval, grad and autocast modes. A step with another key is
-        audited again, so a changed shape never runs on tables made for another one."""
-        leaves = tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor)
-                       else x if isinstance(x, (int, float, bool, str, type(None))) else (type(x), id(x))
-                       for x in tree_leaves((args, kwargs)))
-        return (leaves, model.training, tuple(m.training for m in self._layers), torch.is_grad_enabled(),
-                torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
-
-    def _begin_step(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Eager, at the model's forward: audit this step (reset the record, name calls by module) or run
-        it from the tables."""
-        self._region_calls.clear()
-        key = self._step_key(model, args, kwargs)
-        self._auditing = self._audit_next or self._audit_all > 0 or key != self._audited_key
-        self._pending_key = key
-        if self._auditing:
-            self._reset()
-            self._tables.clear()
-            self._audited_key = None
-            self.modules.__enter__()
-
-    def _end_step(self, *_: object) -> None:
-        """After the model's forward (also when it raised): module naming off again."""
-        if self._auditing:
-            self.modules.__exit__(None, None, None)
-
-    def _commit_step(self, *_: object) -> None:
-        """After a forward that returned: an audited step's tables serve the steps with its key."""
-        if self._auditing:
-            self._audited_key, self._audit_next = self._pending_key, False
 
     def eager_calls(self, region: int) -> dict[tuple[str, str], list[tuple[int, int]]]:
         """(module path, ATen packet) -> [(eager call number, bytes of its first output)] of the graph's
@@ -319,15 +263,11 @@ class PlanExport:
         plain = type(layer).forward
         context_fn = self.context_fn(region)
 
+        def forward(*args, **kwargs):
+            return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
         def run(*args, **kwargs):
-            try:
-                out = checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-            except CallsDiffer:
-                self._audit_next = True
-                raise
-            if self._auditing:
-                self._note_outputs(out)
-            return out
+            return self._run_layer(region, forward, args, kwargs)
 
         return run
 

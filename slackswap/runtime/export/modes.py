@@ -49,7 +49,8 @@ class _SaveMode(TorchDispatchMode):
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None and self.tables is not None:
-            self.tables[self.key] = CallTable.of(self.calls, self.storage, self.policy.region)
+            self.tables[self.key] = CallTable.of(self.calls, self.storage, self.policy.region,
+                                                 self.policy.writes_outside)
         return super().__exit__(exc_type, exc, tb)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -141,15 +142,18 @@ class CallTable:
     kinds are final: the head of an in-place chain a later call wrote into reads "save" (the audited mode
     re-pointed it), the calls into it too."""
 
-    __slots__ = ("funcs", "keys", "kinds", "region")
+    __slots__ = ("funcs", "keys", "kinds", "region", "writes_outside")
 
-    def __init__(self, funcs: tuple, keys: tuple, kinds: tuple, region: int):
+    def __init__(self, funcs: tuple, keys: tuple, kinds: tuple, region: int, writes_outside: bool = False):
         self.funcs, self.keys, self.kinds, self.region = funcs, keys, kinds, region
+        #: Whether the forward wrote into a tensor it did not make (module state, an input): not run twice.
+        self.writes_outside = writes_outside
 
     @classmethod
-    def of(cls, calls: list[tuple], storage: dict, region: int) -> CallTable:
+    def of(cls, calls: list[tuple], storage: dict, region: int, writes_outside: bool = False) -> CallTable:
         """From the audited forward's calls and its cache (before any replay popped it)."""
-        return cls(tuple(f for f, _ in calls), tuple(calls), tuple(storage[c].kind for c in calls), region)
+        return cls(tuple(f for f, _ in calls), tuple(calls), tuple(storage[c].kind for c in calls), region,
+                   writes_outside)
 
     def policies(self) -> dict[tuple, CheckpointPolicy]:
         """(func, index among func's calls) -> the selective-checkpoint policy that makes the same entry."""
@@ -160,7 +164,8 @@ class CallTable:
 
 class CallsDiffer(PlanMismatchError):
     """A steady-state forward's ATen calls differ from the audited one's (a data-dependent code path at
-    unchanged inputs): its decisions would be guesses, so the step is refused and the next one audited."""
+    unchanged inputs): its decisions would be guesses. The layer is run again audited
+    (`slackswap.runtime.export.steady`), or, where it cannot run twice, the step is refused."""
 
 
 class _TableSaveMode(TorchDispatchMode):
