@@ -108,11 +108,20 @@ def figures() -> list[tuple[str, str, str, str]]:
     if overhead_file.exists():
         ro = json.loads(overhead_file.read_text())
         for variant, target in (("runtime_keep_all", "<= 1.15"), ("runtime_slackswap", "<= 1.3"),
+                                ("export_eager", "-"), ("torch_sac_same_decisions", "-"),
                                 ("export_compiled", "-")):
             by_depth = {r["layers"]: r["ratio_to_eager"] for r in ro if r["variant"] == variant}
+            if not by_depth:  # a record from before the row existed
+                continue
             rows.append((f"{variant}: CPU time per step / eager, "
                          f"{'/'.join(str(k) for k in sorted(by_depth))} layers",
                          " / ".join(f"{by_depth[k]:.2f}" for k in sorted(by_depth)), "-", target))
+        by_depth = {r["layers"]: r["ratio_to_torch_sac_same_decisions"] for r in ro
+                    if r["variant"] == "export_eager" and "ratio_to_torch_sac_same_decisions" in r}
+        if by_depth:
+            rows.append(("export_eager: CPU time per step / torch SAC making the same decisions, "
+                         f"{'/'.join(str(k) for k in sorted(by_depth))} layers",
+                         " / ".join(f"{by_depth[k]:.2f}" for k in sorted(by_depth)), "-", "<= 1.0"))
     return rows
 
 

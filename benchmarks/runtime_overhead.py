@@ -16,7 +16,18 @@ same batch from the same seed:
   is a warm-up, like a compilation);
 - export_eager / export_compiled: slackswap's plan made for the export (the same budget), exported to
   selective checkpointing (`slackswap.runtime.export`), eager and with each layer torch.compile'd
-  (inductor; compiled in the warm-up step).
+  (inductor; compiled in the warm-up step). The eager export's first step (the warm-up) is its audited
+  one; the timed steps run from that step's per-call decisions (`PlanExport.call_table`);
+- torch_sac_same_decisions: PyTorch's own mechanism making the export's eager decisions: each layer
+  under `torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=partial(
+  create_selective_checkpoint_contexts, policy))`, `policy` a hand-written lookup keyed by op overload
+  and its call count in the layer, decided once from the export's audited decisions
+  (`runtime_overhead_export.same_decisions_policy`). Checked before the timed rounds (an assertion,
+  so the two rows compare the same decisions): the same ops saved in every layer, the same bytes in
+  the checkpoint caches (`checkpoint_cached_bytes`), the same loss and gradients bit for bit. Where the
+  export offloads, torch 2.13's eager SAC recomputes (`MUST_CPU_OFFLOAD` is no offload in eager):
+  `export_offloaded_bytes_torch_recomputes`. export_eager's `ratio_to_torch_sac_same_decisions`: the
+  paired ratio of the two rows (target <= 1).
 
 Timing: CPU time of the process (`time.process_time`), one core, one intra-op thread, the variants
 interleaved round by round, 25 rounds with `--quick`, 61 without. `cpu_s_per_step` is the least over

@@ -6,11 +6,106 @@ and partitions."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from contextlib import contextmanager
+
 from benchmarks.runtime_overhead_measures import train_step, zero_grads
 
 
+def same_decisions_policy(table: dict) -> object:
+    """What a user would hand-write to make the export's decisions with torch's own selective
+    checkpointing: a lookup keyed by the op overload and its call count in the layer (`table`: the
+    export's audited decisions, `PlanExport.call_table(i).policies()`, decided once). A fresh one per
+    layer call, as the counts start at zero."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    counts: dict = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        k = counts[func]
+        counts[func] = k + 1
+        return table.get((func, k), CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return policy
+
+
 class ExportAccounting:
-    """The export rows' accounting (module docstring)."""
+    """The export rows' accounting (module docstring), and the torch_sac_same_decisions row: each layer
+    under `torch.utils.checkpoint.checkpoint(use_reentrant=False, context_fn=partial(
+    create_selective_checkpoint_contexts, policy))`, `policy` the hand-written lookup of
+    `same_decisions_policy` holding the export's decisions."""
+
+    _sac_tables: list[dict] | None = None
+
+    def torch_sac_same_decisions(self) -> None:
+        with self._sac_installed():
+            train_step(self.w)
+
+    @contextmanager
+    def _sac_installed(self, storages: list | None = None):
+        """Every layer under torch's SAC with the export's decisions (`storages`: each layer call's cache,
+        appended, for the check). `allow_cache_entry_mutation`: the decisions save CPU dropout's noise,
+        which the layer writes in place after its op (empty_like, bernoulli_, div_); torch refuses a
+        mutated cache entry unless told, and the replay then hands back the written tensor, as the export's."""
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        if self._sac_tables is None:  # decided once, from the export's audited step
+            if not self.export._tables:
+                self.export_eager()
+            self._sac_tables = [self.export.call_table(r).policies() for r in range(len(self.layers))]
+
+        def contexts(table: dict) -> tuple:
+            modes = create_selective_checkpoint_contexts(same_decisions_policy(table), allow_cache_entry_mutation=True)
+            if storages is not None:
+                storages.append(modes[0].storage)
+            return modes
+
+        originals = [layer.forward for layer in self.layers]
+        try:
+            for layer, f, table in zip(self.layers, originals, self._sac_tables, strict=True):
+                layer.forward = partial(checkpoint, f, use_reentrant=False, context_fn=partial(contexts, table))
+            yield
+        finally:
+            for layer in self.layers:
+                layer.__dict__.pop("forward", None)
+
+    def _sac_same_as_export(self) -> dict:
+        """One audited export step and one torch SAC step from the same seed: the same ops saved per layer,
+        the same bytes in the checkpoint caches, the same loss and gradients (asserted: the rows compare
+        the same decisions). Where the export offloads, torch 2.13's eager SAC recomputes
+        (MUST_CPU_OFFLOAD is not an offload in eager): those bytes are reported."""
+        from torch.utils._pytree import tree_leaves
+        from torch.utils.checkpoint import CheckpointPolicy, _VersionWrapper
+
+        torch, w, export = self.torch, self.w, self.export
+
+        def step(context) -> tuple:
+            torch.manual_seed(1)
+            zero_grads(w)
+            with context:
+                loss = w.loss_fn(w.model(w.batch))
+                cached = {s._cdata: s.nbytes() for cache in storages for entries in cache.values()
+                          for e in entries.values() for x in tree_leaves(e)
+                          if isinstance(x, _VersionWrapper) and isinstance(x.val, torch.Tensor)
+                          for s in [x.val.untyped_storage()]}
+                saved_ops = [{(f, i) for f, entries in cache.items() for i, e in entries.items()
+                              if any(isinstance(x, _VersionWrapper) for x in tree_leaves(e))} for cache in storages]
+                loss.backward()  # consumes the caches
+            return loss.detach(), [p.grad.clone() for p in w.model.parameters()], cached, saved_ops
+
+        storages: list = []
+        export.audit_next_step()
+        loss, grads, _, _ = step(export.installed(w.model))
+        export_cached = sum(export.record.saved_storages.values())
+        sac_loss, sac_grads, cached, saved_ops = step(self._sac_installed(storages))
+        planned_ops = [{k for k, p in t.items() if p == CheckpointPolicy.MUST_SAVE} for t in self._sac_tables]
+        assert saved_ops == planned_ops, "torch's SAC saved other ops than the export"
+        assert sum(cached.values()) == export_cached, (sum(cached.values()), export_cached)
+        assert torch.equal(loss, sac_loss) and all(torch.equal(a, b) for a, b in zip(grads, sac_grads, strict=True))
+        return {"same_decisions_as_export_eager": True, "checkpoint_cached_bytes": export_cached,
+                "export_offloaded_bytes_torch_recomputes": export.record.offloaded_bytes}
 
     def _plan_accounting(self, key: str = "export") -> dict:
         """The plan made for the export (`key`: for eager, "export"; for compile, "export_compiled") against

@@ -20,7 +20,7 @@ from benchmarks.runtime_overhead_measures import (
 )
 
 VARIANTS = ("eager", "checkpoint", "save_on_cpu", "offload_hooks", "runtime_keep_all", "runtime_slackswap",
-            "export_eager", "export_compiled")
+            "export_eager", "torch_sac_same_decisions", "export_compiled")
 DEPTHS = (2, 8, 32)
 #: TinyGPT at a width where the CPU's per-call cost matters, as on a GPU (small kernels).
 SHAPE = {"hidden": 64, "heads": 4, "seq": 32, "batch": 2, "vocab": 256}
@@ -185,8 +185,9 @@ class Variants(AttributionHooks, ExportAccounting):
     def run(self, rounds: int) -> list[dict]:
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         calls, peaks = {}, {}
-        for v in VARIANTS:  # warm-up: the runtime's verified step, caches
+        for v in VARIANTS:  # warm-up: the runtime's verified step, the export's audited one, caches
             self._one(v)
+        same_decisions = self._sac_same_as_export()
         attribution = ("runtime_slackswap_no_data", "same_copies_plain_hooks", "identity_hooks",
                        "runtime_every_hidden_swap")
         unchecked_refusal = self._prepare_attribution()
@@ -218,7 +219,8 @@ class Variants(AttributionHooks, ExportAccounting):
                    "cpu_s_per_step_median": statistics.median(times[v]), "aten_calls": calls[v],
                    "ratio_to_eager": ratio, "ratio_to_eager_of_minima": cpu / eager,
                    "peak_bytes": peaks[v], "planned_saved_bytes": None, "rounds": rounds}
-            plan = {"runtime_keep_all": "keep_all", "export_compiled": "export_compiled"}.get(
+            plan = {"runtime_keep_all": "keep_all", "export_compiled": "export_compiled",
+                    "torch_sac_same_decisions": "export"}.get(
                 v, "slackswap" if v.startswith("runtime") else "export" if v.startswith("export") else None)
             if plan is not None:
                 row["planned_saved_bytes"] = self._kept_bytes(plan)
@@ -248,6 +250,9 @@ class Variants(AttributionHooks, ExportAccounting):
                 row["hooks_s_per_step"], row["plain_hooks_s_per_step"] = self._seconds_in_hooks(rounds)
             if v == "export_eager":
                 row.update(self._eager_saved())
+                row["ratio_to_torch_sac_same_decisions"] = paired_ratio(times[v], times["torch_sac_same_decisions"])
+            if v == "torch_sac_same_decisions":
+                row.update(same_decisions)
             if v == "export_compiled":
                 row.update(self._compiled_saved())
             rows.append(row)

@@ -64,3 +64,22 @@ def test_the_peak_counts_every_allocation_and_free_of_the_step_in_time_order() -
     assert peak_cpu_bytes(step) == 4000
     # A temporary of 400 bytes and, while it lives, its 4-byte sum.
     assert peak_cpu_bytes(lambda: torch.empty(10, 10).sum()) == 404
+
+
+@pytest.mark.slow
+def test_torchs_sac_row_makes_the_exports_decisions_and_its_steps_are_exact() -> None:
+    """torch_sac_same_decisions, against which export_eager is read: the benchmark's own check (the same
+    ops saved per layer, the same cache bytes, the same loss and gradients) holds, and both rows'
+    timed steps compute eager's gradients (the export's from its tables, after the audited step)."""
+    torch.set_num_threads(1)
+    v = Variants(2)
+    eager = _grads(v, "eager")
+    _grads(v, "export_eager")  # the audited step
+    for variant in ("export_eager", "torch_sac_same_decisions"):
+        got = _grads(v, variant)
+        assert all(torch.equal(e, g) for e, g in zip(eager, got, strict=True)), variant
+    checked = v._sac_same_as_export()
+    assert checked["same_decisions_as_export_eager"] and checked["checkpoint_cached_bytes"] > 0
+    assert checked["export_offloaded_bytes_torch_recomputes"] == v.export.record.offloaded_bytes > 0
+    kinds = {p for r in range(len(v.layers)) for p in v.export.call_table(r).policies().values()}
+    assert len(kinds) == 3  # the decisions save, offload and recompute

@@ -26,6 +26,16 @@ What PyTorch then decides itself, not the plan (docs/runtime.md, "The export"):
   the RNG stream of a recompute stays aligned), an op with several outputs gets one policy. Each such
   case is an `ExportDifference` naming the tensor, what the plan wanted, what PyTorch does, and why.
 
+Eager, the naming, counting, recording and audit run once: the first step after installation (and
+any step whose inputs, train, grad or autocast modes differ from the audited one's, or after
+`audit_next_step()`, or inside `counting_saved`) asks the policy for every call and records the step;
+it leaves per layer call a `CallTable` (each governed ATen call's cache entry: save, offload,
+recompute), and the steps after it run from that table by position, naming nothing. A step whose calls
+are not the audited ones (another op at a position, one more or fewer) is refused (`CallsDiffer`) and
+the next one audited. Why: the audited path cost about twice PyTorch's own selective checkpointing
+with a hand-written policy making the same decisions; the table path costs less than it
+(docs/runtime.md, "CPU cost per step").
+
 The package, in the order each part stands on the one before: `policy` (the plan's decision per ATen
 call as a selective-checkpoint policy), `modes` (eager swaps: save and replay), `install`
 (`PlanExport`: the policy installed per layer, eager or compiled) and `audit` (the compiled partition
@@ -49,7 +59,7 @@ from slackswap.runtime.export.audit import (
     saved_bytes,
 )
 from slackswap.runtime.export.install import PlanExport
-from slackswap.runtime.export.modes import HostCopies
+from slackswap.runtime.export.modes import CallsDiffer, CallTable, HostCopies
 from slackswap.runtime.export.policy import (
     DOES,
     POLICY_OF,
@@ -71,7 +81,8 @@ from slackswap.runtime.export_facts import (
     layer_paths,
 )
 
-__all__ = ["DERIVED", "DOES", "ExportDifference", "HELD_OUTPUT", "HostCopies", "IN_PLACE", "InductorBackend",
+__all__ = ["CallTable", "CallsDiffer",
+    "DERIVED", "DOES", "ExportDifference", "HELD_OUTPUT", "HostCopies", "IN_PLACE", "InductorBackend",
     "LAYER_OUTPUT", "MASK_FORM", "NOT_KEPT", "NOT_READ", "OTHER_BYTES", "OUTSIDE", "OffloadMarks", "POLICY_OF",
     "Partitions", "PlanExport", "RANDOM", "RENAMED", "SEVERAL_OUTPUTS", "SavedCount", "SavedValue", "StepRecord",
     "UNPLANNED", "VERSION_READ", "WANTS", "compiled_module_path", "differences_by_reason", "layer_paths",

@@ -17,7 +17,7 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
 from slackswap.runtime.errors import RuntimeUsageError
-from slackswap.runtime.export.modes import HostCopies, _ReplayMode, _SaveMode
+from slackswap.runtime.export.modes import HostCopies, _ReplayMode, _SaveMode, _TableSaveMode
 from slackswap.runtime.export.policy import (
     DOES,
     WANTS,
@@ -27,6 +27,7 @@ from slackswap.runtime.export.policy import (
     _RegionPolicy,
     _storage,
 )
+from slackswap.runtime.export.steady import TableSteps
 from slackswap.runtime.export_compile import export_backend, offload_enabled
 from slackswap.runtime.export_facts import (
     IN_PLACE,
@@ -61,7 +62,7 @@ def _fresh_function(fn: Callable) -> Callable:
 
 
 
-class PlanExport:
+class PlanExport(TableSteps):
     """A plan as one SAC policy per layer of `model` (the children of its first ModuleList).
 
         export = PlanExport(plan, graph, model)
@@ -100,6 +101,7 @@ class PlanExport:
         self._eager_dropouts: dict[int, dict[str, list[tuple[str, str]]]] = {}
         #: Compiled: region -> the region whose compiled function (and partition) it shares.
         self.group_of: dict[int, int] = {}
+        self._init_steps()
 
     # ------------------------------------------------------------------ policies
     def policy(self, region: int, compiled: bool = False) -> Callable:
@@ -114,7 +116,12 @@ class PlanExport:
 
         def contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
             storage: dict = {}
-            return _SaveMode(self.policy(region), storage, self), _ReplayMode(storage, self)
+            current = self._current  # (call number, audited), set by `_run_layer`; None outside a step
+            if current is None or current[1]:
+                tables = self._tables if self._auditing and current is not None else None
+                return (_SaveMode(self.policy(region), storage, self, tables, (region, current and current[0])),
+                        _ReplayMode(storage, self))
+            return _TableSaveMode(self._tables[(region, current[0])], storage, self.host), _ReplayMode(storage, self)
 
         return contexts
 
@@ -163,8 +170,14 @@ class PlanExport:
                 f"(slackswap.runtime.export_graph). Install with compile={made == 'compile'}, or plan again with "
                 f"plan_for_export(..., compile={asked == 'compile'})")
         layers = [model.get_submodule(p) for p in self.regions]
+        self._layers = layers
         originals = [layer.__dict__.get("forward") for layer in layers]
-        reset = model.register_forward_pre_hook(lambda *_: self._reset())
+        if compile:
+            hooks = [model.register_forward_pre_hook(lambda *_: self._reset())]
+        else:  # the first step, and each with other inputs, audited; the others run from its tables
+            hooks = [model.register_forward_pre_hook(self._begin_step, with_kwargs=True),
+                     model.register_forward_hook(self._end_step, always_call=True),
+                     model.register_forward_hook(self._commit_step)]
         try:
             for i, layer in enumerate(layers):
                 layer.forward = self._forward(layer, i, compile, backend)
@@ -172,10 +185,12 @@ class PlanExport:
                 with offload_enabled():
                     yield
             else:
-                with self.modules:
-                    yield
+                yield
         finally:
-            reset.remove()
+            self.modules.__exit__(None, None, None)
+            self._auditing = True
+            for hook in hooks:
+                hook.remove()
             for layer, original in zip(layers, originals, strict=True):
                 layer.__dict__.pop("forward", None)
                 if original is not None:
@@ -210,10 +225,12 @@ class PlanExport:
         handles = [model.register_forward_pre_hook(pre, with_kwargs=True)]
         handles += [model.get_submodule(p).register_forward_pre_hook(layer_inputs, with_kwargs=True)
                     for p in self.regions]
+        self._audit_all += 1  # the checkpoint caches' bytes are the record's: every step inside is audited
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield count
         finally:
+            self._audit_all -= 1
             for handle in handles:
                 handle.remove()
 
@@ -238,6 +255,7 @@ class PlanExport:
         self.record = StepRecord()
         self._last_names = {}
         self.modules._calls.clear()
+        self.modules.stack.clear()
 
     def _forward(self, layer: torch.nn.Module, region: int, compile: bool, backend: object) -> Callable:
         if compile:
@@ -245,10 +263,11 @@ class PlanExport:
         plain = type(layer).forward
         context_fn = self.context_fn(region)
 
+        def forward(*args, **kwargs):
+            return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
         def run(*args, **kwargs):
-            out = checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-            self._note_outputs(out)
-            return out
+            return self._run_layer(region, forward, args, kwargs)
 
         return run
 

@@ -111,6 +111,8 @@ class _RegionPolicy:
         self.counts: dict[tuple[str, str], int] = defaultdict(int)
         #: Storage -> the decided identities of the op that created it (eager; in-place members join it).
         self.chain: dict[int, list[str]] = {}
+        #: Eager: whether an op wrote into a tensor the region did not make (module state, an input).
+        self.writes_outside = False
 
     def _path(self) -> str:
         if self.compiled:
@@ -161,6 +163,7 @@ class _RegionPolicy:
                     self.export.record.applied[n] = CheckpointPolicy.MUST_SAVE
                     self.export.record.in_place.add(n)
                 return CheckpointPolicy.MUST_SAVE
+            self.writes_outside = True
             if not any(_storage(t) in self.chain or t.requires_grad for t in written):
                 return CheckpointPolicy.MUST_SAVE  # module state (num_batches_tracked += 1): never twice
         leaves = list(tree_leaves(out))
