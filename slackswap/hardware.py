@@ -85,6 +85,11 @@ class Hardware:
     #: FlashAttention-3 75 % of H100's: Dao 2023 and Shah et al. 2024, abstracts), so one number for all
     #: of them is wrong for most. A kernel the preset does not list runs at `efficiency["attention"]`.
     attention_kernels: Mapping[str, float] = field(default_factory=dict)
+    #: Compute time lost per second of a data-parallel collective that overlaps it: NCCL's kernels take
+    #: SMs and HBM bandwidth from the GEMMs beside them, so overlapped communication is not free.
+    #: 0 (every uncalibrated preset): free, as `slackswap.communication` assumed; the calibrated presets
+    #: carry a fitted value (benchmarks/calibration.py, docs/hardware.md).
+    collective_overlap_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.peak_flops_per_s:
@@ -111,6 +116,7 @@ class Hardware:
             check.fraction(f"hardware.attention_kernels.{kernel}", eff)
         check.fraction("hardware.hbm_efficiency", self.hbm_efficiency)
         check.non_negative("hardware.launch_overhead_s", self.launch_overhead_s)
+        check.fraction("hardware.collective_overlap_slowdown", self.collective_overlap_slowdown, zero=True)
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
         object.__setattr__(self, "efficiency", MappingProxyType(dict(self.efficiency)))
         object.__setattr__(self, "attention_kernels", MappingProxyType(dict(self.attention_kernels or {})))

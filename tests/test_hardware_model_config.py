@@ -67,6 +67,7 @@ def test_no_hopper_preset_plans_on_a100_efficiencies(name):
     a100 = Hardware.from_dict(load("hardware", "a100_80gb_sxm_pcie4"))
     assert dict(hw.efficiency) == dict(ref.efficiency) and hw.hbm_efficiency == ref.hbm_efficiency
     assert dict(hw.attention_kernels) == dict(ref.attention_kernels)
+    assert hw.collective_overlap_slowdown == ref.collective_overlap_slowdown
     assert hw.efficiency["matmul"] != a100.efficiency["matmul"] and hw.hbm_efficiency != a100.hbm_efficiency
 
 

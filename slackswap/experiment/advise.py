@@ -218,6 +218,11 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
         units=ctx.units,
     )
     per_micro_exposed = comm.forward_exposed_s + comm.backward_exposed_s
+    # The overlapped collectives still cost compute on a preset calibrated for it (NCCL kernels take SMs
+    # and HBM bandwidth; `Hardware.collective_overlap_slowdown`, 0 on uncalibrated presets): a fixed cost
+    # per micro-batch, so it ranks small micro-batches lower, as the published runs do.
+    per_micro_exposed += rank_hw.collective_overlap_slowdown * (comm.forward_comm_s + comm.backward_comm_s
+                                                                 - per_micro_exposed)
     exposed = space.grad_accum * per_micro_exposed + comm.after_step_comm_s
     step_s = space.grad_accum * (micro_s + per_micro_exposed) + opt_s + comm.after_step_comm_s
     tokens = space.grad_accum * cand.micro_batch * model.seq_len

@@ -1,0 +1,110 @@
+"""The llm-foundry rows of the calibration table: transcribed from the MPT training benchmark tables.
+
+Source: mosaicml/llm-foundry scripts/train/benchmarking/README.md at commit 8c8dd48f7; every row keeps
+its table (section) and line. Which rows, by a rule fixed before any ratio was computed:
+
+- the three bf16 tables whose GPU has a calibrated preset: "H100 80GB BF16 (Large Scale, >= 128 GPUs)",
+  "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" (not the FP8 table:
+  FP8 GEMMs are not timed here; not the A100 40GB table: no calibrated preset for its HBM2 part);
+- micro-batch 1 to 16 and sequence 512 to 8192 (issue 42's span), every such row, no other filter;
+- held out: every third row in source order (position 2, 5, 8, ... of this list), never chosen by fit.
+
+The runs (submit_benchmarks.py at the commits that wrote the tables, b2a43a147 and 5e85bd62d): MPT
+models from scripts/train/yamls/pretrain/mpt-<size>.yaml (d_model, n_heads, n_layers, expansion 4,
+vocab 50368, learned position table sized to the sequence: NumParams grows with SeqLen), attention
+`attn_impl: triton` (the script's default then), `low_precision_layernorm`, Composer FSDP with the
+table's sharding strategy, activation checkpointing and mixed-precision mode (DEFAULT: bf16 compute,
+gradients reduced in fp32; PURE: reduced in bf16).
+"""
+
+from __future__ import annotations
+
+FOUNDRY_README = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 8c8dd48f7)"
+SECTIONS = {
+    "h100_large": "H100 80GB BF16 (Large Scale, >= 128 GPUs)",
+    "h100": "H100 80GB BF16",
+    "a100": "A100 80GB with 1600 Gbps node-node interconnect (RoCE)",
+}
+#: (n_layers, d_model, n_heads) of scripts/train/yamls/pretrain/mpt-<size>.yaml at commit 8c8dd48f7.
+MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
+              "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56),
+              "70b": (80, 8192, 64)}
+
+#: (section, line, model, seq, GPUs, MicroBatchSize, GradAccum, Throughput (T/s/GPU), Activation
+#: Checkpointing, MP Mode, Sharding Strategy), as the README's row at that line gives them.
+FOUNDRY_ROWS: tuple[tuple, ...] = (
+    ('h100_large', 75, '70b', 2048, 512, 8, 1, 1007, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 76, '70b', 2048, 256, 8, 1, 1035, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 77, '70b', 2048, 128, 8, 1, 1058, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 78, '30b', 2048, 512, 8, 1, 2115, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 79, '30b', 2048, 256, 8, 1, 2148, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 80, '30b', 2048, 128, 8, 1, 2199, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 81, '13b', 2048, 512, 16, 1, 4952, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 82, '13b', 2048, 256, 16, 1, 4989, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 83, '13b', 2048, 128, 16, 1, 5080, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 84, '7b', 2048, 512, 6, 1, 9670, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 85, '7b', 2048, 256, 6, 1, 10119, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 86, '7b', 2048, 128, 6, 1, 10475, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100_large', 87, '3b', 2048, 512, 8, 1, 21664, False, 'DEFAULT', 'SHARD_GRAD_OP'),
+    ('h100_large', 88, '3b', 2048, 256, 8, 1, 22772, False, 'DEFAULT', 'SHARD_GRAD_OP'),
+    ('h100_large', 89, '3b', 2048, 128, 8, 1, 23422, False, 'DEFAULT', 'SHARD_GRAD_OP'),
+    ('h100_large', 90, '1b', 2048, 512, 12, 1, 39837, False, 'DEFAULT', 'SHARD_GRAD_OP'),
+    ('h100_large', 91, '1b', 2048, 256, 12, 1, 42555, False, 'DEFAULT', 'SHARD_GRAD_OP'),
+    ('h100_large', 92, '1b', 2048, 128, 12, 1, 44123, False, 'DEFAULT', 'SHARD_GRAD_OP'),
+    ('h100', 98, '70b', 2048, 64, 8, 4, 1039, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 99, '70b', 2048, 32, 2, 16, 882, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 100, '30b', 8192, 8, 1, 21, 1384, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 101, '30b', 4096, 8, 1, 21, 1802, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 102, '30b', 2048, 32, 14, 3, 2308, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 103, '30b', 2048, 16, 10, 3, 2263, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 104, '30b', 2048, 8, 3, 21, 2002, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 105, '30b', 1024, 8, 6, 21, 2084, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 108, '13b', 4096, 8, 10, 3, 4717, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 109, '13b', 2048, 64, 2, 1, 4800, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 110, '13b', 2048, 32, 2, 1, 4811, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 111, '13b', 2048, 16, 2, 1, 4767, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 112, '13b', 2048, 8, 2, 1, 4792, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 116, '7b', 8192, 8, 8, 2, 6935, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 117, '7b', 4096, 8, 16, 2, 8611, True, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 118, '7b', 2048, 8, 6, 1, 10643, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 123, '3b', 8192, 8, 3, 6, 16578, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 124, '3b', 4096, 8, 5, 6, 20964, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 125, '3b', 2048, 64, 6, 3, 22525, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 126, '3b', 2048, 32, 6, 3, 23021, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 127, '3b', 2048, 16, 10, 3, 24142, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 133, '1b', 8192, 8, 3, 4, 29157, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 134, '1b', 4096, 8, 7, 4, 38535, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 138, '1b', 2048, 8, 14, 1, 45455, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 143, '760m', 8192, 8, 6, 2, 41825, False, 'DEFAULT', 'FULL_SHARD'),
+    ('h100', 144, '760m', 4096, 8, 12, 2, 55459, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 166, '70b', 2048, 64, 8, 4, 410, True, 'PURE', 'FULL_SHARD'),
+    ('a100', 167, '70b', 2048, 32, 2, 16, 373, True, 'PURE', 'FULL_SHARD'),
+    ('a100', 168, '30b', 8192, 8, 1, 21, 574, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 169, '30b', 4096, 8, 1, 21, 814, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 170, '30b', 2048, 8, 3, 21, 916, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 171, '30b', 1024, 8, 6, 21, 946, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 172, '30b', 512, 8, 12, 21, 967, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 175, '13b', 8192, 8, 5, 3, 1795, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 176, '13b', 4096, 8, 10, 3, 2060, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 177, '13b', 2048, 8, 2, 3, 2262, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 182, '7b', 8192, 8, 8, 2, 3206, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 183, '7b', 4096, 8, 16, 2, 3684, True, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 184, '7b', 2048, 8, 6, 2, 4641, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 189, '3b', 8192, 8, 3, 6, 7695, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 190, '3b', 4096, 8, 5, 6, 9457, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 191, '3b', 2048, 8, 10, 2, 10811, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 197, '1b', 8192, 8, 3, 4, 13814, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 198, '1b', 4096, 8, 7, 4, 17807, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 199, '1b', 2048, 8, 14, 4, 20513, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 205, '760m', 8192, 8, 6, 2, 20933, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 206, '760m', 4096, 8, 12, 2, 27351, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 213, '350m', 8192, 8, 8, 2, 36569, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 214, '350m', 4096, 8, 16, 2, 49555, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 221, '125m', 8192, 8, 8, 2, 90392, False, 'DEFAULT', 'FULL_SHARD'),
+    ('a100', 222, '125m', 4096, 8, 16, 2, 118396, False, 'DEFAULT', 'FULL_SHARD'),
+)
+
+
+def held_out(position: int) -> bool:
+    """The split rule: every third row of FOUNDRY_ROWS, in source order."""
+    return position % 3 == 2
