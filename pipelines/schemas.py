@@ -103,6 +103,8 @@ class HardwareSchema:
     source: str = ""
     sku: str = ""
     attention_kernels: dict[str, float] = field(default_factory=dict)
+    # Compute lost per second of overlapped FSDP collective (slackswap.hardware.Hardware); 0 = none.
+    collective_overlap_slowdown: float = 0.0
 
 
 @dataclass
