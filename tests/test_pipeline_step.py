@@ -144,3 +144,30 @@ def test_stage_graphs_split_the_model():
     assert sum(g.meta["num_params"] for g in stages) == whole.meta["num_params"]  # llama: untied head
     with pytest.raises(ConfigError, match="parallel.pp"):
         build_stage_graph(m, hw, tr, ParallelConfig(pp=3, microbatches=4), 0)
+
+
+def test_run_one_plans_each_stage_and_takes_the_pipelines_step():
+    from slackswap.experiment.run import Verdict, run_one
+    from slackswap.experiment.spec import RunSpec
+
+    model = {"name": "t", "family": "llama", "num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+             "ffn_hidden_size": 128, "seq_len": 32, "micro_batch_size": 2, "vocab_size": 128, "dtype": "bf16",
+             "dropout": False, "attention": "flash"}
+    import yaml
+
+    from slackswap.hardware import preset_dir
+
+    hardware = yaml.safe_load((preset_dir() / "a100_80gb_pcie4.yaml").read_text())
+    cfg = {"model": model, "hardware": hardware, "budget": {"fraction": 0.5}, "planner": {"name": "swap_only"},
+           "parallel": {"pp": 2, "microbatches": 3}}
+    out = run_one(RunSpec.from_dict(cfg))
+    m = out.metrics
+    assert out.verdict == Verdict.OK, out.reason
+    assert m["pipeline_in_flight_by_stage"] == "2,1"
+    peaks = [int(v) for v in m["pipeline_peak_bytes_by_stage"].split(",")]
+    budgets = [int(v) for v in m["pipeline_budget_bytes_by_stage"].split(",")]
+    assert all(p <= b for p, b in zip(peaks, budgets, strict=True))
+    assert m["step_s"] >= m["ideal_step_s"] > 0 and m["bound_step_s"] is None
+    assert m["tokens_per_step"] == 2 * 32 * 3 // 2
+    with pytest.raises(ConfigError, match=r"^parallel.pp=3: does not divide model.num_layers=4"):
+        RunSpec.from_dict(cfg | {"parallel": {"pp": 3, "microbatches": 3}})
