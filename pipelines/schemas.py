@@ -144,6 +144,8 @@ class ParallelSchema:
     cp: int = 1
     ep: int = 1
     sp: bool = False
+    microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
 
 
 @dataclass
