@@ -286,7 +286,8 @@ def capture_graph(
         loss.backward()
         recorder.poll_releases()
         del loss
-        weight_grads = _weight_gradients(model, numbering, recorder)
+    # Outside the modes: reading a gradient (a DTensor's `to_local`) must add no op to the step.
+    weight_grads = _weight_gradients(model, numbering, recorder)
     for p in model.parameters():
         p.grad = None
 
