@@ -101,6 +101,10 @@ RNG_STATE_BYTES = 16
 #: line]; what `slackswap.planners.support.replay_rule` reads (a recompute replays the producer only).
 REWRITTEN_KEY = "rewritten_in_place"
 STATE_KEY = "writes_module_state"
+#: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
+#: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source
+#: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.
+WEIGHT_GRADS_KEY = "weight_gradients"
 
 #: Phase order `check_graph` enforces: forward and loss ops, then backward, then optimizer.
 _PHASE_RANK = {Phase.FORWARD: 0, Phase.LOSS: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
