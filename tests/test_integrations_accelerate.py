@@ -70,3 +70,30 @@ def test_a_batch_of_another_kind_is_one_line() -> None:
     step = plan_for(accelerator, ex["tiny_model"]("llama"))
     with pytest.raises(IntegrationError, match=r"^batch='str': must be a mapping"):
         step("tokens")
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_in_an_accelerate_loop_train_bit_exact_under_their_plans(tmp_path) -> None:
+    """Two CPU processes (gloo, tests/accelerate_fsdp2_worker.py): the decoder sharded with
+    `fully_shard`, three AdamW steps in an Accelerate loop plain and under `plan_for` at half each
+    rank's keep-all peak; the plugin's CPU outcome (DDP) and its one-line refusal recorded."""
+    import json
+    import subprocess
+    import sys
+
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "accelerate_fsdp2_worker.py"), str(tmp_path),
+                           "0.5"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["plugin"]["distributed_type"] == r["distributed_type"] == "MULTI_CPU"
+        assert r["plugin"]["prepared"] == "DistributedDataParallel"
+        assert r["plugin"]["refused_prepared"].startswith("model='DistributedDataParallel': DDP's bucketed")
+        assert r["plugin"]["refused_unsharded"].startswith(
+            "accelerator.distributed_type='MULTI_CPU': several processes run a plan only on an FSDP2 model")
+        assert r["sharded"] == ["DTensor"] and r["graph"].endswith(f".rank{rank}of2")
+        assert r["same_losses"] == [True] * 3 and r["same_grads"] == [True] * 3
+        assert r["measured_peak_bytes"] == [r["predicted_peak_bytes"]]
+        assert r["predicted_peak_bytes"] <= r["budget_bytes"] < r["keep_all_peak_bytes"]
+        assert "swap" in r["decisions"] or "recompute" in r["decisions"]
