@@ -163,3 +163,26 @@ def test_a_compute_loss_that_calls_the_model_twice_is_refused(tmp_path) -> None:
         trainer.train()
     assert trainer.state.global_step == 0
     assert "forward" not in trainer.model.__dict__  # the capture's keyword call undone
+
+
+@pytest.mark.slow
+def test_the_trainer_asked_for_fsdp2_on_two_cpu_ranks_is_refused_in_one_line(tmp_path) -> None:
+    """Two CPU processes (gloo, tests/hf_fsdp2_worker.py): `fsdp_config={"fsdp_version": 2}` leaves
+    Accelerate at MULTI_CPU and the Trainer trains in DDP, so `plan_for` refuses it naming that; a
+    model sharded with `fully_shard` before the Trainer fails in the Trainer's own DDP wrap."""
+    import json
+    import subprocess
+    import sys
+
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "hf_fsdp2_worker.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (r["distributed_type"], r["is_fsdp2"], r["trained_in"]) == ("MULTI_CPU", "False",
+                                                                          "DistributedDataParallel")
+        assert r["refused"] == ("accelerator.distributed_type='MULTI_CPU': on the CPU the Trainer wraps the model in "
+                                "DDP (Accelerate ignores fsdp_version=2 there), which a plan does not run under; "
+                                "for FSDP2 use slackswap.integrations.accelerate.plan_for in an Accelerate loop")
+        assert "got mixed torch.Tensor and DTensor" in r["presharded_error"]
