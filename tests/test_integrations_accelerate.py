@@ -22,10 +22,12 @@ from slackswap.integrations.planning import IntegrationError  # noqa: E402
 ex = runpy.run_path(str(REPO_ROOT / "examples" / "hf_trainer.py"))
 
 
-def _loop(planned: dict | None, steps: int = 3, accumulation: int = 1):
+def _loop(planned: dict | None, steps: int = 3, accumulation: int = 1, mixed_precision: str = "no"):
     """`steps` optimizer steps of the Llama-like decoder on batches of 2 rows; the losses, the
     gradients each step's optimizer gets, and the plan."""
-    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # a precision of its own
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
+                                         mixed_precision=mixed_precision)
     model = ex["tiny_model"]("llama")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -61,6 +63,23 @@ def test_an_accelerate_loop_under_the_plan_is_bit_exact_within_budget(accumulati
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     p = step.planned.planned
     assert len(step.planned.logged) == 1
+    assert step.planned.logged[0]["slackswap/measured_peak_bytes"] == p.predicted_peak_bytes <= p.budget_bytes
+    assert p.budget_bytes < p.keep_all_peak_bytes
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_under_the_plan_is_bit_exact_within_budget() -> None:
+    """`mixed_precision="bf16"`: Accelerate wraps the forward in CPU autocast; the plan is captured
+    through that wrapper, so its bf16 casts are the step's own."""
+    plain = _loop(None, mixed_precision="bf16")
+    losses, grads, step = _loop({"budget": 0.5}, mixed_precision="bf16")
+    assert step.accelerator.mixed_precision == "bf16" and step.accelerator.scaler is None
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], losses, strict=True)) and len(losses) == 3
+    for a, b in zip(plain[1], grads, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    p = step.planned.planned
+    fp32 = _loop({"budget": 0.5}, steps=1)[2].planned.planned
+    assert p.keep_all_peak_bytes < fp32.keep_all_peak_bytes  # the capture ran the autocast's bf16 activations
     assert step.planned.logged[0]["slackswap/measured_peak_bytes"] == p.predicted_peak_bytes <= p.budget_bytes
     assert p.budget_bytes < p.keep_all_peak_bytes
 
