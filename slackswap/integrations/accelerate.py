@@ -12,6 +12,7 @@ accumulation steps, then `backward()`), under the plan, which is made at the fir
 batch (`slackswap.integrations.step.PlannedStep`). The first step's measured peak goes to
 `accelerator.log` (the trackers the user started) beside the prediction. Why a call and not a plugin:
 Accelerate's plugins configure distributed back-ends; none brackets one step's forward and backward.
+In several processes each rank plans its own step of an FSDP2 model (`check_accelerator`).
 """
 
 from __future__ import annotations
