@@ -38,9 +38,10 @@ class Grads(TrainerCallback):
         self.steps.append([p.grad.detach().clone() for p in model.parameters()])
 
 
-def _train(kind: str, tmp_path, plan: dict | None, steps: int = 3, accumulation: int = 1):
+def _train(kind: str, tmp_path, plan: dict | None, steps: int = 3, accumulation: int = 1, **args: object):
     grads = Grads()
-    trainer = ex["make_trainer"](kind, str(tmp_path / ("plan" if plan else "plain")), steps, accumulation, [grads])
+    trainer = ex["make_trainer"](kind, str(tmp_path / ("plan" if plan else "plain")), steps, accumulation, [grads],
+                                 **args)
     lines: list[str] = []
     planned = plan_for(trainer, printer=lines.append, **plan) if plan is not None else None
     trainer.train()
@@ -85,6 +86,19 @@ def test_gradient_accumulation_under_the_plan_is_bit_exact(tmp_path) -> None:
     planned = _train("llama", tmp_path, {"budget": 0.5}, steps=2, accumulation=2)
     _assert_same_training(plain, planned)
     assert planned[2].steps == 4  # one planned step per micro-batch
+
+
+@pytest.mark.slow
+def test_bf16_trainer_steps_under_the_plan_are_bit_exact_within_budget(tmp_path) -> None:
+    """`bf16=True`: Accelerate's autocast wraps the prepared model's forward and the plan is captured
+    through it (its keep-all peak below the fp32 capture's)."""
+    plain = _train("llama", tmp_path, None, bf16=True)
+    planned = _train("llama", tmp_path, {"budget": 0.5}, bf16=True)
+    assert planned[4].accelerator.mixed_precision == "bf16"
+    _assert_same_training(plain, planned)
+    _assert_predicted_and_within_budget(planned[2], planned[3])
+    fp32 = _train("llama", tmp_path / "fp32", {"budget": 0.5}, steps=1)
+    assert planned[2].planned.keep_all_peak_bytes < fp32[2].planned.keep_all_peak_bytes
 
 
 @pytest.mark.slow
