@@ -94,25 +94,33 @@ def test_a_batch_of_another_kind_is_one_line() -> None:
 @pytest.mark.slow
 def test_two_fsdp2_ranks_in_an_accelerate_loop_train_bit_exact_under_their_plans(tmp_path) -> None:
     """Two CPU processes (gloo, tests/accelerate_fsdp2_worker.py): the decoder sharded with
-    `fully_shard`, three AdamW steps in an Accelerate loop plain and under `plan_for` at half each
-    rank's keep-all peak; the plugin's CPU outcome (DDP) and its one-line refusal recorded."""
+    `fully_shard`, three AdamW steps in an Accelerate loop plain and under `plan_for`, in fp32 at half
+    each rank's keep-all peak and under FSDP2's bf16 mixed precision at 0.7 (at 0.5 its LM head's
+    logits leave no plan); the plugin's CPU outcome (DDP) and its one-line refusal recorded."""
     import json
     import subprocess
     import sys
 
+    configs = ("fp32:0.5", "bf16:0.7")
     env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "accelerate_fsdp2_worker.py"), str(tmp_path),
-                           "0.5"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+                           *configs], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["plugin"]["distributed_type"] == r["distributed_type"] == "MULTI_CPU"
-        assert r["plugin"]["prepared"] == "DistributedDataParallel"
-        assert r["plugin"]["refused_prepared"].startswith("model='DistributedDataParallel': DDP's bucketed")
-        assert r["plugin"]["refused_unsharded"].startswith(
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        plugin = results.pop("plugin")
+        assert (plugin["distributed_type"], plugin["is_fsdp2"], plugin["prepared"]) == (
+            "MULTI_CPU", "False", "DistributedDataParallel")
+        assert plugin["refused_prepared"].startswith("model='DistributedDataParallel': DDP's bucketed")
+        assert plugin["refused_unsharded"].startswith(
             "accelerator.distributed_type='MULTI_CPU': several processes run a plan only on an FSDP2 model")
-        assert r["sharded"] == ["DTensor"] and r["graph"].endswith(f".rank{rank}of2")
-        assert r["same_losses"] == [True] * 3 and r["same_grads"] == [True] * 3
-        assert r["measured_peak_bytes"] == [r["predicted_peak_bytes"]]
-        assert r["predicted_peak_bytes"] <= r["budget_bytes"] < r["keep_all_peak_bytes"]
-        assert "swap" in r["decisions"] or "recompute" in r["decisions"]
+        assert set(results) == set(configs)
+        for config, r in results.items():
+            assert r["distributed_type"] == "MULTI_CPU", config
+            assert r["sharded"] == ["DTensor"] and r["graph"].endswith(f".rank{rank}of2"), config
+            assert r["same_losses"] == [True] * 3 and r["same_grads"] == [True] * 3, config
+            assert r["measured_peak_bytes"] == [r["predicted_peak_bytes"]], config
+            assert r["predicted_peak_bytes"] <= r["budget_bytes"] < r["keep_all_peak_bytes"], config
+            assert "swap" in r["decisions"] or "recompute" in r["decisions"], config
+        # FSDP2's bf16 gathers and computes in bf16: the activations it keeps are smaller
+        assert results["bf16:0.7"]["keep_all_peak_bytes"] < results["fp32:0.5"]["keep_all_peak_bytes"]
