@@ -222,6 +222,8 @@ class _Tracer(StorageIdentities):
         self._last_bwd_path = LOSS_PATH
         self._names = {id(m): (n or ROOT_PATH) for n, m in model.named_modules(remove_duplicate=False)}
         self._label_handles: list = []
+        #: Storages made before the step (parameters, buffers, the inputs): never a graph tensor.
+        self.external: set[int] = set()
 
     # -- autograd node labels (backward layer attribution) -------------------------------------------
 
@@ -278,8 +280,13 @@ class _Tracer(StorageIdentities):
 
     def pack(self, t: torch.Tensor) -> object:
         key = self.key(t)
+        if key is None and self.phase == Phase.FORWARD and storage_key(t) not in self.external:
+            # A constant the model made from Python data with no call the mode saw (an index list on
+            # meta): named as the real run's `lift_fresh` names it (`StorageIdentities.lift_constant`).
+            self.lift_constant(t)
+            key = self.key(t)
         if key is None:
-            return t  # a parameter or an input: not an activation
+            return t  # a parameter, a buffer or an input: not an activation
         if self.phase != Phase.BACKWARD:
             self.saved.add(key)
         copy = None
@@ -383,6 +390,7 @@ def trace_step(
         num_layers = len(model.get_submodule(layers_path)) if layers_path else 0
     params = {storage_key(p): p for p in model.parameters()}
     tracer = _Tracer(model, semantics, layers_path)
+    tracer.external = {storage_key(t) for t in (*model.parameters(), *model.buffers(), *tensor_leaves(inputs))}
     with torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), KernelRouting(semantics), tracer:
         try:
             output = model(*inputs)
