@@ -266,9 +266,12 @@ class _Tracer(StorageIdentities):
 
     def pack(self, t: torch.Tensor) -> object:
         key = self.key(t)
-        if key is None and self.phase == Phase.FORWARD and storage_key(t) not in self.external:
+        if (key is None and t.device.type == "meta" and self.phase == Phase.FORWARD
+                and storage_key(t) not in self.external):
             # A constant the model made from Python data with no call the mode saw (an index list on
-            # meta): named as the real run's `lift_fresh` names it (`StorageIdentities.lift_constant`).
+            # meta; on a real device `lift_fresh` reaches the mode): named as the real run's
+            # `lift_fresh` names it (`StorageIdentities.lift_constant`). A tensor the model holds as a
+            # plain attribute (no buffer) on meta would be taken for one: register it as a buffer.
             self.lift_constant(t)
             key = self.key(t)
         if key is None:
