@@ -29,7 +29,7 @@ from slackswap.runtime.capture import capture_graph  # noqa: E402
 from slackswap.runtime.export_facts import layer_paths  # noqa: E402
 from slackswap.runtime.training_workload import Workload  # noqa: E402
 from slackswap.runtime.zoo import build  # noqa: E402
-from tests.runtime_support import h200  # noqa: E402
+from tests.runtime_support import deterministic_kernels, h200  # noqa: E402, F401 (a fixture)
 
 
 class _Block(nn.Module):
@@ -110,3 +110,17 @@ def test_only_repeated_blocks_make_a_sequential_a_stack() -> None:
     assert find_layer_stacks(nested).paths == ("1.0", "1.1")
     # a ModuleList anywhere wins over a Sequential: the Sequential inside each zoo block is no stack
     assert find_layer_stacks(build("tied").model).stacks == ("layers",)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("deterministic_kernels")
+def test_t5s_decoder_blocks_are_checkpoint_regions_and_its_export_runs_exact() -> None:
+    """With the decoder blocks outside every region (before), every decoder tensor was fixed to keep and
+    full_recompute's export plan was infeasible at 70 % of the keep-all peak; now it runs bit-exact."""
+    from benchmarks.zoo import Arch
+
+    a = Arch("t5", h200())
+    assert a.graph.num_layers == 4
+    plan = a.plan("full_recompute", 0.7, "export")
+    assert any(d.value == "recompute" and ".decoder.block." in name for name, d in plan.decisions.items())
+    assert a.cell("full_recompute", 0.7, "export") == "exact"
