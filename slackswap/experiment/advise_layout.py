@@ -246,7 +246,7 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
         configs = sorted(_configs(ctx, gpus, out, (best, faithful)), key=lambda c: -c.bound_tokens_per_s)
         too_big: dict[tuple, int] = {}
         skipped = {"bound": 0, "top_n": 0, "floor": 0}
-        planned = 0
+        planned, top_skipped = 0, 0.0
         for cfg in configs:
             changes = bool(numerics_change(cfg.training))
             shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
@@ -255,6 +255,7 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
                 continue
             if cfg.bound_tokens_per_s < best and (changes or cfg.bound_tokens_per_s < faithful):
                 skipped["bound"] += len(planners)
+                top_skipped = max(top_skipped, cfg.bound_tokens_per_s)
                 continue
             if planned >= space.layout_top_n:
                 skipped["top_n"] += len(planners)
@@ -278,7 +279,7 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
         for why, n in skipped.items():
             if n:
                 detail = {"bound": f"optimistic estimate below the best planned ({best:,.0f} tokens/s per GPU; "
-                                   f"{faithful:,.0f} keeping the numerics)",
+                                   f"{faithful:,.0f} keeping the numerics): at most {top_skipped:,.0f}",
                           "top_n": f"beyond advise.layout_top_n={space.layout_top_n} planned configurations",
                           "floor": "a smaller micro-batch of the same layout and recipe had its activation floor "
                                    "over the capacity"}[why]
