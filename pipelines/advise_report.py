@@ -248,7 +248,8 @@ def _children(parent_id: str, data: Mapping[str, Any]) -> list[tuple[str, dict, 
                 "comm_assumption": row["comm_assumption"] or "-", "comm_not_modelled": row["comm_not_modelled"],
                 tracking.NOTE_TAG: f"configuration {i + 1} of the advise; {row['why'] or row['reason'] or ''}"[:4000]}
         params = {k: str(row[k]) for k in ("gpus", "zero_stage", "zero_shards", "layout", "recipe", "micro_batch",
-                                           "planner", "plan_against")}
+                                           "planner", "plan_against", "dp", "tp", "pp", "cp", "sp",
+                                           "pipeline_microbatches")}
         out.append((name, tags, params, tracking.numeric_metrics(_child_metrics(row))))
     return out
 

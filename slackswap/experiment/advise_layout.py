@@ -61,7 +61,8 @@ from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
 LAYOUT_NOTE = ("tp/cp collectives on the critical path (no overlap); dp gradient reduce once per step "
-               "overlapping the last backward; ZeRO-2/3 with tp/pp not searched; interleaved schedules not modelled")
+               "overlapping the last backward; ZeRO-2/3 with tp/pp and ep not searched; interleaved schedules not "
+               "modelled; no host check of offloads")
 
 
 @dataclass

@@ -136,10 +136,10 @@ class Layout:
     @property
     def label(self) -> str:
         if not self.is_data_parallel:
-            zero = "DDP" if self.zero_stage == 0 or self.dp == 1 else f"ZeRO-{self.zero_stage}"
+            zero = "" if self.dp == 1 else " DDP" if self.zero_stage == 0 else f" ZeRO-{self.zero_stage}"
             pipe = f" pp{self.pp} x {self.microbatches} mb {self.schedule}" if self.pp > 1 else ""
             return (f"{self.gpus} GPUs dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''}{pipe}"
-                    f"{f' cp{self.cp}' if self.cp > 1 else ''} {zero}")
+                    f"{f' cp{self.cp}' if self.cp > 1 else ''}{zero}")
         if self.gpus == 1:
             return "1 GPU"
         if self.zero_stage == 0:
