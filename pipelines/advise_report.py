@@ -99,14 +99,14 @@ def numerics_lines(advice: Any, gpus: int, indent: str = "    ") -> list[str]:
 
 def summary_markdown(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> str:
     """advice.md: the answer per GPU count, the ranked table, the best per recipe, the rejected regions."""
-    from slackswap.communication import NOT_MODELLED
+    from slackswap.communication import not_modelled
     from slackswap.experiment.advise import distinct_ranked
 
     m, hw = spec.model, spec.hardware
     lines = [f"# advise: {m.name} on {header['hardware']} ({hw.device_memory_bytes / GIB:.0f} GiB), node "
              f"{header['node']}, seq {m.seq_len}", ""]
     lines += [f"- {n}" for n in spec.notes]
-    lines += [f"- communication not modelled: {NOT_MODELLED}",
+    lines += [f"- communication not modelled: {not_modelled(hw.collective_overlap_slowdown)}",
               f"- {len(advice.rows)} configurations evaluated, {advice.pruned_configurations} pruned before planning",
               ""]
     lines += ["## Best fitting configuration per GPU count", ""]
@@ -182,14 +182,14 @@ def stdout_summary(advice: Any, spec: AdviseSpec, header: Mapping[str, Any], wal
 
 
 def advice_json(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> dict[str, Any]:
-    from slackswap.communication import NOT_MODELLED
+    from slackswap.communication import not_modelled
 
     space = spec.space
     return {
         "schema": ADVICE_SCHEMA,
         **header,
         "notes": list(spec.notes),
-        "communication_not_modelled": NOT_MODELLED,
+        "communication_not_modelled": not_modelled(spec.hardware.collective_overlap_slowdown),
         "space": {"gpus": list(space.gpus), "recipes": list(space.recipes), "micro_batches": list(space.micro_batches),
                   "planners": list(space.planners), "plan_against": list(space.plan_against),
                   "zero_stages": list(space.zero_stages), "grad_accum": space.grad_accum,

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from slackswap.communication import Topology, check_sharding, step_communication
+from slackswap.communication import Topology, check_sharding, not_modelled, step_communication
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_node import (
@@ -184,10 +184,10 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
         ctx.optimizer_cache[key_opt] = optimizer_step_s(model, hw, training)
     opt_s = ctx.optimizer_cache[key_opt]
     flops = space.grad_accum * work.flops
-    base = dict(candidate=cand, optimizer_s=opt_s, static_bytes=static.total_bytes,
-                activation_capacity_bytes=capacity, model_flops_per_step=flops, numerics=numerics_change(training))
-
     rank_hw = ctx.rank_hardware.get(cand.layout.gpus, hw)
+    base = dict(candidate=cand, optimizer_s=opt_s, static_bytes=static.total_bytes,
+                activation_capacity_bytes=capacity, model_flops_per_step=flops, numerics=numerics_change(training),
+                comm_not_modelled=not_modelled(rank_hw.collective_overlap_slowdown))
     key = (cand.micro_batch, cand.planner, cand.plan_against, capacity, id(rank_hw))
     allocated = ctx.plan_cache.get((*key[:2], "allocated", *key[3:]))
     if key not in ctx.plan_cache and cand.plan_against == "reserved" and allocated is not None and (
@@ -224,8 +224,7 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     # The overlapped collectives still cost compute on a preset calibrated for it (NCCL kernels take SMs
     # and HBM bandwidth; `Hardware.collective_overlap_slowdown`, 0 on uncalibrated presets): a fixed cost
     # per micro-batch, so it ranks small micro-batches lower, as the published runs do.
-    per_micro_exposed += rank_hw.collective_overlap_slowdown * (comm.forward_comm_s + comm.backward_comm_s
-                                                                 - per_micro_exposed)
+    per_micro_exposed += comm.overlap_cost_s(rank_hw.collective_overlap_slowdown)
     exposed = space.grad_accum * per_micro_exposed + comm.after_step_comm_s
     step_s = space.grad_accum * (micro_s + per_micro_exposed) + opt_s + comm.after_step_comm_s
     tokens = space.grad_accum * cand.micro_batch * model.seq_len

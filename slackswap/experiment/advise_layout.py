@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from slackswap.communication import Topology, all_reduce_s, step_communication
+from slackswap.communication import Topology, all_reduce_s, not_modelled, step_communication
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_space import (
@@ -348,6 +348,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
                                 activation_capacity_bytes=hw.device_memory_bytes - reserve
                                 - max(s.total_bytes for s in statics), model_flops_per_step=0.0,
                                 numerics=numerics_change(cand.training), comm_buffer_bytes=buffers,
+                                comm_not_modelled=not_modelled(hw.collective_overlap_slowdown),
                                 layout_note=LAYOUT_NOTE)
     built = _stage_graphs(ctx, cand, rank_hw)
     stages = []
@@ -393,7 +394,9 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         gpus=lay.dp, shards=lay.zero_shards, topology=_strided(ctx.topology, lay.tp * lay.cp),
         forward_compute_s=times[0].forward_s, backward_compute_s=times[0].backward_s,
         units=model.num_layers // lay.pp + 1)
-    dp_exposed = dp_comm.backward_exposed_s + dp_comm.after_step_comm_s
+    # The overlapped part costs compute on a calibrated preset, as in the data-parallel rows (advise.py).
+    dp_exposed = (dp_comm.backward_exposed_s + dp_comm.after_step_comm_s
+                  + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
     step_s = pipe.step_s + dp_exposed
     layout_s = m * ((comms[0].forward_s or 0.0) + (comms[0].backward_s or 0.0))
     tokens = m * cand.micro_batch * model.seq_len / (lay.tp * lay.cp * lay.pp)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from slackswap import validation as check
-from slackswap.communication import NOT_MODELLED, StepCommunication
+from slackswap.communication import StepCommunication, not_modelled
 from slackswap.errors import ConfigError
 from slackswap.memory.recipe import TrainingConfig
 
@@ -236,6 +236,8 @@ class Row:
     #: Communication buffers counted in the peak (bytes), and what the layout leaves out.
     comm_buffer_bytes: int = 0
     layout_note: str = ""
+    #: What the communication model leaves out on this row's hardware (`communication.not_modelled`).
+    comm_not_modelled: str = not_modelled(0.0)
 
     def to_json(self) -> dict[str, Any]:
         c = self.comm
@@ -254,7 +256,7 @@ class Row:
             "comm_fabric": None if c is None else c.fabric,
             "comm_replica_fabric": None if c is None else c.replica_fabric,
             "comm_assumption": None if c is None else c.assumption,
-            "comm_not_modelled": NOT_MODELLED,
+            "comm_not_modelled": self.comm_not_modelled,
             "peak_bytes": self.peak_bytes,
             "headroom_bytes": self.headroom_bytes,
             "static_bytes": self.static_bytes,
