@@ -54,9 +54,9 @@ def step_scope(resolved: Mapping[str, Any], m: Mapping[str, Any] | None = None) 
         left.append(f"ZeRO-{training.get('zero_stage')}'s collectives over {shards} GPUs")
     layout = resolved.get("parallel") or {}
     split = (layout.get("tp") or 1) > 1 or (layout.get("cp") or 1) > 1
-    exposed = None if m is None or (layout.get("pp") or 1) > 1 else m.get("layout_comm_s")
+    exposed = None if m is None else m.get("layout_comm_s")
     if split and exposed is not None:
-        covered += f" + the layout's exposed collectives ({1e3 * exposed:.2f} ms)"
+        covered += f" + the layout's exposed collectives ({1e3 * exposed:.2f} ms per micro-batch)"
     elif split:
         left.append("the layout's collectives (see the layout line)")
     if not left:
@@ -71,7 +71,8 @@ def layout_line(m: Mapping[str, Any]) -> str:
     degrees = " ".join(f"{k}={m[f'parallel_{k}']}" for k in ("dp", "tp", "pp", "cp", "ep"))
     comm = f"{m['layout_collectives']} collectives, {size_text(m['layout_comm_bus_bytes'])} on the bus"
     if m.get("layout_comm_forward_s") is not None:
-        where = "not in the step time" if m.get("pipeline_microbatches") else "in the step time"
+        where = ("per micro-batch, in each stage's forward and backward" if m.get("pipeline_microbatches")
+                 else "in the step time")
         comm += (f", {1e3 * m['layout_comm_forward_s']:.2f} ms fwd + {1e3 * m['layout_comm_backward_s']:.2f} ms "
                  f"bwd on {m['layout_comm_fabric']}, {1e3 * m['layout_comm_s']:.2f} ms exposed ({where}; "
                  f"{1e3 * m['layout_comm_hidden_s']:.2f} ms hidden behind attention)")

@@ -148,8 +148,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("layout_comm_bus_bytes", "bytes", "bytes those collectives put on the bus", group="layout"),
     MetricSpec("layout_comm_forward_s", "s", "their ring time in forward", group="layout"),
     MetricSpec("layout_comm_backward_s", "s", "their ring time in backward", group="layout"),
-    MetricSpec("layout_comm_s", "s", "the part of that time the step waits on (in step_s without pipeline "
-               "stages; null when unpriced)", group="layout"),
+    MetricSpec("layout_comm_s", "s", "the part of that time the step waits on, per micro-batch (in step_s; "
+               "a pipeline's in each stage's forward and backward, stage 0's here; null when unpriced)",
+               group="layout"),
     MetricSpec("layout_comm_hidden_s", "s", "the part hidden behind attention compute (context-parallel rings)",
                group="layout"),
     MetricSpec("layout_comm_fabric", "text", "the fabric each group's ring runs on", "text", "layout"),

@@ -85,3 +85,21 @@ def test_no_tp_or_cp_leaves_the_step_as_simulated():
     assert with_layout_comm(sim, None) is sim and with_layout_comm(sim, 0.0) is sim
     added = with_layout_comm(sim, 0.5)
     assert (added["step_s"], added["ideal_step_s"], added["throughput_ratio"]) == (1.5, 1.0, 1.0 / 1.5)
+
+
+def test_a_pipeline_stage_waits_on_its_exposed_collectives():
+    """tp=2 x pp=2: each stage's forward and backward carry the exposed time of its own collectives."""
+    from slackswap.experiment import pipeline_run as pr
+    from slackswap.experiment.run import layout_communication
+    from slackswap.simulate.pipeline_stage import stage_times
+
+    spec = _node_spec(tp=2, pp=2, microbatches=2)
+    stage = pr.build_stages(spec)[0]
+    comm = layout_communication(spec, stage.graph)
+    plain, timed = stage_times(stage.graph, stage.ideal), pr._times(spec, stage.graph, stage.ideal)
+    assert comm.forward_exposed_s > 0 and comm.backward_exposed_s > 0
+    assert timed.forward_s == pytest.approx(plain.forward_s + comm.forward_exposed_s, rel=1e-12)
+    assert timed.backward_s == pytest.approx(plain.backward_s + comm.backward_exposed_s, rel=1e-12)
+    out = run_one(spec)
+    assert out.metrics["layout_comm_s"] == pytest.approx(comm.exposed_s, rel=1e-12)
+    assert out.metrics["ideal_step_s"] > pr.simulate_pipeline([plain, plain], 2, out.metrics["pipeline_p2p_s"]).step_s
