@@ -18,11 +18,12 @@ Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
    activation floors checked against their capacity (a floor over it: **activations do not fit**, and
    every larger micro-batch of the layout is skipped), planned per stage under its own budget
    (`slackswap.experiment.pipeline_run.plan_pipeline`) and run through the pipeline's step model
-   (`slackswap.simulate.pipeline`), with the stage's tp / cp collectives added to its forward and
-   backward (Megatron does not overlap them) and its optimizer step as its tail, plus the data-parallel
-   gradient reduction once per step, overlapping the last backward (`step_communication` over the dp
-   ranks, tp x cp GPUs apart). A configuration whose optimistic estimate cannot beat the best
-   configuration planned so far (data-parallel ones included; for a numerics-preserving recipe, the
+   (`slackswap.simulate.pipeline`), with the exposed part of the stage's tp / cp collectives added to
+   its forward and backward (`slackswap.profile.collectives.price`: tp in full, a cp ring beyond the
+   attention it overlaps) and its optimizer step as its tail, plus the data-parallel gradient
+   reduction once per step, overlapping the last backward (`step_communication` over the dp ranks,
+   tp x cp GPUs apart). A configuration whose optimistic estimate cannot beat the best configuration
+   planned so far (data-parallel ones included; for a numerics-preserving recipe, the
    best such) is not planned, nor any beyond `advise.layout_top_n`: region **not planned**.
 
 Planned against the reserved peak (when `advise.plan_against` lists it) with the search's first
@@ -60,9 +61,9 @@ from slackswap.memory.static import bytes_per_param, static_memory
 from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
-LAYOUT_NOTE = ("tp/cp collectives on the critical path (no overlap); dp gradient reduce once per step "
-               "overlapping the last backward; ZeRO-2/3 with tp/pp and ep not searched; interleaved schedules not "
-               "modelled; no host check of offloads")
+LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyond the attention they overlap; "
+               "dp gradient reduce once per step overlapping the last backward; ZeRO-2/3 with tp/pp and ep not "
+               "searched; interleaved schedules not modelled; no host check of offloads")
 
 
 @dataclass
@@ -370,14 +371,14 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {exc.reason}")
     if result.pipeline is None:
         return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: {result.reason}")
-    comms = [price(layout_collectives(s.graph), par, ctx.topology) for s in result.stages]
+    comms = [price(layout_collectives(s.graph), par, ctx.topology, graph=s.graph) for s in result.stages]
     num_params, (param_b, grad_b, _, _) = stage_params[0][0], bytes_per_param(cand.training, model.dtype)
     times, plans, peaks, fits, reason = [], [], [], True, ""
     for s, comm, static in zip(result.stages, comms, statics, strict=True):
         t = stage_times(s.graph, s.fitted.result)
         opt = _optimizer_s(ctx, cand.training, stage_params[s.index][0])
-        t = replace(t, forward_s=t.forward_s + (comm.forward_s or 0.0),
-                    backward_s=t.backward_s + (comm.backward_s or 0.0), tail_s=opt)
+        t = replace(t, forward_s=t.forward_s + (comm.forward_exposed_s or 0.0),
+                    backward_s=t.backward_s + (comm.backward_exposed_s or 0.0), tail_s=opt)
         times.append(t)
         report = s.fitted.report
         frag = 0 if report is None else max(report.peak_reserved_bytes - s.fitted.result.peak_activation_bytes, 0)
@@ -398,7 +399,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     dp_exposed = (dp_comm.backward_exposed_s + dp_comm.after_step_comm_s
                   + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
     step_s = pipe.step_s + dp_exposed
-    layout_s = m * ((comms[0].forward_s or 0.0) + (comms[0].backward_s or 0.0))
+    layout_s = m * (comms[0].exposed_s or 0.0)
     tokens = m * cand.micro_batch * model.seq_len / (lay.tp * lay.cp * lay.pp)
     flops = m * sum(throughput.model_flops(s.graph) for s in result.stages) / lay.pp
     exposed = dp_exposed + layout_s

@@ -17,7 +17,9 @@ micro-batches under 1F1B (`slackswap.pipeline_stages.in_flight_microbatches`):
    planning budget swaps less when the resident bytes are small beside the transients;
 4. its forward, backward and tail times, and the prefetch wait before its backward that idle time
    can hide, go to `slackswap.simulate.pipeline.simulate_pipeline` with m micro-batches and the p2p
-   send time of one boundary activation on the link between neighbouring stages.
+   send time of one boundary activation on the link between neighbouring stages, with the exposed
+   part of the stage's tp / cp collectives added to its forward and backward (`_times`; the same
+   `slackswap.profile.collectives.price` a one-stage run adds to its step).
 
 The step time is the pipeline's. The planners see one micro-batch: the copies they plan hide under
 that micro-batch's own compute, and the pipeline credits only the wait before the backward against
@@ -32,7 +34,7 @@ stage's; the `pipeline_*` keys give each stage.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from slackswap.errors import InfeasibleBudgetError
@@ -124,7 +126,7 @@ def plan_pipeline(spec: RunSpec, stages: list[Stage]) -> PipelineOutcome:
 
     m = spec.parallel.microbatches
     p2p_s, unpriced = p2p_seconds(spec, boundary_bytes(stages[0].graph) if len(stages) > 1 else 0)
-    ideal_pipeline = simulate_pipeline([stage_times(s.graph, s.ideal) for s in stages], m, p2p_s)
+    ideal_pipeline = simulate_pipeline([_times(spec, s.graph, s.ideal) for s in stages], m, p2p_s)
     planned, reason, plan_wall, sim_wall = [], "", 0.0, 0.0
     for s in stages:
         if spec.budget.device and not s.capacity.fits:
@@ -143,7 +145,7 @@ def plan_pipeline(spec: RunSpec, stages: list[Stage]) -> PipelineOutcome:
     pipeline = None
     if not reason:
         t0 = time.perf_counter()
-        pipeline = simulate_pipeline([stage_times(s.graph, s.fitted.result) for s in planned], m, p2p_s)
+        pipeline = simulate_pipeline([_times(spec, s.graph, s.fitted.result) for s in planned], m, p2p_s)
         sim_wall += time.perf_counter() - t0
     return PipelineOutcome(tuple(planned), pipeline, ideal_pipeline, p2p_s, unpriced, reason, plan_wall, sim_wall)
 
@@ -186,6 +188,20 @@ def stage_baseline(stage: Stage, profile_s: float, ideal_s: float) -> Baseline:
     return Baseline(stage.graph, stage.ideal, profile_s, ideal_s)
 
 
+def _times(spec: RunSpec, graph: Graph, result: SimResult) -> StageTimes:
+    """One micro-batch's stage times (`stage_times`) plus the exposed part of the stage's layout
+    collectives in its forward and backward (nothing when the layout adds none or the node cannot
+    price them: `layout_comm_unpriced` says so)."""
+    from slackswap.experiment.run import layout_communication
+
+    t = stage_times(graph, result)
+    comm = layout_communication(spec, graph)
+    if comm is None or not comm.exposed_s:
+        return t
+    return replace(t, forward_s=t.forward_s + comm.forward_exposed_s,
+                   backward_s=t.backward_s + comm.backward_exposed_s)
+
+
 def pipeline_simulation_metrics(spec: RunSpec, out: PipelineOutcome) -> dict[str, Any]:
     """The simulation keys of metrics.json for a pipeline run (module docstring says whose they are)."""
     from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
@@ -226,7 +242,7 @@ def pipeline_metrics(spec: RunSpec, out: PipelineOutcome, stages: list[Stage]) -
     planned = {s.index: s for s in out.stages}
     times = [None if planned.get(s.index) is None or planned[s.index].fitted is None
              or not planned[s.index].fitted.result.feasible
-             else stage_times(s.graph, planned[s.index].fitted.result) for s in stages]
+             else _times(spec, s.graph, planned[s.index].fitted.result) for s in stages]
     return {
         "pipeline_schedule": spec.parallel.pipeline_schedule,
         "pipeline_microbatches": spec.parallel.microbatches,
