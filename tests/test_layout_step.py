@@ -9,7 +9,7 @@ import pytest
 
 from slackswap.communication import Fabric, Topology
 from slackswap.experiment import RunSpec, run_one
-from slackswap.experiment.run import with_layout_comm
+from slackswap.experiment.layout_comm import with_layout_comm
 from slackswap.parallel import ParallelConfig
 from slackswap.profile import build_graph, layout_collectives
 from slackswap.profile.collectives import Collective, price
@@ -90,7 +90,7 @@ def test_no_tp_or_cp_leaves_the_step_as_simulated():
 def test_a_pipeline_stage_waits_on_its_exposed_collectives():
     """tp=2 x pp=2: each stage's forward and backward carry the exposed time of its own collectives."""
     from slackswap.experiment import pipeline_run as pr
-    from slackswap.experiment.run import layout_communication
+    from slackswap.experiment.layout_comm import layout_communication
     from slackswap.simulate.pipeline_stage import stage_times
 
     spec = _node_spec(tp=2, pp=2, microbatches=2)

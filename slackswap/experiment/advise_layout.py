@@ -57,6 +57,12 @@ from slackswap.experiment.advise_space import (
     StagePlan,
     numerics_change,
 )
+from slackswap.experiment.advise_step import (
+    activation_floor_bytes,
+    infeasible_row,
+    optimizer_step_s,
+    recipe_for_layout,
+)
 from slackswap.memory.static import bytes_per_param, static_memory
 from slackswap.parallel import ParallelConfig
 
@@ -134,7 +140,6 @@ def _compute_s(ctx: Any, mb: int) -> float:
 
 
 def _optimizer_s(ctx: Any, training: Any, params: int) -> float:
-    from slackswap.experiment.advise import optimizer_step_s
 
     key = (training, ctx.model.num_layers)
     if key not in ctx.optimizer_cache:
@@ -158,7 +163,6 @@ def _bound(ctx: Any, layout: Layout, training: Any, mb: int, params: int) -> flo
 
 
 def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, float]) -> list[_Config]:
-    from slackswap.experiment.advise import _training
 
     space, model, hw = ctx.space, ctx.model, ctx.hardware
     configs = []
@@ -175,7 +179,7 @@ def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, fl
                         recipe.check_model_dtype(model.dtype)
                     except ConfigError:
                         continue  # the data-parallel search reports the recipe's region
-                    training = _training(recipe, layout)
+                    training = recipe_for_layout(recipe, layout)
                     per_stage = _stage_params(ctx, tp, pp)
                     statics = [static_memory(n, unit, training, model.dtype) for n, unit in per_stage]
                     worst = max(range(pp), key=lambda i: statics[i].total_bytes)
@@ -209,7 +213,6 @@ def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, fl
 
 def _floors(ctx: Any, layout: Layout, training: Any, mb: int) -> list[int]:
     """Each stage's activation floor at micro-batch `mb` (`activation_floor_bytes`), graphs cached."""
-    from slackswap.experiment.advise import activation_floor_bytes
 
     return [activation_floor_bytes(g) for g in _graphs(ctx, layout, training, mb)]
 
@@ -356,8 +359,9 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     for i, (graph, ideal, floor) in enumerate(built):
         capacity = DeviceCapacity(hw.device_memory_bytes, reserve, statics[i])
         if floor > capacity.activation_capacity_bytes:
-            return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: stage {i} activation floor {floor / 2**30:.2f} GiB > "
-                                     f"capacity {capacity.activation_capacity_bytes / 2**30:.2f} GiB")
+            room = capacity.activation_capacity_bytes
+            return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: stage {i} activation floor "
+                                  f"{floor / 2**30:.2f} GiB > capacity {room / 2**30:.2f} GiB")
         k = in_flight_microbatches(i, lay.pp, m)
         stages.append(Stage(i, graph, ideal, k, stage_peak_bytes(graph, ideal, k), capacity))
     fit = FitOptions(allocator="caching", plan_against=cand.plan_against)
@@ -368,9 +372,9 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     try:
         result = plan_pipeline(spec, stages)
     except InfeasibleBudgetError as exc:
-        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {exc.reason}")
+        return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {exc.reason}")
     if result.pipeline is None:
-        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: {result.reason}")
+        return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: {result.reason}")
     comms = [price(layout_collectives(s.graph), par, ctx.topology, graph=s.graph) for s in result.stages]
     num_params, (param_b, grad_b, _, _) = stage_params[0][0], bytes_per_param(cand.training, model.dtype)
     times, plans, peaks, fits, reason = [], [], [], True, ""
@@ -422,9 +426,3 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         layout_comm_s=layout_s, **{**base, "optimizer_s": times[0].tail_s, "model_flops_per_step": flops,
                                    "layout_note": LAYOUT_NOTE + (f"; unpriced: {unpriced}" if unpriced else "")},
     )
-
-
-def _infeasible(base: dict[str, Any], reason: str) -> Row:
-    from slackswap.experiment.advise import _infeasible as infeasible
-
-    return infeasible(base, reason)

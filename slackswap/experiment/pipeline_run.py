@@ -76,7 +76,7 @@ def p2p_seconds(spec: RunSpec, boundary_bytes: int) -> tuple[float, str | None]:
     node without a network: 0 s, and the reason says so."""
     if spec.node is None:
         return 0.0, "no node given"
-    from slackswap.experiment.advise import topology_from_node
+    from slackswap.experiment.advise_node import topology_from_node
 
     topology = topology_from_node(spec.node, spec.hardware)
     par = spec.parallel
@@ -192,7 +192,7 @@ def _times(spec: RunSpec, graph: Graph, result: SimResult) -> StageTimes:
     """One micro-batch's stage times (`stage_times`) plus the exposed part of the stage's layout
     collectives in its forward and backward (nothing when the layout adds none or the node cannot
     price them: `layout_comm_unpriced` says so)."""
-    from slackswap.experiment.run import layout_communication
+    from slackswap.experiment.layout_comm import layout_communication
 
     t = stage_times(graph, result)
     comm = layout_communication(spec, graph)

@@ -24,6 +24,7 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.experiment.baseline import Baseline, load_baseline
 from slackswap.experiment.fitting import FittedPlan, plan_and_simulate
 from slackswap.experiment.floor import cached_floor
+from slackswap.experiment.layout_comm import layout_communication, with_layout_comm
 from slackswap.experiment.spec import RunSpec
 from slackswap.experiment.throughput import FLOPS_SOURCE, mfu, model_flops, tokens_per_s
 from slackswap.graph import Graph
@@ -256,40 +257,6 @@ def alone_throughput(spec: RunSpec, base: Baseline, budget_bytes: int,
         return None
     metrics = compute_metrics(alone.result, base.ideal, plan_wall_s=alone.plan_wall_s, sim_wall_s=alone.sim_wall_s)
     return with_layout_comm(metrics, layout_comm_s)["throughput_ratio"]
-
-
-def layout_communication(spec: RunSpec, graph: Graph):
-    """The collectives `graph`'s layout adds, priced on the node's fabrics with their exposed part
-    (`slackswap.profile.collectives.price`); None for one full replica."""
-    from slackswap.parallel import NO_PARALLELISM
-    from slackswap.profile import layout_collectives
-    from slackswap.profile.collectives import price
-
-    if spec.parallel == NO_PARALLELISM:
-        return None
-    topology = None
-    if spec.node is not None:
-        from slackswap.experiment.advise import topology_from_node
-
-        topology = topology_from_node(spec.node, spec.hardware)
-    return price(layout_collectives(graph), spec.parallel, topology, spec.node.name if spec.node else "", graph=graph)
-
-
-def with_layout_comm(simulation: Mapping[str, Any], layout_comm_s: float | None) -> Mapping[str, Any]:
-    """The simulation's step figures with the layout's exposed collective time added (the compute step
-    plus `layout_comm_s`, which the simulated graph does not wait on), the keep-all step and the
-    planner's bound likewise, and the ratios taken again. No exposed time (no layout, nothing priced,
-    or none on the critical path): `simulation` itself, so a run without a layout is unchanged."""
-    if not layout_comm_s:
-        return simulation
-    out = dict(simulation)
-    for key in ("step_s", "ideal_step_s", "bound_step_s"):
-        if out[key] is not None:
-            out[key] += layout_comm_s
-    step, ideal, bound = out["step_s"], out["ideal_step_s"], out["bound_step_s"]
-    out["throughput_ratio"] = None if step is None else ideal / step
-    out["optimality_gap"] = None if step is None or bound is None else (step - bound) / bound
-    return out
 
 
 def _floor_note(planner_name: str, floor_bytes: int | None) -> str:
