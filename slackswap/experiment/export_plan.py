@@ -56,18 +56,34 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
 
     if not fit_pytorch_placement:  # the plan within its own replay only (a benchmark timing a fixed budget)
         return priced_for(plan_at(budget_bytes), compile)
-    plan = within_pytorchs_peak(graph, hardware, budget_bytes, "compiled" if compile else "eager", plan_at,
-                                planner.name)
+    plan = within_pytorchs_peak(pytorch_graph(graph, facts, compile), hardware, budget_bytes,
+                                "compiled" if compile else "eager", plan_at, planner.name)
     return priced_for(plan, compile)
+
+
+def pytorch_graph(graph: Graph, facts: object, compile: bool) -> Graph:
+    """The graph PyTorch's execution of a plan for the export is priced on: eager, with the holds of the
+    checkpoint frames (`slackswap.pytorch_execution.eager_frame_holds`: the unsaved layer inputs a
+    frame keeps as arguments and the layer outputs its cache keeps, until the frame dies); compiled,
+    `graph` (the partition keeps no frame). `facts`: `slackswap.runtime.export_facts.ExportFacts`."""
+    if compile:
+        return graph
+    from slackswap.pytorch_execution import eager_frame_holds
+    from slackswap.runtime.export_facts import LAYER_OUTPUT
+
+    outputs = [t for t, why in facts.fixed_keep.items() if why == LAYER_OUTPUT]
+    return eager_frame_holds(graph, list(facts.held_inputs), outputs)
 
 
 def pytorch_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, mode: str) -> int:
     """The replayed activation peak of `plan` as PyTorch places its decisions (`mode` "eager": each
     layer's recomputes in one block before its first backward reader, reloads there; "compiled": the
-    partitioner's placement), `slackswap.pytorch_execution.pytorch_plan`."""
+    partitioner's placement), `slackswap.pytorch_execution.pytorch_plan`. `graph` may be the plan's
+    graph with other holds (`pytorch_graph`): the plan is priced on it as made for it."""
     from slackswap.pytorch_execution import pytorch_plan
     from slackswap.schedule.replay import estimate_plan
 
+    plan = replace(plan, graph_fingerprint=graph.fingerprint)
     return estimate_plan(graph, pytorch_plan(graph, plan, dict(plan.decisions), hardware, mode), hardware).peak_bytes
 
 
@@ -103,4 +119,4 @@ def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | N
         f"{gib(budget_bytes)} ({budget_bytes} B) after {round_ + 1} round(s) of planning lower")
 
 
-__all__ = ["export_plan_graph", "plan_for_export", "pytorch_peak_bytes", "within_pytorchs_peak"]
+__all__ = ["export_plan_graph", "plan_for_export", "pytorch_graph", "pytorch_peak_bytes", "within_pytorchs_peak"]
