@@ -85,3 +85,21 @@ def test_an_exported_steps_measured_peak_is_within_its_budget_and_its_price(name
     # keeps as an argument) the price read below what the step holds on the models that have them.
     if name == "llama":
         assert pytorch_peak_bytes(graph, plan, h200(), "eager") + unpriced < peaks[0]
+
+
+def test_an_infeasible_export_budget_says_what_pytorch_keeps_with_the_bytes() -> None:
+    """A budget the export cannot meet is refused with the bytes every planner meets there: what PyTorch
+    keeps whatever a plan says (by reason), what its checkpoints hold, and the recompute-everything peak."""
+    from slackswap.errors import InfeasibleBudgetError
+    from slackswap.runtime.export_facts import export_facts
+
+    w = build("resnet_bn")
+    graph = capture_graph(copy.deepcopy(w.model), (w.batch,), w.loss_fn, h200(), name="resnet_bn")
+    facts = export_facts(graph, layer_paths(w.model))
+    kept = sum(graph.tensors[t].size_bytes for t in facts.fixed_keep)
+    budget = kept // 2
+    with pytest.raises(InfeasibleBudgetError) as err:
+        plan_for_export(get_planner("full_recompute"), graph, w.model, h200(), budget)
+    reason = str(err.value)
+    assert f"budget {budget} B; PyTorch keeps {kept} B whatever a plan says" in reason
+    assert "B produced outside every layer" in reason and "recomputing every other tensor peaks at" in reason
