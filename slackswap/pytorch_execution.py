@@ -151,6 +151,46 @@ def _packing_layers(graph: Graph) -> dict[str, frozenset[int]]:
     return out
 
 
+def eager_replay_peak_bytes(graph: Graph, executed: Plan, hardware: Hardware) -> int:
+    """The activation peak of `executed` (`pytorch_plan(..., mode="eager")`) with each recomputed copy held
+    as the model's code holds it in the replay. PyTorch's eager replay re-runs the layer's Python forward,
+    whose locals keep a tensor until the op after which the forward dropped it (`Tensor.held_until`: HF
+    Llama's rotated query and key, alive until `o_proj`), not until its last reader in the replay; where the
+    replay stops before that op (early stop, after the layer's last packed tensor) the frames unwind there.
+    So a recomputed copy lives at least until the step of its hold in the same recompute block, or to the
+    block's end. Measured on the zoo's Llama, recompute_knapsack at 90 %: the query, key and value
+    projections' 65,536 B stayed through the attention scores' matmul, which the last-reader rule freed."""
+    from slackswap.schedule.replay import estimate_plan, peak_bytes
+    from slackswap.schedule.validate import resolve_schedule
+
+    timeline = estimate_plan(graph, executed, hardware)
+    if not graph.has_holds:
+        return timeline.peak_bytes
+    resolved = resolve_schedule(graph, executed)
+    steps, index = executed.steps, graph.op_index
+    block_end: list[int] = [0] * len(steps)  # per recompute step: the last step of its contiguous block
+    j = len(steps) - 1
+    while j >= 0:
+        if steps[j].kind == StepKind.RECOMPUTE:
+            end = j
+            while j >= 0 and steps[j].kind == StepKind.RECOMPUTE:
+                block_end[j] = end
+                j -= 1
+        j -= 1
+    free_s = list(timeline.copy_free_s)
+    for c, tensor in enumerate(resolved.copy_tensor):
+        hold = graph.tensors[tensor].held_until
+        if not hold or resolved.copy_source[c] != "recompute" or graph.op_by_name[hold].phase == Phase.BACKWARD:
+            continue
+        made = resolved.copy_source_index[c]
+        # The first step of the block at or past the hold's op (the replay has run the hold's op by its
+        # end; a view or cached op has no step of its own), else the block's end (the replay stopped).
+        at = next((k for k in range(made, block_end[made] + 1) if index[steps[k].op] >= index[hold]),
+                  block_end[made])
+        free_s[c] = max(free_s[c], timeline.step_end_s[at])
+    return peak_bytes(timeline.copy_alloc_s, free_s, timeline.copy_size_bytes)[0]
+
+
 def frame_ends(graph: Graph) -> dict[int, str]:
     """Per layer, the last backward op that can unpack a tensor its eager checkpoint packed: one reading a
     saved tensor its layer made or one of its forward ops read (the checkpoint's frame packs every tensor
