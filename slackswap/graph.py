@@ -101,6 +101,9 @@ RNG_STATE_BYTES = 16
 #: line]; what `slackswap.planners.support.replay_rule` reads (a recompute replays the producer only).
 REWRITTEN_KEY = "rewritten_in_place"
 STATE_KEY = "writes_module_state"
+#: Graph meta of a captured graph: backward op -> the layers whose ops saved the tensors autograd unpacked
+#: for it (the checkpoint regions whose eager frames that unpack would re-run; `slackswap.pytorch_execution`).
+BACKWARD_FRAMES_KEY = "backward_frames"
 
 #: Phase order `check_graph` enforces: forward and loss ops, then backward, then optimizer.
 _PHASE_RANK = {Phase.FORWARD: 0, Phase.LOSS: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}

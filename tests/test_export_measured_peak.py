@@ -8,6 +8,9 @@ things make such a reading depend on what ran before it, so both are held fixed 
   not inside it: released inside, the reading drops by the parameters' bytes (328,960 B on the zoo's
   2-layer Llama) whenever the model held gradients from an earlier step, and by nothing when it did not,
   so the same cell read differently by the order the cells ran in;
+- garbage from earlier code (reference cycles a collection frees inside the window) is collected before
+  it: freed inside, it lowers the reading by whatever it held (the zoo read one cell 70,400 B apart by
+  what ran before it);
 - each step is the same step (seed 1, deterministic kernels, one thread).
 What the plan's price leaves out, counted here as an allowance named for what it is: the CPU RNG state
 `torch.utils.checkpoint` keeps per checkpointed layer for the recompute (`torch.get_rng_state()`, 5,056 B,
@@ -20,6 +23,7 @@ their steps still run 20-150 KB above the price (docs/runtime.md, "Measured peak
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 
@@ -56,6 +60,7 @@ def _measured_peaks(model: torch.nn.Module, batch: torch.Tensor, loss_fn, export
         for _ in range(steps):  # the audited step, then one from its call tables
             for p in model.parameters():
                 p.grad = None  # outside the measured window: see the module docstring
+            gc.collect()
             peaks.append(peak_cpu_bytes(step))
     return peaks
 
@@ -131,3 +136,22 @@ def test_a_plan_keeping_tensors_in_a_layer_is_refused_or_runs_within_its_budget(
     finally:
         torch.set_num_threads(previous)
     assert max(peaks) <= budget, (peaks, budget)
+
+
+def test_the_capture_names_the_frame_each_backward_unpack_comes_from() -> None:
+    """Each backward op's unpacks name the layers whose ops saved the tensors (`BACKWARD_FRAMES_KEY`):
+    eager PyTorch re-runs that layer's checkpoint, not the layer that made the tensor. On a 2-layer Llama
+    the frames come back in reverse layer order without interleaving, and layer 1's norm unpacks the
+    layer 0 output from its own frame (the old rule, by the tensor's layer, started layer 0's recompute
+    there, one layer early)."""
+    from slackswap.graph import BACKWARD_FRAMES_KEY
+
+    w = build("llama")
+    graph = capture_graph(copy.deepcopy(w.model), (w.batch,), w.loss_fn, h200(), name="llama")
+    frames = graph.meta[BACKWARD_FRAMES_KEY]
+    order = [layer for op in graph.ops if op.name in frames for layer in frames[op.name]]
+    assert set(order) == {0, 1}
+    assert order == sorted(order, reverse=True), "layer 1's frame is done before layer 0's begins"
+    output = "model.model.layers.0/add#1:0"
+    readers = [op.name for op in graph.ops if output in op.inputs and op.name in frames]
+    assert readers and all(frames[r] == [1] for r in readers), readers
