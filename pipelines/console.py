@@ -76,6 +76,18 @@ def layout_line(m: Mapping[str, Any]) -> str:
             f"{size_text(m['rank_layer_saved_bytes'])} saved per layer; {comm}")
 
 
+def pipeline_line(m: Mapping[str, Any]) -> str:
+    """A pipeline's schedule, bubbles, sends and each stage's memory (stage 0 first)."""
+    bubble = m["pipeline_bubble_fraction"]
+    bubble = "n/a" if bubble is None else f"{100 * bubble:.1f}%"
+    p2p = (f"{1e3 * m['pipeline_p2p_s']:.3f} ms per send" if m["pipeline_p2p_unpriced"] is None
+           else f"sends not priced: {m['pipeline_p2p_unpriced']}")
+    return (f"pipeline     {m['pipeline_schedule']}, {m['pipeline_microbatches']} micro-batches, bubble {bubble} "
+            f"(keep-all {100 * m['pipeline_ideal_bubble_fraction']:.1f}%), {p2p}; per stage: in flight "
+            f"{m['pipeline_in_flight_by_stage']}, peak bytes {m['pipeline_peak_bytes_by_stage']} of budget "
+            f"{m['pipeline_budget_bytes_by_stage']}")
+
+
 def format_one_line(record: RunRecord) -> str:
     m = record.metrics
     ratio = m.get("throughput_ratio")
@@ -131,6 +143,8 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         lines.append(line)
     if m.get("parallel_world_size") is not None:
         lines.append(layout_line(m))
+    if m.get("pipeline_schedule") is not None:
+        lines.append(pipeline_line(m))
     verdict = device_verdict(m)
     lines += [
         f"status       {record.status}" + (f": {record.failure_reason}" if record.failure_reason else "")

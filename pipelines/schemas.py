@@ -103,6 +103,8 @@ class HardwareSchema:
     source: str = ""
     sku: str = ""
     attention_kernels: dict[str, float] = field(default_factory=dict)
+    # Compute lost per second of overlapped FSDP collective (slackswap.hardware.Hardware); 0 = none.
+    collective_overlap_slowdown: float = 0.0
 
 
 @dataclass
@@ -142,6 +144,8 @@ class ParallelSchema:
     cp: int = 1
     ep: int = 1
     sp: bool = False
+    microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
 
 
 @dataclass

@@ -104,6 +104,10 @@ STATE_KEY = "writes_module_state"
 #: Graph meta of a captured graph: backward op -> the layers whose ops saved the tensors autograd unpacked
 #: for it (the checkpoint regions whose eager frames that unpack would re-run; `slackswap.pytorch_execution`).
 BACKWARD_FRAMES_KEY = "backward_frames"
+#: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
+#: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source
+#: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.
+WEIGHT_GRADS_KEY = "weight_gradients"
 
 #: Phase order `check_graph` enforces: forward and loss ops, then backward, then optimizer.
 _PHASE_RANK = {Phase.FORWARD: 0, Phase.LOSS: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}

@@ -11,7 +11,8 @@ the doc holds exactly that). A new metric is one `MetricSpec` here plus its comp
 Groups say which builder makes a metric and when a run has it: `simulation`, `static` and `run` in
 every metrics.json; `allocator` when the caching allocator is modelled; `traced` when the graph is
 traced from a real model; `node` when the run is on a node (conf/node); `layout` when the run is one
-rank of a parallel layout (conf/parallel, not `none`). A run has all of a group's
+rank of a parallel layout (conf/parallel, not `none`); `pipeline` when that layout has pipeline
+stages (parallel.pp > 1; per-stage figures are comma-separated, stage 0 first). A run has all of a group's
 metrics or none (unknown values are None, never absent).
 """
 
@@ -25,7 +26,7 @@ from slackswap.errors import ConfigError
 #: Kinds of value: a number (int or float), a boolean, or text. Any metric may also be None (null).
 KINDS = ("number", "bool", "text")
 #: Groups of metrics in the order a metrics.json is built; the first three are in every run.
-GROUPS = ("simulation", "static", "run", "allocator", "traced", "node", "layout")
+GROUPS = ("simulation", "static", "run", "allocator", "traced", "node", "layout", "pipeline")
 ALWAYS = ("simulation", "static", "run")
 
 
@@ -149,6 +150,28 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("layout_comm_backward_s", "s", "their ring time in backward (not in step_s)", group="layout"),
     MetricSpec("layout_comm_fabric", "text", "the fabric each group's ring runs on", "text", "layout"),
     MetricSpec("layout_comm_unpriced", "text", "why their time is not priced (null when priced)", "text", "layout"),
+    # A pipeline layout (slackswap.experiment.pipeline_run, slackswap.simulate.pipeline).
+    MetricSpec("pipeline_schedule", "text", "the stages' micro-batch order (1f1b)", "text", "pipeline"),
+    MetricSpec("pipeline_microbatches", "count", "micro-batches per step through the pipeline", group="pipeline"),
+    MetricSpec("pipeline_bubble_fraction", "ratio", "stages' idle share of the planned pipeline step",
+               group="pipeline", summary=True),
+    MetricSpec("pipeline_ideal_bubble_fraction", "ratio", "stages' idle share of the keep-all pipeline step",
+               group="pipeline"),
+    MetricSpec("pipeline_p2p_s", "s", "one boundary activation's send to the next stage", group="pipeline"),
+    MetricSpec("pipeline_p2p_unpriced", "text", "why sends cost 0 s (null when priced)", "text", "pipeline"),
+    MetricSpec("pipeline_in_flight_by_stage", "text", "micro-batches each stage holds at most (1F1B: p - i)",
+               "text", "pipeline"),
+    MetricSpec("pipeline_budget_bytes_by_stage", "text", "each stage's activation budget", "text", "pipeline"),
+    MetricSpec("pipeline_peak_bytes_by_stage", "text", "each stage's activation peak with its micro-batches in flight",
+               "text", "pipeline"),
+    MetricSpec("pipeline_keep_all_peak_bytes_by_stage", "text", "each stage's keep-all peak with its micro-batches "
+               "in flight", "text", "pipeline"),
+    MetricSpec("pipeline_forward_s_by_stage", "text", "each stage's planned forward of one micro-batch", "text",
+               "pipeline"),
+    MetricSpec("pipeline_backward_s_by_stage", "text", "each stage's planned backward of one micro-batch", "text",
+               "pipeline"),
+    MetricSpec("pipeline_static_bytes_by_stage", "text", "each stage's static training state per GPU", "text",
+               "pipeline"),
 )
 
 

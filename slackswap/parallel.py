@@ -15,8 +15,10 @@ under a layout (`slackswap.profile.build_graph(..., parallel=...)`, docs/profile
   off); it is accepted and changes nothing.
 - **cp** (context parallelism, Megatron-Core / ring attention, Liu et al. 2023): every rank holds s/cp
   of the sequence for the whole layer; attention exchanges K and V around a ring of cp ranks.
-- **pp** (pipeline parallelism): layers split into pp stages. Validated here; per-stage graphs are
-  not built yet (the profile rejects pp > 1).
+- **pp** (pipeline parallelism): layers split into pp stages, each one rank's graph of its layers
+  (`slackswap.profile.stages`); the step runs `microbatches` micro-batches through them in the
+  `pipeline_schedule` order (`slackswap.pipeline_stages`, `slackswap.simulate.pipeline`;
+  docs/pipeline_parallel.md).
 - **ep** (expert parallelism, GShard / Megatron-Core): an MoE model's experts split over ep ranks,
   each holding num_experts / ep experts and the tokens dispatched to them; all-to-all dispatch and
   combine (`slackswap.profile.moe`). ep must divide the experts and dp * cp; a dense model has ep 1.
@@ -36,6 +38,10 @@ from slackswap.errors import ConfigError, reject_unknown_fields
 from slackswap.model_config import ModelConfig
 
 DEGREES: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
+#: Pipeline schedules the step model runs (`slackswap.simulate.pipeline`).
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b",)
+#: The fields that only a pipeline (pp > 1) reads; a one-stage layout's `as_dict` leaves them out.
+PIPELINE_FIELDS: tuple[str, ...] = ("microbatches", "pipeline_schedule")
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class ParallelConfig:
     ep: int = 1
     #: Megatron sequence parallelism: shard the LayerNorm/dropout/residual activations by tp.
     sp: bool = False
+    #: Micro-batches per step through the pipeline (each of model.micro_batch_size); 1 without one.
+    microbatches: int = 1
+    #: The order each stage runs its micro-batches: `1f1b` (PipeDream-Flush, Megatron-LM's default).
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         for name in DEGREES:
@@ -62,6 +72,15 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name}", value, "must be an integer >= 1")
         if not isinstance(self.sp, bool):
             raise ConfigError("parallel.sp", self.sp, "must be true or false")
+        m = self.microbatches
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ConfigError("parallel.microbatches", m, "must be an integer >= 1")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError("parallel.pipeline_schedule", self.pipeline_schedule,
+                              f"must be one of {list(PIPELINE_SCHEDULES)} (interleaved 1F1B is not modelled yet)")
+        if self.pp == 1 and m != 1:
+            raise ConfigError("parallel.microbatches", m,
+                              "micro-batches run through a pipeline; with parallel.pp=1 set 1")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ParallelConfig:
@@ -85,7 +104,12 @@ class ParallelConfig:
         return self.tp if self.sp else 1
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; a one-stage layout leaves out the pipeline's (its dict is what it always was)."""
+        data = asdict(self)
+        if self.pp == 1:
+            for name in PIPELINE_FIELDS:
+                data.pop(name)
+        return data
 
     def check_model(self, model: ModelConfig) -> None:
         """Reject a layout that does not divide `model`: one ConfigError naming the field and value."""

@@ -38,9 +38,10 @@ class Grads(TrainerCallback):
         self.steps.append([p.grad.detach().clone() for p in model.parameters()])
 
 
-def _train(kind: str, tmp_path, plan: dict | None, steps: int = 3, accumulation: int = 1):
+def _train(kind: str, tmp_path, plan: dict | None, steps: int = 3, accumulation: int = 1, **args: object):
     grads = Grads()
-    trainer = ex["make_trainer"](kind, str(tmp_path / ("plan" if plan else "plain")), steps, accumulation, [grads])
+    trainer = ex["make_trainer"](kind, str(tmp_path / ("plan" if plan else "plain")), steps, accumulation, [grads],
+                                 **args)
     lines: list[str] = []
     planned = plan_for(trainer, printer=lines.append, **plan) if plan is not None else None
     trainer.train()
@@ -85,6 +86,19 @@ def test_gradient_accumulation_under_the_plan_is_bit_exact(tmp_path) -> None:
     planned = _train("llama", tmp_path, {"budget": 0.5}, steps=2, accumulation=2)
     _assert_same_training(plain, planned)
     assert planned[2].steps == 4  # one planned step per micro-batch
+
+
+@pytest.mark.slow
+def test_bf16_trainer_steps_under_the_plan_are_bit_exact_within_budget(tmp_path) -> None:
+    """`bf16=True`: Accelerate's autocast wraps the prepared model's forward and the plan is captured
+    through it (its keep-all peak below the fp32 capture's)."""
+    plain = _train("llama", tmp_path, None, bf16=True)
+    planned = _train("llama", tmp_path, {"budget": 0.5}, bf16=True)
+    assert planned[4].accelerator.mixed_precision == "bf16"
+    _assert_same_training(plain, planned)
+    _assert_predicted_and_within_budget(planned[2], planned[3])
+    fp32 = _train("llama", tmp_path / "fp32", {"budget": 0.5}, steps=1)
+    assert planned[2].planned.keep_all_peak_bytes < fp32[2].planned.keep_all_peak_bytes
 
 
 @pytest.mark.slow
@@ -163,3 +177,26 @@ def test_a_compute_loss_that_calls_the_model_twice_is_refused(tmp_path) -> None:
         trainer.train()
     assert trainer.state.global_step == 0
     assert "forward" not in trainer.model.__dict__  # the capture's keyword call undone
+
+
+@pytest.mark.slow
+def test_the_trainer_asked_for_fsdp2_on_two_cpu_ranks_is_refused_in_one_line(tmp_path) -> None:
+    """Two CPU processes (gloo, tests/hf_fsdp2_worker.py): `fsdp_config={"fsdp_version": 2}` leaves
+    Accelerate at MULTI_CPU and the Trainer trains in DDP, so `plan_for` refuses it naming that; a
+    model sharded with `fully_shard` before the Trainer fails in the Trainer's own DDP wrap."""
+    import json
+    import subprocess
+    import sys
+
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "hf_fsdp2_worker.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (r["distributed_type"], r["is_fsdp2"], r["trained_in"]) == ("MULTI_CPU", "False",
+                                                                          "DistributedDataParallel")
+        assert r["refused"] == ("accelerator.distributed_type='MULTI_CPU': on the CPU the Trainer wraps the model in "
+                                "DDP (Accelerate ignores fsdp_version=2 there), which a plan does not run under; "
+                                "for FSDP2 use slackswap.integrations.accelerate.plan_for in an Accelerate loop")
+        assert "got mixed torch.Tensor and DTensor" in r["presharded_error"]

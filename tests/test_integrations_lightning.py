@@ -89,3 +89,32 @@ def test_manual_optimization_is_refused_before_the_first_step() -> None:
     with pytest.raises(IntegrationError, match=r"^LightningModule.automatic_optimization=False"):
         trainer.fit(Manual(), data)
     assert trainer.global_step == 0
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_under_model_parallel_strategy_train_bit_exact(tmp_path) -> None:
+    """Two CPU processes (gloo, tests/lightning_fsdp2_worker.py): `ModelParallelStrategy` with
+    `fully_shard` in `configure_model`, three AdamW steps plain and with the callback at half each
+    rank's keep-all peak; the DDP strategy and an unsharded model refused in one line before the first step."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port for the strategy's TCP rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "lightning_fsdp2_worker.py"), str(tmp_path),
+                           port, "0.5"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["sharded"] == ["DTensor"] and r["graph"].endswith(f".rank{rank}of2") and r["restored"]
+        assert r["same_losses"] == [True] * 3 and r["same_grads"] == [True] * 3 and r["steps"] == 3
+        assert r["measured_peak_bytes"] == [r["predicted_peak_bytes"]]
+        assert r["predicted_peak_bytes"] <= r["budget_bytes"] < r["keep_all_peak_bytes"]
+        assert "swap" in r["decisions"] or "recompute" in r["decisions"]
+        assert r["refused_ddp"].startswith("model='DistributedDataParallel': DDP's bucketed all-reduce")
+        assert r["refused_unsharded"] == ("Trainer.world_size=2: several processes run a plan only on an FSDP2 model: "
+                                          "ModelParallelStrategy with fully_shard in configure_model")

@@ -222,8 +222,8 @@ def test_world_size_must_match_the_gpus_given():
     assert str(err.value) == "advise.gpus=16: is not parallel dp*tp*pp*cp = 2*8*1*2 = 32"
 
 
-def test_pipeline_stages_are_rejected_by_the_profile_not_silently_ignored():
-    with pytest.raises(ConfigError, match=r"^parallel.pp=2: per-stage graphs are not built yet"):
+def test_a_pipeline_is_not_one_graph_the_profile_says_so():
+    with pytest.raises(ConfigError, match=r"^parallel.pp=2: a pipeline's graphs are one per stage"):
         build_graph(preset_model("llama7b", num_layers=2), HW, parallel=ParallelConfig(pp=2))
 
 

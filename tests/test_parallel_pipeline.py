@@ -37,6 +37,27 @@ def test_run_prints_one_ranks_figures(tmp_path, monkeypatch, capsys) -> None:
 
 
 @pytest.mark.slow
+def test_a_pipeline_run_reports_each_stage(tmp_path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "run"
+    code = _in_process(
+        monkeypatch, tmp_path, "model=llama7b", "parallel=pp4", "parallel.microbatches=6",
+        "hardware=a100_80gb_sxm_pcie4", "node=dgx_a100", "tracking=off", f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert [line for line in out.splitlines() if line.startswith("pipeline ")][0].startswith(
+        "pipeline     1f1b, 6 micro-batches, bubble "), out
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["pipeline_in_flight_by_stage"] == "4,3,2,1"
+    peaks = [int(v) for v in metrics["pipeline_peak_bytes_by_stage"].split(",")]
+    budgets = [int(v) for v in metrics["pipeline_budget_bytes_by_stage"].split(",")]
+    assert all(p <= b for p, b in zip(peaks, budgets, strict=True)) and max(peaks) == metrics["peak_activation_bytes"]
+    assert metrics["pipeline_p2p_unpriced"] is None and metrics["pipeline_p2p_s"] > 0  # NVLink inside the node
+    assert metrics["tokens_per_step"] == 2048 * 6 // 4
+    assert metrics["pipeline_bubble_fraction"] >= 3 / 9 - 0.05  # near (p-1)/(m+p-1), stages unequal
+
+
+@pytest.mark.slow
 def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> None:
     run_dir = tmp_path / "run"
     code = _in_process(monkeypatch, tmp_path, "model=tiny", "tracking=off", f"hydra.run.dir={run_dir}")
@@ -53,6 +74,11 @@ def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> Non
         (["parallel.tp=16", "model.num_kv_heads=8"], "error: parallel.tp=16: does not divide model.num_kv_heads=8"),
         (["parallel.cp=3"], "error: parallel.cp=3: does not divide model.seq_len=2048"),
         (["parallel.pp=3"], "error: parallel.pp=3: does not divide model.num_layers=32"),
+        (["parallel.pp=3", "parallel.microbatches=6"], "error: parallel.pp=3: does not divide model.num_layers=32"),
+        (["parallel.microbatches=4"],
+         "error: parallel.microbatches=4: micro-batches run through a pipeline; with parallel.pp=1 set 1"),
+        (["parallel=pp4", "parallel.pipeline_schedule=zero_bubble"],
+         "error: parallel.pipeline_schedule='zero_bubble': must be one of ['1f1b']"),
         (["parallel.ep=2"], "error: parallel.ep=2: does not divide the experts of 'llama7b' (a dense model)"),
         (["parallel.dp=0"], "error: parallel.dp=0: must be an integer >= 1"),
         (["parallel.tpp=2"], "error: parallel.tpp: no such key in parallel"),

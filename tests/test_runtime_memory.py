@@ -4,7 +4,8 @@ For every planner at 30 / 50 / 70 % of the keep-all peak on `hf_gpt2_2l`, `tiny_
 their presets) and 2-layer Hugging Face BERT and Llama (built from their config classes), every plan
 the planner returns runs for real on the CPU, and the runtime's ledger of every device storage of a
 graph tensor (`RunReport.device_peak_bytes`: activations, the model's temporaries, activation
-gradients, recomputed and prefetched copies) equals the simulator's `peak_activation_bytes` to the
+gradients, recomputed and prefetched copies; not the weight gradients, which are model state in every
+graph, docs/memory.md, and measured apart to the byte) equals the simulator's `peak_activation_bytes` to the
 byte, on a host link that takes no time (on the CPU a copy has arrived when it is issued), and is at
 most the budget for every plan of every planner but swap_only, whose prefetches only fit the budget
 on the simulated hardware's link (see the test). What makes it exact: the captured graph carries the
@@ -25,6 +26,7 @@ torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
 from slackswap.errors import InfeasibleBudgetError  # noqa: E402
+from slackswap.graph import WEIGHT_GRADS_KEY  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.planners.registry import available_planners, get_planner  # noqa: E402
 from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
@@ -112,3 +114,7 @@ def test_keep_all_measured_peak_equals_the_simulated_peak() -> None:
     _, _, report = run_step(c.workload, plan, c.graph)
     assert report.device_peak_bytes == simulate(c.graph, plan, instant_link(h200()), None).peak_activation_bytes
     assert report.device_peak_bytes == c.keep_all_peak_bytes
+    # The weight gradients: not in that peak, measured apart, the graph's model-state term to the byte.
+    grads = dict(c.graph.meta[WEIGHT_GRADS_KEY])
+    assert grads and not set(grads) & set(c.graph.tensors)
+    assert report.weight_grad_peak_bytes == sum(grads.values()) == c.graph.weight_grad_bytes > 0

@@ -144,6 +144,8 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
     from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
 
     timings = {} if timings is None else timings
+    if spec.parallel.pp > 1:
+        return run_pipeline(spec, timings)
     base, hit = load_baseline(spec)
     timings["profile_s"] = 0.0 if hit else base.profile_wall_s
     timings["ideal_sim_s"] = 0.0 if hit else base.ideal_sim_wall_s
@@ -196,6 +198,46 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
         return done
     reason = f"simulator: {fitted.result.infeasible_reason}"
     return outcome(Verdict.INFEASIBLE, reason, simulation, budget_bytes, fitted)
+
+
+def run_pipeline(spec: RunSpec, timings: dict[str, float]) -> RunOutcome:
+    """A pipeline layout's run: each stage planned under its own budget, the step the pipeline's
+    (`slackswap.experiment.pipeline_run`). The outcome's graph, plan and simulation are stage 0's
+    (the stage that holds the most micro-batches); metrics.json adds the `pipeline` group."""
+    from slackswap.experiment import pipeline_run as pr
+    from slackswap.node import pinned_reason
+
+    t0 = time.perf_counter()
+    stages = pr.build_stages(spec)
+    timings["profile_s"] = time.perf_counter() - t0
+    timings["ideal_sim_s"] = 0.0  # inside profile_s: each stage's keep-all run sizes its budget
+    out = pr.plan_pipeline(spec, stages)
+    timings["plan_s"], timings["sim_s"] = out.plan_wall_s, out.sim_wall_s
+    base = pr.stage_baseline(stages[0], timings["profile_s"], 0.0)
+    simulation = pr.pipeline_simulation_metrics(spec, out)
+    first = out.stages[0]
+    metrics = run_metrics(spec, base, stages[0].capacity, simulation, first.fitted)
+    fits, headroom = pr.stage_fits(out)
+    metrics["fits_device"] = False if fits is None and spec.budget.device else fits
+    metrics["headroom_bytes"] = headroom
+    metrics["device_peak_activation_bytes"] = simulation["peak_activation_bytes"]
+    # Per GPU: the average stage's FLOPs over the step's m micro-batches.
+    flops = spec.parallel.microbatches * sum(model_flops(s.graph) for s in stages) / len(stages)
+    metrics["model_flops"] = flops
+    metrics["tokens_per_s"] = tokens_per_s(spec.tokens_per_step, simulation["step_s"])
+    metrics["mfu"] = mfu(flops, simulation["step_s"], spec.hardware, spec.model.dtype)
+    metrics["ideal_tokens_per_s"] = tokens_per_s(spec.tokens_per_step, simulation["ideal_step_s"])
+    metrics["ideal_mfu"] = mfu(flops, simulation["ideal_step_s"], spec.hardware, spec.model.dtype)
+    metrics |= pr.pipeline_metrics(spec, out, stages)
+    check_metrics(metrics)
+    fitted, result = first.fitted, None if first.fitted is None else first.fitted.result
+    pinned = simulation["host_pinned_bytes"]
+    pinned = None if spec.node is None or pinned is None else pinned_reason(spec.node, int(pinned))
+    if out.reason or pinned is not None:
+        metrics["feasible"] = False
+        return RunOutcome(Verdict.INFEASIBLE, out.reason or pinned, metrics, timings, base,
+                          metrics["budget_bytes"], None if fitted is None else fitted.plan, result, fitted)
+    return RunOutcome(Verdict.OK, "", metrics, timings, base, metrics["budget_bytes"], fitted.plan, result, fitted)
 
 
 def alone_throughput(spec: RunSpec, base: Baseline, budget_bytes: int) -> float | None:
@@ -266,7 +308,7 @@ def layout_metrics(spec: RunSpec, graph: Graph) -> dict[str, Any]:
     """One rank's layout figures (no keys for one full replica): the degrees, the largest per-layer saved
     bytes, and the collectives the layout adds with their ring time on the node's fabrics (not part of
     `step_s`: the simulated step does not wait on them; `slackswap.profile.collectives`)."""
-    from slackswap.parallel import NO_PARALLELISM
+    from slackswap.parallel import DEGREES, NO_PARALLELISM
     from slackswap.profile import layout_collectives
     from slackswap.profile.collectives import price
 
@@ -282,7 +324,8 @@ def layout_metrics(spec: RunSpec, graph: Graph) -> dict[str, Any]:
     for t in graph.saved_tensors:
         if t.layer >= 0:
             saved[t.layer] = saved.get(t.layer, 0) + t.size_bytes
-    return {f"parallel_{k}": v for k, v in spec.parallel.as_dict().items()} | {
+    degrees = {k: getattr(spec.parallel, k) for k in (*DEGREES, "sp")}  # the pipeline's own: `pipeline_*`
+    return {f"parallel_{k}": v for k, v in degrees.items()} | {
         "parallel_world_size": spec.parallel.world_size,
         "rank_layer_saved_bytes": max(saved.values()) if saved else 0,
         "layout_collectives": comm.count,

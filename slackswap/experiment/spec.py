@@ -106,9 +106,6 @@ class RunSpec:
         training = TrainingConfig.from_dict(config.get("training") or {})
         parallel = ParallelConfig.from_dict(config.get("parallel"))
         parallel.check_model(model_config)
-        if parallel.pp != 1:
-            raise ConfigError("parallel.pp", parallel.pp,
-                              "per-stage graphs are not built yet (issue 43, item 2); set 1")
         if parallel != NO_PARALLELISM and source != "analytic":
             raise ConfigError("parallel", parallel.as_dict(), "per-rank graphs are analytic; the torch source traces "
                               "one full replica (use parallel=none or an analytic model preset)")
@@ -148,8 +145,8 @@ class RunSpec:
 
     @property
     def tokens_per_step(self) -> int | float:
-        """Tokens one GPU processes per step: micro-batch x sequence length, shared by the tp x cp ranks
-        that work on one micro-batch together under a parallel layout."""
-        tokens = self.model.micro_batch_size * self.model.seq_len
-        shared = self.parallel.tp * self.parallel.cp
+        """Tokens one GPU processes per step: micro-batch x sequence length (x the pipeline's
+        micro-batches), shared by the tp x cp (x pp) ranks that work on them together under a layout."""
+        tokens = self.model.micro_batch_size * self.model.seq_len * self.parallel.microbatches
+        shared = self.parallel.tp * self.parallel.cp * self.parallel.pp
         return tokens // shared if tokens % shared == 0 else tokens / shared

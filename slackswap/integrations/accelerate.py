@@ -12,6 +12,7 @@ accumulation steps, then `backward()`), under the plan, which is made at the fir
 batch (`slackswap.integrations.step.PlannedStep`). The first step's measured peak goes to
 `accelerator.log` (the trackers the user started) beside the prediction. Why a call and not a plugin:
 Accelerate's plugins configure distributed back-ends; none brackets one step's forward and backward.
+In several processes each rank plans its own step of an FSDP2 model (`check_accelerator`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from slackswap.integrations.distributed import check_processes, is_fsdp2
 from slackswap.integrations.planning import IntegrationError, StepPlan
 from slackswap.integrations.step import PlannedStep
 from slackswap.integrations.verify import Tolerances
@@ -31,13 +33,19 @@ def model_loss(outputs: object, batch: object) -> torch.Tensor:
     return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
 
 
-def check_accelerator(accelerator: Any) -> None:
-    """Refuse, in one line, the Accelerate settings a plan cannot run under."""
+def check_accelerator(accelerator: Any, model: torch.nn.Module, executor: str = "runtime") -> None:
+    """Refuse, in one line, the Accelerate settings a plan cannot run under. Several processes run a
+    plan only on an FSDP2 model (`slackswap.integrations.distributed`): Accelerate's FSDP plugin at
+    `fsdp_version=2` makes one on CUDA; on the CPU, Accelerate 1.16 ignores the plugin
+    (`distributed_type` stays MULTI_CPU and `prepare` wraps the model in DDP), so there the user shards
+    the model with `fully_shard` and leaves it out of `prepare`."""
     distributed = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     if distributed != "NO":
-        raise IntegrationError("accelerator.distributed_type", distributed,
-                               "this plan runs one process on one device; for FSDP2 run "
-                               "slackswap.integrations.step.PlannedStep on the fully_shard model")
+        check_processes(model, executor)  # DDP (what `prepare` makes under MULTI_*), FSDP1, DeepSpeed
+        if not is_fsdp2(model):
+            raise IntegrationError("accelerator.distributed_type", distributed,
+                                   "several processes run a plan only on an FSDP2 model: Accelerate's FSDP plugin "
+                                   "with fsdp_version=2, or fully_shard the model and leave it out of prepare")
     if getattr(accelerator, "scaler", None) is not None:
         raise IntegrationError("accelerator.mixed_precision", "fp16", "fp16 loss scaling is not supported; use bf16")
 
@@ -81,7 +89,7 @@ def plan_for(accelerator: Any, model: torch.nn.Module, budget: object = 0.5, *,
     verified figures go to `accelerator.log`, and to the active MLflow run when the user has one and
     the accelerator has no mlflow tracker already taking them there."""
     tolerances = Tolerances(peak_tolerance, step_tolerance)
-    check_accelerator(accelerator)
+    check_accelerator(accelerator, model, executor)
     planned = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer,
                           tolerances=tolerances,
                           reports_to_mlflow=lambda: any(getattr(t, "name", None) == "mlflow"

@@ -67,6 +67,19 @@ class _ModelStandIn:
         return getattr(self._model, name)
 
 
+#: Why the Trainer in several processes is refused, by Accelerate's distributed type (measured with
+#: transformers 5.24, accelerate 1.16: on the CPU, `fsdp=True, fsdp_config={"fsdp_version": 2}` leaves
+#: MULTI_CPU and the Trainer wraps the model in DDP; a model sharded with `fully_shard` before the
+#: Trainer fails in that DDP wrap, "aten.cat.default got mixed torch.Tensor and DTensor").
+_SEVERAL = {
+    "MULTI_CPU": "on the CPU the Trainer wraps the model in DDP (Accelerate ignores fsdp_version=2 there), which "
+                 "a plan does not run under",
+    "MULTI_GPU": "the Trainer wraps the model in DDP, which a plan does not run under",
+    "FSDP": "the Trainer's FSDP is not tested with a plan (Accelerate enables it only off the CPU)",
+    "NO": "the Trainer's plan runs one process on one device",
+}
+
+
 def check_trainer(trainer: Any, executor: str) -> None:
     """Refuse, in one line, the trainer settings a plan cannot run under."""
     args, model = trainer.args, trainer.model
@@ -83,8 +96,8 @@ def check_trainer(trainer: Any, executor: str) -> None:
     distributed = str(trainer.accelerator.distributed_type).rsplit(".", 1)[-1]
     if distributed != "NO" or args.n_gpu > 1:
         raise IntegrationError("accelerator.distributed_type", distributed if distributed != "NO" else
-                               f"n_gpu={args.n_gpu}", "the Trainer's plan runs one process on one device; for "
-                               "FSDP2 run slackswap.integrations.step.PlannedStep in your own loop")
+                               f"n_gpu={args.n_gpu}", f"{_SEVERAL.get(distributed, _SEVERAL['NO'])}; for FSDP2 "
+                               "use slackswap.integrations.accelerate.plan_for in an Accelerate loop")
     if getattr(trainer.accelerator, "scaler", None) is not None:
         raise IntegrationError("TrainingArguments.fp16", True, "fp16 loss scaling is not supported; use bf16")
     if "lomo" in str(args.optim).lower():

@@ -18,8 +18,10 @@ first step's figures go to the trainer's loggers (`log_metrics`).
 
 Not supported: tensors logged with `self.log` inside `training_step` (Lightning's first log creates
 its metric state, an ATen sequence no later step repeats: the runtime stops the step with a
-`PlanMismatchError`), manual optimization, an overridden `optimizer_zero_grad`, more than one
-device, 16-bit precision with a scaler.
+`PlanMismatchError`), manual optimization, an overridden `optimizer_zero_grad`, several processes
+on a model that is not FSDP2 (DDP, FSDP1 by name), 16-bit precision with a scaler. Several processes
+on an FSDP2 model (`ModelParallelStrategy`, `fully_shard` in `configure_model`): each rank plans its
+own step (`slackswap.integrations.distributed`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from slackswap.integrations.distributed import check_processes, is_fsdp2
 from slackswap.integrations.planning import IntegrationError, StepPlan
 from slackswap.integrations.step import PlannedStep
 from slackswap.integrations.verify import Tolerances
@@ -81,10 +84,6 @@ class PlanCallback:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        if trainer.world_size > 1:
-            raise IntegrationError("Trainer.world_size", trainer.world_size,
-                                   "this plan runs one process on one device; for FSDP2 run "
-                                   "slackswap.integrations.step.PlannedStep in your own loop")
         if not pl_module.automatic_optimization:
             raise IntegrationError("LightningModule.automatic_optimization", False,
                                    "the plan brackets Lightning's automatic training step and backward")
@@ -94,6 +93,14 @@ class PlanCallback:
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         from lightning.pytorch import LightningModule
 
+        if trainer.world_size > 1:
+            # Here and not in `setup`: the strategy has wrapped (DDP, FSDP1) or sharded (FSDP2, in
+            # `configure_model`) the module only now.
+            check_processes(trainer.strategy.model, self.planned.executor)
+            if not is_fsdp2(pl_module):
+                raise IntegrationError("Trainer.world_size", trainer.world_size,
+                                       "several processes run a plan only on an FSDP2 model: ModelParallelStrategy "
+                                       "with fully_shard in configure_model")
         if type(pl_module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad:
             raise IntegrationError("LightningModule.optimizer_zero_grad", "overridden",
                                    "Lightning calls it between training_step and backward, inside the planned step")

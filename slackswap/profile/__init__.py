@@ -58,10 +58,11 @@ def default_training(dtype: str) -> TrainingConfig:
 
 
 def _stack_layout(parallel: ParallelConfig | None) -> ParallelConfig:
-    """The layout, once checked that this profile builds its graph: pipeline stages are not built yet."""
+    """The layout, once checked that this profile builds its graph: a pipeline's are one per stage."""
     parallel = NO_PARALLELISM if parallel is None else parallel
     if parallel.pp != 1:
-        raise ConfigError("parallel.pp", parallel.pp, "per-stage graphs are not built yet (issue 43, item 2); set 1")
+        raise ConfigError("parallel.pp", parallel.pp, "a pipeline's graphs are one per stage: "
+                          "slackswap.profile.stages.build_stage_graph")
     return parallel
 
 

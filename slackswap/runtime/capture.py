@@ -26,6 +26,7 @@ from slackswap.graph import (
     NO_LAYER,
     REWRITTEN_KEY,
     STATE_KEY,
+    WEIGHT_GRADS_KEY,
     Graph,
     Op,
     OpClass,
@@ -296,6 +297,8 @@ def capture_graph(
         loss.backward()
         recorder.poll_releases()
         del loss
+    # Outside the modes: reading a gradient (a DTensor's `to_local`) must add no op to the step.
+    weight_grads = _weight_gradients(model, numbering, recorder)
     for p in model.parameters():
         p.grad = None
 
@@ -306,7 +309,8 @@ def capture_graph(
     roles = _roles(recorder.ops)
     ops = tuple(
         Op(name=op_name, phase=op["phase"], op_class=op["op_class"], layer=op["layer"],
-           inputs=tuple(op["inputs"]), outputs=tuple(op["outputs"]), flops=op["flops"],
+           inputs=tuple(t for t in op["inputs"] if t not in weight_grads),
+           outputs=tuple(t for t in op["outputs"] if t not in weight_grads), flops=op["flops"],
            moved_bytes=op["moved"], duration_s=_duration_s(op, hardware), forward_op=op["forward_op"],
            role=roles[i])
         for i, (op_name, op) in enumerate(recorder.ops.items())
@@ -316,7 +320,7 @@ def capture_graph(
         t: Tensor(name=t, size_bytes=info["size"], producer=info["producer"], consumers=tuple(info["consumers"]),
                   layer=info["layer"], saved=t in saved, role=str(info["dtype"]).removeprefix("torch."),
                   held_until=held.get(t, ""))
-        for t, info in recorder.tensors.items()
+        for t, info in recorder.tensors.items() if t not in weight_grads
     }
     layers = {op.layer for op in ops if op.layer != NO_LAYER}
     meta = {
@@ -329,6 +333,7 @@ def capture_graph(
         "packed_never_read": never_read,
         "weight_bytes_from_params": sum(p.numel() * p.element_size() for p in model.parameters()),
         "hardware": hardware.name,
+        WEIGHT_GRADS_KEY: weight_grads,
         **({REWRITTEN_KEY: recorder.rewritten} if recorder.rewritten else {}),
         **({STATE_KEY: recorder.state_writes} if recorder.state_writes else {}),
         BACKWARD_FRAMES_KEY: {op: sorted(f) for op, f in recorder.backward_frames.items()},
@@ -336,6 +341,24 @@ def capture_graph(
     weight_bytes = int(meta["weight_bytes_from_params"])
     return Graph(name=name, ops=ops, tensors=tensors, num_layers=max(len(layers), 1),
                  weight_bytes=weight_bytes, weight_grad_bytes=weight_bytes, meta=meta)
+
+
+def _weight_gradients(model: torch.nn.Module, numbering: OpNumbering, recorder: _Recorder) -> dict[str, int]:
+    """Graph tensor -> bytes, for each parameter's gradient storage the step made. A weight gradient is
+    model state (`Graph.weight_grad_bytes`), not an activation, as in the traced graph
+    (`profile.torch.tracer`): the captured graph leaves these out of its tensors and ops, so the same
+    decisions cost the same activation bytes on both graphs, and lists them (`WEIGHT_GRADS_KEY`) so the
+    runtime recognises them in its step. A storage the step made that becomes a gradient is one,
+    whatever read it before (a gradient AccumulateGrad took over without a copy)."""
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        grad = p.grad
+        if grad is not None and hasattr(grad, "to_local"):
+            grad = grad.to_local()  # a DTensor gradient (FSDP2): its local shard's storage
+        name = numbering.name_of(grad) if grad is not None else None
+        if name is not None and name in recorder.tensors:
+            out[name] = int(recorder.tensors[name]["size"])
+    return out
 
 
 def _held_until(recorder: _Recorder) -> dict[str, str]:

@@ -5,7 +5,10 @@ copies of every tensor (activations, the model's temporaries, activation gradien
 copies and prefetched copies. Two sums are kept: every tracked storage (`device_peak_bytes`, what
 the simulator's `peak_activation_bytes` predicts) and the copies of saved tensors only
 (`peak_bytes`, what the saved-bytes simulation of `runtime.compare` predicts). Weights, their
-gradients, optimizer state and the input batch are not graph tensors and are not counted. `poll`
+gradients, optimizer state and the input batch are not graph tensors and are not in either sum
+(docs/memory.md: one definition of an activation). The weight gradients the step makes are model
+state, measured apart (`track_weight_grad`, `weight_grad_peak_bytes`: the graph's
+`WEIGHT_GRADS_KEY` bytes). `poll`
 drops the storages that PyTorch has freed and records the sums of the rest; the runtime polls
 during every plan step (right after the op's kernels returned, when its inputs and outputs are both
 alive, the simulator's in-step moment) and after every transfer issue. So the peak is what was
@@ -40,6 +43,18 @@ class SavedBytesLedger:
         self.live_by_step: dict[int, frozenset[int]] = {}
         self.device_live_by_step: dict[int, frozenset[int]] = {}
         self._grew = False
+        #: The weight gradients' storages (model state): live ones by weak reference, their peak sum.
+        self._weight_grads: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.weight_grad_peak_bytes = 0
+
+    def track_weight_grad(self, storage: torch.UntypedStorage) -> None:
+        """Count `storage` (a parameter's gradient the step made) as model state while it lives."""
+        key = storage.data_ptr()
+        entry = self._weight_grads.get(key)
+        if entry is None or entry[0].expired():
+            self._weight_grads[key] = (StorageWeakRef(storage), storage.nbytes())
+        live = sum(n for ref, n in self._weight_grads.values() if not ref.expired())
+        self.weight_grad_peak_bytes = max(self.weight_grad_peak_bytes, live)
 
     def track(self, storage: torch.UntypedStorage, copy_id: int, saved: bool = True) -> None:
         """Count `storage` (a copy of graph tensor copy `copy_id`; `saved`: of a saved tensor) while it lives."""

@@ -8,13 +8,15 @@ captured graph by the scheduler every planner uses (`slackswap.schedule.build.bu
 in order, recompute chains right before their first backward reader, offload after the producer,
 ALAP prefetch), which is how the planners turn decisions into steps in the first place.
 
-The same decisions do not cost the same bytes on both graphs (the captured step holds every weight
-gradient from the backward op that makes it to the end of the step, the traced one counts none as
-an activation; the positions differ), so a plan moved across is re-checked against its budget on the
-captured graph: the replayed peak (`slackswap.schedule.replay.estimate_plan`, which the simulator
-agrees with) must fit. Over it, the plan is made again on the captured graph when a planner is
-given, else refused (`InfeasibleBudgetError` with both peaks): before, translated plans overran their
-budget by 1.3-2.3 % silently (13 % on a small Qwen3 shape).
+Both graphs count the same bytes as activations (docs/memory.md: a weight gradient is model state in
+both; the captured graph used to count every one, held from the backward op that makes it to the
+step's end, and translated plans overran their budget by up to 160 % on 2-layer shapes). Keep-all,
+the two graphs now peak at the same byte. The same decisions can still cost other bytes at the
+captured graph's finer positions (a prefetch placed on other ops), so a plan moved across is
+re-checked against its budget on the captured graph: the replayed peak
+(`slackswap.schedule.replay.estimate_plan`, which the simulator agrees with) must fit. Over it, the
+plan is made again on the captured graph when a planner is given, else refused
+(`InfeasibleBudgetError` naming both peaks and the overrun in bytes).
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ def plan_on_captured(plan: Plan, traced: Graph, captured: Graph, hardware: Hardw
     within `plan.budget_bytes`. Over the budget: `planner`'s own plan of `captured` at that budget (its
     notes say why; any object with `plan(graph, hardware, budget_bytes)`, a planner of the registry:
     the runtime sits below the planners), or without a planner `InfeasibleBudgetError` naming both
-    peaks. Named error on a mismatch of the saved tensors."""
+    peaks and the overrun in bytes. Named error on a mismatch of the saved tensors' names (their bytes
+    may differ: a plan of another shape is over its budget, or not, by the bytes of this run).
+
+    The check is the replay's peak, which no plan waits for memory in; a plan that relies on waiting
+    (`swap_only` with `memory_waits`) can be refused here though the simulator would run it within
+    its budget by waiting."""
     from slackswap.schedule.build import build_schedule
     from slackswap.schedule.replay import estimate_plan
 
@@ -60,10 +67,11 @@ def plan_on_captured(plan: Plan, traced: Graph, captured: Graph, hardware: Hardw
     peak = estimate_plan(captured, moved, hardware).peak_bytes
     if peak <= budget:
         return moved
+    made = estimate_plan(traced, plan, hardware).peak_bytes
     why = (f"plan {plan.planner!r} of graph {traced.name!r} peaks at {peak} B on the captured graph "
-           f"{captured.name!r}, over its budget {budget} B by {100 * (peak - budget) / budget:.1f} %: "
-           "the captured step holds what the traced one does not count (weight gradients to the step's end) "
-           "and runs the decisions at other positions")
+           f"{captured.name!r} ({made} B where it was made), over its budget {budget} B by {peak - budget} B "
+           f"({100 * (peak - budget) / budget:.2f} %): the captured graph runs the decisions at its own "
+           "positions (one op per ATen call) on the run's own tensor bytes")
     if planner is None:
         raise InfeasibleBudgetError(f"{why}; plan again on the captured graph (plan_on_captured(..., planner=...))")
     replanned = planner.plan(captured, hardware, budget)  # InfeasibleBudgetError: refused, with the planner's reason

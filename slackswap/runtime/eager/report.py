@@ -36,6 +36,9 @@ class RunReport:
     #: `peak_activation_bytes` on the same link; and the plan step where it was reached.
     device_peak_bytes: int = 0
     device_peak_step: int = -1
+    #: Peak of the weight gradients' storages the step made (model state, not in `device_peak_bytes`):
+    #: the graph's `WEIGHT_GRADS_KEY` bytes, all alive at the step's end.
+    weight_grad_peak_bytes: int = 0
     #: Per plan step, the copies of every graph tensor alive in it; when traced.
     device_live_by_step: dict[int, frozenset[int]] = field(default_factory=dict)
     #: Per plan step, the copies (ids into the plan's resolved schedule) alive in it; when traced.

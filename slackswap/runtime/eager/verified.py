@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
+from slackswap.graph import WEIGHT_GRADS_KEY
 from slackswap.plan import Decision, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import loss_boundary
@@ -59,6 +60,8 @@ class _VerifiedStep(TorchDispatchMode):
         self.identities = StorageIdentities(self.model)
         self.numbering = OpNumbering(self.identities)
         self.ledger = SavedBytesLedger(self.trace)
+        #: The step's weight gradients (name -> bytes): model state, not graph tensors (`capture`).
+        self._weight_grads: dict[str, int] = dict(self.graph.meta.get(WEIGHT_GRADS_KEY) or {})
         self.report = RunReport()
         self.pos = 0
         self.current: int | None = None
@@ -112,6 +115,7 @@ class _VerifiedStep(TorchDispatchMode):
             self.report.ledger_peak_step = self.ledger.peak_step
             self.report.device_peak_bytes = self.ledger.device_peak_bytes
             self.report.device_peak_step = self.ledger.device_peak_step
+            self.report.weight_grad_peak_bytes = self.ledger.weight_grad_peak_bytes
             self.report.live_by_step = self.ledger.live_by_step
             self.report.device_live_by_step = self.ledger.device_live_by_step
             self.report.aten_calls = self.numbering.calls
@@ -156,6 +160,9 @@ class _VerifiedStep(TorchDispatchMode):
         op = self.graph.op_by_name[begin.op]
         for index, name, t in self.numbering.end(func, out):
             nbytes = t.untyped_storage().nbytes()
+            if self._weight_grads.get(name) == nbytes:  # model state: counted apart from the activations
+                self.ledger.track_weight_grad(t.untyped_storage())
+                continue
             if name not in op.outputs or self.graph.tensors[name].size_bytes != nbytes:
                 raise PlanMismatchError(
                     f"ATen call {begin.op!r} made tensor {name!r} of {nbytes} bytes; graph "

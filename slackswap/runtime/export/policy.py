@@ -1,5 +1,6 @@
 """The export's decision per ATen call: the plan's decision of each tensor as a selective-checkpoint
-policy (`_RegionPolicy`), and the records of what it decided (`ExportDifference`, `StepRecord`)."""
+policy (`policy_for`, a pure function of the decisions, asked by `_RegionPolicy` per call), and the
+records of what it decided (`ExportDifference`, `StepRecord`)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,28 @@ class SavedCount:
     excluded: set[int] = field(default_factory=set)
 
 
+def policy_for(decisions: tuple[Decision, ...], *, random: bool = False, reads_old_version: bool = False,
+               held_by_reader: bool = False) -> CheckpointPolicy:
+    """The policy of one ATen call, from the plan's decisions of its outputs and three facts about it:
+    a pure function (like a JAX checkpoint policy), so the whole decision rule reads in one place.
+
+    Saved whatever the plan says: a random op (its replay would draw other numbers), an op whose output
+    a later reader reads at an older version (an in-place write follows), and a layer output another
+    layer reads (it stays alive as that reader's input; offloading or recomputing it only adds a copy).
+    Otherwise the most conservative of its outputs' decisions: keep over swap over recompute; an op
+    with no decided output (not a saved tensor of the plan) is left to PyTorch to recompute.
+    """
+    if random or reads_old_version or held_by_reader:
+        return CheckpointPolicy.MUST_SAVE
+    if not decisions:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if Decision.KEEP in decisions:
+        return CheckpointPolicy.MUST_SAVE
+    if Decision.SWAP in decisions:
+        return CheckpointPolicy.MUST_CPU_OFFLOAD
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
 class _RegionPolicy:
     """The SAC policy of one region call: names each op's outputs as the plan does, returns a policy."""
 
@@ -180,16 +203,8 @@ class _RegionPolicy:
         # A layer output another layer or an op outside reads stays alive as that reader's input: an
         # offload or a recompute of it would only add a copy (`_note_outputs` records it as saved).
         held = not self.compiled and any(self.export.facts().fixed_keep.get(n) == LAYER_OUTPUT for n in names)
-        if random or read_old or held:
-            policy = CheckpointPolicy.MUST_SAVE
-        elif not decided:
-            policy = CheckpointPolicy.PREFER_RECOMPUTE
-        elif any(d == Decision.KEEP for _, d in decided):
-            policy = CheckpointPolicy.MUST_SAVE
-        elif any(d == Decision.SWAP for _, d in decided):
-            policy = CheckpointPolicy.MUST_CPU_OFFLOAD
-        else:
-            policy = CheckpointPolicy.MUST_RECOMPUTE
+        policy = policy_for(tuple(d for _, d in decided), random=random, reads_old_version=read_old,
+                            held_by_reader=held)
         for n, _ in decided:
             self.export.record.applied[n] = policy
             if random:

@@ -1,0 +1,254 @@
+"""One run of a pipeline layout (parallel.pp > 1): every stage planned under its own budget, then the
+pipeline's step simulated over them (docs/pipeline_parallel.md).
+
+Per stage i of p (`slackswap.profile.stages.build_stage_graph`), holding k_i = min(p - i, m)
+micro-batches under 1F1B (`slackswap.pipeline_stages.in_flight_microbatches`):
+
+1. its keep-all plan simulated alone gives its keep-all pipeline peak, (k_i - 1) x what one
+   micro-batch holds after its forward + the micro-batch's own peak
+   (`slackswap.simulate.pipeline_stage.stage_peak_bytes`), and its static memory is its own
+   parameters' (the stage's layers, plus embedding or head);
+2. the run's budget resolves against those: a fraction of the stage's keep-all pipeline peak, an
+   absolute budget, or the stage's device capacity (`budget.device`). That is the stage's budget;
+3. the planner plans ONE micro-batch of the stage, and the simulator runs it, under planning budgets
+   from the stage's budget down to budget / k_i (`_plan_stage`): the first whose pipeline peak with
+   k_i micro-batches in flight is within the budget is the stage's plan. budget / k_i always is when
+   it plans at all (the k_i - 1 resident micro-batches hold no more than their peak each); a larger
+   planning budget swaps less when the resident bytes are small beside the transients;
+4. its forward, backward and tail times, and the prefetch wait before its backward that idle time
+   can hide, go to `slackswap.simulate.pipeline.simulate_pipeline` with m micro-batches and the p2p
+   send time of one boundary activation on the link between neighbouring stages.
+
+The step time is the pipeline's. The planners see one micro-batch: the copies they plan hide under
+that micro-batch's own compute, and the pipeline credits only the wait before the backward against
+the stage's bubble; copies of different micro-batches do not contend for the copy engines in this
+model. The milp bound is per micro-batch of a stage, so a pipeline run reports no bound
+(`bound_step_s` None): it does not cover pipelines yet. The simulation keys of metrics.json describe
+stage 0's rank over the step (it holds the most micro-batches): per-micro-batch sums x m, host
+bytes x k_0; `peak_activation_bytes`, `keep_all_peak_bytes` and `budget_bytes` are the largest
+stage's; the `pipeline_*` keys give each stage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from slackswap.errors import InfeasibleBudgetError
+from slackswap.experiment.baseline import Baseline
+from slackswap.experiment.fitting import FittedPlan, plan_and_simulate
+from slackswap.experiment.spec import RunSpec
+from slackswap.graph import Graph
+from slackswap.memory.static import DeviceCapacity, static_memory
+from slackswap.pipeline_stages import in_flight_microbatches
+from slackswap.simulate.pipeline import PipelineResult, StageTimes, simulate_pipeline
+from slackswap.simulate.pipeline_stage import stage_peak_bytes, stage_times
+from slackswap.simulate.result import SimResult
+
+#: Simulation keys that add up over the step's micro-batches (stage 0's rank runs m of them).
+_PER_MICROBATCH = ("recompute_s", "stall_s", "stall_prefetch_s", "stall_memory_s", "stall_offload_s", "pin_s",
+                   "compute_busy_s", "d2h_bytes", "h2d_bytes", "d2h_busy_s", "h2d_busy_s")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's graph, keep-all run, memory and (when planned) plan."""
+
+    index: int
+    graph: Graph
+    ideal: SimResult
+    in_flight: int
+    keep_all_peak_bytes: int
+    capacity: DeviceCapacity
+    budget_bytes: int | None = None
+    fitted: FittedPlan | None = None
+    peak_bytes: int | None = None
+
+
+def p2p_seconds(spec: RunSpec, boundary_bytes: int) -> tuple[float, str | None]:
+    """(seconds to send one boundary activation to the next stage, why it is unpriced or None).
+
+    Neighbouring stages are dp x tp x cp GPUs apart (Megatron-Core puts pp outermost): NVLink while
+    both sit in one node, else the network (`Topology.fabric_for`). No node, or stages that leave a
+    node without a network: 0 s, and the reason says so."""
+    if spec.node is None:
+        return 0.0, "no node given"
+    from slackswap.experiment.advise import topology_from_node
+
+    topology = topology_from_node(spec.node, spec.hardware)
+    par = spec.parallel
+    stride = par.dp * par.tp * par.cp
+    if stride + 1 > topology.gpus_per_node and topology.inter_node is None:
+        return 0.0, (f"neighbouring stages are {stride} GPUs apart; node {spec.node.name} has "
+                     f"{topology.gpus_per_node} GPUs and no network")
+    fabric = topology.fabric_for(2, stride=stride)
+    return fabric.latency_s + boundary_bytes / fabric.bus_bytes_per_s, None
+
+
+def build_stages(spec: RunSpec) -> list[Stage]:
+    """Every stage's graph, keep-all simulation, in-flight count, keep-all pipeline peak and capacity."""
+    from slackswap.profile.stages import build_stage_graph, stage_parameter_counts
+    from slackswap.simulate.metrics import simulate_ideal
+
+    par, m = spec.parallel, spec.parallel.microbatches
+    stages = []
+    for i in range(par.pp):
+        graph = build_stage_graph(spec.model, spec.hardware, spec.training, par, i)
+        ideal = simulate_ideal(graph, spec.hardware)
+        k = in_flight_microbatches(i, par.pp, m)
+        static = static_memory(*stage_parameter_counts(spec.model, par, i), spec.training, spec.model.dtype)
+        capacity = DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes, static)
+        stages.append(Stage(i, graph, ideal, k, stage_peak_bytes(graph, ideal, k), capacity))
+    return stages
+
+
+@dataclass(frozen=True)
+class PipelineOutcome:
+    """What `plan_pipeline` made of the stages: each planned, and the pipeline's step (None when a
+    stage had no feasible plan: `reason` names the stage and why)."""
+
+    stages: tuple[Stage, ...]
+    pipeline: PipelineResult | None
+    ideal_pipeline: PipelineResult
+    p2p_s: float
+    p2p_unpriced: str | None
+    reason: str
+    plan_wall_s: float
+    sim_wall_s: float
+
+
+def plan_pipeline(spec: RunSpec, stages: list[Stage]) -> PipelineOutcome:
+    """Plan and simulate each stage under its budget, then the pipeline step (module docstring)."""
+    from slackswap.profile.stages import boundary_bytes
+
+    m = spec.parallel.microbatches
+    p2p_s, unpriced = p2p_seconds(spec, boundary_bytes(stages[0].graph) if len(stages) > 1 else 0)
+    ideal_pipeline = simulate_pipeline([stage_times(s.graph, s.ideal) for s in stages], m, p2p_s)
+    planned, reason, plan_wall, sim_wall = [], "", 0.0, 0.0
+    for s in stages:
+        if spec.budget.device and not s.capacity.fits:
+            reason = (f"device memory: stage {s.index}: static training state "
+                      f"{s.capacity.static.total_bytes} bytes + reserve fill the device")
+            break
+        budget = spec.budget.resolve_bytes(s.keep_all_peak_bytes, s.capacity.activation_capacity_bytes)
+        fitted, why, walls = _plan_stage(spec, s, budget)
+        plan_wall += walls[0]
+        sim_wall += walls[1]
+        peak = None if fitted is None else stage_peak_bytes(s.graph, fitted.result, s.in_flight)
+        planned.append(Stage(**{**s.__dict__, "budget_bytes": budget, "fitted": fitted, "peak_bytes": peak}))
+        if fitted is None:
+            reason = f"stage {s.index} ({s.in_flight} micro-batches in flight, budget {budget} bytes): {why}"
+            break
+    pipeline = None
+    if not reason:
+        t0 = time.perf_counter()
+        pipeline = simulate_pipeline([stage_times(s.graph, s.fitted.result) for s in planned], m, p2p_s)
+        sim_wall += time.perf_counter() - t0
+    return PipelineOutcome(tuple(planned), pipeline, ideal_pipeline, p2p_s, unpriced, reason, plan_wall, sim_wall)
+
+
+#: Planning budgets tried per stage, as fractions of the way from budget to budget / in-flight (geometric).
+PLANNING_STEPS = 6
+
+
+def _plan_stage(spec: RunSpec, s: Stage, budget: int) -> tuple[FittedPlan | None, str, tuple[float, float]]:
+    """The plan of one micro-batch of stage `s` whose pipeline peak (`stage_peak_bytes`, k micro-batches
+    in flight) stays within `budget`: planning budgets from `budget` down to budget / k (the sound
+    floor, `slackswap.pipeline_stages.stage_budget_bytes`), geometrically, the first that plans and
+    simulates within it. (None, why, walls) when none does."""
+    k, plan_wall, sim_wall, why = s.in_flight, 0.0, 0.0, ""
+    steps = 1 if k == 1 else PLANNING_STEPS
+    for t in range(steps):
+        planning = budget if steps == 1 else int(budget * k ** (-t / (steps - 1)))
+        try:
+            fitted = plan_and_simulate(spec.planner, s.graph, spec.hardware, planning, spec.fit)
+        except InfeasibleBudgetError as exc:
+            why = f"planner: {exc.reason}"
+            continue
+        plan_wall += fitted.plan_wall_s
+        sim_wall += fitted.sim_wall_s
+        if not fitted.result.feasible:
+            why = f"simulator: {fitted.result.infeasible_reason}"
+            continue
+        peak = stage_peak_bytes(s.graph, fitted.result, k)
+        if peak <= budget:
+            return fitted, "", (plan_wall, sim_wall)
+        why = f"pipeline peak {peak} bytes with {k} micro-batches in flight over the budget"
+    tried = f"{steps} planning budgets from {budget} down to {budget // k} bytes; at the last, "
+    return None, (tried if steps > 1 else "") + why, (plan_wall, sim_wall)
+
+
+def stage_baseline(stage: Stage, profile_s: float, ideal_s: float) -> Baseline:
+    return Baseline(stage.graph, stage.ideal, profile_s, ideal_s)
+
+
+def pipeline_simulation_metrics(spec: RunSpec, out: PipelineOutcome) -> dict[str, Any]:
+    """The simulation keys of metrics.json for a pipeline run (module docstring says whose they are)."""
+    from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
+
+    first = out.stages[0]
+    m = spec.parallel.microbatches
+    if first.fitted is None:
+        metrics = unsimulated_metrics(first.ideal, first.budget_bytes, out.reason)
+    else:
+        metrics = compute_metrics(first.fitted.result, first.ideal, plan_wall_s=out.plan_wall_s,
+                                  sim_wall_s=out.sim_wall_s)
+        for key in _PER_MICROBATCH:
+            metrics[key] = None if metrics[key] is None else metrics[key] * m
+        for key in ("host_peak_bytes", "host_pinned_bytes"):
+            metrics[key] = None if metrics[key] is None else metrics[key] * first.in_flight
+    step = out.pipeline.step_s if out.pipeline is not None else None
+    metrics["feasible"] = out.pipeline is not None
+    metrics["infeasible_reason"] = out.reason or None
+    metrics["step_s"] = step
+    metrics["ideal_step_s"] = out.ideal_pipeline.step_s
+    metrics["throughput_ratio"] = None if step is None else out.ideal_pipeline.step_s / step
+    metrics["bound_step_s"] = metrics["optimality_gap"] = None  # the milp bound does not cover pipelines
+    peaks = [s.peak_bytes for s in out.stages]
+    metrics["peak_activation_bytes"] = max(peaks) if out.pipeline is not None else None
+    metrics["keep_all_peak_bytes"] = max(s.keep_all_peak_bytes for s in out.stages)
+    budgets = [s.budget_bytes for s in out.stages if s.budget_bytes is not None]
+    metrics["budget_bytes"] = max(budgets) if budgets else None
+    return metrics
+
+
+def _per_stage(values) -> str:
+    return ",".join("" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v)) for v in values)
+
+
+def pipeline_metrics(spec: RunSpec, out: PipelineOutcome, stages: list[Stage]) -> dict[str, Any]:
+    """The `pipeline` group of metrics.json: schedule, micro-batches, bubbles, p2p, each stage's figures."""
+    pipe = out.pipeline
+    planned = {s.index: s for s in out.stages}
+    times = [None if planned.get(s.index) is None or planned[s.index].fitted is None
+             or not planned[s.index].fitted.result.feasible
+             else stage_times(s.graph, planned[s.index].fitted.result) for s in stages]
+    return {
+        "pipeline_schedule": spec.parallel.pipeline_schedule,
+        "pipeline_microbatches": spec.parallel.microbatches,
+        "pipeline_bubble_fraction": None if pipe is None else pipe.bubble_fraction,
+        "pipeline_ideal_bubble_fraction": out.ideal_pipeline.bubble_fraction,
+        "pipeline_p2p_s": out.p2p_s,
+        "pipeline_p2p_unpriced": out.p2p_unpriced,
+        "pipeline_in_flight_by_stage": _per_stage(s.in_flight for s in stages),
+        "pipeline_budget_bytes_by_stage": _per_stage(getattr(planned.get(s.index), "budget_bytes", None)
+                                                  for s in stages),
+        "pipeline_peak_bytes_by_stage": _per_stage(getattr(planned.get(s.index), "peak_bytes", None) for s in stages),
+        "pipeline_keep_all_peak_bytes_by_stage": _per_stage(s.keep_all_peak_bytes for s in stages),
+        "pipeline_forward_s_by_stage": _per_stage(None if t is None else t.forward_s for t in times),
+        "pipeline_backward_s_by_stage": _per_stage(None if t is None else t.backward_s for t in times),
+        "pipeline_static_bytes_by_stage": _per_stage(s.capacity.static.total_bytes for s in stages),
+    }
+
+
+def stage_fits(out: PipelineOutcome) -> tuple[bool | None, int]:
+    """(every stage's peak within its device capacity, the least headroom over the stages)."""
+    if out.pipeline is None:
+        return None, min(s.capacity.activation_capacity_bytes for s in out.stages)
+    fits = all(s.peak_bytes <= s.capacity.activation_capacity_bytes for s in out.stages)
+    return fits, min(s.capacity.activation_capacity_bytes - s.peak_bytes for s in out.stages)
+
+
+__all__ = ["PipelineOutcome", "Stage", "StageTimes", "build_stages", "p2p_seconds", "pipeline_metrics",
+           "pipeline_simulation_metrics", "plan_pipeline", "stage_baseline", "stage_fits"]

@@ -1,0 +1,118 @@
+"""One pipeline stage's graph: the op graph of one micro-batch's step on stage i of parallel.pp.
+
+Stage i of p holds layers [i L/p, (i + 1) L/p) of the model's L (Megatron-LM's even split; pp must
+divide the layers, `ParallelConfig.check_model`); the first stage also holds the embedding, the last
+the final norm, LM head and loss. The graph is one rank's under the rest of the layout (tp, sp, cp
+as `build_graph`), numbered with the stage's own layers 0 .. L/p - 1 so the layer-based planners see
+a stack of L/p layers.
+
+A stage that is not the first starts with `p2p.recv` (no inputs, writes the activation received from
+stage i - 1: the buffer the stage allocates for it); its backward `p2p.recv.bwd` reads the gradient
+of that activation, the one the stage sends back. A stage that is not the last ends its forward with
+`p2p.send` (reads the stage output); its backward `p2p.send.bwd` writes the output's gradient, the
+one received from stage i + 1. The four boundary ops take no time here: the transfers are the
+pipeline's sends (`slackswap.simulate.pipeline`), on the link between the stages, not on the stage's
+compute stream. GPT-2 and BERT tie the LM head to the token embedding; the last stage keeps its own
+copy of the word embeddings (Megatron-LM does, and all-reduces its gradient with the first stage's),
+so its parameter count includes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+
+from slackswap.errors import ConfigError
+from slackswap.graph import NO_LAYER, Graph, OpClass
+from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
+from slackswap.memory.static import optimizer_step_moved_bytes
+from slackswap.model_config import ModelConfig
+from slackswap.parallel import ParallelConfig
+from slackswap.profile.builder import GraphBuilder
+from slackswap.profile.collectives import to_json
+from slackswap.profile.layers import FamilyBuilder
+
+#: The ops at a stage's boundaries, timed 0 (the pipeline times the sends).
+BOUNDARY_OPS: frozenset[str] = frozenset({"p2p.recv", "p2p.recv.bwd", "p2p.send", "p2p.send.bwd"})
+
+
+def stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> range:
+    """The model's layers stage `stage` holds (global indices)."""
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < parallel.pp:
+        raise ConfigError("stage", stage, f"must be an integer in [0, parallel.pp={parallel.pp})")
+    per = model.num_layers // parallel.pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def _emit_stage(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig, stage: int,
+                fp8_linear_inputs: bool) -> FamilyBuilder:
+    """Emit stage `stage`'s forward (boundary ops included) into `gb`."""
+    parallel.check_model(model)
+    fb = FamilyBuilder(model, gb, parallel, fp8_linear_inputs)
+    layer_fn = {"bert": fb.bert_layer, "gpt2": fb.gpt2_layer, "llama": fb.llama_layer}[model.family]
+    first, last = stage == 0, stage == parallel.pp - 1
+    if first:
+        x = fb.embedding()
+    else:
+        x = gb.tensor("p2p.recv.out", fb.shape.rep(model.hidden_size), "p2p_recv")
+        gb.forward("p2p.recv", OpClass.ELEMENTWISE, NO_LAYER, (), (x,), role="p2p_recv")
+    for local in range(len(stage_layers(model, parallel, stage))):
+        x = layer_fn(local, x)
+    if last:
+        if not first and model.family in ("bert", "gpt2"):
+            fb._count(NO_LAYER, fb.shape.vocab_shard * model.hidden_size)  # the last stage's embedding copy
+        fb.head_and_loss(x)
+    else:
+        gb.forward("p2p.send", OpClass.ELEMENTWISE, NO_LAYER, (x,), (), role="p2p_send")
+    return fb
+
+
+def stage_parameter_counts(model: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
+    """(parameters, largest parameter group) of one rank of stage `stage`, counted as its graph is built."""
+    gb = GraphBuilder(None, model.dtype)
+    fb = _emit_stage(model, gb, parallel, stage, False)
+    return fb.params, max(fb.layer_params.values())
+
+
+def build_stage_graph(model: ModelConfig, hardware: Hardware, training: TrainingConfig,
+                      parallel: ParallelConfig, stage: int) -> Graph:
+    """The op graph of one micro-batch's training step on pipeline stage `stage` (one rank of it)."""
+    from slackswap.profile import state_bytes_per_param
+
+    hardware.peak_for(model.dtype)
+    training.check_model_dtype(model.dtype)
+    gb = GraphBuilder(hardware, model.dtype, model.attention_kernel)
+    fb = _emit_stage(model, gb, parallel, stage, training.fp8_linear_inputs)
+    gb.backward()
+    if model.include_optimizer:
+        for layer in sorted(fb.layer_params, key=lambda n: (n == NO_LAYER, n)):
+            name = "adam" if layer == NO_LAYER else f"L{layer}.adam"
+            if training.optimizer != "adamw":
+                name = name.replace("adam", training.optimizer)
+            gb.optimizer(name, layer, optimizer_step_moved_bytes(fb.layer_params[layer], training, model.dtype))
+    w, g, state = state_bytes_per_param(model.dtype)
+    graph = gb.finish(
+        f"{model.name}@{hardware.name}/stage{stage}of{parallel.pp}",
+        len(stage_layers(model, parallel, stage)),
+        weight_bytes=w * fb.params,
+        weight_grad_bytes=g * fb.params,
+        optimizer_state_bytes=state * fb.params,
+        meta={
+            "model": asdict(model),
+            "hardware": hardware.name,
+            "num_params": fb.params,
+            "max_unit_params": max(fb.layer_params.values()),
+            "parallel": {"layout": parallel.as_dict(), "collectives": to_json(fb.collectives)},
+            "pipeline_stage": {"stage": stage, "stages": parallel.pp,
+                               "layers": [stage_layers(model, parallel, stage)[0],
+                                          stage_layers(model, parallel, stage)[-1] + 1]},
+        },
+    )
+    ops = tuple(replace(op, duration_s=0.0) if op.name in BOUNDARY_OPS else op for op in graph.ops)
+    return replace(graph, ops=ops)
+
+
+def boundary_bytes(graph: Graph) -> int:
+    """Bytes stage `graph` sends forward per micro-batch (its output activation; 0 for the last stage)."""
+    send = graph.op_by_name.get("p2p.send")
+    return sum(graph.tensors[t].size_bytes for t in send.inputs) if send is not None else 0

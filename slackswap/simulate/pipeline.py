@@ -1,0 +1,183 @@
+"""The pipeline step: p stages running m micro-batches in 1F1B order, with p2p sends between them.
+
+Each stage is one device that runs its micro-batch ops one at a time in the schedule's order
+(`slackswap.pipeline_stages.one_f_one_b_order`). What one op costs comes from the single-stage
+simulator run of that stage's graph under its plan (`StageTimes`, built by
+`slackswap.experiment.pipeline_run`); this module only places the ops in time, so it is exact for
+the numbers it is given and needs no graph. The rules:
+
+- F(i, j), the forward of micro-batch j on stage i, waits for stage i to be free and, for i > 0,
+  for the activation send of F(i - 1, j) to arrive; B(i, j) waits for the gradient send of
+  B(i + 1, j) (the last stage's backward follows its own forward: it holds the loss).
+- A send starts when its op ends, lasts `p2p_s` (activation bytes / link rate, `slackswap.
+  communication`), and runs on the link of its boundary and direction, one send at a time in the
+  order they were issued (FIFO). It does not occupy either stage's compute stream.
+- An op's copy wait that its stage's idle time can absorb (`StageTimes.forward_hideable_s`,
+  `backward_hideable_s`: the prefetch wait before the phase's first step in the single-stage run)
+  overlaps with the gap before the op: the op's compute starts at max(input arrival, stage free +
+  hideable wait). The copies of micro-batch j that the bubble hides are thus credited; waits inside
+  the phase stay in its time.
+- After its last backward each stage runs its tail (the optimizer step); the step ends when the last
+  stage's tail ends.
+
+The bubble fraction is the stages' idle share of the step: 1 - sum(busy) / (p x step). With equal
+stages (forward f, backward b), no p2p cost and no tail, 1F1B takes (m + p - 1)(f + b) and its bubble
+fraction is (p - 1) / (m + p - 1) (Narayanan et al. 2021, section 2.2.1): tests/test_pipeline_step.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slackswap.errors import ConfigError
+from slackswap.pipeline_stages import one_f_one_b_order
+
+SCHEDULES: tuple[str, ...] = ("1f1b",)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """What one micro-batch costs on one stage, from the stage's single-stage simulation."""
+
+    #: The forward of one micro-batch (stage input received to stage output ready), seconds.
+    forward_s: float
+    #: The backward of one micro-batch (output gradient received to input gradient ready), seconds.
+    backward_s: float
+    #: Part of `forward_s` spent waiting for copies that idle time before the op can absorb.
+    forward_hideable_s: float = 0.0
+    #: Part of `backward_s` spent waiting for copies (prefetches) that idle time before it can absorb.
+    backward_hideable_s: float = 0.0
+    #: Work after the stage's last backward: its optimizer step, seconds.
+    tail_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "forward_hideable_s", "backward_hideable_s", "tail_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"stage.{name}", value, "must be a number >= 0")
+        if self.forward_hideable_s > self.forward_s or self.backward_hideable_s > self.backward_s:
+            raise ConfigError("stage.hideable_s", (self.forward_hideable_s, self.backward_hideable_s),
+                              "a hideable wait must be part of its op's time")
+
+
+@dataclass(frozen=True)
+class PipelineEvent:
+    """One busy interval: a stage's op ("F", "B", "tail") or a send ("send_F" activation forward from
+    `stage` to stage + 1, "send_B" gradient from `stage` to stage - 1)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    schedule: str
+    microbatches: int
+    #: Every event, ops in the order the stages ran them, then the sends, each list by start time.
+    events: tuple[PipelineEvent, ...]
+    #: The pipeline's step: the end of the last event.
+    step_s: float
+    #: Compute busy seconds per stage (its ops and tail, not the copy waits its bubbles absorbed).
+    stage_busy_s: tuple[float, ...]
+    #: The most micro-batches each stage held between a forward and its backward, counted on the run.
+    in_flight: tuple[int, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_busy_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The stages' idle share of the step: 1 - sum(busy) / (stages x step)."""
+        if self.step_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.stage_busy_s) / (self.stages * self.step_s)
+
+    def stage_events(self, stage: int) -> tuple[PipelineEvent, ...]:
+        return tuple(e for e in self.events if e.stage == stage and not e.kind.startswith("send"))
+
+
+def simulate_pipeline(stages: list[StageTimes] | tuple[StageTimes, ...], microbatches: int,
+                      p2p_s: float = 0.0, schedule: str = "1f1b") -> PipelineResult:
+    """Place every stage's micro-batch ops of one pipeline step in time (the rules: module docstring)."""
+    p = len(stages)
+    if p < 1:
+        raise ConfigError("parallel.pp", p, "must be an integer >= 1")
+    if schedule not in SCHEDULES:
+        raise ConfigError("parallel.pipeline_schedule", schedule, f"must be one of {list(SCHEDULES)}")
+    if not isinstance(p2p_s, (int, float)) or isinstance(p2p_s, bool) or p2p_s < 0:
+        raise ConfigError("p2p_s", p2p_s, "must be a number >= 0")
+    orders = [one_f_one_b_order(i, p, microbatches) for i in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end of the op
+    arrival: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> its input's arrival
+    link_free: dict[tuple[str, int], float] = {}  # (direction, sending stage) -> when its link is free
+    free = [0.0] * p
+    head = [0] * p
+    ops: list[PipelineEvent] = []
+    sends: list[PipelineEvent] = []
+    busy = [0.0] * p
+    held = [0] * p
+    most = [0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for i in range(p):
+            while head[i] < len(orders[i]):
+                kind, j = orders[i][head[i]]
+                ready = _input_ready(kind, i, j, p, done, arrival)
+                if ready is None:
+                    break
+                t = stages[i]
+                hide, duration = ((t.forward_hideable_s, t.forward_s) if kind == "F"
+                                  else (t.backward_hideable_s, t.backward_s))
+                compute_start = max(ready, free[i] + hide)
+                end = compute_start + duration - hide
+                ops.append(PipelineEvent(i, kind, j, compute_start, end))
+                busy[i] += duration - hide
+                free[i] = end
+                done[(kind, i, j)] = end
+                held[i] += 1 if kind == "F" else -1
+                most[i] = max(most[i], held[i])
+                _send(kind, i, j, p, end, p2p_s, link_free, arrival, sends)
+                head[i] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for 1F1B; a guard against an order that deadlocks
+            raise ConfigError("parallel.pipeline_schedule", schedule, "deadlocks: no stage can run its next op")
+    for i in range(p):
+        if stages[i].tail_s:
+            ops.append(PipelineEvent(i, "tail", -1, free[i], free[i] + stages[i].tail_s))
+            busy[i] += stages[i].tail_s
+            free[i] += stages[i].tail_s
+    ops.sort(key=lambda e: (e.stage, e.start_s))
+    sends.sort(key=lambda e: (e.start_s, e.stage))
+    step = max([e.end_s for e in ops] + [e.end_s for e in sends] + [0.0])
+    return PipelineResult(schedule, microbatches, tuple(ops + sends), step, tuple(busy), tuple(most))
+
+
+def _input_ready(kind: str, i: int, j: int, p: int, done: dict, arrival: dict) -> float | None:
+    """When the input of op (kind, i, j) is on stage i, or None while it is not yet produced."""
+    if kind == "F":
+        if i == 0:
+            return 0.0
+        return arrival.get(("F", i, j))
+    if ("F", i, j) not in done:
+        return None
+    if i == p - 1:
+        return done[("F", i, j)]
+    return arrival.get(("B", i, j))
+
+
+def _send(kind: str, i: int, j: int, p: int, end: float, p2p_s: float, link_free: dict, arrival: dict,
+          sends: list[PipelineEvent]) -> None:
+    """The activation (after F) or gradient (after B) that op (kind, i, j) passes on, FIFO on its link."""
+    to = i + 1 if kind == "F" else i - 1
+    if not 0 <= to < p:
+        return
+    start = max(end, link_free.get((kind, i), 0.0))
+    link_free[(kind, i)] = start + p2p_s
+    arrival[(kind, to, j)] = start + p2p_s
+    sends.append(PipelineEvent(i, f"send_{kind}", j, start, start + p2p_s))

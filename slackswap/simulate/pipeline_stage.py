@@ -1,0 +1,74 @@
+"""From one stage's single-stage simulation to what the pipeline step needs: op times and memory.
+
+`stage_times(graph, result)` splits the simulated micro-batch step of a stage graph
+(`slackswap.profile.stages`) at the end of its forward: the forward is [0, end of the last forward /
+loss step], the backward up to the end of the last backward step, the tail the rest (optimizer
+steps, trailing copies). The wait for prefetches before the first backward step (and for anything
+before the first forward step) is the part the stage's idle time before the op can hide
+(`slackswap.simulate.pipeline`).
+
+`stage_peak_bytes(result, in_flight)` is the stage's activation peak with `in_flight` micro-batches
+held (1F1B: min(p - i, m)): (in_flight - 1) x the bytes one micro-batch keeps on the device at the
+end of its forward, plus the single micro-batch's peak. A plan planned within budget / in_flight
+(`slackswap.pipeline_stages.stage_budget_bytes`) keeps it within the budget, since what a micro-batch
+keeps at the end of its forward is never above its peak. What it leaves out: the resident
+micro-batches' offloads still in flight at that instant are counted as on the device (conservative),
+and the copies of different micro-batches are not placed on shared copy engines.
+"""
+
+from __future__ import annotations
+
+from slackswap.graph import FORWARD_PHASES, Graph, Phase
+from slackswap.simulate.pipeline import StageTimes
+from slackswap.simulate.result import SimResult
+
+
+def forward_end_s(graph: Graph, result: SimResult) -> float:
+    """The end of the last forward or loss step of the simulated micro-batch."""
+    phase = {op.name: op.phase for op in graph.ops}
+    ends = [e.end_s for e in result.events if e.stream == "compute" and e.kind == "run"
+            and phase[e.op] in FORWARD_PHASES]
+    return max(ends, default=0.0)
+
+
+def stage_times(graph: Graph, result: SimResult) -> StageTimes:
+    """The stage's forward, backward and tail seconds of one micro-batch, from its feasible simulation."""
+    if not result.feasible or result.step_s is None:
+        raise ValueError(f"stage {graph.name}: no times from an infeasible simulation")
+    phase = {op.name: op.phase for op in graph.ops}
+    fwd_end = forward_end_s(graph, result)
+    compute = [e for e in result.events if e.stream == "compute"]
+    backward = [e for e in compute if e.start_s >= fwd_end and phase[e.op] == Phase.BACKWARD]
+    bwd_end = max((e.end_s for e in backward), default=fwd_end)
+    first_fwd = compute[0] if compute else None
+    fwd_hide = first_fwd.wait_prefetch_s if first_fwd is not None and phase[first_fwd.op] in FORWARD_PHASES else 0.0
+    bwd_hide = backward[0].wait_prefetch_s if backward else 0.0
+    return StageTimes(
+        forward_s=fwd_end,
+        backward_s=bwd_end - fwd_end,
+        forward_hideable_s=min(fwd_hide, fwd_end),
+        backward_hideable_s=min(bwd_hide, bwd_end - fwd_end),
+        tail_s=max(0.0, result.step_s - bwd_end),
+    )
+
+
+def resident_bytes(graph: Graph, result: SimResult) -> int:
+    """Device activation bytes one micro-batch holds at the end of its forward: what it keeps while
+    the stage runs other micro-batches. At that instant the simulator first frees what the last
+    forward step released, then allocates for the first backward step, so it is the least of the
+    samples at that instant and the last one before it."""
+    fwd_end = forward_end_s(graph, result)
+    before, at = 0, []
+    for t, b in zip(result.memory_times_s, result.memory_bytes, strict=True):
+        if t < fwd_end:
+            before = b
+        elif t == fwd_end:
+            at.append(b)
+        else:
+            break
+    return min([before, *at])
+
+
+def stage_peak_bytes(graph: Graph, result: SimResult, in_flight: int) -> int:
+    """The stage's activation peak with `in_flight` micro-batches held (module docstring)."""
+    return (in_flight - 1) * resident_bytes(graph, result) + result.peak_activation_bytes
