@@ -2,6 +2,7 @@
 
     python benchmarks/bench_advise.py            # the headline command (hf_llama7b, 1 and 8 GPUs, every default)
     python benchmarks/bench_advise.py --quick    # llama7b on 8 GPUs, mixed AdamW, allocated peak: ~140 configurations
+    python benchmarks/bench_advise.py --layout   # llama3_70b on 64 H100s, every default layout (target < 60 s)
 
 Runs the command as a user would (a subprocess, MLflow on a temporary SQLite store), reads the
 configuration count and the search and MLflow times from the parent run's metrics, and records the
@@ -27,12 +28,15 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import machine, main_with_quick, save_result  # noqa: E402
 
 HEADLINE = ["model=hf_llama7b", "hardware=a100_80gb_pcie4", "node=dgx_a100"]
+#: The layout search's target: a 70B model on 64 GPUs of H100 nodes, every default (tp, pp, cp, sp,
+#: micro-batches per pipeline), answered in under 60 s (docs/advise.md, "Layouts").
+LAYOUT = ["model=llama3_70b", "hardware=h100_sxm_pcie5", "node=hgx_h100", "advise.gpus=[64]"]
 QUICK = ["model=llama7b", "hardware=a100_80gb_pcie4", "node=dgx_a100", "advise.gpus=[8]",
          "advise.recipes=[adamw_mixed]", "advise.plan_against=[allocated]"]
 
 
-def run(quick: bool) -> None:
-    args = QUICK if quick else HEADLINE
+def run(quick: bool, layout: bool = False) -> None:
+    args = LAYOUT if layout else QUICK if quick else HEADLINE
     with tempfile.TemporaryDirectory(prefix="slackswap-bench-advise-") as tmp:
         cmd = [sys.executable, "-m", "pipelines.advise", *args, f"tracking.uri=sqlite:///{tmp}/mlflow.db",
                f"tracking.artifact_location={tmp}/mlruns", f"hydra.run.dir={tmp}/run"]
@@ -55,6 +59,8 @@ def run(quick: bool) -> None:
         "command": "python -m pipelines.advise " + " ".join(args),
         "configurations_evaluated": data["evaluated"],
         "configurations_pruned": data["pruned"],
+        "best": {g: {k: data["rows"][i][k] for k in ("layout", "recipe", "micro_batch", "tokens_per_s", "mfu",
+                                                     "headroom_bytes", "numerics")} for g, i in data["best"].items()},
         "wall_s": round(wall_s, 2),
         "cpu_user_s": round(after.ru_utime - before.ru_utime, 2),
         "cpu_sys_s": round(after.ru_stime - before.ru_stime, 2),
@@ -64,8 +70,11 @@ def run(quick: bool) -> None:
         "machine": machine(),
     }
     print(json.dumps(result, indent=2))
-    save_result("advise_quick.json" if quick else "advise.json", result)
+    save_result("advise_layout_70b.json" if layout else "advise_quick.json" if quick else "advise.json", result)
 
 
 if __name__ == "__main__":
-    main_with_quick(run)
+    if "--layout" in sys.argv:
+        run(False, layout=True)
+    else:
+        main_with_quick(run)

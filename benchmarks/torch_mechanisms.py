@@ -20,9 +20,10 @@ from slackswap.plan import Decision
 from slackswap.planners.registry import get_planner
 from slackswap.planners.strategies.torch_budget import torch_budget_saved
 from slackswap.profile.torch import build_torch_graph
+from slackswap.profile.torch.layer_stacks import find_layer_stacks
 from slackswap.profile.torch.mechanisms import checkpointed_layers, compiled_saved, resident_after_forward
 from slackswap.profile.torch.spec import TorchSpec
-from slackswap.profile.torch.tracer import ATTENTION_OPS, MATMUL_OPS, find_layers
+from slackswap.profile.torch.tracer import ATTENTION_OPS, MATMUL_OPS
 from slackswap.profile.torch.workloads import build_workload
 
 MB = 1e6
@@ -49,7 +50,7 @@ def main(family: str, dtype: str, backend: str) -> None:
 
     torch.manual_seed(0)
     net, inputs, loss_fn = build_workload(model, spec, "cpu")
-    layers = net.get_submodule(find_layers(net)[0])
+    layers = find_layer_stacks(net).modules(net)
     exclude = [*net.parameters(), *inputs]
 
     def resident_mb() -> float:

@@ -60,16 +60,53 @@ def _best_description(r: Any) -> str:
             f"{r.headroom_bytes / GIB:.1f} GiB")
 
 
+def layout_lines(r: Any, indent: str = "    ") -> list[str]:
+    """The answer's layout and its per-stage plans (one stage, the whole model, for a data-parallel row)."""
+    c = r.candidate
+    lay = c.layout
+    sched = f"{lay.microbatches} micro-batches per pipeline, schedule {lay.schedule}" if lay.pp > 1 else \
+        "no pipeline"
+    out = [f"{indent}layout: dp {lay.dp}, tp {lay.tp}{' (sp)' if lay.sp else ''}, pp {lay.pp}, cp {lay.cp}, "
+           f"ZeRO-{lay.zero_stage} over {lay.zero_shards}, micro-batch {c.micro_batch}, {sched}"]
+    if r.stages:
+        out += [f"{indent}  stage {p.stage}: planner {p.planner}, {p.in_flight} in flight, budget "
+                f"{p.budget_bytes / GIB:.1f} GiB, peak {p.peak_bytes / GIB:.1f} GiB "
+                f"(static {p.static_bytes / GIB:.1f}), "
+                f"forward {p.forward_s:.3f} s, backward {p.backward_s:.3f} s" for p in r.stages]
+        out.append(f"{indent}  tp/cp collectives {r.layout_comm_s:.3f} s per step on the critical path; "
+                   f"{r.layout_note}")
+    else:
+        out.append(f"{indent}  stage 0 (the whole model): planner {c.planner}, budget "
+                   f"{r.activation_capacity_bytes / GIB:.1f} GiB, peak {r.peak_bytes / GIB:.1f} GiB "
+                   f"(static {r.static_bytes / GIB:.1f})")
+    return out
+
+
+def numerics_lines(advice: Any, gpus: int, indent: str = "    ") -> list[str]:
+    """Beside an answer whose recipe changes the numerics: what changes, and the best that does not."""
+    r = advice.best_rows().get(gpus)
+    if r is None or not r.numerics:
+        return []
+    out = [f"{indent}NOTE: {r.candidate.recipe} changes the training's numerics: {r.numerics}"]
+    i = advice.best_faithful.get(gpus)
+    if i is None:
+        return out + [f"{indent}no configuration that keeps the numerics (mixed precision) fits"]
+    f = advice.rows[i]
+    gap = (r.tokens_per_s - f.tokens_per_s) / f.tokens_per_s
+    return out + [f"{indent}best keeping the numerics: {f.tokens_per_s:,.0f} tokens/s per GPU ({gap:.1%} slower), "
+                  f"{_best_description(f)}", *layout_lines(f, indent + "  ")]
+
+
 def summary_markdown(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> str:
     """advice.md: the answer per GPU count, the ranked table, the best per recipe, the rejected regions."""
-    from slackswap.communication import NOT_MODELLED
+    from slackswap.communication import not_modelled
     from slackswap.experiment.advise import distinct_ranked
 
     m, hw = spec.model, spec.hardware
     lines = [f"# advise: {m.name} on {header['hardware']} ({hw.device_memory_bytes / GIB:.0f} GiB), node "
              f"{header['node']}, seq {m.seq_len}", ""]
     lines += [f"- {n}" for n in spec.notes]
-    lines += [f"- communication not modelled: {NOT_MODELLED}",
+    lines += [f"- communication not modelled: {not_modelled(hw.collective_overlap_slowdown)}",
               f"- {len(advice.rows)} configurations evaluated, {advice.pruned_configurations} pruned before planning",
               ""]
     lines += ["## Best fitting configuration per GPU count", ""]
@@ -82,6 +119,7 @@ def summary_markdown(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -
             f"- **{gpus} GPU(s)**: {r.tokens_per_s:,.0f} tokens/s per GPU ({r.tokens_per_s * gpus:,.0f} in all), "
             f"{_best_description(r)}. Why: {r.why}"
         )
+        lines += [f"  - {x.strip()}" for x in layout_lines(r) + numerics_lines(advice, gpus)]
     lines += ["", f"## Top {spec.top} (fitting, by tokens/s per GPU)", "", TABLE_HEADER, _separator()]
     for k, i in enumerate(distinct_ranked(advice)[: spec.top], start=1):
         lines.append(_table_row(k, advice, i))
@@ -119,7 +157,9 @@ def stdout_summary(advice: Any, spec: AdviseSpec, header: Mapping[str, Any], wal
             lines.append(f"best on {gpus} GPU(s): nothing fits")
             continue
         lines.append(f"best on {gpus} GPU(s): {r.tokens_per_s:,.0f} tokens/s per GPU, {_best_description(r)}")
+        lines += layout_lines(r)
         lines.append(f"    why: {r.why}")
+        lines += numerics_lines(advice, gpus)
     lines += ["", TABLE_HEADER, _separator()]
     lines += [_table_row(k, advice, i) for k, i in enumerate(distinct_ranked(advice)[: spec.top], start=1)]
     lines += ["", "best per recipe:"]
@@ -142,21 +182,25 @@ def stdout_summary(advice: Any, spec: AdviseSpec, header: Mapping[str, Any], wal
 
 
 def advice_json(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> dict[str, Any]:
-    from slackswap.communication import NOT_MODELLED
+    from slackswap.communication import not_modelled
 
     space = spec.space
     return {
         "schema": ADVICE_SCHEMA,
         **header,
         "notes": list(spec.notes),
-        "communication_not_modelled": NOT_MODELLED,
+        "communication_not_modelled": not_modelled(spec.hardware.collective_overlap_slowdown),
         "space": {"gpus": list(space.gpus), "recipes": list(space.recipes), "micro_batches": list(space.micro_batches),
                   "planners": list(space.planners), "plan_against": list(space.plan_against),
                   "zero_stages": list(space.zero_stages), "grad_accum": space.grad_accum,
-                  "milp_top_k": space.milp_top_k, "reserve_bytes": space.reserve_bytes, "graph": spec.graph},
+                  "milp_top_k": space.milp_top_k, "reserve_bytes": space.reserve_bytes, "graph": spec.graph,
+                  "margin_bytes": space.margin_bytes, "tp": list(space.tp), "pp": list(space.pp), "cp": list(space.cp),
+                  "sp": space.sp, "pipeline_microbatches": list(space.pipeline_microbatches),
+                  "pipeline_schedule": space.pipeline_schedule, "layout_top_n": space.layout_top_n},
         "evaluated": len(advice.rows),
         "pruned": advice.pruned_configurations,
         "best": {str(g): i for g, i in advice.best.items()},
+        "best_faithful": {str(g): i for g, i in advice.best_faithful.items()},
         "ranked": list(advice.ranked),
         "rows": [r.to_json() for r in advice.rows],
         "rejected_regions": [g.to_json() for g in advice.regions],
@@ -204,7 +248,8 @@ def _children(parent_id: str, data: Mapping[str, Any]) -> list[tuple[str, dict, 
                 "comm_assumption": row["comm_assumption"] or "-", "comm_not_modelled": row["comm_not_modelled"],
                 tracking.NOTE_TAG: f"configuration {i + 1} of the advise; {row['why'] or row['reason'] or ''}"[:4000]}
         params = {k: str(row[k]) for k in ("gpus", "zero_stage", "zero_shards", "layout", "recipe", "micro_batch",
-                                           "planner", "plan_against")}
+                                           "planner", "plan_against", "dp", "tp", "pp", "cp", "sp",
+                                           "pipeline_microbatches")}
         out.append((name, tags, params, tracking.numeric_metrics(_child_metrics(row))))
     return out
 

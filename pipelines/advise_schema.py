@@ -25,6 +25,14 @@ class AdviseSchema:
     milp_top_k: int = 2
     graph: str = "analytic"
     top: int = 10
+    margin_bytes: int = 0
+    tp: list[int] = field(default_factory=lambda: [1])
+    pp: list[int] = field(default_factory=lambda: [1])
+    cp: list[int] = field(default_factory=lambda: [1])
+    sp: bool = True
+    pipeline_microbatches: list[int] = field(default_factory=lambda: [8])
+    pipeline_schedule: str = "1f1b"
+    layout_top_n: int = 40
 
 
 @dataclass

@@ -50,10 +50,15 @@ from dataclasses import dataclass
 from slackswap import validation as check
 from slackswap.errors import ConfigError
 
-#: What the step-communication model leaves out (printed with every configuration it prices).
-NOT_MODELLED = (
-    "compute slowed by NCCL kernels (SM/HBM contention) not modelled; overlapped collectives are free"
-)
+
+def not_modelled(collective_overlap_slowdown: float) -> str:
+    """What the step-communication model leaves out, printed with every configuration it prices. On a
+    preset with a fitted `Hardware.collective_overlap_slowdown` the overlapped collectives cost compute
+    (`overlap_cost_s`), as one fitted rate and not a model of the NCCL kernels' contention."""
+    if collective_overlap_slowdown > 0:
+        return (f"compute slowed by overlapped collectives as one fitted rate ({collective_overlap_slowdown:g} s "
+                "per s, hardware.collective_overlap_slowdown), not per kernel (SM/HBM contention)")
+    return "compute slowed by NCCL kernels (SM/HBM contention) not modelled; overlapped collectives are free"
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,14 @@ class StepCommunication:
     @property
     def exposed_s(self) -> float:
         return self.forward_exposed_s + self.backward_exposed_s + self.after_step_comm_s
+
+    def overlap_cost_s(self, collective_overlap_slowdown: float) -> float:
+        """Compute time the forward and backward collectives cost where compute hides them: NCCL's kernels
+        take SMs and HBM bandwidth from the GEMMs beside them (`Hardware.collective_overlap_slowdown`,
+        seconds lost per second overlapped; 0 on uncalibrated presets)."""
+        overlapped = (self.forward_comm_s + self.backward_comm_s
+                      - self.forward_exposed_s - self.backward_exposed_s)
+        return collective_overlap_slowdown * max(overlapped, 0.0)
 
 
 def check_sharding(gpus: int, zero_stage: int, shards: int) -> None:

@@ -109,6 +109,12 @@ BACKWARD_FRAMES_KEY = "backward_frames"
 #: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.
 WEIGHT_GRADS_KEY = "weight_gradients"
 
+#: ATen ops (overload packets, an op's `role`) through which a tensor made from Python data inside
+#: forward (`torch.tensor(...)`, the index tensor of `x[..., [-2], :]`) enters the dispatcher. The
+#: torch identities name their output (`slackswap.profile.torch.identity`); a recompute of it would
+#: replay the call from the very tensor it frees, so `replay_rule` keeps such a tensor when saved.
+PYTHON_CONSTANT_OPS = frozenset({"lift_fresh"})
+
 #: Phase order `check_graph` enforces: forward and loss ops, then backward, then optimizer.
 _PHASE_RANK = {Phase.FORWARD: 0, Phase.LOSS: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
 

@@ -10,6 +10,7 @@ from slackswap.communication import (
     all_gather_s,
     all_reduce_s,
     check_sharding,
+    not_modelled,
     pipelined_exposed_s,
     reduce_scatter_s,
     step_communication,
@@ -71,6 +72,24 @@ def test_zero3_step_on_eight_gpus_by_hand():
     assert comm.backward_exposed_s == pytest.approx(2 * ag / 10)
     assert comm.bus_bytes == pytest.approx(3 * 2e9 * 7 / 8)
     assert comm.fabric == "nvlink"
+
+
+def test_overlapped_collectives_cost_compute_at_the_presets_fitted_rate():
+    comm = step_communication(
+        num_params=1_000_000_000, param_bytes=2, grad_bytes=2, zero_stage=3, gpus=8, shards=8, topology=NODE,
+        forward_compute_s=1.0, backward_compute_s=2.0, units=10,
+    )
+    ag = 7 * 5e-6 + 2e9 * 7 / 8 / 200e9
+    hidden = 3 * ag - 3 * ag / 10  # every unit's share but the first is under compute
+    assert comm.overlap_cost_s(0.0) == 0.0
+    assert comm.overlap_cost_s(0.5) == pytest.approx(0.5 * hidden)
+
+
+def test_the_caveat_says_whether_overlap_costs_compute():
+    """Printed with every advise answer: a preset with a fitted slowdown must not say "free"."""
+    assert "free" in not_modelled(0.0)
+    fitted = not_modelled(0.44)
+    assert "free" not in fitted and "0.44" in fitted and "hardware.collective_overlap_slowdown" in fitted
 
 
 def test_stages_issue_the_documented_collectives():

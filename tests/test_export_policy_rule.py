@@ -7,12 +7,10 @@ import pytest
 
 from tests.extras import require_torch_extra
 
-require_torch_extra("torch")
-
-from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
+CheckpointPolicy = require_torch_extra("torch.utils.checkpoint").CheckpointPolicy
+policy_for = require_torch_extra("slackswap.runtime.export.policy").policy_for
 
 from slackswap.plan import Decision  # noqa: E402
-from slackswap.runtime.export.policy import policy_for  # noqa: E402
 
 K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
 

@@ -33,9 +33,10 @@ from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.planners.strategies.torch_budget import torch_budget_saved  # noqa: E402
 from slackswap.profile.torch import build_torch_graph  # noqa: E402
 from slackswap.profile.torch.assemble import graph_from_trace  # noqa: E402
+from slackswap.profile.torch.layer_stacks import find_layer_stacks  # noqa: E402
 from slackswap.profile.torch.mechanisms import checkpointed_layers, compiled_saved, resident_after_forward  # noqa: E402
 from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
-from slackswap.profile.torch.tracer import ATTENTION_OPS, MATMUL_OPS, find_layers, trace_step  # noqa: E402
+from slackswap.profile.torch.tracer import ATTENTION_OPS, MATMUL_OPS, trace_step  # noqa: E402
 from slackswap.profile.torch.workloads import build_workload  # noqa: E402
 
 HW = Hardware.from_dict(yaml.safe_load(
@@ -66,7 +67,7 @@ def test_torch_sac_keeps_what_selective_checkpointing_keeps(family: str, policy:
     assert plan.notes["kept_candidates"] > 0  # SAC keeps matmul outputs autograd never saves
     torch.manual_seed(0)
     net, inputs, loss_fn = build_workload(model, spec, "cpu")
-    layers = net.get_submodule(find_layers(net)[0])
+    layers = find_layer_stacks(net).modules(net)
     with checkpointed_layers(layers, frozenset(POLICY_OPS[policy])):
         resident, loss = resident_after_forward(lambda: loss_fn(net(*inputs)), [*net.parameters(), *inputs])
         loss.backward()

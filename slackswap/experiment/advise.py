@@ -32,14 +32,13 @@ caller decides where graphs come from (analytic, traced) and caches them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from slackswap.communication import Topology, check_sharding, step_communication
+from slackswap.communication import Topology, check_sharding, not_modelled, step_communication
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_node import (
@@ -62,6 +61,8 @@ from slackswap.experiment.advise_space import (
     Row,
     SearchSpace,
     layouts,
+    numerics_change,
+    pareto_front,
 )
 from slackswap.graph import FORWARD_PHASES, Graph, Phase
 from slackswap.hardware import Hardware
@@ -135,6 +136,8 @@ class _Context:
     rank_hardware: Mapping[int, Hardware] = field(default_factory=dict)
     #: (GPU count, bytes one rank offloads per step) -> why the node's host cannot hold it, or None.
     host_check: Callable[[int, int], str | None] | None = None
+    #: The node (`slackswap.node.Node`): prices the pipeline's p2p sends of layout rows.
+    node: Any = None
     workloads: dict[int, _Workload] = field(default_factory=dict)
     #: Sharding units (parameter groups: the layers, and the embeddings + head).
     units: int = 0
@@ -174,17 +177,17 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     model, hw, space = ctx.model, ctx.hardware, ctx.space
     training = cand.training
     static = _static(ctx, training)
-    capacity = hw.device_memory_bytes - space.reserve_bytes - static.total_bytes
+    capacity = hw.device_memory_bytes - space.reserve_bytes - space.margin_bytes - static.total_bytes
     work = ctx.workload(cand.micro_batch)
     key_opt = (training, cand.layout.zero_shards)
     if key_opt not in ctx.optimizer_cache:
         ctx.optimizer_cache[key_opt] = optimizer_step_s(model, hw, training)
     opt_s = ctx.optimizer_cache[key_opt]
     flops = space.grad_accum * work.flops
-    base = dict(candidate=cand, optimizer_s=opt_s, static_bytes=static.total_bytes,
-                activation_capacity_bytes=capacity, model_flops_per_step=flops)
-
     rank_hw = ctx.rank_hardware.get(cand.layout.gpus, hw)
+    base = dict(candidate=cand, optimizer_s=opt_s, static_bytes=static.total_bytes,
+                activation_capacity_bytes=capacity, model_flops_per_step=flops, numerics=numerics_change(training),
+                comm_not_modelled=not_modelled(rank_hw.collective_overlap_slowdown))
     key = (cand.micro_batch, cand.planner, cand.plan_against, capacity, id(rank_hw))
     allocated = ctx.plan_cache.get((*key[:2], "allocated", *key[3:]))
     if key not in ctx.plan_cache and cand.plan_against == "reserved" and allocated is not None and (
@@ -221,8 +224,7 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     # The overlapped collectives still cost compute on a preset calibrated for it (NCCL kernels take SMs
     # and HBM bandwidth; `Hardware.collective_overlap_slowdown`, 0 on uncalibrated presets): a fixed cost
     # per micro-batch, so it ranks small micro-batches lower, as the published runs do.
-    per_micro_exposed += rank_hw.collective_overlap_slowdown * (comm.forward_comm_s + comm.backward_comm_s
-                                                                 - per_micro_exposed)
+    per_micro_exposed += comm.overlap_cost_s(rank_hw.collective_overlap_slowdown)
     exposed = space.grad_accum * per_micro_exposed + comm.after_step_comm_s
     step_s = space.grad_accum * (micro_s + per_micro_exposed) + opt_s + comm.after_step_comm_s
     tokens = space.grad_accum * cand.micro_batch * model.seq_len
@@ -303,9 +305,10 @@ def plan_search(model: ModelConfig, hardware: Hardware, topology: Topology, spac
                     continue
                 training = _training(recipe, layout)
                 static = _static(ctx, training)
-                capacity = hardware.device_memory_bytes - space.reserve_bytes - static.total_bytes
+                capacity = hardware.device_memory_bytes - space.reserve_bytes - space.margin_bytes - static.total_bytes
                 if capacity <= 0:
-                    detail = (f"{static.describe()}; + reserve {space.reserve_bytes / 2**30:.2f} GiB is "
+                    detail = (f"{static.describe()}; + reserve {space.reserve_bytes / 2**30:.2f} GiB + margin "
+                              f"{space.margin_bytes / 2**30:.2f} GiB is "
                               f"{-capacity / 2**30:.2f} GiB over {hardware.device_memory_bytes / 2**30:.2f} GiB")
                     regions.append(Region(STATIC_DOES_NOT_FIT, detail, where, group_size))
                     pruned += group_size
@@ -315,7 +318,7 @@ def plan_search(model: ModelConfig, hardware: Hardware, topology: Topology, spac
                     if floor > capacity:
                         left = len(space.micro_batches) - i
                         detail = (f"from micro-batch {mb} up: activation floor {floor / 2**30:.2f} GiB > capacity "
-                                  f"{capacity / 2**30:.2f} GiB (device - reserve - static)")
+                                  f"{capacity / 2**30:.2f} GiB (device - reserve - margin - static)")
                         regions.append(Region(ACTIVATIONS_DO_NOT_FIT, detail, {**where, "micro_batch": mb},
                                               left * per_mb))
                         pruned += left * per_mb
@@ -343,6 +346,7 @@ def run_search(
     on_row: Callable[[int, int, Row], None] | None = None,
     rank_hardware: Mapping[int, Hardware] | None = None,
     host_check: Callable[[int, int], str | None] | None = None,
+    node: Any = None,
 ) -> Advice:
     """Prune, evaluate every remaining configuration (`on_row(i, n, row)` after each, i from 1), run
     milp on the best heuristic configurations, rank, and explain the winners.
@@ -350,7 +354,7 @@ def run_search(
     `rank_hardware`: GPU count -> the per-rank hardware (shared host link) to plan on; absent counts
     use `hardware`. `host_check(gpus, host_pinned_bytes)`: why the host cannot pin a plan's host buffers."""
     plan, ctx = plan_search(model, hardware, topology, space, graph_for, rank_hardware=dict(rank_hardware or {}),
-                            host_check=host_check)
+                            host_check=host_check, node=node)
     total = len(plan.candidates) + plan.milp_runs
     rows: list[Row] = []
     for cand in plan.candidates:
@@ -376,12 +380,23 @@ def run_search(
                     on_row(len(rows), total, rows[-1])
         total = len(rows)
     regions = list(plan.regions) + _communication_regions(rows)
+    pruned = plan.pruned_configurations
+    if space.searches_layouts:
+        from slackswap.experiment.advise_layout import search_layouts
+
+        found = search_layouts(ctx, rows, on_row=on_row)
+        rows += found.rows
+        regions += found.regions
+        pruned += found.pruned
     ranked = sorted((i for i, r in enumerate(rows) if r.fits_device), key=lambda i: _rank_key(rows[i]))
     best: dict[int, int] = {}
+    faithful: dict[int, int] = {}
     for i in ranked:
         best.setdefault(rows[i].candidate.layout.gpus, i)
+        if not rows[i].numerics:
+            faithful.setdefault(rows[i].candidate.layout.gpus, i)
     rows = _explain(rows, ranked, best)
-    return Advice(tuple(rows), tuple(regions), best, tuple(ranked), plan.pruned_configurations)
+    return Advice(tuple(rows), tuple(regions), best, tuple(ranked), pruned, faithful)
 
 
 def _communication_regions(rows: Sequence[Row]) -> list[Region]:
@@ -460,6 +475,8 @@ def _explain(rows: list[Row], ranked: Sequence[int], best: Mapping[int, int]) ->
         if r.comm is not None and r.comm.total_comm_s:
             parts.append(f"communication {r.comm.total_comm_s:.3f} s, {r.comm_exposed_s:.3f} s exposed "
                          f"({r.comm.fabric})")
+        if r.numerics:
+            parts.append(f"changes the training's numerics ({r.candidate.recipe}: {r.numerics})")
         if same:
             ru = rows[same[0]]
             margin = (r.tokens_per_s - ru.tokens_per_s) / ru.tokens_per_s
@@ -469,19 +486,7 @@ def _explain(rows: list[Row], ranked: Sequence[int], best: Mapping[int, int]) ->
     return out
 
 
-def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both memory (lower) and throughput (higher), by
-    memory ascending."""
-    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
-    front, best = [], -math.inf
-    for i in order:
-        if points[i][1] > best:
-            front.append(i)
-            best = points[i][1]
-    return front
-
-
 #: The records (`advise_space`) and the node's part (`advise_node`) stay importable from here.
 __all__ = ["ACTIVATIONS_DO_NOT_FIT", "Advice", "COMMUNICATION_BOUND", "COMMUNICATION_BOUND_SHARE", "Candidate",
     "Layout", "PLAN_AGAINST", "RECIPE_DOES_NOT_APPLY", "Region", "Row", "STATIC_DOES_NOT_FIT", "SearchSpace",
-    "graph_source", "host_check", "layouts", "rank_hardware", "topology_from_node"]
+    "graph_source", "host_check", "layouts", "pareto_front", "rank_hardware", "topology_from_node"]

@@ -4,12 +4,13 @@ a configuration (`Candidate`), its priced row (`Row`), a rejected region (`Regio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from slackswap import validation as check
-from slackswap.communication import NOT_MODELLED, StepCommunication
+from slackswap.communication import StepCommunication, not_modelled
 from slackswap.errors import ConfigError
 from slackswap.memory.recipe import TrainingConfig
 
@@ -19,6 +20,10 @@ STATIC_DOES_NOT_FIT = "static memory does not fit"
 ACTIVATIONS_DO_NOT_FIT = "activations do not fit"
 COMMUNICATION_BOUND = "communication bound"
 RECIPE_DOES_NOT_APPLY = "recipe does not apply"
+LAYOUT_DOES_NOT_DIVIDE = "layout does not divide the model"
+#: Layouts (tp x pp x cp > 1) whose optimistic throughput could not beat the best already planned, or
+#: beyond `SearchSpace.layout_top_n` (`experiment.advise_layout`).
+NOT_PLANNED = "not planned: cannot beat the best"
 #: A configuration whose exposed communication takes at least this share of its step is flagged
 #: communication bound (and a layout all of whose fitting rows are, is a rejected region).
 COMMUNICATION_BOUND_SHARE = 0.25
@@ -39,6 +44,20 @@ class SearchSpace:
     grad_accum: int = 1
     milp_top_k: int = 3
     reserve_bytes: int = 1 << 30
+    #: Headroom every answer leaves: peak (static + reserve + reserved activations + communication
+    #: buffers) <= device memory - margin (conf/advise.yaml gives the default and its rationale).
+    margin_bytes: int = 0
+    #: Layout degrees searched besides data parallelism (`experiment.advise_layout`); (1,) each: none.
+    tp: tuple[int, ...] = (1,)
+    pp: tuple[int, ...] = (1,)
+    cp: tuple[int, ...] = (1,)
+    #: Megatron sequence parallelism on every tp > 1 layout.
+    sp: bool = True
+    #: Micro-batches per pipeline step of a pp > 1 layout (`parallel.microbatches`).
+    pipeline_microbatches: tuple[int, ...] = (8,)
+    pipeline_schedule: str = "1f1b"
+    #: At most this many layout configurations are planned, best optimistic estimate first.
+    layout_top_n: int = 40
 
     def __post_init__(self) -> None:
         def positive_ints(name: str, values: Sequence[int]) -> None:
@@ -72,18 +91,55 @@ class SearchSpace:
         check.integer("advise.grad_accum", self.grad_accum, 1)
         check.integer("advise.milp_top_k", self.milp_top_k, 0)
         check.integer("budget.reserve_bytes", self.reserve_bytes, 0)
+        check.integer("advise.margin_bytes", self.margin_bytes, 0)
+        for name in ("tp", "pp", "cp", "pipeline_microbatches"):
+            positive_ints(name, getattr(self, name))
+            if list(getattr(self, name)) != sorted(set(getattr(self, name))):
+                raise ConfigError(f"advise.{name}", list(getattr(self, name)), "must be strictly increasing")
+        check.flag("advise.sp", self.sp)
+        from slackswap.parallel import PIPELINE_SCHEDULES
+
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError("advise.pipeline_schedule", self.pipeline_schedule,
+                              f"must be one of {list(PIPELINE_SCHEDULES)}")
+        check.integer("advise.layout_top_n", self.layout_top_n, 1)
+
+    @property
+    def searches_layouts(self) -> bool:
+        return (self.tp, self.pp, self.cp) != ((1,), (1,), (1,))
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How `gpus` data-parallel GPUs hold the training state."""
+    """How `gpus` GPUs split the model (tp x pp x cp, `slackswap.parallel`) and hold the training state
+    over the dp = gpus / (tp pp cp) data-parallel replicas (ZeRO stage and shards)."""
 
     gpus: int
     zero_stage: int
     zero_shards: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sp: bool = False
+    #: Micro-batches per pipeline step (pp > 1), else 1.
+    microbatches: int = 1
+    schedule: str = "1f1b"
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def is_data_parallel(self) -> bool:
+        return self.tp == self.pp == self.cp == 1
 
     @property
     def label(self) -> str:
+        if not self.is_data_parallel:
+            zero = "" if self.dp == 1 else " DDP" if self.zero_stage == 0 else f" ZeRO-{self.zero_stage}"
+            pipe = f" pp{self.pp} x {self.microbatches} mb {self.schedule}" if self.pp > 1 else ""
+            return (f"{self.gpus} GPUs dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''}{pipe}"
+                    f"{f' cp{self.cp}' if self.cp > 1 else ''}{zero}")
         if self.gpus == 1:
             return "1 GPU"
         if self.zero_stage == 0:
@@ -128,6 +184,13 @@ class Candidate:
             "zero_stage": self.layout.zero_stage,
             "zero_shards": self.layout.zero_shards,
             "layout": self.layout.label,
+            "dp": self.layout.dp,
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "cp": self.layout.cp,
+            "sp": self.layout.sp,
+            "pipeline_microbatches": self.layout.microbatches,
+            "pipeline_schedule": self.layout.schedule,
             "recipe": self.recipe,
             "micro_batch": self.micro_batch,
             "planner": self.planner,
@@ -163,6 +226,18 @@ class Row:
     model_flops_per_step: float
     bound: str = ""
     why: str = ""
+    #: How the recipe changes the training's numerics against mixed-precision AdamW ("" none:
+    #: `numerics_change`).
+    numerics: str = ""
+    #: Per pipeline stage (one for pp = 1) of a layout row: planner, budget, peak (`StagePlan`).
+    stages: tuple[StagePlan, ...] = ()
+    #: Seconds per step of the layout's tp / cp collectives on the critical path (layout rows).
+    layout_comm_s: float | None = None
+    #: Communication buffers counted in the peak (bytes), and what the layout leaves out.
+    comm_buffer_bytes: int = 0
+    layout_note: str = ""
+    #: What the communication model leaves out on this row's hardware (`communication.not_modelled`).
+    comm_not_modelled: str = not_modelled(0.0)
 
     def to_json(self) -> dict[str, Any]:
         c = self.comm
@@ -181,7 +256,7 @@ class Row:
             "comm_fabric": None if c is None else c.fabric,
             "comm_replica_fabric": None if c is None else c.replica_fabric,
             "comm_assumption": None if c is None else c.assumption,
-            "comm_not_modelled": NOT_MODELLED,
+            "comm_not_modelled": self.comm_not_modelled,
             "peak_bytes": self.peak_bytes,
             "headroom_bytes": self.headroom_bytes,
             "static_bytes": self.static_bytes,
@@ -195,7 +270,43 @@ class Row:
             "model_flops_per_step": self.model_flops_per_step,
             "bound": self.bound,
             "why": self.why,
+            "numerics": self.numerics,
+            "stages": [asdict(p) for p in self.stages],
+            "layout_comm_s": self.layout_comm_s,
+            "comm_buffer_bytes": self.comm_buffer_bytes,
+            "layout_note": self.layout_note,
         }
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage's plan in a layout row."""
+
+    stage: int
+    planner: str
+    in_flight: int
+    budget_bytes: int
+    #: Static + reserve + communication buffers + the stage's activation peak with `in_flight`
+    #: micro-batches (reserved estimate), bytes on the device.
+    peak_bytes: int
+    static_bytes: int
+    forward_s: float
+    backward_s: float
+
+
+def numerics_change(training: TrainingConfig) -> str:
+    """How `training` changes what the training computes against mixed-precision AdamW (fp32 master
+    weights and moments, 16-bit compute; Micikevicius et al. 2018), "" when it does not: an answer may
+    prefer such a recipe only saying so beside it."""
+    out = []
+    if training.precision == "pure16":
+        out.append("16-bit parameters and AdamW moments, no fp32 master copy (updates below the 16-bit "
+                   "spacing are lost)")
+    if training.optimizer != "adamw":
+        out.append(f"optimizer {training.optimizer} instead of AdamW")
+    if training.fp8_linear_inputs:
+        out.append("FP8 saved linear inputs")
+    return "; ".join(out)
 
 
 @dataclass(frozen=True)
@@ -220,7 +331,19 @@ class Advice:
     best: Mapping[int, int]
     ranked: tuple[int, ...]
     pruned_configurations: int
+    #: GPU count -> the fastest fitting row whose recipe keeps the numerics (`numerics_change` "").
+    best_faithful: Mapping[int, int] = field(default_factory=dict)
 
     def best_rows(self) -> dict[int, Row]:
         return {g: self.rows[i] for g, i in self.best.items()}
 
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other beats on memory (lower) and throughput (higher), memory ascending."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    front, best = [], -math.inf
+    for i in order:
+        if points[i][1] > best:
+            front.append(i)
+            best = points[i][1]
+    return front

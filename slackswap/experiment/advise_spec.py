@@ -111,9 +111,10 @@ class AdviseSpec:
             for gpus in adv.get("gpus") or ():
                 if isinstance(gpus, int) and not isinstance(gpus, bool):
                     parallel.check_gpus(gpus, "advise.gpus")
-            # Never silently ignored: the search is data-parallel only until it searches layouts.
+            # Never silently ignored: the search chooses the layout itself.
             raise ConfigError("parallel", parallel.as_dict(),
-                              "advise searches data-parallel layouts of full replicas only; leave parallel at none")
+                              "advise searches the layout: list degrees in advise.tp / advise.pp / advise.cp "
+                              "and leave parallel at none")
         node = Node.from_dict(config["node"])
         budget = Budget.from_dict(config["budget"])
         if not budget.device:
@@ -131,6 +132,11 @@ class AdviseSpec:
             plan_against=_values("advise.plan_against", adv.get("plan_against")),
             zero_stages=_values("advise.zero_stages", adv.get("zero_stages")),
             grad_accum=adv.get("grad_accum"), milp_top_k=adv.get("milp_top_k"), reserve_bytes=budget.reserve_bytes,
+            margin_bytes=adv.get("margin_bytes", 0), tp=_values("advise.tp", adv.get("tp", [1])),
+            pp=_values("advise.pp", adv.get("pp", [1])), cp=_values("advise.cp", adv.get("cp", [1])),
+            sp=adv.get("sp", True),
+            pipeline_microbatches=_values("advise.pipeline_microbatches", adv.get("pipeline_microbatches", [8])),
+            pipeline_schedule=adv.get("pipeline_schedule", "1f1b"), layout_top_n=adv.get("layout_top_n", 40),
         )
         topology = topology_from_node(node, hardware)
         for gpus in space.gpus:
@@ -148,7 +154,7 @@ class AdviseSpec:
         graphs = graph_source(self.model, self.hardware, self.graph, self.profile_source, self.profile_options)
         return run_search(self.model, self.hardware, self.topology, self.space, graphs, on_row=on_row,
                           rank_hardware=rank_hardware(self.hardware, self.node, self.space.gpus),
-                          host_check=host_check(self.node))
+                          host_check=host_check(self.node), node=self.node)
 
 
 def _recipes(adv: Mapping[str, Any], presets: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

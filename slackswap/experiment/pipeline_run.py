@@ -172,6 +172,9 @@ def _plan_stage(spec: RunSpec, s: Stage, budget: int) -> tuple[FittedPlan | None
             why = f"simulator: {fitted.result.infeasible_reason}"
             continue
         peak = stage_peak_bytes(s.graph, fitted.result, k)
+        if spec.fit.plan_against == "reserved" and fitted.report is not None:
+            # against the reserved peak: one micro-batch's fragmentation (reserved - allocated) on top
+            peak += max(fitted.report.peak_reserved_bytes - fitted.result.peak_activation_bytes, 0)
         if peak <= budget:
             return fitted, "", (plan_wall, sim_wall)
         why = f"pipeline peak {peak} bytes with {k} micro-batches in flight over the budget"

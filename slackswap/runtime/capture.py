@@ -35,6 +35,7 @@ from slackswap.graph import (
 )
 from slackswap.hardware import Hardware
 from slackswap.profile.torch.identity import StorageIdentities
+from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering, writes_into
 from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS, model_line
 
@@ -192,16 +193,14 @@ def loss_boundary(model: torch.nn.Module, identities: StorageIdentities) -> Iter
         handle.remove()
 
 
-def _layer_tracker(model: torch.nn.Module, stack: ExitStack) -> Callable[[], int]:
-    """Index of the enclosing child of the model's first ModuleList (the transformer layer)."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+def _layer_tracker(layers: LayerStacks, model: torch.nn.Module, stack: ExitStack) -> Callable[[], int]:
+    """Index of the enclosing layer (`layer_stacks.find_layer_stacks`: the tracer's rule too)."""
     active: list[int] = []
-    if lists:
-        for i, layer in enumerate(lists[0]):
-            pre = layer.register_forward_pre_hook(lambda _m, _a, i=i: active.append(i) or None)
-            post = layer.register_forward_hook(lambda _m, _a, _o: active.pop() and None or None)
-            stack.callback(pre.remove)
-            stack.callback(post.remove)
+    for i, layer in enumerate(layers.modules(model)):
+        pre = layer.register_forward_pre_hook(lambda _m, _a, i=i: active.append(i) or None)
+        post = layer.register_forward_hook(lambda _m, _a, _o: active.pop() and None or None)
+        stack.callback(pre.remove)
+        stack.callback(post.remove)
     return lambda: active[-1] if active else NO_LAYER
 
 
@@ -245,8 +244,9 @@ def capture_graph(
     """
     identities = StorageIdentities(model)
     numbering = OpNumbering(identities)
+    layer_stacks = find_layer_stacks(model)
     with ExitStack() as stack:
-        recorder = _Recorder(numbering, _layer_tracker(model, stack))
+        recorder = _Recorder(numbering, _layer_tracker(layer_stacks, model, stack))
         packed = recorder.packed
         stack.enter_context(loss_boundary(model, identities))
 
@@ -334,6 +334,7 @@ def capture_graph(
         "weight_bytes_from_params": sum(p.numel() * p.element_size() for p in model.parameters()),
         "hardware": hardware.name,
         WEIGHT_GRADS_KEY: weight_grads,
+        "layer_stacks": list(layer_stacks.stacks),
         **({REWRITTEN_KEY: recorder.rewritten} if recorder.rewritten else {}),
         **({STATE_KEY: recorder.state_writes} if recorder.state_writes else {}),
         BACKWARD_FRAMES_KEY: {op: sorted(f) for op, f in recorder.backward_frames.items()},

@@ -3,7 +3,7 @@ of plans the export executes decision for decision.
 
 Why: `slackswap.runtime.export.PlanExport` runs any plan, but some decisions are PyTorch's, not the
 plan's (docs/runtime.md, "The export"). Known before any step runs, they are facts of the captured
-graph and of the checkpoint regions (the children of the model's first ModuleList):
+graph and of the checkpoint regions (the model's layers, `slackswap.profile.torch.layer_stacks`):
 - a tensor outside every layer is saved by autograd (no region's policy governs it);
 - a layer's output is held as the next layer's input (or by an op outside), whatever the policy;
 - an op that an in-place call writes into afterwards (CPU dropout's `empty_like` / `bernoulli_` /
@@ -29,6 +29,7 @@ import torch
 
 from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, Graph
+from slackswap.profile.torch.layer_stacks import find_layer_stacks
 from slackswap.runtime.op_numbering import call_number, overload_of, writes_into
 
 OUTSIDE = "produced outside every layer (no checkpoint region governs it)"
@@ -48,11 +49,9 @@ NOT_KEPT = ("a checkpoint candidate outside every layer: autograd does not save 
 
 
 def layer_paths(model: torch.nn.Module) -> list[str]:
-    """Module paths of the children of the model's first ModuleList: the checkpoint regions."""
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.ModuleList):
-            return [f"{name}.{i}" if name else str(i) for i in range(len(m))]
-    return []
+    """Module paths of the model's layers (`layer_stacks.find_layer_stacks`, the capture's and the
+    tracer's rule): the checkpoint regions, region i being layer i of the graph."""
+    return list(find_layer_stacks(model).paths)
 
 
 def module_path(identity: str) -> str:

@@ -30,9 +30,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+from slackswap.graph import PYTHON_CONSTANT_OPS
+
 #: A version tag recorded in every captured graph and checked when a plan is applied; its text is kept
 #: as first written (it names this module by its earlier name), so graphs captured before still match.
-IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/3"
+IDENTITY_SCHEME = "slackswap.profile.torch.identity + slackswap.runtime.identity ops/4"
 
 
 def call_number(op_name: str) -> int:
@@ -64,9 +66,13 @@ def writes_into(func: torch._ops.OpOverload) -> tuple[int, ...]:
 
 
 def fresh_output_flags(func: torch._ops.OpOverload, out: object) -> list[bool]:
-    """Per flattened output leaf: True when the schema says it aliases no input (a new storage)."""
+    """Per flattened output leaf: True when the schema says it aliases no input (a new storage), or
+    the op lifts a constant made from Python data into the dispatcher (`PYTHON_CONSTANT_OPS`: its storage
+    is new to the step although the schema says the output aliases the input)."""
     returns = func._schema.returns
     leaves = tree_leaves(out)
+    if func._overloadpacket.__name__ in PYTHON_CONSTANT_OPS:
+        return [True] * len(leaves)
     if len(returns) == 1:
         flag = returns[0].alias_info is None
         return [flag] * len(leaves)

@@ -16,6 +16,9 @@ P's outputs are then not replayable, and so are the rewritten tensors and the ou
 writes module state. Not replayable saved tensors are fixed to keep (`fixed`, with the reason:
 a swap is no better, its offload is issued after the producer, before the write); rewritten
 checkpoint candidates get no decision (`not_kept`: a swapped one would be the old version too).
+A constant made from Python data inside forward (an op whose role is in `PYTHON_CONSTANT_OPS`:
+Falcon's index tensors of `fused_qkv[..., [-2], :]`) is not replayable either: its replay returns the
+very tensor the recompute was to free, so the run copy would outlive the plan's release of it.
 A saved tensor that is rewritten before every reader keeps exactly (its run copy is the storage
 autograd saved). The runtime checks the result on its verified step with autograd's version
 counters (`slackswap.runtime.replay_check`), so a case the rule misses is refused, not silent.
@@ -32,7 +35,7 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from slackswap.graph import FORWARD_PHASES, REWRITTEN_KEY, STATE_KEY, Graph, GraphMemo
+from slackswap.graph import FORWARD_PHASES, PYTHON_CONSTANT_OPS, REWRITTEN_KEY, STATE_KEY, Graph, GraphMemo
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,16 @@ class ReplayRule:
 def _build_rule(graph: Graph) -> ReplayRule:
     rewritten: Mapping[str, list] = graph.meta.get(REWRITTEN_KEY) or {}
     state: Mapping[str, list] = graph.meta.get(STATE_KEY) or {}
-    if not rewritten and not state:
-        return ReplayRule({}, frozenset())
-    index = graph.op_index
     tensors, ops = graph.tensors, graph.op_by_name
+    constants = {t: f"a constant made from Python data in forward ({ops[tensors[t].producer].role}): a replay "
+                    "returns the very tensor it would free" for t in (x.name for x in graph.saved_tensors)
+                 if ops[tensors[t].producer].role in PYTHON_CONSTANT_OPS}
+    if not rewritten and not state:
+        return ReplayRule(constants, frozenset())
+    index = graph.op_index
     why: dict[str, str] = {t: f"op {w[0]!r} ({w[1]}) writes it in place after its producer"
                            for t, w in rewritten.items() if t in tensors}
+    why.update(constants)
     for op_name, (what, line) in state.items():
         for t in ops[op_name].outputs if op_name in ops else ():
             why.setdefault(t, f"its op {op_name!r} ({line}) writes module state {what} a replay would write again")

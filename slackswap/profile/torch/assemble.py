@@ -157,7 +157,7 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
     state = state_bytes_per_param(trace.dtype)[2]
     info = {"source": "torch", "semantics": trace.semantics, "num_params": trace.num_params,
             "max_unit_params": max(trace.layer_params.values(), default=0),
-            "layers_path": trace.layers_path, "hardware": hardware.name}
+            "layer_stacks": list(trace.layer_stacks), "hardware": hardware.name}
     return Graph(name, tuple(ops), tensors, trace.num_layers,
                  weight_bytes=trace.param_bytes, weight_grad_bytes=trace.param_bytes,
                  optimizer_state_bytes=state * trace.num_params, meta=info | dict(meta or {}))

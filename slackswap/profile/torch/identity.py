@@ -16,8 +16,12 @@ forward and loss, and name every storage after the aten op output that first cre
 
 The identity is local to one module call: a kernel that differs in one module (another attention
 backend) changes only identities inside that module. Views and in-place writes do not create a
-storage, so q, k and v split from one fused projection share its output's identity. See
-docs/torch_profile.md.
+storage, so q, k and v split from one fused projection share its output's identity. A constant made
+inside forward from Python data (`torch.tensor(...)`, or the index tensor of `x[..., [-2], :]`) is
+created outside the dispatcher and enters it through `lift_fresh`, whose output aliases its input:
+the mode names that storage after the `lift_fresh` call (`slackswap.graph.PYTHON_CONSTANT_OPS`), so an index tensor
+autograd saves (Falcon's `fused_qkv[..., [-2], :]`) is a graph tensor with its bytes, not an
+anonymous tensor kept unseen. See docs/torch_profile.md.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from slackswap.graph import PYTHON_CONSTANT_OPS
 
 ROOT_PATH = "<root>"
 LOSS_PATH = "<loss>"
@@ -134,8 +140,21 @@ class StorageIdentities(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        before = {storage_key(t) for t in tensor_leaves((args, kwargs))}
+        name = func.overloadpacket.__name__
+        before = set() if name in PYTHON_CONSTANT_OPS else {storage_key(t) for t in tensor_leaves((args, kwargs))}
         out = func(*args, **kwargs)
+        self._name_outputs(func, args, kwargs, out, before)
+        return out
+
+    def lift_constant(self, tensor: torch.Tensor) -> None:
+        """Name `tensor` as the `lift_fresh` call that a real device makes for it would (`on_op` runs).
+
+        On the meta device the index tensor of `x[..., [-2], :]` is made without any call reaching a
+        dispatch mode; the tracer meets it only when autograd saves it, right before the indexing op,
+        where the real run's `lift_fresh` came. Naming it here keeps both sides' identities equal."""
+        self._name_outputs(torch.ops.aten.lift_fresh.default, (tensor,), {}, tensor, set())
+
+    def _name_outputs(self, func, args: tuple, kwargs: dict, out: object, before: set[int]) -> None:
         path = self.modules.current(self.outside)
         name = func.overloadpacket.__name__
         new: list[tuple[int, torch.Tensor, str, int]] = []
@@ -158,7 +177,6 @@ class StorageIdentities(TorchDispatchMode):
                 self._ids[key] = (StorageWeakRef(storage), ident)
             new.append((key, t, ident, i))
         self.on_op(func, args, kwargs, out, path, new)
-        return out
 
     def on_op(self, func, args, kwargs, out, path: str, new: list) -> None:
         """Called after every op with the storages it created: (key, tensor, identity or '', output index)."""

@@ -84,7 +84,7 @@ def sac_policy(save_ops: frozenset[str]) -> Callable:
 
 
 @contextlib.contextmanager
-def checkpointed_layers(layers: torch.nn.ModuleList, save_ops: frozenset[str] | None) -> Iterator[None]:
+def checkpointed_layers(layers: Iterable[torch.nn.Module], save_ops: frozenset[str] | None) -> Iterator[None]:
     """Every module of `layers` runs under non-reentrant `torch.utils.checkpoint.checkpoint`; with
     `save_ops`, under selective checkpointing with `sac_policy(save_ops)` (else plain checkpointing)."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts

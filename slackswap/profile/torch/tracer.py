@@ -4,7 +4,8 @@ Records, not a `Graph`: a trace is device-independent apart from its kernel sema
 timed on any number of GPUs (`slackswap.profile.torch.assemble.graph_from_trace`).
 
 - every aten op that creates a storage, writes one in place, or has FLOPs is recorded, with its
-  phase, its innermost module and that module's transformer layer; pure views (view, transpose,
+  phase, its innermost module and that module's layer (`layer_stacks.find_layer_stacks`, the rule the
+  runtime's capture and export use too); pure views (view, transpose,
   detach, expand) create nothing and are folded into the storage they view;
 - the saved set is what autograd really saves: a `saved_tensors_hooks` pack hook records the storage
   of every tensor autograd saves in forward and loss (so views of one storage count once); the
@@ -36,8 +37,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 from slackswap.errors import ConfigError, SlackSwapError
-from slackswap.graph import NO_LAYER, OpClass, Phase
+from slackswap.graph import OpClass, Phase
 from slackswap.profile.torch.identity import LOSS_PATH, ROOT_PATH, StorageIdentities, storage_key, tensor_leaves
+from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks
 from slackswap.profile.torch.semantics import KernelRouting, check_semantics, cpu_size_correction
 
 _PATH_KEY = "slackswap_module"
@@ -130,7 +132,8 @@ class Trace:
     saved: frozenset[int]
     weight_grads: frozenset[int]
     num_layers: int
-    layers_path: str
+    #: Module paths of the layer lists (`layer_stacks.find_layer_stacks`), in forward order.
+    layer_stacks: tuple[str, ...]
     num_params: int
     param_bytes: int
     semantics: str
@@ -163,23 +166,6 @@ class _Packed:
                                                                               self.stride)
 
 
-def find_layers(model: torch.nn.Module) -> tuple[str, int]:
-    """The transformer stack: the `nn.ModuleList` with the most children (the first of equals)."""
-    best = ("", 0)
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > best[1]:
-            best = (name, len(module))
-    return best
-
-
-def layer_of(path: str, layers_path: str) -> int:
-    if not layers_path or not path.startswith(layers_path + "."):
-        return NO_LAYER
-    head = path[len(layers_path) + 1:].split(".", 1)[0]
-    head = _CALL_SUFFIX.sub("", head)
-    return int(head) if head.isdigit() else NO_LAYER
-
-
 def op_class_of(aten: str) -> OpClass:
     if aten in MATMUL_OPS:
         return OpClass.MATMUL
@@ -200,7 +186,7 @@ class _Tracer(StorageIdentities):
                 self.failed_at = (str(func), self.modules.current(self.outside))
             raise
 
-    def __init__(self, model: torch.nn.Module, semantics: str, layers_path: str):
+    def __init__(self, model: torch.nn.Module, semantics: str, layers: LayerStacks):
         # Storages are not kept alive (their release is measured), so a freed storage's address may be
         # reused: `key` maps an address to the storage created there last, checked by a weak reference.
         super().__init__(model, keep_alive=False)
@@ -213,7 +199,7 @@ class _Tracer(StorageIdentities):
         self._unpacked: list[tuple[int, StorageWeakRef]] = []
         self.extra_reads: dict[int, list[int]] = {}
         self.semantics = semantics
-        self.layers_path = layers_path
+        self.layers = layers
         self.phase = Phase.FORWARD
         self.ops: list[TracedOp] = []
         self.storages: dict[int, TracedStorage] = {}
@@ -222,6 +208,8 @@ class _Tracer(StorageIdentities):
         self._last_bwd_path = LOSS_PATH
         self._names = {id(m): (n or ROOT_PATH) for n, m in model.named_modules(remove_duplicate=False)}
         self._label_handles: list = []
+        #: Storages made before the step (parameters, buffers, the inputs): never a graph tensor.
+        self.external: set[int] = set()
 
     # -- autograd node labels (backward layer attribution) -------------------------------------------
 
@@ -278,8 +266,16 @@ class _Tracer(StorageIdentities):
 
     def pack(self, t: torch.Tensor) -> object:
         key = self.key(t)
+        if (key is None and t.device.type == "meta" and self.phase == Phase.FORWARD
+                and storage_key(t) not in self.external):
+            # A constant the model made from Python data with no call the mode saw (an index list on
+            # meta; on a real device `lift_fresh` reaches the mode): named as the real run's
+            # `lift_fresh` names it (`StorageIdentities.lift_constant`). A tensor the model holds as a
+            # plain attribute (no buffer) on meta would be taken for one: register it as a buffer.
+            self.lift_constant(t)
+            key = self.key(t)
         if key is None:
-            return t  # a parameter or an input: not an activation
+            return t  # a parameter, a buffer or an input: not an activation
         if self.phase != Phase.BACKWARD:
             self.saved.add(key)
         copy = None
@@ -346,7 +342,7 @@ class _Tracer(StorageIdentities):
         written = tuple(dict.fromkeys(
             self.key(t) for t in outputs if self.key(t) in reads and self.key(t) not in creates)) \
             if mutates else ()
-        self.ops.append(TracedOp(index, aten, self.phase, path, layer_of(path, self.layers_path), op_class_of(aten),
+        self.ops.append(TracedOp(index, aten, self.phase, path, self.layers.layer_of(path), op_class_of(aten),
                                  tuple(reads), tuple(creates), flops, int(moved), is_random(aten, args), written))
 
 
@@ -369,20 +365,19 @@ def trace_step(
     *,
     semantics: str = "cuda",
     dtype: str = "bf16",
-    layers_path: str | None = None,
+    layers: LayerStacks | None = None,
 ) -> Trace:
     """Trace forward (`model(*inputs)`), loss (`loss_fn(output)`) and `loss.backward()` of `model`.
 
     `model` and `inputs` should live on the meta device (nothing is allocated); any device works, the
     tracer only looks at shapes and storages. `semantics`: whose kernels (see semantics.py).
+    `layers`: the model's layers, by default `find_layer_stacks(model)` (the rule the runtime uses too).
     """
     check_semantics(semantics)
-    if layers_path is None:
-        layers_path, num_layers = find_layers(model)
-    else:
-        num_layers = len(model.get_submodule(layers_path)) if layers_path else 0
+    layers = find_layer_stacks(model) if layers is None else layers
     params = {storage_key(p): p for p in model.parameters()}
-    tracer = _Tracer(model, semantics, layers_path)
+    tracer = _Tracer(model, semantics, layers)
+    tracer.external = {storage_key(t) for t in (*model.parameters(), *model.buffers(), *tensor_leaves(inputs))}
     with torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack), KernelRouting(semantics), tracer:
         try:
             output = model(*inputs)
@@ -433,15 +428,15 @@ def trace_step(
         if storage_key(p) in seen:
             continue
         seen.add(storage_key(p))
-        layer = layer_of(name.rsplit(".", 1)[0], layers_path)
+        layer = layers.layer_of(name.rsplit(".", 1)[0] if "." in name else "")
         layer_params[layer] = layer_params.get(layer, 0) + p.numel()
     return Trace(
         ops=tuple(tracer.ops),
         storages=tracer.storages,
         saved=frozenset(tracer.saved),
         weight_grads=weight_grads,
-        num_layers=num_layers,
-        layers_path=layers_path,
+        num_layers=layers.num_layers,
+        layer_stacks=layers.stacks,
         num_params=sum(p.numel() for p in params.values()),
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         semantics=semantics,

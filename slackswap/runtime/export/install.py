@@ -63,7 +63,7 @@ def _fresh_function(fn: Callable) -> Callable:
 
 
 class PlanExport(TableSteps):
-    """A plan as one SAC policy per layer of `model` (the children of its first ModuleList).
+    """A plan as one SAC policy per layer of `model` (`slackswap.profile.torch.layer_stacks`).
 
         export = PlanExport(plan, graph, model)
         with export.installed(model):                 # eager: per-layer checkpoint with the policy

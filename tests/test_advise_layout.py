@@ -1,0 +1,121 @@
+"""The layout half of the advise search (slackswap.experiment.advise_layout): tp / pp / cp that do not
+divide the model are rejected regions, a layout whose static memory cannot fit is pruned, pipeline
+rows carry every stage's plan, every answer leaves the margin, and a winner that changes the numerics
+is shown with the best numerics-keeping configuration beside it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.advise_report import layout_lines, numerics_lines
+from slackswap.communication import Fabric, Topology
+from slackswap.errors import ConfigError
+from slackswap.experiment.advise import STATIC_DOES_NOT_FIT, SearchSpace, plan_search, run_search
+from slackswap.experiment.advise_layout import search_layouts
+from slackswap.experiment.advise_space import LAYOUT_DOES_NOT_DIVIDE, numerics_change
+from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
+from slackswap.model_config import ModelConfig
+from slackswap.profile import build_graph
+
+REPO = Path(__file__).resolve().parents[1]
+TOPO = Topology(8, Fabric("nvlink", 230e9, 2e-6), Fabric("network", 25e9, 6e-7))
+MIXED = TrainingConfig(precision="mixed")
+PURE16 = TrainingConfig(precision="pure16")
+
+
+def _load(group: str, name: str) -> dict:
+    return yaml.safe_load((REPO / "conf" / group / f"{name}.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def model() -> ModelConfig:
+    # tiny's shape with 4 layers (pp 2 and 4 divide them) and flash attention (cp needs it)
+    return replace(ModelConfig.from_dict(_load("model", "tiny")), num_layers=4, attention="flash")
+
+
+@pytest.fixture(scope="module")
+def a100() -> Hardware:
+    return Hardware.from_dict(_load("hardware", "a100_80gb_pcie4"))
+
+
+def _graphs(model: ModelConfig, hardware: Hardware):
+    return lambda mb: build_graph(replace(model, micro_batch_size=mb, include_optimizer=False), hardware)
+
+
+def _space(**kw) -> SearchSpace:
+    base = dict(gpus=(4,), recipes={"mixed": MIXED}, micro_batches=(1, 2), planners={"keep_all": {}},
+                plan_against=("allocated",), reserve_bytes=0, zero_stages=(0, 1), pipeline_microbatches=(4,))
+    return SearchSpace(**{**base, **kw})
+
+
+def _layout_rows(advice):
+    return [r for r in advice.rows if not r.candidate.layout.is_data_parallel]
+
+
+def test_tp_must_divide_the_heads_and_pp_the_layers(model, a100):
+    advice = run_search(model, a100, TOPO, _space(gpus=(3,), tp=(1, 3), pp=(1, 3)), _graphs(model, a100))
+    divide = {r.detail.split("=")[0] for r in advice.regions if r.reason == LAYOUT_DOES_NOT_DIVIDE}
+    assert divide == {"parallel.tp", "parallel.pp"}
+    assert not _layout_rows(advice)  # neither tp 3 (4 heads) nor pp 3 (4 layers) is planned
+
+
+def test_a_layout_whose_static_memory_cannot_fit_is_pruned_before_planning(model, a100):
+    # a margin that leaves 1 KiB of the device: nothing's static memory fits
+    space = _space(tp=(1, 2), pp=(1, 2), margin_bytes=a100.device_memory_bytes - 1024)
+    advice = run_search(model, a100, TOPO, space, _graphs(model, a100))
+    static = [r for r in advice.regions if r.reason == STATIC_DOES_NOT_FIT]
+    assert any("tp2" in r.choices["layout"] for r in static)
+    assert not advice.rows and advice.best == {}
+
+
+def test_a_pipeline_row_plans_every_stage_and_prices_its_step(model, a100):
+    space = _space(tp=(2,), pp=(2,), micro_batches=(1,), zero_stages=(0,), layout_top_n=5)
+    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    # no data-parallel incumbent: the layout is planned whatever its optimistic estimate
+    rows = [r for r in search_layouts(ctx, []).rows if r.fits_device]
+    assert rows
+    r = rows[0]
+    lay = r.candidate.layout
+    assert (lay.dp, lay.tp, lay.pp, lay.microbatches) == (1, 2, 2, 4)
+    assert [p.stage for p in r.stages] == [0, 1] and [p.in_flight for p in r.stages] == [2, 1]
+    assert r.tokens_per_s > 0 and 0 < r.mfu < 1 and r.layout_comm_s > 0  # tp all-reduces priced
+    assert max(p.peak_bytes for p in r.stages) == r.peak_bytes
+    text = "\n".join(layout_lines(r))
+    assert "dp 1, tp 2 (sp), pp 2" in text and "stage 1: planner keep_all" in text
+
+
+def test_every_fitting_row_leaves_the_margin(model, a100):
+    # activations of megabytes, so that micro-batches differ beyond the allocator's 2 MiB segments
+    model = replace(model, hidden_size=1024, ffn_hidden_size=4096, seq_len=512, num_heads=8, num_kv_heads=8)
+    unlimited = run_search(model, a100, TOPO, _space(gpus=(1,), micro_batches=(1, 2, 4)), _graphs(model, a100))
+    big = max(r.peak_bytes for r in unlimited.rows if r.fits_device)
+    # the margin leaves less than the largest configuration's peak: it no longer fits, the others do
+    margin = a100.device_memory_bytes - big + 1
+    advice = run_search(model, a100, TOPO, _space(gpus=(1,), micro_batches=(1, 2, 4), margin_bytes=margin),
+                        _graphs(model, a100))
+    fitting = [r for r in advice.rows if r.fits_device]
+    assert fitting and all(r.headroom_bytes >= margin for r in fitting)
+    assert all(r.peak_bytes < big for r in fitting)
+
+
+def test_a_winner_that_changes_numerics_comes_with_the_best_that_does_not(model, a100):
+    space = _space(gpus=(1,), recipes={"mixed": MIXED, "pure16": PURE16})
+    advice = run_search(model, a100, TOPO, space, _graphs(model, a100))
+    best = advice.best_rows()[1]
+    assert best.candidate.recipe == "pure16" and best.numerics == numerics_change(PURE16) != ""
+    faithful = advice.rows[advice.best_faithful[1]]
+    assert faithful.candidate.recipe == "mixed" and faithful.numerics == ""
+    lines = numerics_lines(advice, 1)
+    assert "changes the training's numerics" in lines[0] and "best keeping the numerics" in lines[1]
+
+
+def test_bad_layout_lists_name_their_field():
+    for field, value in (("tp", (0,)), ("pp", (2, 1)), ("pipeline_microbatches", ())):
+        with pytest.raises(ConfigError) as exc:
+            _space(**{field: value})
+        assert exc.value.field == f"advise.{field}"
