@@ -20,7 +20,7 @@ from tests.extras import require_torch_extra
 torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
-from torch import nn  # noqa: E402
+nn = torch.nn
 
 from slackswap.graph import NO_LAYER, Phase  # noqa: E402
 from slackswap.profile.torch.layer_stacks import find_layer_stacks  # noqa: E402

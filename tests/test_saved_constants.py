@@ -20,7 +20,7 @@ from tests.extras import require_torch_extra
 
 torch = require_torch_extra("torch")
 
-from torch import nn  # noqa: E402
+nn = torch.nn
 
 from slackswap.plan import Decision  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
