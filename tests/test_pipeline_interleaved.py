@@ -122,3 +122,58 @@ def test_bad_interleaved_input_is_one_config_error():
         simulate_pipeline([StageTimes(1, 1)] * 4, 4, virtual_stages=2)
     with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=2: does not divide the 3 chunks"):
         simulate_pipeline([StageTimes(1, 1)] * 3, 4, schedule="interleaved", virtual_stages=2)
+
+
+def test_parallel_config_takes_interleaved_and_refuses_bad_values_in_one_line():
+    from slackswap.model_config import ModelConfig
+    from slackswap.parallel import ParallelConfig
+
+    par = ParallelConfig(pp=2, microbatches=4, pipeline_schedule="interleaved", virtual_stages=2)
+    assert par.chunks == 4 and par.as_dict()["virtual_stages"] == 2
+    assert "virtual_stages" not in ParallelConfig(pp=2, microbatches=4).as_dict()  # 1F1B's dict is unchanged
+    with pytest.raises(ConfigError, match=r"^parallel.microbatches=6: must be a multiple of parallel.pp=4"):
+        ParallelConfig(pp=4, microbatches=6, pipeline_schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=1: must be an integer >= 2"):
+        ParallelConfig(pp=2, microbatches=4, pipeline_schedule="interleaved")
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=2: must be 1 unless"):
+        ParallelConfig(pp=2, microbatches=4, virtual_stages=2)
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=0: must be an integer >= 1"):
+        ParallelConfig(pp=2, microbatches=4, virtual_stages=0)
+    model = ModelConfig(name="t", family="llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=128, seq_len=32, micro_batch_size=2, vocab_size=128, dtype="bf16",
+                        dropout=False, attention="flash")
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=2: times parallel.pp=2 does not divide "
+                                          r"model.num_layers=6"):
+        par.check_model(model)
+
+
+def test_run_one_plans_each_device_under_its_budget():
+    import yaml
+
+    from slackswap.experiment.run import Verdict, run_one
+    from slackswap.experiment.spec import RunSpec
+    from slackswap.hardware import preset_dir
+
+    model = {"name": "t", "family": "llama", "num_layers": 8, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+             "ffn_hidden_size": 128, "seq_len": 32, "micro_batch_size": 2, "vocab_size": 128, "dtype": "bf16",
+             "dropout": False, "attention": "flash"}
+    hardware = yaml.safe_load((preset_dir() / "a100_80gb_pcie4.yaml").read_text())
+    cfg = {"model": model, "hardware": hardware, "budget": {"fraction": 0.75}, "planner": {"name": "swap_only"}}
+    flat = run_one(RunSpec.from_dict(cfg | {"parallel": {"pp": 2, "microbatches": 4}})).metrics
+    out = run_one(RunSpec.from_dict(cfg | {"parallel": {"pp": 2, "microbatches": 4, "pipeline_schedule": "interleaved",
+                                                        "virtual_stages": 2}}))
+    m = out.metrics
+    assert out.verdict == Verdict.OK, out.reason
+    assert m["pipeline_schedule"] == "interleaved" and m["pipeline_virtual_stages"] == 2
+    assert m["pipeline_in_flight_by_stage"] == "5,3"  # micro-batch chunks, as the schedule holds them
+    peaks = [int(v) for v in m["pipeline_peak_bytes_by_stage"].split(",")]
+    budgets = [int(v) for v in m["pipeline_budget_bytes_by_stage"].split(",")]
+    assert all(p <= b for p, b in zip(peaks, budgets, strict=True)) and max(peaks) == m["peak_activation_bytes"]
+    # The same layers, chunked: smaller keep-all bubble, more activations held on the first device.
+    assert m["pipeline_ideal_bubble_fraction"] < flat["pipeline_ideal_bubble_fraction"]
+    keep_all = [int(v) for v in m["pipeline_keep_all_peak_bytes_by_stage"].split(",")]
+    assert keep_all[0] > int(flat["pipeline_keep_all_peak_bytes_by_stage"].split(",")[0])
+    assert m["pipeline_static_bytes_by_stage"] == flat["pipeline_static_bytes_by_stage"]  # same parameters per device
+    assert m["compute_busy_s"] == pytest.approx(flat["compute_busy_s"], rel=0.02)  # device 0: the same layers x m
+    assert m["model_flops"] == pytest.approx(flat["model_flops"])
+    assert m["step_s"] >= m["ideal_step_s"] > 0
