@@ -58,6 +58,27 @@ def test_a_pipeline_run_reports_each_stage(tmp_path, monkeypatch, capsys) -> Non
 
 
 @pytest.mark.slow
+def test_an_interleaved_run_reports_each_device(tmp_path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "run"
+    code = _in_process(
+        monkeypatch, tmp_path, "model=llama7b", "parallel=pp4_interleaved",
+        "hardware=a100_80gb_sxm_pcie4", "node=dgx_a100", "tracking=off", f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert [line for line in out.splitlines() if line.startswith("pipeline ")][0].startswith(
+        "pipeline     interleaved (2 chunks per stage), 8 micro-batches, bubble "), out
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["pipeline_in_flight_by_stage"] == "11,9,7,5"  # Megatron's warm-up + 1 chunks per device
+    assert metrics["pipeline_virtual_stages"] == 2
+    peaks = [int(v) for v in metrics["pipeline_peak_bytes_by_stage"].split(",")]
+    budgets = [int(v) for v in metrics["pipeline_budget_bytes_by_stage"].split(",")]
+    assert all(p <= b for p, b in zip(peaks, budgets, strict=True)) and max(peaks) == metrics["peak_activation_bytes"]
+    # equal chunks would idle (p-1)/(vm+p-1) = 3/19 of the step; the embedding and head make them unequal
+    assert 3 / 19 - 0.05 <= metrics["pipeline_ideal_bubble_fraction"] < 3 / 11
+
+
+@pytest.mark.slow
 def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> None:
     run_dir = tmp_path / "run"
     code = _in_process(monkeypatch, tmp_path, "model=tiny", "tracking=off", f"hydra.run.dir={run_dir}")

@@ -11,7 +11,7 @@ micro-batches under 1F1B (`slackswap.pipeline_stages.in_flight_microbatches`):
 2. the run's budget resolves against those: a fraction of the stage's keep-all pipeline peak, an
    absolute budget, or the stage's device capacity (`budget.device`). That is the stage's budget;
 3. the planner plans ONE micro-batch of the stage, and the simulator runs it, under planning budgets
-   from the stage's budget down to budget / k_i (`_plan_stage`): the first whose pipeline peak with
+   from the stage's budget down to budget / k_i (`_plan_device`): the first whose pipeline peak with
    k_i micro-batches in flight is within the budget is the stage's plan. budget / k_i always is when
    it plans at all (the k_i - 1 resident micro-batches hold no more than their peak each); a larger
    planning budget swaps less when the resident bytes are small beside the transients;
@@ -27,6 +27,14 @@ model. The milp bound is per micro-batch of a stage, so a pipeline run reports n
 stage 0's rank over the step (it holds the most micro-batches): per-micro-batch sums x m, host
 bytes x k_0; `peak_activation_bytes`, `keep_all_peak_bytes` and `budget_bytes` are the largest
 stage's; the `pipeline_*` keys give each stage.
+
+Interleaved 1F1B (`parallel.virtual_stages` v > 1): "stage" above is a device and its graph v chunk
+graphs (chunks d, d + p, ...). k_i counts micro-batch chunks as the device's order holds them, the
+pipeline peak walks that order with each chunk's resident bytes and peak
+(`slackswap.simulate.pipeline_stage.device_peak_bytes`), the static memory is all its chunks'
+parameters, every chunk is planned under the same planning budget, and the pipeline step runs the
+p x v chunks (`simulate_pipeline(..., schedule="interleaved", virtual_stages=v)`). Stage 0's
+simulation keys add the per-micro-batch sums of device 0's chunks; its graph and plan are chunk 0's.
 """
 
 from __future__ import annotations
