@@ -13,8 +13,10 @@ runs on each executor:
   (eager selective checkpointing), compared the same way.
 A cell is `exact`, `infeasible: <why>` (the planner has no plan within the budget), `refused: <why>`
 (the executor declined the plan with its error: `PlanMismatchError`, `InexactRecomputeError`,
-`RuntimeUsageError`), `different: <what>` (a gradient, loss or buffer differs) or `crash: <error>`.
-The last two are the failures this suite exists to find (issue 39). The matrix is printed and saved as
+`RuntimeUsageError`), `different: <what>` (a gradient, loss or buffer differs), `crash: <error>` or,
+for the export, `over budget: <bytes>` (the exact step's measured CPU peak, less the checkpoints' CPU RNG
+state, above the budget; plans without swaps, whose host copies would count on the CPU).
+The last three are the failures this suite exists to find (issue 39). The matrix is printed and saved as
 JSON (`benchmarks/results/zoo.json`, or `--out`).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import sys
 import time
@@ -97,8 +100,8 @@ def compare(reference: tuple, got: tuple) -> str:
 class Arch:
     """One architecture captured once: its workload, graph, keep-all peak and reference step."""
 
-    def __init__(self, name: str, hardware) -> None:
-        self.name, self.hardware = name, hardware
+    def __init__(self, name: str, hardware, measure: bool = True) -> None:
+        self.name, self.hardware, self.measure = name, hardware, measure
         self.w = build(name)
         self.pristine = copy.deepcopy(self.w.model)
         self.graph = capture_graph(copy.deepcopy(self.pristine), (self.w.batch,), self.w.loss_fn, hardware, name=name)
@@ -121,6 +124,42 @@ class Arch:
             return step(self.w, model, PlanExport(plan, self.graph, model).installed(model))
         return step(self.w, model, apply(plan, self.graph, model))
 
+    def over_budget(self, plan, fraction: float) -> str | None:
+        """An exported step's measured peak over its budget, in words (None: within it, or not measured).
+
+        The CPU allocator's events (`peak_cpu_bytes`), less the CPU RNG state `checkpoint` keeps per
+        layer (host memory on a GPU) and the largest weight gradient (model state, in flight between its
+        op and the accumulation into the `.grad` allocated before the window); garbage collected first.
+        A plan with swaps is not measured: on the CPU its host copies are CPU allocations too."""
+        from benchmarks.runtime_overhead_measures import peak_cpu_bytes
+        from slackswap.plan import Decision
+        from slackswap.runtime.export import PlanExport
+        from slackswap.runtime.export_facts import layer_paths
+
+        if any(d == Decision.SWAP for d in plan.decisions.values()):
+            return None
+        budget = max(1, int(self.peak * fraction))
+        model = copy.deepcopy(self.pristine)
+        for p in model.parameters():  # weight gradients are model state, not activations (docs/memory.md)
+            p.grad = torch.zeros_like(p)
+
+        def one_step() -> None:
+            torch.manual_seed(1)
+            self.w.loss_fn(model(self.w.batch)).backward()
+
+        with PlanExport(plan, self.graph, model).installed(model):
+            gc.collect()  # an earlier cell's garbage freed inside the window would lower the reading
+            measured = peak_cpu_bytes(one_step)
+        rng = torch.get_rng_state().numel() * len(layer_paths(model))
+        # With .grad allocated, a weight gradient is a transient its backward op makes and accumulation
+        # frees: at most the largest parameter's bytes in flight, which the graph counts as model state.
+        in_flight = max(p.numel() * p.element_size() for p in model.parameters())
+        if measured - rng - in_flight <= budget:
+            return None
+        return (f"over budget: measured {measured} B, {measured - rng - in_flight} B without the checkpoints' CPU RNG "
+                f"state ({rng} B) and a weight gradient in flight ({in_flight} B), > budget {budget} B (priced "
+                f"{plan.notes.get('pytorch_peak_bytes')} B)")
+
     def cell(self, planner: str, fraction: float, executor: str) -> str:
         try:
             plan = self.plan(planner, fraction, executor)
@@ -136,14 +175,17 @@ class Arch:
             return f"refused: {_short(exc)}"
         except Exception as exc:  # noqa: BLE001
             return f"crash: {_short(exc)}"
-        return compare(self.reference, got)
+        result = compare(self.reference, got)
+        if result == "exact" and executor == "export" and self.measure:
+            return self.over_budget(plan, fraction) or result
+        return result
 
 
 def kind(cell: str) -> str:
     return cell.split(":", 1)[0]
 
 
-def run(models, planners, fractions, executors, log=print) -> dict:
+def run(models, planners, fractions, executors, log=print, measure: bool = True) -> dict:
     torch.set_num_threads(1)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -153,7 +195,7 @@ def run(models, planners, fractions, executors, log=print) -> dict:
         for name in models:
             t0 = time.process_time()
             try:
-                arch = Arch(name, hardware)
+                arch = Arch(name, hardware, measure)
             except Exception as exc:  # noqa: BLE001
                 cell = f"crash: capture: {_short(exc)}"
                 rows += [dict(model=name, planner=p, fraction=f, executor=e, cell=cell)
@@ -212,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(_compact(result))
     print(f"wrote {args.out}")
-    failures = sum(kind(r["cell"]) in ("different", "crash") for r in result["cells"])
+    failures = sum(kind(r["cell"]) in ("different", "crash", "over budget") for r in result["cells"])
     return 1 if failures else 0
 
 

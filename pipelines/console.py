@@ -39,11 +39,12 @@ def speed(metrics: Mapping[str, Any]) -> str:
     return f"{rate:,.0f} tokens/s, MFU {mfu:.1%}"
 
 
-def step_scope(resolved: Mapping[str, Any]) -> str:
+def step_scope(resolved: Mapping[str, Any], m: Mapping[str, Any] | None = None) -> str:
     """What the simulated step, and so tokens/s and MFU, covers. A run simulates its graph: forward and
     backward, the optimizer step only with `model.include_optimizer=true`, and never the collectives of
     a ZeRO / data-parallel job, which `pipelines.advise` prices (docs/advise.md): without the clause one
-    Llama-7B ZeRO-3 configuration read 4,178 tokens/s here and 3,935 from the advice."""
+    Llama-7B ZeRO-3 configuration read 4,178 tokens/s here and 3,935 from the advice. A one-stage tp /
+    cp layout's step includes the exposed part of its collectives when the metrics `m` priced them."""
     with_optimizer = bool((resolved.get("model") or {}).get("include_optimizer"))
     training = resolved.get("training") or {}
     shards = training.get("zero_shards") or 1
@@ -53,8 +54,11 @@ def step_scope(resolved: Mapping[str, Any]) -> str:
         left.append(f"ZeRO-{training.get('zero_stage')}'s collectives over {shards} GPUs")
     layout = resolved.get("parallel") or {}
     split = (layout.get("tp") or 1) > 1 or (layout.get("cp") or 1) > 1
-    if split:
-        left.append("the layout's collectives (priced on the layout line)")
+    exposed = None if m is None else m.get("layout_comm_s")
+    if split and exposed is not None:
+        covered += f" + the layout's exposed collectives ({1e3 * exposed:.2f} ms per micro-batch)"
+    elif split:
+        left.append("the layout's collectives (see the layout line)")
     if not left:
         return f"step: {covered}"
     # advise prices data-parallel steps of full replicas only, not a layout's
@@ -67,8 +71,11 @@ def layout_line(m: Mapping[str, Any]) -> str:
     degrees = " ".join(f"{k}={m[f'parallel_{k}']}" for k in ("dp", "tp", "pp", "cp", "ep"))
     comm = f"{m['layout_collectives']} collectives, {size_text(m['layout_comm_bus_bytes'])} on the bus"
     if m.get("layout_comm_forward_s") is not None:
+        where = ("per micro-batch, in each stage's forward and backward" if m.get("pipeline_microbatches")
+                 else "in the step time")
         comm += (f", {1e3 * m['layout_comm_forward_s']:.2f} ms fwd + {1e3 * m['layout_comm_backward_s']:.2f} ms "
-                 f"bwd on {m['layout_comm_fabric']} (not in the step time)")
+                 f"bwd on {m['layout_comm_fabric']}, {1e3 * m['layout_comm_s']:.2f} ms exposed ({where}; "
+                 f"{1e3 * m['layout_comm_hidden_s']:.2f} ms hidden behind attention)")
     else:
         comm += f", time not priced: {m['layout_comm_unpriced']}"
     sp = str(m["parallel_sp"]).lower()
@@ -156,7 +163,7 @@ def format_summary(record: RunRecord, resolved: Mapping[str, Any]) -> str:
         lines += [
             f"throughput   {ratio:.2%} of ideal",
             f"step time    {m.get('step_s', float('nan')):.4f} s (ideal {m.get('ideal_step_s', float('nan')):.4f} s)",
-            f"speed        {speed(m)} per GPU ({step_scope(resolved)}; {m.get('tokens_per_step')} tokens per "
+            f"speed        {speed(m)} per GPU ({step_scope(resolved, m)}; {m.get('tokens_per_step')} tokens per "
             f"step; {m.get('model_flops', float('nan')):.4g} model FLOPs: {m.get('model_flops_source')})",
             f"peak memory  {size_text(m.get('peak_activation_bytes'))} of budget {size_text(m.get('budget_bytes'))}"
             + (

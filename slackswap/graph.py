@@ -101,6 +101,9 @@ RNG_STATE_BYTES = 16
 #: line]; what `slackswap.planners.support.replay_rule` reads (a recompute replays the producer only).
 REWRITTEN_KEY = "rewritten_in_place"
 STATE_KEY = "writes_module_state"
+#: Graph meta of a captured graph: backward op -> the layers whose ops saved the tensors autograd unpacked
+#: for it (the checkpoint regions whose eager frames that unpack would re-run; `slackswap.pytorch_execution`).
+BACKWARD_FRAMES_KEY = "backward_frames"
 #: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
 #: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source
 #: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.

@@ -146,8 +146,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("rank_layer_saved_bytes", "bytes", "largest per-layer saved bytes on this rank", group="layout"),
     MetricSpec("layout_collectives", "count", "collectives the layout adds inside the step", group="layout"),
     MetricSpec("layout_comm_bus_bytes", "bytes", "bytes those collectives put on the bus", group="layout"),
-    MetricSpec("layout_comm_forward_s", "s", "their ring time in forward (not in step_s)", group="layout"),
-    MetricSpec("layout_comm_backward_s", "s", "their ring time in backward (not in step_s)", group="layout"),
+    MetricSpec("layout_comm_forward_s", "s", "their ring time in forward", group="layout"),
+    MetricSpec("layout_comm_backward_s", "s", "their ring time in backward", group="layout"),
+    MetricSpec("layout_comm_s", "s", "the part of that time the step waits on, per micro-batch (in step_s; "
+               "a pipeline's in each stage's forward and backward, stage 0's here; null when unpriced)",
+               group="layout"),
+    MetricSpec("layout_comm_hidden_s", "s", "the part hidden behind attention compute (context-parallel rings)",
+               group="layout"),
     MetricSpec("layout_comm_fabric", "text", "the fabric each group's ring runs on", "text", "layout"),
     MetricSpec("layout_comm_unpriced", "text", "why their time is not priced (null when priced)", "text", "layout"),
     # A pipeline layout (slackswap.experiment.pipeline_run, slackswap.simulate.pipeline).

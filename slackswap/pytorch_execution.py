@@ -17,8 +17,9 @@ selective-checkpoint policy). PyTorch then decides the positions itself, differe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
+from types import MappingProxyType
 
 from slackswap.graph import NO_LAYER, Graph, Phase
 from slackswap.hardware import Hardware
@@ -136,6 +137,107 @@ def _offload_at(graph: Graph, t: Transfer, base: Plan, index: list[int], mode: s
         if readers:
             issue = max(issue, index[max(readers)])
     return replace(t, issue_after_step=issue)
+
+
+def _packing_layers(graph: Graph) -> dict[str, frozenset[int]]:
+    """Per tensor, the layers whose checkpoint frame can have packed it: its producer's and each forward
+    reader's (an op inside a layer saves its inputs and outputs through that layer's frame)."""
+    ops = graph.op_by_name
+    out = {}
+    for name, t in graph.tensors.items():
+        layers = {ops[c].layer for c in t.consumers if ops[c].phase != Phase.BACKWARD}
+        layers.add(ops[t.producer].layer)
+        out[name] = frozenset(layer for layer in layers if layer != NO_LAYER)
+    return out
+
+
+def eager_replay_peak_bytes(graph: Graph, executed: Plan, hardware: Hardware) -> int:
+    """The activation peak of `executed` (`pytorch_plan(..., mode="eager")`) with each recomputed copy held
+    as the model's code holds it in the replay. PyTorch's eager replay re-runs the layer's Python forward,
+    whose locals keep a tensor until the op after which the forward dropped it (`Tensor.held_until`: HF
+    Llama's rotated query and key, alive until `o_proj`), not until its last reader in the replay; where the
+    replay stops before that op (early stop, after the layer's last packed tensor) the frames unwind there.
+    So a recomputed copy lives at least until the step of its hold in the same recompute block, or to the
+    block's end. Measured on the zoo's Llama, recompute_knapsack at 90 %: the query, key and value
+    projections' 65,536 B stayed through the attention scores' matmul, which the last-reader rule freed."""
+    from slackswap.schedule.replay import estimate_plan, peak_bytes
+    from slackswap.schedule.validate import resolve_schedule
+
+    timeline = estimate_plan(graph, executed, hardware)
+    if not graph.has_holds:
+        return timeline.peak_bytes
+    resolved = resolve_schedule(graph, executed)
+    steps, index = executed.steps, graph.op_index
+    block_end: list[int] = [0] * len(steps)  # per recompute step: the last step of its contiguous block
+    j = len(steps) - 1
+    while j >= 0:
+        if steps[j].kind == StepKind.RECOMPUTE:
+            end = j
+            while j >= 0 and steps[j].kind == StepKind.RECOMPUTE:
+                block_end[j] = end
+                j -= 1
+        j -= 1
+    free_s = list(timeline.copy_free_s)
+    for c, tensor in enumerate(resolved.copy_tensor):
+        hold = graph.tensors[tensor].held_until
+        if not hold or resolved.copy_source[c] != "recompute" or graph.op_by_name[hold].phase == Phase.BACKWARD:
+            continue
+        made = resolved.copy_source_index[c]
+        # The first step of the block at or past the hold's op (the replay has run the hold's op by its
+        # end; a view or cached op has no step of its own), else the block's end (the replay stopped).
+        at = next((k for k in range(made, block_end[made] + 1) if index[steps[k].op] >= index[hold]),
+                  block_end[made])
+        free_s[c] = max(free_s[c], timeline.step_end_s[at])
+    return peak_bytes(timeline.copy_alloc_s, free_s, timeline.copy_size_bytes)[0]
+
+
+def frame_ends(graph: Graph) -> dict[int, str]:
+    """Per layer, the last backward op that can unpack a tensor its eager checkpoint packed: one reading a
+    saved tensor its layer made or one of its forward ops read (the checkpoint's frame packs every tensor
+    an op inside the layer saves, its inputs from other layers included). The frame, with what it holds
+    (the layer's arguments, its selective-checkpoint cache, the RNG state), lives until the last of its
+    saved tensors is released; the latest such reader bounds that from above."""
+    index = graph.op_index
+    forward_layers = _packing_layers(graph)
+    ends: dict[int, str] = {}
+    for op in graph.ops:
+        if op.phase != Phase.BACKWARD:
+            continue
+        for t in op.inputs:
+            if graph.tensors[t].saved:
+                for layer in forward_layers[t]:
+                    if layer not in ends or index[ends[layer]] < index[op.name]:
+                        ends[layer] = op.name
+    return ends
+
+
+def eager_frame_holds(graph: Graph, held_inputs: Collection[str], cached_outputs: Collection[str]) -> Graph:
+    """`graph` with the holds of PyTorch's eager checkpoint frames: a tensor a layer reads that autograd
+    does not save (`held_inputs`: GPT-2's and Llama's attention mask) is one of the layer's arguments,
+    which the frame keeps for the recompute until the frame dies; a layer output the export caches
+    (`cached_outputs`, saved so the next layer's checkpoint holds it only once) stays in its layer's
+    selective-checkpoint cache, which the replay never pops when it stops (early stop) before the output's
+    op, until that frame dies too. Each is held until the end of its frames (`frame_ends`), later than its
+    last reader; measured, a 2-layer Llama's exported full recompute peaked 65,536 B above a replay that
+    freed both at their last readers."""
+    ends = frame_ends(graph)
+    if not ends:
+        return graph
+    index, ops = graph.op_index, graph.op_by_name
+    tensors = dict(graph.tensors)
+    for name in {*held_inputs, *cached_outputs}:
+        t = graph.tensors.get(name)
+        if t is None:
+            continue
+        layers = {ops[c].layer for c in t.consumers if ops[c].phase != Phase.BACKWARD} if name in held_inputs else set()
+        if name in cached_outputs:
+            layers.add(ops[t.producer].layer)
+        last = max((ends[layer] for layer in layers if layer in ends), key=index.__getitem__, default=None)
+        current = max((index[x] for x in (*t.consumers, *([t.held_until] if t.held_until else ()))),
+                      default=index[t.producer])
+        if last is not None and index[last] > current:
+            tensors[name] = replace(t, held_until=last)
+    return replace(graph, name=f"{graph.name}+frames", tensors=MappingProxyType(tensors))
 
 
 def _first_backward_reader(graph: Graph, steps: list[ComputeStep], tensor: str) -> int:

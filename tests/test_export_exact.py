@@ -141,11 +141,13 @@ def test_every_plan_made_for_the_export_fits_its_budget_as_pytorch_places_it() -
     """PyTorch's eager checkpointing recomputes a layer's tensors at once; a plan is re-planned or refused
     when that placement peaks over the budget (`within_pytorchs_peak`), before any step runs."""
     from slackswap.errors import InfeasibleBudgetError
-    from slackswap.experiment.export_plan import pytorch_peak_bytes
+    from slackswap.experiment.export_plan import pytorch_graph, pytorch_peak_bytes
+    from slackswap.runtime.export_facts import export_facts, layer_paths
     from tests.runtime_support import FRACTIONS, capture
 
     c = capture("tiny", layers=2)
     model = c.workload.model
+    priced = pytorch_graph(c.graph, export_facts(c.graph, layer_paths(model)), compile=False)
     checked = 0
     for planner in ["slackswap", "full_recompute", "recompute_knapsack", "torch_sac"]:
         for fraction in FRACTIONS[:-1]:
@@ -154,7 +156,7 @@ def test_every_plan_made_for_the_export_fits_its_budget_as_pytorch_places_it() -
                 plan = plan_for_export(get_planner(planner), c.graph, model, h200(), budget)
             except InfeasibleBudgetError:
                 continue
-            peak = pytorch_peak_bytes(c.graph, plan, h200(), "eager")
+            peak = pytorch_peak_bytes(priced, plan, h200(), "eager")
             assert peak == plan.notes["pytorch_peak_bytes"] <= budget, (planner, fraction)
             checked += 1
     assert checked >= 4

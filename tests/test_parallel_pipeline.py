@@ -25,8 +25,8 @@ def test_run_prints_one_ranks_figures(tmp_path, monkeypatch, capsys) -> None:
     layout = [line for line in out.splitlines() if line.startswith("layout")]
     assert len(layout) == 1, out
     assert "per rank of 8 GPU(s) (dp=1 tp=8 pp=1 cp=1 ep=1 sp=true): 32.156 MiB saved per layer" in layout[0]
-    assert "on tp:nvlink (not in the step time)" in layout[0]
-    assert "without the optimizer step (model.include_optimizer=false) and the layout's collectives" in out
+    assert "on tp:nvlink, " in layout[0] and "ms exposed (in the step time;" in layout[0]
+    assert "forward + backward + the layout's exposed collectives (" in out
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["rank_layer_saved_bytes"] * 8 == LLAMA7B_LAYER_BYTES
     assert metrics["parallel_tp"] == 8 and metrics["parallel_sp"] is True
@@ -34,6 +34,8 @@ def test_run_prints_one_ranks_figures(tmp_path, monkeypatch, capsys) -> None:
     # 2 layers x (2 fwd + 2 bwd all-gather/reduce-scatter + 2 bwd re-gathers) + embedding 2 + head 3 + loss 3
     assert metrics["layout_collectives"] == 2 * 10 + 8
     assert metrics["layout_comm_forward_s"] > 0 and metrics["layout_comm_backward_s"] > metrics["layout_comm_forward_s"]
+    assert metrics["layout_comm_s"] == pytest.approx(
+        metrics["layout_comm_forward_s"] + metrics["layout_comm_backward_s"])
 
 
 @pytest.mark.slow

@@ -36,8 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from slackswap.communication import Topology, check_sharding, not_modelled, step_communication
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
@@ -64,55 +62,19 @@ from slackswap.experiment.advise_space import (
     numerics_change,
     pareto_front,
 )
-from slackswap.graph import FORWARD_PHASES, Graph, Phase
+from slackswap.experiment.advise_step import (
+    activation_floor_bytes,
+    forward_compute_s,
+    infeasible_row,
+    layer_param_counts,
+    optimizer_step_s,
+    recipe_for_layout,
+)
+from slackswap.graph import Graph, Phase
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
-from slackswap.memory.static import bytes_per_param, optimizer_step_moved_bytes, static_memory
+from slackswap.memory.static import bytes_per_param, static_memory
 from slackswap.model_config import ModelConfig
-
-# --- the pieces of a step -------------------------------------------------------------------------
-
-
-def activation_floor_bytes(graph: Graph) -> int:
-    """The least activation memory any plan needs: per op, the non-saved tensors resident at its
-    start plus the saved tensors it produces or reads (they must be on the device then), the most over
-    ops. The MILP's all-recompute floor (`slackswap.planners.milp.model`, `floor_bytes`)."""
-    from slackswap.planners.milp.facts import fixed_bytes_per_op
-
-    const = np.asarray(fixed_bytes_per_op(graph), dtype=np.int64)
-    index = graph.op_index
-    for t in graph.saved_tensors:
-        size = graph.owned_bytes(t.name)
-        for j in {index[t.producer]} | {index[c] for c in t.consumers}:
-            const[j] += size
-    return int(const.max())
-
-
-def forward_compute_s(graph: Graph) -> float:
-    """Compute time of the forward and loss ops (the plan changes backward, not these)."""
-    return float(sum(op.duration_s for op in graph.ops if op.phase in FORWARD_PHASES))
-
-
-def layer_param_counts(model: ModelConfig) -> dict[int, int]:
-    """Parameters per group (each layer, and the embeddings + head + final norm), counted as the
-    profile counts them."""
-    from slackswap.profile.builder import GraphBuilder
-    from slackswap.profile.layers import build_forward
-
-    return dict(build_forward(model, GraphBuilder(None, model.dtype)).layer_params)
-
-
-def optimizer_step_s(model: ModelConfig, hardware: Hardware, training: TrainingConfig) -> float:
-    """The optimizer update as the profile times it when `model.include_optimizer` (one HBM-bound op
-    per parameter group, over the rank's shard)."""
-    from slackswap.graph import OpClass
-    from slackswap.profile.timing import op_duration_s
-
-    return sum(
-        op_duration_s(0.0, optimizer_step_moved_bytes(n, training, model.dtype), OpClass.ELEMENTWISE, model.dtype,
-                      hardware)
-        for n in layer_param_counts(model).values()
-    )
 
 
 @dataclass
@@ -153,10 +115,6 @@ class _Context:
             self.workloads[mb] = _Workload(graph, activation_floor_bytes(graph), forward_compute_s(graph),
                                            throughput.model_flops(graph))
         return self.workloads[mb]
-
-
-def _training(recipe: TrainingConfig, layout: Layout) -> TrainingConfig:
-    return replace(recipe, zero_stage=layout.zero_stage, zero_shards=layout.zero_shards)
 
 
 def _static(ctx: _Context, training: TrainingConfig) -> Any:
@@ -206,10 +164,10 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
             ctx.plan_cache[key] = exc
     fitted = ctx.plan_cache[key]
     if isinstance(fitted, InfeasibleBudgetError):
-        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {fitted.reason}")
+        return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {fitted.reason}")
     result, report = fitted.result, fitted.report
     if not result.feasible:
-        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: simulator: {result.infeasible_reason}",
+        return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: simulator: {result.infeasible_reason}",
                            peak_activation=None)
     micro_s = result.step_s
     num_params, _ = parameter_counts(model)
@@ -254,13 +212,6 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     )
 
 
-def _infeasible(base: Mapping[str, Any], reason: str, peak_activation: int | None = None) -> Row:
-    return Row(status="infeasible", reason=reason, fits_device=False, tokens_per_s=None, mfu=None, step_s=None,
-               micro_step_s=None, comm=None, comm_exposed_s=None, peak_bytes=None, headroom_bytes=None,
-               peak_activation_bytes=peak_activation, peak_reserved_bytes=None, swapped=None, recomputed=None,
-               recompute_s=None, stall_s=None, **base)
-
-
 # --- the search -----------------------------------------------------------------------------------
 
 
@@ -303,7 +254,7 @@ def plan_search(model: ModelConfig, hardware: Hardware, topology: Topology, spac
                     regions.append(Region(RECIPE_DOES_NOT_APPLY, str(exc), where, group_size))
                     pruned += group_size
                     continue
-                training = _training(recipe, layout)
+                training = recipe_for_layout(recipe, layout)
                 static = _static(ctx, training)
                 capacity = hardware.device_memory_bytes - space.reserve_bytes - space.margin_bytes - static.total_bytes
                 if capacity <= 0:

@@ -18,11 +18,12 @@ Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
    activation floors checked against their capacity (a floor over it: **activations do not fit**, and
    every larger micro-batch of the layout is skipped), planned per stage under its own budget
    (`slackswap.experiment.pipeline_run.plan_pipeline`) and run through the pipeline's step model
-   (`slackswap.simulate.pipeline`), with the stage's tp / cp collectives added to its forward and
-   backward (Megatron does not overlap them) and its optimizer step as its tail, plus the data-parallel
-   gradient reduction once per step, overlapping the last backward (`step_communication` over the dp
-   ranks, tp x cp GPUs apart). A configuration whose optimistic estimate cannot beat the best
-   configuration planned so far (data-parallel ones included; for a numerics-preserving recipe, the
+   (`slackswap.simulate.pipeline`), with the exposed part of the stage's tp / cp collectives added to
+   its forward and backward (`slackswap.profile.collectives.price`: tp in full, a cp ring beyond the
+   attention it overlaps) and its optimizer step as its tail, plus the data-parallel gradient
+   reduction once per step, overlapping the last backward (`step_communication` over the dp ranks,
+   tp x cp GPUs apart). A configuration whose optimistic estimate cannot beat the best configuration
+   planned so far (data-parallel ones included; for a numerics-preserving recipe, the
    best such) is not planned, nor any beyond `advise.layout_top_n`: region **not planned**.
 
 Planned against the reserved peak (when `advise.plan_against` lists it) with the search's first
@@ -56,13 +57,19 @@ from slackswap.experiment.advise_space import (
     StagePlan,
     numerics_change,
 )
+from slackswap.experiment.advise_step import (
+    activation_floor_bytes,
+    infeasible_row,
+    optimizer_step_s,
+    recipe_for_layout,
+)
 from slackswap.memory.static import bytes_per_param, static_memory
 from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
-LAYOUT_NOTE = ("tp/cp collectives on the critical path (no overlap); dp gradient reduce once per step "
-               "overlapping the last backward; ZeRO-2/3 with tp/pp and ep not searched; interleaved schedules not "
-               "modelled; no host check of offloads")
+LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyond the attention they overlap; "
+               "dp gradient reduce once per step overlapping the last backward; ZeRO-2/3 with tp/pp and ep not "
+               "searched; interleaved schedules not modelled; no host check of offloads")
 
 
 @dataclass
@@ -133,7 +140,6 @@ def _compute_s(ctx: Any, mb: int) -> float:
 
 
 def _optimizer_s(ctx: Any, training: Any, params: int) -> float:
-    from slackswap.experiment.advise import optimizer_step_s
 
     key = (training, ctx.model.num_layers)
     if key not in ctx.optimizer_cache:
@@ -157,7 +163,6 @@ def _bound(ctx: Any, layout: Layout, training: Any, mb: int, params: int) -> flo
 
 
 def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, float]) -> list[_Config]:
-    from slackswap.experiment.advise import _training
 
     space, model, hw = ctx.space, ctx.model, ctx.hardware
     configs = []
@@ -174,7 +179,7 @@ def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, fl
                         recipe.check_model_dtype(model.dtype)
                     except ConfigError:
                         continue  # the data-parallel search reports the recipe's region
-                    training = _training(recipe, layout)
+                    training = recipe_for_layout(recipe, layout)
                     per_stage = _stage_params(ctx, tp, pp)
                     statics = [static_memory(n, unit, training, model.dtype) for n, unit in per_stage]
                     worst = max(range(pp), key=lambda i: statics[i].total_bytes)
@@ -208,7 +213,6 @@ def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, fl
 
 def _floors(ctx: Any, layout: Layout, training: Any, mb: int) -> list[int]:
     """Each stage's activation floor at micro-batch `mb` (`activation_floor_bytes`), graphs cached."""
-    from slackswap.experiment.advise import activation_floor_bytes
 
     return [activation_floor_bytes(g) for g in _graphs(ctx, layout, training, mb)]
 
@@ -355,8 +359,9 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     for i, (graph, ideal, floor) in enumerate(built):
         capacity = DeviceCapacity(hw.device_memory_bytes, reserve, statics[i])
         if floor > capacity.activation_capacity_bytes:
-            return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: stage {i} activation floor {floor / 2**30:.2f} GiB > "
-                                     f"capacity {capacity.activation_capacity_bytes / 2**30:.2f} GiB")
+            room = capacity.activation_capacity_bytes
+            return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: stage {i} activation floor "
+                                  f"{floor / 2**30:.2f} GiB > capacity {room / 2**30:.2f} GiB")
         k = in_flight_microbatches(i, lay.pp, m)
         stages.append(Stage(i, graph, ideal, k, stage_peak_bytes(graph, ideal, k), capacity))
     fit = FitOptions(allocator="caching", plan_against=cand.plan_against)
@@ -367,17 +372,17 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     try:
         result = plan_pipeline(spec, stages)
     except InfeasibleBudgetError as exc:
-        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {exc.reason}")
+        return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: planner {cand.planner}: {exc.reason}")
     if result.pipeline is None:
-        return _infeasible(base, f"{ACTIVATIONS_DO_NOT_FIT}: {result.reason}")
-    comms = [price(layout_collectives(s.graph), par, ctx.topology) for s in result.stages]
+        return infeasible_row(base, f"{ACTIVATIONS_DO_NOT_FIT}: {result.reason}")
+    comms = [price(layout_collectives(s.graph), par, ctx.topology, graph=s.graph) for s in result.stages]
     num_params, (param_b, grad_b, _, _) = stage_params[0][0], bytes_per_param(cand.training, model.dtype)
     times, plans, peaks, fits, reason = [], [], [], True, ""
     for s, comm, static in zip(result.stages, comms, statics, strict=True):
         t = stage_times(s.graph, s.fitted.result)
         opt = _optimizer_s(ctx, cand.training, stage_params[s.index][0])
-        t = replace(t, forward_s=t.forward_s + (comm.forward_s or 0.0),
-                    backward_s=t.backward_s + (comm.backward_s or 0.0), tail_s=opt)
+        t = replace(t, forward_s=t.forward_s + (comm.forward_exposed_s or 0.0),
+                    backward_s=t.backward_s + (comm.backward_exposed_s or 0.0), tail_s=opt)
         times.append(t)
         report = s.fitted.report
         frag = 0 if report is None else max(report.peak_reserved_bytes - s.fitted.result.peak_activation_bytes, 0)
@@ -398,7 +403,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     dp_exposed = (dp_comm.backward_exposed_s + dp_comm.after_step_comm_s
                   + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
     step_s = pipe.step_s + dp_exposed
-    layout_s = m * ((comms[0].forward_s or 0.0) + (comms[0].backward_s or 0.0))
+    layout_s = m * (comms[0].exposed_s or 0.0)
     tokens = m * cand.micro_batch * model.seq_len / (lay.tp * lay.cp * lay.pp)
     flops = m * sum(throughput.model_flops(s.graph) for s in result.stages) / lay.pp
     exposed = dp_exposed + layout_s
@@ -421,9 +426,3 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         layout_comm_s=layout_s, **{**base, "optimizer_s": times[0].tail_s, "model_flops_per_step": flops,
                                    "layout_note": LAYOUT_NOTE + (f"; unpriced: {unpriced}" if unpriced else "")},
     )
-
-
-def _infeasible(base: dict[str, Any], reason: str) -> Row:
-    from slackswap.experiment.advise import _infeasible as infeasible
-
-    return infeasible(base, reason)

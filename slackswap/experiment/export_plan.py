@@ -56,19 +56,83 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
 
     if not fit_pytorch_placement:  # the plan within its own replay only (a benchmark timing a fixed budget)
         return priced_for(plan_at(budget_bytes), compile)
-    plan = within_pytorchs_peak(graph, hardware, budget_bytes, "compiled" if compile else "eager", plan_at,
-                                planner.name)
+    priced = pytorch_graph(graph, facts, compile)
+    mode = "compiled" if compile else "eager"
+    try:
+        plan = within_pytorchs_peak(priced, hardware, budget_bytes, mode, plan_at, planner.name)
+    except InfeasibleBudgetError as exc:
+        recompute_all = recompute_all_peak_bytes(graph, priced, facts, hardware, mode, held)
+        raise InfeasibleBudgetError(f"{planner.name}: budget {budget_bytes} B; "
+                                    f"{what_pytorch_keeps(graph, facts, held, recompute_all, mode)}: {exc.reason}"
+                                    ) from None
     return priced_for(plan, compile)
+
+
+class _RecomputeEvery:
+    """Every saved tensor a plan may decide recomputed."""
+
+    name = "recompute_every_decidable"
+
+    def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
+        from slackswap.plan import Decision
+        from slackswap.schedule.build import build_schedule
+
+        decisions = {t.name: Decision.RECOMPUTE for t in graph.saved_tensors}
+        return build_schedule(graph, decisions, planner=self.name, budget_bytes=None, hardware=hardware)
+
+
+def recompute_all_peak_bytes(graph: Graph, priced: Graph, facts: object, hardware: Hardware, mode: str,
+                             held: list[str]) -> int:
+    """The peak, as PyTorch runs it (`mode`, priced on `priced`), of the plan that keeps only what PyTorch
+    keeps whatever a plan says (`facts`: `ExportFacts`) and recomputes every other tensor. Not a floor:
+    a plan that swaps, or keeps what a recompute would run a large transient again for (the attention
+    scores), can peak lower as PyTorch places it (GPT-NeoX at 70 %: slackswap's 1.116 MiB, this 1.194)."""
+    plan = plan_with_fixed_keep(_RecomputeEvery(), graph, hardware, None, facts.fixed_keep, facts.tied,
+                                facts.not_kept, held, cached_together=facts.cached_together)
+    return pytorch_peak_bytes(priced, plan, hardware, mode)
+
+
+def what_pytorch_keeps(graph: Graph, facts: object, held: list[str], recompute_all_bytes: int, mode: str) -> str:
+    """What an infeasible budget for the export meets whatever the planner: the bytes PyTorch keeps whatever a
+    plan says, by reason, the unsaved layer inputs its checkpoints hold, and `recompute_all_peak_bytes`."""
+    by_reason: dict[str, int] = {}
+    for name, why in facts.fixed_keep.items():
+        short = why.split(":")[0].split(" (")[0]
+        by_reason[short] = by_reason.get(short, 0) + graph.tensors[name].size_bytes
+    kept = "; ".join(f"{b} B {why}" for why, b in sorted(by_reason.items(), key=lambda kv: -kv[1]))
+    held_bytes = sum(graph.tensors[t].size_bytes for t in held)
+    return (f"PyTorch keeps {sum(by_reason.values())} B whatever a plan says ({kept}), its checkpoints hold "
+            f"{held_bytes} B of unsaved layer inputs, and recomputing every other tensor peaks at "
+            f"{recompute_all_bytes} B as its {mode} checkpointing runs it")
+
+
+def pytorch_graph(graph: Graph, facts: object, compile: bool) -> Graph:
+    """The graph PyTorch's execution of a plan for the export is priced on: eager, with the holds of the
+    checkpoint frames (`slackswap.pytorch_execution.eager_frame_holds`: the unsaved layer inputs a
+    frame keeps as arguments and the layer outputs its cache keeps, until the frame dies); compiled,
+    `graph` (the partition keeps no frame). `facts`: `slackswap.runtime.export_facts.ExportFacts`."""
+    if compile:
+        return graph
+    from slackswap.pytorch_execution import eager_frame_holds
+    from slackswap.runtime.export_facts import LAYER_OUTPUT
+
+    outputs = [t for t, why in facts.fixed_keep.items() if why == LAYER_OUTPUT]
+    return eager_frame_holds(graph, list(facts.held_inputs), outputs)
 
 
 def pytorch_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, mode: str) -> int:
     """The replayed activation peak of `plan` as PyTorch places its decisions (`mode` "eager": each
     layer's recomputes in one block before its first backward reader, reloads there; "compiled": the
-    partitioner's placement), `slackswap.pytorch_execution.pytorch_plan`."""
-    from slackswap.pytorch_execution import pytorch_plan
+    partitioner's placement), `slackswap.pytorch_execution.pytorch_plan`. `graph` may be the plan's
+    graph with other holds (`pytorch_graph`): the plan is priced on it as made for it."""
+    from slackswap.pytorch_execution import eager_replay_peak_bytes, pytorch_plan
     from slackswap.schedule.replay import estimate_plan
 
-    return estimate_plan(graph, pytorch_plan(graph, plan, dict(plan.decisions), hardware, mode), hardware).peak_bytes
+    plan = replace(plan, graph_fingerprint=graph.fingerprint)
+    executed = pytorch_plan(graph, plan, dict(plan.decisions), hardware, mode)
+    if mode == "eager":
+        return eager_replay_peak_bytes(graph, executed, hardware)
+    return estimate_plan(graph, executed, hardware).peak_bytes
 
 
 def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | None, mode: str,
@@ -103,4 +167,5 @@ def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | N
         f"{gib(budget_bytes)} ({budget_bytes} B) after {round_ + 1} round(s) of planning lower")
 
 
-__all__ = ["export_plan_graph", "plan_for_export", "pytorch_peak_bytes", "within_pytorchs_peak"]
+__all__ = ["export_plan_graph", "plan_for_export", "pytorch_graph", "pytorch_peak_bytes", "recompute_all_peak_bytes",
+           "what_pytorch_keeps", "within_pytorchs_peak"]

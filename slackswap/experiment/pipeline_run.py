@@ -17,7 +17,9 @@ micro-batches under 1F1B (`slackswap.pipeline_stages.in_flight_microbatches`):
    planning budget swaps less when the resident bytes are small beside the transients;
 4. its forward, backward and tail times, and the prefetch wait before its backward that idle time
    can hide, go to `slackswap.simulate.pipeline.simulate_pipeline` with m micro-batches and the p2p
-   send time of one boundary activation on the link between neighbouring stages.
+   send time of one boundary activation on the link between neighbouring stages, with the exposed
+   part of the stage's tp / cp collectives added to its forward and backward (`_times`; the same
+   `slackswap.profile.collectives.price` a one-stage run adds to its step).
 
 The step time is the pipeline's. The planners see one micro-batch: the copies they plan hide under
 that micro-batch's own compute, and the pipeline credits only the wait before the backward against
@@ -40,7 +42,7 @@ simulation keys add the per-micro-batch sums of device 0's chunks; its graph and
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from slackswap.errors import InfeasibleBudgetError
@@ -83,7 +85,7 @@ def p2p_seconds(spec: RunSpec, boundary_bytes: int) -> tuple[float, str | None]:
     node without a network: 0 s, and the reason says so."""
     if spec.node is None:
         return 0.0, "no node given"
-    from slackswap.experiment.advise import topology_from_node
+    from slackswap.experiment.advise_node import topology_from_node
 
     topology = topology_from_node(spec.node, spec.hardware)
     par = spec.parallel
@@ -154,7 +156,7 @@ def plan_pipeline(spec: RunSpec, stages: list[Stage]) -> PipelineOutcome:
 
     p = spec.parallel.pp
     p2p_s, unpriced = p2p_seconds(spec, boundary_bytes(stages[0].graph) if len(stages) > 1 else 0)
-    ideal_pipeline = _simulate(spec, [stage_times(s.graph, s.ideal) for s in stages], p2p_s)
+    ideal_pipeline = _simulate(spec, [_times(spec, s.graph, s.ideal) for s in stages], p2p_s)
     planned: dict[int, Stage] = {}
     reason, plan_wall, sim_wall = "", 0.0, 0.0
     held = "micro-batch chunks" if spec.parallel.virtual_stages > 1 else "micro-batches"
@@ -178,7 +180,7 @@ def plan_pipeline(spec: RunSpec, stages: list[Stage]) -> PipelineOutcome:
     pipeline = None
     if not reason:
         t0 = time.perf_counter()
-        pipeline = _simulate(spec, [stage_times(s.graph, planned[s.index].fitted.result) for s in stages], p2p_s)
+        pipeline = _simulate(spec, [_times(spec, s.graph, planned[s.index].fitted.result) for s in stages], p2p_s)
         sim_wall += time.perf_counter() - t0
     done = tuple(planned[i] for i in sorted(planned))
     return PipelineOutcome(done, pipeline, ideal_pipeline, p2p_s, unpriced, reason, plan_wall, sim_wall)
@@ -230,6 +232,20 @@ def stage_baseline(stage: Stage, profile_s: float, ideal_s: float) -> Baseline:
     return Baseline(stage.graph, stage.ideal, profile_s, ideal_s)
 
 
+def _times(spec: RunSpec, graph: Graph, result: SimResult) -> StageTimes:
+    """One micro-batch's stage times (`stage_times`) plus the exposed part of the stage's layout
+    collectives in its forward and backward (nothing when the layout adds none or the node cannot
+    price them: `layout_comm_unpriced` says so)."""
+    from slackswap.experiment.layout_comm import layout_communication
+
+    t = stage_times(graph, result)
+    comm = layout_communication(spec, graph)
+    if comm is None or not comm.exposed_s:
+        return t
+    return replace(t, forward_s=t.forward_s + comm.forward_exposed_s,
+                   backward_s=t.backward_s + comm.backward_exposed_s)
+
+
 def pipeline_simulation_metrics(spec: RunSpec, out: PipelineOutcome) -> dict[str, Any]:
     """The simulation keys of metrics.json for a pipeline run (module docstring says whose they are)."""
     from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
@@ -275,7 +291,7 @@ def pipeline_metrics(spec: RunSpec, out: PipelineOutcome, stages: list[Stage]) -
     planned = {s.index: s for s in out.stages}
     chunk_times = [None if planned.get(s.index) is None or planned[s.index].fitted is None
                    or not planned[s.index].fitted.result.feasible
-                   else stage_times(s.graph, planned[s.index].fitted.result) for s in stages]
+                   else _times(spec, s.graph, planned[s.index].fitted.result) for s in stages]
     # Per device (1F1B: per stage); a device's forward / backward is its chunks' for one micro-batch.
     times = [None if any(chunk_times[c] is None for c in range(d, len(stages), p))
              else StageTimes(sum(chunk_times[c].forward_s for c in range(d, len(stages), p)),

@@ -24,6 +24,7 @@ from slackswap.errors import InfeasibleBudgetError
 from slackswap.experiment.baseline import Baseline, load_baseline
 from slackswap.experiment.fitting import FittedPlan, plan_and_simulate
 from slackswap.experiment.floor import cached_floor
+from slackswap.experiment.layout_comm import layout_communication, with_layout_comm
 from slackswap.experiment.spec import RunSpec
 from slackswap.experiment.throughput import FLOPS_SOURCE, mfu, model_flops, tokens_per_s
 from slackswap.graph import Graph
@@ -151,10 +152,12 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
     timings["ideal_sim_s"] = 0.0 if hit else base.ideal_sim_wall_s
     ideal = base.ideal
     capacity = device_capacity(spec, base.graph)
+    comm = layout_communication(spec, base.graph)
+    exposed_s = None if comm is None else comm.exposed_s
 
     def outcome(verdict: Verdict, reason: str, simulation: Mapping[str, Any], budget: int | None,
                 fitted: FittedPlan | None = None) -> RunOutcome:
-        metrics = run_metrics(spec, base, capacity, simulation, fitted)
+        metrics = run_metrics(spec, base, capacity, with_layout_comm(simulation, exposed_s), fitted)
         plan, result = (None, None) if fitted is None else (fitted.plan, fitted.result)
         return RunOutcome(verdict, reason, metrics, timings, base, budget, plan, result, fitted)
 
@@ -194,7 +197,7 @@ def run_one(spec: RunSpec, timings: dict[str, float] | None = None) -> RunOutcom
     if fitted.result.feasible:
         done = outcome(Verdict.OK, "", simulation, budget_bytes, fitted)
         if spec.alone_hardware is not None:
-            done.metrics["alone_throughput_ratio"] = alone_throughput(spec, base, budget_bytes)
+            done.metrics["alone_throughput_ratio"] = alone_throughput(spec, base, budget_bytes, exposed_s)
         return done
     reason = f"simulator: {fitted.result.infeasible_reason}"
     return outcome(Verdict.INFEASIBLE, reason, simulation, budget_bytes, fitted)
@@ -240,7 +243,8 @@ def run_pipeline(spec: RunSpec, timings: dict[str, float]) -> RunOutcome:
     return RunOutcome(Verdict.OK, "", metrics, timings, base, metrics["budget_bytes"], fitted.plan, result, fitted)
 
 
-def alone_throughput(spec: RunSpec, base: Baseline, budget_bytes: int) -> float | None:
+def alone_throughput(spec: RunSpec, base: Baseline, budget_bytes: int,
+                     layout_comm_s: float | None = None) -> float | None:
     """Throughput retained by the same planner and budget with the GPU alone on its preset link (None
     if infeasible there): the reference that shows what the node's sharing cost this planner."""
     from slackswap.simulate.metrics import compute_metrics
@@ -252,7 +256,7 @@ def alone_throughput(spec: RunSpec, base: Baseline, budget_bytes: int) -> float 
     if not alone.result.feasible:
         return None
     metrics = compute_metrics(alone.result, base.ideal, plan_wall_s=alone.plan_wall_s, sim_wall_s=alone.sim_wall_s)
-    return metrics["throughput_ratio"]
+    return with_layout_comm(metrics, layout_comm_s)["throughput_ratio"]
 
 
 def _floor_note(planner_name: str, floor_bytes: int | None) -> str:
@@ -306,20 +310,13 @@ def run_metrics(
 
 def layout_metrics(spec: RunSpec, graph: Graph) -> dict[str, Any]:
     """One rank's layout figures (no keys for one full replica): the degrees, the largest per-layer saved
-    bytes, and the collectives the layout adds with their ring time on the node's fabrics (not part of
-    `step_s`: the simulated step does not wait on them; `slackswap.profile.collectives`)."""
-    from slackswap.parallel import DEGREES, NO_PARALLELISM
-    from slackswap.profile import layout_collectives
-    from slackswap.profile.collectives import price
+    bytes, and the collectives the layout adds with their ring time on the node's fabrics and the part
+    of it the step waits on (`layout_comm_s`, in `step_s` of a one-stage layout; `with_layout_comm`)."""
+    from slackswap.parallel import DEGREES
 
-    if spec.parallel == NO_PARALLELISM:
+    comm = layout_communication(spec, graph)
+    if comm is None:
         return {}
-    topology = None
-    if spec.node is not None:
-        from slackswap.experiment.advise import topology_from_node
-
-        topology = topology_from_node(spec.node, spec.hardware)
-    comm = price(layout_collectives(graph), spec.parallel, topology, spec.node.name if spec.node else "")
     saved: dict[int, int] = {}
     for t in graph.saved_tensors:
         if t.layer >= 0:
@@ -332,6 +329,8 @@ def layout_metrics(spec: RunSpec, graph: Graph) -> dict[str, Any]:
         "layout_comm_bus_bytes": comm.bus_bytes,
         "layout_comm_forward_s": comm.forward_s,
         "layout_comm_backward_s": comm.backward_s,
+        "layout_comm_s": comm.exposed_s,
+        "layout_comm_hidden_s": comm.hidden_s,
         "layout_comm_fabric": ",".join(f"{g}:{f}" for g, f in sorted(comm.fabrics.items())) or None,
         "layout_comm_unpriced": comm.unpriced or None,
     }

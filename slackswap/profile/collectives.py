@@ -1,8 +1,22 @@
 """The collectives a parallel layout adds inside one rank's step, and their time on the node's links.
 
 The profile records them while it builds a rank's graph (`slackswap.profile.layers`), one per
-tensor-parallel region boundary or ring exchange, in execution order; they are not graph ops (the
-simulated step does not wait on them: `LayoutCommunication` reports their time beside it). Megatron's
+tensor-parallel region boundary or ring exchange, in execution order. They are not graph ops: `price`
+times them and says how much of that time the step waits on (`exposed_s`), which the run adds to its
+simulated step (`slackswap.experiment.run`) and advise to each stage's forward and backward.
+
+Overlap rule. Tensor-parallel (and expert all-to-all) collectives are exposed in full: Megatron-LM's
+f / g operators run the collective inside the autograd function, between the GEMM that produces its
+buffer and the one that consumes it, so the next op waits for it (Shoeybi et al. 2019, section 3;
+Narayanan et al. 2021, arXiv 2104.04473, section 3.2: tensor-parallel all-reduces are paid in every
+layer's forward and backward, which is why tp stays inside a node; Korthikanti et al. 2022,
+arXiv 2205.05198, section 4.2.2: sp replaces each all-reduce by a reduce-scatter + all-gather pair of
+the same volume, still in line). Megatron-Core's `tp_comm_overlap` (userbuffers GEMM overlap) is an
+opt-in not modelled here. Context-parallel ring exchanges overlap the attention they feed: each ring
+step sends the next K, V block while the current block's attention runs (Liu et al. 2023, arXiv
+2310.01889, section 3; Megatron-Core / Transformer Engine ring attention), so per layer and phase only
+the ring time beyond that layer's attention compute in that phase (the graph's `attention_core` ops)
+is exposed. Megatron's
 conjugate operators (Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2):
 
 - f, into column-parallel GEMMs (QKV, fc1 / gate+up, LM head): without sp, forward nothing and
@@ -92,6 +106,9 @@ class LayoutCommunication:
     backward_s: float | None
     fabrics: Mapping[str, str]
     unpriced: str = ""
+    #: The part of forward_s / backward_s the step waits on (module docstring, overlap rule); None unpriced.
+    forward_exposed_s: float | None = None
+    backward_exposed_s: float | None = None
 
     @property
     def bus_bytes(self) -> float:
@@ -101,6 +118,19 @@ class LayoutCommunication:
     def total_s(self) -> float | None:
         return None if self.forward_s is None or self.backward_s is None else self.forward_s + self.backward_s
 
+    @property
+    def exposed_s(self) -> float | None:
+        """Seconds per micro-batch the step waits on these collectives (None when unpriced)."""
+        if self.forward_exposed_s is None or self.backward_exposed_s is None:
+            return None
+        return self.forward_exposed_s + self.backward_exposed_s
+
+    @property
+    def hidden_s(self) -> float | None:
+        """Ring time hidden behind attention compute (context parallelism's overlap)."""
+        total, exposed = self.total_s, self.exposed_s
+        return None if total is None or exposed is None else total - exposed
+
 
 def group_strides(parallel) -> dict[str, int]:
     """GPU distance between neighbours of each group in Megatron-Core's rank order (tp fastest, then cp;
@@ -108,10 +138,22 @@ def group_strides(parallel) -> dict[str, int]:
     return {"tp": 1, "cp": parallel.tp, "ep": parallel.tp}
 
 
+def attention_compute_s(graph) -> dict[tuple[int, str], float]:
+    """Seconds of attention-core compute per (layer, phase) of `graph`: what a ring exchange hides behind."""
+    out: dict[tuple[int, str], float] = {}
+    for op in graph.ops:
+        if op.attention_core:
+            key = (op.layer, str(op.phase))
+            out[key] = out.get(key, 0.0) + op.duration_s
+    return out
+
+
 def price(collectives: Sequence[Collective], parallel, topology: Topology | None,
-          node_name: str = "") -> LayoutCommunication:
+          node_name: str = "", graph=None) -> LayoutCommunication:
     """Sum `collectives` per phase and time them on `topology`'s fabrics (the tp group on NVLink while
-    it stays in one node). No topology, or a group the node cannot hold: bytes only, `unpriced` says why."""
+    it stays in one node). No topology, or a group the node cannot hold: bytes only, `unpriced` says why.
+    The exposed time follows the module docstring's overlap rule, ring exchanges hidden behind `graph`'s
+    attention compute of their layer and phase (no `graph`: nothing hidden)."""
     fwd = sum(c.bus_bytes for c in collectives if c.phase == "forward")
     bwd = sum(c.bus_bytes for c in collectives if c.phase == "backward")
     groups = {c.group: c.ranks for c in collectives}
@@ -130,8 +172,26 @@ def price(collectives: Sequence[Collective], parallel, topology: Topology | None
     if unpriced:
         return LayoutCommunication(len(collectives), fwd, bwd, None, None, {}, unpriced)
     times = {p: sum(c.time_s(fabrics[c.group]) for c in collectives if c.phase == p) for p in PHASES}
+    exposed = _exposed_s(collectives, fabrics, {} if graph is None else attention_compute_s(graph))
     return LayoutCommunication(len(collectives), fwd, bwd, times["forward"], times["backward"],
-                               {g: f.name for g, f in fabrics.items()})
+                               {g: f.name for g, f in fabrics.items()}, "", exposed["forward"], exposed["backward"])
+
+
+def _exposed_s(collectives: Sequence[Collective], fabrics: Mapping[str, Any],
+               attention_s: Mapping[tuple[int, str], float]) -> dict[str, float]:
+    """Per phase, the seconds the step waits on: every collective but a ring exchange in full, a layer's
+    ring exchanges of one phase beyond that layer's attention compute in it (module docstring)."""
+    out = dict.fromkeys(PHASES, 0.0)
+    rings: dict[tuple[int, str], float] = {}
+    for c in collectives:
+        t = c.time_s(fabrics[c.group])
+        if c.kind == "ring_exchange":
+            rings[(c.layer, c.phase)] = rings.get((c.layer, c.phase), 0.0) + t
+        else:
+            out[c.phase] += t
+    for (layer, phase), t in rings.items():
+        out[phase] += max(0.0, t - attention_s.get((layer, phase), 0.0))
+    return out
 
 
 def to_json(collectives: Iterable[Collective]) -> list[dict[str, Any]]:

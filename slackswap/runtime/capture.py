@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 
 from slackswap.graph import (
+    BACKWARD_FRAMES_KEY,
     FORWARD_PHASES,
     NO_LAYER,
     REWRITTEN_KEY,
@@ -77,6 +78,10 @@ class _Recorder(TorchDispatchMode):
         self.tensors: dict[str, dict] = {}
         self.pending_reads: list[str] = []
         self.backward_context: tuple[int, str] = (NO_LAYER, "")
+        #: The layers whose ops packed the tensors unpacked since the last backward op began, and per
+        #: backward op the layers it unpacked from (`BACKWARD_FRAMES_KEY`).
+        self.pending_frames: set[int] = set()
+        self.backward_frames: dict[str, set[int]] = {}
         #: Graph tensors autograd saved (pack hook).
         self.packed: set[str] = set()
         #: Real lifetimes: each live graph tensor's storage by weak reference, and the op after which
@@ -150,6 +155,9 @@ class _Recorder(TorchDispatchMode):
         if self.phase == Phase.BACKWARD and begin.new_op:
             reads = self.pending_reads + reads
             self.pending_reads = []
+            if self.pending_frames:
+                self.backward_frames.setdefault(begin.op, set()).update(self.pending_frames)
+                self.pending_frames = set()
         for name in reads:
             if (self.phase == Phase.BACKWARD and name not in self.packed
                     and self.ops[self.tensors[name]["producer"]]["phase"] != Phase.BACKWARD):
@@ -252,13 +260,16 @@ def capture_graph(
             packed.add(name_)
             with _disable_current_modes():
                 copy = t.untyped_storage().clone()
-            return (name_, copy, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            # The layer running the op that saves it: the checkpoint region whose frame would pack it.
+            return (name_, copy, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), recorder.layer_of())
 
         def unpack(stand_in: object) -> torch.Tensor:
             numbering.close_op()
             if isinstance(stand_in, torch.Tensor):
                 return stand_in
-            name_, copy, dtype, size, stride, offset = stand_in
+            name_, copy, dtype, size, stride, offset, frame = stand_in
+            if frame != NO_LAYER:
+                recorder.pending_frames.add(frame)
             with _disable_current_modes():
                 t = torch.empty(0, dtype=dtype, device=copy.device).set_(copy, offset, size, stride)
             recorder.unpacked.append((name_, StorageWeakRef(copy)))
@@ -326,6 +337,7 @@ def capture_graph(
         "layer_stacks": list(layer_stacks.stacks),
         **({REWRITTEN_KEY: recorder.rewritten} if recorder.rewritten else {}),
         **({STATE_KEY: recorder.state_writes} if recorder.state_writes else {}),
+        BACKWARD_FRAMES_KEY: {op: sorted(f) for op, f in recorder.backward_frames.items()},
     }
     weight_bytes = int(meta["weight_bytes_from_params"])
     return Graph(name=name, ops=ops, tensors=tensors, num_layers=max(len(layers), 1),
