@@ -89,7 +89,9 @@ def pipeline_line(m: Mapping[str, Any]) -> str:
     bubble = "n/a" if bubble is None else f"{100 * bubble:.1f}%"
     p2p = (f"{1e3 * m['pipeline_p2p_s']:.3f} ms per send" if m["pipeline_p2p_unpriced"] is None
            else f"sends not priced: {m['pipeline_p2p_unpriced']}")
-    return (f"pipeline     {m['pipeline_schedule']}, {m['pipeline_microbatches']} micro-batches, bubble {bubble} "
+    chunks = m.get("pipeline_virtual_stages") or 1
+    schedule = m["pipeline_schedule"] + (f" ({chunks} chunks per stage)" if chunks > 1 else "")
+    return (f"pipeline     {schedule}, {m['pipeline_microbatches']} micro-batches, bubble {bubble} "
             f"(keep-all {100 * m['pipeline_ideal_bubble_fraction']:.1f}%), {p2p}; per stage: in flight "
             f"{m['pipeline_in_flight_by_stage']}, peak bytes {m['pipeline_peak_bytes_by_stage']} of budget "
             f"{m['pipeline_budget_bytes_by_stage']}")

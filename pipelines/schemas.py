@@ -146,6 +146,7 @@ class ParallelSchema:
     sp: bool = False
     microbatches: int = 1
     pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
 
 
 @dataclass

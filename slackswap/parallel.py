@@ -15,10 +15,10 @@ under a layout (`slackswap.profile.build_graph(..., parallel=...)`, docs/profile
   off); it is accepted and changes nothing.
 - **cp** (context parallelism, Megatron-Core / ring attention, Liu et al. 2023): every rank holds s/cp
   of the sequence for the whole layer; attention exchanges K and V around a ring of cp ranks.
-- **pp** (pipeline parallelism): layers split into pp stages, each one rank's graph of its layers
-  (`slackswap.profile.stages`); the step runs `microbatches` micro-batches through them in the
-  `pipeline_schedule` order (`slackswap.pipeline_stages`, `slackswap.simulate.pipeline`;
-  docs/pipeline_parallel.md).
+- **pp** (pipeline parallelism): layers split into pp stages (interleaved: pp x virtual_stages chunks,
+  v per device), each one rank's graph of its layers (`slackswap.profile.stages`); the step runs
+  `microbatches` micro-batches through them in the `pipeline_schedule` order
+  (`slackswap.pipeline_stages`, `slackswap.simulate.pipeline`; docs/pipeline_parallel.md).
 - **ep** (expert parallelism, GShard / Megatron-Core): an MoE model's experts split over ep ranks,
   each holding num_experts / ep experts and the tokens dispatched to them; all-to-all dispatch and
   combine (`slackswap.profile.moe`). ep must divide the experts and dp * cp; a dense model has ep 1.
@@ -36,12 +36,14 @@ from typing import Any
 
 from slackswap.errors import ConfigError, reject_unknown_fields
 from slackswap.model_config import ModelConfig
+from slackswap.pipeline_stages import check_interleaved
 
 DEGREES: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
 #: Pipeline schedules the step model runs (`slackswap.simulate.pipeline`).
-PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b",)
-#: The fields that only a pipeline (pp > 1) reads; a one-stage layout's `as_dict` leaves them out.
-PIPELINE_FIELDS: tuple[str, ...] = ("microbatches", "pipeline_schedule")
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
+#: The fields that only a pipeline (pp > 1) reads; a one-stage layout's `as_dict` leaves them out
+#: (and a 1F1B one `virtual_stages`, so its dict is what it was before interleaving existed).
+PIPELINE_FIELDS: tuple[str, ...] = ("microbatches", "pipeline_schedule", "virtual_stages")
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,12 @@ class ParallelConfig:
     sp: bool = False
     #: Micro-batches per step through the pipeline (each of model.micro_batch_size); 1 without one.
     microbatches: int = 1
-    #: The order each stage runs its micro-batches: `1f1b` (PipeDream-Flush, Megatron-LM's default).
+    #: The order each stage runs its micro-batches: `1f1b` (PipeDream-Flush, Megatron-LM's default) or
+    #: `interleaved` (interleaved 1F1B, Megatron-LM's virtual pipeline; docs/pipeline_parallel.md).
     pipeline_schedule: str = "1f1b"
+    #: Model chunks per pipeline device under `interleaved` (Megatron's virtual pipeline size, >= 2);
+    #: 1 under 1F1B. The layers split into pp x virtual_stages chunks.
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         for name in DEGREES:
@@ -77,10 +83,17 @@ class ParallelConfig:
             raise ConfigError("parallel.microbatches", m, "must be an integer >= 1")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError("parallel.pipeline_schedule", self.pipeline_schedule,
-                              f"must be one of {list(PIPELINE_SCHEDULES)} (interleaved 1F1B is not modelled yet)")
+                              f"must be one of {list(PIPELINE_SCHEDULES)} (zero-bubble schedules are not modelled)")
         if self.pp == 1 and m != 1:
             raise ConfigError("parallel.microbatches", m,
                               "micro-batches run through a pipeline; with parallel.pp=1 set 1")
+        v = self.virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError("parallel.virtual_stages", v, "must be an integer >= 1")
+        if self.pipeline_schedule == "interleaved":
+            check_interleaved(self.pp, v, m)
+        elif v != 1:
+            raise ConfigError("parallel.virtual_stages", v, "must be 1 unless parallel.pipeline_schedule=interleaved")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> ParallelConfig:
@@ -109,7 +122,14 @@ class ParallelConfig:
         if self.pp == 1:
             for name in PIPELINE_FIELDS:
                 data.pop(name)
+        elif self.virtual_stages == 1:
+            data.pop("virtual_stages")
         return data
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks the layers split into: pp x virtual_stages (pp under 1F1B)."""
+        return self.pp * self.virtual_stages
 
     def check_model(self, model: ModelConfig) -> None:
         """Reject a layout that does not divide `model`: one ConfigError naming the field and value."""
@@ -136,6 +156,9 @@ class ParallelConfig:
             )
         if model.num_layers % self.pp:
             raise ConfigError("parallel.pp", self.pp, f"does not divide model.num_layers={model.num_layers}")
+        if model.num_layers % self.chunks:
+            raise ConfigError("parallel.virtual_stages", self.virtual_stages,
+                              f"times parallel.pp={self.pp} does not divide model.num_layers={model.num_layers}")
         self._check_experts(model)
 
     def _check_experts(self, model: ModelConfig) -> None:

@@ -1,5 +1,5 @@
-"""Pipeline stages under 1F1B: the order each stage runs its micro-batches, how many it holds, and the
-activation budget that leaves each micro-batch.
+"""Pipeline stages under 1F1B and interleaved 1F1B: the order each device runs its micro-batches, how
+many it holds, and the activation budget that leaves each micro-batch.
 
 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", section 2.2.1; Megatron-LM's `forward_backward_pipelining_without_
@@ -13,11 +13,28 @@ It is sound: a plan whose step peaks at P <= capacity / k keeps at most P of sav
 device between its forward and its backward, so k - 1 resident micro-batches plus the running one
 stay within k * capacity / k. It is conservative by the running step's transients, which only one
 micro-batch has at a time. The simulator's pipeline step (stages, bubbles, p2p sends) is not here.
+
+Interleaved 1F1B (Narayanan et al. 2021, section 2.2.2; Megatron-LM's `forward_backward_pipelining_
+with_interleaving`, megatron/core/pipeline_parallel/schedules.py): the model is split into p x v
+chunks (virtual stages) and device d holds chunks d, d + p, ..., d + (v - 1) p, its local chunks
+0 .. v - 1. A device runs m x v forward and m x v backward passes. Its k-th forward (k from 0) is
+of local chunk (k mod p v) // p and micro-batch (k // p v) p + k mod p: p micro-batches through
+chunk 0, the same p through chunk 1, ..., then the next p; its k-th backward is of the same
+micro-batch through local chunk v - 1 - (k mod p v) // p, the chunks in reverse. Megatron runs
+(p - d - 1) x 2 + (v - 1) x p warm-up forwards (at most m v; all m v when m = p: "all forward passes
+and then all backward passes"), then one forward one backward, then the remaining backwards. It
+requires m to be a multiple of p ("number of microbatches is not divisible by pipeline-parallel size
+when using interleaved schedule"), so every group of p micro-batches fills every chunk. A device
+holds a micro-batch *chunk* from the chunk's forward to its backward: at most min(warm-up + 1, m v)
+of them (device 0 the most, 2 (p - 1) + (v - 1) p + 1 when m > p), each 1/v of a 1F1B stage's layers.
 """
 
 from __future__ import annotations
 
 from slackswap.errors import ConfigError
+
+#: The schedules whose per-device order this module gives.
+SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
 
 
 def _check(stage: int, stages: int, microbatches: int) -> None:
@@ -41,17 +58,74 @@ def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[
     return order
 
 
-def in_flight_microbatches(stage: int, stages: int, microbatches: int) -> int:
-    """The most micro-batches whose activations stage `stage` holds at once, counted on its 1F1B order."""
+def check_interleaved(stages: int, virtual_stages: int, microbatches: int) -> None:
+    """Megatron-LM's conditions on an interleaved schedule: p >= 2, v >= 2, m a multiple of p."""
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 2:
+        raise ConfigError("parallel.virtual_stages", virtual_stages,
+                          "must be an integer >= 2 with parallel.pipeline_schedule=interleaved")
+    if stages < 2:
+        raise ConfigError("parallel.pp", stages, "must be >= 2 with parallel.pipeline_schedule=interleaved")
+    if microbatches % stages:
+        raise ConfigError("parallel.microbatches", microbatches,
+                          f"must be a multiple of parallel.pp={stages} with the interleaved schedule "
+                          "(Megatron-LM requires it)")
+
+
+def interleaved_warmup(device: int, stages: int, virtual_stages: int, microbatches: int) -> int:
+    """Megatron-LM's warm-up forwards of device `device` under the interleaved schedule."""
+    total = microbatches * virtual_stages
+    if microbatches == stages:
+        return total
+    return min((stages - device - 1) * 2 + (virtual_stages - 1) * stages, total)
+
+
+def interleaved_order(device: int, stages: int, virtual_stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """Device `device`'s work in interleaved 1F1B order: (kind, local chunk, micro-batch), kind "F" or "B"."""
+    _check(device, stages, microbatches)
+    check_interleaved(stages, virtual_stages, microbatches)
+    p, v = stages, virtual_stages
+    total = microbatches * v
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = (k % (p * v)) // p
+        return kind, chunk if kind == "F" else v - 1 - chunk, (k // (p * v)) * p + k % p
+
+    warmup = interleaved_warmup(device, p, v, microbatches)
+    order = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):  # steady state: forward warmup + k, then backward k
+        order += [op("F", warmup + k), op("B", k)]
+    order += [op("B", k) for k in range(total - warmup, total)]  # cool-down
+    return order
+
+
+def schedule_order(schedule: str, device: int, stages: int, microbatches: int,
+                   virtual_stages: int = 1) -> list[tuple[str, int, int]]:
+    """Device `device`'s work under `schedule`: (kind, local chunk, micro-batch); 1F1B's chunk is 0."""
+    if schedule == "1f1b":
+        if virtual_stages != 1:
+            raise ConfigError("parallel.virtual_stages", virtual_stages,
+                              "must be 1 unless parallel.pipeline_schedule=interleaved")
+        return [(kind, 0, j) for kind, j in one_f_one_b_order(device, stages, microbatches)]
+    if schedule == "interleaved":
+        return interleaved_order(device, stages, virtual_stages, microbatches)
+    raise ConfigError("parallel.pipeline_schedule", schedule, f"must be one of {list(SCHEDULES)}")
+
+
+def in_flight_microbatches(stage: int, stages: int, microbatches: int, schedule: str = "1f1b",
+                           virtual_stages: int = 1) -> int:
+    """The most micro-batches (interleaved: micro-batch chunks) whose activations device `stage` holds at
+    once, counted on its order."""
     held = most = 0
-    for kind, _ in one_f_one_b_order(stage, stages, microbatches):
+    for kind, _, _ in schedule_order(schedule, stage, stages, microbatches, virtual_stages):
         held += 1 if kind == "F" else -1
         most = max(most, held)
     return most
 
 
-def stage_budget_bytes(capacity_bytes: int, stage: int, stages: int, microbatches: int) -> int:
-    """The activation budget of one micro-batch's step on stage `stage`: its capacity / in-flight count."""
+def stage_budget_bytes(capacity_bytes: int, stage: int, stages: int, microbatches: int, schedule: str = "1f1b",
+                       virtual_stages: int = 1) -> int:
+    """The activation budget of one micro-batch's (chunk's) step on device `stage`: its capacity / in-flight
+    count."""
     if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes < 0:
         raise ConfigError("capacity_bytes", capacity_bytes, "must be an integer >= 0")
-    return capacity_bytes // in_flight_microbatches(stage, stages, microbatches)
+    return capacity_bytes // in_flight_microbatches(stage, stages, microbatches, schedule, virtual_stages)

@@ -60,6 +60,27 @@ def test_a_pipeline_run_reports_each_stage(tmp_path, monkeypatch, capsys) -> Non
 
 
 @pytest.mark.slow
+def test_an_interleaved_run_reports_each_device(tmp_path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "run"
+    code = _in_process(
+        monkeypatch, tmp_path, "model=llama7b", "parallel=pp4_interleaved",
+        "hardware=a100_80gb_sxm_pcie4", "node=dgx_a100", "tracking=off", f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert [line for line in out.splitlines() if line.startswith("pipeline ")][0].startswith(
+        "pipeline     interleaved (2 chunks per stage), 8 micro-batches, bubble "), out
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["pipeline_in_flight_by_stage"] == "11,9,7,5"  # Megatron's warm-up + 1 chunks per device
+    assert metrics["pipeline_virtual_stages"] == 2
+    peaks = [int(v) for v in metrics["pipeline_peak_bytes_by_stage"].split(",")]
+    budgets = [int(v) for v in metrics["pipeline_budget_bytes_by_stage"].split(",")]
+    assert all(p <= b for p, b in zip(peaks, budgets, strict=True)) and max(peaks) == metrics["peak_activation_bytes"]
+    # equal chunks would idle (p-1)/(vm+p-1) = 3/19 of the step; the embedding and head make them unequal
+    assert 3 / 19 - 0.05 <= metrics["pipeline_ideal_bubble_fraction"] < 3 / 11
+
+
+@pytest.mark.slow
 def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> None:
     run_dir = tmp_path / "run"
     code = _in_process(monkeypatch, tmp_path, "model=tiny", "tracking=off", f"hydra.run.dir={run_dir}")
@@ -80,7 +101,11 @@ def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> Non
         (["parallel.microbatches=4"],
          "error: parallel.microbatches=4: micro-batches run through a pipeline; with parallel.pp=1 set 1"),
         (["parallel=pp4", "parallel.pipeline_schedule=zero_bubble"],
-         "error: parallel.pipeline_schedule='zero_bubble': must be one of ['1f1b']"),
+         "error: parallel.pipeline_schedule='zero_bubble': must be one of ['1f1b', 'interleaved']"),
+        (["parallel=pp4_interleaved", "parallel.microbatches=6"],
+         "error: parallel.microbatches=6: must be a multiple of parallel.pp=4 with the interleaved schedule"),
+        (["parallel=pp4_interleaved", "parallel.virtual_stages=3"],
+         "error: parallel.virtual_stages=3: times parallel.pp=4 does not divide model.num_layers=32"),
         (["parallel.ep=2"], "error: parallel.ep=2: does not divide the experts of 'llama7b' (a dense model)"),
         (["parallel.dp=0"], "error: parallel.dp=0: must be an integer >= 1"),
         (["parallel.tpp=2"], "error: parallel.tpp: no such key in parallel"),

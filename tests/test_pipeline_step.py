@@ -78,7 +78,7 @@ def test_bad_pipeline_input_is_one_config_error():
     with pytest.raises(ConfigError, match="parallel.microbatches"):
         ParallelConfig(pp=1, microbatches=4)
     with pytest.raises(ConfigError, match="parallel.pipeline_schedule"):
-        ParallelConfig(pp=2, pipeline_schedule="interleaved")
+        ParallelConfig(pp=2, pipeline_schedule="zero_bubble")
 
 
 def test_stage_times_split_a_simulated_stage_graph_at_its_forward():

@@ -99,9 +99,9 @@ class SearchSpace:
         check.flag("advise.sp", self.sp)
         from slackswap.parallel import PIPELINE_SCHEDULES
 
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES or self.pipeline_schedule == "interleaved":
             raise ConfigError("advise.pipeline_schedule", self.pipeline_schedule,
-                              f"must be one of {list(PIPELINE_SCHEDULES)}")
+                              "must be 1f1b (advise does not search interleaved layouts)")
         check.integer("advise.layout_top_n", self.layout_top_n, 1)
 
     @property

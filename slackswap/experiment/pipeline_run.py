@@ -11,7 +11,7 @@ micro-batches under 1F1B (`slackswap.pipeline_stages.in_flight_microbatches`):
 2. the run's budget resolves against those: a fraction of the stage's keep-all pipeline peak, an
    absolute budget, or the stage's device capacity (`budget.device`). That is the stage's budget;
 3. the planner plans ONE micro-batch of the stage, and the simulator runs it, under planning budgets
-   from the stage's budget down to budget / k_i (`_plan_stage`): the first whose pipeline peak with
+   from the stage's budget down to budget / k_i (`_plan_device`): the first whose pipeline peak with
    k_i micro-batches in flight is within the budget is the stage's plan. budget / k_i always is when
    it plans at all (the k_i - 1 resident micro-batches hold no more than their peak each); a larger
    planning budget swaps less when the resident bytes are small beside the transients;
@@ -29,6 +29,14 @@ model. The milp bound is per micro-batch of a stage, so a pipeline run reports n
 stage 0's rank over the step (it holds the most micro-batches): per-micro-batch sums x m, host
 bytes x k_0; `peak_activation_bytes`, `keep_all_peak_bytes` and `budget_bytes` are the largest
 stage's; the `pipeline_*` keys give each stage.
+
+Interleaved 1F1B (`parallel.virtual_stages` v > 1): "stage" above is a device and its graph v chunk
+graphs (chunks d, d + p, ...). k_i counts micro-batch chunks as the device's order holds them, the
+pipeline peak walks that order with each chunk's resident bytes and peak
+(`slackswap.simulate.pipeline_stage.device_peak_bytes`), the static memory is all its chunks'
+parameters, every chunk is planned under the same planning budget, and the pipeline step runs the
+p x v chunks (`simulate_pipeline(..., schedule="interleaved", virtual_stages=v)`). Stage 0's
+simulation keys add the per-micro-batch sums of device 0's chunks; its graph and plan are chunk 0's.
 """
 
 from __future__ import annotations
@@ -43,9 +51,10 @@ from slackswap.experiment.fitting import FittedPlan, plan_and_simulate
 from slackswap.experiment.spec import RunSpec
 from slackswap.graph import Graph
 from slackswap.memory.static import DeviceCapacity, static_memory
-from slackswap.pipeline_stages import in_flight_microbatches
+from slackswap.parallel import ParallelConfig
+from slackswap.pipeline_stages import in_flight_microbatches, schedule_order
 from slackswap.simulate.pipeline import PipelineResult, StageTimes, simulate_pipeline
-from slackswap.simulate.pipeline_stage import stage_peak_bytes, stage_times
+from slackswap.simulate.pipeline_stage import device_peak_bytes, resident_bytes, stage_times
 from slackswap.simulate.result import SimResult
 
 #: Simulation keys that add up over the step's micro-batches (stage 0's rank runs m of them).
@@ -89,20 +98,41 @@ def p2p_seconds(spec: RunSpec, boundary_bytes: int) -> tuple[float, str | None]:
 
 
 def build_stages(spec: RunSpec) -> list[Stage]:
-    """Every stage's graph, keep-all simulation, in-flight count, keep-all pipeline peak and capacity."""
+    """Every chunk's graph and keep-all simulation, with its device's in-flight count, keep-all
+    pipeline peak and capacity (1F1B: one chunk per device, the stage)."""
     from slackswap.profile.stages import build_stage_graph, stage_parameter_counts
     from slackswap.simulate.metrics import simulate_ideal
 
-    par, m = spec.parallel, spec.parallel.microbatches
-    stages = []
-    for i in range(par.pp):
-        graph = build_stage_graph(spec.model, spec.hardware, spec.training, par, i)
-        ideal = simulate_ideal(graph, spec.hardware)
-        k = in_flight_microbatches(i, par.pp, m)
-        static = static_memory(*stage_parameter_counts(spec.model, par, i), spec.training, spec.model.dtype)
+    par, p = spec.parallel, spec.parallel.pp
+    graphs = [build_stage_graph(spec.model, spec.hardware, spec.training, par, s) for s in range(par.chunks)]
+    ideals = [simulate_ideal(g, spec.hardware) for g in graphs]
+    devices = []
+    for d in range(p):
+        own = range(d, par.chunks, p)
+        counts = [stage_parameter_counts(spec.model, par, c) for c in own]
+        static = static_memory(sum(n for n, _ in counts), max(u for _, u in counts), spec.training, spec.model.dtype)
         capacity = DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes, static)
-        stages.append(Stage(i, graph, ideal, k, stage_peak_bytes(graph, ideal, k), capacity))
-    return stages
+        peak = _device_peak(par, d, [graphs[c] for c in own], [ideals[c] for c in own])
+        devices.append((device_in_flight(par, d), peak, capacity))
+    return [Stage(s, graphs[s], ideals[s], *devices[s % p]) for s in range(par.chunks)]
+
+
+def device_in_flight(par: ParallelConfig, device: int) -> int:
+    """Micro-batches (interleaved: micro-batch chunks) device `device` holds at most under par's schedule."""
+    return in_flight_microbatches(device, par.pp, par.microbatches, par.pipeline_schedule, par.virtual_stages)
+
+
+def _device_peak(par: ParallelConfig, device: int, graphs: list[Graph], results: list[SimResult]) -> int:
+    """The device's activation peak with its chunks' micro-batches in flight as its schedule holds them
+    (`slackswap.simulate.pipeline_stage.device_peak_bytes`; 1F1B: (k - 1) x R + P)."""
+    order = schedule_order(par.pipeline_schedule, device, par.pp, par.microbatches, par.virtual_stages)
+    return device_peak_bytes(order, [resident_bytes(g, r) for g, r in zip(graphs, results, strict=True)],
+                             [r.peak_activation_bytes for r in results])
+
+
+def _simulate(spec: RunSpec, times: list[StageTimes], p2p_s: float) -> PipelineResult:
+    par = spec.parallel
+    return simulate_pipeline(times, par.microbatches, p2p_s, par.pipeline_schedule, par.virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -121,67 +151,81 @@ class PipelineOutcome:
 
 
 def plan_pipeline(spec: RunSpec, stages: list[Stage]) -> PipelineOutcome:
-    """Plan and simulate each stage under its budget, then the pipeline step (module docstring)."""
+    """Plan and simulate each device's chunks under its budget, then the pipeline step (module docstring)."""
     from slackswap.profile.stages import boundary_bytes
 
-    m = spec.parallel.microbatches
+    p = spec.parallel.pp
     p2p_s, unpriced = p2p_seconds(spec, boundary_bytes(stages[0].graph) if len(stages) > 1 else 0)
-    ideal_pipeline = simulate_pipeline([_times(spec, s.graph, s.ideal) for s in stages], m, p2p_s)
-    planned, reason, plan_wall, sim_wall = [], "", 0.0, 0.0
-    for s in stages:
-        if spec.budget.device and not s.capacity.fits:
-            reason = (f"device memory: stage {s.index}: static training state "
-                      f"{s.capacity.static.total_bytes} bytes + reserve fill the device")
+    ideal_pipeline = _simulate(spec, [_times(spec, s.graph, s.ideal) for s in stages], p2p_s)
+    planned: dict[int, Stage] = {}
+    reason, plan_wall, sim_wall = "", 0.0, 0.0
+    held = "micro-batch chunks" if spec.parallel.virtual_stages > 1 else "micro-batches"
+    for d in range(p):
+        chunks = [s for s in stages if s.index % p == d]
+        first = chunks[0]
+        if spec.budget.device and not first.capacity.fits:
+            reason = (f"device memory: stage {d}: static training state "
+                      f"{first.capacity.static.total_bytes} bytes + reserve fill the device")
             break
-        budget = spec.budget.resolve_bytes(s.keep_all_peak_bytes, s.capacity.activation_capacity_bytes)
-        fitted, why, walls = _plan_stage(spec, s, budget)
+        budget = spec.budget.resolve_bytes(first.keep_all_peak_bytes, first.capacity.activation_capacity_bytes)
+        fitted, peak, why, walls = _plan_device(spec, d, chunks, budget)
         plan_wall += walls[0]
         sim_wall += walls[1]
-        peak = None if fitted is None else stage_peak_bytes(s.graph, fitted.result, s.in_flight)
-        planned.append(Stage(**{**s.__dict__, "budget_bytes": budget, "fitted": fitted, "peak_bytes": peak}))
+        for i, s in enumerate(chunks):
+            planned[s.index] = Stage(**{**s.__dict__, "budget_bytes": budget, "peak_bytes": peak,
+                                        "fitted": None if fitted is None else fitted[i]})
         if fitted is None:
-            reason = f"stage {s.index} ({s.in_flight} micro-batches in flight, budget {budget} bytes): {why}"
+            reason = f"stage {d} ({first.in_flight} {held} in flight, budget {budget} bytes): {why}"
             break
     pipeline = None
     if not reason:
         t0 = time.perf_counter()
-        pipeline = simulate_pipeline([_times(spec, s.graph, s.fitted.result) for s in planned], m, p2p_s)
+        pipeline = _simulate(spec, [_times(spec, s.graph, planned[s.index].fitted.result) for s in stages], p2p_s)
         sim_wall += time.perf_counter() - t0
-    return PipelineOutcome(tuple(planned), pipeline, ideal_pipeline, p2p_s, unpriced, reason, plan_wall, sim_wall)
+    done = tuple(planned[i] for i in sorted(planned))
+    return PipelineOutcome(done, pipeline, ideal_pipeline, p2p_s, unpriced, reason, plan_wall, sim_wall)
 
 
 #: Planning budgets tried per stage, as fractions of the way from budget to budget / in-flight (geometric).
 PLANNING_STEPS = 6
 
 
-def _plan_stage(spec: RunSpec, s: Stage, budget: int) -> tuple[FittedPlan | None, str, tuple[float, float]]:
-    """The plan of one micro-batch of stage `s` whose pipeline peak (`stage_peak_bytes`, k micro-batches
-    in flight) stays within `budget`: planning budgets from `budget` down to budget / k (the sound
-    floor, `slackswap.pipeline_stages.stage_budget_bytes`), geometrically, the first that plans and
-    simulates within it. (None, why, walls) when none does."""
-    k, plan_wall, sim_wall, why = s.in_flight, 0.0, 0.0, ""
+def _plan_device(spec: RunSpec, device: int, chunks: list[Stage], budget: int
+                 ) -> tuple[list[FittedPlan] | None, int | None, str, tuple[float, float]]:
+    """Plans of one micro-batch of each of the device's chunks (1F1B: its one stage) whose device peak
+    (`_device_peak`, k micro-batch chunks in flight) stays within `budget`: every chunk under one
+    planning budget, from `budget` down to budget / k (the sound floor: each held chunk keeps at most
+    its peak, `slackswap.pipeline_stages.stage_budget_bytes`), geometrically, the first whose plans
+    simulate within it. (None, None, why, walls) when none does."""
+    k, plan_wall, sim_wall, why = chunks[0].in_flight, 0.0, 0.0, ""
     steps = 1 if k == 1 else PLANNING_STEPS
     for t in range(steps):
         planning = budget if steps == 1 else int(budget * k ** (-t / (steps - 1)))
-        try:
-            fitted = plan_and_simulate(spec.planner, s.graph, spec.hardware, planning, spec.fit)
-        except InfeasibleBudgetError as exc:
-            why = f"planner: {exc.reason}"
+        fits: list[FittedPlan] = []
+        for s in chunks:
+            try:
+                fitted = plan_and_simulate(spec.planner, s.graph, spec.hardware, planning, spec.fit)
+            except InfeasibleBudgetError as exc:
+                why = f"planner: {exc.reason}"
+                break
+            plan_wall += fitted.plan_wall_s
+            sim_wall += fitted.sim_wall_s
+            if not fitted.result.feasible:
+                why = f"simulator: {fitted.result.infeasible_reason}"
+                break
+            fits.append(fitted)
+        if len(fits) < len(chunks):
             continue
-        plan_wall += fitted.plan_wall_s
-        sim_wall += fitted.sim_wall_s
-        if not fitted.result.feasible:
-            why = f"simulator: {fitted.result.infeasible_reason}"
-            continue
-        peak = stage_peak_bytes(s.graph, fitted.result, k)
-        if spec.fit.plan_against == "reserved" and fitted.report is not None:
+        peak = _device_peak(spec.parallel, device, [s.graph for s in chunks], [f.result for f in fits])
+        if spec.fit.plan_against == "reserved":
             # against the reserved peak: one micro-batch's fragmentation (reserved - allocated) on top
-            peak += max(fitted.report.peak_reserved_bytes - fitted.result.peak_activation_bytes, 0)
+            peak += max((max(f.report.peak_reserved_bytes - f.result.peak_activation_bytes, 0)
+                         for f in fits if f.report is not None), default=0)
         if peak <= budget:
-            return fitted, "", (plan_wall, sim_wall)
+            return fits, peak, "", (plan_wall, sim_wall)
         why = f"pipeline peak {peak} bytes with {k} micro-batches in flight over the budget"
     tried = f"{steps} planning budgets from {budget} down to {budget // k} bytes; at the last, "
-    return None, (tried if steps > 1 else "") + why, (plan_wall, sim_wall)
+    return None, None, (tried if steps > 1 else "") + why, (plan_wall, sim_wall)
 
 
 def stage_baseline(stage: Stage, profile_s: float, ideal_s: float) -> Baseline:
@@ -207,16 +251,21 @@ def pipeline_simulation_metrics(spec: RunSpec, out: PipelineOutcome) -> dict[str
     from slackswap.simulate.metrics import compute_metrics, unsimulated_metrics
 
     first = out.stages[0]
-    m = spec.parallel.microbatches
+    m, p = spec.parallel.microbatches, spec.parallel.pp
     if first.fitted is None:
         metrics = unsimulated_metrics(first.ideal, first.budget_bytes, out.reason)
     else:
         metrics = compute_metrics(first.fitted.result, first.ideal, plan_wall_s=out.plan_wall_s,
                                   sim_wall_s=out.sim_wall_s)
+        # Interleaved: device 0 runs each of its chunks m times; add the others' per-micro-batch sums.
+        others = [compute_metrics(s.fitted.result, s.ideal, plan_wall_s=None, sim_wall_s=None)
+                  for s in out.stages[1:] if s.index % p == 0]
         for key in _PER_MICROBATCH:
-            metrics[key] = None if metrics[key] is None else metrics[key] * m
+            if metrics[key] is not None:
+                metrics[key] = (metrics[key] + sum(o[key] or 0 for o in others)) * m
         for key in ("host_peak_bytes", "host_pinned_bytes"):
-            metrics[key] = None if metrics[key] is None else metrics[key] * first.in_flight
+            if metrics[key] is not None:
+                metrics[key] = max([metrics[key]] + [o[key] or 0 for o in others]) * first.in_flight
     step = out.pipeline.step_s if out.pipeline is not None else None
     metrics["feasible"] = out.pipeline is not None
     metrics["infeasible_reason"] = out.reason or None
@@ -238,14 +287,21 @@ def _per_stage(values) -> str:
 
 def pipeline_metrics(spec: RunSpec, out: PipelineOutcome, stages: list[Stage]) -> dict[str, Any]:
     """The `pipeline` group of metrics.json: schedule, micro-batches, bubbles, p2p, each stage's figures."""
-    pipe = out.pipeline
+    pipe, p = out.pipeline, spec.parallel.pp
     planned = {s.index: s for s in out.stages}
-    times = [None if planned.get(s.index) is None or planned[s.index].fitted is None
-             or not planned[s.index].fitted.result.feasible
-             else _times(spec, s.graph, planned[s.index].fitted.result) for s in stages]
+    chunk_times = [None if planned.get(s.index) is None or planned[s.index].fitted is None
+                   or not planned[s.index].fitted.result.feasible
+                   else _times(spec, s.graph, planned[s.index].fitted.result) for s in stages]
+    # Per device (1F1B: per stage); a device's forward / backward is its chunks' for one micro-batch.
+    times = [None if any(chunk_times[c] is None for c in range(d, len(stages), p))
+             else StageTimes(sum(chunk_times[c].forward_s for c in range(d, len(stages), p)),
+                             sum(chunk_times[c].backward_s for c in range(d, len(stages), p)))
+             for d in range(p)]
+    stages = stages[:p]  # chunk d is device d's first: the device's memory fields
     return {
         "pipeline_schedule": spec.parallel.pipeline_schedule,
         "pipeline_microbatches": spec.parallel.microbatches,
+        "pipeline_virtual_stages": spec.parallel.virtual_stages,
         "pipeline_bubble_fraction": None if pipe is None else pipe.bubble_fraction,
         "pipeline_ideal_bubble_fraction": out.ideal_pipeline.bubble_fraction,
         "pipeline_p2p_s": out.p2p_s,

@@ -225,7 +225,7 @@ def run_pipeline(spec: RunSpec, timings: dict[str, float]) -> RunOutcome:
     metrics["headroom_bytes"] = headroom
     metrics["device_peak_activation_bytes"] = simulation["peak_activation_bytes"]
     # Per GPU: the average stage's FLOPs over the step's m micro-batches.
-    flops = spec.parallel.microbatches * sum(model_flops(s.graph) for s in stages) / len(stages)
+    flops = spec.parallel.microbatches * sum(model_flops(s.graph) for s in stages) / spec.parallel.pp
     metrics["model_flops"] = flops
     metrics["tokens_per_s"] = tokens_per_s(spec.tokens_per_step, simulation["step_s"])
     metrics["mfu"] = mfu(flops, simulation["step_s"], spec.hardware, spec.model.dtype)

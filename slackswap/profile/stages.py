@@ -2,7 +2,10 @@
 
 Stage i of p holds layers [i L/p, (i + 1) L/p) of the model's L (Megatron-LM's even split; pp must
 divide the layers, `ParallelConfig.check_model`); the first stage also holds the embedding, the last
-the final norm, LM head and loss. The graph is one rank's under the rest of the layout (tp, sp, cp
+the final norm, LM head and loss. Under the interleaved schedule the stage index is a model chunk's
+(virtual stage) of the n = pp x virtual_stages: chunk s holds layers [s L/n, (s + 1) L/n) and runs on
+device s mod pp (Megatron-LM's virtual pipeline split); the first chunk holds the embedding, the last
+the head. The graph is one rank's under the rest of the layout (tp, sp, cp
 as `build_graph`), numbered with the stage's own layers 0 .. L/p - 1 so the layer-based planners see
 a stack of L/p layers.
 
@@ -37,10 +40,11 @@ BOUNDARY_OPS: frozenset[str] = frozenset({"p2p.recv", "p2p.recv.bwd", "p2p.send"
 
 
 def stage_layers(model: ModelConfig, parallel: ParallelConfig, stage: int) -> range:
-    """The model's layers stage `stage` holds (global indices)."""
-    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < parallel.pp:
-        raise ConfigError("stage", stage, f"must be an integer in [0, parallel.pp={parallel.pp})")
-    per = model.num_layers // parallel.pp
+    """The model's layers stage (chunk) `stage` holds (global indices)."""
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < parallel.chunks:
+        raise ConfigError("stage", stage, f"must be an integer in [0, {parallel.chunks}) "
+                                          f"(parallel.pp x parallel.virtual_stages)")
+    per = model.num_layers // parallel.chunks
     return range(stage * per, (stage + 1) * per)
 
 
@@ -50,7 +54,7 @@ def _emit_stage(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig, 
     parallel.check_model(model)
     fb = FamilyBuilder(model, gb, parallel, fp8_linear_inputs)
     layer_fn = {"bert": fb.bert_layer, "gpt2": fb.gpt2_layer, "llama": fb.llama_layer}[model.family]
-    first, last = stage == 0, stage == parallel.pp - 1
+    first, last = stage == 0, stage == parallel.chunks - 1
     if first:
         x = fb.embedding()
     else:
@@ -92,7 +96,7 @@ def build_stage_graph(model: ModelConfig, hardware: Hardware, training: Training
             gb.optimizer(name, layer, optimizer_step_moved_bytes(fb.layer_params[layer], training, model.dtype))
     w, g, state = state_bytes_per_param(model.dtype)
     graph = gb.finish(
-        f"{model.name}@{hardware.name}/stage{stage}of{parallel.pp}",
+        f"{model.name}@{hardware.name}/stage{stage}of{parallel.chunks}",
         len(stage_layers(model, parallel, stage)),
         weight_bytes=w * fb.params,
         weight_grad_bytes=g * fb.params,
@@ -103,7 +107,7 @@ def build_stage_graph(model: ModelConfig, hardware: Hardware, training: Training
             "num_params": fb.params,
             "max_unit_params": max(fb.layer_params.values()),
             "parallel": {"layout": parallel.as_dict(), "collectives": to_json(fb.collectives)},
-            "pipeline_stage": {"stage": stage, "stages": parallel.pp,
+            "pipeline_stage": {"stage": stage, "stages": parallel.chunks, "device": stage % parallel.pp,
                                "layers": [stage_layers(model, parallel, stage)[0],
                                           stage_layers(model, parallel, stage)[-1] + 1]},
         },

@@ -7,13 +7,15 @@ steps, trailing copies). The wait for prefetches before the first backward step 
 before the first forward step) is the part the stage's idle time before the op can hide
 (`slackswap.simulate.pipeline`).
 
-`stage_peak_bytes(result, in_flight)` is the stage's activation peak with `in_flight` micro-batches
-held (1F1B: min(p - i, m)): (in_flight - 1) x the bytes one micro-batch keeps on the device at the
-end of its forward, plus the single micro-batch's peak. A plan planned within budget / in_flight
-(`slackswap.pipeline_stages.stage_budget_bytes`) keeps it within the budget, since what a micro-batch
-keeps at the end of its forward is never above its peak. What it leaves out: the resident
-micro-batches' offloads still in flight at that instant are counted as on the device (conservative),
-and the copies of different micro-batches are not placed on shared copy engines.
+`device_peak_bytes` walks a device's schedule order (interleaved 1F1B: several chunks per device)
+with each chunk's resident bytes and peak. `stage_peak_bytes(result, in_flight)` is the stage's
+activation peak with `in_flight` micro-batches held (1F1B: min(p - i, m)): (in_flight - 1) x the
+bytes one micro-batch keeps on the device at the end of its forward, plus the single micro-batch's
+peak. A plan planned within budget / in_flight (`slackswap.pipeline_stages.stage_budget_bytes`)
+keeps it within the budget, since what a micro-batch keeps at the end of its forward is never above
+its peak. What it leaves out: the resident micro-batches' offloads still in flight at that instant
+are counted as on the device (conservative), and the copies of different micro-batches are not
+placed on shared copy engines.
 """
 
 from __future__ import annotations
@@ -72,3 +74,20 @@ def resident_bytes(graph: Graph, result: SimResult) -> int:
 def stage_peak_bytes(graph: Graph, result: SimResult, in_flight: int) -> int:
     """The stage's activation peak with `in_flight` micro-batches held (module docstring)."""
     return (in_flight - 1) * resident_bytes(graph, result) + result.peak_activation_bytes
+
+
+def device_peak_bytes(order: list[tuple[str, int, int]], resident: list[int], peak: list[int]) -> int:
+    """A device's activation peak over its schedule `order` ((kind, local chunk, micro-batch), from
+    `slackswap.pipeline_stages.schedule_order`): at each op, the bytes every other micro-batch chunk it
+    holds keeps (`resident[chunk]`) plus the running chunk's own peak (`peak[chunk]`). Under 1F1B (one
+    chunk) it is `stage_peak_bytes` with the schedule's in-flight count; interleaved, the chunks differ
+    (the first holds the embedding, the last the head), so the walk takes the mix the order holds."""
+    held: dict[tuple[int, int], int] = {}
+    most = 0
+    for kind, chunk, j in order:
+        if kind == "B":
+            held.pop((chunk, j), None)
+        most = max(most, sum(held.values()) + peak[chunk])
+        if kind == "F":
+            held[(chunk, j)] = resident[chunk]
+    return most
