@@ -36,6 +36,7 @@ from slackswap.graph import (
 from slackswap.hardware import Hardware
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks
+from slackswap.runtime.collectives import CollectiveReleases
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering, writes_into
 from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS, model_line
 
@@ -87,6 +88,8 @@ class _Recorder(TorchDispatchMode):
         #: Real lifetimes: each live graph tensor's storage by weak reference, and the op after which
         #: each dead one was released (`poll_releases`, at every new op).
         self.watched: dict[str, StorageWeakRef] = {}
+        #: Collectives' `Work`s until the program lets them go (`slackswap.runtime.collectives`).
+        self.collectives = CollectiveReleases()
         self.released_after: dict[str, str] = {}
         #: The stand-ins autograd unpacked (tensor name, weak reference): a backward node holds what it
         #: unpacked until it finishes, which may be several ops after the one that reads it first.
@@ -102,6 +105,7 @@ class _Recorder(TorchDispatchMode):
         if not self.ops:
             return
         last = next(reversed(self.ops))
+        self.collectives.settle()
         for name in [n for n, ref in self.watched.items() if ref.expired()]:
             del self.watched[name]
             self.released_after[name] = last
@@ -138,7 +142,7 @@ class _Recorder(TorchDispatchMode):
             self.poll_releases()
         if self.phase != Phase.BACKWARD and writes_into(func):
             self._note_writes(func, args, begin)
-        out = func(*args, **kwargs)
+        out = self.collectives.call(func, args, kwargs)
         fresh = self.numbering.end(func, out)
         if begin.new_op:
             layer, forward_op = NO_LAYER, ""

@@ -13,7 +13,8 @@ drops the storages that PyTorch has freed and records the sums of the rest; the 
 during every plan step (right after the op's kernels returned, when its inputs and outputs are both
 alive, the simulator's in-step moment) and after every transfer issue. So the peak is what was
 actually alive, whoever held it (autograd, the runtime, or the model's own Python variables), at op
-granularity.
+granularity. A collective's buffers are alive until the program's last reference goes, not the
+backend thread's (`settle`: `slackswap.runtime.collectives`).
 
 With `trace=True` it also keeps, per plan step, the set of live copies, so a difference from the
 simulator can be attributed copy by copy (`slackswap.runtime.compare.explain_ledger`).
@@ -21,12 +22,17 @@ simulator can be attributed copy by copy (`slackswap.runtime.compare.explain_led
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class SavedBytesLedger:
-    def __init__(self, trace: bool = False) -> None:
+    def __init__(self, trace: bool = False, settle: Callable[[], None] | None = None) -> None:
+        #: Called before each sum (`CollectiveReleases.settle`): no collective's `Work` left in a
+        #: backend thread keeps a buffer alive that the program has let go.
+        self._settle = settle
         self._live: dict[int, tuple[StorageWeakRef, int, int, bool]] = {}
         self.trace = trace
         self.in_use_bytes = 0
@@ -70,6 +76,8 @@ class SavedBytesLedger:
         if not self._grew and not self.trace:
             return
         self._grew = False
+        if self._settle is not None:
+            self._settle()
         for key in [k for k, (ref, _, _, _) in self._live.items() if ref.expired()]:
             del self._live[key]
         self.in_use_bytes = sum(n for _, n, _, saved in self._live.values() if saved)

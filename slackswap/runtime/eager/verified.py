@@ -13,6 +13,7 @@ from slackswap.graph import WEIGHT_GRADS_KEY
 from slackswap.plan import Decision, StepKind
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.runtime.capture import loss_boundary
+from slackswap.runtime.collectives import CollectiveReleases
 from slackswap.runtime.copy_engines import InFlight
 from slackswap.runtime.eager.report import RunReport
 from slackswap.runtime.eager.views import _read, _rng_state, _whole
@@ -59,7 +60,8 @@ class _VerifiedStep(TorchDispatchMode):
         self._step_inputs: list[torch.Tensor] = []
         self.identities = StorageIdentities(self.model)
         self.numbering = OpNumbering(self.identities)
-        self.ledger = SavedBytesLedger(self.trace)
+        self.collectives = CollectiveReleases()
+        self.ledger = SavedBytesLedger(self.trace, self.collectives.settle)
         #: The step's weight gradients (name -> bytes): model state, not graph tensors (`capture`).
         self._weight_grads: dict[str, int] = dict(self.graph.meta.get(WEIGHT_GRADS_KEY) or {})
         self.report = RunReport()
@@ -156,7 +158,7 @@ class _VerifiedStep(TorchDispatchMode):
         if random:
             self._random_since_pack = True
         self.versions.note(func, args, begin.op, begin.new_op, self.numbering.name_of)
-        out = func(*args, **kwargs)
+        out = self.collectives.call(func, args, kwargs)
         op = self.graph.op_by_name[begin.op]
         for index, name, t in self.numbering.end(func, out):
             nbytes = t.untyped_storage().nbytes()
