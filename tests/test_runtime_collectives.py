@@ -21,8 +21,8 @@ dist = torch.distributed
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+StorageWeakRef = require_torch_extra("torch.multiprocessing.reductions").StorageWeakRef
+TorchDispatchMode = require_torch_extra("torch.utils._python_dispatch").TorchDispatchMode
 
 from slackswap.runtime.collectives import CollectiveReleases  # noqa: E402
 from slackswap.runtime.ledger import SavedBytesLedger  # noqa: E402

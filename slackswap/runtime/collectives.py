@@ -36,14 +36,22 @@ def _use_count(ref: StorageWeakRef) -> int:
     return 0 if ref.expired() else torch._C._storage_Use_Count(ref.cdata)
 
 
-def _released_by_program(work: object) -> bool:
-    """Whether the collective is complete and the program holds its `Work` no more (pybind hands out
-    one Python object per `Work`: a reference the program keeps shows in its count; two here are
-    this function's variable and `getrefcount`'s argument)."""
+def _unboxed(work: object) -> object:
     import torch.distributed as dist
 
-    unboxed = dist.distributed_c10d.Work.unbox(work)
-    return unboxed.is_completed() and sys.getrefcount(unboxed) <= 2
+    return dist.distributed_c10d.Work.unbox(work)
+
+
+def _held_by_program(work: object) -> bool:
+    """Whether the program still holds the collective's `Work` (pybind hands out one Python object
+    per `Work`: a reference the program keeps shows in its count; two here are this function's
+    variable and `getrefcount`'s argument)."""
+    unboxed = _unboxed(work)
+    return sys.getrefcount(unboxed) > 2
+
+
+def _completed(work: object) -> bool:
+    return _unboxed(work).is_completed()
 
 
 class CollectiveReleases:
@@ -75,12 +83,17 @@ class CollectiveReleases:
         collective not waited for yet), stays held."""
         still: list[tuple[list[object], list[tuple[StorageWeakRef, int]]]] = []
         for works, taken in self._pending:
-            if not all(_released_by_program(w) for w in works):
+            if any(_held_by_program(w) for w in works):
                 still.append((works, taken))
                 continue
+            # Dropped by the program: a synchronous collective whose wait returned can be marked
+            # complete by the backend thread a moment later (seen once in 1,000 calls); an async one
+            # dropped unwaited completes on its own. Either way its buffers live until then.
+            deadline = time.monotonic() + SETTLE_TIMEOUT_S
+            while not all(_completed(w) for w in works) and time.monotonic() < deadline:
+                time.sleep(0)
             targets = [(ref, _use_count(ref) - n) for ref, n in taken]
             works.clear()  # this object's reference: the backend thread's, if it has one, is the last
-            deadline = time.monotonic() + SETTLE_TIMEOUT_S
             for ref, target in targets:
                 while _use_count(ref) > target and time.monotonic() < deadline:
                     time.sleep(0)
