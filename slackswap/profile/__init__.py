@@ -15,13 +15,12 @@ from dataclasses import asdict
 from functools import lru_cache
 
 from slackswap.errors import ConfigError
-from slackswap.graph import NO_LAYER, Graph
+from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
-from slackswap.memory.static import optimizer_step_moved_bytes
 from slackswap.model_config import ModelConfig
 from slackswap.parallel import NO_PARALLELISM, ParallelConfig
-from slackswap.profile.builder import GraphBuilder
+from slackswap.profile.builder import GraphBuilder, add_optimizer_steps
 from slackswap.profile.collectives import Collective, from_json, to_json
 from slackswap.profile.layers import build_forward
 
@@ -88,11 +87,7 @@ def build_graph(model: ModelConfig, hardware: Hardware, training: TrainingConfig
     fb = build_forward(model, gb, parallel, training.fp8_linear_inputs)
     gb.backward()
     if model.include_optimizer:
-        for layer in sorted(fb.layer_params, key=lambda n: (n == NO_LAYER, n)):
-            name = "adam" if layer == NO_LAYER else f"L{layer}.adam"
-            if training.optimizer != "adamw":
-                name = name.replace("adam", training.optimizer)
-            gb.optimizer(name, layer, optimizer_step_moved_bytes(fb.layer_params[layer], training, model.dtype))
+        add_optimizer_steps(gb, fb.layer_params, training, model.dtype)
     w, g, state = state_bytes_per_param(model.dtype)
     meta_layout = {}
     if parallel != NO_PARALLELISM:  # one full replica's graph stays what it always was, meta included

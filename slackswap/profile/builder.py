@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from slackswap.errors import SlackSwapError
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
+from slackswap.memory.recipe import TrainingConfig
+from slackswap.memory.static import optimizer_step_moved_bytes
 from slackswap.profile.timing import op_duration_s
 
 
@@ -174,3 +176,13 @@ class GraphBuilder:
             out[t_name] = Tensor(t_name, rec.size_bytes, rec.producer, tuple(rec.consumers), layer, saved, rec.role)
         return Graph(name, tuple(ops), out, num_layers, weight_bytes=weight_bytes,
                      weight_grad_bytes=weight_grad_bytes, optimizer_state_bytes=optimizer_state_bytes, meta=meta)
+
+
+def add_optimizer_steps(gb: GraphBuilder, layer_params: dict[int, int], training: TrainingConfig, dtype: str) -> None:
+    """One optimizer update op per parameter group (each layer, then the embeddings + head), moving the
+    bytes `training`'s optimizer reads and writes: the whole model's graph and a pipeline stage's alike."""
+    for layer in sorted(layer_params, key=lambda n: (n == NO_LAYER, n)):
+        name = "adam" if layer == NO_LAYER else f"L{layer}.adam"
+        if training.optimizer != "adamw":
+            name = name.replace("adam", training.optimizer)
+        gb.optimizer(name, layer, optimizer_step_moved_bytes(layer_params[layer], training, dtype))

@@ -28,10 +28,9 @@ from slackswap.errors import ConfigError
 from slackswap.graph import NO_LAYER, Graph, OpClass
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
-from slackswap.memory.static import optimizer_step_moved_bytes
 from slackswap.model_config import ModelConfig
 from slackswap.parallel import ParallelConfig
-from slackswap.profile.builder import GraphBuilder
+from slackswap.profile.builder import GraphBuilder, add_optimizer_steps
 from slackswap.profile.collectives import to_json
 from slackswap.profile.layers import FamilyBuilder
 
@@ -89,11 +88,7 @@ def build_stage_graph(model: ModelConfig, hardware: Hardware, training: Training
     fb = _emit_stage(model, gb, parallel, stage, training.fp8_linear_inputs)
     gb.backward()
     if model.include_optimizer:
-        for layer in sorted(fb.layer_params, key=lambda n: (n == NO_LAYER, n)):
-            name = "adam" if layer == NO_LAYER else f"L{layer}.adam"
-            if training.optimizer != "adamw":
-                name = name.replace("adam", training.optimizer)
-            gb.optimizer(name, layer, optimizer_step_moved_bytes(fb.layer_params[layer], training, model.dtype))
+        add_optimizer_steps(gb, fb.layer_params, training, model.dtype)
     w, g, state = state_bytes_per_param(model.dtype)
     graph = gb.finish(
         f"{model.name}@{hardware.name}/stage{stage}of{parallel.chunks}",
