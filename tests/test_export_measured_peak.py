@@ -68,21 +68,30 @@ def _measured_peaks(model: torch.nn.Module, batch: torch.Tensor, loss_fn, export
     return peaks
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2", "tied"])
-def test_an_exported_steps_measured_peak_is_within_its_budget_and_its_price(name: str) -> None:
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while a test measures: the allocator's peak does not depend on the pool."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        w = build(name)
-        pristine = copy.deepcopy(w.model)
-        graph = capture_graph(copy.deepcopy(pristine), (w.batch,), w.loss_fn, h200(), name=name)
-        budget = int(simulate_ideal(graph, h200()).peak_activation_bytes * 0.8)
-        plan = plan_for_export(get_planner("full_recompute"), graph, pristine, h200(), budget)
-        model = copy.deepcopy(pristine)
-        peaks = _measured_peaks(model, w.batch, w.loss_fn, PlanExport(plan, graph, model))
-    finally:
-        torch.set_num_threads(previous)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _captured(name: str, fraction: float):
+    """(workload, a pristine copy of its model, the captured graph, `fraction` of its keep-all peak)."""
+    w = build(name)
+    pristine = copy.deepcopy(w.model)
+    graph = capture_graph(copy.deepcopy(pristine), (w.batch,), w.loss_fn, h200(), name=name)
+    return w, pristine, graph, int(simulate_ideal(graph, h200()).peak_activation_bytes * fraction)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2", "tied"])
+def test_an_exported_steps_measured_peak_is_within_its_budget_and_its_price(name: str, one_thread) -> None:
+    w, pristine, graph, budget = _captured(name, 0.8)
+    plan = plan_for_export(get_planner("full_recompute"), graph, pristine, h200(), budget)
+    model = copy.deepcopy(pristine)
+    peaks = _measured_peaks(model, w.batch, w.loss_fn, PlanExport(plan, graph, model))
     layers = len(layer_paths(pristine))
     in_flight = max(p.numel() * p.element_size() for p in pristine.parameters())
     unpriced = layers * (torch.get_rng_state().numel() + SCALAR_BYTES_PER_LAYER) + in_flight
@@ -124,29 +133,22 @@ def test_an_infeasible_export_budget_says_what_pytorch_keeps_with_the_bytes() ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "planner"), [("llama", "recompute_knapsack"), ("bert", "recompute_knapsack")])
-def test_a_plan_keeping_tensors_in_a_layer_is_refused_or_runs_within_its_budget(name: str, planner: str) -> None:
+def test_a_plan_keeping_tensors_in_a_layer_is_refused_or_runs_within_its_budget(name: str, planner: str,
+                                                                               one_thread) -> None:
     """A replay keeps what the layer's Python forward keeps: the inputs it recomputed for a cached op stay
     until the op after which the forward dropped them (`eager_replay_peak_bytes`). Priced at their last
     reader instead, both plans at 90 % measured over their budget (Llama 1,517,164 B against 1,498,759;
     BERT 1,922,412 against 1,804,960)."""
     from slackswap.errors import InfeasibleBudgetError
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    w, pristine, graph, budget = _captured(name, 0.9)
     try:
-        w = build(name)
-        pristine = copy.deepcopy(w.model)
-        graph = capture_graph(copy.deepcopy(pristine), (w.batch,), w.loss_fn, h200(), name=name)
-        budget = int(simulate_ideal(graph, h200()).peak_activation_bytes * 0.9)
-        try:
-            plan = plan_for_export(get_planner(planner), graph, pristine, h200(), budget)
-        except InfeasibleBudgetError as exc:
-            assert "PyTorch keeps" in str(exc)
-            return
-        model = copy.deepcopy(pristine)
-        peaks = _measured_peaks(model, w.batch, w.loss_fn, PlanExport(plan, graph, model))
-    finally:
-        torch.set_num_threads(previous)
+        plan = plan_for_export(get_planner(planner), graph, pristine, h200(), budget)
+    except InfeasibleBudgetError as exc:
+        assert "PyTorch keeps" in str(exc)
+        return
+    model = copy.deepcopy(pristine)
+    peaks = _measured_peaks(model, w.batch, w.loss_fn, PlanExport(plan, graph, model))
     in_flight = max(p.numel() * p.element_size() for p in pristine.parameters())
     assert max(peaks) - in_flight <= budget, (peaks, in_flight, budget)
 

@@ -24,28 +24,10 @@ torch = require_torch_extra()
 from slackswap.integrations.planning import IntegrationError  # noqa: E402
 from slackswap.integrations.step import PlannedStep  # noqa: E402
 from slackswap.integrations.verify import Tolerances  # noqa: E402
+from tests.fsdp2_worker import Net, _loss  # noqa: E402  (the same three-block residual MLP)
 
 KEYS = ("slackswap/predicted_peak_bytes", "slackswap/measured_peak_bytes", "slackswap/step_s",
         "slackswap/predicted_step_s")
-
-
-class Net(torch.nn.Module):
-    """Three residual MLP blocks in a ModuleList (the capture's layers)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
-
-
-def _loss(out: torch.Tensor) -> torch.Tensor:
-    return out.square().mean()
 
 
 def _steps(n: int = 3, **kwargs: object) -> PlannedStep:
