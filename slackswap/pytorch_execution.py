@@ -240,6 +240,50 @@ def eager_frame_holds(graph: Graph, held_inputs: Collection[str], cached_outputs
     return replace(graph, name=f"{graph.name}+frames", tensors=MappingProxyType(tensors))
 
 
+def eager_cache_holds(graph: Graph, decisions: Mapping[str, Decision]) -> Graph:
+    """`graph` with each checkpoint candidate inside a layer that `decisions` keep (a tensor autograd does
+    not save: the plan keeps it so a recompute need not run its op again) held as PyTorch's eager
+    selective-checkpoint cache holds it. The export caches it (MUST_SAVE) when its op runs, and the cache
+    lets go of it only when the layer's replay runs that op again (at the layer's first backward reader)
+    or, when the replay stops before that op (early stop, after the layer's last op with a saved output),
+    when the frame dies (`frame_ends`). The plan's own schedule frees it at its last reader, in the
+    forward when no recompute reads it: measured on the zoo's tied MLP stack, torch_budget at 70 % kept
+    three layers' last projections (32,768 B each) in the caches through the loss's backward, 131,072 B
+    above that price and over the budget."""
+    saved = {t.name for t in graph.saved_tensors}
+    kept = [t for t, d in decisions.items() if d == Decision.KEEP and t in graph.tensors and t not in saved
+            and graph.tensors[t].layer != NO_LAYER]
+    if not kept:
+        return graph
+    index = graph.op_index
+    first: dict[int, str] = {}
+    for op in graph.ops:
+        if op.phase == Phase.BACKWARD:
+            for t in op.inputs:
+                tensor = graph.tensors[t]
+                if tensor.saved and tensor.layer != NO_LAYER:
+                    first.setdefault(tensor.layer, op.name)
+    last: dict[int, int] = {}  # per layer, the index of its last forward op with a saved output
+    for op in graph.forward_ops:
+        if op.layer != NO_LAYER and any(graph.tensors[t].saved for t in op.outputs):
+            last[op.layer] = index[op.name]
+    ends = frame_ends(graph)
+    tensors = dict(graph.tensors)
+    for name in kept:
+        t = graph.tensors[name]
+        layer = t.layer
+        until = first.get(layer) if index[t.producer] <= last.get(layer, -1) else ends.get(layer)
+        if until is None:
+            continue
+        current = max((index[x] for x in (*t.consumers, *([t.held_until] if t.held_until else ()))),
+                      default=index[t.producer])
+        if index[until] > current:
+            tensors[name] = replace(t, held_until=until)
+    if tensors == dict(graph.tensors):
+        return graph
+    return replace(graph, name=f"{graph.name}+cache", tensors=MappingProxyType(tensors))
+
+
 def _first_backward_reader(graph: Graph, steps: list[ComputeStep], tensor: str) -> int:
     """First step of the backward (a backward op or a recompute) that reads `tensor`."""
     for j, s in enumerate(steps):

@@ -125,9 +125,11 @@ def pytorch_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, mode: str) 
     layer's recomputes in one block before its first backward reader, reloads there; "compiled": the
     partitioner's placement), `slackswap.pytorch_execution.pytorch_plan`. `graph` may be the plan's
     graph with other holds (`pytorch_graph`): the plan is priced on it as made for it."""
-    from slackswap.pytorch_execution import eager_replay_peak_bytes, pytorch_plan
+    from slackswap.pytorch_execution import eager_cache_holds, eager_replay_peak_bytes, pytorch_plan
     from slackswap.schedule.replay import estimate_plan
 
+    if mode == "eager":
+        graph = eager_cache_holds(graph, plan.decisions)
     plan = replace(plan, graph_fingerprint=graph.fingerprint)
     executed = pytorch_plan(graph, plan, dict(plan.decisions), hardware, mode)
     if mode == "eager":

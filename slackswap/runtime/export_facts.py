@@ -112,12 +112,17 @@ def export_facts(graph: Graph, regions: list[str]) -> ExportFacts:
         if region_of(module_path(name), regions) is None:
             fixed[name] = OUTSIDE
     forward = [op for op in graph.ops if op.phase in FORWARD_PHASES]
+    maker = None  # the latest forward op that created a storage
     for i, op in enumerate(forward):
         region = op.layer if 0 <= op.layer < len(regions) else None  # capture's layer: the region index
         func = overload_of(op.name)
+        maker = op if op.outputs else maker
+        # A gap in the call numbers after this op is an in-place call joined to the latest op that created a
+        # storage (op_numbering), which is this op or one before it when only views came in between:
+        # `scores = q @ k.T; scores /= 4.0` is bmm, _unsafe_view, then div_ joined to the bmm.
         joined = i + 1 < len(forward) and call_number(forward[i + 1].name) > call_number(op.name) + 1
-        if region is not None and joined:
-            fix(op.name, IN_PLACE)  # in-place calls on its own output joined it (op_numbering)
+        if joined and maker is not None and 0 <= maker.layer < len(regions):
+            fix(maker.name, IN_PLACE)
         if region is not None and func is not None and writes_into(func) and op.inputs:
             written = tensors[op.inputs[0]]  # an in-place op of its own: it writes its first argument
             if region_of(module_path(written.name), regions) is not None:
