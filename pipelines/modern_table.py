@@ -3,7 +3,10 @@ sequence length, platform), one column per planner, ours first.
 
 Why a table of its own: the paper table compares one planner with a published figure per model; here
 there is no published figure, and what a reader asks is how each baseline does beside slackswap on the
-same rank's problem, and how far each is from the optimum the milp bound certifies. A cell is the
+same rank's problem, and how far each is from the optimum the milp bound certifies. The `layout` column
+names what one rank is (from the run's `parallel_*` metrics): a platform gives a dense and a
+mixture-of-experts model different layouts on the same node (conf/platform), so the platform alone does
+not say it. A cell is the
 throughput retained, the margin to slackswap in points and the gap to the best bound of that problem
 (`gap_to_bound`, pipelines/aggregate.py); a run without a plan shows its status (the reason is in
 summary.md).
@@ -34,14 +37,16 @@ def workload_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
     ours = experiment.get("paper_planner", "slackswap")
     keys = ["model", *[k for k in WORKLOAD_KEYS if k in frame.columns], "hardware"]
     planners = sorted(frame["planner"].unique(), key=lambda p: (p != ours, p))
-    header = [*[k.removeprefix("model.") for k in keys], "keep-all GiB/rank", "budget GiB", "static GiB/rank",
-              *planners]
+    header = [*[k.removeprefix("model.") for k in keys], "layout", "keep-all GiB/rank", "budget GiB",
+              "static GiB/rank", *planners]
     rows = []
     for key, group in frame.groupby(keys, sort=True):
-        first = group.iloc[0]
+        # The workload's figures from a run that has them (a failed run has no metrics).
+        measured = group[group["keep_all_peak_bytes"].notna()]
+        first = (measured if not measured.empty else group).iloc[0]
         mine = group[(group["planner"] == ours) & (group["status"] == RunStatus.OK)]
         mine_ratio = mine["throughput_ratio"].iloc[0] if not mine.empty else None
-        cells = [str(k) for k in key]
+        cells = [str(k) for k in key] + [layout_label(first)]
         cells += [_gib(first["keep_all_peak_bytes"]), _gib(first["budget_bytes"]), _gib(first["static_bytes"])]
         for planner in planners:
             hit = group[group["planner"] == planner]
@@ -51,10 +56,33 @@ def workload_table(frame: pd.DataFrame, experiment: Mapping[str, Any]) -> str:
     note = (
         f"\nA cell: throughput retained (step time over the ideal, keep-all step), the margin to {ours} in "
         "points, and `gap` = step time over the best lower bound on the same problem (the milp planner's "
-        "`bound_step_s`) minus one: the distance to the optimum it certifies. keep-all, budget and static "
-        "are one rank's. Statuses and reasons of runs without a plan: summary.md.\n"
+        "`bound_step_s`) minus one: the distance to the optimum it certifies. layout: what one rank is (tp: "
+        "tensor parallel, sp: sequence parallel, ep: expert parallel over dp data-parallel ranks). keep-all, "
+        "budget and static are one rank's. Statuses and reasons of runs without a plan: summary.md.\n"
     )
     return title + markdown_table(header, rows) + note
+
+
+#: The degrees a layout label names, in Megatron's order; a degree of 1 is left out.
+LAYOUT_DEGREES = ("dp", "tp", "pp", "cp", "ep")
+
+
+def layout_label(row: Mapping[str, Any]) -> str:
+    """One rank's layout in a few characters: `tp8 sp`, `dp8 ep8`; `1 GPU` for one full replica (a run
+    without a layout has no `parallel_*` metrics)."""
+    parts = []
+    for degree in LAYOUT_DEGREES:
+        value = row.get(f"parallel_{degree}")
+        if _present(value) and int(value) > 1:
+            parts.append(f"{degree}{int(value)}")
+    sp = row.get("parallel_sp")
+    if _present(sp) and bool(sp) and parts:
+        parts.append("sp")
+    return " ".join(parts) or "1 GPU"
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
 
 
 def _gib(value: Any) -> str:

@@ -139,9 +139,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("alone_throughput_ratio", "ratio", "throughput retained with the GPU alone on its link",
                group="node", **_S),
     # One rank of a parallel layout (slackswap.experiment.run.layout_metrics, slackswap.profile.collectives).
-    *(MetricSpec(f"parallel_{k}", "count", f"the layout's {k} degree", group="layout")
+    # In the sweep summary: a workload table names each row's layout from them (pipelines/modern_table.py).
+    *(MetricSpec(f"parallel_{k}", "count", f"the layout's {k} degree", group="layout", **_S)
       for k in ("dp", "tp", "pp", "cp", "ep")),
-    MetricSpec("parallel_sp", "bool", "Megatron sequence parallelism on", "bool", "layout"),
+    MetricSpec("parallel_sp", "bool", "Megatron sequence parallelism on", "bool", "layout", **_S),
     MetricSpec("parallel_world_size", "count", "GPUs of the layout (dp x tp x pp x cp)", group="layout"),
     MetricSpec("rank_layer_saved_bytes", "bytes", "largest per-layer saved bytes on this rank", group="layout"),
     MetricSpec("layout_collectives", "count", "collectives the layout adds inside the step", group="layout"),

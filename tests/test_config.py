@@ -45,6 +45,8 @@ def _presets(group: str) -> list[str]:
 NEEDS_VALUE = {
     ("budget", "absolute"): ["budget.bytes=1000000"],
     ("training", "adamw_fp32"): ["model.dtype=fp32"],  # the fp32 recipe needs an fp32 model
+    # Expert-parallel layouts need a model with experts (ep must divide them).
+    **{("parallel", name): ["model=mixtral_8x7b"] for name in ("ep4", "ep8", "gh200_x4_moe", "h100_hgx_moe")},
 }
 
 

@@ -60,7 +60,7 @@ def test_sweep_sizes_are_counted_as_hydra_expands_them() -> None:
     assert sweep_size("paper_real") == 3 * 15
     assert sweep_size("hardware") == 3 * 4 * 4
     assert sweep_size("budget_curves") == 3 * 11 * 9
-    assert sweep_size("modern") == 2 * 2 * 3 * 7  # models x sequence lengths x platforms x planners
+    assert sweep_size("modern") == 3 * 2 * 3 * 7  # models x sequence lengths x platforms x planners
 
 
 def test_the_scanner_finds_the_docs_claims() -> None:

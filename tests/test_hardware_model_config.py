@@ -21,7 +21,8 @@ def load(group: str, name: str) -> dict:
     """A preset's keys; a traced preset (docs/torch_profile.md) inherits its analytic preset's keys
     through its defaults list and adds a `torch` node, which is not a ModelConfig field."""
     data = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
-    bases = [d for d in data.pop("defaults", []) if d != "_self_"]
+    # Base presets are names; a group override (an MoE preset's `model_kind`) is a mapping, not a base.
+    bases = [d for d in data.pop("defaults", []) if isinstance(d, str) and d != "_self_"]
     for base in bases:
         data = {**load(group, base), **data}
     data.pop("torch", None)

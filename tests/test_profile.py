@@ -28,7 +28,11 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def preset_model(name: str, **overrides) -> ModelConfig:
-    return ModelConfig.from_dict({**yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text()), **overrides})
+    """An analytic preset's keys as a ModelConfig; its Hydra defaults list (an MoE preset's
+    `model_kind` override, conf/model_kind) is not a model field."""
+    data = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
+    data.pop("defaults", None)
+    return ModelConfig.from_dict({**data, **overrides})
 
 
 def preset_hardware(name: str = "a100_80gb_pcie4") -> Hardware:
