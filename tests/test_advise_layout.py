@@ -119,3 +119,32 @@ def test_bad_layout_lists_name_their_field():
         with pytest.raises(ConfigError) as exc:
             _space(**{field: value})
         assert exc.value.field == f"advise.{field}"
+
+
+def test_zero_3_over_the_dp_group_of_a_tp_layout_holds_the_formula_bytes(model, a100):
+    """tp 2 x dp 2 under ZeRO-3 (FSDP over the dp group on tp-sharded parameters): each rank holds
+    ceil(P / dp) of its tp shard's P parameters times (2 params + 2 grads + 4 master + 8 Adam moments)
+    bytes (ZeRO, Rajbhandari et al. 2020, section 5.1: P_os+g+p) plus two gathered units of 16-bit
+    parameters; with a pipeline only stages 0 and 1 are searched (Megatron's distributed optimizer)."""
+    import math
+
+    from slackswap.parallel import ParallelConfig
+    from slackswap.profile.stages import stage_parameter_counts
+
+    space = _space(tp=(2,), micro_batches=(1,), zero_stages=(0, 1, 2, 3), layout_top_n=20)
+    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    rows = search_layouts(ctx, []).rows
+    by_stage = {r.candidate.layout.zero_stage: r for r in rows if r.candidate.layout.tp == 2
+                and r.candidate.layout.pp == 1 and r.candidate.layout.cp == 1}
+    assert set(by_stage) == {0, 1, 2, 3}
+    params, unit = stage_parameter_counts(model, ParallelConfig(tp=2), 0)
+    dp = 2
+    expected = {0: params * 16, 1: params * 4 + math.ceil(params / dp) * 12,
+                2: params * 2 + math.ceil(params / dp) * 14, 3: math.ceil(params / dp) * 16 + 2 * unit * 2}
+    assert {z: r.static_bytes for z, r in by_stage.items()} == expected
+    three = by_stage[3]
+    assert three.fits_device and three.comm.forward_comm_s > 0  # the parameter all-gathers priced
+    pipelined = _space(pp=(2,), micro_batches=(1,), zero_stages=(0, 1, 2, 3), layout_top_n=20)
+    _, ctx = plan_search(model, a100, TOPO, pipelined, _graphs(model, a100))
+    assert {r.candidate.layout.zero_stage for r in search_layouts(ctx, []).rows
+            if r.candidate.layout.pp == 2} <= {0, 1}

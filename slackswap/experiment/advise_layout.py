@@ -6,10 +6,12 @@ Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
 1. **enumerate and prune without graphs**: a (tp, pp, cp) whose product does not divide the GPU count
    is not a layout of it (skipped); one that does not divide the model (`ParallelConfig.check_model`:
    tp the heads, KV heads and MLP width, pp the layers, cp the sequence) or puts a tp group across
-   nodes is a rejected region; ZeRO stages 0 and 1 only (Megatron's DDP and distributed optimizer;
-   stages 2 and 3 under tp / pp are not modelled); a (layout, recipe) whose static memory on its
-   fullest stage (its own parameters, `slackswap.profile.stages.stage_parameter_counts`) leaves no
-   activation capacity is a region **static memory does not fit**;
+   nodes is a rejected region; ZeRO over the dp group: stages 0 and 1 with a pipeline (Megatron's
+   DDP and distributed optimizer), every searched stage on a pp = 1 layout (`_zero_stages`); a
+   (layout, recipe) whose static memory on its fullest stage (its own parameters,
+   `slackswap.profile.stages.stage_parameter_counts`; under ZeRO-k over the dp group, the ZeRO
+   paper's per-rank terms of that stage's parameters, `slackswap.memory.static.static_memory`) leaves
+   no activation capacity is a region **static memory does not fit**;
 2. **rank by an optimistic estimate**: the full model's keep-all compute of one micro-batch split
    evenly over tp x cp x pp ranks, times (m + pp - 1) micro-batch slots of 1F1B, plus the tp
    all-reduces' ring time at the bus bandwidth (4 per layer, Megatron) and the optimizer step on the
@@ -68,8 +70,8 @@ from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
 LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyond the attention they overlap; "
-               "dp gradient reduce once per step overlapping the last backward; ZeRO-2/3 with tp/pp and ep not "
-               "searched; interleaved schedules not modelled; no host check of offloads")
+               "dp gradient reduce once per step overlapping the last backward (ZeRO-3: gathers per micro-batch); "
+               "ZeRO-2/3 with pp and ep not searched; interleaved schedules not modelled; no host check of offloads")
 
 
 @dataclass
@@ -112,6 +114,18 @@ def _shapes(ctx: Any, gpus: int, out: LayoutSearch) -> list[tuple[int, int, int]
                     continue
                 shapes.append((tp, pp, cp))
     return shapes
+
+
+def _zero_stages(searched: tuple[int, ...], dp: int, pp: int) -> list[int]:
+    """The ZeRO stages a (dp, pp) layout is searched under, over its dp group: 0 alone without data
+    parallelism; 0 and 1 (Megatron's DDP and distributed optimizer) with a pipeline, as Megatron and
+    DeepSpeed run it (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism: its gradient partitions
+    would be reduced once per micro-batch); every searched stage otherwise (tp / cp x ZeRO-3 is FSDP
+    over the dp group on tp-sharded parameters)."""
+    if dp == 1:
+        return [0]
+    stages = sorted({z for z in searched if pp == 1 or z <= 1})
+    return stages or [1]
 
 
 def _stage_params(ctx: Any, tp: int, pp: int) -> list[tuple[int, int]]:
@@ -169,8 +183,7 @@ def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, fl
     n_planners = len([p for p in space.planners if p != "milp"])
     for tp, pp, cp in _shapes(ctx, gpus, out):
         dp = gpus // (tp * pp * cp)
-        stages = sorted({0 if dp == 1 else z for z in space.zero_stages if z <= 1})
-        for zero in stages or [1 if dp > 1 else 0]:
+        for zero in _zero_stages(space.zero_stages, dp, pp):
             for m in (space.pipeline_microbatches if pp > 1 else (1,)):
                 layout = Layout(gpus, zero, dp if zero else 1, tp, pp, cp, space.sp and tp > 1, m,
                                 space.pipeline_schedule)
@@ -400,8 +413,12 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         forward_compute_s=times[0].forward_s, backward_compute_s=times[0].backward_s,
         units=model.num_layers // lay.pp + 1)
     # The overlapped part costs compute on a calibrated preset, as in the data-parallel rows (advise.py).
-    dp_exposed = (dp_comm.backward_exposed_s + dp_comm.after_step_comm_s
-                  + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
+    # ZeRO-3 gathers the parameters in every micro-batch's forward and backward (`step_communication`,
+    # as the data-parallel rows price it); stages 0-2 reduce the gradients once, under the last backward.
+    per_micro = m if lay.zero_stage == 3 else 1
+    dp_exposed = (per_micro * (dp_comm.forward_exposed_s + dp_comm.backward_exposed_s
+                               + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
+                  + dp_comm.after_step_comm_s)
     step_s = pipe.step_s + dp_exposed
     layout_s = m * (comms[0].exposed_s or 0.0)
     tokens = m * cand.micro_batch * model.seq_len / (lay.tp * lay.cp * lay.pp)
