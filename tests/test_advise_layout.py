@@ -16,7 +16,7 @@ from slackswap.communication import Fabric, Topology
 from slackswap.errors import ConfigError
 from slackswap.experiment.advise import STATIC_DOES_NOT_FIT, SearchSpace, plan_search, run_search
 from slackswap.experiment.advise_layout import search_layouts
-from slackswap.experiment.advise_space import LAYOUT_DOES_NOT_DIVIDE, numerics_change
+from slackswap.experiment.advise_space import LAYOUT_DOES_NOT_DIVIDE, NOT_PLANNED, numerics_change
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
@@ -148,3 +148,15 @@ def test_zero_3_over_the_dp_group_of_a_tp_layout_holds_the_formula_bytes(model, 
     _, ctx = plan_search(model, a100, TOPO, pipelined, _graphs(model, a100))
     assert {r.candidate.layout.zero_stage for r in search_layouts(ctx, []).rows
             if r.candidate.layout.pp == 2} <= {0, 1}
+
+
+def test_the_layout_search_plans_the_same_rows_over_workers(model, a100):
+    """The best-first search plans speculatively a batch per worker count, then replays it under the
+    rising bar: two loky workers give the rows, regions and answer of one process."""
+    space = _space(gpus=(4,), tp=(1, 2), pp=(1, 2), zero_stages=(0, 1, 3), micro_batches=(1, 2, 4),
+                   planners={"keep_all": {}, "full_recompute": {}}, layout_top_n=6)
+    # no data-parallel incumbent: the bar is what the layouts planned so far reach
+    one = search_layouts(plan_search(model, a100, TOPO, space, _graphs(model, a100))[1], [])
+    two = search_layouts(plan_search(model, a100, TOPO, replace(space, n_jobs=2), _graphs(model, a100))[1], [])
+    assert one.rows and any(r.reason == NOT_PLANNED for r in one.regions)
+    assert (two.rows, two.regions, two.pruned) == (one.rows, one.regions, one.pruned)

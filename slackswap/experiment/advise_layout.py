@@ -65,6 +65,7 @@ from slackswap.experiment.advise_step import (
     optimizer_step_s,
     recipe_for_layout,
 )
+from slackswap.experiment.parallel_map import effective_n_jobs, ordered_map
 from slackswap.memory.static import bytes_per_param, static_memory
 from slackswap.parallel import ParallelConfig
 
@@ -265,35 +266,47 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
         too_big: dict[tuple, int] = {}
         skipped = {"bound": 0, "top_n": 0, "floor": 0}
         planned, top_skipped = 0, 0.0
-        for cfg in configs:
-            changes = bool(numerics_change(cfg.training))
-            shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
-            if cfg.micro_batch >= too_big.get(shape_key, 1 << 30):
-                skipped["floor"] += len(planners)
-                continue
-            if cfg.bound_tokens_per_s < best and (changes or cfg.bound_tokens_per_s < faithful):
-                skipped["bound"] += len(planners)
-                top_skipped = max(top_skipped, cfg.bound_tokens_per_s)
-                continue
-            if planned >= space.layout_top_n:
-                skipped["top_n"] += len(planners)
-                continue
-            for k, planner in enumerate(planners):
-                cand = Candidate(cfg.layout, cfg.recipe, cfg.training, cfg.micro_batch, planner, against)
-                row = evaluate_layout(ctx, cand)
-                planned += 1
-                out.rows.append(row)
-                if on_row:
-                    on_row(len(dp_rows) + len(out.rows), len(dp_rows) + len(out.rows), row)
-                if "activation floor" in row.reason:
-                    too_big[shape_key] = min(too_big.get(shape_key, 1 << 30), cfg.micro_batch)
-                    break
-                if row.fits_device:
-                    best = max(best, row.tokens_per_s)
-                    if not changes:
-                        faithful = max(faithful, row.tokens_per_s)
-                if k == 0 and row.status == "ok" and not row.recomputed and not row.swapped:
-                    break  # keeps every activation: every planner gives this step
+
+        # Best-first, speculatively `width` configurations at a time: a batch is the next configurations
+        # the bar does not skip now, planned over the workers; then replayed in order under the bar as it
+        # rises, dropping those it now skips. Skipping only grows stricter, so the rows are the ones a
+        # one-by-one search plans, whatever the width.
+        width = effective_n_jobs(space.n_jobs, space.backend)
+        i = 0
+        while i < len(configs):
+            batch, j = [], i
+            while j < len(configs) and len(batch) < width:
+                if _skip(configs[j], too_big, (best, faithful), planned, space.layout_top_n) is None:
+                    batch.append(j)
+                j += 1
+            results = ordered_map(_plan_config, ((_task_context(ctx, configs[k]), configs[k], tuple(planners), against)
+                                                 for k in batch),
+                                  space.n_jobs, space.backend)
+            for k in range(i, j):
+                cfg = configs[k]
+                why = _skip(cfg, too_big, (best, faithful), planned, space.layout_top_n)
+                rows, cache = next(results) if k in batch else ([], {})
+                for key, value in cache.items():
+                    ctx.plan_cache.setdefault(key, value)
+                if why is not None:
+                    skipped[why] += len(planners)
+                    if why == "bound":
+                        top_skipped = max(top_skipped, cfg.bound_tokens_per_s)
+                    continue
+                changes = bool(numerics_change(cfg.training))
+                for row in rows:
+                    planned += 1
+                    out.rows.append(row)
+                    if on_row:
+                        on_row(len(dp_rows) + len(out.rows), len(dp_rows) + len(out.rows), row)
+                    if "activation floor" in row.reason:
+                        shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
+                        too_big[shape_key] = min(too_big.get(shape_key, 1 << 30), cfg.micro_batch)
+                    if row.fits_device:
+                        best = max(best, row.tokens_per_s)
+                        if not changes:
+                            faithful = max(faithful, row.tokens_per_s)
+            i = j
         for why, n in skipped.items():
             if n:
                 detail = {"bound": f"optimistic estimate below the best planned ({best:,.0f} tokens/s per GPU; "
@@ -305,6 +318,44 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
                                           {"gpus": gpus, "layout": "tp/pp/cp layouts"}, n))
                 out.pruned += n
     return out
+
+
+def _skip(cfg: _Config, too_big: dict, bar: tuple[float, float], planned: int, top_n: int) -> str | None:
+    """Why the best-first search does not plan `cfg` now (`search_layouts`), None if it does."""
+    shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
+    if cfg.micro_batch >= too_big.get(shape_key, 1 << 30):
+        return "floor"
+    if cfg.bound_tokens_per_s < bar[0] and (numerics_change(cfg.training) or cfg.bound_tokens_per_s < bar[1]):
+        return "bound"
+    return "top_n" if planned >= top_n else None
+
+
+def _task_context(ctx: Any, cfg: _Config) -> Any:
+    """What planning `cfg` needs of `ctx`: its layout's cached parameter counts and stage graphs, not
+    every graph the search built, nor the graph source (a worker is sent the task's context)."""
+    lay = cfg.layout
+    keep = {("params", lay.tp, lay.pp),
+            ("graphs", lay.tp, lay.pp, lay.cp, lay.sp, cfg.micro_batch, cfg.training.fp8_linear_inputs),
+            ("stages", lay.tp, lay.pp, lay.cp, lay.sp, cfg.micro_batch, cfg.training.fp8_linear_inputs)}
+    return replace(ctx, graph_for=None, workloads={}, plan_cache={k: ctx.plan_cache[k] for k in keep
+                                                                  if k in ctx.plan_cache},
+                   optimizer_cache=dict(ctx.optimizer_cache))
+
+
+def _plan_config(task: tuple) -> tuple[list[Row], dict]:
+    """Every planner of one configuration, first to last, stopping where the others cannot differ (an
+    activation floor over the capacity; a first plan that keeps every activation); and the stage
+    graphs it built, for the search's cache."""
+    ctx, cfg, planners, against = task
+    rows = []
+    for k, planner in enumerate(planners):
+        row = evaluate_layout(ctx, Candidate(cfg.layout, cfg.recipe, cfg.training, cfg.micro_batch, planner, against))
+        rows.append(row)
+        if "activation floor" in row.reason:
+            break
+        if k == 0 and row.status == "ok" and not row.recomputed and not row.swapped:
+            break  # keeps every activation: every planner gives this step
+    return rows, {k: v for k, v in ctx.plan_cache.items() if k[0] == "stages"}
 
 
 def _strided(topology: Topology, stride: int) -> Topology:
