@@ -33,6 +33,8 @@ class AdviseSchema:
     pipeline_microbatches: list[int] = field(default_factory=lambda: [8])
     pipeline_schedule: str = "1f1b"
     layout_top_n: int = 40
+    n_jobs: int = 2
+    backend: str | None = "loky"
 
 
 @dataclass

@@ -153,6 +153,23 @@ def test_step_pricing_and_ranking(tiny, a100):
     assert len(distinct) < len(advice.ranked)  # keep_all allocated/reserved tie where it fits
 
 
+def test_the_answer_is_the_same_whatever_the_workers(tiny, a100):
+    """Every configuration, milp included, priced over two loky processes and over two threads gives the
+    very rows of one process, in the same order: tasks carry what they need and caches only memoise."""
+    space = _space(gpus=(1, 8), recipes={"mixed": MIXED, "pure16": PURE16}, micro_batches=(1, 2),
+                   planners={"keep_all": {}, "full_recompute": {}, "milp": {}}, plan_against=("allocated", "reserved"),
+                   milp_top_k=1)
+    one = run_search(tiny, a100, TOPO, space, _graphs(tiny, a100))
+    seen: list[int] = []
+    two = run_search(tiny, a100, TOPO, replace(space, n_jobs=2), _graphs(tiny, a100),
+                     on_row=lambda i, n, row: seen.append(i))
+    threads = run_search(tiny, a100, TOPO, replace(space, n_jobs=2, backend="threading"), _graphs(tiny, a100))
+    assert any(r.candidate.planner == "milp" for r in one.rows)
+    assert two.rows == one.rows and threads.rows == one.rows
+    assert (two.best, two.ranked, two.regions) == (one.best, one.ranked, one.regions)
+    assert seen == list(range(1, len(one.rows) + 1))  # reported in order, each as it arrives
+
+
 def test_grad_accumulation_amortises_the_optimizer(tiny, a100):
     one = run_search(tiny, a100, TOPO, _space(micro_batches=(2,)), _graphs(tiny, a100)).rows[0]
     two = run_search(tiny, a100, TOPO, _space(micro_batches=(2,), grad_accum=2), _graphs(tiny, a100)).rows[0]
@@ -184,7 +201,7 @@ def test_pareto_front():
     [({"gpus": (0,)}, "advise.gpus"), ({"micro_batches": (4, 2)}, "advise.micro_batches"),
      ({"plan_against": ("peak",)}, "advise.plan_against"), ({"grad_accum": 0}, "advise.grad_accum"),
      ({"recipes": {}}, "advise.recipes"), ({"zero_stages": (4,)}, "advise.zero_stages"),
-     ({"planners": {"milp": {}}}, "advise.planners")],
+     ({"planners": {"milp": {}}}, "advise.planners"), ({"n_jobs": 0}, "advise.n_jobs")],
 )
 def test_bad_search_space_names_the_field(kw, field):
     with pytest.raises(ConfigError) as info:
@@ -228,7 +245,7 @@ def _advise_args(tmp_path: Path, store) -> list[str]:
         "model=tiny", f"tracking.uri={store.uri}", f"tracking.artifact_location={store.artifact_root}",
         "tracking.experiment=advise_test", f"hydra.run.dir={tmp_path}/run", "hydra/job_logging=disabled",
         "hydra/hydra_logging=disabled", "advise.micro_batches=[1,2]", "advise.recipes=[adamw_mixed,adamw_pure16]",
-        "advise.planners=[keep_all,full_recompute,milp]", "advise.milp_top_k=1",
+        "advise.planners=[keep_all,full_recompute,milp]", "advise.milp_top_k=1", "advise.n_jobs=1",
     ]
 
 

@@ -16,7 +16,7 @@ from slackswap.communication import Fabric, Topology
 from slackswap.errors import ConfigError
 from slackswap.experiment.advise import STATIC_DOES_NOT_FIT, SearchSpace, plan_search, run_search
 from slackswap.experiment.advise_layout import search_layouts
-from slackswap.experiment.advise_space import LAYOUT_DOES_NOT_DIVIDE, numerics_change
+from slackswap.experiment.advise_space import LAYOUT_DOES_NOT_DIVIDE, NOT_PLANNED, numerics_change
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
@@ -119,3 +119,44 @@ def test_bad_layout_lists_name_their_field():
         with pytest.raises(ConfigError) as exc:
             _space(**{field: value})
         assert exc.value.field == f"advise.{field}"
+
+
+def test_zero_3_over_the_dp_group_of_a_tp_layout_holds_the_formula_bytes(model, a100):
+    """tp 2 x dp 2 under ZeRO-3 (FSDP over the dp group on tp-sharded parameters): each rank holds
+    ceil(P / dp) of its tp shard's P parameters times (2 params + 2 grads + 4 master + 8 Adam moments)
+    bytes (ZeRO, Rajbhandari et al. 2020, section 5.1: P_os+g+p) plus two gathered units of 16-bit
+    parameters; with a pipeline only stages 0 and 1 are searched (Megatron's distributed optimizer)."""
+    import math
+
+    from slackswap.parallel import ParallelConfig
+    from slackswap.profile.stages import stage_parameter_counts
+
+    space = _space(tp=(2,), micro_batches=(1,), zero_stages=(0, 1, 2, 3), layout_top_n=20)
+    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    rows = search_layouts(ctx, []).rows
+    by_stage = {r.candidate.layout.zero_stage: r for r in rows if r.candidate.layout.tp == 2
+                and r.candidate.layout.pp == 1 and r.candidate.layout.cp == 1}
+    assert set(by_stage) == {0, 1, 2, 3}
+    params, unit = stage_parameter_counts(model, ParallelConfig(tp=2), 0)
+    dp = 2
+    expected = {0: params * 16, 1: params * 4 + math.ceil(params / dp) * 12,
+                2: params * 2 + math.ceil(params / dp) * 14, 3: math.ceil(params / dp) * 16 + 2 * unit * 2}
+    assert {z: r.static_bytes for z, r in by_stage.items()} == expected
+    three = by_stage[3]
+    assert three.fits_device and three.comm.forward_comm_s > 0  # the parameter all-gathers priced
+    pipelined = _space(pp=(2,), micro_batches=(1,), zero_stages=(0, 1, 2, 3), layout_top_n=20)
+    _, ctx = plan_search(model, a100, TOPO, pipelined, _graphs(model, a100))
+    assert {r.candidate.layout.zero_stage for r in search_layouts(ctx, []).rows
+            if r.candidate.layout.pp == 2} <= {0, 1}
+
+
+def test_the_layout_search_plans_the_same_rows_over_workers(model, a100):
+    """The best-first search plans speculatively a batch per worker count, then replays it under the
+    rising bar: two loky workers give the rows, regions and answer of one process."""
+    space = _space(gpus=(4,), tp=(1, 2), pp=(1, 2), zero_stages=(0, 1, 3), micro_batches=(1, 2, 4),
+                   planners={"keep_all": {}, "full_recompute": {}}, layout_top_n=6)
+    # no data-parallel incumbent: the bar is what the layouts planned so far reach
+    one = search_layouts(plan_search(model, a100, TOPO, space, _graphs(model, a100))[1], [])
+    two = search_layouts(plan_search(model, a100, TOPO, replace(space, n_jobs=2), _graphs(model, a100))[1], [])
+    assert one.rows and any(r.reason == NOT_PLANNED for r in one.regions)
+    assert (two.rows, two.regions, two.pruned) == (one.rows, one.regions, one.pruned)

@@ -106,12 +106,15 @@ def test_workers_give_the_same_points_as_one_process() -> None:
     settings = identify.grid({"attention": ["eager"], "dropout": [False, True], "matmul_efficiency": [0.3, 0.6],
                               "hbm_efficiency": [0.8], "link_gbps": [25.0]})
     assert identify.evaluate_grid(problem, settings, 2) == identify.evaluate_grid(problem, settings, 1)
+    # The backend is joblib's, chosen by name: threads give the same points too.
+    assert identify.evaluate_grid(problem, settings, 2, backend="threading") == identify.evaluate_grid(
+        problem, settings, 1)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_search_reports_each_point_as_it_is_evaluated(workers) -> None:
     """The seed grid runs for minutes: `on_point` says how far it is (stage, i of n), in order, with
-    the point that the result then holds, in this process and over forked workers alike."""
+    the point that the result then holds, in this process and over joblib workers alike."""
     problem = _problem()
     coarse = {"attention": ["eager", "flash"], "dropout": [False], "matmul_efficiency": [0.3, 0.6],
               "hbm_efficiency": [0.8], "link_gbps": [25.0]}

@@ -32,7 +32,7 @@ caller decides where graphs come from (analytic, traced) and caches them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -283,6 +283,44 @@ def plan_search(model: ModelConfig, hardware: Hardware, topology: Topology, spac
     return SearchPlan(tuple(candidates), tuple(regions), pruned, milp_runs), ctx
 
 
+def _no_graphs(mb: int) -> Graph:
+    raise AssertionError(f"a task's context carries its micro-batch's workload; {mb} was not shipped")
+
+
+def _evaluate_group(task: tuple[_Context, tuple[Candidate, ...]]) -> list[Row]:
+    ctx, cands = task
+    return [evaluate(ctx, c) for c in cands]
+
+
+def _task_context(ctx: _Context, mb: int) -> _Context:
+    """What one task needs of `ctx`: its micro-batch's workload, empty plan caches, no graph source
+    (the source's cache holds every graph; a worker would be sent them all)."""
+    return replace(ctx, graph_for=_no_graphs, workloads={mb: ctx.workload(mb)}, plan_cache={},
+                   optimizer_cache=dict(ctx.optimizer_cache))
+
+
+def _evaluate_all(ctx: _Context, cands: Sequence[Candidate]) -> Iterator[Row]:
+    """`evaluate` every candidate, rows in candidate order, over the space's joblib workers. A task is
+    a run of consecutive candidates of one (layout, recipe, micro-batch): its planners share the
+    graph, and a plan against the reserved peak reuses the one against the allocated peak. Caches only
+    memoise, so the rows do not depend on how many workers ran them."""
+    from slackswap.experiment.parallel_map import ordered_map
+
+    groups: list[list[Candidate]] = []
+    for c in cands:
+        if groups and _config_key_of(groups[-1][-1]) == _config_key_of(c):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    tasks = ((_task_context(ctx, g[0].micro_batch), tuple(g)) for g in groups)
+    for rows in ordered_map(_evaluate_group, tasks, ctx.space.n_jobs, ctx.space.backend):
+        yield from rows
+
+
+def _config_key_of(c: Candidate) -> tuple:
+    return (c.layout, c.recipe, c.micro_batch)
+
+
 def _rank_key(row: Row) -> tuple:
     return (-(row.tokens_per_s or 0.0), row.peak_bytes or 0, row.candidate.layout.gpus)
 
@@ -308,8 +346,8 @@ def run_search(
                             host_check=host_check, node=node)
     total = len(plan.candidates) + plan.milp_runs
     rows: list[Row] = []
-    for cand in plan.candidates:
-        rows.append(evaluate(ctx, cand))
+    for row in _evaluate_all(ctx, plan.candidates):
+        rows.append(row)
         if on_row:
             on_row(len(rows), total, rows[-1])
     if plan.milp_runs:
@@ -324,11 +362,11 @@ def run_search(
                 tops.append(c)
             if len(tops) == space.milp_top_k:
                 break
-        for c in tops:
-            for against in space.plan_against:
-                rows.append(evaluate(ctx, replace(c, planner="milp", plan_against=against)))
-                if on_row:
-                    on_row(len(rows), total, rows[-1])
+        milp = [replace(c, planner="milp", plan_against=against) for c in tops for against in space.plan_against]
+        for row in _evaluate_all(ctx, milp):
+            rows.append(row)
+            if on_row:
+                on_row(len(rows), total, rows[-1])
         total = len(rows)
     regions = list(plan.regions) + _communication_regions(rows)
     pruned = plan.pruned_configurations

@@ -6,10 +6,12 @@ Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
 1. **enumerate and prune without graphs**: a (tp, pp, cp) whose product does not divide the GPU count
    is not a layout of it (skipped); one that does not divide the model (`ParallelConfig.check_model`:
    tp the heads, KV heads and MLP width, pp the layers, cp the sequence) or puts a tp group across
-   nodes is a rejected region; ZeRO stages 0 and 1 only (Megatron's DDP and distributed optimizer;
-   stages 2 and 3 under tp / pp are not modelled); a (layout, recipe) whose static memory on its
-   fullest stage (its own parameters, `slackswap.profile.stages.stage_parameter_counts`) leaves no
-   activation capacity is a region **static memory does not fit**;
+   nodes is a rejected region; ZeRO over the dp group: stages 0 and 1 with a pipeline (Megatron's
+   DDP and distributed optimizer), every searched stage on a pp = 1 layout (`_zero_stages`); a
+   (layout, recipe) whose static memory on its fullest stage (its own parameters,
+   `slackswap.profile.stages.stage_parameter_counts`; under ZeRO-k over the dp group, the ZeRO
+   paper's per-rank terms of that stage's parameters, `slackswap.memory.static.static_memory`) leaves
+   no activation capacity is a region **static memory does not fit**;
 2. **rank by an optimistic estimate**: the full model's keep-all compute of one micro-batch split
    evenly over tp x cp x pp ranks, times (m + pp - 1) micro-batch slots of 1F1B, plus the tp
    all-reduces' ring time at the bus bandwidth (4 per layer, Megatron) and the optimizer step on the
@@ -63,13 +65,14 @@ from slackswap.experiment.advise_step import (
     optimizer_step_s,
     recipe_for_layout,
 )
+from slackswap.experiment.parallel_map import effective_n_jobs, ordered_map
 from slackswap.memory.static import bytes_per_param, static_memory
 from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
 LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyond the attention they overlap; "
-               "dp gradient reduce once per step overlapping the last backward; ZeRO-2/3 with tp/pp and ep not "
-               "searched; interleaved schedules not modelled; no host check of offloads")
+               "dp gradient reduce once per step overlapping the last backward (ZeRO-3: gathers per micro-batch); "
+               "ZeRO-2/3 with pp and ep not searched; interleaved schedules not modelled; no host check of offloads")
 
 
 @dataclass
@@ -112,6 +115,18 @@ def _shapes(ctx: Any, gpus: int, out: LayoutSearch) -> list[tuple[int, int, int]
                     continue
                 shapes.append((tp, pp, cp))
     return shapes
+
+
+def _zero_stages(searched: tuple[int, ...], dp: int, pp: int) -> list[int]:
+    """The ZeRO stages a (dp, pp) layout is searched under, over its dp group: 0 alone without data
+    parallelism; 0 and 1 (Megatron's DDP and distributed optimizer) with a pipeline, as Megatron and
+    DeepSpeed run it (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism: its gradient partitions
+    would be reduced once per micro-batch); every searched stage otherwise (tp / cp x ZeRO-3 is FSDP
+    over the dp group on tp-sharded parameters)."""
+    if dp == 1:
+        return [0]
+    stages = sorted({z for z in searched if pp == 1 or z <= 1})
+    return stages or [1]
 
 
 def _stage_params(ctx: Any, tp: int, pp: int) -> list[tuple[int, int]]:
@@ -169,8 +184,7 @@ def _configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[float, fl
     n_planners = len([p for p in space.planners if p != "milp"])
     for tp, pp, cp in _shapes(ctx, gpus, out):
         dp = gpus // (tp * pp * cp)
-        stages = sorted({0 if dp == 1 else z for z in space.zero_stages if z <= 1})
-        for zero in stages or [1 if dp > 1 else 0]:
+        for zero in _zero_stages(space.zero_stages, dp, pp):
             for m in (space.pipeline_microbatches if pp > 1 else (1,)):
                 layout = Layout(gpus, zero, dp if zero else 1, tp, pp, cp, space.sp and tp > 1, m,
                                 space.pipeline_schedule)
@@ -252,35 +266,47 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
         too_big: dict[tuple, int] = {}
         skipped = {"bound": 0, "top_n": 0, "floor": 0}
         planned, top_skipped = 0, 0.0
-        for cfg in configs:
-            changes = bool(numerics_change(cfg.training))
-            shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
-            if cfg.micro_batch >= too_big.get(shape_key, 1 << 30):
-                skipped["floor"] += len(planners)
-                continue
-            if cfg.bound_tokens_per_s < best and (changes or cfg.bound_tokens_per_s < faithful):
-                skipped["bound"] += len(planners)
-                top_skipped = max(top_skipped, cfg.bound_tokens_per_s)
-                continue
-            if planned >= space.layout_top_n:
-                skipped["top_n"] += len(planners)
-                continue
-            for k, planner in enumerate(planners):
-                cand = Candidate(cfg.layout, cfg.recipe, cfg.training, cfg.micro_batch, planner, against)
-                row = evaluate_layout(ctx, cand)
-                planned += 1
-                out.rows.append(row)
-                if on_row:
-                    on_row(len(dp_rows) + len(out.rows), len(dp_rows) + len(out.rows), row)
-                if "activation floor" in row.reason:
-                    too_big[shape_key] = min(too_big.get(shape_key, 1 << 30), cfg.micro_batch)
-                    break
-                if row.fits_device:
-                    best = max(best, row.tokens_per_s)
-                    if not changes:
-                        faithful = max(faithful, row.tokens_per_s)
-                if k == 0 and row.status == "ok" and not row.recomputed and not row.swapped:
-                    break  # keeps every activation: every planner gives this step
+
+        # Best-first, speculatively `width` configurations at a time: a batch is the next configurations
+        # the bar does not skip now, planned over the workers; then replayed in order under the bar as it
+        # rises, dropping those it now skips. Skipping only grows stricter, so the rows are the ones a
+        # one-by-one search plans, whatever the width.
+        width = effective_n_jobs(space.n_jobs, space.backend)
+        i = 0
+        while i < len(configs):
+            batch, j = [], i
+            while j < len(configs) and len(batch) < width:
+                if _skip(configs[j], too_big, (best, faithful), planned, space.layout_top_n) is None:
+                    batch.append(j)
+                j += 1
+            results = ordered_map(_plan_config, ((_task_context(ctx, configs[k]), configs[k], tuple(planners), against)
+                                                 for k in batch),
+                                  space.n_jobs, space.backend)
+            for k in range(i, j):
+                cfg = configs[k]
+                why = _skip(cfg, too_big, (best, faithful), planned, space.layout_top_n)
+                rows, cache = next(results) if k in batch else ([], {})
+                for key, value in cache.items():
+                    ctx.plan_cache.setdefault(key, value)
+                if why is not None:
+                    skipped[why] += len(planners)
+                    if why == "bound":
+                        top_skipped = max(top_skipped, cfg.bound_tokens_per_s)
+                    continue
+                changes = bool(numerics_change(cfg.training))
+                for row in rows:
+                    planned += 1
+                    out.rows.append(row)
+                    if on_row:
+                        on_row(len(dp_rows) + len(out.rows), len(dp_rows) + len(out.rows), row)
+                    if "activation floor" in row.reason:
+                        shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
+                        too_big[shape_key] = min(too_big.get(shape_key, 1 << 30), cfg.micro_batch)
+                    if row.fits_device:
+                        best = max(best, row.tokens_per_s)
+                        if not changes:
+                            faithful = max(faithful, row.tokens_per_s)
+            i = j
         for why, n in skipped.items():
             if n:
                 detail = {"bound": f"optimistic estimate below the best planned ({best:,.0f} tokens/s per GPU; "
@@ -292,6 +318,44 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
                                           {"gpus": gpus, "layout": "tp/pp/cp layouts"}, n))
                 out.pruned += n
     return out
+
+
+def _skip(cfg: _Config, too_big: dict, bar: tuple[float, float], planned: int, top_n: int) -> str | None:
+    """Why the best-first search does not plan `cfg` now (`search_layouts`), None if it does."""
+    shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
+    if cfg.micro_batch >= too_big.get(shape_key, 1 << 30):
+        return "floor"
+    if cfg.bound_tokens_per_s < bar[0] and (numerics_change(cfg.training) or cfg.bound_tokens_per_s < bar[1]):
+        return "bound"
+    return "top_n" if planned >= top_n else None
+
+
+def _task_context(ctx: Any, cfg: _Config) -> Any:
+    """What planning `cfg` needs of `ctx`: its layout's cached parameter counts and stage graphs, not
+    every graph the search built, nor the graph source (a worker is sent the task's context)."""
+    lay = cfg.layout
+    keep = {("params", lay.tp, lay.pp),
+            ("graphs", lay.tp, lay.pp, lay.cp, lay.sp, cfg.micro_batch, cfg.training.fp8_linear_inputs),
+            ("stages", lay.tp, lay.pp, lay.cp, lay.sp, cfg.micro_batch, cfg.training.fp8_linear_inputs)}
+    return replace(ctx, graph_for=None, workloads={}, plan_cache={k: ctx.plan_cache[k] for k in keep
+                                                                  if k in ctx.plan_cache},
+                   optimizer_cache=dict(ctx.optimizer_cache))
+
+
+def _plan_config(task: tuple) -> tuple[list[Row], dict]:
+    """Every planner of one configuration, first to last, stopping where the others cannot differ (an
+    activation floor over the capacity; a first plan that keeps every activation); and the stage
+    graphs it built, for the search's cache."""
+    ctx, cfg, planners, against = task
+    rows = []
+    for k, planner in enumerate(planners):
+        row = evaluate_layout(ctx, Candidate(cfg.layout, cfg.recipe, cfg.training, cfg.micro_batch, planner, against))
+        rows.append(row)
+        if "activation floor" in row.reason:
+            break
+        if k == 0 and row.status == "ok" and not row.recomputed and not row.swapped:
+            break  # keeps every activation: every planner gives this step
+    return rows, {k: v for k, v in ctx.plan_cache.items() if k[0] == "stages"}
 
 
 def _strided(topology: Topology, stride: int) -> Topology:
@@ -400,8 +464,12 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         forward_compute_s=times[0].forward_s, backward_compute_s=times[0].backward_s,
         units=model.num_layers // lay.pp + 1)
     # The overlapped part costs compute on a calibrated preset, as in the data-parallel rows (advise.py).
-    dp_exposed = (dp_comm.backward_exposed_s + dp_comm.after_step_comm_s
-                  + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
+    # ZeRO-3 gathers the parameters in every micro-batch's forward and backward (`step_communication`,
+    # as the data-parallel rows price it); stages 0-2 reduce the gradients once, under the last backward.
+    per_micro = m if lay.zero_stage == 3 else 1
+    dp_exposed = (per_micro * (dp_comm.forward_exposed_s + dp_comm.backward_exposed_s
+                               + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
+                  + dp_comm.after_step_comm_s)
     step_s = pipe.step_s + dp_exposed
     layout_s = m * (comms[0].exposed_s or 0.0)
     tokens = m * cand.micro_batch * model.seq_len / (lay.tp * lay.cp * lay.pp)

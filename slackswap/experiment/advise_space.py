@@ -58,6 +58,11 @@ class SearchSpace:
     pipeline_schedule: str = "1f1b"
     #: At most this many layout configurations are planned, best optimistic estimate first.
     layout_top_n: int = 40
+    #: Workers the evaluations spread over (joblib's `n_jobs`: -1 every core) and the joblib backend
+    #: (`loky` local processes; `dask` / `ray` reach a cluster; None: the caller's
+    #: `joblib.parallel_config`). The answer is the same whatever the count (`experiment.parallel_map`).
+    n_jobs: int = 1
+    backend: str | None = "loky"
 
     def __post_init__(self) -> None:
         def positive_ints(name: str, values: Sequence[int]) -> None:
@@ -103,6 +108,11 @@ class SearchSpace:
             raise ConfigError("advise.pipeline_schedule", self.pipeline_schedule,
                               "must be 1f1b (advise does not search interleaved layouts)")
         check.integer("advise.layout_top_n", self.layout_top_n, 1)
+        from slackswap.experiment.parallel_map import check_n_jobs
+
+        check_n_jobs("advise.n_jobs", self.n_jobs)
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise ConfigError("advise.backend", self.backend, "must name a joblib backend (loky, dask, ray, ...)")
 
     @property
     def searches_layouts(self) -> bool:

@@ -137,6 +137,7 @@ class AdviseSpec:
             sp=adv.get("sp", True),
             pipeline_microbatches=_values("advise.pipeline_microbatches", adv.get("pipeline_microbatches", [8])),
             pipeline_schedule=adv.get("pipeline_schedule", "1f1b"), layout_top_n=adv.get("layout_top_n", 40),
+            n_jobs=adv.get("n_jobs", 1), backend=adv.get("backend", "loky"),
         )
         topology = topology_from_node(node, hardware)
         for gpus in space.gpus:

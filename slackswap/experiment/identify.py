@@ -11,7 +11,7 @@ setting is shared by all three.
 
 Why in-process rather than as a Hydra sweep: a setting is three plan+simulate calls (~1 s on one
 core); a sweep pays a job's overhead (config, files, MLflow) per run, several times that, for a grid
-of hundreds of settings. `evaluate_grid` spreads settings over worker processes instead.
+of hundreds of settings. `evaluate_grid` spreads settings over joblib workers instead.
 
 Time scales: multiplying the matmul efficiency, the HBM efficiency and the link bandwidth by one
 factor scales every op and copy time by its inverse, so the throughput kept changes only through the
@@ -22,9 +22,7 @@ link / matmul), not absolute speeds; `scale_check` measures how far from exact t
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from slackswap import validation as check
@@ -204,19 +202,9 @@ def grid(values: Mapping[str, Sequence]) -> list[Setting]:
     return [Setting(*combo) for combo in itertools.product(*(values[k] for k in keys))]
 
 
-#: The problem a worker process evaluates against, set once by `_init_worker` (a `Hardware` holds
-#: read-only mappings, which do not pickle: the worker inherits the problem by fork instead).
-_WORKER_PROBLEM: Problem | None = None
-
-
-def _init_worker(problem: Problem) -> None:
-    global _WORKER_PROBLEM
-    _WORKER_PROBLEM = problem
-
-
-def _evaluate_one(setting: Setting) -> Point:
-    assert _WORKER_PROBLEM is not None
-    return evaluate(_WORKER_PROBLEM, setting)
+def _evaluate_chunk(task: tuple[Problem, tuple[Setting, ...]]) -> list[Point]:
+    problem, settings = task
+    return [evaluate(problem, s) for s in settings]
 
 
 #: Called after each evaluated setting with (i from 1, how many, the point): a long grid says how far it is.
@@ -224,27 +212,21 @@ OnPoint = Callable[[int, int, Point], None]
 
 
 def evaluate_grid(problem: Problem, settings: Sequence[Setting], workers: int = 1,
-                  on_point: OnPoint | None = None) -> list[Point]:
-    """`evaluate` for every setting, in order, over `workers` forked processes (1, or no fork on this
-    platform: in this process); `on_point` after each, in order."""
-    check.integer("identify.workers", workers, 1)
+                  on_point: OnPoint | None = None, backend: str | None = "loky") -> list[Point]:
+    """`evaluate` for every setting, in order, over `workers` joblib workers of `backend`
+    (`slackswap.experiment.parallel_map`: 1 in this process, -1 every core; dask or ray reach a
+    cluster); `on_point` after each, in order. The points do not depend on the worker count."""
+    from slackswap.experiment.parallel_map import check_n_jobs, ordered_map
+
+    check_n_jobs("identify.workers", workers)
     points: list[Point] = []
-
-    def done(point: Point) -> None:
-        points.append(point)
-        if on_point is not None:
-            on_point(len(points), len(settings), point)
-
-    if workers == 1 or len(settings) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        for s in settings:
-            done(evaluate(problem, s))
-        return points
-    context = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_init_worker,
-                             initargs=(problem,)) as pool:
-        # chunks of consecutive settings: a worker gets the link values of one graph together
-        for point in pool.map(_evaluate_one, settings, chunksize=4):
-            done(point)
+    # chunks of consecutive settings: a worker gets the link values of one graph together
+    chunks = [tuple(settings[i:i + 4]) for i in range(0, len(settings), 4)]
+    for chunk in ordered_map(_evaluate_chunk, ((problem, c) for c in chunks), workers, backend):
+        for point in chunk:
+            points.append(point)
+            if on_point is not None:
+                on_point(len(points), len(settings), point)
     return points
 
 

@@ -99,7 +99,9 @@ class IdentifySpec:
         node = config["identify"]
         tolerance_pp = check.positive("identify.tolerance_pp", node.get("tolerance_pp"))
         refine_within_pp = check.positive("identify.refine_within_pp", node.get("refine_within_pp"))
-        workers = check.integer("identify.workers", node.get("workers"), 1)
+        from slackswap.experiment.parallel_map import check_n_jobs
+
+        workers = check_n_jobs("identify.workers", node.get("workers"))
         bound_points = check.integer("identify.bound_points", node.get("bound_points"), 0)
         coarse = dict(_mapping("identify.coarse", node.get("coarse")))
         for s in identify.grid(coarse):
