@@ -86,6 +86,22 @@ def _captured(name: str, fraction: float):
     return w, pristine, graph, int(simulate_ideal(graph, h200()).peak_activation_bytes * fraction)
 
 
+def _planned_and_measured(name: str, planner: str, fraction: float):
+    """Plan `name` for the export at `fraction` of its keep-all peak and measure the exported step's peaks:
+    (plan, pristine model, budget, peaks), or None where the export refuses the budget, which must then
+    say what PyTorch keeps."""
+    from slackswap.errors import InfeasibleBudgetError
+
+    w, pristine, graph, budget = _captured(name, fraction)
+    try:
+        plan = plan_for_export(get_planner(planner), graph, pristine, h200(), budget)
+    except InfeasibleBudgetError as exc:
+        assert "PyTorch keeps" in str(exc)
+        return None
+    model = copy.deepcopy(pristine)
+    return plan, pristine, budget, _measured_peaks(model, w.batch, w.loss_fn, PlanExport(plan, graph, model))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2", "tied"])
 def test_an_exported_steps_measured_peak_is_within_its_budget_and_its_price(name: str, one_thread) -> None:
@@ -140,16 +156,10 @@ def test_a_plan_keeping_tensors_in_a_layer_is_refused_or_runs_within_its_budget(
     until the op after which the forward dropped them (`eager_replay_peak_bytes`). Priced at their last
     reader instead, both plans at 90 % measured over their budget (Llama 1,517,164 B against 1,498,759;
     BERT 1,922,412 against 1,804,960)."""
-    from slackswap.errors import InfeasibleBudgetError
-
-    w, pristine, graph, budget = _captured(name, 0.9)
-    try:
-        plan = plan_for_export(get_planner(planner), graph, pristine, h200(), budget)
-    except InfeasibleBudgetError as exc:
-        assert "PyTorch keeps" in str(exc)
+    run = _planned_and_measured(name, planner, 0.9)
+    if run is None:
         return
-    model = copy.deepcopy(pristine)
-    peaks = _measured_peaks(model, w.batch, w.loss_fn, PlanExport(plan, graph, model))
+    _, pristine, budget, peaks = run
     in_flight = max(p.numel() * p.element_size() for p in pristine.parameters())
     assert max(peaks) - in_flight <= budget, (peaks, in_flight, budget)
 
@@ -195,16 +205,10 @@ def test_what_the_export_caches_is_priced_so_a_step_stays_within_its_budget(name
     end), not freed at its last forward reader; in-place-written scores are cached with their op. Priced
     so, the plan is re-planned or refused before it runs; before, both cells at 70 % ran over their budget
     (the tied stack 869,384 B against 828,626, priced 771,080)."""
-    from slackswap.errors import InfeasibleBudgetError
-
-    w, pristine, graph, budget = _captured(name, 0.7)
-    try:
-        plan = plan_for_export(get_planner(planner), graph, pristine, h200(), budget)
-    except InfeasibleBudgetError as exc:
-        assert "PyTorch keeps" in str(exc)
+    run = _planned_and_measured(name, planner, 0.7)
+    if run is None:
         return
-    model = copy.deepcopy(pristine)
-    peaks = _measured_peaks(model, w.batch, w.loss_fn, PlanExport(plan, graph, model))
+    plan, pristine, budget, peaks = run
     layers = len(layer_paths(pristine))
     in_flight = max(p.numel() * p.element_size() for p in pristine.parameters())
     unpriced = layers * (torch.get_rng_state().numel() + SCALAR_BYTES_PER_LAYER) + in_flight
