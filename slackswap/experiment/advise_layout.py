@@ -300,8 +300,7 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
                     if on_row:
                         on_row(len(dp_rows) + len(out.rows), len(dp_rows) + len(out.rows), row)
                     if "activation floor" in row.reason:
-                        shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
-                        too_big[shape_key] = min(too_big.get(shape_key, 1 << 30), cfg.micro_batch)
+                        too_big[_shape_key(cfg)] = min(too_big.get(_shape_key(cfg), 1 << 30), cfg.micro_batch)
                     if row.fits_device:
                         best = max(best, row.tokens_per_s)
                         if not changes:
@@ -320,10 +319,15 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
     return out
 
 
+def _shape_key(cfg: _Config) -> tuple:
+    """A configuration less its micro-batch: where one micro-batch's activation floor is over the
+    capacity, every larger micro-batch of the same key is too."""
+    return (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
+
+
 def _skip(cfg: _Config, too_big: dict, bar: tuple[float, float], planned: int, top_n: int) -> str | None:
     """Why the best-first search does not plan `cfg` now (`search_layouts`), None if it does."""
-    shape_key = (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
-    if cfg.micro_batch >= too_big.get(shape_key, 1 << 30):
+    if cfg.micro_batch >= too_big.get(_shape_key(cfg), 1 << 30):
         return "floor"
     if cfg.bound_tokens_per_s < bar[0] and (numerics_change(cfg.training) or cfg.bound_tokens_per_s < bar[1]):
         return "bound"
