@@ -160,7 +160,7 @@ def test_deepseek_v3_preset_layer_is_the_mla_formula_plus_the_moe_formula():
     graph = build_graph(model, HW, parallel=ParallelConfig(dp=8, ep=8))
     saved, _, _ = per_layer(graph)
     attention = 2 * t * h * elt + mla_saved_bytes(t, 1, 4096, h, 128, 1536, 512, 192, 128, elt)  # + x, residual
-    assert saved[0] == attention + t * (h + 3 * 18432) * elt  # dense MLP: norm2 out, gate, up, SwiGLU
+    assert saved[0] == attention + t * (h + 3 * 18432) * elt == 1_394_606_080  # docs/profile.md's figure
     rows = moe.planned_tokens_per_expert(t, 8)
     assert saved[3] == attention + moe_mlp_saved_bytes(t, h, 256, 8, 2048, rows, 256 // 8, elt, shared_ffn=2048)
 
