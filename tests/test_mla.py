@@ -95,6 +95,10 @@ def test_a_traced_hf_deepseek_v3_matches_the_analytic_layer():
     - SiLU and the product are separate ops in HF: the SiLU output is saved too (+2 T f).
     - the last layer also holds the rotary cos and sin tables (2 x s d_r x 2 bytes): the analytic
       graph has no tensor for them (rope's backward reads only the tables).
+
+    MoE layers are not compared here: on meta tensors no token is routed (the traced experts run
+    transformers' batched_mm on every token), while the analytic graph plans a percentile of the
+    routed rows (slackswap/moe_config.py); the MoE formula is tested by hand in tests/test_moe.py.
     """
     require_torch_extra("transformers")
     from slackswap.profile.torch import build_torch_graph
@@ -119,6 +123,15 @@ def test_a_traced_hf_deepseek_v3_matches_the_analytic_layer():
 
 def forward_flops_total(graph, layer: int) -> float:
     return sum(forward_flops(graph, layer).values())
+
+
+def test_the_mla_block_round_trips_through_graph_json(tmp_path):
+    from slackswap.graph_io import read_graph_json, write_graph_json
+
+    graph = build_graph(small(), HW)
+    back = read_graph_json(write_graph_json(graph, tmp_path / "graph.json"))
+    assert back.tensors == graph.tensors
+    assert ModelConfig.from_dict(back.meta["model"]) == small()
 
 
 # ------------------------------------------------------------------ shared experts, dense layers
@@ -181,6 +194,20 @@ def test_head_dim_equal_to_the_tie_changes_nothing_and_another_widens_attention(
     params_wide, _ = parameter_counts(ModelConfig.from_dict({**base, "head_dim": 16}))
     # qkv h (q + 2 kv) and proj (q h), 2 layers
     assert params_wide - params_tied == 2 * (32 * (64 + 2 * 32) - 32 * (32 + 2 * 16) + (64 - 32) * 32)
+
+
+@pytest.mark.slow
+def test_a_traced_llama_with_head_dim_has_the_analytic_parameters_and_flops():
+    """HF LlamaConfig(head_dim=16) with hidden 32 and 4 heads (Q 64 wide), traced on meta: the same
+    parameter count and forward FLOPs per layer as the analytic graph."""
+    require_torch_extra("transformers")
+    from slackswap.profile.torch import build_torch_graph, spec_for_family, trace_model
+
+    model = ModelConfig.from_dict({**SMALL, "num_kv_heads": 2, "head_dim": 16, "num_layers": 1})
+    spec = spec_for_family(model)
+    assert trace_model(model, spec)[0].num_params == parameter_counts(model)[0]
+    traced, analytic = build_torch_graph(model, spec, HW), build_graph(model, HW)
+    assert forward_flops_total(traced, 0) == forward_flops_total(analytic, 0)
 
 
 def test_qwen3_preset_has_its_config_head_dim():
