@@ -7,9 +7,9 @@ entry of `conf/config.yaml`'s defaults list, so every group preset is merged int
 - a wrong type (`model.num_layers=three`) fails with "Value 'three' ... could not be converted to Integer";
 - an unknown preset (`model=gpt5`) fails with Hydra's "Could not find 'model/gpt5'" plus the options.
 
-`ModelSchema`, `MoESchema`, `HardwareSchema`, `HostLinkSchema` and `NodeSchema` mirror the library dataclasses
-field for field (tests/test_config.py keeps them from drifting); `ModelSchema.torch` is the one extra node, mirrored by
-`slackswap.profile.torch.spec.TorchSpec`. Range checks (positive bandwidth, budget in
+`ModelSchema`, `MoESchema`, `MLASchema`, `HardwareSchema`, `HostLinkSchema` and `NodeSchema` mirror the library
+dataclasses field for field (tests/test_config.py keeps them from drifting); `ModelSchema.torch` is the one extra
+node, mirrored by `slackswap.profile.torch.spec.TorchSpec`. Range checks (positive bandwidth, budget in
 (0, 1]) stay in the library (`from_dict` -> `ConfigError`), so a script and Hydra reject the same values.
 """
 
@@ -51,6 +51,20 @@ class MoESchema:
     expert_ffn_hidden_size: int = MISSING
     capacity_factor: float = 0.0
     load_percentile: float = 99.0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    score_function: str = "softmax"
+
+
+@dataclass
+class MLASchema:
+    """Mirrors `slackswap.mla_config.MLAConfig`: multi-head latent attention (`model.mla`)."""
+
+    q_lora_rank: int = MISSING
+    kv_lora_rank: int = MISSING
+    qk_nope_head_dim: int = MISSING
+    qk_rope_head_dim: int = MISSING
+    v_head_dim: int = MISSING
 
 
 @dataclass
@@ -73,6 +87,10 @@ class ModelSchema:
     attention_kernel: str = ""
     #: None: a dense model.
     moe: MoESchema | None = None
+    #: 0: hidden_size / num_heads.
+    head_dim: int = 0
+    #: None: multi-head (or grouped-query) attention.
+    mla: MLASchema | None = None
     #: Not a `ModelConfig` field: the torch profile source's settings (None: the analytic graph).
     torch: TorchSchema | None = None
 

@@ -9,6 +9,7 @@ from typing import Any
 from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
 from slackswap.hardware import ATTENTION_KERNEL_NAMES, DTYPES
+from slackswap.mla_config import MLAConfig
 from slackswap.moe_config import MoEConfig
 
 FAMILIES: tuple[str, ...] = ("bert", "gpt2", "llama")
@@ -41,10 +42,17 @@ class ModelConfig:
     attention_kernel: str = ""
     #: Mixture-of-experts MLP in every layer (`slackswap.moe_config`); None: a dense model.
     moe: MoEConfig | None = None
+    #: Width of one attention head (query, key and value); 0: hidden_size / num_heads, the usual tie.
+    #: Qwen3 sets it apart (head_dim 128 with hidden 2048 and 32 heads); llama family only.
+    head_dim: int = 0
+    #: Multi-head latent attention in every layer (`slackswap.mla_config`); None: multi-head / grouped-query.
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.moe is not None and not isinstance(self.moe, MoEConfig):  # a `moe:` block, or a graph's meta
             object.__setattr__(self, "moe", MoEConfig.from_dict(self.moe))
+        if self.mla is not None and not isinstance(self.mla, MLAConfig):
+            object.__setattr__(self, "mla", MLAConfig.from_dict(self.mla))
         if self.moe is not None and self.family != "llama":
             raise ConfigError("model.family", self.family, "model.moe (experts) is modelled for the llama family only")
         if self.family not in FAMILIES:
@@ -70,18 +78,42 @@ class ModelConfig:
             "vocab_size",
         ):
             check.integer(f"model.{name}", getattr(self, name), 1)
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(
-                "model.hidden_size", self.hidden_size, f"is not divisible by model.num_heads={self.num_heads}"
-            )
+        self._check_attention_shape()
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 "model.num_kv_heads", self.num_kv_heads, f"does not divide model.num_heads={self.num_heads}"
             )
 
+    def _check_attention_shape(self) -> None:
+        """head_dim and MLA: one ConfigError naming the field. (`moe.first_dense_layers` may exceed the
+        layers, as HF's `first_k_dense_replace` may: a cut of the model is then all dense.)"""
+        check.integer("model.head_dim", self.head_dim, 0)
+        if self.head_dim and self.family != "llama":
+            raise ConfigError("model.head_dim", self.head_dim, "is modelled for the llama family only")
+        if self.mla is not None:
+            if self.family != "llama":
+                raise ConfigError("model.family", self.family, "model.mla (latent attention) is modelled for the "
+                                  "llama family only")
+            if self.head_dim:
+                raise ConfigError("model.head_dim", self.head_dim, "is not used under model.mla (its head widths "
+                                  "are model.mla.qk_nope_head_dim + qk_rope_head_dim and v_head_dim); set 0")
+            if self.num_kv_heads != self.num_heads:
+                raise ConfigError("model.num_kv_heads", self.num_kv_heads, f"must equal model.num_heads="
+                                  f"{self.num_heads} under model.mla (every head up-projects its own key and value)")
+        if not self.head_dim and self.mla is None and self.hidden_size % self.num_heads:
+            raise ConfigError(
+                "model.hidden_size", self.hidden_size, f"is not divisible by model.num_heads={self.num_heads}"
+            )
+
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def attention_head_dim(self) -> int:
+        """One head's query/key/value width: `head_dim`, or hidden_size / num_heads when it is 0."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of all heads' queries (and of the attention context): num_heads x head width."""
+        return self.num_heads * self.attention_head_dim
 
     @property
     def bytes_per_element(self) -> int:

@@ -19,6 +19,18 @@ sized by a stated rule (`planned_tokens_per_expert`), not by the mean T k / E:
    capacity factor > 0 the plan is min(ep * C, the percentile load).
 
 N = ep * T: under expert parallelism an expert receives tokens from all ep ranks of its group.
+
+DeepSeek-MoE structure (DeepSeek-V3 Technical Report, arXiv 2412.19437, section 2.1.2, eq. 12-16;
+HF `DeepseekV3MoE`), both off by default so Mixtral and Qwen3-MoE are unchanged:
+
+- `num_shared_experts`: experts every token passes through besides its k routed ones, run as one
+  SwiGLU FFN of width num_shared_experts x expert_ffn_hidden_size on all T tokens (HF builds them as one
+  `DeepseekV3MLP` of `moe_intermediate_size * n_shared_experts`); replicated on every ep rank.
+- `first_dense_layers`: the first layers keep the dense SwiGLU MLP of `model.ffn_hidden_size`
+  (config.json `first_k_dense_replace`).
+- `score_function`: softmax (Mixtral, Qwen3) or sigmoid (DeepSeek-V3, eq. 15: s = sigmoid(u^T e)).
+  Either keeps one fp32 [T, E] tensor for its backward (softmax and sigmoid both differentiate
+  from their output), so the saved bytes are the same; the role names which one ran.
 """
 
 from __future__ import annotations
@@ -30,6 +42,9 @@ from typing import Any
 
 from slackswap import validation as check
 from slackswap.errors import ConfigError, reject_unknown_fields
+
+#: Router score functions: both keep one fp32 [T, E] output for the backward.
+SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,12 @@ class MoEConfig:
     capacity_factor: float = 0.0
     #: The percentile of one expert's tokens the graph is sized for, in (0, 100].
     load_percentile: float = 99.0
+    #: Shared experts every token also passes through (one SwiGLU of this many times the expert width).
+    num_shared_experts: int = 0
+    #: Leading layers with the dense MLP (`model.ffn_hidden_size`) instead of experts.
+    first_dense_layers: int = 0
+    #: The router's score function: "softmax" or "sigmoid" (module doc).
+    score_function: str = "softmax"
 
     def __post_init__(self) -> None:
         check.integer("model.moe.num_experts", self.num_experts, 1)
@@ -57,6 +78,10 @@ class MoEConfig:
         check.positive("model.moe.load_percentile", self.load_percentile)
         if self.load_percentile > 100:
             raise ConfigError("model.moe.load_percentile", self.load_percentile, "must be in (0, 100]")
+        check.integer("model.moe.num_shared_experts", self.num_shared_experts, 0)
+        check.integer("model.moe.first_dense_layers", self.first_dense_layers, 0)
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ConfigError("model.moe.score_function", self.score_function, f"unknown; known: {SCORE_FUNCTIONS}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MoEConfig:
@@ -65,6 +90,10 @@ class MoEConfig:
         data = dict(data)
         reject_unknown_fields("model.moe", data, cls.__dataclass_fields__)
         return cls(**data)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether transformer layer `layer` (0-based) has experts (the first `first_dense_layers` do not)."""
+        return layer >= self.first_dense_layers
 
     def capacity_per_source(self, tokens: int) -> int:
         """C: the most tokens an expert takes from one rank of `tokens` tokens (0: no capacity)."""

@@ -172,7 +172,7 @@ def test_llama_flash_saves_only_output_and_lse_besides_qkv():
 def test_gqa_shrinks_k_and_v():
     model = preset_model("llama2_70b", num_layers=2)
     graph = build_graph(model, HW)
-    kv_bytes = model.seq_len * model.micro_batch_size * model.num_kv_heads * model.head_dim * 2
+    kv_bytes = model.seq_len * model.micro_batch_size * model.num_kv_heads * model.attention_head_dim * 2
     assert graph.tensors["L0.qkv.k"].size_bytes == kv_bytes == graph.tensors["L0.qkv.v"].size_bytes
     assert graph.tensors["L0.qkv.q"].size_bytes == 8 * kv_bytes
 

@@ -28,6 +28,7 @@ from slackswap.model_config import ModelConfig
 from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 from slackswap.profile.builder import GraphBuilder
 from slackswap.profile.collectives import Collective
+from slackswap.profile.mla import mla_attention
 from slackswap.profile.moe import moe_mlp
 
 #: Dropout masks are stored as torch.bool: one byte per element (Korthikanti et al. 2022).
@@ -73,7 +74,7 @@ class Shape:
 
     @property
     def kv_dim(self) -> int:
-        return self.model.num_kv_heads * self.model.head_dim
+        return self.model.num_kv_heads * self.model.attention_head_dim
 
     @property
     def heads(self) -> int:
@@ -195,9 +196,10 @@ class FamilyBuilder:
                        bwd_reads=(saved,), bwd_flops=2 * flops, bwd_extra_bytes=2 * w_bytes)
         return y
 
-    def norm(self, name: str, layer: int, x: str, *, rms: bool, role: str) -> str:
-        """LayerNorm / RMSNorm: backward reads the input (Korthikanti count the LN input only)."""
-        h = self.m.hidden_size
+    def norm(self, name: str, layer: int, x: str, *, rms: bool, role: str, width: int = 0) -> str:
+        """LayerNorm / RMSNorm: backward reads the input (Korthikanti count the LN input only).
+        `width`: the normalised dimension, for its weights (0: hidden_size; MLA's latents differ)."""
+        h = width or self.m.hidden_size
         self._count(layer, h if rms else 2 * h)
         y = self.g.tensor(f"{name}.out", self.g.size(x), f"{role}_out")
         self.g.forward(name, OpClass.ELEMENTWISE, layer, (x,), (y,), role=role, bwd_reads=(x,))
@@ -233,11 +235,15 @@ class FamilyBuilder:
 
     # -- attention ---------------------------------------------------------------------------------
 
-    def attention(self, p: str, layer: int, q: str, k: str, v: str) -> str:
-        """Eager (materialised s x s scores) or flash (fused) attention core; returns the context."""
+    def attention(self, p: str, layer: int, q: str, k: str, v: str, *, qk_dim: int = 0, v_dim: int = 0) -> str:
+        """Eager (materialised s x s scores) or flash (fused) attention core; returns the context.
+        `qk_dim`, `v_dim`: one head's query/key and value widths (0: the model's head width; MLA's differ)."""
         s = self.shape
-        core_flops = 2.0 * s.scores() * self.m.head_dim  # one of the two batched matmuls
-        ctx_width = self.m.hidden_size // self.par.tp
+        qk_dim = qk_dim or self.m.attention_head_dim
+        v_dim = v_dim or self.m.attention_head_dim
+        qk_flops = 2.0 * s.scores() * qk_dim  # the two batched matmuls: Q K^T, then P V
+        pv_flops = 2.0 * s.scores() * v_dim
+        ctx_width = s.heads * v_dim
         ctx = None
         if self.par.cp > 1:  # ring attention: K and V shards travel round the cp ranks (collectives.py)
             kv = self.g.size(k) + self.g.size(v)
@@ -251,13 +257,13 @@ class FamilyBuilder:
                                 "softmax_lse", differentiable=False)
             # Attention dropout inside the flash kernel regenerates its mask from the RNG state: no mask tensor.
             self.g.forward(f"{p}.flash", OpClass.ATTENTION, layer, (q, k, v), (ctx, lse), role="flash_attn",
-                           flops=2 * core_flops, bwd_reads=(q, k, v, ctx, lse),
-                           bwd_flops=FLASH_BWD_FLOPS_FACTOR * 2 * core_flops, random=self.m.dropout,
+                           flops=qk_flops + pv_flops, bwd_reads=(q, k, v, ctx, lse),
+                           bwd_flops=FLASH_BWD_FLOPS_FACTOR * (qk_flops + pv_flops), random=self.m.dropout,
                            attention_core=True)
             return ctx
         scores = self.g.tensor(f"{p}.qk.out", s.scores() * s.elt, "attn_scores")
         self.g.forward(f"{p}.qk", OpClass.ATTENTION, layer, (q, k), (scores,), role="qk_bmm",
-                       flops=core_flops, bwd_reads=(q, k), bwd_flops=2 * core_flops, attention_core=True)
+                       flops=qk_flops, bwd_reads=(q, k), bwd_flops=2 * qk_flops, attention_core=True)
         # Scale and causal/padding mask are fused into the softmax kernel, as in Megatron.
         probs = self.g.tensor(f"{p}.softmax.out", s.scores() * s.elt, "softmax_out")
         self.g.forward(f"{p}.softmax", OpClass.ELEMENTWISE, layer, (scores,), (probs,), role="softmax",
@@ -266,14 +272,14 @@ class FamilyBuilder:
                                    attention_core=True)
         ctx = self.g.tensor(f"{p}.pv.out", s.act(ctx_width), "attn_ctx")
         self.g.forward(f"{p}.pv", OpClass.ATTENTION, layer, (probs, v), (ctx,), role="pv_bmm",
-                       flops=core_flops, bwd_reads=(probs, v), bwd_flops=2 * core_flops, attention_core=True)
+                       flops=pv_flops, bwd_reads=(probs, v), bwd_flops=2 * pv_flops, attention_core=True)
         return ctx
 
     def qkv(self, p: str, layer: int, x: str, *, bias: bool) -> tuple[str, str, str]:
         """One fused QKV GEMM writing separate Q, K, V tensors (K, V have num_kv_heads heads); column-parallel
         under tp (this rank's a / tp query and kv / tp key-value heads)."""
         t = self.par.tp
-        h, kv = self.m.hidden_size // t, self.shape.kv_dim // t
+        h, kv = self.m.q_width // t, self.shape.kv_dim // t
         d_out = h + 2 * kv
         d_in = self.m.hidden_size
         s = self.shape
@@ -337,17 +343,20 @@ class FamilyBuilder:
         p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
         n1 = self.norm(f"{p}.norm1", layer, x, rms=True, role="rmsnorm")
         self.tp_enter(f"{p}.attn_in", layer)
-        q, k, v = self.qkv(p, layer, n1, bias=False)
-        # Rotary embedding: elementwise on Q and K; its backward needs only the cos/sin tables.
-        qr = self.g.tensor(f"{p}.rope.q", self.g.size(q), "q_rot")
-        kr = self.g.tensor(f"{p}.rope.k", self.g.size(k), "k_rot")
-        self.g.forward(f"{p}.rope", OpClass.ELEMENTWISE, layer, (q, k), (qr, kr), role="rope")
-        ctx = self.attention(p, layer, qr, kr, v)
-        attn = self.linear(f"{p}.proj", layer, ctx, h, h, bias=False, role="proj", tp="row")
+        if self.m.mla is not None:  # latent attention (slackswap.profile.mla; tp is 1)
+            ctx, ctx_width = mla_attention(self, p, layer, n1)
+        else:
+            q, k, v = self.qkv(p, layer, n1, bias=False)
+            # Rotary embedding: elementwise on Q and K; its backward needs only the cos/sin tables.
+            qr = self.g.tensor(f"{p}.rope.q", self.g.size(q), "q_rot")
+            kr = self.g.tensor(f"{p}.rope.k", self.g.size(k), "k_rot")
+            self.g.forward(f"{p}.rope", OpClass.ELEMENTWISE, layer, (q, k), (qr, kr), role="rope")
+            ctx, ctx_width = self.attention(p, layer, qr, kr, v), self.m.q_width
+        attn = self.linear(f"{p}.proj", layer, ctx, ctx_width, h, bias=False, role="proj", tp="row")
         self.tp_exit(f"{p}.attn_out", layer)
         mid = self.add(f"{p}.add1", layer, x, attn)
         n2 = self.norm(f"{p}.norm2", layer, mid, rms=True, role="rmsnorm")
-        if self.m.moe is not None:  # experts instead of the dense MLP (slackswap.profile.moe; tp is 1)
+        if self.m.moe is not None and self.m.moe.is_moe_layer(layer):  # experts (slackswap.profile.moe; tp is 1)
             return self.add(f"{p}.add2", layer, mid, moe_mlp(self, p, layer, n2))
         self.tp_enter(f"{p}.mlp_in", layer)  # one gather serves gate and up (Megatron fuses them: linear_fc1)
         gate = self.linear(f"{p}.gate", layer, n2, h, f, bias=False, role="gate", tp="column")

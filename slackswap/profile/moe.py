@@ -20,6 +20,14 @@ Saved bytes of one MoE MLP (elt: model dtype bytes; the formula of docs/profile.
 SwiGLU output and down output). Under ep > 1 the combine's expert outputs are counted as this rank's
 experts' outputs: the all-to-all is a permutation, so the rows a rank sends back equal the rows it
 receives at the mean load.
+
+Shared experts (`num_shared_experts` > 0, DeepSeek-V3): one SwiGLU of width f_s = num_shared_experts x f_e
+on all T tokens of the rank, beside the routed ones, added to the combine's output; it reads the same
+input as the router (saved once) and adds 3 T f_s elt (gate, up, SwiGLU outputs) to the formula.
+Routing keeps the fp32 scores (softmax or sigmoid) and the top-k weights and indices; DeepSeek-V3's
+group-limited selection (n_group, topk_group), its bias-adjusted choice (the auxiliary-loss-free
+balancing bias, which takes no gradient) and its routed_scaling_factor change which experts are picked
+or a scale, not the sizes: they are not ops here.
 """
 
 from __future__ import annotations
@@ -64,9 +72,9 @@ def moe_mlp(fb, p: str, layer: int, x: str) -> str:
     rows = moe.planned_tokens_per_expert(tokens, fb.par.ep)
 
     logits = fb.linear(f"{p}.router", layer, x, h, e, bias=False, role="router")
-    probs = fb.g.tensor(f"{p}.router_softmax.out", tokens * e * ROUTER_PROB_BYTES, "router_probs")
-    fb.g.forward(f"{p}.router_softmax", OpClass.ELEMENTWISE, layer, (logits,), (probs,), role="router_softmax",
-                 bwd_reads=(probs,))
+    score = f"router_{moe.score_function}"  # softmax or sigmoid: both differentiate from their fp32 output
+    probs = fb.g.tensor(f"{p}.{score}.out", tokens * e * ROUTER_PROB_BYTES, "router_probs")
+    fb.g.forward(f"{p}.{score}", OpClass.ELEMENTWISE, layer, (logits,), (probs,), role=score, bwd_reads=(probs,))
     weights = fb.g.tensor(f"{p}.topk.weights", tokens * k * ROUTER_PROB_BYTES, "router_weights")
     index = fb.g.tensor(f"{p}.topk.indices", tokens * k * INDEX_BYTES, "router_indices", differentiable=False)
     fb.g.forward(f"{p}.topk", OpClass.ELEMENTWISE, layer, (probs,), (weights, index), role="topk",
@@ -92,12 +100,22 @@ def moe_mlp(fb, p: str, layer: int, x: str) -> str:
     y = fb.g.tensor(f"{p}.combine.out", s.act(h), "moe_out")
     fb.g.forward(f"{p}.combine", OpClass.ELEMENTWISE, layer, (*outs, weights, index), (y,), role="moe_combine",
                  bwd_reads=(*outs, weights, index))
-    return y
+    if not moe.num_shared_experts:
+        return y
+    width = moe.num_shared_experts * f  # the shared experts as one SwiGLU on every token (HF DeepseekV3MoE)
+    gate = fb.linear(f"{p}.shared.gate", layer, x, h, width, bias=False, role="shared_gate")
+    up = fb.linear(f"{p}.shared.up", layer, x, h, width, bias=False, role="shared_up")
+    act = fb.g.tensor(f"{p}.shared.swiglu.out", fb.g.size(gate), "shared_swiglu_out")
+    fb.g.forward(f"{p}.shared.swiglu", OpClass.ELEMENTWISE, layer, (gate, up), (act,), role="shared_swiglu",
+                 bwd_reads=(gate, up))
+    down = fb.linear(f"{p}.shared.down", layer, act, width, h, bias=False, role="shared_down")
+    return fb.add(f"{p}.shared_add", layer, y, down)
 
 
 def moe_mlp_saved_bytes(tokens: int, hidden: int, experts: int, top_k: int, expert_ffn: int, rows: int,
-                        local_experts: int, elt: int) -> int:
-    """The module docstring's formula: saved bytes of one MoE MLP on a rank (`rows` per expert)."""
+                        local_experts: int, elt: int, shared_ffn: int = 0) -> int:
+    """The module docstring's formula: saved bytes of one MoE MLP on a rank (`rows` per expert;
+    `shared_ffn`: the shared experts' total width, whose gate, up and SwiGLU outputs add 3 T f_s elt)."""
     return (tokens * hidden * elt + ROUTER_PROB_BYTES * tokens * experts
             + (ROUTER_PROB_BYTES + INDEX_BYTES) * tokens * top_k
-            + local_experts * rows * (2 * hidden + 3 * expert_ffn) * elt)
+            + local_experts * rows * (2 * hidden + 3 * expert_ffn) * elt + 3 * tokens * shared_ffn * elt)

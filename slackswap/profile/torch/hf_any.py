@@ -16,6 +16,7 @@ refuses fp32 on the meta device the trace runs on, and its `eager` experts branc
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from slackswap.errors import ConfigError
@@ -41,6 +42,13 @@ def hf_config(model: ModelConfig, config_class: str, extra: dict[str, Any], tran
     pad = getattr(cfg, "pad_token_id", None)
     if isinstance(pad, int) and pad >= model.vocab_size:
         cfg.pad_token_id = 0  # an embedding's padding index must lie inside the (toy) vocabulary
+    if model.head_dim:
+        cfg.head_dim = model.head_dim
+    if model.mla is not None:  # DeepseekV3Config's keys have model.mla's names; its rotary width is head_dim
+        for key, value in asdict(model.mla).items():
+            setattr(cfg, key, value or None)  # q_lora_rank 0: HF's None (an uncompressed q_proj)
+        cfg.qk_head_dim = model.mla.qk_head_dim
+        cfg.head_dim = model.mla.qk_rope_head_dim
     if getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None):
         cfg._experts_implementation = "batched_mm"
     for key, value in extra.items():

@@ -73,6 +73,11 @@ def _hf_config(model: ModelConfig, spec: TorchSpec, transformers) -> Any:
             vocab_size=m.vocab_size, n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_heads,
             n_inner=m.ffn_hidden_size, n_positions=max(m.seq_len, extra.pop("n_positions", 0)), **extra)
     else:
+        if m.mla is not None:  # LlamaConfig has no latent attention: a trace of it would be another model
+            raise ConfigError("model.mla", m.mla, "is not built by the hf_llama builder; trace it with "
+                              "model.torch.builder=hf model.torch.config_class=DeepseekV3Config")
+        if m.head_dim:
+            extra.setdefault("head_dim", m.head_dim)
         cfg = transformers.LlamaConfig(
             vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
             num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
