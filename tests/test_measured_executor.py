@@ -51,6 +51,7 @@ def test_the_runtime_executor_still_runs_a_refused_plan_verified(tiny):
     assert row["steps_verified"] == row["steps"] == 1
 
 
+@pytest.mark.slow
 def test_the_exported_step_equals_the_plain_step_and_its_prediction_counts_the_replay(tiny):
     w, graph, hardware = tiny
     plan = plan_for_export(get_planner("torch_sac"), graph, w.model, hardware, None)
@@ -61,3 +62,39 @@ def test_the_exported_step_equals_the_plain_step_and_its_prediction_counts_the_r
     # The replayed transients cost time the plan's own schedule does not have.
     assert predicted.executed_recomputes > predicted.plan_recomputes
     assert predicted.prediction.step_s > own
+
+
+@pytest.mark.slow
+def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_export(tmp_path):
+    import math
+    from pathlib import Path
+
+    import torch
+    import yaml
+
+    from slackswap.experiment.training_run import TrainingRunSpec, run_training
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+
+    def preset(group, name):
+        data = yaml.safe_load((conf / group / f"{name}.yaml").read_text())
+        data.pop("defaults", None)
+        return data
+
+    config = {"model": {**preset("model", "tiny"), **preset("model", "tiny_torch")},
+              "hardware": preset("hardware", "h200_sxm_pcie5"), "budget": preset("budget", "full"),
+              "planner": preset("planner", "torch_sac"),
+              "train": {**yaml.safe_load((conf / "train.yaml").read_text())["train"], "steps": 2, "executor": "auto"},
+              "profile": {"timing": "measured", "cache_dir": str(tmp_path), "warmup": 0, "repeats": 1}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on a shared core pair make each step seconds long
+    try:
+        outcome = run_training(TrainingRunSpec.from_dict(config))
+    finally:
+        torch.set_num_threads(threads)
+    f = outcome.figures
+    assert outcome.verdict == "ok", outcome.reason
+    assert f["executor"] == "export" and "a tensor autograd does not save" in f["hook_only_refusal"]
+    assert f["grad_check_bit_exact"] is True and f["export_differences"] == 0
+    assert f["executed_recomputes"] > f["plan_recomputes"] > 0
+    assert f["measured_steps_compared"] == 1 and math.isfinite(f["step_relative_error"])
