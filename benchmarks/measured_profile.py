@@ -70,27 +70,24 @@ def _cases():
 
 def _row_line(r: dict) -> str:
     ms = {k: r[k] * 1e3 for k in ("predicted_s", "measured_median_s", "measured_min_s", "measured_max_s")}
-    return (f"  {r['plan']:<16} predicted {ms['predicted_s']:8.2f} ms  measured {ms['measured_median_s']:8.2f} ms "
+    return (f"  {r['plan']:<16} {r['executor']:<7} predicted {ms['predicted_s']:8.2f} ms  "
+            f"measured {ms['measured_median_s']:8.2f} ms "
             f"({ms['measured_min_s']:.1f}-{ms['measured_max_s']:.1f})  error {r['rel_error'] * 100:+6.1f} %  "
             f"overhead {r.get('overhead_predicted', math.nan):.3f} vs {r.get('overhead_measured', math.nan):.3f} "
             f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}"
-            + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else ""))
+            + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else "")
+            + (f"  [eager SAC: {r['executed_recomputes']} recomputes run, the plan's {r['plan_recomputes']}; hook-only "
+               "program refused the runtime plan]" if r["executor"] == "export" and r["hook_only_refusal"] else ""))
 
 
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock):
-    import torch
-
-    from slackswap.errors import InfeasibleBudgetError
-    from slackswap.experiment.prediction import compare_steps, predict_step
-    from slackswap.planners.registry import get_planner
+def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto"):
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
-    from slackswap.runtime.train import train_steps
     from slackswap.runtime.training_workload import build_training_workload
     from slackswap.simulate.metrics import simulate_ideal
 
@@ -110,25 +107,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
         budget = None if fraction is None else max(1, math.floor(peak * fraction))
         row = {"model": name, "plan": planner if fraction is None else f"{planner}@{fraction}",
                "budget_bytes": budget}
-        options = dict(conf("planner", planner).get("options") or {})
-        try:
-            plan = get_planner(planner, **options).plan(timed, hardware, budget)
-        except InfeasibleBudgetError as exc:
-            rows.append(row | {"infeasible": str(exc), "load": _load()})
-            continue
-        prediction = predict_step(timed, plan, hardware, machine_)  # before any step of this plan runs
-        torch.manual_seed(0)
-        records = train_steps(w, timed, plan, steps + 1, 1e-4, 0, clock=STEP_CLOCKS[clock])
-        c = compare_steps(prediction.step_s, [r.step_s for r in records])
-        rows.append(row | {"predicted_s": c.predicted_s, "predicted_sim_s": prediction.simulated_s,
-                           "predicted_sync_copy_s": prediction.sync_copy_s, "copies": prediction.copies,
-                           "measured_median_s": c.measured_median_s, "measured_min_s": c.measured_min_s,
-                           "measured_max_s": c.measured_max_s, "steps": c.steps,
-                           "rel_error": c.relative_error, "within_10pct": abs(c.relative_error) <= 0.10,
-                           # Steps the runtime ran verified (dispatch modes on every call), which no
-                           # profile prices, and why it could not run them on the hooks alone.
-                           "steps_verified": sum(r.report.verified for r in records[1:]),
-                           "hook_only_refusal": records[-1].report.hook_only_refusal, "load": _load()})
+        rows.append(row | measure_plan(w, timed, hardware, machine_, planner, budget, steps, clock, executor))
     base = next(r for r in rows if r["plan"] == "keep_all")
     for r in rows:
         if "predicted_s" in r and "predicted_s" in base:
@@ -137,6 +116,85 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
             r["overhead_gap_pp"] = 100 * (r["overhead_predicted"] - r["overhead_measured"])
             r["overhead_within_3pp"] = abs(r["overhead_gap_pp"]) <= 3.0
     return profile, rows, table, graph, w
+
+
+def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int, clock: str,
+                 executor: str = "auto") -> dict:
+    """One plan's row: planned, predicted before any of its steps, run for 1 + `steps` steps, compared.
+
+    `executor` (`slackswap.experiment.measured_executor.EXECUTORS`): `runtime` runs every plan under
+    `apply`; `export` makes every plan for the export and runs it as eager selective checkpointing;
+    `auto` (default) runs a plan under `apply` unless its hook-only program refuses it (one verified
+    step against a plain one says so), and then through the export, as a user would. An exported
+    step whose loss or gradients differ from the plain step's is a refusal, not a timing."""
+    from slackswap.errors import InfeasibleBudgetError
+    from slackswap.experiment.export_plan import plan_for_export
+    from slackswap.experiment.measured_executor import (
+        export_gradient_check,
+        export_steps,
+        hook_only_refusal,
+        predict_export,
+    )
+    from slackswap.experiment.prediction import predict_step
+    from slackswap.planners.registry import get_planner
+    from slackswap.runtime.train import train_steps
+
+    options = dict(conf("planner", planner).get("options") or {})
+    refusal = None
+    if executor != "export":
+        try:
+            plan = get_planner(planner, **options).plan(timed, hardware, budget)
+        except InfeasibleBudgetError as exc:
+            return {"executor": "runtime", "infeasible": str(exc), "load": _load()}
+        prediction = predict_step(timed, plan, hardware, machine_)  # before any step of this plan runs
+        # One verified step against a plain one (weights unchanged): is the runtime's gradient exact, and
+        # does its hook-only program take the plan?
+        exact, refusal = hook_only_refusal(w, timed, plan)
+        if executor == "runtime" or refusal is None:
+            if not exact:
+                return {"executor": "runtime", "refused": "runtime step's gradients differ from the plain step's",
+                        "hook_only_refusal": refusal, "load": _load()}
+            _seed0()
+            records = train_steps(w, timed, plan, steps + 1, 1e-4, 0, clock=STEP_CLOCKS[clock])
+            return _timed(prediction, records) | {
+                "executor": "runtime", "grad_bit_exact": exact,
+                # Steps the runtime ran verified (dispatch modes on every call), which no profile prices,
+                # and why it could not run them on the hooks alone.
+                "steps_verified": sum(r.report.verified for r in records[1:]),
+                "hook_only_refusal": records[-1].report.hook_only_refusal}
+    row = {"executor": "export", "hook_only_refusal": refusal}
+    try:
+        plan = plan_for_export(get_planner(planner, **options), timed, w.model, hardware, budget)
+    except InfeasibleBudgetError as exc:
+        return row | {"infeasible": str(exc), "load": _load()}
+    predicted = predict_export(timed, plan, hardware, machine_)  # before any step of the exported plan runs
+    check = export_gradient_check(w, timed, plan)
+    row |= {"grad_bit_exact": check.bit_exact, "export_differences": check.differences,
+            "plan_recomputes": predicted.plan_recomputes, "executed_recomputes": predicted.executed_recomputes}
+    if not check.bit_exact:
+        return row | {"refused": f"exported step's loss or gradients differ from the plain step's (max abs diff "
+                                 f"{check.max_abs_diff:.3g})", "load": _load()}
+    _seed0()
+    records = export_steps(w, timed, plan, steps + 1, 1e-4, 0, clock=STEP_CLOCKS[clock])
+    return row | _timed(predicted.prediction, records) | {"steps_verified": 0}
+
+
+def _seed0() -> None:
+    """The plan's steps from one RNG state whichever executor runs them."""
+    import torch
+
+    torch.manual_seed(0)
+
+
+def _timed(prediction, records) -> dict:
+    from slackswap.experiment.prediction import compare_steps
+
+    c = compare_steps(prediction.step_s, [r.step_s for r in records])
+    return {"predicted_s": c.predicted_s, "predicted_sim_s": prediction.simulated_s,
+            "predicted_sync_copy_s": prediction.sync_copy_s, "copies": prediction.copies,
+            "measured_median_s": c.measured_median_s, "measured_min_s": c.measured_min_s,
+            "measured_max_s": c.measured_max_s, "steps": c.steps,
+            "rel_error": c.relative_error, "within_10pct": abs(c.relative_error) <= 0.10, "load": _load()}
 
 
 def _cross_shape(model, spec, hardware, table, graph, device, steps, clock):
@@ -176,7 +234,7 @@ def _sync_free():
     return Machine.from_dict(machine_description("no_copies", "cpu", True, rows, [], [], "keep_all: no copies"))
 
 
-def run(quick: bool, device: str = "cpu", clock: str = "wall") -> dict:
+def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "auto") -> dict:
     import torch
 
     from slackswap.hardware import load_preset
@@ -197,14 +255,15 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall") -> dict:
     profiles, rows, cross = [], [], None
     for name, model, spec in _cases():
         profile, model_rows, table, graph, _ = _measure_model(name, model, spec, hardware, machine_, device,
-                                                              warmup, repeats, steps, clock)
+                                                              warmup, repeats, steps, clock, executor)
         profiles.append(profile)
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
               f" plain step {profile['plain_step_median_s'] * 1e3:.1f} ms; load {profile['load']}", flush=True)
         for r in model_rows:
-            if "infeasible" in r:
-                print(f"  {r['plan']:<16} infeasible; load {r['load']}", flush=True)
+            if "infeasible" in r or "refused" in r:
+                what = "infeasible" if "infeasible" in r else f"refused: {r['refused']}"
+                print(f"  {r['plan']:<16} {r['executor']:<7} {what}; load {r['load']}", flush=True)
                 continue
             print(_row_line(r), flush=True)
         if name == "hf_gpt2_2l":
@@ -214,23 +273,29 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall") -> dict:
                   f"{cross['rel_error'] * 100:+.1f} % (held-out ops: median |error| "
                   f"{cross['holdout_median_rel_error']:.0%}); load {cross['load']}", flush=True)
     done = [r for r in rows if "rel_error" in r]
-    hook_only = [r for r in done if not r["steps_verified"]]
+    hook_only = [r for r in done if r["executor"] == "runtime" and not r["steps_verified"]]
+    exported = [r for r in done if r["executor"] == "export"]
     summary = {"rows": len(rows), "predicted_rows": len(done),
                "hook_only_rows": len(hook_only), "hook_only_within_10pct": sum(r["within_10pct"] for r in hook_only),
                "hook_only_overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in hook_only),
+               "export_rows": len(exported), "export_within_10pct": sum(r["within_10pct"] for r in exported),
+               "export_overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in exported),
+               "refused_rows": sum("refused" in r for r in rows),
                "within_10pct": sum(r["within_10pct"] for r in done),
                "overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in done),
                "median_abs_rel_error": statistics.median(abs(r["rel_error"]) for r in done) if done else None}
     print(f"[summary] {summary['within_10pct']}/{len(done)} steps within 10 %, {summary['overhead_within_3pp']}/"
           f"{len(done)} overheads within 3 pp, median |error| {summary['median_abs_rel_error']:.1%}; of the "
           f"{len(hook_only)} rows the runtime ran on its hooks alone: {summary['hook_only_within_10pct']} within 10 %, "
-          f"{summary['hook_only_overhead_within_3pp']} overheads within 3 pp; "
+          f"{summary['hook_only_overhead_within_3pp']} overheads within 3 pp; of the {len(exported)} run through "
+          f"the export: {summary['export_within_10pct']} within 10 %, {summary['export_overhead_within_3pp']} "
+          f"overheads within 3 pp; {summary['refused_rows']} refused; "
           f"{time.perf_counter() - t0:.0f} s; load {_load()}", flush=True)
-    result = {"quick": quick, "device": device, "clock": clock, "hardware_preset": HARDWARE,
+    result = {"quick": quick, "device": device, "clock": clock, "executor": executor, "hardware_preset": HARDWARE,
               "torch_threads": torch.get_num_threads(),
               "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
-    tag = "" if clock == "wall" else f"_{clock}"
+    tag = ("" if clock == "wall" else f"_{clock}") + ("" if executor == "auto" else f"_{executor}")
     path = save_result(f"measured_profile{tag}{'_quick' if quick else ''}.json", result)
     print(f"[saved] {path}", flush=True)
     return result
@@ -242,6 +307,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's own); 1 spares a shared machine's cores")
+    parser.add_argument("--executor", default="auto", choices=("auto", "runtime", "export"),
+                        help="auto: the runtime, and the eager export for a plan its hook-only program refuses; "
+                             "runtime: every plan under apply (refused plans run verified); export: every plan "
+                             "made for and run through the export")
     parser.add_argument("--clock", default="wall", choices=sorted(STEP_CLOCKS),
                         help="process: CPU time of this process for op times and steps alike (needs --threads 1)")
     args = parser.parse_args()
@@ -254,7 +323,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    run(args.quick, args.device, args.clock)
+    run(args.quick, args.device, args.clock, args.executor)
 
 
 if __name__ == "__main__":

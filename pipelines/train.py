@@ -40,6 +40,8 @@ class _Console(TrainingProgress):
 
     def __init__(self, spec: TrainingRunSpec):
         self.spec = spec
+        #: The executor that runs the steps (auto: eager until the hook-only program refuses the plan).
+        self.executor = "eager" if spec.executor == "auto" else spec.executor
 
     def building(self, spec) -> None:
         print(f"[train] building {spec.model.name} on {spec.device}", flush=True)
@@ -59,10 +61,20 @@ class _Console(TrainingProgress):
         print(f"[train] executor=compile: gradient check max |diff| {check.max_abs_diff:g}; "
               f"{len(check.differences)} decisions PyTorch executes otherwise", flush=True)
 
+    def refused(self, reason) -> None:
+        print(f"[train] executor=auto: the runtime's hook-only program refuses the plan ({reason}); its steps "
+              "would run verified, under dispatch modes: running the plan made for the export as eager selective "
+              "checkpointing instead", flush=True)
+        self.executor = "export"
+
+    def export_checked(self, check) -> None:
+        print(f"[train] executor=export: gradient check bit-exact={check.bit_exact} (max |diff| "
+              f"{check.max_abs_diff:g}); {check.differences} decisions PyTorch executes otherwise", flush=True)
+
     def step(self, record) -> None:
         done = (f"[train] step {record.step + 1}/{self.spec.steps} loss {record.loss:.4f} "
                 f"time {record.step_s * 1e3:.1f} ms")
-        if self.spec.executor == "compile":
+        if self.executor in ("compile", "export"):
             print(done, flush=True)
             return
         peak = (f"peak {size_text(record.measured_peak_bytes)} (ledger {size_text(record.ledger_peak_bytes)})"
@@ -93,6 +105,18 @@ def _summary(spec: TrainingRunSpec, f) -> None:
               f"{f['measured_within_budget']}", flush=True)
 
 
+def _export_summary(f) -> None:
+    """The closing lines of a run through the eager export: the measured step and, on measured op times,
+    its prediction as eager checkpointing runs the plan (the layers' replays counted)."""
+    print(f"[train] measured step {f['measured_step_s'] * 1e3:.1f} ms through the eager export; gradient check "
+          f"bit-exact={f['grad_check_bit_exact']}", flush=True)
+    if "step_relative_error" in f:
+        from pipelines.measured_console import comparison_line
+
+        print(comparison_line(f) + f" (eager checkpointing runs {f['executed_recomputes']} recomputes, the plan "
+              f"{f['plan_recomputes']})", flush=True)
+
+
 def run_training_job(spec: TrainingRunSpec, run_dir: Path) -> dict[str, Any]:
     """The run with its console lines; an OK run's figures, with the versions, go to run_dir/train.json.
     Returns the figures."""
@@ -102,8 +126,10 @@ def run_training_job(spec: TrainingRunSpec, run_dir: Path) -> dict[str, Any]:
     if outcome.verdict == RunStatus.OK:
         figures["versions"] = provenance.versions()
         (run_dir / "train.json").write_text(json.dumps(figures, indent=2))
-        if spec.executor == "eager":
+        if figures.get("executor") == "eager":
             _summary(spec, figures)
+        elif figures.get("executor") == "export":
+            _export_summary(figures)
     return figures
 
 

@@ -105,11 +105,22 @@ class MeasuredTiming:
 
     @staticmethod
     def compare(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine,
-                step_times_s: Sequence[float]) -> dict[str, Any]:
-        """The predicted step beside the measured steps (after the first) and the relative error."""
-        prediction = predict_step(graph, plan, hardware, machine)
+                step_times_s: Sequence[float], export: bool = False) -> dict[str, Any]:
+        """The predicted step beside the measured steps (after the first) and the relative error.
+        `export`: `plan` was made for the export and ran as eager selective checkpointing, predicted as
+        that runs it (`slackswap.experiment.measured_executor.predict_export`: the layers' replays)."""
+        extra: dict[str, Any] = {}
+        if export:
+            from slackswap.experiment.measured_executor import predict_export
+
+            executed = predict_export(graph, plan, hardware, machine)
+            prediction = executed.prediction
+            extra = {"plan_recomputes": executed.plan_recomputes,
+                     "executed_recomputes": executed.executed_recomputes}
+        else:
+            prediction = predict_step(graph, plan, hardware, machine)
         c = compare_steps(prediction.step_s, step_times_s)
-        return {"predicted_step_s": c.predicted_s, "predicted_sim_step_s": prediction.simulated_s,
+        return extra | {"predicted_step_s": c.predicted_s, "predicted_sim_step_s": prediction.simulated_s,
                 "predicted_sync_copy_s": prediction.sync_copy_s, "measured_step_median_s": c.measured_median_s,
                 "measured_step_min_s": c.measured_min_s, "measured_step_max_s": c.measured_max_s,
                 "measured_steps_compared": c.steps, "step_relative_error": c.relative_error,

@@ -8,8 +8,12 @@ The run: build the preset's torch model on the device, capture the graph of one 
 with the chosen planner and budget, simulate the plan on the chosen hardware (and on this device's
 own link, what the measured peak is compared with), check that the plan's loss and gradients equal
 a plain step's, then run N AdamW steps under it. With `executor="compile"` the plan runs as PyTorch
-selective checkpointing, each layer compiled (`_run_compiled`, the one place this module calls the
-export). The steps themselves are `slackswap.runtime.train`; this module orders them and collects the
+selective checkpointing, each layer compiled (`_run_compiled`); with `executor="export"` the plan made
+for the export runs as eager per-layer selective checkpointing (`_run_export`); with `executor="auto"`
+under the runtime unless the runtime's hook-only program refuses it (a plan that keeps or recomputes a
+tensor autograd does not save runs every step verified, under dispatch modes: that step times the
+verifier, not the plan), and then through the eager export (`slackswap.experiment.measured_executor`).
+The steps themselves are `slackswap.runtime.train`; this module orders them and collects the
 figures. The caller adds Hydra, MLflow, the console lines (through `TrainingProgress`) and the
 versions it writes beside the figures.
 
@@ -40,11 +44,15 @@ from slackswap.profile.torch.spec import TorchSpec
 from slackswap.simulate.result import SimResult
 
 if TYPE_CHECKING:
+    from slackswap.experiment.measured_executor import ExportCheck
     from slackswap.runtime.train import CompiledGradCheck, GradCheck, StepRecord
     from slackswap.runtime.training_workload import Workload
 
 DEVICES = ("cpu", "cuda")
-EXECUTORS = ("eager", "compile")
+#: eager: `slackswap.runtime.apply`; compile: the plan's export, torch.compile'd; export: the plan made for
+#: the export as eager selective checkpointing; auto: eager unless the hook-only program refuses the plan,
+#: then export.
+EXECUTORS = ("eager", "compile", "export", "auto")
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class TrainingRunSpec:
     planner_options: Mapping[str, Any]
     #: "cpu" or "cuda".
     device: str
-    #: "eager" (`slackswap.runtime.apply`) or "compile" (the plan's export, torch.compile'd).
+    #: One of `EXECUTORS`.
     executor: str
     steps: int
     #: Weights, batches and dropout stream; the gradient check uses `seed + 1`.
@@ -134,6 +142,12 @@ class TrainingProgress:
     def compiled_checked(self, check: CompiledGradCheck) -> None:
         """The compiled gradient check ran (the export is compiled and reused by the steps)."""
 
+    def refused(self, reason: str) -> None:
+        """executor=auto: the runtime's hook-only program refuses the plan; the eager export runs it."""
+
+    def export_checked(self, check: ExportCheck) -> None:
+        """The eager export's gradient check ran (executor=export, or auto after a refusal)."""
+
     def step(self, record: StepRecord) -> None:
         """One optimizer step under the plan finished."""
 
@@ -192,11 +206,21 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
         # Planned and simulated as the compiled export stores the step (each layer's dropout mask bool); the
         # budget stays resolved against the captured step's keep-all peak, the same bytes for both executors.
         graph = export_plan_graph(graph, w.model, compile=True)
+    executor = "eager" if spec.executor == "auto" else spec.executor
     try:
-        if spec.executor == "compile":  # inside PyTorch's plan space: the export runs it as planned
-            plan = plan_for_export(spec.planner, graph, w.model, hardware, budget_bytes, compile=True)
+        if executor in ("compile", "export"):  # inside PyTorch's plan space: the export runs it as planned
+            plan = plan_for_export(spec.planner, graph, w.model, hardware, budget_bytes, compile=executor == "compile")
         else:
             plan = spec.planner.plan(graph, hardware, budget_bytes)
+        if spec.executor == "auto":
+            from slackswap.experiment.measured_executor import hook_only_refusal
+
+            figures["hook_only_refusal"] = refusal = hook_only_refusal(w, graph, plan, spec.seed + 1)[1]
+            if refusal is not None:
+                progress.refused(refusal)
+                executor = "export"
+                plan = plan_for_export(spec.planner, graph, w.model, hardware, budget_bytes)
+        figures["executor"] = executor
     except InfeasibleBudgetError as exc:
         figures.update(status=Verdict.INFEASIBLE, infeasible_reason=str(exc))
         progress.infeasible(str(exc))
@@ -212,8 +236,12 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
                    sim_saved_peak_bytes=simulated_saved_peak_bytes(graph, plan, hardware),
                    sim_saved_peak_bytes_link=simulated_saved_peak_bytes(graph, plan, hardware, instant=False),
                    **{f"plan_{k}": v for k, v in counts.items()})
-    if spec.executor == "compile":
+    if executor == "compile":
         records = _run_compiled(spec, w, graph, plan, figures, progress)
+    elif executor == "export":
+        records = _run_export(spec, w, graph, plan, figures, progress)
+        if machine is not None and figures["grad_check_bit_exact"]:  # as eager checkpointing runs the plan
+            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], export=True))
     else:
         records = _run_eager(spec, w, graph, plan, counts, figures, progress)
         if machine is not None:  # the plan's predicted step on this machine beside its measured steps
@@ -281,6 +309,26 @@ def _run_compiled(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, 
     progress.compiled_checked(check)
     records = train_steps(w, graph, plan, spec.steps, spec.lr, spec.seed, progress.step, executor="compile",
                           export=check.export, backend=check.backend)  # compiled once, in the check
+    figures.update(measured_step_s=_median_step_s(records), losses=[r.loss for r in records],
+                   step_times_s=[r.step_s for r in records])
+    if w.batch.device.type == "cuda":
+        figures["measured_peak_bytes"] = max(r.measured_peak_bytes for r in records)
+    return records
+
+
+def _run_export(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, figures: dict[str, Any],
+                progress: TrainingProgress) -> list[StepRecord]:
+    """executor=export (or auto after a refusal): the plan made for the export as eager per-layer selective
+    checkpointing. Its loss and gradients are checked bit for bit against a plain step's from the same
+    RNG seed; the prediction is compared with the steps only when they are equal. No ledger (PyTorch's
+    checkpointing runs the step)."""
+    from slackswap.experiment.measured_executor import export_gradient_check, export_steps
+
+    check = export_gradient_check(w, graph, plan, spec.seed + 1)
+    figures.update(grad_check_bit_exact=check.bit_exact, grad_check_max_abs_diff=check.max_abs_diff,
+                   export_differences=check.differences)
+    progress.export_checked(check)
+    records = export_steps(w, graph, plan, spec.steps, spec.lr, spec.seed, on_step=progress.step)
     figures.update(measured_step_s=_median_step_s(records), losses=[r.loss for r in records],
                    step_times_s=[r.step_s for r in records])
     if w.batch.device.type == "cuda":

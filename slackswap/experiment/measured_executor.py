@@ -1,0 +1,144 @@
+"""Which executor a measured step runs a plan on, and the plan's prediction as that executor runs it.
+
+The runtime (`slackswap.runtime.apply`) runs a plan on its saved-tensor hooks alone after the first
+step: then a step costs the plan's ops. A plan that keeps or recomputes a checkpoint candidate (a
+tensor autograd does not save: a recompute that reads one has no saved-tensor hook to receive it) is
+refused that program (`RunReport.hook_only_refusal`), and the runtime runs every step verified: a
+Python dispatch mode on every ATen call (naming, numbering and checking each against the graph), about
+0.1 ms a call on a CPU, 3-6x the plain step of the small models here. That step times the verifier,
+not the plan, and is not how a user runs such a plan. A user runs it through PyTorch's own
+mechanism: the plan made for the export (`slackswap.experiment.export_plan.plan_for_export`) installed
+as per-layer eager selective checkpointing (`slackswap.runtime.export.PlanExport`).
+
+Its prediction models what that executor runs (`predict_export`): eager checkpointing replays a
+layer's forward before its first backward reader, every op of it up to its last saved output that no
+cached output covers, so it runs more recomputes than the plan decides (the replayed transients of
+`slackswap.pytorch_execution.pytorch_plan`); the simulator runs that executed plan. What the model
+leaves out: eager selective checkpointing routes every ATen call of a layer's forward and replay through
+Python dispatch modes (PyTorch's own SAC does the same), a per-call cost no op-time profile holds.
+
+`EXECUTORS`: `runtime` (every plan under `apply`), `export` (every plan made for and run through the
+export), `auto` (the runtime, and the export for a plan its hook-only program refuses). Needs torch
+when a function runs; importing this module does not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Plan, StepKind
+from slackswap.profile.machine import Machine
+
+if TYPE_CHECKING:
+    from slackswap.experiment.prediction import Prediction
+    from slackswap.runtime.train import StepRecord
+    from slackswap.runtime.training_workload import Workload
+
+EXECUTORS = ("runtime", "export", "auto")
+
+
+@dataclass(frozen=True)
+class ExportPrediction:
+    """The step predicted for a plan made for the export, as eager checkpointing executes it."""
+
+    prediction: Prediction
+    #: The plan's own recompute steps, and those the eager replay runs (the plan's and every uncached
+    #: op of a layer's forward up to its last saved output).
+    plan_recomputes: int
+    executed_recomputes: int
+
+
+@dataclass(frozen=True)
+class ExportCheck:
+    """A plain step and a step under the installed export, from the same weights, batch and RNG seed."""
+
+    bit_exact: bool
+    #: Largest absolute difference over the loss and every parameter gradient.
+    max_abs_diff: float
+    #: Decisions the eager export executed otherwise than planned (`PlanExport.step_differences`).
+    differences: int
+
+
+def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None) -> ExportPrediction:
+    """`plan` (made by `plan_for_export` on `graph`) predicted as PyTorch's eager checkpointing runs it:
+    `pytorch_plan(..., "eager")`, each layer's recomputes and replayed transients in one block before
+    its first backward reader, on `slackswap.experiment.prediction.predict_step`."""
+    from slackswap.experiment.prediction import predict_step
+    from slackswap.pytorch_execution import pytorch_plan
+
+    executed = pytorch_plan(graph, plan, dict(plan.decisions), hardware, "eager")
+
+    def recomputes(p: Plan) -> int:
+        return sum(s.kind == StepKind.RECOMPUTE for s in p.steps)
+
+    return ExportPrediction(predict_step(graph, executed, hardware, machine), recomputes(plan), recomputes(executed))
+
+
+def hook_only_refusal(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> tuple[bool, str | None]:
+    """(gradients bit-exact, why the runtime's hook-only program refuses `plan` or None), from one
+    verified step under `apply` against a plain one (`slackswap.runtime.train.gradient_check`; the
+    weights are left unchanged)."""
+    from slackswap.runtime.train import gradient_check
+
+    check = gradient_check(w, graph, plan, seed)
+    return check.bit_exact, check.report.hook_only_refusal
+
+
+def export_gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> ExportCheck:
+    """Loss and every parameter gradient of a plain step against a step under `PlanExport(plan, graph,
+    model).installed(model)`, both from `seed` (dropout draws alike); the weights are left unchanged."""
+    import torch
+
+    from slackswap.runtime.export import PlanExport
+
+    def one_step(export: PlanExport | None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        torch.manual_seed(seed)
+        for p in w.model.parameters():
+            p.grad = None
+        if export is None:
+            loss = w.loss_for(w.batch)(w.model(*w.inputs_for(w.batch)))
+            loss.backward()
+        else:
+            with export.installed(w.model):
+                loss = w.loss_for(w.batch)(w.model(*w.inputs_for(w.batch)))
+                loss.backward()
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in w.model.parameters()]
+        for p in w.model.parameters():
+            p.grad = None
+        return loss.detach(), grads
+
+    plain_loss, plain = one_step(None)
+    export = PlanExport(plan, graph, w.model)
+    plan_loss, planned = one_step(export)
+    diffs = [float((plain_loss - plan_loss).abs())]
+    same = torch.equal(plain_loss, plan_loss)
+    for a, b in zip(plain, planned, strict=True):
+        if a is None or b is None:
+            same = same and a is None and b is None
+            diffs.append(0.0 if a is None and b is None else float("inf"))
+            continue
+        same = same and torch.equal(a, b)
+        diffs.append(float((a - b).abs().max()) if a.numel() else 0.0)
+    return ExportCheck(same, max(diffs), len(export.step_differences()))
+
+
+def export_steps(w: Workload, graph: Graph, plan: Plan, steps: int, lr: float, seed: int,
+                 clock: Callable[[], float] = time.perf_counter,
+                 on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+    """`steps` AdamW steps (`slackswap.runtime.train.train_steps`) with `plan`'s export installed as
+    eager per-layer selective checkpointing. The first step audits the policies (the comparison drops
+    it as warm-up); the later ones run from the audited tables."""
+    from slackswap.runtime.export import PlanExport
+    from slackswap.runtime.train import train_steps
+
+    with PlanExport(plan, graph, w.model).installed(w.model):
+        return train_steps(w, graph, None, steps, lr, seed, on_step, clock=clock)
+
+
+__all__ = ["EXECUTORS", "ExportCheck", "ExportPrediction", "export_gradient_check", "export_steps",
+           "hook_only_refusal", "predict_export"]

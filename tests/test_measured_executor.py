@@ -1,0 +1,100 @@
+"""The measured comparison's executor choice: a plan the runtime's hook-only program refuses is
+measured through the eager export (`benchmarks/measured_profile.py`, `slackswap.experiment.measured_executor`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.extras import require_torch_extra
+
+require_torch_extra()
+
+from benchmarks.measured_profile import HARDWARE, _cases, measure_plan  # noqa: E402
+from slackswap.experiment.export_plan import plan_for_export  # noqa: E402
+from slackswap.experiment.measured_executor import export_gradient_check, predict_export  # noqa: E402
+from slackswap.hardware import load_preset  # noqa: E402
+from slackswap.planners.registry import get_planner  # noqa: E402
+from slackswap.simulate import simulate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """tiny_torch as the benchmark builds it, captured on the roofline (the executor choice needs no op times)."""
+    from slackswap.runtime import capture_graph
+    from slackswap.runtime.training_workload import build_training_workload
+
+    name, model, spec = next(c for c in _cases() if c[0] == "tiny_torch")
+    hardware = load_preset(HARDWARE)
+    w = build_training_workload(model, spec, "cpu", 0)
+    return w, capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name), hardware
+
+
+@pytest.mark.slow
+def test_a_plan_the_hook_only_program_refuses_is_measured_through_the_export(tiny):
+    w, graph, hardware = tiny
+    row = measure_plan(w, graph, hardware, None, "torch_sac", None, 2, "process", "auto")
+    assert row["executor"] == "export"
+    # The runtime's reason stays on the row beside the export's timing.
+    assert "a tensor autograd does not save" in row["hook_only_refusal"]
+    assert row["grad_bit_exact"] is True and "refused" not in row
+    assert row["steps"] == 2 and row["steps_verified"] == 0 and row["measured_median_s"] > 0
+    # Predicted as eager checkpointing runs it: the layer's replay runs more than the plan's recomputes.
+    assert row["executed_recomputes"] > row["plan_recomputes"] > 0
+    assert row["export_differences"] == 0
+
+
+@pytest.mark.slow
+def test_the_runtime_executor_still_runs_a_refused_plan_verified(tiny):
+    w, graph, hardware = tiny
+    row = measure_plan(w, graph, hardware, None, "torch_sac", None, 1, "process", "runtime")
+    assert row["executor"] == "runtime" and row["hook_only_refusal"]
+    assert row["steps_verified"] == row["steps"] == 1
+
+
+@pytest.mark.slow
+def test_the_exported_step_equals_the_plain_step_and_its_prediction_counts_the_replay(tiny):
+    w, graph, hardware = tiny
+    plan = plan_for_export(get_planner("torch_sac"), graph, w.model, hardware, None)
+    check = export_gradient_check(w, graph, plan)
+    assert check.bit_exact and check.max_abs_diff == 0.0 and check.differences == 0
+    predicted = predict_export(graph, plan, hardware, None)
+    own = simulate(graph, plan, hardware, None).step_s
+    # The replayed transients cost time the plan's own schedule does not have.
+    assert predicted.executed_recomputes > predicted.plan_recomputes
+    assert predicted.prediction.step_s > own
+
+
+@pytest.mark.slow
+def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_export(tmp_path):
+    import math
+    from pathlib import Path
+
+    import torch
+    import yaml
+
+    from slackswap.experiment.training_run import TrainingRunSpec, run_training
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+
+    def preset(group, name):
+        data = yaml.safe_load((conf / group / f"{name}.yaml").read_text())
+        data.pop("defaults", None)
+        return data
+
+    config = {"model": {**preset("model", "tiny"), **preset("model", "tiny_torch")},
+              "hardware": preset("hardware", "h200_sxm_pcie5"), "budget": preset("budget", "full"),
+              "planner": preset("planner", "torch_sac"),
+              "train": {**yaml.safe_load((conf / "train.yaml").read_text())["train"], "steps": 2, "executor": "auto"},
+              "profile": {"timing": "measured", "cache_dir": str(tmp_path), "warmup": 0, "repeats": 1}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on a shared core pair make each step seconds long
+    try:
+        outcome = run_training(TrainingRunSpec.from_dict(config))
+    finally:
+        torch.set_num_threads(threads)
+    f = outcome.figures
+    assert outcome.verdict == "ok", outcome.reason
+    assert f["executor"] == "export" and "a tensor autograd does not save" in f["hook_only_refusal"]
+    assert f["grad_check_bit_exact"] is True and f["export_differences"] == 0
+    assert f["executed_recomputes"] > f["plan_recomputes"] > 0
+    assert f["measured_steps_compared"] == 1 and math.isfinite(f["step_relative_error"])
