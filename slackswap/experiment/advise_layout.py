@@ -1,25 +1,32 @@
 """The layout half of the advise search: tensor, pipeline and context parallelism (`advise.tp`, `pp`,
-`cp`, with sequence parallelism on tp > 1, and micro-batches per pipeline), dp = GPUs / (tp pp cp).
+`cp`, with sequence parallelism on tp > 1, micro-batches per pipeline and its schedule: 1F1B, or
+interleaved 1F1B with v chunks per device, `advise.pipeline_schedule` / `advise.virtual_stages`),
+dp = GPUs / (tp pp cp).
 
 Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
 
 1. **enumerate and prune without graphs**: a (tp, pp, cp) whose product does not divide the GPU count
    is not a layout of it (skipped); one that does not divide the model (`ParallelConfig.check_model`:
    tp the heads, KV heads and MLP width, pp the layers, cp the sequence) or puts a tp group across
-   nodes is a rejected region; ZeRO over the dp group: stages 0 and 1 with a pipeline (Megatron's
-   DDP and distributed optimizer), every searched stage on a pp = 1 layout (`_zero_stages`); a
-   (layout, recipe) whose static memory on its fullest stage (its own parameters,
+   nodes is a rejected region, as is an interleaved (pp, v, m) Megatron refuses (pp x v not dividing
+   the layers, m not a multiple of pp: `pipeline_variants`); ZeRO over the dp group: stages 0 and 1
+   with a pipeline (Megatron's DDP and distributed optimizer), every searched stage on a pp = 1
+   layout (`zero_stages`); a (layout, recipe) whose static memory on its fullest stage (its own
+   parameters, interleaved all its chunks',
    `slackswap.profile.stages.stage_parameter_counts`; under ZeRO-k over the dp group, the ZeRO
    paper's per-rank terms of that stage's parameters, `slackswap.memory.static.static_memory`) leaves
    no activation capacity is a region **static memory does not fit**;
 2. **rank by an optimistic estimate**: the full model's keep-all compute of one micro-batch split
-   evenly over tp x cp x pp ranks, times (m + pp - 1) micro-batch slots of 1F1B, plus the tp
+   evenly over tp x cp x pp ranks, times m + (pp - 1) / v micro-batch slots (1F1B: v = 1; the
+   interleaved bubble is (pp - 1) / (v m) of the ideal, Narayanan et al. 2021), plus the tp
    all-reduces' ring time at the bus bandwidth (4 per layer, Megatron) and the optimizer step on the
    rank's shard. Every term is at most what the planned step costs, so its tokens/s is an upper bound;
 3. **plan best-first**: the stages of each configuration are built (`build_stage_graph`), their
    activation floors checked against their capacity (a floor over it: **activations do not fit**, and
    every larger micro-batch of the layout is skipped), planned per stage under its own budget
-   (`slackswap.experiment.pipeline_run.plan_pipeline`) and run through the pipeline's step model
+   (`slackswap.experiment.pipeline_run.device_stages` and `plan_pipeline`, as `pipelines.run` plans
+   them: interleaved, a device's chunks under one planning budget, its in-flight micro-batch chunks
+   and peak as its order holds them) and run through the pipeline's step model
    (`slackswap.simulate.pipeline`), with the exposed part of the stage's tp / cp collectives added to
    its forward and backward (`slackswap.profile.collectives.price`: tp in full, a cp ring beyond the
    attention it overlaps) and its optimizer step as its tail, plus the data-parallel gradient
@@ -32,7 +39,8 @@ Planned against the reserved peak (when `advise.plan_against` lists it) with the
 planner, then its others unless that plan keeps every activation (every planner would then give the
 same step). A stage's peak on the device: static + reserve + communication buffers + its activation
 peak with its in-flight micro-batches, plus the fragmentation (reserved - allocated) the allocator
-replay of one micro-batch shows. Communication buffers: under sp, one full-sequence activation (the
+replay of one micro-batch shows (planned against the reserved peak, `plan_pipeline` counts it in the
+activation peak already). Communication buffers: under sp, one full-sequence activation (the
 all-gather's output, not a graph tensor).
 
 The enumeration and pruning (steps 1 and 2) are `advise_layout_configs`, the planning of one
@@ -45,7 +53,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from slackswap.experiment.advise_layout_configs import LayoutConfig, LayoutSearch, comm_buffer_bytes, layout_configs
+from slackswap.experiment.advise_layout_configs import (
+    LayoutConfig,
+    LayoutSearch,
+    comm_buffer_bytes,
+    graphs_key,
+    layout_configs,
+)
 from slackswap.experiment.advise_layout_eval import LAYOUT_NOTE, evaluate_layout
 from slackswap.experiment.advise_space import (
     ACTIVATIONS_DO_NOT_FIT,
@@ -129,7 +143,8 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
 def _shape_key(cfg: LayoutConfig) -> tuple:
     """A configuration less its micro-batch: where one micro-batch's activation floor is over the
     capacity, every larger micro-batch of the same key is too."""
-    return (cfg.layout.tp, cfg.layout.pp, cfg.layout.cp, cfg.layout.zero_stage, cfg.recipe)
+    lay = cfg.layout
+    return (lay.tp, lay.pp, lay.cp, lay.virtual_stages, lay.zero_stage, cfg.recipe)
 
 
 def _skip(cfg: LayoutConfig, too_big: dict, bar: tuple[float, float], planned: int, top_n: int) -> str | None:
@@ -145,9 +160,8 @@ def _task_context(ctx: Any, cfg: LayoutConfig) -> Any:
     """What planning `cfg` needs of `ctx`: its layout's cached parameter counts and stage graphs, not
     every graph the search built, nor the graph source (a worker is sent the task's context)."""
     lay = cfg.layout
-    keep = {("params", lay.tp, lay.pp),
-            ("graphs", lay.tp, lay.pp, lay.cp, lay.sp, cfg.micro_batch, cfg.training.fp8_linear_inputs),
-            ("stages", lay.tp, lay.pp, lay.cp, lay.sp, cfg.micro_batch, cfg.training.fp8_linear_inputs)}
+    keep = {("params", lay.tp, lay.pp, lay.virtual_stages), graphs_key(lay, cfg.micro_batch, cfg.training),
+            graphs_key(lay, cfg.micro_batch, cfg.training, "stages")}
     return replace(ctx, graph_for=None, workloads={}, plan_cache={k: ctx.plan_cache[k] for k in keep
                                                                   if k in ctx.plan_cache},
                    optimizer_cache=dict(ctx.optimizer_cache))
