@@ -60,16 +60,24 @@ def _best_description(r: Any) -> str:
             f"{r.headroom_bytes / GIB:.1f} GiB")
 
 
+def _chunk_list(chunks: tuple[int, ...], virtual_stages: int) -> str:
+    """" (chunks 0, 4)" for a device of an interleaved layout, "" under 1F1B (the stage is its chunk)."""
+    return f" (chunks {', '.join(map(str, chunks))})" if virtual_stages > 1 else ""
+
+
 def layout_lines(r: Any, indent: str = "    ") -> list[str]:
     """The answer's layout and its per-stage plans (one stage, the whole model, for a data-parallel row)."""
     c = r.candidate
     lay = c.layout
-    sched = f"{lay.microbatches} micro-batches per pipeline, schedule {lay.schedule}" if lay.pp > 1 else \
+    chunks = f" with {lay.virtual_stages} chunks per stage" if lay.virtual_stages > 1 else ""
+    sched = f"{lay.microbatches} micro-batches per pipeline, schedule {lay.schedule}{chunks}" if lay.pp > 1 else \
         "no pipeline"
     out = [f"{indent}layout: dp {lay.dp}, tp {lay.tp}{' (sp)' if lay.sp else ''}, pp {lay.pp}, cp {lay.cp}, "
            f"ZeRO-{lay.zero_stage} over {lay.zero_shards}, micro-batch {c.micro_batch}, {sched}"]
     if r.stages:
-        out += [f"{indent}  stage {p.stage}: planner {p.planner}, {p.in_flight} in flight, budget "
+        held = "micro-batch chunks" if lay.virtual_stages > 1 else "micro-batches"
+        out += [f"{indent}  stage {p.stage}{_chunk_list(p.chunks, lay.virtual_stages)}: planner {p.planner}, "
+                f"{p.in_flight} {held} in flight, budget "
                 f"{p.budget_bytes / GIB:.1f} GiB, peak {p.peak_bytes / GIB:.1f} GiB "
                 f"(static {p.static_bytes / GIB:.1f}), "
                 f"forward {p.forward_s:.3f} s, backward {p.backward_s:.3f} s" for p in r.stages]
@@ -196,7 +204,8 @@ def advice_json(advice: Any, spec: AdviseSpec, header: Mapping[str, Any]) -> dic
                   "milp_top_k": space.milp_top_k, "reserve_bytes": space.reserve_bytes, "graph": spec.graph,
                   "margin_bytes": space.margin_bytes, "tp": list(space.tp), "pp": list(space.pp), "cp": list(space.cp),
                   "sp": space.sp, "pipeline_microbatches": list(space.pipeline_microbatches),
-                  "pipeline_schedule": space.pipeline_schedule, "layout_top_n": space.layout_top_n},
+                  "pipeline_schedule": list(space.pipeline_schedule), "virtual_stages": list(space.virtual_stages),
+                  "layout_top_n": space.layout_top_n},
         "evaluated": len(advice.rows),
         "pruned": advice.pruned_configurations,
         "best": {str(g): i for g, i in advice.best.items()},
@@ -249,7 +258,7 @@ def _children(parent_id: str, data: Mapping[str, Any]) -> list[tuple[str, dict, 
                 tracking.NOTE_TAG: f"configuration {i + 1} of the advise; {row['why'] or row['reason'] or ''}"[:4000]}
         params = {k: str(row[k]) for k in ("gpus", "zero_stage", "zero_shards", "layout", "recipe", "micro_batch",
                                            "planner", "plan_against", "dp", "tp", "pp", "cp", "sp",
-                                           "pipeline_microbatches")}
+                                           "pipeline_microbatches", "pipeline_schedule", "virtual_stages")}
         out.append((name, tags, params, tracking.numeric_metrics(_child_metrics(row))))
     return out
 

@@ -5,6 +5,7 @@ dataclasses' type hints through their module, which must be importable."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -31,7 +32,9 @@ class AdviseSchema:
     cp: list[int] = field(default_factory=lambda: [1])
     sp: bool = True
     pipeline_microbatches: list[int] = field(default_factory=lambda: [8])
-    pipeline_schedule: str = "1f1b"
+    # A schedule name or a list of them (conf/advise.yaml): Any, so that both are taken.
+    pipeline_schedule: Any = field(default_factory=lambda: ["1f1b"])
+    virtual_stages: list[int] = field(default_factory=lambda: [2])
     layout_top_n: int = 40
     n_jobs: int = 2
     backend: str | None = "loky"

@@ -178,12 +178,3 @@ def test_run_one_plans_each_device_under_its_budget():
     assert m["model_flops"] == pytest.approx(flat["model_flops"])
     assert m["step_s"] >= m["ideal_step_s"] > 0
 
-
-def test_advise_searches_1f1b_only():
-    from slackswap.experiment.advise_space import SearchSpace
-    from slackswap.memory.recipe import TrainingConfig
-
-    space = dict(gpus=(4,), recipes={"mixed": TrainingConfig()}, micro_batches=(1,), planners={"keep_all": {}})
-    assert SearchSpace(**space).pipeline_schedule == "1f1b"
-    with pytest.raises(ConfigError, match=r"^advise.pipeline_schedule='interleaved': must be 1f1b"):
-        SearchSpace(**space, pipeline_schedule="interleaved")

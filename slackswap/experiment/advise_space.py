@@ -55,7 +55,12 @@ class SearchSpace:
     sp: bool = True
     #: Micro-batches per pipeline step of a pp > 1 layout (`parallel.microbatches`).
     pipeline_microbatches: tuple[int, ...] = (8,)
-    pipeline_schedule: str = "1f1b"
+    #: Pipeline schedules searched on a pp > 1 layout (a name or a list: `1f1b`, `interleaved`):
+    #: 1f1b is one chunk per device; interleaved (Megatron's virtual pipeline) each of `virtual_stages`.
+    pipeline_schedule: tuple[str, ...] | str = ("1f1b",)
+    #: Model chunks per device searched under the interleaved schedule (each >= 2; Megatron's
+    #: virtual pipeline size): layers divisible by pp x v, micro-batches a multiple of pp.
+    virtual_stages: tuple[int, ...] = (2,)
     #: At most this many layout configurations are planned, best optimistic estimate first.
     layout_top_n: int = 40
     #: Workers the evaluations spread over (joblib's `n_jobs`: -1 every core) and the joblib backend
@@ -97,16 +102,17 @@ class SearchSpace:
         check.integer("advise.milp_top_k", self.milp_top_k, 0)
         check.integer("budget.reserve_bytes", self.reserve_bytes, 0)
         check.integer("advise.margin_bytes", self.margin_bytes, 0)
-        for name in ("tp", "pp", "cp", "pipeline_microbatches"):
+        for name in ("tp", "pp", "cp", "pipeline_microbatches", "virtual_stages"):
             positive_ints(name, getattr(self, name))
             if list(getattr(self, name)) != sorted(set(getattr(self, name))):
                 raise ConfigError(f"advise.{name}", list(getattr(self, name)), "must be strictly increasing")
+        for v in self.virtual_stages:
+            if v < 2:
+                raise ConfigError("advise.virtual_stages", list(self.virtual_stages),
+                                  f"{v} is not an integer >= 2 (chunks per device under the interleaved schedule; "
+                                  "one chunk is 1f1b: list it in advise.pipeline_schedule)")
         check.flag("advise.sp", self.sp)
-        from slackswap.parallel import PIPELINE_SCHEDULES
-
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES or self.pipeline_schedule == "interleaved":
-            raise ConfigError("advise.pipeline_schedule", self.pipeline_schedule,
-                              "must be 1f1b (advise does not search interleaved layouts)")
+        object.__setattr__(self, "pipeline_schedule", _schedules(self.pipeline_schedule))
         check.integer("advise.layout_top_n", self.layout_top_n, 1)
         from slackswap.experiment.parallel_map import check_n_jobs
 
@@ -117,6 +123,26 @@ class SearchSpace:
     @property
     def searches_layouts(self) -> bool:
         return (self.tp, self.pp, self.cp) != ((1,), (1,), (1,))
+
+    def pipeline_variants(self) -> list[tuple[str, int]]:
+        """The (schedule, chunks per device) a pp > 1 layout is searched under: (1f1b, 1), then
+        (interleaved, v) for each of `virtual_stages`, as `pipeline_schedule` lists them."""
+        out = [("1f1b", 1)] if "1f1b" in self.pipeline_schedule else []
+        if "interleaved" in self.pipeline_schedule:
+            out += [("interleaved", v) for v in self.virtual_stages]
+        return out
+
+
+def _schedules(value: Any) -> tuple[str, ...]:
+    """`advise.pipeline_schedule` as a tuple: one schedule name or a list of distinct ones."""
+    from slackswap.parallel import PIPELINE_SCHEDULES
+
+    names = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, Sequence) else None
+    if not names or len(set(names)) != len(names) or any(n not in PIPELINE_SCHEDULES for n in names):
+        shown = list(names) if names is not None and not isinstance(value, str) else value
+        raise ConfigError("advise.pipeline_schedule", shown,
+                          f"must be one of {list(PIPELINE_SCHEDULES)} or a list of distinct ones")
+    return names
 
 
 @dataclass(frozen=True)
@@ -134,6 +160,8 @@ class Layout:
     #: Micro-batches per pipeline step (pp > 1), else 1.
     microbatches: int = 1
     schedule: str = "1f1b"
+    #: Model chunks per device (interleaved: Megatron's virtual pipeline size), 1 under 1F1B.
+    virtual_stages: int = 1
 
     @property
     def dp(self) -> int:
@@ -147,7 +175,8 @@ class Layout:
     def label(self) -> str:
         if not self.is_data_parallel:
             zero = "" if self.dp == 1 else " DDP" if self.zero_stage == 0 else f" ZeRO-{self.zero_stage}"
-            pipe = f" pp{self.pp} x {self.microbatches} mb {self.schedule}" if self.pp > 1 else ""
+            chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            pipe = f" pp{self.pp} x {self.microbatches} mb {self.schedule}{chunks}" if self.pp > 1 else ""
             return (f"{self.gpus} GPUs dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''}{pipe}"
                     f"{f' cp{self.cp}' if self.cp > 1 else ''}{zero}")
         if self.gpus == 1:
@@ -201,6 +230,7 @@ class Candidate:
             "sp": self.layout.sp,
             "pipeline_microbatches": self.layout.microbatches,
             "pipeline_schedule": self.layout.schedule,
+            "virtual_stages": self.layout.virtual_stages,
             "recipe": self.recipe,
             "micro_batch": self.micro_batch,
             "planner": self.planner,
@@ -292,16 +322,21 @@ class Row:
 class StagePlan:
     """One pipeline stage's plan in a layout row."""
 
+    #: The device (pipeline stage) index.
     stage: int
     planner: str
+    #: Micro-batches (interleaved: micro-batch chunks) the device holds at most.
     in_flight: int
     budget_bytes: int
     #: Static + reserve + communication buffers + the stage's activation peak with `in_flight`
     #: micro-batches (reserved estimate), bytes on the device.
     peak_bytes: int
     static_bytes: int
+    #: One micro-batch's forward and backward seconds on the device (interleaved: over its chunks).
     forward_s: float
     backward_s: float
+    #: The model chunks the device holds (`profile.stages`: chunk c on device c mod pp), () for none.
+    chunks: tuple[int, ...] = ()
 
 
 def numerics_change(training: TrainingConfig) -> str:

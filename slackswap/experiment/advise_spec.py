@@ -60,6 +60,11 @@ def _values(field_name: str, value: Any) -> tuple[Any, ...]:
     return tuple(value)
 
 
+def _schedule_names(value: Any) -> str | tuple[Any, ...]:
+    """`advise.pipeline_schedule`: one schedule name, or a list of them (`SearchSpace` checks the names)."""
+    return value if isinstance(value, str) else _values("advise.pipeline_schedule", value)
+
+
 @dataclass(frozen=True)
 class AdviseSpec:
     """Every input of one advise: what is trained, where, what is searched, and the notes printed with
@@ -136,7 +141,9 @@ class AdviseSpec:
             pp=_values("advise.pp", adv.get("pp", [1])), cp=_values("advise.cp", adv.get("cp", [1])),
             sp=adv.get("sp", True),
             pipeline_microbatches=_values("advise.pipeline_microbatches", adv.get("pipeline_microbatches", [8])),
-            pipeline_schedule=adv.get("pipeline_schedule", "1f1b"), layout_top_n=adv.get("layout_top_n", 40),
+            pipeline_schedule=_schedule_names(adv.get("pipeline_schedule", "1f1b")),
+            virtual_stages=_values("advise.virtual_stages", adv.get("virtual_stages", [2])),
+            layout_top_n=adv.get("layout_top_n", 40),
             n_jobs=adv.get("n_jobs", 1), backend=adv.get("backend", "loky"),
         )
         topology = topology_from_node(node, hardware)

@@ -50,7 +50,7 @@ from slackswap.experiment.baseline import Baseline
 from slackswap.experiment.fitting import FittedPlan, plan_and_simulate
 from slackswap.experiment.spec import RunSpec
 from slackswap.graph import Graph
-from slackswap.memory.static import DeviceCapacity, static_memory
+from slackswap.memory.static import DeviceCapacity, StaticMemory, static_memory
 from slackswap.parallel import ParallelConfig
 from slackswap.pipeline_stages import in_flight_microbatches, schedule_order
 from slackswap.simulate.pipeline import PipelineResult, StageTimes, simulate_pipeline
@@ -103,17 +103,32 @@ def build_stages(spec: RunSpec) -> list[Stage]:
     from slackswap.profile.stages import build_stage_graph, stage_parameter_counts
     from slackswap.simulate.metrics import simulate_ideal
 
-    par, p = spec.parallel, spec.parallel.pp
+    par = spec.parallel
     graphs = [build_stage_graph(spec.model, spec.hardware, spec.training, par, s) for s in range(par.chunks)]
     ideals = [simulate_ideal(g, spec.hardware) for g in graphs]
-    devices = []
+    counts = [stage_parameter_counts(spec.model, par, c) for c in range(par.chunks)]
+    capacities = [DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes,
+                                 device_static(spec, counts, d)) for d in range(par.pp)]
+    return device_stages(par, graphs, ideals, capacities)
+
+
+def device_static(spec: RunSpec, chunk_counts: list[tuple[int, int]], device: int) -> StaticMemory:
+    """Device `device`'s static memory: every one of its chunks' parameters (`chunk_counts[c]`, the
+    (parameters, largest group) of chunk c) under the run's recipe."""
+    own = [chunk_counts[c] for c in range(device, spec.parallel.chunks, spec.parallel.pp)]
+    return static_memory(sum(n for n, _ in own), max(u for _, u in own), spec.training, spec.model.dtype)
+
+
+def device_stages(par: ParallelConfig, graphs: list[Graph], ideals: list[SimResult],
+                  capacities: list[DeviceCapacity]) -> list[Stage]:
+    """The `Stage` of each chunk from its graph and keep-all simulation, with its device's in-flight
+    count, keep-all pipeline peak and capacity (`capacities[d]`, one per device). Apart from
+    `build_stages` so that the advise layout search, which caches graphs, plans the same stages."""
+    p, devices = par.pp, []
     for d in range(p):
         own = range(d, par.chunks, p)
-        counts = [stage_parameter_counts(spec.model, par, c) for c in own]
-        static = static_memory(sum(n for n, _ in counts), max(u for _, u in counts), spec.training, spec.model.dtype)
-        capacity = DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes, static)
         peak = _device_peak(par, d, [graphs[c] for c in own], [ideals[c] for c in own])
-        devices.append((device_in_flight(par, d), peak, capacity))
+        devices.append((device_in_flight(par, d), peak, capacities[d]))
     return [Stage(s, graphs[s], ideals[s], *devices[s % p]) for s in range(par.chunks)]
 
 
@@ -325,5 +340,6 @@ def stage_fits(out: PipelineOutcome) -> tuple[bool | None, int]:
     return fits, min(s.capacity.activation_capacity_bytes - s.peak_bytes for s in out.stages)
 
 
-__all__ = ["PipelineOutcome", "Stage", "StageTimes", "build_stages", "p2p_seconds", "pipeline_metrics",
+__all__ = ["PipelineOutcome", "Stage", "StageTimes", "build_stages", "device_stages", "device_static",
+           "p2p_seconds", "pipeline_metrics",
            "pipeline_simulation_metrics", "plan_pipeline", "stage_baseline", "stage_fits"]
