@@ -1,7 +1,8 @@
 """The layering of docs/architecture.md, enforced: read every module's imports with `ast` (imports inside
 functions included) and fail on an import up a layer, sideways between two units of one layer (the
 executors simulate, memory.allocator_replay and runtime among them), from a module no layer names, or on any
-import cycle between modules."""
+import cycle between modules. And what each layer may not import at all: the library neither Hydra nor
+MLflow, its core not torch."""
 
 from __future__ import annotations
 
@@ -179,3 +180,74 @@ def test_the_check_catches_a_broken_import(source: str, target: str, why: str) -
     src, dst = _place(source, placement), _place(target, placement)
     assert src is not None and dst is not None
     assert (dst[0] > src[0]) if why == "up a layer" else (dst[0] == src[0] and dst[1] != src[1])
+
+
+# The library's parts behind the `torch` extra (pyproject.toml): everything else imports without torch.
+TORCH_PACKAGES = ("slackswap.runtime", "slackswap.profile.torch", "slackswap.integrations")
+
+# Prints the sorted names of slackswap's modules, found on disk (walk_packages would import the torch
+# packages' __init__ to look inside them), leaving out TORCH_PACKAGES when argv[1] is "core".
+_LIST_MODULES = (
+    "import pathlib, sys, slackswap\n"
+    "root = pathlib.Path(slackswap.__file__).parent\n"
+    "names = []\n"
+    "for path in sorted(root.rglob('*.py')):\n"
+    "    parts = ('slackswap',) + path.relative_to(root).with_suffix('').parts\n"
+    "    names.append('.'.join(parts[:-1] if parts[-1] == '__init__' else parts))\n"
+    "skip = TORCH_PACKAGES if sys.argv[1] == 'core' else ()\n"
+    "names = [n for n in names if not any(n == p or n.startswith(p + '.') for p in skip)]\n"
+)
+
+
+def _probe(body: str, scope: str, *, block_torch: bool = False) -> str:
+    import subprocess
+    import sys
+
+    from pipelines.schemas import REPO_ROOT
+
+    head = "import sys\n"
+    if block_torch:  # an import of torch or transformers raises ImportError, as where they are not installed
+        head += "sys.modules['torch'] = None\nsys.modules['transformers'] = None\n"
+    script = head + f"TORCH_PACKAGES = {TORCH_PACKAGES!r}\n" + _LIST_MODULES + body
+    out = subprocess.run([sys.executable, "-c", script, scope], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_library_imports_neither_hydra_nor_mlflow() -> None:
+    """Every slackswap module, imported in a fresh interpreter, leaves hydra and mlflow unloaded. The
+    modules behind the torch extra are part of it where torch is installed (always in CI)."""
+    import importlib.util
+
+    scope = "all" if importlib.util.find_spec("torch") is not None else "core"
+    body = (
+        "import importlib\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('hydra', 'omegaconf', 'mlflow')))\n"
+    )
+    assert _probe(body, scope) == "[]"
+
+
+def test_the_core_imports_without_torch() -> None:
+    """Every slackswap module outside the torch packages imports with torch and transformers absent, and
+    the torch packages are exactly the modules that need them (so TORCH_PACKAGES cannot go stale)."""
+    body = (
+        "import importlib\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "print(len(names))\n"
+    )
+    assert int(_probe(body, "core", block_torch=True)) > 40
+    body = (
+        "import importlib\n"
+        "failed = []\n"
+        "for name in names:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError:\n"
+        "        failed.append(name)\n"
+        "print(sorted({p for p in TORCH_PACKAGES if any(n == p or n.startswith(p + '.') for n in failed)}))\n"
+    )
+    assert _probe(body, "all", block_torch=True) == str(sorted(TORCH_PACKAGES))
