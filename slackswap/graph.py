@@ -104,6 +104,10 @@ STATE_KEY = "writes_module_state"
 #: Graph meta of a captured graph: backward op -> the layers whose ops saved the tensors autograd unpacked
 #: for it (the checkpoint regions whose eager frames that unpack would re-run; `slackswap.pytorch_execution`).
 BACKWARD_FRAMES_KEY = "backward_frames"
+#: Graph meta of a captured graph: forward tensor -> the layers it was passed to as an argument (positional
+#: or keyword, a view of it included). A checkpoint frame keeps its layer's arguments for the replay until
+#: the frame dies, also one no op of the layer reads (HF Llama's `cache_position`; `slackswap.pytorch_execution`).
+LAYER_ARGUMENTS_KEY = "layer_arguments"
 #: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
 #: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source
 #: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.

@@ -52,10 +52,14 @@ def pytorch_plan(graph: Graph, plan: Plan, decisions: Mapping[str, Decision], ha
             if tensor.saved and tensor.layer != NO_LAYER:
                 first_reader.setdefault(tensor.layer, j)
     if mode == "eager":
-        extra = _replayed_transients(graph, steps, first_reader, decisions)
-        new_steps, index = _recompute_at_layer_start(graph, steps, first_reader, extra)
+        replay_at = _frame_replays(graph, steps, first_reader, decisions)
+        extra = _replayed_transients(graph, steps, replay_at, decisions)
+        new_steps, index = _recompute_at_layer_start(graph, steps, replay_at, extra)
     else:
         new_steps, index = steps, list(range(len(steps)))
+    # Reloads are placed no later than the first backward reader of any saved tensor of their layer
+    # (eager: the replay reloads; this bound is at or before it, conservative where the frame's first
+    # unpack comes later, which host copies that count as CPU memory keep from being measured here).
     block_start = {layer: index[j] for layer, j in first_reader.items()}
     if mode == "eager":  # the layer's recompute block begins before that reader
         for layer in block_start:
@@ -68,7 +72,12 @@ def pytorch_plan(graph: Graph, plan: Plan, decisions: Mapping[str, Decision], ha
         layer = graph.tensors[t.tensor].layer
         start = block_start.get(layer)
         issue = index[t.issue_after_step] if t.issue_after_step >= 0 else -1
-        if start is not None:
+        if start is not None and mode == "eager":
+            # The replay reloads the layer's offloaded tensors all at once (a copy per cached op it
+            # meets), not each right before its reader as the plan's schedule does: measured on the zoo's
+            # ViT, capuchin at 70 % held ten reloaded copies at once where the price held two.
+            issue = min(issue, start - 1)
+        elif start is not None:
             issue = max(issue, start - 1)
         if mode == "compiled":
             issue = max(issue, _first_backward_reader(graph, new_steps, t.tensor) - 1)
@@ -77,6 +86,37 @@ def pytorch_plan(graph: Graph, plan: Plan, decisions: Mapping[str, Decision], ha
     offloads.sort(key=lambda t: t.issue_after_step)
     return replace(base, steps=tuple(new_steps), offloads=tuple(offloads), prefetches=tuple(prefetches),
                    graph_fingerprint=plan.graph_fingerprint or base.graph_fingerprint)
+
+
+def _frame_replays(graph: Graph, steps: list[ComputeStep], first_reader: dict[int, int],
+                   decisions: Mapping[str, Decision]) -> dict[int, int]:
+    """Eager: per layer, the step before which PyTorch replays its forward: the first backward op that
+    unpacks a tensor its checkpoint frame packed (`BACKWARD_FRAMES_KEY`, recorded by the capture), or a
+    reader of a tensor of the layer that the plan recomputes or offloads, if one comes first. Without the
+    capture's record, `first_reader` (the first backward reader of any saved tensor of the layer). The
+    record matters where a layer's output is read by the next layer: that op's backward unpacks it from the
+    next layer's frame, so the layer's replay does not start there; priced there, the zoo's in-place
+    attention stack's full recompute at 70 % was priced 655,368 B, one layer's recomputes early, against
+    475,176 B measured (less the RNG state and a weight gradient in flight)."""
+    from slackswap.graph import BACKWARD_FRAMES_KEY
+
+    frames = graph.meta.get(BACKWARD_FRAMES_KEY) if graph.meta else None
+    if not frames:
+        return first_reader
+    ops = graph.op_by_name
+    moved = {t for t, d in decisions.items() if d != Decision.KEEP}
+    at: dict[int, int] = {}
+    for j, step in enumerate(steps):
+        op = ops[step.op]
+        if step.kind != StepKind.RUN or op.phase != Phase.BACKWARD:
+            continue
+        for layer in frames.get(step.op, ()):
+            at.setdefault(layer, j)
+        for t in op.inputs:
+            tensor = graph.tensors[t]
+            if t in moved and tensor.saved and tensor.layer != NO_LAYER:
+                at.setdefault(tensor.layer, j)
+    return {layer: at.get(layer, j) for layer, j in first_reader.items()}
 
 
 def _replayed_transients(graph: Graph, steps: list[ComputeStep], first_reader: dict[int, int],
@@ -105,11 +145,15 @@ def _recompute_at_layer_start(graph: Graph, steps: list[ComputeStep], first_read
     """Every recompute step of a layer moved right before the layer's first backward reader, with the
     `extra` steps of that reader, in the forward order of their ops (the order the replay runs them).
     Returns the new steps and, per old step, its new index."""
+    # A recompute of the layer the plan's schedule placed in the backward pass before that reader (right
+    # before a reader of its own, ahead of the replay's start) runs in the replay too: PyTorch recomputes
+    # nothing outside it.
+    backward = next((j for j, s in enumerate(steps) if graph.op_by_name[s.op].phase == Phase.BACKWARD), len(steps))
     moved: dict[int, list[int]] = {}
     for j, step in enumerate(steps):
         if step.kind == StepKind.RECOMPUTE:
             layer = graph.tensors[step.outputs[0]].layer
-            if layer in first_reader and first_reader[layer] < j:
+            if layer in first_reader and (first_reader[layer] < j or backward < j < first_reader[layer]):
                 moved.setdefault(first_reader[layer], []).append(j)
     skip = {j for js in moved.values() for j in js}
     order = graph.op_index
@@ -220,13 +264,28 @@ def eager_frame_holds(graph: Graph, held_inputs: Collection[str], cached_outputs
     op, until that frame dies too. Each is held until the end of its frames (`frame_ends`), later than its
     last reader; measured, a 2-layer Llama's exported full recompute peaked 65,536 B above a replay that
     freed both at their last readers."""
+    from slackswap.graph import LAYER_ARGUMENTS_KEY
+
     ends = frame_ends(graph)
     if not ends:
         return graph
     index, ops = graph.op_index, graph.op_by_name
     tensors = dict(graph.tensors)
-    for name in {*held_inputs, *cached_outputs}:
+    # A layer's arguments, read by its ops or not, stay in its frame (measured: the zoo's Llama's
+    # `cache_position`, 512 B passed to every decoder layer and read by none, was freed at the end of the
+    # forward in the price and held by the frames into the backward, 528 B above the price with the
+    # replay's scalars).
+    for name, layers in ((graph.meta or {}).get(LAYER_ARGUMENTS_KEY) or {}).items():
         t = graph.tensors.get(name)
+        last = max((ends[layer] for layer in layers if layer in ends), key=index.__getitem__, default=None)
+        if t is None or last is None:
+            continue
+        current = max((index[x] for x in (*t.consumers, *([t.held_until] if t.held_until else ()))),
+                      default=index[t.producer])
+        if index[last] > current:
+            tensors[name] = replace(t, held_until=last)
+    for name in {*held_inputs, *cached_outputs}:
+        t = tensors.get(name)
         if t is None:
             continue
         layers = {ops[c].layer for c in t.consumers if ops[c].phase != Phase.BACKWARD} if name in held_inputs else set()

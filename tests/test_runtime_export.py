@@ -124,9 +124,11 @@ def test_a_plan_made_for_the_export_runs_as_planned_saving_exactly_the_planned_b
         assert all(len({plan.decisions[n] for n in group}) == 1 for group in facts.tied), planner
         acted.update(str(d) for d in plan.decisions.values())
     assert acted == {"keep", "swap", "recompute"}
-    # 0.7 (the benchmark's budget, benchmarks/runtime_overhead.py) is refused: PyTorch's eager replay of the
-    # plan peaks at 190,472 B against 173,023 (the step measured 209,752 B on the CPU, host copies left out).
-    assert fractions["slackswap"] == 0.9
+    # 0.7 (the benchmark's budget, benchmarks/runtime_overhead.py) was refused after five rounds of planning
+    # lower; the search of the planning budget finds a plan there: priced 160,776 B as PyTorch's eager replay
+    # runs it against 164,332, measured with a dispatch ledger (host copies left out) at 152,584-177,160 B
+    # over three steps, at most the price plus a weight gradient in flight (16,384 B).
+    assert fractions["slackswap"] == 0.7
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])

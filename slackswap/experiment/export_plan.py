@@ -11,7 +11,8 @@ imported when the function runs, so importing this module needs no torch.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.graph import Graph
@@ -19,6 +20,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.planners.base import Planner, gib
 from slackswap.planners.support.fixed_keep import plan_with_fixed_keep
+from slackswap.schedule.replay import estimate_plan
 
 
 def export_plan_graph(graph: Graph, model: object, compile: bool = False) -> Graph:
@@ -58,10 +60,16 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
         return priced_for(plan_at(budget_bytes), compile)
     priced = pytorch_graph(graph, facts, compile)
     mode = "compiled" if compile else "eager"
+    every = recompute_all_plan(graph, facts, hardware, held)
+    # The search's floor: the plan recomputing every decidable tensor, in its own schedule (a planner
+    # asked for less must swap); its step: the smallest tensor a plan decides.
+    floor = estimate_plan(graph, every, hardware).peak_bytes
+    decided = [t.size_bytes for t in graph.saved_tensors if t.name not in facts.fixed_keep]
     try:
-        plan = within_pytorchs_peak(priced, hardware, budget_bytes, mode, plan_at, planner.name)
+        plan = within_pytorchs_peak(priced, hardware, budget_bytes, mode, plan_at, planner.name, floor,
+                                    min(decided, default=1))
     except InfeasibleBudgetError as exc:
-        recompute_all = recompute_all_peak_bytes(graph, priced, facts, hardware, mode, held)
+        recompute_all = pytorch_peak_bytes(priced, every, hardware, mode)
         raise InfeasibleBudgetError(f"{planner.name}: budget {budget_bytes} B; "
                                     f"{what_pytorch_keeps(graph, facts, held, recompute_all, mode)}: {exc.reason}"
                                     ) from None
@@ -87,9 +95,14 @@ def recompute_all_peak_bytes(graph: Graph, priced: Graph, facts: object, hardwar
     keeps whatever a plan says (`facts`: `ExportFacts`) and recomputes every other tensor. Not a floor:
     a plan that swaps, or keeps what a recompute would run a large transient again for (the attention
     scores), can peak lower as PyTorch places it (GPT-NeoX at 70 %: slackswap's 1.116 MiB, this 1.194)."""
-    plan = plan_with_fixed_keep(_RecomputeEvery(), graph, hardware, None, facts.fixed_keep, facts.tied,
+    return pytorch_peak_bytes(priced, recompute_all_plan(graph, facts, hardware, held), hardware, mode)
+
+
+def recompute_all_plan(graph: Graph, facts: object, hardware: Hardware, held: list[str]) -> Plan:
+    """The plan for the export that keeps only what PyTorch keeps whatever a plan says and recomputes
+    every other tensor (`recompute_all_peak_bytes`)."""
+    return plan_with_fixed_keep(_RecomputeEvery(), graph, hardware, None, facts.fixed_keep, facts.tied,
                                 facts.not_kept, held, cached_together=facts.cached_together)
-    return pytorch_peak_bytes(priced, plan, hardware, mode)
 
 
 def what_pytorch_keeps(graph: Graph, facts: object, held: list[str], recompute_all_bytes: int, mode: str) -> str:
@@ -137,37 +150,126 @@ def pytorch_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, mode: str) 
     return estimate_plan(graph, executed, hardware).peak_bytes
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One planning budget tried by `largest_fitting_budget`: `plan` None when the planner found no plan
+    that low (`reason` says why), else its `peak_bytes` as PyTorch runs it."""
+
+    budget_bytes: int
+    plan: Plan | None
+    peak_bytes: int | None
+    reason: str = ""
+
+
+def largest_fitting_budget(budget_bytes: int, first_peak_bytes: int, floor_bytes: int, resolution_bytes: int,
+                           attempt: Callable[[int], Attempt], excess_rounds: int = 4
+                           ) -> tuple[Attempt | None, list[Attempt]]:
+    """A planning budget below `budget_bytes` whose plan peaks within `budget_bytes` as PyTorch runs it, the
+    largest one found: (its attempt, or None; every attempt, in order). `attempt(inner)` plans at
+    `inner` and prices the plan; the plan at `budget_bytes` itself peaked at `first_peak_bytes`, over.
+
+    Why a search: a plan's placement by PyTorch can peak over the budget the plan met in its own
+    schedule, by an excess that does not shrink one for one with the planning budget (lowering by the
+    excess, five times, stopped 69 KiB short on the zoo's Llama while recomputing everything fitted).
+    Each try falls in one of three classes, in this order as the planning budget grows for a planner
+    whose plan follows its budget: too low (no plan), fitting, over. Tried in turn:
+    1. the planning budget lowered by the excess, while the plan stays over (at most `excess_rounds`
+       times): what fitted before this search, kept so that no plan that fitted then is lost (DTR's
+       replays do not follow their budget monotonically);
+    2. with nothing fitting yet, `floor_bytes` (the caller's: the peak, in the plan's own schedule, of
+       the plan recomputing every tensor a plan decides);
+    3. bisection: the midpoint of the largest planning budget known not to be over (fitting or too low)
+       and the smallest known over, until they are at most `resolution_bytes` apart.
+    Terminates after at most `excess_rounds` + 1 + ceil(log2(`budget_bytes` / `resolution_bytes`))
+    attempts (log2 of (`budget_bytes` - floor) when the floor is not over), and returns a fitting plan
+    whenever one of the plans of step 1 or the plan at the floor fits: a fitting attempt is only ever
+    replaced by one at a larger planning budget. Where the classes do come in that order, the result
+    is the largest fitting planning budget within `resolution_bytes`."""
+    tried: list[Attempt] = []
+    best: Attempt | None = None
+    lo, hi = 0, budget_bytes  # lo: largest budget known not over (0: none); hi: smallest known over
+
+    def run(inner: int) -> Attempt:
+        nonlocal lo, hi, best
+        a = attempt(inner)
+        tried.append(a)
+        if a.plan is not None and a.peak_bytes > budget_bytes:
+            hi = inner
+        else:
+            lo = inner
+            if a.plan is not None:
+                best = a
+        return a
+
+    inner, peak = budget_bytes, first_peak_bytes
+    for _ in range(excess_rounds):
+        inner -= peak - budget_bytes
+        if not lo < inner < hi:
+            break
+        a = run(inner)
+        if a.plan is None or a.peak_bytes <= budget_bytes:
+            break
+        peak = a.peak_bytes
+    if best is None and lo < floor_bytes < hi:
+        run(floor_bytes)
+    step = max(1, resolution_bytes)
+    while hi - lo > step:
+        run((lo + hi) // 2)
+    return best, tried
+
+
 def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | None, mode: str,
-                         plan_at, planner_name: str, max_rounds: int = 4) -> Plan:
+                         plan_at, planner_name: str, floor_bytes: int = 0, resolution_bytes: int = 1) -> Plan:
     """`plan_at(inner_budget)`'s plan whose peak as PyTorch executes it fits `budget_bytes`: PyTorch
     recomputes a layer's tensors all at once, before its first backward reader, where the plan's own
     schedule recomputes each right before its reader, so a plan within its budget can run over it.
-    Over it, planned again with the inner budget lowered by the excess (at most `max_rounds` times);
-    still over: `InfeasibleBudgetError` naming both peaks. Refused before the step runs, not after."""
+    Over it, the planning budget is searched between `floor_bytes` and the budget
+    (`largest_fitting_budget`: bisection, at most about log2 of that range over `resolution_bytes`
+    planner calls) and the fitting plan of the largest planning budget is returned; none fits:
+    `InfeasibleBudgetError` naming the nearest miss (the lowest peak an over plan reached, at which
+    planning budget) and whether the planner's plan followed its budget at all (a fixed recipe, such
+    as keep_all's or torch_sac's, decides alike at every budget, and no search changes that).
+    Refused before the step runs, not after. Notes: `pytorch_peak_bytes`, and the planning budget the
+    plan was made at (`pytorch_plan_budget_bytes`) with the number of plannings (`pytorch_plannings`)."""
     plan = plan_at(budget_bytes)
     if budget_bytes is None:
         return plan
-    inner = budget_bytes
-    for round_ in range(max_rounds + 1):
-        peak = pytorch_peak_bytes(graph, plan, hardware, mode)
-        excess = peak - budget_bytes
-        if excess <= 0:
-            return replace(plan, notes={**dict(plan.notes), "pytorch_peak_bytes": peak,
-                                        "pytorch_peak_rounds": round_})
-        if round_ == max_rounds or inner - excess <= 0:
-            break
-        inner -= excess
+    first = Attempt(budget_bytes, plan, pytorch_peak_bytes(graph, plan, hardware, mode))
+    if first.peak_bytes <= budget_bytes:
+        return _noted(first, 1)
+
+    def attempt(inner: int) -> Attempt:
         try:
-            plan = plan_at(inner)
+            p = plan_at(inner)
         except InfeasibleBudgetError as exc:
-            raise InfeasibleBudgetError(
-                f"{planner_name}: its plan within {gib(budget_bytes)} peaks at {gib(peak)} as PyTorch's {mode} "
-                f"checkpointing runs it (a layer's recomputes at once); planned again at {gib(inner)}: {exc}") from None
+            return Attempt(inner, None, None, exc.reason)
+        return Attempt(inner, p, pytorch_peak_bytes(graph, p, hardware, mode))
+
+    best, tried = largest_fitting_budget(budget_bytes, first.peak_bytes, floor_bytes, resolution_bytes, attempt)
+    if best is not None:
+        return _noted(best, len(tried) + 1)
+    over = [a for a in [first, *tried] if a.plan is not None]
+    nearest = min(over, key=lambda a: (a.peak_bytes, -a.budget_bytes))
+    low = [a for a in tried if a.plan is None]
+    decided = {tuple(sorted(a.plan.decisions.items())) for a in over}
+    why = (f"; at {max(a.budget_bytes for a in low)} B and below it found no plan ({low[-1].reason})"
+           if low else "")
+    fixed = (f"; its {len(over)} plan(s) decide alike at every planning budget tried (a fixed recipe: "
+             "the plan does not follow its budget)" if len(over) > 1 and len(decided) == 1 else "")
     raise InfeasibleBudgetError(
-        f"{planner_name}: the plan made for the export peaks at {gib(peak)} ({peak} B) as PyTorch's {mode} "
-        f"checkpointing runs it (a layer's recomputes at once, before its first backward reader), over the budget "
-        f"{gib(budget_bytes)} ({budget_bytes} B) after {round_ + 1} round(s) of planning lower")
+        f"{planner_name}: the plan made for the export peaks over the budget {gib(budget_bytes)} ({budget_bytes} B) "
+        f"as PyTorch's {mode} checkpointing runs it (a layer's recomputes at once, before its first backward "
+        f"reader) at every planning budget tried ({len(tried) + 1}, from {budget_bytes} B down to "
+        f"{min(a.budget_bytes for a in [first, *tried])} B); nearest: {gib(nearest.peak_bytes)} "
+        f"({nearest.peak_bytes} B) planned at {nearest.budget_bytes} B{why}{fixed}")
+
+
+def _noted(a: Attempt, plannings: int) -> Plan:
+    return replace(a.plan, notes={**dict(a.plan.notes), "pytorch_peak_bytes": a.peak_bytes,
+                                  "pytorch_plan_budget_bytes": a.budget_bytes, "pytorch_plannings": plannings})
 
 
 __all__ = ["export_plan_graph", "plan_for_export", "pytorch_graph", "pytorch_peak_bytes", "recompute_all_peak_bytes",
-           "what_pytorch_keeps", "within_pytorchs_peak"]
+           "recompute_all_plan",
+           "what_pytorch_keeps", "within_pytorchs_peak", "largest_fitting_budget",
+           "Attempt"]

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves
 from slackswap.graph import (
     BACKWARD_FRAMES_KEY,
     FORWARD_PHASES,
+    LAYER_ARGUMENTS_KEY,
     NO_LAYER,
     REWRITTEN_KEY,
     STATE_KEY,
@@ -208,6 +209,23 @@ def _layer_tracker(layers: LayerStacks, model: torch.nn.Module, stack: ExitStack
     return lambda: active[-1] if active else NO_LAYER
 
 
+def _layer_arguments(layers: LayerStacks, model: torch.nn.Module, stack: ExitStack,
+                     numbering: OpNumbering) -> dict[str, set[int]]:
+    """Graph tensor -> the layers it is passed to (`LAYER_ARGUMENTS_KEY`), filled as the forward runs."""
+    found: dict[str, set[int]] = {}
+
+    def note(i: int, args: tuple, kwargs: dict) -> None:
+        for x in tree_leaves((args, kwargs)):
+            name = numbering.name_of(x) if isinstance(x, torch.Tensor) else None
+            if name is not None:
+                found.setdefault(name, set()).add(i)
+
+    for i, layer in enumerate(layers.modules(model)):
+        handle = layer.register_forward_pre_hook(lambda _m, a, k, i=i: note(i, a, k), with_kwargs=True)
+        stack.callback(handle.remove)
+    return found
+
+
 def _aten(op_name: str) -> str:
     """'op12:aten.bmm.default' -> 'bmm' (the overload packet, as the torch profile names ops)."""
     return op_name.split(":", 1)[1].split(".")[1]
@@ -251,6 +269,7 @@ def capture_graph(
     layer_stacks = find_layer_stacks(model)
     with ExitStack() as stack:
         recorder = _Recorder(numbering, _layer_tracker(layer_stacks, model, stack))
+        arguments = _layer_arguments(layer_stacks, model, stack, numbering)
         packed = recorder.packed
         stack.enter_context(loss_boundary(model, identities))
 
@@ -342,6 +361,7 @@ def capture_graph(
         **({REWRITTEN_KEY: recorder.rewritten} if recorder.rewritten else {}),
         **({STATE_KEY: recorder.state_writes} if recorder.state_writes else {}),
         BACKWARD_FRAMES_KEY: {op: sorted(f) for op, f in recorder.backward_frames.items()},
+        LAYER_ARGUMENTS_KEY: {t: sorted(layers_) for t, layers_ in arguments.items() if t in recorder.tensors},
     }
     weight_bytes = int(meta["weight_bytes_from_params"])
     return Graph(name=name, ops=ops, tensors=tensors, num_layers=max(len(layers), 1),
