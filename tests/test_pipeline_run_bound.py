@@ -22,9 +22,9 @@ LAYOUTS = {
 }
 
 
-def _spec(planner: str, parallel: dict, fraction: float = 0.7) -> RunSpec:
+def _spec(planner: str, parallel: dict, fraction: float = 0.7, **model) -> RunSpec:
     config = _config("tiny", planner, {"fraction": fraction}, parallel=parallel)
-    config["model"]["num_layers"] = 4
+    config["model"] |= {"num_layers": 4, **model}
     if planner == "milp":
         config["planner"]["options"] = {**config["planner"]["options"], **FAST_MILP}
     return RunSpec.from_dict(config)
@@ -80,3 +80,36 @@ def test_every_planners_pipeline_step_is_above_the_bound(layout):
         assert bounded.bound is not None
         assert bounded.bound.step_s <= out.pipeline.step_s * (1 + 1e-9), name
     assert stepped >= 5  # the check ran on real plans, not only on infeasible stages
+
+
+def test_the_plans_own_bound_is_reused_only_at_the_stage_budget():
+    """The last stage (one micro-batch in flight) plans at its budget: its plan's milp bound is the
+    stage's, and a fresh solve at that budget gives the same figure."""
+    spec = _spec("milp", LAYOUTS["1f1b_pp2"])
+    out = pr.plan_pipeline(spec, pr.build_stages(spec))
+    last = out.stages[-1]
+    assert last.fitted.planning_budget_bytes == last.budget_bytes
+    reused = pr._stage_floor(spec, last, spec.planner.bound)
+    fresh = spec.planner.bound(last.graph, spec.hardware, last.budget_bytes)[0].bound_step_s
+    assert reused.step_s == pytest.approx(fresh, rel=1e-9) == last.fitted.plan.bound_step_s
+
+
+def test_optimizer_ops_are_the_tail_not_the_stage_bound():
+    spec = _spec("milp", LAYOUTS["1f1b_pp2"], include_optimizer=True)
+    out = pr.with_bound(spec, pr.plan_pipeline(spec, pr.build_stages(spec)))
+    assert out.pipeline is not None and out.bound is not None
+    assert out.bound.step_s <= out.pipeline.step_s
+    for stage in out.stages:
+        floor = pr._stage_floor(spec, stage, spec.planner.bound)
+        times = pr._times(spec, stage.graph, stage.fitted.result)
+        optimizer = sum(op.duration_s for op in stage.graph.ops if op.phase == "optimizer")
+        assert optimizer > 0 and floor.tail_s == pytest.approx(optimizer) and floor.tail_s <= times.tail_s * (1 + 1e-9)
+        assert floor.step_s <= times.forward_s + times.backward_s
+
+
+def test_the_pipeline_line_prints_the_bound_only_with_one():
+    from pipelines.console import pipeline_line
+
+    m = run_one(_spec("milp", LAYOUTS["1f1b_pp2"])).metrics
+    assert f"; step bound {m['bound_step_s']:.6f} s (gap {100 * m['optimality_gap']:+.2f}%;" in pipeline_line(m)
+    assert "step bound" not in pipeline_line(m | {"bound_step_s": None, "optimality_gap": None})
