@@ -84,17 +84,22 @@ def layout_line(m: Mapping[str, Any]) -> str:
 
 
 def pipeline_line(m: Mapping[str, Any]) -> str:
-    """A pipeline's schedule, bubbles, sends and each stage's memory (stage 0 first)."""
+    """A pipeline's schedule, bubbles, sends and each stage's memory (stage 0 first), and its step's
+    certified lower bound and gap when the planner gives one (planner=milp)."""
     bubble = m["pipeline_bubble_fraction"]
     bubble = "n/a" if bubble is None else f"{100 * bubble:.1f}%"
     p2p = (f"{1e3 * m['pipeline_p2p_s']:.3f} ms per send" if m["pipeline_p2p_unpriced"] is None
            else f"sends not priced: {m['pipeline_p2p_unpriced']}")
     chunks = m.get("pipeline_virtual_stages") or 1
     schedule = m["pipeline_schedule"] + (f" ({chunks} chunks per stage)" if chunks > 1 else "")
+    bound = ""
+    if m.get("bound_step_s") is not None and m.get("optimality_gap") is not None:
+        bound = (f"; step bound {m['bound_step_s']:.6f} s (gap {100 * m['optimality_gap']:+.2f}%; per stage and "
+                 f"micro-batch {m['pipeline_bound_s_by_stage']} s)")
     return (f"pipeline     {schedule}, {m['pipeline_microbatches']} micro-batches, bubble {bubble} "
             f"(keep-all {100 * m['pipeline_ideal_bubble_fraction']:.1f}%), {p2p}; per stage: in flight "
             f"{m['pipeline_in_flight_by_stage']}, peak bytes {m['pipeline_peak_bytes_by_stage']} of budget "
-            f"{m['pipeline_budget_bytes_by_stage']}")
+            f"{m['pipeline_budget_bytes_by_stage']}{bound}")
 
 
 def format_one_line(record: RunRecord) -> str:

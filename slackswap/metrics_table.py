@@ -180,6 +180,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "pipeline"),
     MetricSpec("pipeline_static_bytes_by_stage", "text", "each stage's static training state per GPU", "text",
                "pipeline"),
+    MetricSpec("pipeline_bound_s_by_stage", "text", "each stage's lower bound on one micro-batch's forward + "
+               "backward under its budget, any plan (the milp's; null without a bound)", "text", "pipeline"),
 )
 
 

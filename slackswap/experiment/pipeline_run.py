@@ -24,11 +24,28 @@ micro-batches under 1F1B (`slackswap.pipeline_stages.in_flight_microbatches`):
 The step time is the pipeline's. The planners see one micro-batch: the copies they plan hide under
 that micro-batch's own compute, and the pipeline credits only the wait before the backward against
 the stage's bubble; copies of different micro-batches do not contend for the copy engines in this
-model. The milp bound is per micro-batch of a stage, so a pipeline run reports no bound
-(`bound_step_s` None): it does not cover pipelines yet. The simulation keys of metrics.json describe
+model. The simulation keys of metrics.json describe
 stage 0's rank over the step (it holds the most micro-batches): per-micro-batch sums x m, host
 bytes x k_0; `peak_activation_bytes`, `keep_all_peak_bytes` and `budget_bytes` are the largest
 stage's; the `pipeline_*` keys give each stage.
+
+The bound (`with_bound`, when the planner gives one: `planner=milp`, as a one-stage run's
+`bound_step_s`): per chunk, a `slackswap.simulate.pipeline_bound.StageFloor` that every plan the
+stage may run meets, then `pipeline_bound` over them (why that is <= the pipeline step: its
+docstring). The floor's `step_s` is the milp bound of the chunk's graph at the STAGE budget B, plus
+the exposed collectives `_times` adds. It covers every plan the stage may run: `_plan_device` tries
+planning budgets B' <= B and simulates each plan under its B'; the plan it keeps has a pipeline peak
+<= B, so its one micro-batch ran with an activation peak <= B' <= B. The milp bound at B holds for
+every graph-order plan whose simulated run stays within B (docs/milp.md: each row holds in such a
+run), so whichever B' was kept, the plan's forward + backward is >= the bound at B, the loosest of
+them. The bound is of the graph without its optimizer ops (`_without_optimizer`): they read and
+write no activation and run after the last backward, so the run of the rest is the same up to the
+end of the last backward, where the milp's step then ends; the tail's floor is their durations.
+The floor's `forward_s` / `backward_s` are the forward (and loss) and backward ops' durations plus
+the collectives: a plan's forward runs each forward op once after its hideable wait, its backward
+each backward op once after its own, so f - fh and b - bh are never below them (they are the
+keep-all run's times). The milp's assumption carries over: run steps in graph order
+(`build_schedule`, which every planner here uses).
 
 Interleaved 1F1B (`parallel.virtual_stages` v > 1): "stage" above is a device and its graph v chunk
 graphs (chunks d, d + p, ...). k_i counts micro-batch chunks as the device's order holds them, the
@@ -45,7 +62,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from slackswap.errors import InfeasibleBudgetError
+from slackswap.errors import InfeasibleBudgetError, SolverError
 from slackswap.experiment.baseline import Baseline
 from slackswap.experiment.fitting import FittedPlan, plan_and_simulate
 from slackswap.experiment.spec import RunSpec
@@ -54,6 +71,7 @@ from slackswap.memory.static import DeviceCapacity, StaticMemory, static_memory
 from slackswap.parallel import ParallelConfig
 from slackswap.pipeline_stages import in_flight_microbatches, schedule_order
 from slackswap.simulate.pipeline import PipelineResult, StageTimes, simulate_pipeline
+from slackswap.simulate.pipeline_bound import PipelineBound, StageFloor, pipeline_bound
 from slackswap.simulate.pipeline_stage import device_peak_bytes, resident_bytes, stage_times
 from slackswap.simulate.result import SimResult
 
@@ -163,6 +181,8 @@ class PipelineOutcome:
     reason: str
     plan_wall_s: float
     sim_wall_s: float
+    #: The pipeline step's lower bound (`with_bound`); None without one.
+    bound: PipelineBound | None = None
 
 
 def plan_pipeline(spec: RunSpec, stages: list[Stage]) -> PipelineOutcome:
@@ -243,6 +263,57 @@ def _plan_device(spec: RunSpec, device: int, chunks: list[Stage], budget: int
     return None, None, (tried if steps > 1 else "") + why, (plan_wall, sim_wall)
 
 
+def with_bound(spec: RunSpec, out: PipelineOutcome) -> PipelineOutcome:
+    """`out` with the pipeline step's lower bound (module docstring) when the planner gives bounds and
+    every stage has a plan; `out` itself otherwise, and when HiGHS finds no bound for a stage (it
+    cannot be infeasible for a stage with a plan within its budget, short of solver numerics)."""
+    bound = getattr(spec.planner, "bound", None)
+    if bound is None or out.pipeline is None:
+        return out
+    t0 = time.perf_counter()
+    floors = []
+    for s in out.stages:
+        try:
+            floors.append(_stage_floor(spec, s, bound))
+        except (InfeasibleBudgetError, SolverError):
+            return replace(out, plan_wall_s=out.plan_wall_s + time.perf_counter() - t0)
+    par = spec.parallel
+    found = pipeline_bound(floors, par.microbatches, out.p2p_s, par.pipeline_schedule, par.virtual_stages)
+    return replace(out, bound=found, plan_wall_s=out.plan_wall_s + time.perf_counter() - t0)
+
+
+def _stage_floor(spec: RunSpec, stage: Stage, bound) -> StageFloor:
+    """What every plan chunk `stage` may run costs at least per micro-batch (module docstring): the
+    milp bound at the stage budget (the plan's own when it was planned at that budget), the floor
+    forward and backward, each with the exposed collectives `_times` adds to any plan alike."""
+    from slackswap.experiment.layout_comm import layout_communication
+    from slackswap.graph import FORWARD_PHASES, Phase
+
+    graph, fitted = stage.graph, stage.fitted
+    core = _without_optimizer(graph)
+    if (core is graph and fitted.plan.bound_step_s is not None
+            and fitted.planning_budget_bytes == stage.budget_bytes):
+        milp_s = fitted.plan.bound_step_s
+    else:
+        milp_s = bound(core, spec.hardware, stage.budget_bytes)[0].bound_step_s
+    comm = layout_communication(spec, graph)
+    cf, cb = (comm.forward_exposed_s, comm.backward_exposed_s) if comm is not None and comm.exposed_s else (0, 0)
+    forward = sum(op.duration_s for op in graph.ops if op.phase in FORWARD_PHASES)
+    backward = sum(op.duration_s for op in graph.ops if op.phase == Phase.BACKWARD)
+    tail = sum(op.duration_s for op in graph.ops if op.phase == Phase.OPTIMIZER)
+    return StageFloor(forward + cf, backward + cb, milp_s + cf + cb, tail)
+
+
+def _without_optimizer(graph: Graph) -> Graph:
+    """`graph` without its optimizer ops (they have no activation inputs or outputs); `graph` itself
+    when it has none."""
+    from slackswap.graph import Phase
+
+    if not any(op.phase == Phase.OPTIMIZER for op in graph.ops):
+        return graph
+    return replace(graph, ops=tuple(op for op in graph.ops if op.phase != Phase.OPTIMIZER))
+
+
 def stage_baseline(stage: Stage, profile_s: float, ideal_s: float) -> Baseline:
     return Baseline(stage.graph, stage.ideal, profile_s, ideal_s)
 
@@ -287,7 +358,9 @@ def pipeline_simulation_metrics(spec: RunSpec, out: PipelineOutcome) -> dict[str
     metrics["step_s"] = step
     metrics["ideal_step_s"] = out.ideal_pipeline.step_s
     metrics["throughput_ratio"] = None if step is None else out.ideal_pipeline.step_s / step
-    metrics["bound_step_s"] = metrics["optimality_gap"] = None  # the milp bound does not cover pipelines
+    bound = None if out.bound is None or step is None else out.bound.step_s
+    metrics["bound_step_s"] = bound
+    metrics["optimality_gap"] = None if bound is None else step / bound - 1.0
     peaks = [s.peak_bytes for s in out.stages]
     metrics["peak_activation_bytes"] = max(peaks) if out.pipeline is not None else None
     metrics["keep_all_peak_bytes"] = max(s.keep_all_peak_bytes for s in out.stages)
@@ -329,6 +402,7 @@ def pipeline_metrics(spec: RunSpec, out: PipelineOutcome, stages: list[Stage]) -
         "pipeline_forward_s_by_stage": _per_stage(None if t is None else t.forward_s for t in times),
         "pipeline_backward_s_by_stage": _per_stage(None if t is None else t.backward_s for t in times),
         "pipeline_static_bytes_by_stage": _per_stage(s.capacity.static.total_bytes for s in stages),
+        "pipeline_bound_s_by_stage": None if out.bound is None else _per_stage(out.bound.device_work_s),
     }
 
 
@@ -342,4 +416,4 @@ def stage_fits(out: PipelineOutcome) -> tuple[bool | None, int]:
 
 __all__ = ["PipelineOutcome", "Stage", "StageTimes", "build_stages", "device_stages", "device_static",
            "p2p_seconds", "pipeline_metrics",
-           "pipeline_simulation_metrics", "plan_pipeline", "stage_baseline", "stage_fits"]
+           "pipeline_simulation_metrics", "plan_pipeline", "stage_baseline", "stage_fits", "with_bound"]

@@ -214,7 +214,7 @@ def run_pipeline(spec: RunSpec, timings: dict[str, float]) -> RunOutcome:
     stages = pr.build_stages(spec)
     timings["profile_s"] = time.perf_counter() - t0
     timings["ideal_sim_s"] = 0.0  # inside profile_s: each stage's keep-all run sizes its budget
-    out = pr.plan_pipeline(spec, stages)
+    out = pr.with_bound(spec, pr.plan_pipeline(spec, stages))
     timings["plan_s"], timings["sim_s"] = out.plan_wall_s, out.sim_wall_s
     base = pr.stage_baseline(stages[0], timings["profile_s"], 0.0)
     simulation = pr.pipeline_simulation_metrics(spec, out)
