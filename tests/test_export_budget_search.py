@@ -14,6 +14,7 @@ import pytest
 
 from slackswap.experiment.export_plan import Attempt, largest_fitting_budget
 from slackswap.plan import Plan
+from tests.extras import require_torch_extra
 
 BUDGET = 1_000_000
 FLOOR = 400_000
@@ -122,7 +123,7 @@ def test_a_zoo_cell_infeasible_before_runs_exact_through_the_export(model: str, 
     priced, 475,176 B measured less the RNG state and a weight gradient in flight; budget 550,508). Now
     each runs through `PlanExport` with every gradient, the loss and the buffers equal to a plain
     step's, and (no swaps) its measured peak within the budget (`benchmarks.zoo`'s cell)."""
-    pytest.importorskip("transformers")
+    require_torch_extra("transformers")
     from benchmarks.zoo import run  # deterministic kernels, one thread, and the comparison
 
     result = run((model,), (planner,), (0.7,), ("export",), log=lambda _line: None)
