@@ -91,40 +91,11 @@ def hook_only_refusal(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> t
 
 def export_gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> ExportCheck:
     """Loss and every parameter gradient of a plain step against a step under `PlanExport(plan, graph,
-    model).installed(model)`, both from `seed` (dropout draws alike); the weights are left unchanged."""
-    import torch
+    model).installed(model)`, both from `seed` (dropout draws alike); the weights are left unchanged
+    (`slackswap.runtime.train.eager_export_gradient_check`)."""
+    from slackswap.runtime.train import eager_export_gradient_check
 
-    from slackswap.runtime.export import PlanExport
-
-    def one_step(export: PlanExport | None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        torch.manual_seed(seed)
-        for p in w.model.parameters():
-            p.grad = None
-        if export is None:
-            loss = w.loss_for(w.batch)(w.model(*w.inputs_for(w.batch)))
-            loss.backward()
-        else:
-            with export.installed(w.model):
-                loss = w.loss_for(w.batch)(w.model(*w.inputs_for(w.batch)))
-                loss.backward()
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in w.model.parameters()]
-        for p in w.model.parameters():
-            p.grad = None
-        return loss.detach(), grads
-
-    plain_loss, plain = one_step(None)
-    export = PlanExport(plan, graph, w.model)
-    plan_loss, planned = one_step(export)
-    diffs = [float((plain_loss - plan_loss).abs())]
-    same = torch.equal(plain_loss, plan_loss)
-    for a, b in zip(plain, planned, strict=True):
-        if a is None or b is None:
-            same = same and a is None and b is None
-            diffs.append(0.0 if a is None and b is None else float("inf"))
-            continue
-        same = same and torch.equal(a, b)
-        diffs.append(float((a - b).abs().max()) if a.numel() else 0.0)
-    return ExportCheck(same, max(diffs), len(export.step_differences()))
+    return ExportCheck(*eager_export_gradient_check(w, graph, plan, seed))
 
 
 def export_steps(w: Workload, graph: Graph, plan: Plan, steps: int, lr: float, seed: int,

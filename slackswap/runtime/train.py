@@ -69,11 +69,34 @@ def gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> Grad
     plain_loss, plain = _grad_step(w, w.batch, seed)
     run = apply(plan, graph, w.model, trace=True)
     plan_loss, planned = _grad_step(w, w.batch, seed, run)
+    exact, max_abs_diff = _compared((plain_loss, plain), (plan_loss, planned))
+    return GradCheck(exact, float(plain_loss), float(plan_loss), max_abs_diff, run.report)
+
+
+def _compared(plain: tuple[torch.Tensor, list[torch.Tensor]],
+              planned: tuple[torch.Tensor, list[torch.Tensor]]) -> tuple[bool, float]:
+    """(bit-exact, largest absolute difference) of two `_grad_step` results: the loss and every gradient;
+    a parameter with a gradient in one step only is a difference."""
+    (plain_loss, plain_grads), (plan_loss, plan_grads) = plain, planned
+    if len(plain_grads) != len(plan_grads):
+        return False, float("inf")
     diffs = [float((plain_loss - plan_loss).abs())]
-    diffs += [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned, strict=True)]
-    exact = len(plain) == len(planned) and torch.equal(plain_loss, plan_loss) and all(
-        torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
-    return GradCheck(exact, float(plain_loss), float(plan_loss), max(diffs), run.report)
+    diffs += [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain_grads, plan_grads, strict=True)]
+    exact = torch.equal(plain_loss, plan_loss) and all(
+        torch.equal(a, b) for a, b in zip(plain_grads, plan_grads, strict=True))
+    return exact, max(diffs)
+
+
+def eager_export_gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> tuple[bool, float, int]:
+    """(bit-exact, largest absolute difference, decisions executed otherwise than planned) of a plain step
+    against a step under `PlanExport(plan, graph, model).installed(model)` (eager per-layer selective
+    checkpointing), both from `seed`; the weights are left unchanged."""
+    from slackswap.runtime.export import PlanExport
+
+    plain = _grad_step(w, w.batch, seed)
+    export = PlanExport(plan, graph, w.model)
+    planned = _grad_step(w, w.batch, seed, export.installed(w.model))
+    return (*_compared(plain, planned), len(export.step_differences()))
 
 
 @dataclass(frozen=True)
@@ -97,11 +120,9 @@ def compiled_gradient_check(w: Workload, graph: Graph, plan: Plan, seed: int = 1
     backend, partitions = recording_backend()
     with export.installed(w.model, compile=True, backend=backend):
         plan_loss, planned = _grad_step(w, w.batch, seed)
-    diffs = [float((plain_loss - plan_loss).abs())]
-    diffs += [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(plain, planned, strict=True)]
-    exact = torch.equal(plain_loss, plan_loss) and all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    exact, max_abs_diff = _compared((plain_loss, plain), (plan_loss, planned))
     differences = tuple(export.static_differences() + partition_differences(export, partitions))
-    return CompiledGradCheck(exact, max(diffs), differences, export, backend)
+    return CompiledGradCheck(exact, max_abs_diff, differences, export, backend)
 
 
 def train_steps(
