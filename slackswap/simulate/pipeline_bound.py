@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slackswap import validation as check
 from slackswap.errors import ConfigError
 from slackswap.pipeline_stages import schedule_order
 from slackswap.simulate.pipeline import StageTimes, simulate_pipeline
@@ -57,9 +58,7 @@ class StageFloor:
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "step_s", "tail_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"floor.{name}", value, "must be a number >= 0")
+            check.non_negative(f"floor.{name}", getattr(self, name))
 
     @property
     def overhead_s(self) -> float:
