@@ -6,46 +6,30 @@ are refused naming the field."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-import yaml
 
 from pipelines.advise_report import layout_lines
-from slackswap.communication import Fabric, Topology
 from slackswap.errors import ConfigError
 from slackswap.experiment.advise import SearchSpace, plan_search
 from slackswap.experiment.advise_layout import LayoutSearch
 from slackswap.experiment.advise_layout_configs import layout_configs
 from slackswap.experiment.advise_space import LAYOUT_DOES_NOT_DIVIDE, Candidate, Layout
 from slackswap.hardware import Hardware
-from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
-from slackswap.profile import build_graph
-
-REPO = Path(__file__).resolve().parents[1]
-TOPO = Topology(8, Fabric("nvlink", 230e9, 2e-6), Fabric("network", 25e9, 6e-7))
-MIXED = TrainingConfig(precision="mixed")
-
-
-def _load(group: str, name: str) -> dict:
-    return yaml.safe_load((REPO / "conf" / group / f"{name}.yaml").read_text())
+from tests.advise_support import MIXED, TOPO, graphs_of, load_conf
 
 
 @pytest.fixture(scope="module")
 def model() -> ModelConfig:
     # tiny's shape with 8 layers (pp 2 x v 2 and pp 4 x v 2 divide them), activations of megabytes
-    return replace(ModelConfig.from_dict(_load("model", "tiny")), num_layers=8, attention="flash",
+    return replace(ModelConfig.from_dict(load_conf("model", "tiny")), num_layers=8, attention="flash",
                    hidden_size=512, ffn_hidden_size=2048, seq_len=512, num_heads=8, num_kv_heads=8)
 
 
 @pytest.fixture(scope="module")
 def a100() -> Hardware:
-    return Hardware.from_dict(_load("hardware", "a100_80gb_pcie4"))
-
-
-def _graphs(model: ModelConfig, hardware: Hardware):
-    return lambda mb: build_graph(replace(model, micro_batch_size=mb, include_optimizer=False), hardware)
+    return Hardware.from_dict(load_conf("hardware", "a100_80gb_pcie4"))
 
 
 def _space(**kw) -> SearchSpace:
@@ -75,7 +59,7 @@ def test_the_space_takes_interleaved_and_names_bad_values():
 def test_megatrons_interleaved_constraints_are_rejected_regions(model, a100):
     # 8 layers: pp 2 x v 3 does not divide them; 6 micro-batches are not a multiple of pp 4
     space = _space(gpus=(4,), pp=(2, 4), virtual_stages=(2, 3), pipeline_microbatches=(6, 8), layout_top_n=1)
-    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    _, ctx = plan_search(model, a100, TOPO, space, graphs_of(model, a100))
     out = LayoutSearch()
     configs = layout_configs(ctx, 4, out, (0.0, 0.0))
     details = [r.detail for r in out.regions if r.reason == LAYOUT_DOES_NOT_DIVIDE]
@@ -103,13 +87,13 @@ def test_an_interleaved_row_is_what_pipelines_run_plans(model, a100):
     from slackswap.simulate.pipeline_stage import stage_times
 
     lay = Layout(2, 0, 1, pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)
-    keep_all = evaluate_layout(plan_search(model, a100, TOPO, _space(), _graphs(model, a100))[1],
+    keep_all = evaluate_layout(plan_search(model, a100, TOPO, _space(), graphs_of(model, a100))[1],
                                Candidate(lay, "mixed", MIXED, 2, "keep_all", "reserved"))
     # A margin that leaves the fuller device 70 % of its keep-all activation peak: the planner must act.
     act = max(p.peak_bytes - p.static_bytes for p in keep_all.stages)
     margin = a100.device_memory_bytes - max(p.static_bytes for p in keep_all.stages) - int(0.7 * act)
     space = _space(planners={"slackswap": {}}, plan_against=("reserved",), margin_bytes=margin)
-    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    _, ctx = plan_search(model, a100, TOPO, space, graphs_of(model, a100))
     row = evaluate_layout(ctx, Candidate(lay, "mixed", MIXED, 2, "slackswap", "reserved"))
     assert row.status == "ok", row.reason
 
@@ -148,7 +132,7 @@ def test_the_optimistic_estimate_is_never_below_the_planned_step(model, a100):
 
     space = _space(gpus=(4,), tp=(1, 2), pp=(1, 2, 4), micro_batches=(1, 2), pipeline_microbatches=(4, 8),
                    planners={"keep_all": {}, "full_recompute": {}})
-    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    _, ctx = plan_search(model, a100, TOPO, space, graphs_of(model, a100))
     configs = layout_configs(ctx, 4, LayoutSearch(), (0.0, 0.0))
     assert {(c.layout.pp, c.layout.virtual_stages) for c in configs} >= {(2, 1), (2, 2), (4, 1), (4, 2)}
     for planner in ("keep_all", "full_recompute"):

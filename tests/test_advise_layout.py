@@ -6,13 +6,10 @@ is shown with the best numerics-keeping configuration beside it."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-import yaml
 
 from pipelines.advise_report import layout_lines, numerics_lines
-from slackswap.communication import Fabric, Topology
 from slackswap.errors import ConfigError
 from slackswap.experiment.advise import STATIC_DOES_NOT_FIT, SearchSpace, plan_search, run_search
 from slackswap.experiment.advise_layout import search_layouts
@@ -20,31 +17,20 @@ from slackswap.experiment.advise_space import LAYOUT_DOES_NOT_DIVIDE, NOT_PLANNE
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.model_config import ModelConfig
-from slackswap.profile import build_graph
+from tests.advise_support import MIXED, TOPO, graphs_of, load_conf
 
-REPO = Path(__file__).resolve().parents[1]
-TOPO = Topology(8, Fabric("nvlink", 230e9, 2e-6), Fabric("network", 25e9, 6e-7))
-MIXED = TrainingConfig(precision="mixed")
 PURE16 = TrainingConfig(precision="pure16")
-
-
-def _load(group: str, name: str) -> dict:
-    return yaml.safe_load((REPO / "conf" / group / f"{name}.yaml").read_text())
 
 
 @pytest.fixture(scope="module")
 def model() -> ModelConfig:
     # tiny's shape with 4 layers (pp 2 and 4 divide them) and flash attention (cp needs it)
-    return replace(ModelConfig.from_dict(_load("model", "tiny")), num_layers=4, attention="flash")
+    return replace(ModelConfig.from_dict(load_conf("model", "tiny")), num_layers=4, attention="flash")
 
 
 @pytest.fixture(scope="module")
 def a100() -> Hardware:
-    return Hardware.from_dict(_load("hardware", "a100_80gb_pcie4"))
-
-
-def _graphs(model: ModelConfig, hardware: Hardware):
-    return lambda mb: build_graph(replace(model, micro_batch_size=mb, include_optimizer=False), hardware)
+    return Hardware.from_dict(load_conf("hardware", "a100_80gb_pcie4"))
 
 
 def _space(**kw) -> SearchSpace:
@@ -58,7 +44,7 @@ def _layout_rows(advice):
 
 
 def test_tp_must_divide_the_heads_and_pp_the_layers(model, a100):
-    advice = run_search(model, a100, TOPO, _space(gpus=(3,), tp=(1, 3), pp=(1, 3)), _graphs(model, a100))
+    advice = run_search(model, a100, TOPO, _space(gpus=(3,), tp=(1, 3), pp=(1, 3)), graphs_of(model, a100))
     divide = {r.detail.split("=")[0] for r in advice.regions if r.reason == LAYOUT_DOES_NOT_DIVIDE}
     assert divide == {"parallel.tp", "parallel.pp"}
     assert not _layout_rows(advice)  # neither tp 3 (4 heads) nor pp 3 (4 layers) is planned
@@ -67,7 +53,7 @@ def test_tp_must_divide_the_heads_and_pp_the_layers(model, a100):
 def test_a_layout_whose_static_memory_cannot_fit_is_pruned_before_planning(model, a100):
     # a margin that leaves 1 KiB of the device: nothing's static memory fits
     space = _space(tp=(1, 2), pp=(1, 2), margin_bytes=a100.device_memory_bytes - 1024)
-    advice = run_search(model, a100, TOPO, space, _graphs(model, a100))
+    advice = run_search(model, a100, TOPO, space, graphs_of(model, a100))
     static = [r for r in advice.regions if r.reason == STATIC_DOES_NOT_FIT]
     assert any("tp2" in r.choices["layout"] for r in static)
     assert not advice.rows and advice.best == {}
@@ -75,7 +61,7 @@ def test_a_layout_whose_static_memory_cannot_fit_is_pruned_before_planning(model
 
 def test_a_pipeline_row_plans_every_stage_and_prices_its_step(model, a100):
     space = _space(tp=(2,), pp=(2,), micro_batches=(1,), zero_stages=(0,), layout_top_n=5)
-    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    _, ctx = plan_search(model, a100, TOPO, space, graphs_of(model, a100))
     # no data-parallel incumbent: the layout is planned whatever its optimistic estimate
     rows = [r for r in search_layouts(ctx, []).rows if r.fits_device]
     assert rows
@@ -92,12 +78,12 @@ def test_a_pipeline_row_plans_every_stage_and_prices_its_step(model, a100):
 def test_every_fitting_row_leaves_the_margin(model, a100):
     # activations of megabytes, so that micro-batches differ beyond the allocator's 2 MiB segments
     model = replace(model, hidden_size=1024, ffn_hidden_size=4096, seq_len=512, num_heads=8, num_kv_heads=8)
-    unlimited = run_search(model, a100, TOPO, _space(gpus=(1,), micro_batches=(1, 2, 4)), _graphs(model, a100))
+    unlimited = run_search(model, a100, TOPO, _space(gpus=(1,), micro_batches=(1, 2, 4)), graphs_of(model, a100))
     big = max(r.peak_bytes for r in unlimited.rows if r.fits_device)
     # the margin leaves less than the largest configuration's peak: it no longer fits, the others do
     margin = a100.device_memory_bytes - big + 1
     advice = run_search(model, a100, TOPO, _space(gpus=(1,), micro_batches=(1, 2, 4), margin_bytes=margin),
-                        _graphs(model, a100))
+                        graphs_of(model, a100))
     fitting = [r for r in advice.rows if r.fits_device]
     assert fitting and all(r.headroom_bytes >= margin for r in fitting)
     assert all(r.peak_bytes < big for r in fitting)
@@ -105,7 +91,7 @@ def test_every_fitting_row_leaves_the_margin(model, a100):
 
 def test_a_winner_that_changes_numerics_comes_with_the_best_that_does_not(model, a100):
     space = _space(gpus=(1,), recipes={"mixed": MIXED, "pure16": PURE16})
-    advice = run_search(model, a100, TOPO, space, _graphs(model, a100))
+    advice = run_search(model, a100, TOPO, space, graphs_of(model, a100))
     best = advice.best_rows()[1]
     assert best.candidate.recipe == "pure16" and best.numerics == numerics_change(PURE16) != ""
     faithful = advice.rows[advice.best_faithful[1]]
@@ -132,7 +118,7 @@ def test_zero_3_over_the_dp_group_of_a_tp_layout_holds_the_formula_bytes(model, 
     from slackswap.profile.stages import stage_parameter_counts
 
     space = _space(tp=(2,), micro_batches=(1,), zero_stages=(0, 1, 2, 3), layout_top_n=20)
-    _, ctx = plan_search(model, a100, TOPO, space, _graphs(model, a100))
+    _, ctx = plan_search(model, a100, TOPO, space, graphs_of(model, a100))
     rows = search_layouts(ctx, []).rows
     by_stage = {r.candidate.layout.zero_stage: r for r in rows if r.candidate.layout.tp == 2
                 and r.candidate.layout.pp == 1 and r.candidate.layout.cp == 1}
@@ -145,7 +131,7 @@ def test_zero_3_over_the_dp_group_of_a_tp_layout_holds_the_formula_bytes(model, 
     three = by_stage[3]
     assert three.fits_device and three.comm.forward_comm_s > 0  # the parameter all-gathers priced
     pipelined = _space(pp=(2,), micro_batches=(1,), zero_stages=(0, 1, 2, 3), layout_top_n=20)
-    _, ctx = plan_search(model, a100, TOPO, pipelined, _graphs(model, a100))
+    _, ctx = plan_search(model, a100, TOPO, pipelined, graphs_of(model, a100))
     assert {r.candidate.layout.zero_stage for r in search_layouts(ctx, []).rows
             if r.candidate.layout.pp == 2} <= {0, 1}
 
@@ -156,7 +142,7 @@ def test_the_layout_search_plans_the_same_rows_over_workers(model, a100):
     space = _space(gpus=(4,), tp=(1, 2), pp=(1, 2), zero_stages=(0, 1, 3), micro_batches=(1, 2, 4),
                    planners={"keep_all": {}, "full_recompute": {}}, layout_top_n=6)
     # no data-parallel incumbent: the bar is what the layouts planned so far reach
-    one = search_layouts(plan_search(model, a100, TOPO, space, _graphs(model, a100))[1], [])
-    two = search_layouts(plan_search(model, a100, TOPO, replace(space, n_jobs=2), _graphs(model, a100))[1], [])
+    one = search_layouts(plan_search(model, a100, TOPO, space, graphs_of(model, a100))[1], [])
+    two = search_layouts(plan_search(model, a100, TOPO, replace(space, n_jobs=2), graphs_of(model, a100))[1], [])
     assert one.rows and any(r.reason == NOT_PLANNED for r in one.regions)
     assert (two.rows, two.regions, two.pruned) == (one.rows, one.regions, one.pruned)
