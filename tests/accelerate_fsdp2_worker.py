@@ -113,6 +113,9 @@ def worker(rank: int, world: int, out_dir: str, configs: list[str]) -> None:
             precision, budget = config.split(":")
             results[config] = run(float(budget), precision, rank)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        # Both ranks finish their collectives before either tears gloo down (a rank aborted with
+        # "terminate called without an active exception" at teardown in a loaded run without it).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -58,6 +58,9 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(run()))
+        # Both ranks finish their collectives before either tears gloo down (a rank aborted with
+        # "terminate called without an active exception" at teardown in a loaded run without it).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
