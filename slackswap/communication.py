@@ -15,6 +15,14 @@ Two models, each stated where it is used:
    achievable busbw nccl-tests reports for a fabric is the B to use. A ring that leaves a node runs
    at the slower of the two fabrics (every ring step waits for its slowest link): the network's.
 
+   Latency as NCCL's own tuning model prices a ring (NVIDIA/nccl src/graph/tuning.cc,
+   `ncclTopoTuneModel`): a base latency per collective call plus, of its n - 1 steps over N nodes,
+   n - N steps at the intra-node hop latency and N - 1 at the network hop latency (all-reduce: twice
+   each). `Topology.fabric_for` gives a ring leaving the node the mean of those per-step latencies,
+   so (n - 1) alpha is NCCL's sum; `Fabric.call_latency_s` is the base. The latency is paid per call:
+   a buffer sent as k collectives (FSDP gathers one sharding unit at a time) pays it k times
+   (`calls`), which is what makes a 512-rank ring slower than a 128-rank one at the same bytes.
+
 2. **Which collectives a ZeRO stage issues, and how they overlap compute** (`step_communication`):
 
    - stage 0 (DDP): all-reduce of the gradients in backward, bucketed, overlapping backward;
@@ -45,7 +53,7 @@ Two models, each stated where it is used:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slackswap import validation as check
 from slackswap.errors import ConfigError
@@ -70,38 +78,52 @@ class Fabric:
     bus_bytes_per_s: float
     #: Latency of one ring step (alpha), seconds.
     latency_s: float
+    #: Latency of one collective call, whatever the ranks (NCCL's base latency), seconds.
+    call_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         check.positive("fabric.bus_bytes_per_s", self.bus_bytes_per_s)
         check.non_negative("fabric.latency_s", self.latency_s)
+        check.non_negative("fabric.call_latency_s", self.call_latency_s)
 
 
-def _check(size_bytes: float, ranks: int) -> None:
+#: NCCL's base latency of a ring collective with the Simple protocol, the one large FSDP buffers
+#: use (NVIDIA/nccl src/graph/tuning.cc, `baseLat`, Ring/Simple: 8.4 us).
+NCCL_RING_CALL_LATENCY_S = 8.4e-6
+
+
+def _check(size_bytes: float, ranks: int, calls: int = 1) -> None:
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ConfigError("ranks", ranks, "must be an integer >= 1")
     if not math.isfinite(size_bytes) or size_bytes < 0:
         raise ConfigError("size_bytes", size_bytes, "must be a non-negative finite number")
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ConfigError("calls", calls, "must be an integer >= 1")
 
 
-def all_gather_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
-    """Ring all-gather of a buffer of `size_bytes` in total (each rank holds size / ranks)."""
-    _check(size_bytes, ranks)
+def all_gather_s(size_bytes: float, ranks: int, fabric: Fabric, calls: int = 1) -> float:
+    """Ring all-gather of a buffer of `size_bytes` in total (each rank holds size / ranks), sent as
+    `calls` equal collectives, each paying the call and per-step latencies (module docstring)."""
+    _check(size_bytes, ranks, calls)
     if ranks == 1:
         return 0.0
-    return (ranks - 1) * fabric.latency_s + size_bytes * (ranks - 1) / ranks / fabric.bus_bytes_per_s
+    latency = fabric.call_latency_s + (ranks - 1) * fabric.latency_s
+    return calls * latency + size_bytes * (ranks - 1) / ranks / fabric.bus_bytes_per_s
 
 
-def reduce_scatter_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
+def reduce_scatter_s(size_bytes: float, ranks: int, fabric: Fabric, calls: int = 1) -> float:
     """Ring reduce-scatter of a buffer of `size_bytes` (each rank keeps size / ranks, reduced)."""
-    return all_gather_s(size_bytes, ranks, fabric)  # same steps and bytes (NVIDIA/nccl-tests/doc/PERFORMANCE.md)
+    # same steps and bytes (NVIDIA/nccl-tests/doc/PERFORMANCE.md)
+    return all_gather_s(size_bytes, ranks, fabric, calls)
 
 
-def all_reduce_s(size_bytes: float, ranks: int, fabric: Fabric) -> float:
-    """Ring all-reduce: a reduce-scatter followed by an all-gather."""
-    _check(size_bytes, ranks)
+def all_reduce_s(size_bytes: float, ranks: int, fabric: Fabric, calls: int = 1) -> float:
+    """Ring all-reduce: a reduce-scatter followed by an all-gather (one call, twice the steps)."""
+    _check(size_bytes, ranks, calls)
     if ranks == 1:
         return 0.0
-    return 2 * (ranks - 1) * fabric.latency_s + 2 * size_bytes * (ranks - 1) / ranks / fabric.bus_bytes_per_s
+    latency = fabric.call_latency_s + 2 * (ranks - 1) * fabric.latency_s
+    return calls * latency + 2 * size_bytes * (ranks - 1) / ranks / fabric.bus_bytes_per_s
 
 
 def pipelined_exposed_s(comm_s: float, compute_s: float, units: int) -> float:
@@ -143,7 +165,11 @@ class Topology:
             raise ConfigError(
                 "advise.gpus", span, f"spans more than one node of {self.gpus_per_node} GPUs, and the node has no NIC"
             )
-        return self.inter_node
+        # NCCL's ring latency (module docstring): of the n - 1 steps, N - 1 cross the network and the
+        # rest stay on NVLink; the fabric carries their mean, so (n - 1) alpha is NCCL's sum.
+        nodes = min(ranks, math.ceil(span / self.gpus_per_node))
+        step = ((ranks - nodes) * self.intra_node.latency_s + (nodes - 1) * self.inter_node.latency_s) / (ranks - 1)
+        return replace(self.inter_node, latency_s=step)
 
 
 @dataclass(frozen=True)
@@ -228,7 +254,7 @@ def step_communication(
     if gpus == 1:
         assumption = "one GPU: no collective"
     elif zero_stage == 0:
-        bwd = all_reduce_s(grads_s, gpus, fabric)
+        bwd = all_reduce_s(grads_s, gpus, fabric, units)  # one all-reduce per bucket (a unit)
         bus = 2 * grads_s * frac
         assumption = "DDP: gradient all-reduce overlaps backward, one layer per bucket"
     elif zero_stage in (1, 2):
@@ -241,12 +267,13 @@ def step_communication(
         )
     else:
         if shards > 1:
-            fwd = all_gather_s(params_s, shards, fabric)
-            bwd = all_gather_s(params_s, shards, fabric) + reduce_scatter_s(grads_s, shards, fabric)
+            # one gather and one reduce-scatter per sharding unit, each paying the ring's latency
+            fwd = all_gather_s(params_s, shards, fabric, units)
+            bwd = all_gather_s(params_s, shards, fabric, units) + reduce_scatter_s(grads_s, shards, fabric, units)
             bus = (2 * params_s + grads_s) * frac
         if replicas > 1:
             shard_grads = math.ceil(num_params / shards) * grad_bytes
-            bwd += all_reduce_s(shard_grads, replicas, replica_fabric)
+            bwd += all_reduce_s(shard_grads, replicas, replica_fabric, units)
             bus += 2 * shard_grads * (replicas - 1) / replicas
         assumption = (
             "ZeRO-3/FSDP: next unit's param all-gather prefetched under compute; backward re-gather + "

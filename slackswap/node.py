@@ -58,7 +58,8 @@ class Node:
     pin_setup_s_per_tensor: float = 0.0
     nic_placement: str = "none"
     nics_per_node: int = 0
-    #: Effective network bandwidth of one NIC per direction and its one-way latency.
+    #: Effective network bandwidth of one NIC per direction, and the latency of one ring step that
+    #: crosses the network as NCCL prices it (its tuning model's per-hop latency, not the NIC port's).
     nic_bytes_per_s: float = 0.0
     nic_latency_s: float = 0.0
     #: NCCL bus bandwidth of a collective whose ring leaves the node (nccl-tests' busbw at large
@@ -68,7 +69,8 @@ class Node:
     #: Share of a switch uplink that inter-node traffic holds while activation copies run (0 on one
     #: node: its gradient collectives go over NVLink, not through the switch).
     nic_uplink_fraction: float = 0.0
-    #: NVLink bandwidth per GPU per direction (0: no NVLink) and the latency of one NVLink transfer.
+    #: NVLink bandwidth per GPU per direction (0: no NVLink) and the latency of one NVLink ring step
+    #: (NCCL's tuning model's per-hop latency).
     nvlink_bytes_per_s: float = 0.0
     nvlink_latency_s: float = 0.0
     source: str = ""

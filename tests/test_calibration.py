@@ -29,12 +29,14 @@ def test_committed_json_is_what_the_presets_give_now(rows) -> None:
 
 
 def test_rows_within_10_percent_fitted_and_held_out_apart(rows) -> None:
-    """At least 30 rows; 90 % of the fitted rows within 10 %, and on the A100 90 % of the held-out ones
-    too. The H100 held-out rows miss that (docs/hardware.md): every miss is one the script explains."""
+    """At least 30 rows; 90 % of all rows, of the fitted and of the held-out rows within 10 % (issue
+    42's target), on the A100 alone too; every miss is one the script explains."""
     held_out = [r for r in rows if r["held_out"]]
     fitted = [r for r in rows if not r["held_out"]]
     assert len(rows) >= 30 and len(held_out) >= 10 and len(fitted) >= 10
     assert sum(r["within_10pct"] for r in fitted) >= 0.9 * len(fitted)
+    assert sum(r["within_10pct"] for r in held_out) >= 0.9 * len(held_out)
+    assert sum(r["within_10pct"] for r in rows) >= 0.9 * len(rows)
     a100_held = [r for r in held_out if r["hardware"] == calibration.PRESETS["a100"]]
     assert sum(r["within_10pct"] for r in a100_held) >= 0.9 * len(a100_held)
     assert {r["name"] for r in rows if not r["within_10pct"]} == set(calibration.KNOWN_MISSES)
@@ -101,6 +103,16 @@ def test_collectives_slow_small_micro_batches_more() -> None:
         return calibration.step_s(m, hw) / calibration.step_s(m, free) - 1
 
     assert share(1) > share(8) > 0
+
+
+def test_the_step_slows_with_the_gpu_count() -> None:
+    """The same 1B run on 512 GPUs is slower per GPU than on 128 (published: -9.7 %): each unit's
+    collectives pay NCCL's ring latency, which grows with the ranks (slackswap.communication)."""
+    rows = {m.name: m for m in calibration.MEASUREMENTS}
+    hw = calibration.hardware(calibration.PRESETS["h100"])
+    s128 = calibration.step_s(rows["mpt1b_s2048_g128_mb12_h100"], hw)
+    s512 = calibration.step_s(rows["mpt1b_s2048_g512_mb12_h100"], hw)
+    assert 1.03 < s512 / s128 < 1.2
 
 
 @pytest.mark.parametrize("gpu", sorted(calibration.PRESETS))

@@ -63,7 +63,7 @@ def test_zero3_step_on_eight_gpus_by_hand():
         num_params=p, param_bytes=2, grad_bytes=2, zero_stage=3, gpus=8, shards=8, topology=NODE,
         forward_compute_s=1.0, backward_compute_s=2.0, units=10,
     )
-    ag = 7 * 5e-6 + 2e9 * 7 / 8 / 200e9  # 8.785 ms
+    ag = 10 * 7 * 5e-6 + 2e9 * 7 / 8 / 200e9  # one gather per unit, each 7 steps of 5 us: 9.1 ms
     assert comm.forward_comm_s == pytest.approx(ag)
     assert comm.backward_comm_s == pytest.approx(2 * ag)  # re-gather + reduce-scatter
     assert comm.after_step_comm_s == 0.0
@@ -79,7 +79,7 @@ def test_overlapped_collectives_cost_compute_at_the_presets_fitted_rate():
         num_params=1_000_000_000, param_bytes=2, grad_bytes=2, zero_stage=3, gpus=8, shards=8, topology=NODE,
         forward_compute_s=1.0, backward_compute_s=2.0, units=10,
     )
-    ag = 7 * 5e-6 + 2e9 * 7 / 8 / 200e9
+    ag = 10 * 7 * 5e-6 + 2e9 * 7 / 8 / 200e9
     hidden = 3 * ag - 3 * ag / 10  # every unit's share but the first is under compute
     assert comm.overlap_cost_s(0.0) == 0.0
     assert comm.overlap_cost_s(0.5) == pytest.approx(0.5 * hidden)
@@ -97,7 +97,7 @@ def test_stages_issue_the_documented_collectives():
               forward_compute_s=1.0, backward_compute_s=2.0, units=10)
     ddp = step_communication(zero_stage=0, gpus=8, shards=1, **kw)
     assert ddp.forward_comm_s == 0 and ddp.after_step_comm_s == 0
-    assert ddp.backward_comm_s == pytest.approx(all_reduce_s(4e9, 8, NVLINK))
+    assert ddp.backward_comm_s == pytest.approx(all_reduce_s(4e9, 8, NVLINK, calls=10))  # a bucket per unit
     z2 = step_communication(zero_stage=2, gpus=8, shards=8, **kw)
     assert z2.backward_comm_s == pytest.approx(reduce_scatter_s(4e9, 8, NVLINK))
     # The all-gather of the updated parameters after the step has nothing to hide under.
@@ -107,7 +107,8 @@ def test_stages_issue_the_documented_collectives():
     # 1/8 gradient shard over the network.
     hsdp = step_communication(zero_stage=3, gpus=16, shards=8, **kw)
     assert hsdp.fabric == "nvlink" and hsdp.replica_fabric == "ib"
-    expected = all_gather_s(2e9, 8, NVLINK) + reduce_scatter_s(4e9, 8, NVLINK) + all_reduce_s(5e8, 2, NET)
+    expected = (all_gather_s(2e9, 8, NVLINK, 10) + reduce_scatter_s(4e9, 8, NVLINK, 10)
+                + all_reduce_s(5e8, 2, NODE.fabric_for(2, stride=8), 10))
     assert hsdp.backward_comm_s == pytest.approx(expected)
     one = step_communication(zero_stage=3, gpus=1, shards=1, **kw)
     assert one.total_comm_s == 0 and one.exposed_s == 0
@@ -132,8 +133,36 @@ def test_bad_layouts_name_the_field(gpus, stage, shards, field):
     assert info.value.field == field
 
 
+def test_ring_latency_grows_with_the_rank_count_as_nccl_prices_it():
+    """NVIDIA/nccl src/graph/tuning.cc: a ring all-gather over n ranks on N nodes costs the base
+    latency + (n - N) intra-node hops + (N - 1) network hops; FSDP pays it once per unit."""
+    nccl = Topology(8, Fabric("nvlink", 450e9, 3.4e-6, 8.4e-6), Fabric("net", 340e9, 14e-6, 8.4e-6))
+
+    def latency_us(n: int) -> float:
+        return all_gather_s(0.0, n, nccl.fabric_for(n)) * 1e6
+
+    assert latency_us(8) == pytest.approx(8.4 + 7 * 3.4)  # one node: NVLink hops only
+    assert latency_us(128) == pytest.approx(8.4 + 112 * 3.4 + 15 * 14)  # 599.2 us
+    assert latency_us(512) == pytest.approx(8.4 + 448 * 3.4 + 63 * 14)  # 2413.6 us
+    # all-reduce: twice the steps, one base latency
+    assert all_reduce_s(0.0, 512, nccl.fabric_for(512)) * 1e6 == pytest.approx(8.4 + 2 * (448 * 3.4 + 63 * 14))
+    # the same bytes in 81 calls (a 70B model's layers + embeddings) pay the latency 81 times
+    f = nccl.fabric_for(512)
+    one, per_unit = all_gather_s(1e9, 512, f), all_gather_s(1e9, 512, f, calls=81)
+    assert per_unit - one == pytest.approx(80 * latency_us(512) * 1e-6)
+    # and the step's collectives grow with the GPU count at the same bytes per GPU
+    kw = dict(num_params=10**9, param_bytes=2, grad_bytes=4, zero_stage=3, topology=nccl,
+              forward_compute_s=1.0, backward_compute_s=2.0, units=25)
+    small, large = (step_communication(gpus=g, shards=g, **kw) for g in (128, 512))
+    assert large.total_comm_s - small.total_comm_s == pytest.approx(3 * 25 * (2413.6 - 599.2) * 1e-6, rel=0.01)
+    with pytest.raises(ConfigError, match="calls"):
+        all_gather_s(1e9, 8, f, calls=0)
+
+
 def test_bad_fabric_names_the_field():
     with pytest.raises(ConfigError, match="fabric.bus_bytes_per_s"):
         Fabric("x", 0.0, 1e-6)
     with pytest.raises(ConfigError, match="fabric.latency_s"):
         Fabric("x", 1e9, -1.0)
+    with pytest.raises(ConfigError, match="fabric.call_latency_s"):
+        Fabric("x", 1e9, 1e-6, -1.0)

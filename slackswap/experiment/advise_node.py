@@ -20,17 +20,20 @@ def topology_from_node(node: Any, hardware: Hardware) -> Topology:
     together, as nccl-tests measures it across nodes). A node
     without NVLink: ranks exchange through PCIe, at this GPU's effective host-link rate (the slower
     direction; an assumption, printed as the fabric name)."""
+    from slackswap.communication import NCCL_RING_CALL_LATENCY_S as CALL
     from slackswap.communication import Fabric
 
     if node.nvlink_bytes_per_s > 0:
-        intra = Fabric("nvlink", node.nvlink_bytes_per_s, node.nvlink_latency_s)
+        intra = Fabric("nvlink", node.nvlink_bytes_per_s, node.nvlink_latency_s, CALL)
     else:
         link = hardware.link
         rate = min(link.h2d_effective_bytes_per_s, link.d2h_effective_bytes_per_s)
-        intra = Fabric("pcie (no nvlink)", rate, link.latency_s)
+        intra = Fabric("pcie (no nvlink)", rate, link.latency_s, CALL)
     network = node.network_bus_bytes_per_s
-    # a ring that leaves the node runs at its slowest link (slackswap.communication, model 1)
-    inter = Fabric("network", min(network, intra.bus_bytes_per_s), node.nic_latency_s) if network > 0 else None
+    # a ring that leaves the node runs at its slowest link (slackswap.communication, model 1); its
+    # per-step latency mixes NVLink and network hops as NCCL does (`Topology.fabric_for`)
+    inter = (Fabric("network", min(network, intra.bus_bytes_per_s), node.nic_latency_s, CALL)
+             if network > 0 else None)
     return Topology(node.gpus_per_node, intra, inter)
 
 
