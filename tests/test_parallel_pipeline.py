@@ -130,7 +130,7 @@ def test_a_layout_that_does_not_divide_the_model_is_one_line_exit_2(
          "error: advise.gpus=16: is not parallel dp*tp*pp*cp = 1*8*1*1 = 8"),
         ("pipelines.advise", ["parallel.tp=8", "advise.gpus=[8]"],
          "error: parallel={'dp': 1, 'tp': 8, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: advise searches "
-         "the layout: list degrees in advise.tp / advise.pp / advise.cp and leave parallel at none"),
+         "the layout: list degrees in advise.tp / advise.pp / advise.cp / advise.ep and leave parallel at none"),
         ("pipelines.train", ["model=tiny_torch", "parallel.tp=2"],
          "error: parallel={'dp': 1, 'tp': 2, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: a training run executes "
          "one full replica on one device; leave parallel at none"),
