@@ -159,9 +159,6 @@ class ParallelConfig:
         if model.num_layers % self.chunks:
             raise ConfigError("parallel.virtual_stages", self.virtual_stages,
                               f"times parallel.pp={self.pp} does not divide model.num_layers={model.num_layers}")
-        if model.mla is not None and self.tp != 1:
-            raise ConfigError("parallel.tp", self.tp,
-                              "tensor parallelism is not modelled for latent attention (model.mla); use ep, pp or cp")
         self._check_experts(model)
 
     def _check_experts(self, model: ModelConfig) -> None:
