@@ -101,7 +101,7 @@ def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> Non
         (["parallel.microbatches=4"],
          "error: parallel.microbatches=4: micro-batches run through a pipeline; with parallel.pp=1 set 1"),
         (["parallel=pp4", "parallel.pipeline_schedule=zero_bubble"],
-         "error: parallel.pipeline_schedule='zero_bubble': must be one of ['1f1b', 'interleaved']"),
+         "error: parallel.pipeline_schedule='zero_bubble': must be one of ['1f1b', 'interleaved', 'zb_h1']"),
         (["parallel=pp4_interleaved", "parallel.microbatches=6"],
          "error: parallel.microbatches=6: must be a multiple of parallel.pp=4 with the interleaved schedule"),
         (["parallel=pp4_interleaved", "parallel.virtual_stages=3"],

@@ -218,7 +218,8 @@ def optimizer_share_s(ctx: Any, training: Any, params: int) -> float:
 def optimistic_tokens_per_s(ctx: Any, layout: Layout, training: Any, mb: int, params: int) -> float:
     """Optimistic tokens/s per GPU (`slackswap.experiment.advise_layout` docstring, step 2): m slots and
     the pipeline's bubble of (pp - 1) / v slots (1F1B: v = 1; interleaved, Narayanan et al. 2021
-    section 2.2.2: bubble / ideal = (p - 1) / (v m)), plus the optimizer step of `params`."""
+    section 2.2.2: bubble / ideal = (p - 1) / (v m); ZB-H1: no bubble assumed), plus the optimizer step
+    of `params`."""
     m, space = ctx.model, ctx.space
     ranks = layout.tp * layout.cp * layout.pp
     slot = keep_all_compute_s(ctx, mb, layout.ep) / ranks
@@ -226,7 +227,9 @@ def optimistic_tokens_per_s(ctx: Any, layout: Layout, training: Any, mb: int, pa
         size = mb * (m.seq_len // layout.cp) * m.hidden_size * m.bytes_per_element
         slot += 4 * (m.num_layers // layout.pp) * all_reduce_s(size, layout.tp, ctx.topology.intra_node)
     micro = layout.microbatches if layout.pp > 1 else space.grad_accum
-    step = (micro + (layout.pp - 1) / layout.virtual_stages) * slot + optimizer_share_s(ctx, training, params)
+    # ZB-H1's bubble depends on the W share of the backward: none is assumed (still a lower bound)
+    bubble = 0.0 if layout.schedule == "zb_h1" else (layout.pp - 1) / layout.virtual_stages
+    step = (micro + bubble) * slot + optimizer_share_s(ctx, training, params)
     return micro * mb * m.seq_len / ranks / step
 
 

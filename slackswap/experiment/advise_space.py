@@ -129,10 +129,12 @@ class SearchSpace:
 
     def pipeline_variants(self) -> list[tuple[str, int]]:
         """The (schedule, chunks per device) a pp > 1 layout is searched under: (1f1b, 1), then
-        (interleaved, v) for each of `virtual_stages`, as `pipeline_schedule` lists them."""
+        (interleaved, v) for each of `virtual_stages`, then (zb_h1, 1), as `pipeline_schedule` lists them."""
         out = [("1f1b", 1)] if "1f1b" in self.pipeline_schedule else []
         if "interleaved" in self.pipeline_schedule:
             out += [("interleaved", v) for v in self.virtual_stages]
+        if "zb_h1" in self.pipeline_schedule:
+            out.append(("zb_h1", 1))
         return out
 
 
