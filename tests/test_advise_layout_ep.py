@@ -55,6 +55,11 @@ def test_ep_layouts_hold_their_experts_state_and_pay_the_all_to_all(model, a100)
     assert rows[0].static_bytes == params * 16
     assert rows[1].static_bytes == params * 4 + math.ceil(dense / 4) * 12 + math.ceil(experts / 2) * 12
     assert all(r.layout_comm_s > 0 for r in rows.values())  # dispatch / combine all-to-alls on NVLink
+    # the optimizer updates the experts' half shard: more than a quarter of every parameter
+    from slackswap.experiment.advise_layout_configs import optimizer_share_s
+
+    one = rows[1].candidate.training
+    assert one.zero_shards == 4 and rows[1].optimizer_s > optimizer_share_s(ctx, one, params) * (1 + 1e-9)
 
 
 def test_where_only_expert_parallelism_fits_it_is_the_answer(model, a100):

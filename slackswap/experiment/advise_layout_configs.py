@@ -120,18 +120,23 @@ def device_param_counts(ctx: Any, tp: int, pp: int, virtual_stages: int = 1, ep:
     return [(sum(n for n, _ in chunks[d::pp]), max(u for _, u in chunks[d::pp])) for d in range(pp)]
 
 
-def device_expert_params(model: Any, layout: Layout) -> list[int]:
-    """Routed-expert parameters each device holds: per MoE layer of its chunks, its E / ep experts'
-    gate, up and down weights, 3 h f_e each (`slackswap.profile.moe`; shared experts and the router
-    are replicated, dense parameters)."""
+def chunk_expert_params(model: Any, layout: Layout) -> list[int]:
+    """Routed-expert parameters each chunk (1F1B: stage) holds on a rank: per MoE layer of it, its
+    E / ep experts' gate, up and down weights, 3 h f_e each (`slackswap.profile.moe`; shared experts
+    and the router are replicated, dense parameters)."""
+    chunks = layout.pp * layout.virtual_stages
     moe = model.moe
     if moe is None:
-        return [0] * layout.pp
-    chunks = layout.pp * layout.virtual_stages
+        return [0] * chunks
     per = model.num_layers // chunks
     each = moe.num_experts // layout.ep * 3 * model.hidden_size * moe.expert_ffn_hidden_size
-    return [sum(each for c in range(d, chunks, layout.pp) for i in range(c * per, (c + 1) * per)
-                if moe.is_moe_layer(i)) for d in range(layout.pp)]
+    return [each * sum(moe.is_moe_layer(i) for i in range(c * per, (c + 1) * per)) for c in range(chunks)]
+
+
+def device_expert_params(model: Any, layout: Layout) -> list[int]:
+    """Routed-expert parameters each device holds over its chunks (chunk c on device c mod pp)."""
+    chunks = chunk_expert_params(model, layout)
+    return [sum(chunks[d::layout.pp]) for d in range(layout.pp)]
 
 
 def device_statics(ctx: Any, layout: Layout, training: Any) -> list[StaticMemory]:

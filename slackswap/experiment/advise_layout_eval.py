@@ -11,6 +11,7 @@ from slackswap.communication import Topology, not_modelled, step_communication
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_layout_configs import (
+    chunk_expert_params,
     comm_buffer_bytes,
     device_expert_params,
     device_param_counts,
@@ -122,11 +123,17 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     comms = [price(layout_collectives(s.graph), par, ctx.topology, graph=s.graph) for s in result.stages]
     num_params, (param_b, grad_b, _, _) = params_by_device[0][0], bytes_per_param(cand.training, model.dtype)
     times = []
+    expert_chunks = chunk_expert_params(model, lay)
+    expert_training = replace(cand.training, zero_shards=lay.expert_shards)
     for s, comm in zip(result.stages, comms, strict=True):
         t = stage_times(s.graph, s.fitted.result)
+        # the optimizer step over the dense parameters' shard and the routed experts' (Layout.expert_shards)
+        e = expert_chunks[s.index]
+        tail = optimizer_share_s(ctx, cand.training, params_by_chunk[s.index][0] - e)
+        if e:
+            tail += optimizer_share_s(ctx, expert_training, e)
         times.append(replace(t, forward_s=t.forward_s + (comm.forward_exposed_s or 0.0),
-                             backward_s=t.backward_s + (comm.backward_exposed_s or 0.0),
-                             tail_s=optimizer_share_s(ctx, cand.training, params_by_chunk[s.index][0])))
+                             backward_s=t.backward_s + (comm.backward_exposed_s or 0.0), tail_s=tail))
     plans, peaks, fits, reason = [], [], True, ""
     for d, static in enumerate(statics):
         own = result.stages[d::p]  # the device's chunks, in model order (1F1B: its one stage)
