@@ -262,7 +262,9 @@ def layout_configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[flo
                             - statics[worst].total_bytes - comm_buffer_bytes(ctx, layout, space.micro_batches[0]))
                     if room <= 0:
                         n = len(space.micro_batches) * n_planners
-                        detail = (f"stage {worst}: {statics[worst].describe()}; with reserve and margin "
+                        experts = (f" (its routed experts' state over their {layout.expert_shards} expert "
+                                   "data-parallel GPU(s))" if ep > 1 and zero else "")
+                        detail = (f"stage {worst}: {statics[worst].describe()}{experts}; with reserve and margin "
                                   f"{-room / 2**30:.2f} GiB over {hw.device_memory_bytes / 2**30:.2f} GiB")
                         out.regions.append(Region(STATIC_DOES_NOT_FIT, detail, {"gpus": gpus, "layout": layout.label,
                                                                                 "recipe": name}, n))
