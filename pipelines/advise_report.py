@@ -73,6 +73,7 @@ def layout_lines(r: Any, indent: str = "    ") -> list[str]:
     sched = f"{lay.microbatches} micro-batches per pipeline, schedule {lay.schedule}{chunks}" if lay.pp > 1 else \
         "no pipeline"
     out = [f"{indent}layout: dp {lay.dp}, tp {lay.tp}{' (sp)' if lay.sp else ''}, pp {lay.pp}, cp {lay.cp}, "
+           f"{f'ep {lay.ep}, ' if lay.ep > 1 else ''}"
            f"ZeRO-{lay.zero_stage} over {lay.zero_shards}, micro-batch {c.micro_batch}, {sched}"]
     if r.stages:
         held = "micro-batch chunks" if lay.virtual_stages > 1 else "micro-batches"
@@ -81,7 +82,7 @@ def layout_lines(r: Any, indent: str = "    ") -> list[str]:
                 f"{p.budget_bytes / GIB:.1f} GiB, peak {p.peak_bytes / GIB:.1f} GiB "
                 f"(static {p.static_bytes / GIB:.1f}), "
                 f"forward {p.forward_s:.3f} s, backward {p.backward_s:.3f} s" for p in r.stages]
-        out.append(f"{indent}  tp/cp collectives {r.layout_comm_s:.3f} s per step on the critical path; "
+        out.append(f"{indent}  tp/cp/ep collectives {r.layout_comm_s:.3f} s per step on the critical path; "
                    f"{r.layout_note}")
     else:
         out.append(f"{indent}  stage 0 (the whole model): planner {c.planner}, budget "

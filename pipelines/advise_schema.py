@@ -30,6 +30,7 @@ class AdviseSchema:
     tp: list[int] = field(default_factory=lambda: [1])
     pp: list[int] = field(default_factory=lambda: [1])
     cp: list[int] = field(default_factory=lambda: [1])
+    ep: list[int] = field(default_factory=lambda: [1])
     sp: bool = True
     pipeline_microbatches: list[int] = field(default_factory=lambda: [8])
     # A schedule name or a list of them (conf/advise.yaml): Any, so that both are taken.

@@ -157,7 +157,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("layout_comm_fabric", "text", "the fabric each group's ring runs on", "text", "layout"),
     MetricSpec("layout_comm_unpriced", "text", "why their time is not priced (null when priced)", "text", "layout"),
     # A pipeline layout (slackswap.experiment.pipeline_run, slackswap.simulate.pipeline).
-    MetricSpec("pipeline_schedule", "text", "the stages' micro-batch order (1f1b or interleaved)", "text", "pipeline"),
+    MetricSpec("pipeline_schedule", "text", "the stages' micro-batch order (1f1b, interleaved or zb_h1)", "text",
+               "pipeline"),
     MetricSpec("pipeline_microbatches", "count", "micro-batches per step through the pipeline", group="pipeline"),
     MetricSpec("pipeline_virtual_stages", "count", "model chunks per device (interleaved; 1 under 1F1B)",
                group="pipeline"),

@@ -40,7 +40,7 @@ from slackswap.pipeline_stages import check_interleaved
 
 DEGREES: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
 #: Pipeline schedules the step model runs (`slackswap.simulate.pipeline`).
-PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb_h1")
 #: The fields that only a pipeline (pp > 1) reads; a one-stage layout's `as_dict` leaves them out
 #: (and a 1F1B one `virtual_stages`, so its dict is what it was before interleaving existed).
 PIPELINE_FIELDS: tuple[str, ...] = ("microbatches", "pipeline_schedule", "virtual_stages")
@@ -65,7 +65,8 @@ class ParallelConfig:
     #: Micro-batches per step through the pipeline (each of model.micro_batch_size); 1 without one.
     microbatches: int = 1
     #: The order each stage runs its micro-batches: `1f1b` (PipeDream-Flush, Megatron-LM's default) or
-    #: `interleaved` (interleaved 1F1B, Megatron-LM's virtual pipeline; docs/pipeline_parallel.md).
+    #: `interleaved` (interleaved 1F1B, Megatron-LM's virtual pipeline) or `zb_h1` (zero bubble ZB-H1,
+    #: Qi et al. 2024: the weight gradients fill the cool-down bubble; docs/pipeline_parallel.md).
     pipeline_schedule: str = "1f1b"
     #: Model chunks per pipeline device under `interleaved` (Megatron's virtual pipeline size, >= 2);
     #: 1 under 1F1B. The layers split into pp x virtual_stages chunks.
@@ -83,7 +84,7 @@ class ParallelConfig:
             raise ConfigError("parallel.microbatches", m, "must be an integer >= 1")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError("parallel.pipeline_schedule", self.pipeline_schedule,
-                              f"must be one of {list(PIPELINE_SCHEDULES)} (zero-bubble schedules are not modelled)")
+                              f"must be one of {list(PIPELINE_SCHEDULES)}")
         if self.pp == 1 and m != 1:
             raise ConfigError("parallel.microbatches", m,
                               "micro-batches run through a pipeline; with parallel.pp=1 set 1")
@@ -159,9 +160,6 @@ class ParallelConfig:
         if model.num_layers % self.chunks:
             raise ConfigError("parallel.virtual_stages", self.virtual_stages,
                               f"times parallel.pp={self.pp} does not divide model.num_layers={model.num_layers}")
-        if model.mla is not None and self.tp != 1:
-            raise ConfigError("parallel.tp", self.tp,
-                              "tensor parallelism is not modelled for latent attention (model.mla); use ep, pp or cp")
         self._check_experts(model)
 
     def _check_experts(self, model: ModelConfig) -> None:

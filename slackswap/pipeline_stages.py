@@ -27,6 +27,17 @@ requires m to be a multiple of p ("number of microbatches is not divisible by pi
 when using interleaved schedule"), so every group of p micro-batches fills every chunk. A device
 holds a micro-batch *chunk* from the chunk's forward to its backward: at most min(warm-up + 1, m v)
 of them (device 0 the most, 2 (p - 1) + (v - 1) p + 1 when m > p), each 1/v of a 1F1B stage's layers.
+
+ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3.1; the authors'
+DeepSpeed schedule `ZeroBubbleH1Pipeline`, sail-sg/zero-bubble-pipeline-parallelism): the backward is
+split into B, the input gradient the previous stage waits for, and W, the weight gradient nothing
+waits for. Stage i of p runs min(p - i - 1, m) warm-up forwards; then i rounds of F, B with each W
+put off (to the end); then F, B, W rounds until its m forwards are done; then B, W rounds; then the i
+W it put off, oldest first. Stage 0 defers none (its order is 1F1B's with each backward as B, W), the
+last p - 1: the cool-down bubble 1F1B leaves before the last stages' final backwards is filled with
+their W. A micro-batch is in flight from its forward until its W ends (W reads the saved inputs of the
+linears): at most min(p, m) on every stage, stage 0's 1F1B count, so the peak over stages is 1F1B's
+(the paper's condition on ZB-H1), while the later stages hold more than under 1F1B.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from __future__ import annotations
 from slackswap.errors import ConfigError
 
 #: The schedules whose per-device order this module gives.
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved")
+SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zb_h1")
 
 
 def _check(stage: int, stages: int, microbatches: int) -> None:
@@ -55,6 +66,30 @@ def one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[
         order += [("F", j), ("B", backward)]
         backward += 1
     order += [("B", j) for j in range(backward, microbatches)]  # cool-down
+    return order
+
+
+def zb_h1_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """Stage `stage`'s work in ZB-H1 order (module docstring): ("F", j), ("B", j) input gradient and
+    ("W", j) weight gradient of micro-batch j."""
+    _check(stage, stages, microbatches)
+    m, order = microbatches, []
+    f = b = w = 0
+    for _ in range(min(stages - stage - 1, m)):  # warm-up forwards, as 1F1B
+        order.append(("F", f))
+        f += 1
+    for _ in range(stage):  # F, B with the W put off
+        if f == m:
+            break
+        order += [("F", f), ("B", b)]
+        f, b = f + 1, b + 1
+    while f < m:  # F, B, W
+        order += [("F", f), ("B", b), ("W", w)]
+        f, b, w = f + 1, b + 1, w + 1
+    while b < m:  # B, W
+        order += [("B", b), ("W", w)]
+        b, w = b + 1, w + 1
+    order += [("W", j) for j in range(w, m)]  # the W put off fill the cool-down
     return order
 
 
@@ -108,18 +143,31 @@ def schedule_order(schedule: str, device: int, stages: int, microbatches: int,
         return [(kind, 0, j) for kind, j in one_f_one_b_order(device, stages, microbatches)]
     if schedule == "interleaved":
         return interleaved_order(device, stages, virtual_stages, microbatches)
+    if schedule == "zb_h1":
+        if virtual_stages != 1:
+            raise ConfigError("parallel.virtual_stages", virtual_stages,
+                              "must be 1 unless parallel.pipeline_schedule=interleaved")
+        return [(kind, 0, j) for kind, j in zb_h1_order(device, stages, microbatches)]
     raise ConfigError("parallel.pipeline_schedule", schedule, f"must be one of {list(SCHEDULES)}")
 
 
 def in_flight_microbatches(stage: int, stages: int, microbatches: int, schedule: str = "1f1b",
                            virtual_stages: int = 1) -> int:
     """The most micro-batches (interleaved: micro-batch chunks) whose activations device `stage` holds at
-    once, counted on its order."""
+    once, counted on its order: from the forward to the backward, under ZB-H1 to the W."""
+    order = schedule_order(schedule, stage, stages, microbatches, virtual_stages)
+    release = releasing_kind(order)
     held = most = 0
-    for kind, _, _ in schedule_order(schedule, stage, stages, microbatches, virtual_stages):
-        held += 1 if kind == "F" else -1
+    for kind, _, _ in order:
+        held += 1 if kind == "F" else -1 if kind == release else 0
         most = max(most, held)
     return most
+
+
+def releasing_kind(order: list[tuple[str, int, int]]) -> str:
+    """The op after which a micro-batch's activations are gone: "W" in an order that splits the
+    backward (ZB-H1), else "B"."""
+    return "W" if any(kind == "W" for kind, _, _ in order) else "B"
 
 
 def stage_budget_bytes(capacity_bytes: int, stage: int, stages: int, microbatches: int, schedule: str = "1f1b",

@@ -254,7 +254,8 @@ def _advise_args(tmp_path: Path, store) -> list[str]:
     [("advise.gpus=[0]", "advise.gpus"), ("advise.recipes=[nope]", "advise.recipes='nope'"),
      ("planner=slackswap", "planner='slackswap'"), ("budget=half", "budget"),
      ("advise.graph=measured", "advise.graph"), ("advise.virtual_stages=[1,2]", "advise.virtual_stages=[1, 2]"),
-     ("advise.pipeline_schedule=zero_bubble", "advise.pipeline_schedule='zero_bubble'")],
+     ("advise.pipeline_schedule=zero_bubble", "advise.pipeline_schedule='zero_bubble'"),
+     ("advise.ep=[0]", "advise.ep=[0]")],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, mlflow_store, monkeypatch, capsys, override, needle):
     code = _run_advise(monkeypatch, [*_advise_args(tmp_path, mlflow_store), override])

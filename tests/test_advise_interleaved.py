@@ -126,17 +126,23 @@ def test_an_interleaved_row_is_what_pipelines_run_plans(model, a100):
 
 
 def test_the_optimistic_estimate_is_never_below_the_planned_step(model, a100):
-    """Every layout configuration, 1F1B and interleaved, planned, reaches at most the tokens/s its
-    optimistic estimate promised (the interleaved bubble counted as (p - 1) / (v m) of the ideal)."""
+    """Every layout configuration, 1F1B, interleaved and ZB-H1, planned, reaches at most the tokens/s its
+    optimistic estimate promised (the interleaved bubble counted as (p - 1) / (v m) of the ideal, ZB-H1's
+    as none), and a ZB-H1 row beats its 1F1B twin."""
     from slackswap.experiment.advise_layout_eval import evaluate_layout
 
     space = _space(gpus=(4,), tp=(1, 2), pp=(1, 2, 4), micro_batches=(1, 2), pipeline_microbatches=(4, 8),
-                   planners={"keep_all": {}, "full_recompute": {}})
+                   planners={"keep_all": {}, "full_recompute": {}}, pipeline_schedule=("1f1b", "interleaved", "zb_h1"))
     _, ctx = plan_search(model, a100, TOPO, space, graphs_of(model, a100))
     configs = layout_configs(ctx, 4, LayoutSearch(), (0.0, 0.0))
     assert {(c.layout.pp, c.layout.virtual_stages) for c in configs} >= {(2, 1), (2, 2), (4, 1), (4, 2)}
+    assert {c.layout.schedule for c in configs} == {"1f1b", "interleaved", "zb_h1"}
+    steps = {}
     for planner in ("keep_all", "full_recompute"):
         for c in configs:
             row = evaluate_layout(ctx, Candidate(c.layout, c.recipe, c.training, c.micro_batch, planner, "allocated"))
             assert row.status == "ok", row.reason
             assert row.tokens_per_s <= c.bound_tokens_per_s, (c.layout.label, planner)
+            steps[(replace(c.layout, schedule="1f1b"), c.micro_batch, planner, c.layout.schedule)] = row.step_s
+    zb = {k[:3]: s for k, s in steps.items() if k[3] == "zb_h1"}
+    assert zb and all(s < steps[(*k, "1f1b")] for k, s in zb.items())

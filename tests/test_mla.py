@@ -244,9 +244,40 @@ def test_bad_values_name_the_field(fields, message):
     assert str(err.value).startswith(message)
 
 
-def test_tensor_parallel_mla_is_refused():
-    with pytest.raises(ConfigError, match=r"^parallel.tp=2: tensor parallelism is not modelled for latent"):
-        build_graph(small(), HW, parallel=ParallelConfig(tp=2))
+def test_tensor_parallel_mla_by_hand_to_the_byte():
+    """tp 2 (Megatron-Core's MLA: duplicated down-projections on the rank's R tokens, column-parallel
+    up-projections of a' = 2 heads, row-parallel W^O). With sp, R = T / 2 = 16: the block saves
+    R (h + 2 d_q + 2 d_c) 2 + T (2 a' d_qk + 2 a' d_v) 2 + 4 b a' s = 16 x 112 x 2 + 32 x 72 x 2 + 256
+    = 3584 + 4608 + 256 = 8448; with the layer input, the residual and norm2's output (16 x 32 x 2
+    each) and the MLP's gate, up and SwiGLU outputs at f / 2 = 20 (32 x 20 x 2 each): 15360 per layer.
+    Without sp R = T: 7168 + 4608 + 256 = 12032, the rest 3 x 2048 + 3 x 1280: 22016. Parameters of a
+    layer: h d_q + d_q + d_q a' d_qk + h (d_c + d_r) + d_c + d_c a' (d_n + d_v) + a' d_v h = 2856, two
+    norms 64, the MLP 3 h f / 2 = 1920: 4840. Forward collectives of a layer under sp (bytes): the q
+    latent 32 x 24 x 2, the kv latent 32 x 16 x 2 and the rotary key 32 x 4 x 2 gathered, the output
+    projection's reduce-scatter and the MLP's gather and reduce-scatter of T h 2 = 2048."""
+    from slackswap.profile.builder import GraphBuilder
+    from slackswap.profile.layers import build_forward
+
+    sp = ParallelConfig(tp=2, sp=True)
+    mla = mla_saved_bytes(32, 2, 16, 32, 2, 24, 16, 12, 6, 2, rep_tokens=16)
+    assert mla == 8448
+    graph = build_graph(small(), HW, parallel=sp)
+    saved, _, _ = per_layer(graph)
+    assert [saved[layer] for layer in range(2)] == [1024 + mla + 1024 + 1024 + 3 * 1280] * 2 == [15_360] * 2
+    plain, _, _ = per_layer(build_graph(small(), HW, parallel=ParallelConfig(tp=2)))
+    assert mla_saved_bytes(32, 2, 16, 32, 2, 24, 16, 12, 6, 2) == 12_032
+    assert plain[0] == 12_032 + 3 * 2048 + 3 * 1280 == 22_016
+    fb = build_forward(small(), GraphBuilder(None, "bf16"), sp)
+    assert fb.layer_params[0] == 2856 + 64 + 1920 == 4840
+    forward = [(c.name, c.kind, c.size_bytes) for c in fb.collectives if c.layer == 0 and c.phase == "forward"]
+    assert forward == [("L0.q_latent_in", "all_gather", 1536), ("L0.kv_latent_in", "all_gather", 1024),
+                       ("L0.k_rope_in", "all_gather", 256), ("L0.attn_out", "reduce_scatter", 2048),
+                       ("L0.mlp_in", "all_gather", 2048), ("L0.mlp_out", "reduce_scatter", 2048)]
+    backward = [(c.name, c.kind, c.size_bytes) for c in build_forward(small(), GraphBuilder(None, "bf16"),
+                                                                     ParallelConfig(tp=2)).collectives
+                if c.layer == 0 and c.phase == "backward"]
+    assert backward == [("L0.q_latent_in", "all_reduce", 1536), ("L0.kv_latent_in", "all_reduce", 1024),
+                        ("L0.mlp_in", "all_reduce", 2048)]
 
 
 @pytest.mark.parametrize(

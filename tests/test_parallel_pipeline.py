@@ -101,7 +101,7 @@ def test_default_run_has_no_layout_figures(tmp_path, monkeypatch, capsys) -> Non
         (["parallel.microbatches=4"],
          "error: parallel.microbatches=4: micro-batches run through a pipeline; with parallel.pp=1 set 1"),
         (["parallel=pp4", "parallel.pipeline_schedule=zero_bubble"],
-         "error: parallel.pipeline_schedule='zero_bubble': must be one of ['1f1b', 'interleaved']"),
+         "error: parallel.pipeline_schedule='zero_bubble': must be one of ['1f1b', 'interleaved', 'zb_h1']"),
         (["parallel=pp4_interleaved", "parallel.microbatches=6"],
          "error: parallel.microbatches=6: must be a multiple of parallel.pp=4 with the interleaved schedule"),
         (["parallel=pp4_interleaved", "parallel.virtual_stages=3"],
@@ -130,7 +130,7 @@ def test_a_layout_that_does_not_divide_the_model_is_one_line_exit_2(
          "error: advise.gpus=16: is not parallel dp*tp*pp*cp = 1*8*1*1 = 8"),
         ("pipelines.advise", ["parallel.tp=8", "advise.gpus=[8]"],
          "error: parallel={'dp': 1, 'tp': 8, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: advise searches "
-         "the layout: list degrees in advise.tp / advise.pp / advise.cp and leave parallel at none"),
+         "the layout: list degrees in advise.tp / advise.pp / advise.cp / advise.ep and leave parallel at none"),
         ("pipelines.train", ["model=tiny_torch", "parallel.tp=2"],
          "error: parallel={'dp': 1, 'tp': 2, 'pp': 1, 'cp': 1, 'ep': 1, 'sp': False}: a training run executes "
          "one full replica on one device; leave parallel at none"),

@@ -65,7 +65,7 @@ def _layouts(draw):
     p = draw(st.integers(2, 4))
     v = draw(st.sampled_from([1, 2]))
     m = p * draw(st.integers(1, 3)) if v > 1 else draw(st.integers(1, 6))
-    return p, v, m, ("interleaved" if v > 1 else "1f1b"), draw(_times)
+    return p, v, m, ("interleaved" if v > 1 else draw(st.sampled_from(["1f1b", "zb_h1"]))), draw(_times)
 
 
 @st.composite
@@ -73,12 +73,14 @@ def _stage(draw):
     """(a floor, stage times that meet it): overhead split at random between forward, backward and the
     waits the pipeline may hide."""
     lf, lb, over, tail = draw(_times), draw(_times), draw(_times), draw(_times)
-    floor = StageFloor(lf, lb, lf + lb + over, tail)
+    w = lb * draw(st.floats(0.0, 1.0))  # ZB-H1's W floor: part of the backward's
+    floor = StageFloor(lf, lb, lf + lb + over, tail, w)
     parts = [draw(st.floats(0.0, 1.0)) for _ in range(4)]
     total = sum(parts) or 1.0
     fh, bh, xf, xb = (over * x / total for x in parts) if sum(parts) else (0.0, 0.0, over, 0.0)
     extra = draw(st.just(0.0) | _times)  # a plan may be slower still
-    times = StageTimes(lf + fh + xf + extra, lb + bh + xb, fh, bh, tail + draw(st.just(0.0) | _times))
+    times = StageTimes(lf + fh + xf + extra, lb + bh + xb, fh, bh, tail + draw(st.just(0.0) | _times),
+                       min(w + xb * draw(st.floats(0.0, 1.0)), lb + xb))  # W and B each at or above their floor
     return floor, times
 
 
@@ -101,9 +103,11 @@ def test_the_pipeline_step_is_monotone_in_stage_times(layout, data):
     for _ in range(p * v):
         f, b, tail = data.draw(_times), data.draw(_times), data.draw(_times)
         fh, bh = data.draw(st.floats(0.0, 1.0)) * f, data.draw(st.floats(0.0, 1.0)) * b
-        low.append(StageTimes(f - fh, b - bh, 0.0, 0.0, tail))
+        w = (b - bh) * data.draw(st.floats(0.0, 1.0))
+        low.append(StageTimes(f - fh, b - bh, 0.0, 0.0, tail, w))
         df, db, dh, dt = (data.draw(_times) for _ in range(4))
-        high.append(StageTimes(f + df, b + db, fh + min(dh, df), bh, tail + dt))
+        dw = db * data.draw(st.floats(0.0, 1.0))  # W and B - W both no shorter
+        high.append(StageTimes(f + df, b + db, fh + min(dh, df), bh, tail + dt, min(w + dw, b + db - bh)))
     slow = simulate_pipeline(high, m, p2p + data.draw(_times), schedule, v).step_s
     fast = simulate_pipeline(low, m, p2p, schedule, v).step_s
     assert fast <= slow * (1 + 1e-9) + 1e-12

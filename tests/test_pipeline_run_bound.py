@@ -19,6 +19,7 @@ LAYOUTS = {
     "1f1b_pp2": {"pp": 2, "microbatches": 4},
     "1f1b_pp4": {"pp": 4, "microbatches": 8},
     "interleaved_pp2_v2": {"pp": 2, "microbatches": 4, "pipeline_schedule": "interleaved", "virtual_stages": 2},
+    "zb_h1_pp4": {"pp": 4, "microbatches": 8, "pipeline_schedule": "zb_h1"},
 }
 
 

@@ -114,11 +114,15 @@ def test_two_stage_pipeline_of_hand_made_graphs_has_the_hand_worked_log():
     # stage 0 forward 0.25 + 0.75 = 1, backward 1.5 + 0.5 = 2; stage 1 forward 1 + 2 = 3, backward 3 + 1 = 4.
     graphs = [_stage_graph((0.25, 0.75), (1.5, 0.5), loss=False), _stage_graph((1.0, 2.0), (3.0, 1.0), loss=True)]
     times = [stage_times(g, simulate(g, keep_all_plan(g), toy_hardware(), None)) for g in graphs]
-    assert times == [StageTimes(1.0, 2.0), StageTimes(3.0, 4.0)]
-    r = simulate_pipeline(times, microbatches=3, p2p_s=0.5)
+    # ZB-H1's weight gradient: half of each backward GEMM (the ops are matmuls): 1 and 2
+    assert times == [StageTimes(1.0, 2.0, weight_grad_s=1.0), StageTimes(3.0, 4.0, weight_grad_s=2.0)]
+    r = simulate_pipeline(times, microbatches=3, p2p_s=0.5)  # 1F1B runs the backward whole
     assert _ops(r, 0) == [("F", 0, 0, 1), ("F", 1, 1, 2), ("B", 0, 9, 11), ("F", 2, 11, 12),
                           ("B", 1, 16, 18), ("B", 2, 23, 25)]
     assert _ops(r, 1)[-1] == ("B", 2, 18.5, 22.5) and r.step_s == 25
+    # tests/test_pipeline_zero_bubble.py's hand-worked ZB-H1 log, from the same graphs
+    zb = simulate_pipeline(times, microbatches=3, p2p_s=0.5, schedule="zb_h1")
+    assert _ops(zb, 1)[-1] == ("W", 2, 20.5, 22.5) and zb.step_s == 22.5
 
 
 def test_stage_graphs_split_the_model():

@@ -1,7 +1,9 @@
 """The layout half of the advise search: tensor, pipeline and context parallelism (`advise.tp`, `pp`,
 `cp`, with sequence parallelism on tp > 1, micro-batches per pipeline and its schedule: 1F1B, or
 interleaved 1F1B with v chunks per device, `advise.pipeline_schedule` / `advise.virtual_stages`),
-dp = GPUs / (tp pp cp).
+dp = GPUs / (tp pp cp); on an MoE model expert parallelism too (`advise.ep`, carved out of dp x cp:
+a rank's E / ep experts, their optimizer state over the expert data-parallel group dp cp / ep, the
+all-to-alls among the stage's collectives, `advise_layout_configs.device_statics`).
 
 Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
 
@@ -135,7 +137,7 @@ def search_layouts(ctx: Any, dp_rows: list[Row], on_row: Callable[[int, int, Row
                           "floor": "a smaller micro-batch of the same layout and recipe had its activation floor "
                                    "over the capacity"}[why]
                 out.regions.append(Region(NOT_PLANNED if why != "floor" else ACTIVATIONS_DO_NOT_FIT, detail,
-                                          {"gpus": gpus, "layout": "tp/pp/cp layouts"}, n))
+                                          {"gpus": gpus, "layout": "tp/pp/cp/ep layouts"}, n))
                 out.pruned += n
     return out
 
@@ -144,7 +146,7 @@ def _shape_key(cfg: LayoutConfig) -> tuple:
     """A configuration less its micro-batch: where one micro-batch's activation floor is over the
     capacity, every larger micro-batch of the same key is too."""
     lay = cfg.layout
-    return (lay.tp, lay.pp, lay.cp, lay.virtual_stages, lay.zero_stage, cfg.recipe)
+    return (lay.tp, lay.pp, lay.cp, lay.ep, lay.virtual_stages, lay.zero_stage, cfg.recipe)
 
 
 def _skip(cfg: LayoutConfig, too_big: dict, bar: tuple[float, float], planned: int, top_n: int) -> str | None:
@@ -160,7 +162,7 @@ def _task_context(ctx: Any, cfg: LayoutConfig) -> Any:
     """What planning `cfg` needs of `ctx`: its layout's cached parameter counts and stage graphs, not
     every graph the search built, nor the graph source (a worker is sent the task's context)."""
     lay = cfg.layout
-    keep = {("params", lay.tp, lay.pp, lay.virtual_stages), graphs_key(lay, cfg.micro_batch, cfg.training),
+    keep = {("params", lay.tp, lay.pp, lay.virtual_stages, lay.ep), graphs_key(lay, cfg.micro_batch, cfg.training),
             graphs_key(lay, cfg.micro_batch, cfg.training, "stages")}
     return replace(ctx, graph_for=None, workloads={}, plan_cache={k: ctx.plan_cache[k] for k in keep
                                                                   if k in ctx.plan_cache},

@@ -21,7 +21,7 @@ from slackswap.experiment.advise_space import (
     numerics_change,
 )
 from slackswap.experiment.advise_step import activation_floor_bytes, optimizer_step_s, recipe_for_layout
-from slackswap.memory.static import static_memory
+from slackswap.memory.static import StaticMemory, static_memory
 from slackswap.parallel import ParallelConfig
 
 
@@ -45,78 +45,125 @@ class LayoutConfig:
     bound_tokens_per_s: float
 
 
-def layout_shapes(ctx: Any, gpus: int, out: LayoutSearch) -> list[tuple[int, int, int]]:
+def layout_shapes(ctx: Any, gpus: int, out: LayoutSearch) -> list[tuple[int, int, int, int]]:
+    """The (tp, pp, cp, ep) shapes of `gpus` GPUs to search: ep > 1 only on an MoE model (a dense
+    model has no experts to split: not a layout of it, skipped as a product not dividing the GPUs is);
+    one that does not divide the model or puts a tp group across nodes is a rejected region."""
     space, model = ctx.space, ctx.model
     shapes = []
+    eps = space.ep if model.moe is not None else (1,)
     for tp in space.tp:
         for pp in space.pp:
             for cp in space.cp:
-                if (tp, pp, cp) == (1, 1, 1) or gpus % (tp * pp * cp):
-                    continue
-                where = {"gpus": gpus, "tp": tp, "pp": pp, "cp": cp, "layout": f"tp{tp} pp{pp} cp{cp}"}
-                per = len(space.recipes) * len(space.micro_batches)
-                try:
-                    ParallelConfig(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp,
-                                   sp=space.sp and tp > 1).check_model(model)
-                except ConfigError as exc:
-                    out.regions.append(Region(LAYOUT_DOES_NOT_DIVIDE, str(exc), where, per))
-                    out.pruned += per
-                    continue
-                if tp > ctx.topology.gpus_per_node:
-                    out.regions.append(Region(LAYOUT_DOES_NOT_DIVIDE, f"parallel.tp={tp}: a tp group spans nodes of "
-                                              f"{ctx.topology.gpus_per_node} GPUs", where, per))
-                    out.pruned += per
-                    continue
-                shapes.append((tp, pp, cp))
+                for ep in eps:
+                    if (tp, pp, cp, ep) == (1, 1, 1, 1) or gpus % (tp * pp * cp):
+                        continue
+                    where = {"gpus": gpus, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                             "layout": f"tp{tp} pp{pp} cp{cp}" + (f" ep{ep}" if ep > 1 else "")}
+                    per = len(space.recipes) * len(space.micro_batches)
+                    try:
+                        ParallelConfig(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep,
+                                       sp=space.sp and tp > 1).check_model(model)
+                    except ConfigError as exc:
+                        out.regions.append(Region(LAYOUT_DOES_NOT_DIVIDE, str(exc), where, per))
+                        out.pruned += per
+                        continue
+                    if tp > ctx.topology.gpus_per_node:
+                        out.regions.append(Region(LAYOUT_DOES_NOT_DIVIDE, f"parallel.tp={tp}: a tp group spans "
+                                                  f"nodes of {ctx.topology.gpus_per_node} GPUs", where, per))
+                        out.pruned += per
+                        continue
+                    shapes.append((tp, pp, cp, ep))
     return shapes
 
 
-def zero_stages(searched: tuple[int, ...], dp: int, pp: int) -> list[int]:
-    """The ZeRO stages a (dp, pp) layout is searched under, over its dp group: 0 alone without data
+def zero_stages(searched: tuple[int, ...], dp: int, pp: int, ep: int = 1) -> list[int]:
+    """The ZeRO stages a (dp, pp, ep) layout is searched under, over its dp group: 0 alone without data
     parallelism; 0 and 1 (Megatron's DDP and distributed optimizer) with a pipeline, as Megatron and
     DeepSpeed run it (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism: its gradient partitions
-    would be reduced once per micro-batch); every searched stage otherwise (tp / cp x ZeRO-3 is FSDP
-    over the dp group on tp-sharded parameters)."""
+    would be reduced once per micro-batch), and likewise with expert parallelism (Megatron-Core's
+    distributed optimizer shards the expert parameters over the expert data-parallel group; ZeRO-3
+    over experts is not modelled); every searched stage otherwise (tp / cp x ZeRO-3 is FSDP over the
+    dp group on tp-sharded parameters)."""
     if dp == 1:
         return [0]
-    stages = sorted({z for z in searched if pp == 1 or z <= 1})
+    stages = sorted({z for z in searched if (pp == 1 and ep == 1) or z <= 1})
     return stages or [1]
 
 
-def chunk_parallel(tp: int, pp: int, cp: int = 1, sp: bool = False, virtual_stages: int = 1) -> ParallelConfig:
+def chunk_parallel(tp: int, pp: int, cp: int = 1, sp: bool = False, virtual_stages: int = 1,
+                   ep: int = 1) -> ParallelConfig:
     """The layout the stage (chunk) graphs are built under. Their graphs do not depend on the number of
-    micro-batches: any the schedule takes (2 under 1F1B, pp interleaved) builds the same chunks."""
+    micro-batches (any the schedule takes, 2 under 1F1B, pp interleaved, builds the same chunks) nor on
+    dp (set to ep, the least that holds an ep group)."""
     if virtual_stages > 1:
-        return ParallelConfig(tp=tp, pp=pp, cp=cp, sp=sp, microbatches=pp, pipeline_schedule="interleaved",
-                              virtual_stages=virtual_stages)
-    return ParallelConfig(tp=tp, pp=pp, cp=cp, sp=sp, microbatches=2 if pp > 1 else 1)
+        return ParallelConfig(dp=ep, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, microbatches=pp,
+                              pipeline_schedule="interleaved", virtual_stages=virtual_stages)
+    return ParallelConfig(dp=ep, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, microbatches=2 if pp > 1 else 1)
 
 
-def stage_param_counts(ctx: Any, tp: int, pp: int, virtual_stages: int = 1) -> list[tuple[int, int]]:
-    """(parameters, largest group) of each chunk (1F1B: each stage), in chunk order, cached per layout."""
+def stage_param_counts(ctx: Any, tp: int, pp: int, virtual_stages: int = 1, ep: int = 1) -> list[tuple[int, int]]:
+    """(parameters, largest group) of each chunk (1F1B: each stage), in chunk order, cached per layout
+    (under ep, a rank's own experts only)."""
     from slackswap.profile.stages import stage_parameter_counts
 
-    key = ("params", tp, pp, virtual_stages)
+    key = ("params", tp, pp, virtual_stages, ep)
     if key not in ctx.plan_cache:
-        par = chunk_parallel(tp, pp, virtual_stages=virtual_stages)
+        par = chunk_parallel(tp, pp, virtual_stages=virtual_stages, ep=ep)
         ctx.plan_cache[key] = [stage_parameter_counts(ctx.model, par, i) for i in range(par.chunks)]
     return ctx.plan_cache[key]
 
 
-def device_param_counts(ctx: Any, tp: int, pp: int, virtual_stages: int = 1) -> list[tuple[int, int]]:
+def device_param_counts(ctx: Any, tp: int, pp: int, virtual_stages: int = 1, ep: int = 1) -> list[tuple[int, int]]:
     """(parameters, largest group) each device holds over its chunks (chunk c on device c mod pp)."""
-    chunks = stage_param_counts(ctx, tp, pp, virtual_stages)
+    chunks = stage_param_counts(ctx, tp, pp, virtual_stages, ep)
     return [(sum(n for n, _ in chunks[d::pp]), max(u for _, u in chunks[d::pp])) for d in range(pp)]
 
 
-def pipeline_variants(ctx: Any, gpus: int, shape: tuple[int, int, int], out: LayoutSearch
+def chunk_expert_params(model: Any, layout: Layout) -> list[int]:
+    """Routed-expert parameters each chunk (1F1B: stage) holds on a rank: per MoE layer of it, its
+    E / ep experts' gate, up and down weights, 3 h f_e each (`slackswap.profile.moe`; shared experts
+    and the router are replicated, dense parameters)."""
+    chunks = layout.pp * layout.virtual_stages
+    moe = model.moe
+    if moe is None:
+        return [0] * chunks
+    per = model.num_layers // chunks
+    each = moe.num_experts // layout.ep * 3 * model.hidden_size * moe.expert_ffn_hidden_size
+    return [each * sum(moe.is_moe_layer(i) for i in range(c * per, (c + 1) * per)) for c in range(chunks)]
+
+
+def device_expert_params(model: Any, layout: Layout) -> list[int]:
+    """Routed-expert parameters each device holds over its chunks (chunk c on device c mod pp)."""
+    chunks = chunk_expert_params(model, layout)
+    return [sum(chunks[d::layout.pp]) for d in range(layout.pp)]
+
+
+def device_statics(ctx: Any, layout: Layout, training: Any) -> list[StaticMemory]:
+    """Each device's static memory: its dense parameters' under ZeRO over the dp group (`training`), its
+    routed experts' over the expert data-parallel group (`Layout.expert_shards`), term by term summed."""
+    model = ctx.model
+    per_device = device_param_counts(ctx, layout.tp, layout.pp, layout.virtual_stages, layout.ep)
+    experts = device_expert_params(model, layout)
+    out = []
+    for (n, unit), e in zip(per_device, experts, strict=True):
+        if not e:
+            out.append(static_memory(n, unit, training, model.dtype))
+            continue
+        dense = static_memory(n - e, min(unit, n - e), training, model.dtype)
+        expert = static_memory(e, min(unit, e), replace(training, zero_shards=layout.expert_shards), model.dtype)
+        out.append(replace(dense, num_params=n, **{k: v + expert.terms()[k] for k, v in dense.terms().items()}))
+    return out
+
+
+def pipeline_variants(ctx: Any, gpus: int, shape: tuple[int, int, int, int], out: LayoutSearch
                       ) -> list[tuple[int, str, int]]:
-    """The (micro-batches, schedule, chunks per device) a (tp, pp, cp) shape is searched under: one
+    """The (micro-batches, schedule, chunks per device) a (tp, pp, cp, ep) shape is searched under: one
     (1, 1f1b, 1) without a pipeline; else each of `advise.pipeline_microbatches` under each of
     `SearchSpace.pipeline_variants`, less those Megatron's interleaved schedule refuses
     (`ParallelConfig`: pp x v must divide the layers, the micro-batches be a multiple of pp), each a
     rejected region **layout does not divide the model** naming the field."""
-    tp, pp, cp = shape
+    tp, pp, cp, ep = shape
     space = ctx.space
     if pp == 1:
         return [(1, "1f1b", 1)]
@@ -125,8 +172,8 @@ def pipeline_variants(ctx: Any, gpus: int, shape: tuple[int, int, int], out: Lay
     for schedule, v in space.pipeline_variants():
         for m in space.pipeline_microbatches:
             try:
-                ParallelConfig(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, sp=space.sp and tp > 1, microbatches=m,
-                               pipeline_schedule=schedule, virtual_stages=v).check_model(ctx.model)
+                ParallelConfig(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, ep=ep, sp=space.sp and tp > 1,
+                               microbatches=m, pipeline_schedule=schedule, virtual_stages=v).check_model(ctx.model)
             except ConfigError as exc:
                 where = {"gpus": gpus, "tp": tp, "pp": pp, "cp": cp,
                          "layout": f"tp{tp} pp{pp} cp{cp} x {m} mb {schedule}{f' v{v}' if v > 1 else ''}"}
@@ -145,10 +192,21 @@ def comm_buffer_bytes(ctx: Any, layout: Layout, micro_batch: int) -> int:
     return micro_batch * (m.seq_len // layout.cp) * m.hidden_size * m.bytes_per_element
 
 
-def keep_all_compute_s(ctx: Any, mb: int) -> float:
-    key = ("compute", mb)
+def keep_all_compute_s(ctx: Any, mb: int, ep: int = 1) -> float:
+    """The keep-all compute of one micro-batch of the whole model on one rank; under ep > 1 of the
+    analytic rank graph with E / ep experts (each sized for its ep x T tokens' load percentile, at most
+    its share of ep = 1's: a tighter percentile over more tokens), tp = cp = 1 so that split over the
+    tp x cp x pp ranks it stays a lower bound of every stage's."""
+    key = ("compute", mb, ep)
     if key not in ctx.plan_cache:
-        ctx.plan_cache[key] = float(sum(op.duration_s for op in ctx.graph_for(mb).ops))
+        if ep == 1:
+            graph = ctx.graph_for(mb)
+        else:
+            from slackswap.profile import build_graph
+
+            model = replace(ctx.model, micro_batch_size=mb, include_optimizer=False)
+            graph = build_graph(model, ctx.hardware, parallel=chunk_parallel(1, 1, ep=ep))
+        ctx.plan_cache[key] = float(sum(op.duration_s for op in graph.ops))
     return ctx.plan_cache[key]
 
 
@@ -165,15 +223,18 @@ def optimizer_share_s(ctx: Any, training: Any, params: int) -> float:
 def optimistic_tokens_per_s(ctx: Any, layout: Layout, training: Any, mb: int, params: int) -> float:
     """Optimistic tokens/s per GPU (`slackswap.experiment.advise_layout` docstring, step 2): m slots and
     the pipeline's bubble of (pp - 1) / v slots (1F1B: v = 1; interleaved, Narayanan et al. 2021
-    section 2.2.2: bubble / ideal = (p - 1) / (v m)), plus the optimizer step of `params`."""
+    section 2.2.2: bubble / ideal = (p - 1) / (v m); ZB-H1: no bubble assumed), plus the optimizer step
+    of `params`."""
     m, space = ctx.model, ctx.space
     ranks = layout.tp * layout.cp * layout.pp
-    slot = keep_all_compute_s(ctx, mb) / ranks
+    slot = keep_all_compute_s(ctx, mb, layout.ep) / ranks
     if layout.tp > 1:
         size = mb * (m.seq_len // layout.cp) * m.hidden_size * m.bytes_per_element
         slot += 4 * (m.num_layers // layout.pp) * all_reduce_s(size, layout.tp, ctx.topology.intra_node)
     micro = layout.microbatches if layout.pp > 1 else space.grad_accum
-    step = (micro + (layout.pp - 1) / layout.virtual_stages) * slot + optimizer_share_s(ctx, training, params)
+    # ZB-H1's bubble depends on the W share of the backward: none is assumed (still a lower bound)
+    bubble = 0.0 if layout.schedule == "zb_h1" else (layout.pp - 1) / layout.virtual_stages
+    step = (micro + bubble) * slot + optimizer_share_s(ctx, training, params)
     return micro * mb * m.seq_len / ranks / step
 
 
@@ -182,26 +243,28 @@ def layout_configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[flo
     space, model, hw = ctx.space, ctx.model, ctx.hardware
     configs = []
     n_planners = len([p for p in space.planners if p != "milp"])
-    for tp, pp, cp in layout_shapes(ctx, gpus, out):
+    for tp, pp, cp, ep in layout_shapes(ctx, gpus, out):
         dp = gpus // (tp * pp * cp)
-        variants = pipeline_variants(ctx, gpus, (tp, pp, cp), out)
-        for zero in zero_stages(space.zero_stages, dp, pp):
+        variants = pipeline_variants(ctx, gpus, (tp, pp, cp, ep), out)
+        for zero in zero_stages(space.zero_stages, dp, pp, ep):
             for m, schedule, v in variants:
-                layout = Layout(gpus, zero, dp if zero else 1, tp, pp, cp, space.sp and tp > 1, m, schedule, v)
+                layout = Layout(gpus, zero, dp if zero else 1, tp, pp, cp, space.sp and tp > 1, m, schedule, v, ep)
                 for name, recipe in space.recipes.items():
                     try:
                         recipe.check_model_dtype(model.dtype)
                     except ConfigError:
                         continue  # the data-parallel search reports the recipe's region
                     training = recipe_for_layout(recipe, layout)
-                    per_stage = device_param_counts(ctx, tp, pp, v)
-                    statics = [static_memory(n, unit, training, model.dtype) for n, unit in per_stage]
+                    per_stage = device_param_counts(ctx, tp, pp, v, ep)
+                    statics = device_statics(ctx, layout, training)
                     worst = max(range(pp), key=lambda i: statics[i].total_bytes)
                     room = (hw.device_memory_bytes - space.reserve_bytes - space.margin_bytes
                             - statics[worst].total_bytes - comm_buffer_bytes(ctx, layout, space.micro_batches[0]))
                     if room <= 0:
                         n = len(space.micro_batches) * n_planners
-                        detail = (f"stage {worst}: {statics[worst].describe()}; with reserve and margin "
+                        experts = (f" (its routed experts' state over their {layout.expert_shards} expert "
+                                   "data-parallel GPU(s))" if ep > 1 and zero else "")
+                        detail = (f"stage {worst}: {statics[worst].describe()}{experts}; with reserve and margin "
                                   f"{-room / 2**30:.2f} GiB over {hw.device_memory_bytes / 2**30:.2f} GiB")
                         out.regions.append(Region(STATIC_DOES_NOT_FIT, detail, {"gpus": gpus, "layout": layout.label,
                                                                                 "recipe": name}, n))
@@ -263,12 +326,12 @@ def layout_stage_graphs(ctx: Any, lay: Layout, training: Any, mb: int) -> list:
     key = graphs_key(lay, mb, training)
     if key not in ctx.plan_cache:
         model = replace(ctx.model, micro_batch_size=mb, include_optimizer=False)
-        par = chunk_parallel(lay.tp, lay.pp, lay.cp, lay.sp, lay.virtual_stages)
+        par = chunk_parallel(lay.tp, lay.pp, lay.cp, lay.sp, lay.virtual_stages, lay.ep)
         ctx.plan_cache[key] = [build_stage_graph(model, hw, training, par, i) for i in range(par.chunks)]
     return ctx.plan_cache[key]
 
 
 def graphs_key(lay: Layout, mb: int, training: Any, kind: str = "graphs") -> tuple:
     """The cache key of a layout's stage graphs (`graphs`) or planned-stage inputs (`stages`)."""
-    return (kind, lay.tp, lay.pp, lay.cp, lay.sp, lay.virtual_stages, mb, training.fp8_linear_inputs)
+    return (kind, lay.tp, lay.pp, lay.cp, lay.sp, lay.virtual_stages, lay.ep, mb, training.fp8_linear_inputs)
 

@@ -11,8 +11,11 @@ from slackswap.communication import Topology, not_modelled, step_communication
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_layout_configs import (
+    chunk_expert_params,
     comm_buffer_bytes,
+    device_expert_params,
     device_param_counts,
+    device_statics,
     graphs_key,
     layout_stage_graphs,
     optimizer_share_s,
@@ -30,7 +33,7 @@ from slackswap.experiment.advise_space import (
     numerics_change,
 )
 from slackswap.experiment.advise_step import infeasible_row
-from slackswap.memory.static import bytes_per_param, static_memory
+from slackswap.memory.static import bytes_per_param
 from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
@@ -61,7 +64,7 @@ def _planned_stages(ctx: Any, cand: Candidate, hw: Any) -> list[tuple]:
 
 def layout_parallel(lay: Layout) -> ParallelConfig:
     """The `parallel` of a layout row: what `pipelines.run` takes to run the same layout."""
-    return ParallelConfig(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, sp=lay.sp,
+    return ParallelConfig(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, sp=lay.sp,
                           microbatches=lay.microbatches if lay.pp > 1 else 1, pipeline_schedule=lay.schedule,
                           virtual_stages=lay.virtual_stages)
 
@@ -88,9 +91,9 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     par = layout_parallel(lay)
     buffers = comm_buffer_bytes(ctx, lay, cand.micro_batch)
     reserve = space.reserve_bytes + space.margin_bytes + buffers
-    params_by_chunk = stage_param_counts(ctx, lay.tp, p, v)
-    params_by_device = device_param_counts(ctx, lay.tp, p, v)
-    statics = [static_memory(n, unit, cand.training, model.dtype) for n, unit in params_by_device]
+    params_by_chunk = stage_param_counts(ctx, lay.tp, p, v, lay.ep)
+    params_by_device = device_param_counts(ctx, lay.tp, p, v, lay.ep)
+    statics = device_statics(ctx, lay, cand.training)
     base: dict[str, Any] = dict(candidate=cand, optimizer_s=0.0, static_bytes=max(s.total_bytes for s in statics),
                                 activation_capacity_bytes=hw.device_memory_bytes - reserve
                                 - max(s.total_bytes for s in statics), model_flops_per_step=0.0,
@@ -120,11 +123,17 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     comms = [price(layout_collectives(s.graph), par, ctx.topology, graph=s.graph) for s in result.stages]
     num_params, (param_b, grad_b, _, _) = params_by_device[0][0], bytes_per_param(cand.training, model.dtype)
     times = []
+    expert_chunks = chunk_expert_params(model, lay)
+    expert_training = replace(cand.training, zero_shards=lay.expert_shards)
     for s, comm in zip(result.stages, comms, strict=True):
         t = stage_times(s.graph, s.fitted.result)
+        # the optimizer step over the dense parameters' shard and the routed experts' (Layout.expert_shards)
+        e = expert_chunks[s.index]
+        tail = optimizer_share_s(ctx, cand.training, params_by_chunk[s.index][0] - e)
+        if e:
+            tail += optimizer_share_s(ctx, expert_training, e)
         times.append(replace(t, forward_s=t.forward_s + (comm.forward_exposed_s or 0.0),
-                             backward_s=t.backward_s + (comm.backward_exposed_s or 0.0),
-                             tail_s=optimizer_share_s(ctx, cand.training, params_by_chunk[s.index][0])))
+                             backward_s=t.backward_s + (comm.backward_exposed_s or 0.0), tail_s=tail))
     plans, peaks, fits, reason = [], [], True, ""
     for d, static in enumerate(statics):
         own = result.stages[d::p]  # the device's chunks, in model order (1F1B: its one stage)
@@ -143,8 +152,9 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
                                sum(times[s.index].backward_s for s in own), tuple(s.index for s in own)))
     pipe = simulate_pipeline(times, m, result.p2p_s, lay.schedule, v)
     first = result.stages[::p]  # device 0's chunks
+    experts = device_expert_params(model, lay)[0]
     dp_comm = step_communication(
-        num_params=num_params, param_bytes=param_b, grad_bytes=grad_b, zero_stage=lay.zero_stage,
+        num_params=num_params - experts, param_bytes=param_b, grad_bytes=grad_b, zero_stage=lay.zero_stage,
         gpus=lay.dp, shards=lay.zero_shards, topology=_strided(ctx.topology, lay.tp * lay.cp),
         forward_compute_s=plans[0].forward_s, backward_compute_s=plans[0].backward_s,
         units=model.num_layers // lay.pp + 1)
@@ -155,6 +165,19 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     dp_exposed = (per_micro * (dp_comm.forward_exposed_s + dp_comm.backward_exposed_s
                                + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
                   + dp_comm.after_step_comm_s)
+    edp = lay.dp * lay.cp // lay.ep
+    if experts and edp > 1:
+        # Routed experts reduce over their expert data-parallel group (dp x cp / ep ranks, tp x ep GPUs
+        # apart in Megatron-Core's expert rank order), under what is left of the backward once the dense
+        # reduction has hidden its part.
+        hidden = dp_comm.backward_comm_s - dp_comm.backward_exposed_s
+        ecomm = step_communication(
+            num_params=experts, param_bytes=param_b, grad_bytes=grad_b, zero_stage=lay.zero_stage, gpus=edp,
+            shards=edp if lay.zero_stage else 1, topology=_strided(ctx.topology, lay.tp * lay.ep),
+            forward_compute_s=0.0, backward_compute_s=max(plans[0].backward_s - hidden, 0.0),
+            units=model.num_layers // lay.pp + 1)
+        dp_exposed += (ecomm.backward_exposed_s + ecomm.overlap_cost_s(hw.collective_overlap_slowdown)
+                       + ecomm.after_step_comm_s)
     step_s = pipe.step_s + dp_exposed
     layout_s = m * sum(comms[s.index].exposed_s or 0.0 for s in first)
     tokens = m * cand.micro_batch * model.seq_len / (lay.tp * lay.cp * lay.pp)

@@ -51,6 +51,9 @@ class SearchSpace:
     tp: tuple[int, ...] = (1,)
     pp: tuple[int, ...] = (1,)
     cp: tuple[int, ...] = (1,)
+    #: Expert-parallel degrees searched on an MoE model (`parallel.ep`: dividing its experts and
+    #: dp x cp); a dense model is searched with ep 1 only.
+    ep: tuple[int, ...] = (1,)
     #: Megatron sequence parallelism on every tp > 1 layout.
     sp: bool = True
     #: Micro-batches per pipeline step of a pp > 1 layout (`parallel.microbatches`).
@@ -102,7 +105,7 @@ class SearchSpace:
         check.integer("advise.milp_top_k", self.milp_top_k, 0)
         check.integer("budget.reserve_bytes", self.reserve_bytes, 0)
         check.integer("advise.margin_bytes", self.margin_bytes, 0)
-        for name in ("tp", "pp", "cp", "pipeline_microbatches", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "ep", "pipeline_microbatches", "virtual_stages"):
             positive_ints(name, getattr(self, name))
             if list(getattr(self, name)) != sorted(set(getattr(self, name))):
                 raise ConfigError(f"advise.{name}", list(getattr(self, name)), "must be strictly increasing")
@@ -122,14 +125,16 @@ class SearchSpace:
 
     @property
     def searches_layouts(self) -> bool:
-        return (self.tp, self.pp, self.cp) != ((1,), (1,), (1,))
+        return (self.tp, self.pp, self.cp, self.ep) != ((1,), (1,), (1,), (1,))
 
     def pipeline_variants(self) -> list[tuple[str, int]]:
         """The (schedule, chunks per device) a pp > 1 layout is searched under: (1f1b, 1), then
-        (interleaved, v) for each of `virtual_stages`, as `pipeline_schedule` lists them."""
+        (interleaved, v) for each of `virtual_stages`, then (zb_h1, 1), as `pipeline_schedule` lists them."""
         out = [("1f1b", 1)] if "1f1b" in self.pipeline_schedule else []
         if "interleaved" in self.pipeline_schedule:
             out += [("interleaved", v) for v in self.virtual_stages]
+        if "zb_h1" in self.pipeline_schedule:
+            out.append(("zb_h1", 1))
         return out
 
 
@@ -162,14 +167,22 @@ class Layout:
     schedule: str = "1f1b"
     #: Model chunks per device (interleaved: Megatron's virtual pipeline size), 1 under 1F1B.
     virtual_stages: int = 1
+    #: Expert-parallel ranks (an MoE model's experts split over them, carved out of dp x cp).
+    ep: int = 1
 
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
+    def expert_shards(self) -> int:
+        """GPUs the expert parameters' ZeRO state is sharded over: the expert data-parallel group,
+        dp x cp / ep (Megatron-Core's expert_data_parallel group); the dense parameters' is zero_shards."""
+        return max(1, self.dp * self.cp // self.ep) if self.zero_stage else 1
+
+    @property
     def is_data_parallel(self) -> bool:
-        return self.tp == self.pp == self.cp == 1
+        return self.tp == self.pp == self.cp == self.ep == 1
 
     @property
     def label(self) -> str:
@@ -178,7 +191,7 @@ class Layout:
             chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             pipe = f" pp{self.pp} x {self.microbatches} mb {self.schedule}{chunks}" if self.pp > 1 else ""
             return (f"{self.gpus} GPUs dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''}{pipe}"
-                    f"{f' cp{self.cp}' if self.cp > 1 else ''}{zero}")
+                    f"{f' cp{self.cp}' if self.cp > 1 else ''}{f' ep{self.ep}' if self.ep > 1 else ''}{zero}")
         if self.gpus == 1:
             return "1 GPU"
         if self.zero_stage == 0:
@@ -227,6 +240,7 @@ class Candidate:
             "tp": self.layout.tp,
             "pp": self.layout.pp,
             "cp": self.layout.cp,
+            "ep": self.layout.ep,
             "sp": self.layout.sp,
             "pipeline_microbatches": self.layout.microbatches,
             "pipeline_schedule": self.layout.schedule,

@@ -118,8 +118,8 @@ class AdviseSpec:
                     parallel.check_gpus(gpus, "advise.gpus")
             # Never silently ignored: the search chooses the layout itself.
             raise ConfigError("parallel", parallel.as_dict(),
-                              "advise searches the layout: list degrees in advise.tp / advise.pp / advise.cp "
-                              "and leave parallel at none")
+                              "advise searches the layout: list degrees in advise.tp / advise.pp / advise.cp / "
+                              "advise.ep and leave parallel at none")
         node = Node.from_dict(config["node"])
         budget = Budget.from_dict(config["budget"])
         if not budget.device:
@@ -139,6 +139,7 @@ class AdviseSpec:
             grad_accum=adv.get("grad_accum"), milp_top_k=adv.get("milp_top_k"), reserve_bytes=budget.reserve_bytes,
             margin_bytes=adv.get("margin_bytes", 0), tp=_values("advise.tp", adv.get("tp", [1])),
             pp=_values("advise.pp", adv.get("pp", [1])), cp=_values("advise.cp", adv.get("cp", [1])),
+            ep=_values("advise.ep", adv.get("ep", [1])),
             sp=adv.get("sp", True),
             pipeline_microbatches=_values("advise.pipeline_microbatches", adv.get("pipeline_microbatches", [8])),
             pipeline_schedule=_schedule_names(adv.get("pipeline_schedule", "1f1b")),

@@ -287,7 +287,7 @@ def _stage_floor(spec: RunSpec, stage: Stage, bound) -> StageFloor:
     milp bound at the stage budget (the plan's own when it was planned at that budget), the floor
     forward and backward, each with the exposed collectives `_times` adds to any plan alike."""
     from slackswap.experiment.layout_comm import layout_communication
-    from slackswap.graph import FORWARD_PHASES, Phase
+    from slackswap.graph import FORWARD_PHASES, OpClass, Phase
 
     graph, fitted = stage.graph, stage.fitted
     core = _without_optimizer(graph)
@@ -301,7 +301,8 @@ def _stage_floor(spec: RunSpec, stage: Stage, bound) -> StageFloor:
     forward = sum(op.duration_s for op in graph.ops if op.phase in FORWARD_PHASES)
     backward = sum(op.duration_s for op in graph.ops if op.phase == Phase.BACKWARD)
     tail = sum(op.duration_s for op in graph.ops if op.phase == Phase.OPTIMIZER)
-    return StageFloor(forward + cf, backward + cb, milp_s + cf + cb, tail)
+    weight = sum(op.duration_s for op in graph.ops if op.phase == Phase.BACKWARD and op.op_class == OpClass.MATMUL) / 2
+    return StageFloor(forward + cf, backward + cb, milp_s + cf + cb, tail, weight)
 
 
 def _without_optimizer(graph: Graph) -> Graph:

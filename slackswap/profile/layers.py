@@ -148,11 +148,12 @@ class FamilyBuilder:
         ranks = self.par.tp if group == "tp" else self.par.cp
         self.collectives.append(Collective(name, layer, phase, kind, group, ranks, size, why))
 
-    def tp_enter(self, name: str, layer: int) -> None:
-        """Megatron's f (ḡ under sp): the replicated input of column-parallel GEMMs of hidden width."""
+    def tp_enter(self, name: str, layer: int, width: int = 0) -> None:
+        """Megatron's f (ḡ under sp): the replicated input of column-parallel GEMMs of hidden width
+        (`width`: another input width, MLA's latents)."""
         if self.par.tp == 1:
             return
-        full = self.shape.act(self.m.hidden_size)
+        full = self.shape.act(width or self.m.hidden_size)
         if self.par.sp:
             self._collective(name, layer, "forward", "all_gather", "tp", full, "gather the sequence for a column GEMM")
             self._collective(name, layer, "backward", "reduce_scatter", "tp", full, "input gradient back to shards")
@@ -342,10 +343,10 @@ class FamilyBuilder:
         """Pre-RMSNorm decoder layer with rotary Q/K, optional GQA and a SwiGLU MLP; no dropout."""
         p, h, f = f"L{layer}", self.m.hidden_size, self.m.ffn_hidden_size
         n1 = self.norm(f"{p}.norm1", layer, x, rms=True, role="rmsnorm")
-        self.tp_enter(f"{p}.attn_in", layer)
-        if self.m.mla is not None:  # latent attention (slackswap.profile.mla; tp is 1)
+        if self.m.mla is not None:  # latent attention (slackswap.profile.mla: its own tp boundaries)
             ctx, ctx_width = mla_attention(self, p, layer, n1)
         else:
+            self.tp_enter(f"{p}.attn_in", layer)
             q, k, v = self.qkv(p, layer, n1, bias=False)
             # Rotary embedding: elementwise on Q and K; its backward needs only the cos/sin tables.
             qr = self.g.tensor(f"{p}.rope.q", self.g.size(q), "q_rot")

@@ -21,7 +21,11 @@ ops in time, so it is exact for the numbers it is given and needs no graph. The 
   overlaps with the gap before the op: the op's compute starts at max(input arrival, stage free +
   hideable wait). The copies of micro-batch j that the bubble hides are thus credited; waits inside
   the phase stay in its time.
-- After its last backward each device runs its tail (the optimizer steps of its chunks); the step ends
+- ZB-H1 (`slackswap.pipeline_stages.zb_h1_order`) splits each backward: B(i, j), the input gradient,
+  takes `backward_s - weight_grad_s` and sends the gradient on as a backward does; W(i, j), the
+  weight gradient, takes `weight_grad_s`, follows B(i, j) on its stage and sends nothing. Under the
+  other schedules `weight_grad_s` is part of the backward, as it runs.
+- After its last op each device runs its tail (the optimizer steps of its chunks); the step ends
   when the last device's tail ends.
 
 The bubble fraction is the stages' idle share of the step: 1 - sum(busy) / (p x step). With equal
@@ -36,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slackswap.errors import ConfigError
-from slackswap.pipeline_stages import SCHEDULES, schedule_order
+from slackswap.pipeline_stages import SCHEDULES, releasing_kind, schedule_order
 
 
 @dataclass(frozen=True)
@@ -53,20 +57,26 @@ class StageTimes:
     backward_hideable_s: float = 0.0
     #: Work after the stage's last backward: its optimizer step, seconds.
     tail_s: float = 0.0
+    #: Part of `backward_s` that is the weight gradient: ZB-H1's W pass (`slackswap.pipeline_stages`).
+    weight_grad_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "forward_hideable_s", "backward_hideable_s", "tail_s"):
+        for name in ("forward_s", "backward_s", "forward_hideable_s", "backward_hideable_s", "tail_s",
+                     "weight_grad_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"stage.{name}", value, "must be a number >= 0")
         if self.forward_hideable_s > self.forward_s or self.backward_hideable_s > self.backward_s:
             raise ConfigError("stage.hideable_s", (self.forward_hideable_s, self.backward_hideable_s),
                               "a hideable wait must be part of its op's time")
+        if self.backward_hideable_s + self.weight_grad_s > self.backward_s:
+            raise ConfigError("stage.weight_grad_s", self.weight_grad_s,
+                              "the weight gradient and the backward's hideable wait must both be part of the backward")
 
 
 @dataclass(frozen=True)
 class PipelineEvent:
-    """One busy interval: a device's op ("F", "B", "tail") or a send ("send_F" activation forward from
+    """One busy interval: a device's op ("F", "B", ZB-H1's "W", "tail") or a send ("send_F" activation forward from
     chunk `chunk` of device `stage` to the next chunk, on device stage + 1 (mod p), "send_B" gradient
     to the previous chunk, on device stage - 1 (mod p))."""
 
@@ -129,6 +139,8 @@ def simulate_pipeline(stages: list[StageTimes] | tuple[StageTimes, ...], microba
     if not isinstance(p2p_s, (int, float)) or isinstance(p2p_s, bool) or p2p_s < 0:
         raise ConfigError("p2p_s", p2p_s, "must be a number >= 0")
     orders = [schedule_order(schedule, i, p, microbatches, virtual_stages) for i in range(p)]
+    release = releasing_kind(orders[0])
+    split = release == "W"  # ZB-H1: B is the input gradient alone, W the weight gradient
     done: dict[tuple[str, int, int], float] = {}  # (kind, chunk, micro-batch) -> end of the op
     arrival: dict[tuple[str, int, int], float] = {}  # (kind, chunk, micro-batch) -> its input's arrival
     link_free: dict[tuple[int, int], float] = {}  # (sending device, receiving device) -> when the link is free
@@ -151,16 +163,18 @@ def simulate_pipeline(stages: list[StageTimes] | tuple[StageTimes, ...], microba
                     break
                 t = stages[s]
                 hide, duration = ((t.forward_hideable_s, t.forward_s) if kind == "F"
-                                  else (t.backward_hideable_s, t.backward_s))
+                                  else (0.0, t.weight_grad_s) if kind == "W"
+                                  else (t.backward_hideable_s, t.backward_s - (t.weight_grad_s if split else 0.0)))
                 compute_start = max(ready, free[i] + hide)
                 end = compute_start + duration - hide
                 ops.append(PipelineEvent(i, kind, j, compute_start, end, local))
                 busy[i] += duration - hide
                 free[i] = end
                 done[(kind, s, j)] = end
-                held[i] += 1 if kind == "F" else -1
+                held[i] += 1 if kind == "F" else -1 if kind == release else 0
                 most[i] = max(most[i], held[i])
-                _send(kind, s, j, p, n, end, p2p_s, link_free, arrival, sends)
+                if kind != "W":
+                    _send(kind, s, j, p, n, end, p2p_s, link_free, arrival, sends)
                 head[i] += 1
                 remaining -= 1
                 progressed = True
@@ -184,6 +198,8 @@ def _input_ready(kind: str, s: int, j: int, n: int, done: dict, arrival: dict) -
         if s == 0:
             return 0.0
         return arrival.get(("F", s, j))
+    if kind == "W":
+        return done.get(("B", s, j))
     if ("F", s, j) not in done:
         return None
     if s == n - 1:

@@ -27,6 +27,12 @@ backward, which the milp does not bound separately. Two valid bounds, the larger
    follows; the device's own tail follows its last op. Sends are bounded by p2p_s alone (a FIFO link
    only delays them).
 
+ZB-H1 (the backward split into B and W, `slackswap.pipeline_stages.zb_h1_order`): the floor's W is
+`weight_grad_s`, half the backward GEMMs' durations, and its B the floor backward less that. A plan's
+W is half its backward GEMMs' run times (`stage_times`), each at least the op's duration, and its B
+the rest of its backward, at least the other backward ops' durations: both at or above the floor's,
+so the floor pipeline stays a bound. A device's chain ends with a W, which sends nothing: it is
+bounded by its own ops and its tail (no drain term).
 The device chains are what carry the milp's stall and recompute time into the bound: for the
 slowest stage they give (its arrival) + m x its bound + (the drain), (m + p - 1)(f + b) for equal
 stages, the pipeline's own figure. How loose it is: a plan's bubbles can hide part of its overhead
@@ -55,10 +61,14 @@ class StageFloor:
     step_s: float
     #: <= the tail: the optimizer ops' durations.
     tail_s: float = 0.0
+    #: <= ZB-H1's W and backward - weight_grad_s <= its B: half the backward GEMMs' durations.
+    weight_grad_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "step_s", "tail_s"):
+        for name in ("forward_s", "backward_s", "step_s", "tail_s", "weight_grad_s"):
             check.non_negative(f"floor.{name}", getattr(self, name))
+        if self.weight_grad_s > self.backward_s:
+            raise ConfigError("floor.weight_grad_s", self.weight_grad_s, "must be part of floor.backward_s")
 
     @property
     def overhead_s(self) -> float:
@@ -89,7 +99,8 @@ def pipeline_bound(floors: list[StageFloor] | tuple[StageFloor, ...], microbatch
                    schedule: str = "1f1b", virtual_stages: int = 1) -> PipelineBound:
     """A lower bound on `simulate_pipeline`'s step for every chunk times that meet `floors` (module
     docstring); `floors` in model order, as `simulate_pipeline` takes its stages."""
-    floor_times = [StageTimes(f.forward_s, f.backward_s, tail_s=f.tail_s) for f in floors]
+    floor_times = [StageTimes(f.forward_s, f.backward_s, tail_s=f.tail_s, weight_grad_s=f.weight_grad_s)
+                   for f in floors]
     floor = simulate_pipeline(floor_times, microbatches, p2p_s, schedule, virtual_stages)
     n, v = len(floors), virtual_stages
     p = n // v
@@ -103,13 +114,13 @@ def pipeline_bound(floors: list[StageFloor] | tuple[StageFloor, ...], microbatch
     for d in range(p):
         order = schedule_order(schedule, d, p, microbatches, v)
         (first_kind, first, _), (last_kind, last, _) = order[0], order[-1]
-        if first_kind != "F" or last_kind != "B":  # every schedule here starts with a forward, ends with a backward
-            raise ConfigError("parallel.pipeline_schedule", schedule, "a device's order must run F first, B last")
+        if first_kind != "F" or last_kind not in ("B", "W"):  # every schedule here starts with a forward
+            raise ConfigError("parallel.pipeline_schedule", schedule, "a device's order must run F first, B or W last")
         s0, s1 = first * p + d, last * p + d
         work = sum(floors[c * p + d].work_s for c in range(v))
         total = microbatches * work
         end = max(arrival[s0] + total - floors[s0].overhead_s, total)
-        devices.append(max(end + tails[d], end + drain[s1] + tails[0]))
+        devices.append(max(end + tails[d], end + drain[s1] + tails[0]) if last_kind == "B" else end + tails[d])
         works.append(work)
     return PipelineBound(max([floor.step_s, *devices]), floor.step_s, tuple(devices), tuple(works))
 

@@ -20,7 +20,7 @@ placed on shared copy engines.
 
 from __future__ import annotations
 
-from slackswap.graph import FORWARD_PHASES, Graph, Phase
+from slackswap.graph import FORWARD_PHASES, Graph, OpClass, Phase
 from slackswap.simulate.pipeline import StageTimes
 from slackswap.simulate.result import SimResult
 
@@ -45,12 +45,17 @@ def stage_times(graph: Graph, result: SimResult) -> StageTimes:
     first_fwd = compute[0] if compute else None
     fwd_hide = first_fwd.wait_prefetch_s if first_fwd is not None and phase[first_fwd.op] in FORWARD_PHASES else 0.0
     bwd_hide = backward[0].wait_prefetch_s if backward else 0.0
+    # ZB-H1's W: half of each backward GEMM (dgrad and wgrad have the forward's FLOPs each, the profile's
+    # backward = 2x forward); the attention core and elementwise ops have no weight gradient to split off.
+    matmul = {op.name for op in graph.ops if op.phase == Phase.BACKWARD and op.op_class == OpClass.MATMUL}
+    weight = sum(e.end_s - e.start_s for e in backward if e.kind == "run" and e.op in matmul) / 2
     return StageTimes(
         forward_s=fwd_end,
         backward_s=bwd_end - fwd_end,
         forward_hideable_s=min(fwd_hide, fwd_end),
         backward_hideable_s=min(bwd_hide, bwd_end - fwd_end),
         tail_s=max(0.0, result.step_s - bwd_end),
+        weight_grad_s=min(weight, bwd_end - fwd_end - min(bwd_hide, bwd_end - fwd_end)),
     )
 
 
@@ -81,13 +86,19 @@ def device_peak_bytes(order: list[tuple[str, int, int]], resident: list[int], pe
     `slackswap.pipeline_stages.schedule_order`): at each op, the bytes every other micro-batch chunk it
     holds keeps (`resident[chunk]`) plus the running chunk's own peak (`peak[chunk]`). Under 1F1B (one
     chunk) it is `stage_peak_bytes` with the schedule's in-flight count; interleaved, the chunks differ
-    (the first holds the embedding, the last the head), so the walk takes the mix the order holds."""
+    (the first holds the embedding, the last the head), so the walk takes the mix the order holds.
+    ZB-H1: a micro-batch stays held after its B until its W (which reads its saved linear inputs and
+    allocates only weight gradients, static memory): its B runs beside the others held, its W
+    releases it."""
     held: dict[tuple[int, int], int] = {}
     most = 0
+    split = any(kind == "W" for kind, _, _ in order)
     for kind, chunk, j in order:
-        if kind == "B":
+        if kind == "W":
             held.pop((chunk, j), None)
+            continue
+        own = held.pop((chunk, j), None) if kind == "B" else None
         most = max(most, sum(held.values()) + peak[chunk])
-        if kind == "F":
+        if kind == "F" or (split and own is not None):
             held[(chunk, j)] = resident[chunk]
     return most
