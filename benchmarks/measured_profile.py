@@ -8,7 +8,9 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
    machine's links once per run (`slackswap.profile.torch.links`);
 2. each plan (keep_all, full_recompute, torch_sac, slackswap at two budgets) is made on the measured
    profile and predicted (`slackswap.experiment.prediction.predict_step`: on the CPU, the plan
-   simulated on an instant link plus its synchronous copies) before any of its steps runs;
+   simulated on an instant link plus its synchronous copies; an exported plan, as eager checkpointing
+   runs it, plus its SAC layers' calls at the cost per call measured once per run by
+   `slackswap.runtime.export.dispatch_cost`, stored with each op-time table) before any of its steps runs;
 3. the plan runs 1 + N AdamW steps under the runtime; the median of the N after the first is the
    measured step. No plan's measured step feeds any prediction.
 
