@@ -8,7 +8,9 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
    machine's links once per run (`slackswap.profile.torch.links`);
 2. each plan (keep_all, full_recompute, torch_sac, slackswap at two budgets) is made on the measured
    profile and predicted (`slackswap.experiment.prediction.predict_step`: on the CPU, the plan
-   simulated on an instant link plus its synchronous copies) before any of its steps runs;
+   simulated on an instant link plus its synchronous copies; an exported plan, as eager checkpointing
+   runs it, plus its SAC layers' calls at the cost per call measured once per run by
+   `slackswap.runtime.export.dispatch_cost`, stored with each op-time table) before any of its steps runs;
 3. the plan runs 1 + N AdamW steps under the runtime; the median of the N after the first is the
    measured step. No plan's measured step feeds any prediction.
 
@@ -76,15 +78,18 @@ def _row_line(r: dict) -> str:
             f"overhead {r.get('overhead_predicted', math.nan):.3f} vs {r.get('overhead_measured', math.nan):.3f} "
             f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}"
             + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else "")
-            + (f"  [eager SAC: {r['executed_recomputes']} recomputes run, the plan's {r['plan_recomputes']}; hook-only "
-               "program refused the runtime plan]" if r["executor"] == "export" and r["hook_only_refusal"] else ""))
+            + (f"  [eager SAC: {r['executed_recomputes']} recomputes run, the plan's {r['plan_recomputes']}, "
+               f"{r['sac_dispatch_calls']} calls through the SAC modes ({r['predicted_dispatch_s'] * 1e3:.2f} ms); "
+               "hook-only program refused the runtime plan]" if r["executor"] == "export" and r["hook_only_refusal"]
+               else ""))
 
 
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto"):
+def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto",
+                   dispatch=None):
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
@@ -95,6 +100,8 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
     t0 = time.perf_counter()
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock)
+    if dispatch is not None:  # measured once per run, apart from any plan's step: stored with the profile
+        table = replace(table, sac_dispatch_per_call_s=dispatch.per_call_s, sac_dispatch_source=dispatch.source)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
                "plain_step_min_s": table.step_min_s, "plain_step_max_s": table.step_max_s,
@@ -107,7 +114,8 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
         budget = None if fraction is None else max(1, math.floor(peak * fraction))
         row = {"model": name, "plan": planner if fraction is None else f"{planner}@{fraction}",
                "budget_bytes": budget}
-        rows.append(row | measure_plan(w, timed, hardware, machine_, planner, budget, steps, clock, executor))
+        rows.append(row | measure_plan(w, timed, hardware, machine_, planner, budget, steps, clock, executor,
+                                       table.sac_dispatch_per_call_s))
     base = next(r for r in rows if r["plan"] == "keep_all")
     for r in rows:
         if "predicted_s" in r and "predicted_s" in base:
@@ -119,7 +127,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
 
 
 def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int, clock: str,
-                 executor: str = "auto") -> dict:
+                 executor: str = "auto", dispatch_per_call_s: float = 0.0) -> dict:
     """One plan's row: planned, predicted before any of its steps, run for 1 + `steps` steps, compared.
 
     `executor` (`slackswap.experiment.measured_executor.EXECUTORS`): `runtime` runs every plan under
@@ -167,10 +175,12 @@ def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int,
         plan = plan_for_export(get_planner(planner, **options), timed, w.model, hardware, budget)
     except InfeasibleBudgetError as exc:
         return row | {"infeasible": str(exc), "load": _load()}
-    predicted = predict_export(timed, plan, hardware, machine_)  # before any step of the exported plan runs
+    # Before any step of the exported plan runs; the SAC layers' dispatch at the microbenchmark's cost per call.
+    predicted = predict_export(timed, plan, hardware, machine_, w.model, dispatch_per_call_s)
     check = export_gradient_check(w, timed, plan)
     row |= {"grad_bit_exact": check.bit_exact, "export_differences": check.differences,
-            "plan_recomputes": predicted.plan_recomputes, "executed_recomputes": predicted.executed_recomputes}
+            "plan_recomputes": predicted.plan_recomputes, "executed_recomputes": predicted.executed_recomputes,
+            "sac_dispatch_calls": predicted.dispatch_calls, "predicted_dispatch_s": predicted.prediction.dispatch_s}
     if not check.bit_exact:
         return row | {"refused": f"exported step's loss or gradients differ from the plain step's (max abs diff "
                                  f"{check.max_abs_diff:.3g})", "load": _load()}
@@ -249,13 +259,19 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     hardware = load_preset(HARDWARE)
     links = measurement_description(measure_links(device, (64 if quick else 256) * 1024**2, 3), device)
     machine_ = Machine.from_dict(links)
+    from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
+
+    dispatch = measure_dispatch_cost() if device == "cpu" else None
+    if dispatch is not None:
+        print(f"[dispatch] the export's SAC modes: {dispatch.per_call_s * 1e6:.1f} us per ATen call "
+              f"({dispatch.source}); load {_load()}", flush=True)
     print(f"[links] {device}: h2d {machine_.h2d.bytes_per_s / 1e9:.2f} GB/s + {machine_.h2d.latency_s * 1e6:.1f} us, "
           f"d2h {machine_.d2h.bytes_per_s / 1e9:.2f} GB/s + {machine_.d2h.latency_s * 1e6:.1f} us; "
           f"synchronous copies: {machine_.synchronous}; load {_load()}", flush=True)
     profiles, rows, cross = [], [], None
     for name, model, spec in _cases():
         profile, model_rows, table, graph, _ = _measure_model(name, model, spec, hardware, machine_, device,
-                                                              warmup, repeats, steps, clock, executor)
+                                                              warmup, repeats, steps, clock, executor, dispatch)
         profiles.append(profile)
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
@@ -294,6 +310,8 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     result = {"quick": quick, "device": device, "clock": clock, "executor": executor, "hardware_preset": HARDWARE,
               "torch_threads": torch.get_num_threads(),
               "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
+              "sac_dispatch": None if dispatch is None else {"per_call_s": dispatch.per_call_s, "calls": dispatch.calls,
+                                                             "repeats": dispatch.repeats, "source": dispatch.source},
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
     tag = ("" if clock == "wall" else f"_{clock}") + ("" if executor == "auto" else f"_{executor}")
     path = save_result(f"measured_profile{tag}{'_quick' if quick else ''}.json", result)

@@ -255,7 +255,15 @@ def frame_ends(graph: Graph) -> dict[int, str]:
     return ends
 
 
-def eager_frame_holds(graph: Graph, held_inputs: Collection[str], cached_outputs: Collection[str]) -> Graph:
+#: Graph meta of `eager_frame_holds`' graph: each cached layer output -> its hold before the cache held it
+#: (None: its last reader), and the layers where the export's policy saves some tensor whatever a plan says
+#: (`slackswap.runtime.export.mechanism.forced_layers`). Read by
+#: `slackswap.experiment.export_plan.pytorch_peak_bytes`.
+CACHED_OUTPUTS_KEY, FORCED_LAYERS_KEY = "export_cached_outputs", "export_forced_layers"
+
+
+def eager_frame_holds(graph: Graph, held_inputs: Collection[str], cached_outputs: Collection[str],
+                      forced_layers: Collection[int] = ()) -> Graph:
     """`graph` with the holds of PyTorch's eager checkpoint frames: a tensor a layer reads that autograd
     does not save (`held_inputs`: GPT-2's and Llama's attention mask) is one of the layer's arguments,
     which the frame keeps for the recompute until the frame dies; a layer output the export caches
@@ -271,6 +279,7 @@ def eager_frame_holds(graph: Graph, held_inputs: Collection[str], cached_outputs
         return graph
     index, ops = graph.op_index, graph.op_by_name
     tensors = dict(graph.tensors)
+    before = {t: graph.tensors[t].held_until for t in cached_outputs if t in graph.tensors}
     # A layer's arguments, read by its ops or not, stay in its frame (measured: the zoo's Llama's
     # `cache_position`, 512 B passed to every decoder layer and read by none, was freed at the end of the
     # forward in the price and held by the frames into the backward, 528 B above the price with the
@@ -296,7 +305,27 @@ def eager_frame_holds(graph: Graph, held_inputs: Collection[str], cached_outputs
                       default=index[t.producer])
         if last is not None and index[last] > current:
             tensors[name] = replace(t, held_until=last)
-    return replace(graph, name=f"{graph.name}+frames", tensors=MappingProxyType(tensors))
+    meta = {**dict(graph.meta or {}), CACHED_OUTPUTS_KEY: {t: h for t, h in before.items() if t not in held_inputs},
+            FORCED_LAYERS_KEY: sorted(set(forced_layers))}
+    return replace(graph, name=f"{graph.name}+frames", tensors=MappingProxyType(tensors), meta=meta)
+
+
+def uncached_plain_outputs(graph: Graph, plain_layers: Collection[int]) -> Graph:
+    """`graph` (`eager_frame_holds`') with the outputs of `plain_layers` (run under a plain checkpoint,
+    `slackswap.runtime.export.mechanism`) held as before the cache held them: no cache holds them there
+    (measured on the zoo's 2-layer Llama, full recompute: 32,768 B lower than under the SAC policy, one
+    layer output)."""
+    cached = (graph.meta or {}).get(CACHED_OUTPUTS_KEY)
+    plain = set(plain_layers)
+    if not cached or not plain:
+        return graph
+    tensors = dict(graph.tensors)
+    for name, hold in cached.items():
+        if graph.tensors[name].layer in plain:
+            tensors[name] = replace(graph.tensors[name], held_until=hold)
+    if tensors == dict(graph.tensors):
+        return graph
+    return replace(graph, name=f"{graph.name}+plain", tensors=MappingProxyType(tensors))
 
 
 def eager_cache_holds(graph: Graph, decisions: Mapping[str, Decision]) -> Graph:

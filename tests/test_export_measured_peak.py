@@ -116,7 +116,9 @@ def test_an_exported_steps_measured_peak_is_within_its_budget_and_its_price(name
     price = plan.notes["pytorch_peak_bytes"]
     assert peaks[0] == peaks[1], "the audited step and the table step hold the same bytes"
     assert peaks[0] <= budget, (peaks, budget)
-    assert peaks[0] <= price + unpriced, (peaks, price, unpriced)
+    # The price is what the step holds but the named allowance: priced as the mechanism each layer runs
+    # under (a plain checkpoint's layer output is in no cache: Llama's full recompute, 32,768 B lower).
+    assert price <= peaks[0] <= price + unpriced, (peaks, price, unpriced)
     # The price holds what the checkpoint frames hold: the attention mask a frame keeps as an argument
     # and the layer outputs its cache keeps, each into the backward pass (before, both were freed at their
     # last reader, and the zoo's Llama measured 65,536 B above its price).

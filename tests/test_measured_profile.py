@@ -6,6 +6,7 @@ tests/test_measured_torch.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,7 @@ def _table(graph, times: dict[str, float], **change) -> OpTimeTable:
 def test_table_round_trips_through_the_cache(tmp_path):
     g = _graph()
     table = _table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4})
+    table = replace(table, sac_dispatch_per_call_s=2.1e-5, sac_dispatch_source="dispatch_cost: 4 blocks")
     path = save_table(table, tmp_path)
     assert path == table_path(table.key, tmp_path) and path.is_file()
     loaded = load_table(_key(g), tmp_path)

@@ -127,10 +127,11 @@ def pytorch_graph(graph: Graph, facts: object, compile: bool) -> Graph:
     if compile:
         return graph
     from slackswap.pytorch_execution import eager_frame_holds
+    from slackswap.runtime.export.mechanism import forced_layers
     from slackswap.runtime.export_facts import LAYER_OUTPUT
 
     outputs = [t for t, why in facts.fixed_keep.items() if why == LAYER_OUTPUT]
-    return eager_frame_holds(graph, list(facts.held_inputs), outputs)
+    return eager_frame_holds(graph, list(facts.held_inputs), outputs, forced_layers(graph, facts))
 
 
 def pytorch_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, mode: str) -> int:
@@ -138,16 +139,34 @@ def pytorch_peak_bytes(graph: Graph, plan: Plan, hardware: Hardware, mode: str) 
     layer's recomputes in one block before its first backward reader, reloads there; "compiled": the
     partitioner's placement), `slackswap.pytorch_execution.pytorch_plan`. `graph` may be the plan's
     graph with other holds (`pytorch_graph`): the plan is priced on it as made for it."""
-    from slackswap.pytorch_execution import eager_cache_holds, eager_replay_peak_bytes, pytorch_plan
+    from slackswap.pytorch_execution import (
+        eager_cache_holds,
+        eager_replay_peak_bytes,
+        pytorch_plan,
+        uncached_plain_outputs,
+    )
     from slackswap.schedule.replay import estimate_plan
 
-    if mode == "eager":
-        graph = eager_cache_holds(graph, plan.decisions)
+    if mode == "eager":  # a layer under a plain checkpoint caches no output (`slackswap.runtime.export.mechanism`)
+        graph = eager_cache_holds(uncached_plain_outputs(graph, _plain_layers(graph, plan)), plan.decisions)
     plan = replace(plan, graph_fingerprint=graph.fingerprint)
     executed = pytorch_plan(graph, plan, dict(plan.decisions), hardware, mode)
     if mode == "eager":
         return eager_replay_peak_bytes(graph, executed, hardware)
     return estimate_plan(graph, executed, hardware).peak_bytes
+
+
+def _plain_layers(graph: Graph, plan: Plan) -> frozenset[int]:
+    """The layers the eager export runs `plan` under a plain checkpoint, from what `pytorch_graph` recorded
+    (the layers the policy forces, the cached layer outputs); none on a graph it did not make."""
+    from slackswap.pytorch_execution import CACHED_OUTPUTS_KEY, FORCED_LAYERS_KEY
+
+    meta = graph.meta or {}
+    if CACHED_OUTPUTS_KEY not in meta:
+        return frozenset()
+    from slackswap.runtime.export.mechanism import plain_checkpoint_layers
+
+    return plain_checkpoint_layers(graph, plan.decisions, meta[FORCED_LAYERS_KEY], meta[CACHED_OUTPUTS_KEY])
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,12 @@ Its prediction models what that executor runs (`predict_export`): eager checkpoi
 layer's forward before its first backward reader, every op of it up to its last saved output that no
 cached output covers, so it runs more recomputes than the plan decides (the replayed transients of
 `slackswap.pytorch_execution.pytorch_plan`); the simulator runs that executed plan. What the model
-leaves out: eager selective checkpointing routes every ATen call of a layer's forward and replay through
-Python dispatch modes (PyTorch's own SAC does the same), a per-call cost no op-time profile holds.
+runs each layer under the cheapest mechanism that executes its decisions
+(`slackswap.runtime.export.mechanism`): a layer whose every decided tensor is recomputed under a plain
+checkpoint, any other under the SAC policy, whose Python dispatch modes see every ATen call of the
+layer's forward and of its replay. That per-call cost is no op's: it is measured once per machine by a
+microbenchmark (`slackswap.runtime.export.dispatch_cost`, stored with the op-time table as
+`sac_dispatch_per_call_s`) and added per call the SAC layers make (`dispatch_calls`); 0 when not given.
 
 `EXECUTORS`: `runtime` (every plan under `apply`), `export` (every plan made for and run through the
 export), `auto` (the runtime, and the export for a plan its hook-only program refuses). Needs torch
@@ -51,6 +55,9 @@ class ExportPrediction:
     #: op of a layer's forward up to its last saved output).
     plan_recomputes: int
     executed_recomputes: int
+    #: ATen calls per step the SAC layers route through the export's dispatch modes (forward and replay),
+    #: counted on the graph; 0 when no model was given.
+    dispatch_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,10 +71,15 @@ class ExportCheck:
     differences: int
 
 
-def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None) -> ExportPrediction:
+def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None, model: object = None,
+                   dispatch_per_call_s: float = 0.0) -> ExportPrediction:
     """`plan` (made by `plan_for_export` on `graph`) predicted as PyTorch's eager checkpointing runs it:
     `pytorch_plan(..., "eager")`, each layer's recomputes and replayed transients in one block before
-    its first backward reader, on `slackswap.experiment.prediction.predict_step`."""
+    its first backward reader, on `slackswap.experiment.prediction.predict_step`; with `model` (the
+    plan's) and `dispatch_per_call_s` (the op-time table's `sac_dispatch_per_call_s`), plus that cost per
+    call of the layers run under the SAC policy (`sac_dispatch_calls`)."""
+    from dataclasses import replace
+
     from slackswap.experiment.prediction import predict_step
     from slackswap.pytorch_execution import pytorch_plan
 
@@ -76,7 +88,37 @@ def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machin
     def recomputes(p: Plan) -> int:
         return sum(s.kind == StepKind.RECOMPUTE for s in p.steps)
 
-    return ExportPrediction(predict_step(graph, executed, hardware, machine), recomputes(plan), recomputes(executed))
+    prediction = predict_step(graph, executed, hardware, machine)
+    calls = sac_dispatch_calls(graph, plan, model) if model is not None else 0
+    if calls and dispatch_per_call_s > 0:
+        extra = calls * dispatch_per_call_s
+        prediction = replace(prediction, step_s=prediction.step_s + extra, dispatch_s=extra)
+    return ExportPrediction(prediction, recomputes(plan), recomputes(executed), calls)
+
+
+def sac_dispatch_calls(graph: Graph, plan: Plan, model: object) -> int:
+    """The ATen calls per step that pass the export's SAC dispatch modes: per layer the export runs under
+    the policy (`PlanExport.mechanisms`), its forward's calls (the graph's ops of the layer, each with
+    the in-place calls joined to it) and its replay's (those up to the layer's last op with a saved
+    output, where the replay stops)."""
+    from slackswap.runtime.export import PlanExport
+    from slackswap.runtime.export.mechanism import SELECTIVE
+    from slackswap.runtime.op_numbering import call_number
+
+    export = PlanExport(plan, graph, model)
+    selective = {r for r, m in enumerate(export.mechanisms()) if m == SELECTIVE}
+    forward = graph.forward_ops
+    calls = 0
+    for r in selective:
+        ops = [(i, op) for i, op in enumerate(forward) if op.layer == r]
+        if not ops:
+            continue
+        width = [call_number(forward[i + 1].name) - call_number(op.name) if i + 1 < len(forward) else 1
+                 for i, op in ops]
+        last = max((k for k, (_, op) in enumerate(ops) if any(graph.tensors[t].saved for t in op.outputs)),
+                   default=-1)
+        calls += sum(width) + sum(width[:last + 1])
+    return calls
 
 
 def hook_only_refusal(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> tuple[bool, str | None]:
@@ -112,4 +154,4 @@ def export_steps(w: Workload, graph: Graph, plan: Plan, steps: int, lr: float, s
 
 
 __all__ = ["EXECUTORS", "ExportCheck", "ExportPrediction", "export_gradient_check", "export_steps",
-           "hook_only_refusal", "predict_export"]
+           "hook_only_refusal", "predict_export", "sac_dispatch_calls"]

@@ -105,18 +105,28 @@ class MeasuredTiming:
 
     @staticmethod
     def compare(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine,
-                step_times_s: Sequence[float], export: bool = False) -> dict[str, Any]:
+                step_times_s: Sequence[float], export: bool = False, model: object = None) -> dict[str, Any]:
         """The predicted step beside the measured steps (after the first) and the relative error.
         `export`: `plan` was made for the export and ran as eager selective checkpointing, predicted as
-        that runs it (`slackswap.experiment.measured_executor.predict_export`: the layers' replays)."""
+        that runs it (`slackswap.experiment.measured_executor.predict_export`: the layers' replays), and
+        with `model` on the CPU its SAC layers' dispatch at the cost per call measured now by the fixed
+        microbenchmark (`slackswap.runtime.export.dispatch_cost`), never from this plan's steps."""
         extra: dict[str, Any] = {}
         if export:
             from slackswap.experiment.measured_executor import predict_export
 
-            executed = predict_export(graph, plan, hardware, machine)
+            per_call_s = 0.0
+            if model is not None and machine.synchronous:  # the CPU: the host cost is the step's
+                from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
+
+                cost = measure_dispatch_cost()
+                per_call_s = cost.per_call_s
+                extra = {"sac_dispatch_per_call_s": per_call_s, "sac_dispatch_source": cost.source}
+            executed = predict_export(graph, plan, hardware, machine, model, per_call_s)
             prediction = executed.prediction
-            extra = {"plan_recomputes": executed.plan_recomputes,
-                     "executed_recomputes": executed.executed_recomputes}
+            extra |= {"plan_recomputes": executed.plan_recomputes,
+                      "executed_recomputes": executed.executed_recomputes,
+                      "sac_dispatch_calls": executed.dispatch_calls, "predicted_dispatch_s": prediction.dispatch_s}
         else:
             prediction = predict_step(graph, plan, hardware, machine)
         c = compare_steps(prediction.step_s, step_times_s)

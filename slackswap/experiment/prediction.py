@@ -28,6 +28,8 @@ class Prediction:
     #: Seconds of synchronous copies added to it (0 where copies overlap compute).
     sync_copy_s: float
     copies: int
+    #: Seconds of the eager export's selective-checkpoint dispatch added to it (`predict_export`; 0 otherwise).
+    dispatch_s: float = 0.0
 
 
 def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None) -> Prediction:

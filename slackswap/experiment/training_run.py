@@ -241,7 +241,8 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     elif executor == "export":
         records = _run_export(spec, w, graph, plan, figures, progress)
         if machine is not None and figures["grad_check_bit_exact"]:  # as eager checkpointing runs the plan
-            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], export=True))
+            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], export=True,
+                                               model=w.model))
     else:
         records = _run_eager(spec, w, graph, plan, counts, figures, progress)
         if machine is not None:  # the plan's predicted step on this machine beside its measured steps

@@ -94,6 +94,11 @@ class OpTimeTable:
     #: Ops that could not be timed, one line each ("op12:aten.bmm.default: <why>").
     failed: tuple[str, ...] = ()
     notes: Mapping[str, Any] = field(default_factory=dict)
+    #: Host seconds per ATen call the eager export's selective-checkpoint modes add (a property of the
+    #: machine and the PyTorch build, measured once by `slackswap.runtime.export.dispatch_cost`, never from
+    #: a plan's step); 0 when not measured. `sac_dispatch_source` says how it was measured.
+    sac_dispatch_per_call_s: float = 0.0
+    sac_dispatch_source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -101,6 +106,7 @@ class OpTimeTable:
             "step_median_s": self.step_median_s, "step_min_s": self.step_min_s, "step_max_s": self.step_max_s,
             "timer_overhead_per_call_s": self.timer_overhead_per_call_s, "unattributed_s": self.unattributed_s,
             "failed": list(self.failed), "notes": dict(self.notes),
+            "sac_dispatch_per_call_s": self.sac_dispatch_per_call_s, "sac_dispatch_source": self.sac_dispatch_source,
             "times": {name: asdict(t) for name, t in self.times.items()},
         }
 

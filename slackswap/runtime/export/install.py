@@ -17,6 +17,7 @@ from slackswap.graph import Graph
 from slackswap.plan import Decision, Plan
 from slackswap.profile.torch.identity import ModuleStack
 from slackswap.runtime.errors import RuntimeUsageError
+from slackswap.runtime.export.mechanism import CHECKPOINT, layer_mechanisms
 from slackswap.runtime.export.modes import HostCopies, _ReplayMode, _SaveMode, _TableSaveMode
 from slackswap.runtime.export.policy import (
     DOES,
@@ -97,6 +98,7 @@ class PlanExport(TableSteps):
         self._last_names: dict[int, list[str]] = {}
         self._compiled_fns: dict[tuple, tuple[int, Callable]] = {}
         self._facts = None
+        self._mechanisms: list[str] | None = None
         self._eager_calls: dict[int, dict[tuple[str, str], list[tuple[int, int]]]] = {}
         self._eager_dropouts: dict[int, dict[str, list[tuple[str, str]]]] = {}
         #: Compiled: region -> the region whose compiled function (and partition) it shares.
@@ -261,6 +263,14 @@ class PlanExport(TableSteps):
         if compile:
             return self._compiled(layer, region, backend)
         plain = type(layer).forward
+        if self.mechanisms()[region] == CHECKPOINT:  # every decided tensor recomputed: no policy to ask
+
+            def checkpointed(*args, **kwargs):
+                if self._auditing:
+                    self._note_plain(region)
+                return checkpoint(partial(plain, layer), *args, use_reentrant=False, **kwargs)
+
+            return checkpointed
         context_fn = self.context_fn(region)
 
         def forward(*args, **kwargs):
@@ -270,6 +280,25 @@ class PlanExport(TableSteps):
             return self._run_layer(region, forward, args, kwargs)
 
         return run
+
+    def mechanisms(self) -> list[str]:
+        """Per layer, the mechanism the eager export runs it under (`slackswap.runtime.export.mechanism`):
+        a plain checkpoint where the plan recomputes every tensor of the layer it decides, else the SAC
+        policy."""
+        if self._mechanisms is None:
+            self._mechanisms = layer_mechanisms(self.graph, self.region_decisions, self.facts())
+        return self._mechanisms
+
+    def _note_plain(self, region: int) -> None:
+        """An audited step's record of a plain-checkpoint layer, from its decisions (no policy is asked
+        there): each decided tensor recomputed, a layer output another layer reads held (saved)."""
+        fixed = self.facts().fixed_keep
+        for name in self.region_decisions[region]:
+            if fixed.get(name) == LAYER_OUTPUT:
+                self.record.applied[name] = CheckpointPolicy.MUST_SAVE
+                self.record.region_outputs.add(name)
+            else:
+                self.record.applied[name] = CheckpointPolicy.MUST_RECOMPUTE
 
     def _compiled(self, layer: torch.nn.Module, region: int, backend: object) -> Callable:
         """Layers whose decisions read the same below their own path share one compiled function (the

@@ -1,0 +1,131 @@
+"""The host cost per ATen call of the eager export's selective-checkpoint modes, measured once on the
+machine by a microbenchmark that runs no plan and no model of the user's.
+
+Why: a layer under the export's SAC policy (`slackswap.runtime.export.mechanism.SELECTIVE`) routes
+every ATen call of its forward (`_TableSaveMode`, the steps after the audited one) and of its replay
+(`_ReplayMode`) through a Python dispatch mode; an op-time table measured on the plain step holds none
+of that. The cost is a property of the machine and the PyTorch build (Python's dispatch into a mode,
+the cache entry), as the op times are, so it is measured once, apart from any plan's step, and a
+prediction adds it per call it runs (`slackswap.experiment.measured_executor.predict_export`). A plan's
+own measured step never feeds it.
+
+The microbenchmark: a fixed stack of small pre-norm MLP blocks (`BLOCKS` blocks, width `WIDTH`, `TOKENS`
+tokens), each under a non-reentrant `torch.utils.checkpoint`, forward and backward, (a) plain and (b) with
+the export's own save and replay modes over a call table of the block's calls (every call recomputed,
+as a full recompute's table reads; a saved entry costs a `detach` more). The same ops run in both and
+the same replay: the difference is the modes'. Pairs alternate (drift touches both), the calling
+thread's CPU time is read (other load and intra-op threads add nothing), and the median difference is
+spread over the calls the modes saw (forward and replay, counted).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from slackswap.runtime.export.modes import RECOMPUTE, CallTable, HostCopies, _ReplayMode, _TableSaveMode
+from slackswap.runtime.export.policy import _IGNORED
+
+BLOCKS, WIDTH, TOKENS = 4, 64, 64
+
+
+@dataclass(frozen=True)
+class DispatchCost:
+    """Seconds of host time per ATen call the export's SAC modes add, and how it was measured."""
+
+    per_call_s: float
+    #: Calls per step the modes saw in the microbenchmark (forward and replay).
+    calls: int
+    repeats: int
+    source: str
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.funcs: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _IGNORED:
+            self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _CountingReplay(_ReplayMode):
+    def __init__(self, storage: dict, counter: list[int]):
+        super().__init__(storage, None)
+        self.calls = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[0] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _blocks() -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, 4 * WIDTH),
+                                                   torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
+                               for _ in range(BLOCKS))
+
+
+def _block_forward(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x + block(x)
+
+
+def measure_dispatch_cost(warmup: int = 3, repeats: int = 15) -> DispatchCost:
+    """`DispatchCost` on this machine's CPU (module docstring). The RNG state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        blocks = _blocks()
+        x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+        recorder = _Calls()
+        with torch.no_grad(), recorder:
+            _block_forward(blocks[0], x)
+        funcs = tuple(recorder.funcs)
+        index: dict = {}
+        keys = []
+        for f in funcs:
+            keys.append((f, index.get(f, 0)))
+            index[f] = index.get(f, 0) + 1
+        table = CallTable(funcs, tuple(keys), (RECOMPUTE,) * len(funcs), 0)
+        host = HostCopies()
+        replayed = [0]
+
+        def contexts():
+            storage: dict = {}
+            return _TableSaveMode(table, storage, host), _CountingReplay(storage, replayed)
+
+        def step(selective: bool) -> float:
+            for p in blocks.parameters():
+                p.grad = None
+            c0 = time.thread_time_ns()
+            h = x
+            for block in blocks:
+                if selective:
+                    h = checkpoint(partial(_block_forward, block), h, use_reentrant=False, context_fn=contexts)
+                else:
+                    h = checkpoint(partial(_block_forward, block), h, use_reentrant=False)
+            h.sum().backward()
+            return (time.thread_time_ns() - c0) / 1e9
+
+        diffs = []
+        for i in range(warmup + repeats):
+            replayed[0] = 0
+            sac = step(True)
+            plain = step(False)
+            if i >= warmup:
+                diffs.append(sac - plain)
+        calls = BLOCKS * len(funcs) + replayed[0]
+    per_call = max(0.0, statistics.median(diffs)) / calls
+    source = (f"slackswap.runtime.export.dispatch_cost: {BLOCKS} pre-norm MLP blocks (width {WIDTH}, {TOKENS} tokens) "
+              f"under plain checkpoint vs the export's SAC modes, thread CPU time, median of {repeats} pairs over "
+              f"{calls} calls; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    return DispatchCost(per_call, calls, repeats, source)
+
+
+__all__ = ["DispatchCost", "measure_dispatch_cost"]

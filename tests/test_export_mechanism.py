@@ -1,0 +1,69 @@
+"""The eager export runs each layer under the cheapest mechanism that executes its decisions
+(`slackswap.runtime.export.mechanism`): a plain checkpoint where every decided tensor is recomputed, the
+SAC policy elsewhere; and the SAC modes' per-call cost is measured apart from any plan's step
+(`slackswap.runtime.export.dispatch_cost`) and priced per call of the SAC layers only."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+require_torch_extra("transformers")
+
+from slackswap.experiment.export_plan import plan_for_export  # noqa: E402
+from slackswap.experiment.measured_executor import predict_export, sac_dispatch_calls  # noqa: E402
+from slackswap.planners.registry import get_planner  # noqa: E402
+from slackswap.runtime import capture_graph  # noqa: E402
+from slackswap.runtime.export import PlanExport  # noqa: E402
+from slackswap.runtime.export.mechanism import CHECKPOINT, SELECTIVE  # noqa: E402
+from slackswap.runtime.zoo import build  # noqa: E402
+from tests.runtime_support import h200  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama():
+    w = build("llama")
+    pristine = copy.deepcopy(w.model)
+    graph = capture_graph(copy.deepcopy(pristine), (w.batch,), w.loss_fn, h200(), name="llama")
+    return w, pristine, graph
+
+
+@pytest.mark.slow
+def test_a_layer_recomputing_every_decided_tensor_runs_under_a_plain_checkpoint_bit_exact(llama) -> None:
+    from slackswap.runtime.train import eager_export_gradient_check
+
+    w, pristine, graph = llama
+    recompute = plan_for_export(get_planner("full_recompute"), graph, pristine, h200(), None)
+    mixed = plan_for_export(get_planner("torch_sac"), graph, pristine, h200(), None)
+    assert PlanExport(recompute, graph, pristine).mechanisms() == [CHECKPOINT, CHECKPOINT]
+    assert PlanExport(mixed, graph, pristine).mechanisms() == [SELECTIVE, SELECTIVE]
+    model = copy.deepcopy(pristine)
+    export = PlanExport(recompute, graph, model)
+    with export.installed(model):
+        model(w.batch)
+    # The record is written from the decisions: every decided tensor recomputed but the held layer output.
+    assert export.step_differences() == []
+    exact, max_abs_diff, differences = eager_export_gradient_check(w, graph, recompute, 1)[:3]
+    assert exact and max_abs_diff == 0.0 and differences == 0
+    # No call passes the SAC modes, so no dispatch is priced; the mixed plan's calls are.
+    assert sac_dispatch_calls(graph, recompute, pristine) == 0
+    calls = sac_dispatch_calls(graph, mixed, pristine)
+    assert calls > len([op for op in graph.forward_ops if op.layer >= 0])
+    plain = predict_export(graph, mixed, h200(), None).prediction.step_s
+    priced = predict_export(graph, mixed, h200(), None, pristine, 2e-5)
+    assert priced.dispatch_calls == calls
+    assert priced.prediction.step_s == pytest.approx(plain + calls * 2e-5)
+
+
+def test_the_sac_dispatch_cost_is_measured_per_call_on_a_fixed_microbenchmark() -> None:
+    from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
+
+    state = torch.get_rng_state()
+    cost = measure_dispatch_cost(warmup=1, repeats=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert cost.calls > 0 and cost.per_call_s > 0
+    assert "thread CPU time" in cost.source and torch.__version__ in cost.source
