@@ -16,8 +16,9 @@ A cell is `exact`, `infeasible: <why>` (the planner has no plan within the budge
 `RuntimeUsageError`), `different: <what>` (a gradient, loss or buffer differs), `crash: <error>` or,
 for the export, `over budget: <bytes>` (the exact step's measured CPU peak, less the checkpoints' CPU RNG
 state, above the budget; plans without swaps, whose host copies would count on the CPU).
-The last three are the failures this suite exists to find (issue 39). The matrix is printed and saved as
-JSON (`benchmarks/results/zoo.json`, or `--out`).
+The last three are the failures this suite exists to find (issue 39). Per architecture (unless `--no-trace`)
+the tracer's saved tensors are compared with what `saved_tensors_hooks` saw on the real step
+(`trace_vs_hooks`). The matrix is printed and saved as JSON (`benchmarks/results/zoo.json`, or `--out`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,41 @@ def compare(reference: tuple, got: tuple) -> str:
     return "exact" if not bad else "different: " + "; ".join(bad)
 
 
+def saved_by_trace(w: Workload, model: torch.nn.Module) -> dict[str, int]:
+    """What the torch profile's tracer (`slackswap.profile.torch.tracer.trace_step`, CPU kernels, fp32)
+    says autograd saves in one step of `model` (a copy of `w.model`): tensor name -> bytes."""
+    from slackswap.profile.torch.tracer import trace_step
+
+    trace = trace_step(model, (w.batch,), w.loss_fn, semantics="cpu", dtype="fp32")
+    return {trace.storages[k].name: trace.storages[k].size_bytes for k in trace.saved}
+
+
+def trace_vs_hooks(traced: dict[str, int], graph) -> str:
+    """The traced saved tensors against what `saved_tensors_hooks` saw on the real CPU step (the captured
+    graph's saved tensors: `capture_graph` names what its pack hook receives), by name: 'same: <count>
+    tensors, <bytes> B', or 'differs: ...' naming each tensor one side lacks and each whose bytes differ.
+    A tensor the hooks packed for a node backward never ran (the node died with its output, as a
+    router's logits do after argsort) is named as such: the capture frees it with the node, the trace
+    holds it to the step's end."""
+    hooked = {t.name: t.size_bytes for t in graph.saved_tensors}
+    never_read = set(graph.meta.get("packed_never_read", ()))
+    head = f"trace {len(traced)} tensors {sum(traced.values())} B, hooks {len(hooked)} tensors {sum(hooked.values())} B"
+    parts = []
+    only_traced = sorted(set(traced) - set(hooked))
+    for why, names in (("packed for a node backward never ran (the capture frees it with the node)",
+                        [n for n in only_traced if n in never_read]),
+                       ("saved by the trace only", [n for n in only_traced if n not in never_read]),
+                       ("seen by the hooks only", sorted(set(hooked) - set(traced)))):
+        if names:
+            parts.append(f"{why}: {', '.join(f'{n} ({traced.get(n, hooked.get(n))} B)' for n in names)}")
+    resized = sorted(n for n in set(traced) & set(hooked) if traced[n] != hooked[n])
+    if resized:
+        parts.append("bytes differ: " + ", ".join(f"{n} (trace {traced[n]} B, hooks {hooked[n]} B)" for n in resized))
+    if not parts:
+        return f"same: {len(hooked)} tensors, {sum(hooked.values())} B"
+    return f"differs: {head}; " + "; ".join(parts)
+
+
 class Arch:
     """One architecture captured once: its workload, graph, keep-all peak and reference step."""
 
@@ -107,6 +143,13 @@ class Arch:
         self.graph = capture_graph(copy.deepcopy(self.pristine), (self.w.batch,), self.w.loss_fn, hardware, name=name)
         self.peak = simulate_ideal(self.graph, hardware).peak_activation_bytes
         self.reference = step(self.w, copy.deepcopy(self.pristine))
+
+    def saved(self) -> str:
+        """`trace_vs_hooks` of this architecture, or 'crash: trace: <error>' when the tracer fails."""
+        try:
+            return trace_vs_hooks(saved_by_trace(self.w, copy.deepcopy(self.pristine)), self.graph)
+        except Exception as exc:  # noqa: BLE001 - a tracer failure is a result of this suite
+            return f"crash: trace: {_short(exc)}"
 
     def plan(self, planner: str, fraction: float, executor: str):
         budget = max(1, int(self.peak * fraction))
@@ -185,12 +228,15 @@ def kind(cell: str) -> str:
     return cell.split(":", 1)[0]
 
 
-def run(models, planners, fractions, executors, log=print, measure: bool = True) -> dict:
+def run(models, planners, fractions, executors, log=print, measure: bool = True, trace: bool = False) -> dict:
+    """The matrix of `models` x `planners` x `fractions` x `executors` (`Arch.cell`), and with `trace`
+    each model's traced saved tensors against what the hooks saw (`Arch.saved`, result["saved"])."""
     torch.set_num_threads(1)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     hardware = load_preset(HARDWARE)
     rows = []
+    saved: dict[str, str] = {}
     try:
         for name in models:
             t0 = time.process_time()
@@ -202,6 +248,9 @@ def run(models, planners, fractions, executors, log=print, measure: bool = True)
                          for p in planners for f in fractions for e in executors]
                 log(f"{name}: {cell}")
                 continue
+            if trace:
+                saved[name] = arch.saved()
+                log(f"{name} trace vs hooks: {saved[name]}")
             for p in planners:
                 for f in fractions:
                     for e in executors:
@@ -216,7 +265,8 @@ def run(models, planners, fractions, executors, log=print, measure: bool = True)
     summary = {e: dict(sorted(Counter(kind(r["cell"]) for r in rows if r["executor"] == e).items()))
                for e in executors}
     return {"hardware": HARDWARE, "torch": torch.__version__, "models": list(models), "planners": list(planners),
-            "fractions": list(fractions), "executors": list(executors), "summary": summary, "cells": rows}
+            "fractions": list(fractions), "executors": list(executors), "summary": summary,
+            **({"saved": saved} if trace else {}), "cells": rows}
 
 
 def _compact(result: dict) -> str:
@@ -226,9 +276,13 @@ def _compact(result: dict) -> str:
     for r in result["cells"]:
         cell = r["cell"] if len(r["cell"]) <= REASON_CHARS else r["cell"][:REASON_CHARS] + "..."
         matrix.setdefault(r["model"], {}).setdefault(r["planner"], {})[f"{r['fraction']:.0%} {r['executor']}"] = cell
-    head = {k: v for k, v in result.items() if k != "cells"}
+    head = {k: v for k, v in result.items() if k not in ("cells", "saved")}
     lines = [f"  {json.dumps(m)}: {json.dumps(row, separators=(',', ':'))}" for m, row in matrix.items()]
-    return json.dumps(head, indent=1)[:-2] + ',\n "matrix": {\n' + ",\n".join(lines) + "\n }\n}\n"
+    saved = ""
+    if "saved" in result:  # one model per line, in full: the names are the point
+        saved = ',\n "trace_vs_hooks": {\n' + ",\n".join(
+            f"  {json.dumps(m)}: {json.dumps(v)}" for m, v in result["saved"].items()) + "\n }"
+    return json.dumps(head, indent=1)[:-2] + saved + ',\n "matrix": {\n' + ",\n".join(lines) + "\n }\n}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS))
     parser.add_argument("--executors", nargs="+", default=list(EXECUTORS))
     parser.add_argument("--out", type=Path, default=RESULTS / "zoo.json")
+    parser.add_argument("--no-trace", dest="trace", action="store_false",
+                        help="skip the column comparing the traced saved tensors with what saved_tensors_hooks sees")
     args = parser.parse_args(argv)
     for field, values, known in (("--models", args.models, FACTORIES), ("--planners", args.planners,
                                  available_planners()), ("--executors", args.executors, EXECUTORS)):
@@ -249,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"--fractions: {bad[0]} is not in (0, 1]", file=sys.stderr)
         return 2
-    result = run(args.models, args.planners, args.fractions, args.executors)
+    result = run(args.models, args.planners, args.fractions, args.executors, trace=args.trace)
     print(json.dumps(result["summary"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(_compact(result))
     print(f"wrote {args.out}")
     failures = sum(kind(r["cell"]) in ("different", "crash", "over budget") for r in result["cells"])
+    failures += sum(kind(v) == "crash" for v in result.get("saved", {}).values())
     return 1 if failures else 0
 
 

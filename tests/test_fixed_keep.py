@@ -14,7 +14,7 @@ from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.graph import FORWARD_PHASES
 from slackswap.plan import Decision, StepKind
 from slackswap.planners.registry import available_planners, get_planner
-from slackswap.planners.support.fixed_keep import graph_with_fixed_keep, plan_with_fixed_keep
+from slackswap.planners.support.fixed_keep import UNREAD_SWAP, graph_with_fixed_keep, plan_with_fixed_keep
 from slackswap.schedule.build import build_schedule
 from slackswap.schedule.replay import estimate_plan
 from slackswap.simulate import simulate
@@ -121,3 +121,54 @@ def test_a_fixed_tensor_must_be_a_saved_forward_tensor() -> None:
     for bad in ["no-such-tensor", *([gradient] if gradient else [])]:
         with pytest.raises(ConfigError, match="fixed_keep"):
             plan_with_fixed_keep(get_planner("keep_all"), GRAPH, HW, None, {bad})
+
+
+class _Decides:
+    """A planner that makes the given decisions, whatever the budget (a stand-in for a planner's choice)."""
+
+    name = "decides"
+
+    def __init__(self, decisions: dict[str, Decision]) -> None:
+        self.decisions = decisions
+
+    def plan(self, graph, hardware, budget_bytes):
+        decisions = {t.name: self.decisions.get(t.name, Decision.KEEP) for t in graph.saved_tensors}
+        return build_schedule(graph, decisions, planner=self.name, budget_bytes=budget_bytes, hardware=hardware)
+
+
+def _layer_norm_graph():
+    """LayerNorm's shape: `norm` makes `y` (not saved: a checkpoint candidate) beside its saved statistics
+    `stats`; `lin` reads `y` and saves `z`. `y` and `stats` are one op's outputs, cached together."""
+    specs = [fwd("embed", [], ["x"], 1e-3), fwd("norm", ["x"], ["y", "stats"], 1e-3), fwd("lin", ["y"], ["z"], 1e-3),
+             fwd("loss", ["z"], ["l"], 1e-3), bwd("dloss", ["l"], ["dz"], 1e-3),
+             bwd("dlin", ["dz", "z"], ["dy"], 1e-3), bwd("dnorm", ["dy", "stats"], ["dx"], 1e-3)]
+    sizes = {"x": 64, "y": 64, "stats": 8, "z": 64, "l": 4, "dz": 64, "dy": 64, "dx": 64}
+    return make_graph(specs, sizes)
+
+
+def test_a_swap_whose_op_also_makes_a_candidate_no_recompute_reads_is_recomputed_with_the_reason() -> None:
+    """Selective checkpointing offloads an op's outputs whole, so a swapped `stats` swaps `y` too; with `z`
+    kept no recompute reads `y` back, a swap `build_schedule` refuses (the export's refusals of
+    LayerNorm, topk and sort before this rule). The op is recomputed instead, and the notes say so."""
+    graph = _layer_norm_graph()
+    assert "y" in graph.candidate_names and graph.tensors["stats"].saved
+    planner = _Decides({"stats": Decision.SWAP, "z": Decision.KEEP})
+    with pytest.raises(ConfigError, match="no step reads it after the forward pass"):
+        build_schedule(graph, {**{t.name: Decision.KEEP for t in graph.saved_tensors}, "stats": Decision.SWAP,
+                               "y": Decision.SWAP}, planner="x",
+                       budget_bytes=None, hardware=HW)
+    plan = plan_with_fixed_keep(planner, graph, HW, None, (), cached_together=[("y", "stats")])
+    assert plan.decisions["stats"] == Decision.RECOMPUTE and "y" not in plan.decisions
+    assert not plan.offloads
+    assert plan.notes["swaps_recomputed"] == 1 and plan.notes["swaps_recomputed_bytes"] == 8
+    assert plan.notes["swaps_recomputed_reason"] == UNREAD_SWAP
+
+
+def test_a_swap_whose_candidate_a_recompute_reads_stays_a_swap() -> None:
+    """With `z` recomputed, the recompute of `lin` reads `y`: the op's swap has its reader and stays."""
+    graph = _layer_norm_graph()
+    planner = _Decides({"stats": Decision.SWAP, "z": Decision.RECOMPUTE})
+    plan = plan_with_fixed_keep(planner, graph, HW, None, (), cached_together=[("y", "stats")])
+    assert plan.decisions["stats"] == Decision.SWAP and plan.decisions["y"] == Decision.SWAP
+    assert {t.tensor for t in plan.prefetches} == {"y", "stats"}
+    assert "swaps_recomputed" not in plan.notes

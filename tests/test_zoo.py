@@ -57,3 +57,31 @@ def test_every_budget_meets_most_architectures() -> None:
 def test_every_zoo_architecture_runs_exact_refused_or_infeasible(model: str) -> None:
     result = run((model,), DEFAULT_PLANNERS, BUDGETS_BY_MODEL[model], ("runtime",), log=lambda _line: None)
     assert not _failures(result), _failures(result)
+
+
+def test_trace_vs_hooks_names_every_tensor_one_side_lacks_and_every_byte_difference() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.zoo import trace_vs_hooks
+
+    def graph(saved: dict[str, int], never_read=()):
+        return SimpleNamespace(saved_tensors=[SimpleNamespace(name=n, size_bytes=b) for n, b in saved.items()],
+                               meta={"packed_never_read": list(never_read)})
+
+    assert trace_vs_hooks({"a": 4, "b": 8}, graph({"b": 8, "a": 4})) == "same: 2 tensors, 12 B"
+    got = trace_vs_hooks({"a": 4, "gate": 8, "t": 2, "r": 16}, graph({"a": 4, "h": 1, "r": 32}, ["gate"]))
+    assert got.startswith("differs: trace 4 tensors 30 B, hooks 3 tensors 37 B;")
+    assert "packed for a node backward never ran (the capture frees it with the node): gate (8 B)" in got
+    assert "saved by the trace only: t (2 B)" in got and "seen by the hooks only: h (1 B)" in got
+    assert "bytes differ: r (trace 16 B, hooks 32 B)" in got
+
+
+def test_the_zoo_compares_the_trace_with_the_hooks_per_architecture() -> None:
+    """Routing's router logits die after argsort, so the node that packed each layer's input never runs
+    backward: the hooks' capture frees them, the trace holds them (named); ResNet's saved tensors agree."""
+    result = run(("routing", "resnet_bn"), ("keep_all",), (0.7,), ("runtime",), log=lambda _line: None,
+                 trace=True)
+    assert result["saved"]["resnet_bn"].startswith("same: ")
+    routing = result["saved"]["routing"]
+    assert routing.startswith("differs: ") and "layers.0/add#0:0 (32768 B)" in routing
+    assert "packed for a node backward never ran" in routing

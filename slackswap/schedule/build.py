@@ -172,6 +172,21 @@ def build_schedule(
     )
 
 
+def unread_swapped_candidates(graph: Graph, decisions: Mapping[str, Decision | str]) -> list[str]:
+    """The checkpoint candidates `decisions` swap that no step after the forward pass reads (in
+    production order): `build_schedule` refuses such a plan (a swap is a reload for a reader). Why
+    public: an executor that decides an op's outputs together (selective checkpointing caches them
+    whole) makes a candidate share a saved tensor's swap, and the plan made for it must find out which
+    candidates no recompute would read before it asks for a schedule (`planners.support.fixed_keep`)."""
+    decided = check_decisions(graph, decisions)
+    candidates = graph.candidate_names
+    swapped = [t.name for t in _swapped(graph, decided) if t.name in candidates]
+    if not swapped:
+        return []
+    first_bwd = _first_backward_reads(graph, _compute_steps(graph, decided))[2]
+    return [t for t in swapped if t not in first_bwd]
+
+
 def _compute_steps(graph: Graph, decided: Mapping[str, Decision]) -> tuple[ComputeStep, ...]:
     forward, rest, forward_tensors = _run_steps(graph)
     steps = list(forward)

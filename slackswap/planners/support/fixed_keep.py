@@ -39,7 +39,7 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import Planner, gib
 from slackswap.planners.support.budget_check import lower_until_within
-from slackswap.schedule.build import build_schedule
+from slackswap.schedule.build import build_schedule, unread_swapped_candidates
 
 #: Strongest first: the decision a tied group takes (one policy per op: any member kept keeps them all).
 _STRENGTH = (Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE)
@@ -110,6 +110,11 @@ def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware:
                 decisions[t] = strongest
             else:
                 decisions.pop(t, None)  # a candidate of a recomputed op: not kept, nothing cached
+    recomputed = _recompute_unread_swaps(graph, decisions, cached_together, saved)
+    if recomputed:
+        notes = {**dict(notes or {}), "swaps_recomputed": len(recomputed),
+                 "swaps_recomputed_bytes": sum(graph.tensors[t].size_bytes for t in recomputed),
+                 "swaps_recomputed_reason": UNREAD_SWAP}
     plan = build_schedule(graph, decisions, planner=derived_plan.planner, budget_bytes=derived_plan.budget_bytes,
                           hardware=hardware, bound_step_s=derived_plan.bound_step_s,
                           notes={**dict(derived_plan.notes), **dict(notes or {})})
@@ -117,6 +122,34 @@ def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware:
     if plan.steps == derived_plan.steps and swapped == {t.tensor for t in plan.offloads}:
         plan = replace(plan, offloads=derived_plan.offloads, prefetches=derived_plan.prefetches)
     return plan
+
+
+#: Why a swap the planner chose is recomputed instead (`map_back`, the plan's notes `swaps_recomputed*`).
+UNREAD_SWAP = ("a swapped op also makes a checkpoint candidate no recompute reads (LayerNorm's output beside its "
+               "statistics, topk's or sort's values beside their indices): the executor offloads and reloads the op's "
+               "outputs whole, and a swap of a tensor nothing reads back has no place in the schedule, so the op's "
+               "saved outputs are recomputed instead (their bytes leave the device all the same)")
+
+
+def _recompute_unread_swaps(graph: Graph, decisions: dict[str, Decision],
+                            cached_together: Sequence[Sequence[str]], saved: Collection[str]) -> list[str]:
+    """Turn each swapped `cached_together` group with a candidate no step after the forward reads
+    (`schedule.build.unread_swapped_candidates`) into a recomputed group, in `decisions`, until none is
+    left (a recompute can leave another candidate unread); the saved tensors so recomputed."""
+    changed: list[str] = []
+    for _ in range(len(cached_together) + 1):
+        unread = set(unread_swapped_candidates(graph, decisions))
+        groups = [g for g in cached_together if unread.intersection(g)]
+        if not groups:
+            return changed
+        for group in groups:
+            for t in group:
+                if t in saved:
+                    decisions[t] = Decision.RECOMPUTE
+                    changed.append(t)
+                else:
+                    decisions.pop(t, None)
+    return changed
 
 
 def plan_with_fixed_keep(
@@ -182,4 +215,4 @@ def plan_with_fixed_keep(
         "the planner's budget by the excess)")
 
 
-__all__ = ["check_fixed", "graph_with_fixed_keep", "map_back", "plan_with_fixed_keep"]
+__all__ = ["UNREAD_SWAP", "check_fixed", "graph_with_fixed_keep", "map_back", "plan_with_fixed_keep"]
