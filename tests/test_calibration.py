@@ -177,3 +177,11 @@ def test_docs_quote_the_fit_the_presets_hold() -> None:
                 assert (float(matmul), float(hbm)) == (preset["efficiency"]["matmul"], preset["hbm_efficiency"]), \
                     (path.name, name, matmul, hbm)
     assert found >= 3
+
+
+def test_every_row_names_the_line_or_table_it_is_read_from() -> None:
+    """A row's source names where in it the figure stands: a file's line (the README tables) or a
+    paper's table, so a reader can check the transcription (the BERT rows named only their section)."""
+    rows = [*calibration.MEASUREMENTS, *(m for m, _ in calibration.EXCLUDED)]
+    for m in rows:
+        assert re.search(r"\bline \d+\b|\bTable \d+\b", m.source), m.name
