@@ -48,8 +48,8 @@ from slackswap.memory.recipe import TrainingConfig  # noqa: E402
 from slackswap.model_config import ModelConfig  # noqa: E402
 from slackswap.profile import build_graph  # noqa: E402
 
-DLE_BERT = ("NVIDIA/DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, pre-training performance "
-            "on DGX A100 (8x A100 80GB), AMP")
+DLE_BERT = ("NVIDIA/DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md (commit 729963dd4), "
+            "Pre-training NVIDIA DGX A100 (8x A100 80GB), mixed precision")
 FA2 = "Dao 2023, FlashAttention-2 paper, Table 1 (GPT-style models, seq 2k, 8x A100 80GB SXM)"
 
 #: BERT-Large (Devlin et al. 2019), as conf/model/bert_large.yaml; DeepLearningExamples runs eager
@@ -126,10 +126,12 @@ def foundry_measurements() -> list[Measurement]:
 
 
 MEASUREMENTS: tuple[Measurement, ...] = (
-    Measurement("bert_large_phase1_seq128_a100", DLE_BERT + ": phase 1, 1 GPU, batch 256, seq 128, 580 sequences/s",
+    Measurement("bert_large_phase1_seq128_a100",
+                DLE_BERT + ", line 813: phase 1, 1 GPU, batch 256, seq 128, 580 sequences/s",
                 "a100", BERT, 128, 256, "seq_per_s", 580.0, held_out=False, shards=1, optimizer=False,
                 notes="32 accumulation steps per LAMB step: the optimizer is <0.1 % of a micro-step, left out"),
-    Measurement("bert_large_phase1_seq128_8xa100", DLE_BERT + ": phase 1, 8 GPUs, batch 256 per GPU, seq 128, "
+    Measurement("bert_large_phase1_seq128_8xa100",
+                DLE_BERT + ", line 814: phase 1, 8 GPUs, batch 256 per GPU, seq 128, "
                 "4,591 sequences/s", "a100", BERT, 128, 256, "seq_per_s", 4591.0, held_out=True, shards=1, gpus=8,
                 optimizer=False, notes="DDP; the all-reduce runs once per 32 accumulation steps: left out"),
     Measurement("gpt_1.3b_no_flash_a100", FA2 + ": GPT3-1.3B without FlashAttention, 142 TFLOP/s per GPU",
@@ -150,7 +152,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
 #: Published figures whose workload this model cannot reproduce, so no efficiency can be checked on
 #: them; printed with their ratio, kept out of calibration.json (docs/hardware.md, "Calibrated compute").
 EXCLUDED: tuple[tuple[Measurement, str], ...] = (
-    (Measurement("bert_large_phase2_seq512_a100", DLE_BERT + ": phase 2, 1 GPU, batch 32, 210 sequences/s",
+    (Measurement("bert_large_phase2_seq512_a100", DLE_BERT + ", line 815: phase 2, 1 GPU, batch 32, 210 sequences/s",
                  "a100", BERT, 512, 32, "seq_per_s", 210.0, held_out=True, shards=1, optimizer=False),
      "phase 2 runs LDDL's binned pretraining (bin size 64, README changelog January 2022): sequences are "
      "padded to their bin, not to 512, so the published 210 sequences/s is not a seq-512 step"),

@@ -5,6 +5,7 @@ every Hopper preset carries the H100 fit."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -130,3 +131,57 @@ def test_no_model_gets_its_own_efficiency(rows) -> None:
     for m, r in zip(calibration.MEASUREMENTS, rows, strict=True):
         by_gpu.setdefault(m.gpu, set()).add(r["hardware"])
     assert all(len(presets) == 1 for presets in by_gpu.values())
+
+
+def test_the_mpt7b_preset_runs_the_benchmarks_attention_kernel() -> None:
+    """conf/model/mpt7b.yaml is llm-foundry's benchmark shape, checked in docs/advise.md against the same
+    table the calibration rows come from: it names the kernel those runs used (attn_impl: triton), so a
+    Hopper or calibrated preset times its attention as the calibration does, not at the generic figure."""
+    preset = yaml.safe_load((REPO / "conf/model/mpt7b.yaml").read_text())
+    kernels = {m.model["attention_kernel"] for m in calibration.MEASUREMENTS if m.sharding}
+    assert kernels == {"triton"} and preset.get("attention_kernel") == "triton"
+
+
+def _fitted_rows(gpu: str) -> int:
+    return sum(m.gpu == gpu and m.sharding != "" and not m.held_out for m in calibration.MEASUREMENTS)
+
+
+@pytest.mark.parametrize("name", [*calibration.HOPPER_PRESETS, "h100_sxm_calibrated", "a100_80gb_sxm_calibrated"])
+def test_each_fitted_preset_counts_the_rows_it_was_fitted_on(name: str) -> None:
+    """A preset's comment names how many llm-foundry (MPT) rows its fit used: the count the fit uses now
+    (it said 29 and 20 after the table grew to 30 fitted H100 rows and 16 fitted A100 MPT rows)."""
+    gpu = "a100" if name.startswith("a100") else "h100"
+    text = " ".join((REPO / "conf/hardware" / f"{name}.yaml").read_text().split())
+    counts = {int(n) for n in re.findall(r"(\d+) MPT runs", text)}
+    assert counts == {_fitted_rows(gpu)}, (name, counts)
+
+
+#: How the docs quote a preset's fit: "H100 fit ... (matmul 0.66, HBM 0.40" and "the calibrated A100
+#: (0.85 with HBM 0.42)"; the calibration benchmark's own "--fit" comment lines are checked by the fit test.
+FIT_QUOTES = {
+    "h100_sxm_calibrated": re.compile(r"H100 fit[^(]{0,40}\(matmul (\d\.\d+), HBM (\d\.\d+)"),
+    "a100_80gb_sxm_calibrated": re.compile(r"calibrated A100 \((?:matmul )?(\d\.\d+) with HBM (\d\.\d+)\)"),
+}
+
+
+def test_docs_quote_the_fit_the_presets_hold() -> None:
+    """Every place a doc quotes a calibrated preset's matmul and HBM figures quotes the committed ones
+    (docs/profile.md still gave the Hopper fit as matmul 0.53, HBM 0.61 two refits later)."""
+    found = 0
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = " ".join(path.read_text().split())
+        for name, pattern in FIT_QUOTES.items():
+            preset = yaml.safe_load((REPO / "conf/hardware" / f"{name}.yaml").read_text())
+            for matmul, hbm in pattern.findall(text):
+                found += 1
+                assert (float(matmul), float(hbm)) == (preset["efficiency"]["matmul"], preset["hbm_efficiency"]), \
+                    (path.name, name, matmul, hbm)
+    assert found >= 3
+
+
+def test_every_row_names_the_line_or_table_it_is_read_from() -> None:
+    """A row's source names where in it the figure stands: a file's line (the README tables) or a
+    paper's table, so a reader can check the transcription (the BERT rows named only their section)."""
+    rows = [*calibration.MEASUREMENTS, *(m for m, _ in calibration.EXCLUDED)]
+    for m in rows:
+        assert re.search(r"\bline \d+\b|\bTable \d+\b", m.source), m.name
