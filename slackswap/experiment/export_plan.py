@@ -74,8 +74,7 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     except InfeasibleBudgetError as exc:
         from slackswap.experiment.export_repair import repair_for_export
 
-        over = [(a.plan, a.peak_bytes) for a in attempts if a.plan is not None]
-        repaired = repair_for_export(graph, priced, facts, held, hardware, budget_bytes, mode, over, misses,
+        repaired = repair_for_export(graph, priced, facts, held, hardware, budget_bytes, mode, attempts, misses,
                                      exc.reason)
         if repaired is not None:
             return priced_for(repaired, compile)

@@ -34,15 +34,15 @@ REPAIRED = ("every plan the planner made for the export peaked over the budget a
 
 
 def repair_for_export(graph: Graph, priced: Graph, facts: object, held: list[str], hardware: Hardware,
-                      budget_bytes: int | None, mode: str, over: list[tuple[Plan, int]], misses: list[Plan],
+                      budget_bytes: int | None, mode: str, attempts: list, misses: list[Plan],
                       reason: str) -> Plan | None:
     """The planner's nearest plan for the export repaired to fit `budget_bytes` (module docstring), or None
     (no budget, no plan to start from, eager placement not in question, or even every movable group
     recomputed does not fit). `graph`: the plan's graph; `priced`: the graph PyTorch's placement is
-    priced on (`pytorch_graph`); `facts`: `ExportFacts`; `over`: the plans the budget search made, with
-    their price as PyTorch runs them; `misses`: plans over the budget in their own replay; `reason`: why
+    priced on (`pytorch_graph`); `facts`: `ExportFacts`; `attempts`: the budget search's (`Attempt`: each
+    plan with its price as PyTorch runs it); `misses`: plans over the budget in their own replay; `reason`: why
     the search failed (kept in the notes)."""
-    from slackswap.experiment.export_plan import pytorch_peak_bytes
+    from slackswap.experiment.export_plan import Attempt, pytorch_peak_bytes
     from slackswap.planners.support.fixed_keep import _recompute_unread_swaps
     from slackswap.planners.support.replay_rule import replay_rule
     from slackswap.schedule.build import build_schedule
@@ -50,10 +50,12 @@ def repair_for_export(graph: Graph, priced: Graph, facts: object, held: list[str
 
     if budget_bytes is None or mode != "eager":
         return None
-    candidates = list(over) or [(m, pytorch_peak_bytes(priced, m, hardware, mode)) for m in misses]
+    over = [a for a in attempts if a.plan is not None]
+    candidates = over or [Attempt(budget_bytes, m, pytorch_peak_bytes(priced, m, hardware, mode)) for m in misses]
     if not candidates:
         return None
-    base, base_peak = min(candidates, key=lambda c: c[1])  # the first such: the largest planning budget
+    nearest = min(candidates, key=lambda a: a.peak_bytes)  # the first such: the largest planning budget
+    base, base_peak = nearest.plan, nearest.peak_bytes
     saved = {t.name for t in graph.saved_tensors}
     frozen = (set(facts.fixed_keep) | set(held) | set(replay_rule(graph).fixed) | set(facts.version_readers)
               | set(facts.not_kept))
@@ -81,10 +83,10 @@ def repair_for_export(graph: Graph, priced: Graph, facts: object, held: list[str
     moved = sorted({t for g in repaired.moved for t in g})
     return replace(repaired.plan, notes={
         **dict(repaired.plan.notes), "pytorch_peak_bytes": repaired.peak_bytes,
+        "pytorch_plan_budget_bytes": nearest.budget_bytes, "pytorch_plannings": len(attempts) or len(misses),
         "export_repaired": True, "export_repaired_tensors": moved,
         "export_repaired_bytes": sum(group_bytes(g) for g in repaired.moved),
         "export_repaired_from_peak_bytes": base_peak,
-        "export_repaired_plan_budget_bytes": base.notes.get("fixed_keep_plan_budget_bytes"),
         "export_repaired_pricings": repaired.pricings, "export_repaired_reason": REPAIRED,
         "export_repaired_search": reason})
 
