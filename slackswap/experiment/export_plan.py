@@ -39,7 +39,9 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     tensor PyTorch keeps whatever a plan says kept, the tensors one policy decides together decided
     alike and no decision for a candidate nothing keeps, its peak within `budget_bytes`
     and, unless `fit_pytorch_placement` is false, its peak as PyTorch places the decisions
-    (`within_pytorchs_peak`) too (`InfeasibleBudgetError` with the reason otherwise), every tensor at
+    (`within_pytorchs_peak`) too, the planner's nearest plan repaired where no planning budget gives one
+    (`slackswap.experiment.export_repair`: decisions moved to recompute, named in the notes
+    `export_repaired*`), `InfeasibleBudgetError` with the reason otherwise, every tensor at
     the bytes the export's executor stores: `compile`, the compiled step's (`export_plan_graph`), else
     CPU eager's. `PlanExport(plan, graph, model)` then executes every decision as planned (eager:
     `step_differences()` is empty; compiled, with `compile`: the partition saves the planned bytes).
