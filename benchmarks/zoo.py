@@ -11,7 +11,8 @@ runs on each executor:
   seed (deterministic kernels);
 - `export`: the plan made for the export (`plan_for_export`) through `PlanExport(...).installed(model)`
   (eager selective checkpointing), compared the same way.
-A cell is `exact`, `infeasible: <why>` (the planner has no plan within the budget), `refused: <why>`
+A cell is `exact` (`exact: repaired ...` where the planner's plan for the export was repaired to fit,
+`slackswap.experiment.export_repair`), `infeasible: <why>` (the planner has no plan within the budget), `refused: <why>`
 (the executor declined the plan with its error: `PlanMismatchError`, `InexactRecomputeError`,
 `RuntimeUsageError`), `different: <what>` (a gradient, loss or buffer differs), `crash: <error>` or,
 for the export, `over budget: <bytes>` (the exact step's measured CPU peak, less the checkpoints' CPU RNG
@@ -220,7 +221,11 @@ class Arch:
             return f"crash: {_short(exc)}"
         result = compare(self.reference, got)
         if result == "exact" and executor == "export" and self.measure:
-            return self.over_budget(plan, fraction) or result
+            result = self.over_budget(plan, fraction) or result
+        if result == "exact" and plan.notes.get("export_repaired"):
+            moved = plan.notes["export_repaired_tensors"]
+            result = (f"exact: repaired for the export, {len(moved)} tensor(s) "
+                      f"({plan.notes['export_repaired_bytes']} B) moved to recompute")
         return result
 
 

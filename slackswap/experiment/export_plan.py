@@ -39,7 +39,9 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     tensor PyTorch keeps whatever a plan says kept, the tensors one policy decides together decided
     alike and no decision for a candidate nothing keeps, its peak within `budget_bytes`
     and, unless `fit_pytorch_placement` is false, its peak as PyTorch places the decisions
-    (`within_pytorchs_peak`) too (`InfeasibleBudgetError` with the reason otherwise), every tensor at
+    (`within_pytorchs_peak`) too, the planner's nearest plan repaired where no planning budget gives one
+    (`slackswap.experiment.export_repair`: decisions moved to recompute, named in the notes
+    `export_repaired*`), `InfeasibleBudgetError` with the reason otherwise, every tensor at
     the bytes the export's executor stores: `compile`, the compiled step's (`export_plan_graph`), else
     CPU eager's. `PlanExport(plan, graph, model)` then executes every decision as planned (eager:
     `step_differences()` is empty; compiled, with `compile`: the partition saves the planned bytes).
@@ -52,9 +54,11 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     facts = export_facts(graph, layer_paths(model))
     held = [t for t in facts.held_inputs if t in graph.candidate_names]
 
+    misses: list[Plan] = []  # plans over the budget in their own replay (`plan_with_fixed_keep`)
+
     def plan_at(inner_budget: int | None) -> Plan:
         return plan_with_fixed_keep(planner, graph, hardware, inner_budget, facts.fixed_keep, facts.tied,
-                                    facts.not_kept, held, cached_together=facts.cached_together)
+                                    facts.not_kept, held, cached_together=facts.cached_together, misses=misses)
 
     if not fit_pytorch_placement:  # the plan within its own replay only (a benchmark timing a fixed budget)
         return priced_for(plan_at(budget_bytes), compile)
@@ -65,10 +69,17 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     # asked for less must swap); its step: the smallest tensor a plan decides.
     floor = estimate_plan(graph, every, hardware).peak_bytes
     decided = [t.size_bytes for t in graph.saved_tensors if t.name not in facts.fixed_keep]
+    attempts: list[Attempt] = []
     try:
         plan = within_pytorchs_peak(priced, hardware, budget_bytes, mode, plan_at, planner.name, floor,
-                                    min(decided, default=1))
+                                    min(decided, default=1), attempts)
     except InfeasibleBudgetError as exc:
+        from slackswap.experiment.export_repair import repair_for_export
+
+        repaired = repair_for_export(graph, priced, facts, held, hardware, budget_bytes, mode, attempts, misses,
+                                     exc.reason)
+        if repaired is not None:
+            return priced_for(repaired, compile)
         recompute_all = pytorch_peak_bytes(priced, every, hardware, mode)
         raise InfeasibleBudgetError(f"{planner.name}: budget {budget_bytes} B; "
                                     f"{what_pytorch_keeps(graph, facts, held, recompute_all, mode)}: {exc.reason}"
@@ -238,7 +249,8 @@ def largest_fitting_budget(budget_bytes: int, first_peak_bytes: int, floor_bytes
 
 
 def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | None, mode: str,
-                         plan_at, planner_name: str, floor_bytes: int = 0, resolution_bytes: int = 1) -> Plan:
+                         plan_at, planner_name: str, floor_bytes: int = 0, resolution_bytes: int = 1,
+                         attempts: list[Attempt] | None = None) -> Plan:
     """`plan_at(inner_budget)`'s plan whose peak as PyTorch executes it fits `budget_bytes`: PyTorch
     recomputes a layer's tensors all at once, before its first backward reader, where the plan's own
     schedule recomputes each right before its reader, so a plan within its budget can run over it.
@@ -249,11 +261,14 @@ def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | N
     planning budget) and whether the planner's plan followed its budget at all (a fixed recipe, such
     as keep_all's or torch_sac's, decides alike at every budget, and no search changes that).
     Refused before the step runs, not after. Notes: `pytorch_peak_bytes`, and the planning budget the
-    plan was made at (`pytorch_plan_budget_bytes`) with the number of plannings (`pytorch_plannings`)."""
+    plan was made at (`pytorch_plan_budget_bytes`) with the number of plannings (`pytorch_plannings`).
+    Every attempt is appended to `attempts` when given (the caller repairs the nearest miss)."""
+    log = attempts if attempts is not None else []
     plan = plan_at(budget_bytes)
     if budget_bytes is None:
         return plan
     first = Attempt(budget_bytes, plan, pytorch_peak_bytes(graph, plan, hardware, mode))
+    log.append(first)
     if first.peak_bytes <= budget_bytes:
         return _noted(first, 1)
 
@@ -261,8 +276,11 @@ def within_pytorchs_peak(graph: Graph, hardware: Hardware, budget_bytes: int | N
         try:
             p = plan_at(inner)
         except InfeasibleBudgetError as exc:
-            return Attempt(inner, None, None, exc.reason)
-        return Attempt(inner, p, pytorch_peak_bytes(graph, p, hardware, mode))
+            a = Attempt(inner, None, None, exc.reason)
+        else:
+            a = Attempt(inner, p, pytorch_peak_bytes(graph, p, hardware, mode))
+        log.append(a)
+        return a
 
     best, tried = largest_fitting_budget(budget_bytes, first.peak_bytes, floor_bytes, resolution_bytes, attempt)
     if best is not None:

@@ -163,12 +163,14 @@ def plan_with_fixed_keep(
     kept_candidates: Collection[str] = (),
     max_rounds: int = 4,
     cached_together: Sequence[Sequence[str]] = (),
+    misses: list[Plan] | None = None,
 ) -> Plan:
     """`planner`'s plan of `graph` with the `fixed` saved tensors kept, each `tied` group deciding alike,
     no decision for the `not_kept` checkpoint candidates (the executor never keeps them: a decision a
     planner makes for one is dropped) and the `kept_candidates` kept (the executor holds them), within
     `budget_bytes` (module docstring), each `cached_together` group (the outputs of one op an executor
-    caches whole) decided alike (`map_back`); `InfeasibleBudgetError` with the reason otherwise."""
+    caches whole) decided alike (`map_back`); `InfeasibleBudgetError` with the reason otherwise, the
+    last plan over the budget appended to `misses` when given (a caller that repairs plans starts there)."""
     check_fixed(graph, fixed, tied)
     for field, names in (("not_kept", not_kept), ("kept_candidates", kept_candidates)):
         unknown = sorted(set(names) - graph.candidate_names)
@@ -209,6 +211,8 @@ def plan_with_fixed_keep(
     plan, peak, rounds = lower_until_within(graph, hardware, budget_bytes, max_rounds, plan_at)
     if peak <= budget_bytes:
         return plan
+    if misses is not None:
+        misses.append(plan)
     raise InfeasibleBudgetError(
         f"{planner.name} with {len(fixed)} tensor(s) fixed to keep: after {rounds} round(s) the plan, its "
         f"tied decisions made alike, still peaks at {gib(peak)} > budget {gib(budget_bytes)} (each round lowers "
