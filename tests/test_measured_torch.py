@@ -124,3 +124,24 @@ def test_no_gpu_is_one_line_naming_the_device():
         pytest.skip("a CUDA device is visible: the CUDA path runs instead")
     with pytest.raises(MeasurementError, match=r"^device cuda: no CUDA device is visible"):
         measure_links("cuda")
+
+
+def test_a_view_moves_no_bytes_and_costs_only_its_launch(captured):
+    """A view reads and writes no memory: its roofline time is the launch cost alone, while the ops
+    that move data keep their bytes (what the fit needs: docs/profile.md "Calibrating a preset")."""
+    import torch
+
+    from slackswap.runtime.capture import moves_no_data
+    from slackswap.runtime.op_numbering import overload_of
+
+    _, graph = captured
+    hardware = load_preset("h200_sxm_pcie5")
+    views = [op for op in graph.ops if overload_of(op.name).is_view or "_unsafe_view" in op.name]
+    assert views and all(op.moved_bytes == 0 and op.duration_s == hardware.launch_overhead_s for op in views)
+    assert all(op.moved_bytes > 0 for op in graph.ops if op not in views and op.flops > 0)
+    aten, x = torch.ops.aten, torch.ones(4, 4)
+    assert moves_no_data(aten._unsafe_view.default, (x, [16]), {}, aten._unsafe_view.default(x, [16]))
+    assert moves_no_data(aten.detach.default, (x,), {}, x.detach())
+    assert not moves_no_data(aten.add_.Tensor, (x, x), {}, x)  # aliases its input but writes it
+    assert not moves_no_data(aten.clone.default, (x,), {}, x.clone())
+
