@@ -146,6 +146,7 @@ def test_a_view_moves_no_bytes_and_costs_only_its_launch(captured):
     assert not moves_no_data(aten.clone.default, (x,), {}, x.clone())
 
 
+@pytest.mark.slow
 def test_a_preset_fitted_on_one_shape_predicts_another_shape_within_15_percent(captured):
     """Op times from a machine with a per-op launch cost, small-GEMM inefficiency (Hockney's n_1/2) and
     per-op scatter (lognormal, 20 %) on one captured shape; the fit predicts the sum at twice the
