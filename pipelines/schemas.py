@@ -123,6 +123,8 @@ class HardwareSchema:
     attention_kernels: dict[str, float] = field(default_factory=dict)
     # Compute lost per second of overlapped FSDP collective (slackswap.hardware.Hardware); 0 = none.
     collective_overlap_slowdown: float = 0.0
+    # Hockney's n_1/2 per op class in FLOPs (slackswap.hardware.Hardware); absent = the plain roofline.
+    half_performance_flops: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -90,6 +90,12 @@ class Hardware:
     #: 0 (every uncalibrated preset): free, as `slackswap.communication` assumed; the calibrated presets
     #: carry a fitted value (benchmarks/calibration.py, docs/hardware.md).
     collective_overlap_slowdown: float = 0.0
+    #: Hockney's half-performance length per op class, in FLOPs (`n_1/2`: an op of F FLOPs runs at
+    #: `efficiency[class] * F / (F + n_1/2)`; Hockney and Jesshope, *Parallel Computers 2*,
+    #: 1988): a small GEMM reaches less of the peak than a large one, by a fixed cost that does not
+    #: shrink with the op (packing, loop set-up, a partly filled last wave). A class not listed: 0, the
+    #: plain roofline. Fitted by `slackswap.profile.fit`; docs/profile.md "Shape-aware efficiency".
+    half_performance_flops: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.peak_flops_per_s:
@@ -114,12 +120,18 @@ class Hardware:
                 raise ConfigError(f"hardware.attention_kernels.{kernel}", eff,
                                   f"unknown kernel; known: {ATTENTION_KERNEL_NAMES}")
             check.fraction(f"hardware.attention_kernels.{kernel}", eff)
+        for op_class, n_half in dict(self.half_performance_flops or {}).items():
+            if op_class not in OP_CLASSES:
+                raise ConfigError(f"hardware.half_performance_flops.{op_class}", n_half,
+                                  f"unknown op class; known: {OP_CLASSES}")
+            check.non_negative(f"hardware.half_performance_flops.{op_class}", n_half)
         check.fraction("hardware.hbm_efficiency", self.hbm_efficiency)
         check.non_negative("hardware.launch_overhead_s", self.launch_overhead_s)
         check.fraction("hardware.collective_overlap_slowdown", self.collective_overlap_slowdown, zero=True)
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
         object.__setattr__(self, "efficiency", MappingProxyType(dict(self.efficiency)))
         object.__setattr__(self, "attention_kernels", MappingProxyType(dict(self.attention_kernels or {})))
+        object.__setattr__(self, "half_performance_flops", MappingProxyType(dict(self.half_performance_flops or {})))
 
     def attention_efficiency(self, kernel: str = "") -> float:
         """The efficiency of attention kernel `kernel` ("" or one the preset does not list: the

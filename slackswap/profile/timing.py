@@ -1,7 +1,12 @@
 """Roofline op timing: the one place that turns (FLOPs, bytes moved) into seconds on a GPU.
 
-duration = max(flops / (peak[dtype] * efficiency[op_class]),
+duration = max((flops + n_half[op_class]) / (peak[dtype] * efficiency[op_class]),
                moved_bytes / (hbm_bytes_per_s * hbm_efficiency)) + launch_overhead_s
+
+`n_half` is the preset's Hockney half-performance length (`Hardware.half_performance_flops`, 0 where
+the preset gives none): an op of F FLOPs reaches `efficiency * F / (F + n_half)` of the peak, so small
+GEMMs run further below it than large ones (docs/profile.md "Shape-aware efficiency"). It applies to
+ops with FLOPs only.
 
 `flops` counts matrix-multiply FLOPs only (2*m*n*k), the Korthikanti/Narayanan convention, so an
 elementwise op (flops 0) is timed purely by its HBM traffic. The efficiencies are per op class, not
@@ -37,6 +42,7 @@ def op_duration_s(flops: float, moved_bytes: int, op_class: OpClass | str, dtype
     efficiency = hardware.efficiency[op_class]
     if op_class == OpClass.ATTENTION:
         efficiency = hardware.attention_efficiency(attention_kernel)
-    compute_s = flops / (peak_flops_per_s * efficiency)
+    n_half = hardware.half_performance_flops.get(op_class, 0.0) if flops > 0 else 0.0
+    compute_s = (flops + n_half) / (peak_flops_per_s * efficiency)
     memory_s = moved_bytes / (hardware.hbm_bytes_per_s * hardware.hbm_efficiency)
     return max(compute_s, memory_s) + hardware.launch_overhead_s

@@ -3,7 +3,8 @@
 This is the runtime's own, minimal graph source: it runs the step for real (on whatever device the
 model is on) and records what autograd actually saves, so the runtime's tests can plan and run any
 small model. It times ops with the project's roofline (FLOPs of the matmuls, bytes moved by every
-op, the hardware's efficiencies), the same model as `slackswap.profile`. The full tracer of the
+op but a view, which moves none: `moves_no_data`; the hardware's efficiencies), the same model as
+`slackswap.profile`. The full tracer of the
 torch profile source (docs/torch_profile.md) replaces it for large models; both name tensors the
 way `OpNumbering` does.
 """
@@ -35,6 +36,7 @@ from slackswap.graph import (
     Tensor,
 )
 from slackswap.hardware import Hardware
+from slackswap.profile.timing import op_duration_s
 from slackswap.profile.torch.identity import StorageIdentities
 from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks
 from slackswap.runtime.collectives import CollectiveReleases
@@ -68,6 +70,24 @@ def _matmul_flops(base: str, args: tuple) -> float:
         return 0.0
     batch = a.shape[0] if a.dim() == 3 else 1
     return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+def moves_no_data(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> bool:
+    """True for a call that aliases its input and writes nothing: a view (`OpOverload.is_view`: the
+    schema's output aliases an input, `view`, `t`, `detach`, `alias`, ...) or a call whose every tensor
+    output shares an input's storage (`_unsafe_view`, whose schema says its output is fresh because the
+    input is consumed). It reads and writes no memory, so its roofline time is the launch cost alone
+    (`_duration_s`); the sizes of the storages it aliases, which the memory model reads, are untouched."""
+    if func.is_view:
+        return True
+    if writes_into(func):
+        return False
+    outputs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+    if not outputs:
+        return False
+    inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
+              if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes() > 0}
+    return all(x.untyped_storage().nbytes() > 0 and x.untyped_storage().data_ptr() in inputs for x in outputs)
 
 
 class _Recorder(TorchDispatchMode):
@@ -182,7 +202,8 @@ class _Recorder(TorchDispatchMode):
         elif base in _ATTENTION:
             op["op_class"] = OpClass.ATTENTION
         leaves = [x for x in tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
-        op["moved"] += sum(x.numel() * x.element_size() for x in leaves)
+        if not moves_no_data(func, args, kwargs, out):
+            op["moved"] += sum(x.numel() * x.element_size() for x in leaves)
         if op["dtype"] is None and leaves:
             op["dtype"] = leaves[0].dtype
         return out
@@ -245,11 +266,8 @@ def _roles(ops: dict[str, dict]) -> list[str]:
 
 
 def _duration_s(op: dict, hardware: Hardware) -> float:
-    """Roofline: max(FLOPs / (peak x efficiency), bytes / (HBM x efficiency)) + launch overhead."""
-    dtype_key = _DTYPE_KEYS.get(op["dtype"], "fp32")
-    compute = op["flops"] / (hardware.peak_for(dtype_key) * hardware.efficiency[str(op["op_class"])])
-    memory = op["moved"] / (hardware.hbm_bytes_per_s * hardware.hbm_efficiency)
-    return max(compute, memory) + hardware.launch_overhead_s
+    """The profile's roofline (`slackswap.profile.timing.op_duration_s`) on the op's FLOPs and bytes."""
+    return op_duration_s(op["flops"], op["moved"], op["op_class"], _DTYPE_KEYS.get(op["dtype"], "fp32"), hardware)
 
 
 def capture_graph(
