@@ -5,10 +5,10 @@ the allocated peak's fit as the first round of planning against the reserved pea
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from slackswap.experiment.advise import SearchSpace, plan_search
 from slackswap.experiment.advise_layout_configs import layout_stage_graphs, stage_floors
 from slackswap.experiment.advise_space import Layout
 from slackswap.experiment.advise_step import activation_floor_bytes
@@ -18,7 +18,7 @@ from slackswap.model_config import ModelConfig
 from slackswap.moe_config import MoEConfig
 from slackswap.planners.registry import get_planner
 from slackswap.profile import build_graph
-from tests.advise_support import MIXED, TOPO, graphs_of, load_conf
+from tests.advise_support import MIXED, load_conf
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +34,8 @@ def _model(**kw) -> ModelConfig:
 
 
 def _ctx(model: ModelConfig, hw: Hardware):
-    space = SearchSpace(gpus=(8,), recipes={"mixed": MIXED}, micro_batches=(1,), planners={"keep_all": {}},
-                        plan_against=("allocated",), reserve_bytes=0)
-    return plan_search(model, hw, TOPO, space, graphs_of(model, hw))[1]
+    """What the floors and stage graphs read of a search's context: the model, hardware and caches."""
+    return SimpleNamespace(model=model, hardware=hw, rank_hardware={}, plan_cache={})
 
 
 @pytest.mark.parametrize(("shape", "moe"), [((1, 1, 1), False), ((2, 2, 1), False), ((1, 4, 1), False),
