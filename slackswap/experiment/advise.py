@@ -128,7 +128,7 @@ def _static(ctx: _Context, training: TrainingConfig) -> Any:
 
 def evaluate(ctx: _Context, cand: Candidate) -> Row:
     """Plan, simulate and price one configuration (module docstring)."""
-    from slackswap.experiment.fitting import FitOptions, plan_and_simulate
+    from slackswap.experiment.fitting import FitOptions, FittedPlan, plan_and_simulate
     from slackswap.planners.registry import get_planner
     from slackswap.profile import parameter_counts
 
@@ -157,9 +157,11 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
         ctx.plan_cache[key] = allocated
     if key not in ctx.plan_cache:
         planner = get_planner(cand.planner, **dict(space.planners[cand.planner]))
+        # Against the reserved peak the first round is the allocated peak's plan: reused, not replanned.
+        first = allocated if cand.plan_against == "reserved" and isinstance(allocated, FittedPlan) else None
         try:
             options = FitOptions(allocator="caching", plan_against=cand.plan_against)
-            ctx.plan_cache[key] = plan_and_simulate(planner, work.graph, rank_hw, capacity, options)
+            ctx.plan_cache[key] = plan_and_simulate(planner, work.graph, rank_hw, capacity, options, first)
         except InfeasibleBudgetError as exc:
             ctx.plan_cache[key] = exc
     fitted = ctx.plan_cache[key]

@@ -159,11 +159,12 @@ def _skip(cfg: LayoutConfig, too_big: dict, bar: tuple[float, float], planned: i
 
 
 def _task_context(ctx: Any, cfg: LayoutConfig) -> Any:
-    """What planning `cfg` needs of `ctx`: its layout's cached parameter counts and stage graphs, not
+    """What planning `cfg` needs of `ctx`: its layout's cached parameter counts, floors and stage graphs, not
     every graph the search built, nor the graph source (a worker is sent the task's context)."""
     lay = cfg.layout
     keep = {("params", lay.tp, lay.pp, lay.virtual_stages, lay.ep), graphs_key(lay, cfg.micro_batch, cfg.training),
-            graphs_key(lay, cfg.micro_batch, cfg.training, "stages")}
+            graphs_key(lay, cfg.micro_batch, cfg.training, "stages"),
+            graphs_key(lay, cfg.micro_batch, cfg.training, "floors")}
     return replace(ctx, graph_for=None, workloads={}, plan_cache={k: ctx.plan_cache[k] for k in keep
                                                                   if k in ctx.plan_cache},
                    optimizer_cache=dict(ctx.optimizer_cache))

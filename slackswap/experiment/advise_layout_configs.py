@@ -290,9 +290,37 @@ def layout_configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[flo
 
 
 def stage_floors(ctx: Any, layout: Layout, training: Any, mb: int) -> list[int]:
-    """Each stage's (chunk's) activation floor at micro-batch `mb` (`activation_floor_bytes`), graphs cached."""
+    """Each stage's (chunk's) activation floor at micro-batch `mb` (`activation_floor_bytes`), cached.
 
-    return [activation_floor_bytes(g) for g in layout_stage_graphs(ctx, layout, training, mb)]
+    Why not every chunk's graph: a chunk's graph depends on its index only through whether it is the
+    first (embedding) or the last (head and loss) chunk; its layers are emitted with their local
+    indices (`slackswap.profile.stages`), so every interior chunk has the same ops and tensors (only its
+    name and meta differ) and the same floor. Three graphs give all the floors of a pp 8 x v 2 layout
+    (16 chunks); the pruning of a 70B search built ~650 stage graphs for ~130 layouts before. The full
+    graphs, when already built for planning, give the floors directly."""
+    key = graphs_key(layout, mb, training, "floors")
+    if key not in ctx.plan_cache:
+        full = ctx.plan_cache.get(graphs_key(layout, mb, training))
+        chunks = layout.pp * layout.virtual_stages
+        if full is not None:
+            floors = [activation_floor_bytes(g) for g in full]
+        else:
+            kinds = sorted({0, min(1, chunks - 1), chunks - 1})
+            floor_of = {i: activation_floor_bytes(_chunk_graph(ctx, layout, training, mb, i)) for i in kinds}
+            floors = [floor_of[min(c, 1) if c < chunks - 1 else chunks - 1] for c in range(chunks)]
+        ctx.plan_cache[key] = floors
+    return ctx.plan_cache[key]
+
+
+def _chunk_graph(ctx: Any, lay: Layout, training: Any, mb: int, chunk: int) -> Any:
+    """Chunk `chunk`'s graph at micro-batch `mb`, as `layout_stage_graphs` builds it (not cached: the
+    floors are)."""
+    from slackswap.profile.stages import build_stage_graph
+
+    hw = ctx.rank_hardware.get(lay.gpus, ctx.hardware)
+    model = replace(ctx.model, micro_batch_size=mb, include_optimizer=False)
+    par = chunk_parallel(lay.tp, lay.pp, lay.cp, lay.sp, lay.virtual_stages, lay.ep)
+    return build_stage_graph(model, hw, training, par, chunk)
 
 
 def fitting_micro_batches(ctx: Any, layout: Layout, training: Any, statics: list) -> int:

@@ -90,9 +90,18 @@ def plan_and_simulate(
     hardware: Hardware,
     budget_bytes: int,
     options: FitOptions = FitOptions(),
+    first_round: FittedPlan | None = None,
 ) -> FittedPlan:
-    """Plan and simulate under `budget_bytes`. Raises the planner's `InfeasibleBudgetError`."""
+    """Plan and simulate under `budget_bytes`. Raises the planner's `InfeasibleBudgetError`.
+
+    `first_round`: this planner's one-round fit of the same graph, hardware and budget (the fit
+    against the allocated peak): planning against the reserved peak starts with that same plan, so a
+    caller that has it (advise plans both targets) passes it instead of planning it twice. Planners
+    and the simulator are deterministic, so the result is the one planned from scratch."""
     planning = math.floor(budget_bytes * (1 - options.plan_margin_fraction))
+    if first_round is not None and (first_round.rounds != 1 or first_round.planning_budget_bytes != planning
+                                    or (first_round.report is None) == options.models_allocator):
+        raise ValueError("first_round must be a one-round fit under the same planning budget and allocator model")
     plan_wall = sim_wall = 0.0
     for rounds in range(1, options.max_rounds + 1):
         if planning <= 0:
@@ -100,14 +109,18 @@ def plan_and_simulate(
                 f"no planning budget left: the caching allocator's reserved peak still exceeds the budget of "
                 f"{budget_bytes} bytes after {rounds - 1} round(s)"
             )
-        t0 = time.perf_counter()
-        plan = planner.plan(graph, hardware, planning)
-        t1 = time.perf_counter()
-        result = simulate(graph, plan, hardware, budget_bytes)
-        report = allocator_report(graph, plan, result, budget_bytes) if options.models_allocator else None
-        t2 = time.perf_counter()
-        plan_wall += t1 - t0
-        sim_wall += t2 - t1
+        if rounds == 1 and first_round is not None:
+            plan, result, report = first_round.plan, first_round.result, first_round.report
+            plan_wall, sim_wall = first_round.plan_wall_s, first_round.sim_wall_s
+        else:
+            t0 = time.perf_counter()
+            plan = planner.plan(graph, hardware, planning)
+            t1 = time.perf_counter()
+            result = simulate(graph, plan, hardware, budget_bytes)
+            report = allocator_report(graph, plan, result, budget_bytes) if options.models_allocator else None
+            t2 = time.perf_counter()
+            plan_wall += t1 - t0
+            sim_wall += t2 - t1
         done = (
             options.plan_against == "allocated"
             or not result.feasible
