@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 STEPS = 3
 REPO = Path(__file__).resolve().parents[1]
@@ -121,6 +120,8 @@ def worker(rank: int, world: int, out_dir: str, configs: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fork_ranks import fork_two_ranks
+
     out, *wanted = sys.argv[1:]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(2, out, wanted), nprocs=2)
+    fork_two_ranks(worker, (2, out, wanted), ("accelerate", "transformers", "slackswap.integrations.accelerate"))

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,5 +65,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(2, sys.argv[1]), nprocs=2)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.fork_ranks import fork_two_ranks
+
+    fork_two_ranks(worker, (2, sys.argv[1]), ("transformers", "slackswap.integrations.hf"))

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 STEPS = 3
 REPO = Path(__file__).resolve().parents[1]
@@ -118,6 +117,9 @@ def worker(rank: int, world: int, out_dir: str, port: str, budget: float) -> Non
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    from tests.fork_ranks import fork_two_ranks
+
     out, port, budget = sys.argv[1:]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(worker, args=(2, out, port, float(budget)), nprocs=2)
+    fork_two_ranks(worker, (2, out, port, float(budget)),
+                   ("lightning.pytorch", "transformers", "slackswap.integrations.lightning"))
