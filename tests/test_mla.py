@@ -295,3 +295,19 @@ def test_the_cli_exits_2_with_one_line(tmp_path, mlflow_store, monkeypatch, caps
     err = _errors(capsys.readouterr().err)
     assert code == 2 and len(err) == 1 and err[0].startswith(line), err
     assert _runs(mlflow_store.db_path) == []
+
+
+def test_a_pipeline_stage_has_experts_where_the_whole_model_has_them():
+    """`first_dense_layers` counts from the model's first layer, not a stage's: with one leading dense
+    layer, a 2-stage pipeline's second stage (layers 2-3) holds the same MoE layers as with none, and
+    only the first stage loses experts, one layer's worth."""
+    from slackswap.profile.stages import stage_parameter_counts
+
+    def stages(first_dense_layers: int) -> list[int]:
+        moe = {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 8, "first_dense_layers": first_dense_layers}
+        model = dataclasses.replace(small(moe=moe), num_layers=4)
+        return [stage_parameter_counts(model, ParallelConfig(pp=2), s)[0] for s in (0, 1)]
+
+    all_moe, one_dense = stages(0), stages(1)
+    assert one_dense[1] == all_moe[1]
+    assert all_moe[0] - one_dense[0] == (4 * 3 * 32 * 8 + 32 * 4) - 3 * 32 * 40

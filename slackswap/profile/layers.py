@@ -114,6 +114,9 @@ class FamilyBuilder:
         self.shape = Shape(model, parallel)
         self.params = 0
         self.layer_params: dict[int, int] = {}
+        #: The global index of this graph's layer 0: a pipeline stage numbers its layers from 0, while
+        #: which layers have experts (`MoEConfig.is_moe_layer`) is a property of the whole model.
+        self.first_layer_index = 0
         #: The collectives the layout adds, in the order the forward pass meets them.
         self.collectives: list[Collective] = []
 
@@ -357,7 +360,8 @@ class FamilyBuilder:
         self.tp_exit(f"{p}.attn_out", layer)
         mid = self.add(f"{p}.add1", layer, x, attn)
         n2 = self.norm(f"{p}.norm2", layer, mid, rms=True, role="rmsnorm")
-        if self.m.moe is not None and self.m.moe.is_moe_layer(layer):  # experts (slackswap.profile.moe; tp is 1)
+        # Experts (slackswap.profile.moe; tp is 1) where the whole model has them.
+        if self.m.moe is not None and self.m.moe.is_moe_layer(self.first_layer_index + layer):
             return self.add(f"{p}.add2", layer, mid, moe_mlp(self, p, layer, n2))
         self.tp_enter(f"{p}.mlp_in", layer)  # one gather serves gate and up (Megatron fuses them: linear_fc1)
         gate = self.linear(f"{p}.gate", layer, n2, h, f, bias=False, role="gate", tp="column")

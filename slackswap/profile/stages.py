@@ -54,6 +54,7 @@ def _emit_stage(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig, 
     fb = FamilyBuilder(model, gb, parallel, fp8_linear_inputs)
     layer_fn = {"bert": fb.bert_layer, "gpt2": fb.gpt2_layer, "llama": fb.llama_layer}[model.family]
     first, last = stage == 0, stage == parallel.chunks - 1
+    fb.first_layer_index = stage_layers(model, parallel, stage).start
     if first:
         x = fb.embedding()
     else:
