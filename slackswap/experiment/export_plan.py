@@ -76,8 +76,8 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     except InfeasibleBudgetError as exc:
         from slackswap.experiment.export_repair import repair_for_export
 
-        repaired = repair_for_export(graph, priced, facts, held, hardware, budget_bytes, mode, attempts, misses,
-                                     exc.reason)
+        repaired = repair_for_export(graph, lambda p: pytorch_peak_bytes(priced, p, hardware, mode), facts, held,
+                                     hardware, budget_bytes, mode, attempts, misses, exc.reason)
         if repaired is not None:
             return priced_for(repaired, compile)
         recompute_all = pytorch_peak_bytes(priced, every, hardware, mode)

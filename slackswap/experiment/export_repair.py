@@ -19,6 +19,7 @@ replay and as PyTorch runs it, and it is named: the notes `export_repaired*` say
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from slackswap.graph import Graph
@@ -33,16 +34,17 @@ REPAIRED = ("every plan the planner made for the export peaked over the budget a
             "ones, largest first, and restoring every move the fit did not need")
 
 
-def repair_for_export(graph: Graph, priced: Graph, facts: object, held: list[str], hardware: Hardware,
-                      budget_bytes: int | None, mode: str, attempts: list, misses: list[Plan],
-                      reason: str) -> Plan | None:
+def repair_for_export(graph: Graph, pytorch_peak: Callable[[Plan], int], facts: object, held: list[str],
+                      hardware: Hardware, budget_bytes: int | None, mode: str, attempts: list,
+                      misses: list[Plan], reason: str) -> Plan | None:
     """The planner's nearest plan for the export repaired to fit `budget_bytes` (module docstring), or None
     (no budget, no plan to start from, eager placement not in question, or even every movable group
-    recomputed does not fit). `graph`: the plan's graph; `priced`: the graph PyTorch's placement is
-    priced on (`pytorch_graph`); `facts`: `ExportFacts`; `attempts`: the budget search's (`Attempt`: each
+    recomputed does not fit). `graph`: the plan's graph; `pytorch_peak`: a plan's peak as PyTorch's
+    placement runs it (`export_plan.pytorch_peak_bytes` on `pytorch_graph`, passed in so that this
+    module, which `export_plan` calls, does not import it back); `facts`: `ExportFacts`; `attempts`:
+    the budget search's (`Attempt`: each
     plan with its price as PyTorch runs it); `misses`: plans over the budget in their own replay; `reason`: why
     the search failed (kept in the notes)."""
-    from slackswap.experiment.export_plan import Attempt, pytorch_peak_bytes
     from slackswap.planners.support.fixed_keep import _recompute_unread_swaps
     from slackswap.planners.support.replay_rule import replay_rule
     from slackswap.schedule.build import build_schedule
@@ -50,12 +52,12 @@ def repair_for_export(graph: Graph, priced: Graph, facts: object, held: list[str
 
     if budget_bytes is None or mode != "eager":
         return None
-    over = [a for a in attempts if a.plan is not None]
-    candidates = over or [Attempt(budget_bytes, m, pytorch_peak_bytes(priced, m, hardware, mode)) for m in misses]
+    over = [(a.budget_bytes, a.plan, a.peak_bytes) for a in attempts if a.plan is not None]
+    candidates = over or [(budget_bytes, m, pytorch_peak(m)) for m in misses]
     if not candidates:
         return None
-    nearest = min(candidates, key=lambda a: a.peak_bytes)  # the first such: the largest planning budget
-    base, base_peak = nearest.plan, nearest.peak_bytes
+    nearest = min(candidates, key=lambda a: a[2])  # the first such: the largest planning budget
+    nearest_budget, base, base_peak = nearest
     saved = {t.name for t in graph.saved_tensors}
     frozen = (set(facts.fixed_keep) | set(held) | set(replay_rule(graph).fixed) | set(facts.version_readers)
               | set(facts.not_kept))
@@ -74,7 +76,7 @@ def repair_for_export(graph: Graph, priced: Graph, facts: object, held: list[str
     def price(plan: Plan) -> int | None:
         if estimate_plan(graph, plan, hardware).peak_bytes > budget_bytes:
             return None
-        peak = pytorch_peak_bytes(priced, plan, hardware, mode)
+        peak = pytorch_peak(plan)
         return peak if peak <= budget_bytes else None
 
     repaired = repair_by_recompute(base, groups, saved, build, price)
@@ -83,7 +85,7 @@ def repair_for_export(graph: Graph, priced: Graph, facts: object, held: list[str
     moved = sorted({t for g in repaired.moved for t in g})
     return replace(repaired.plan, notes={
         **dict(repaired.plan.notes), "pytorch_peak_bytes": repaired.peak_bytes,
-        "pytorch_plan_budget_bytes": nearest.budget_bytes, "pytorch_plannings": len(attempts) or len(misses),
+        "pytorch_plan_budget_bytes": nearest_budget, "pytorch_plannings": len(attempts) or len(misses),
         "export_repaired": True, "export_repaired_tensors": moved,
         "export_repaired_bytes": sum(group_bytes(g) for g in repaired.moved),
         "export_repaired_from_peak_bytes": base_peak,
