@@ -45,7 +45,7 @@ def repair_for_export(graph: Graph, pytorch_peak: Callable[[Plan], int], facts: 
     the budget search's (`Attempt`: each
     plan with its price as PyTorch runs it); `misses`: plans over the budget in their own replay; `reason`: why
     the search failed (kept in the notes)."""
-    from slackswap.planners.support.fixed_keep import _recompute_unread_swaps
+    from slackswap.planners.support.fixed_keep import recompute_unread_swaps
     from slackswap.planners.support.replay_rule import replay_rule
     from slackswap.schedule.build import build_schedule
     from slackswap.schedule.replay import estimate_plan
@@ -69,7 +69,7 @@ def repair_for_export(graph: Graph, pytorch_peak: Callable[[Plan], int], facts: 
     groups.sort(key=lambda g: (not any(base.decisions.get(t) == Decision.SWAP for t in g), -group_bytes(g)))
 
     def build(decisions: dict[str, Decision]) -> Plan:
-        _recompute_unread_swaps(graph, decisions, facts.cached_together, saved)
+        recompute_unread_swaps(graph, decisions, facts.cached_together, saved)
         return build_schedule(graph, decisions, planner=base.planner, budget_bytes=budget_bytes, hardware=hardware,
                               bound_step_s=base.bound_step_s, notes=base.notes)
 

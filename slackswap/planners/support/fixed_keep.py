@@ -110,7 +110,7 @@ def map_back(graph: Graph, derived_plan: Plan, fixed: Collection[str], hardware:
                 decisions[t] = strongest
             else:
                 decisions.pop(t, None)  # a candidate of a recomputed op: not kept, nothing cached
-    recomputed = _recompute_unread_swaps(graph, decisions, cached_together, saved)
+    recomputed = recompute_unread_swaps(graph, decisions, cached_together, saved)
     if recomputed:
         notes = {**dict(notes or {}), "swaps_recomputed": len(recomputed),
                  "swaps_recomputed_bytes": sum(graph.tensors[t].size_bytes for t in recomputed),
@@ -131,7 +131,7 @@ UNREAD_SWAP = ("a swapped op also makes a checkpoint candidate no recompute read
                "saved outputs are recomputed instead (their bytes leave the device all the same)")
 
 
-def _recompute_unread_swaps(graph: Graph, decisions: dict[str, Decision],
+def recompute_unread_swaps(graph: Graph, decisions: dict[str, Decision],
                             cached_together: Sequence[Sequence[str]], saved: Collection[str]) -> list[str]:
     """Turn each swapped `cached_together` group with a candidate no step after the forward reads
     (`schedule.build.unread_swapped_candidates`) into a recomputed group, in `decisions`, until none is
@@ -219,4 +219,5 @@ def plan_with_fixed_keep(
         "the planner's budget by the excess)")
 
 
-__all__ = ["UNREAD_SWAP", "check_fixed", "graph_with_fixed_keep", "map_back", "plan_with_fixed_keep"]
+__all__ = ["UNREAD_SWAP", "check_fixed", "graph_with_fixed_keep", "map_back", "plan_with_fixed_keep",
+           "recompute_unread_swaps"]
