@@ -239,15 +239,28 @@ def _step_from_ops(meas: Measurement, phases: list, layers: list, durations: np.
     outlasts its compute are exposed (`pipelined_exposed_s`). The overlapped rest is not free: NCCL's
     kernels take SMs and HBM bandwidth from the GEMMs beside them; `slowdown` (the preset's
     `collective_overlap_slowdown`, fitted) is the compute time lost per second of overlapped collective."""
-    from slackswap.communication import pipelined_exposed_s
+    return _step_from_masks(meas, _phase_masks(phases, layers), durations, comm, slowdown)
 
+
+def _phase_masks(phases: list, layers: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Which ops `_step_from_ops` sums where: (forward and loss, backward, a layer's forward, optimizer).
+    Found once per graph by the fit, whose loss times the same graphs thousands of times."""
     phases_a, layers_a = np.array(phases), np.array(layers)
     opt = phases_a == str(Phase.OPTIMIZER)
     bwd = phases_a == str(Phase.BACKWARD)
-    forward_s = float(durations[~opt & ~bwd].sum())
+    return ~opt & ~bwd, bwd, (phases_a == str(Phase.FORWARD)) & (layers_a >= 0), opt
+
+
+def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
+                     comm: MicroCollectives = MicroCollectives(), slowdown: float = 0.0) -> float:
+    """`_step_from_ops` with the ops' masks already found (`_phase_masks`)."""
+    from slackswap.communication import pipelined_exposed_s
+
+    fwd, bwd, layer_fwd, opt = masks
+    forward_s = float(durations[fwd].sum())
     backward_s = float(durations[bwd].sum())
     if meas.checkpointing:
-        backward_s += float(durations[(phases_a == str(Phase.FORWARD)) & (layers_a >= 0)].sum())
+        backward_s += float(durations[layer_fwd].sum())
     exposed = (pipelined_exposed_s(comm.forward_s, forward_s, comm.units)
                + pipelined_exposed_s(comm.backward_s, backward_s, comm.units))
     overlapped = comm.forward_s + comm.backward_s - exposed
@@ -264,9 +277,10 @@ def step_s(meas: Measurement, hardware: Hardware) -> float:
                           hardware.collective_overlap_slowdown)
 
 
-def to_unit(meas: Measurement, step: float) -> float:
-    """The published unit from one optimizer step of `step` seconds (grad_accum micro-batches)."""
-    model, _ = workload(meas)
+def to_unit(meas: Measurement, step: float, model: ModelConfig | None = None) -> float:
+    """The published unit from one optimizer step of `step` seconds (grad_accum micro-batches); `model`:
+    `workload(meas)`'s, when the caller has it already."""
+    model = model if model is not None else workload(meas)[0]
     if meas.unit == "seq_per_s":
         return meas.gpus * meas.grad_accum * model.micro_batch_size / step
     if meas.unit == "tokens_per_s":
@@ -300,7 +314,8 @@ BOUNDS = {"matmul": (0.4, 0.85), "attention": (0.5, 0.73), "eager": (0.2, 0.73),
 
 
 def _op_table(meas: Measurement, base: Hardware) -> dict:
-    """Per op its FLOPs, bytes, class and phase, and which efficiency key times it."""
+    """Per op its FLOPs, bytes and which efficiency key times it; the phase masks the step sums by,
+    the collectives and the model config (`to_unit`), all found once for the fit's many evaluations."""
     model, training = workload(meas)
     graph = build_graph(model, base, training)
     kernel = {"": "attention", "flash2": "attention"}.get(model.attention_kernel, model.attention_kernel)
@@ -308,9 +323,9 @@ def _op_table(meas: Measurement, base: Hardware) -> dict:
         "flops": np.array([op.flops for op in graph.ops]),
         "moved": np.array([op.moved_bytes for op in graph.ops], dtype=float),
         "key": np.array([kernel if str(op.op_class) == "attention" else str(op.op_class) for op in graph.ops]),
-        "phases": np.array([str(op.phase) for op in graph.ops]),
-        "layers": np.array([op.layer for op in graph.ops]),
         "comm": micro_collectives(meas, graph.meta["num_params"], base),
+        "masks": _phase_masks([str(op.phase) for op in graph.ops], [op.layer for op in graph.ops]),
+        "model": model,
     }
 
 
@@ -343,8 +358,8 @@ def fit(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = None) 
                 eff[ops] = p.get(k, p["attention"])
             dur = np.maximum(t["flops"] / (peak * eff), t["moved"] / (base.hbm_bytes_per_s * p["hbm"]))
             dur = dur + base.launch_overhead_s
-            step = _step_from_ops(meas, t["phases"], t["layers"], dur, t["comm"], p.get("slowdown", 0.0))
-            total += math.log(to_unit(meas, step) / meas.published) ** 2
+            step = _step_from_masks(meas, t["masks"], dur, t["comm"], p.get("slowdown", 0.0))
+            total += math.log(to_unit(meas, step, t["model"]) / meas.published) ** 2
         return total
 
     bounds = [BOUNDS[k] for k in free]

@@ -58,7 +58,7 @@ def test_a_dropped_collective_buffer_is_dead_at_the_next_settle(one_rank) -> Non
         releases.settle()
         alive_after_settle += not ref.expired()
     assert alive_after_settle == 0
-    assert releases._pending == []
+    assert releases._pending == [] and releases.timeouts == 0
 
 
 def test_a_work_the_program_holds_keeps_its_buffers_without_a_wait(one_rank) -> None:
@@ -76,6 +76,42 @@ def test_a_work_the_program_holds_keeps_its_buffers_without_a_wait(one_rank) -> 
     del work
     releases.settle()
     assert ref.expired() and releases._pending == []
+
+
+class _SettleInDispatch(_Calls):
+    """Settles at the end of every dispatch, the collective's own included, as the verified step's
+    ledger polls (`_VerifiedStep.__torch_dispatch__`); records how long each settle took."""
+
+    def __init__(self, releases: CollectiveReleases) -> None:
+        super().__init__(releases)
+        self.settle_s: list[tuple[str, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = self.releases.call(func, args, kwargs or {})
+        t0 = time.monotonic()
+        self.releases.settle()
+        self.settle_s.append((str(func), time.monotonic() - t0))
+        return out
+
+
+def test_a_settle_inside_the_collectives_own_dispatch_does_not_wait_for_it(one_rank, monkeypatch) -> None:
+    """The dispatch still holds the op's `Work` it is about to return: a settle there used to wait
+    its full timeout (10 s per rank per step in FSDP2's prefetch all-gather under Lightning) for a
+    reference only it could drop. The `Work` stays held and is let go at the next settle."""
+    monkeypatch.setattr("slackswap.runtime.collectives.SETTLE_TIMEOUT_S", 2.0)  # fail in 2 s, not 10
+    releases = CollectiveReleases()
+    mode = _SettleInDispatch(releases)
+    with mode:
+        out = torch.empty(64)
+        dist.all_gather_into_tensor(out, torch.ones(64))
+        assert len(releases._pending) == 1  # not settled inside its own dispatch
+        ref = StorageWeakRef(out.untyped_storage())
+        del out
+        torch.ones(1).add_(1)  # the next op's settle lets it go
+    assert ref.expired() and releases._pending == []
+    assert releases.timeouts == 0
+    assert "c10d._allgather_base_.default" in [name for name, _ in mode.settle_s]
+    assert max(s for _, s in mode.settle_s) < 1.0, mode.settle_s
 
 
 def test_the_ledger_settles_before_it_sums() -> None:

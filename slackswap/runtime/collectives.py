@@ -16,6 +16,14 @@ reduce-scatter or all-gather buffer too many), nondeterministically. `Collective
 collective's `Work` from its dispatch until it is complete and, at the next new op, drops it and
 waits until the views the `Work` took of each buffer are gone, so that what is alive at each poll
 is what the program itself holds: the release point is the program's, the same every step.
+
+A `Work` is not settled inside the dispatch that issued it. The verified step's ledger polls at
+the end of every dispatch, the collective's own included, while that dispatch still holds the op's
+return value (the `Work`'s `ScriptObject`, on its way back to `all_gather_single`): waiting there
+for the `Work`'s views to go waited for a reference that only the waiting code could drop, so the
+settle ran into `SETTLE_TIMEOUT_S` (10 s on each rank, once per step, in FSDP2's backward prefetch
+all-gather under Lightning) and counted the buffers alive all along. Such a `Work` stays held until
+a later settle, after the dispatch has returned it.
 """
 
 from __future__ import annotations
@@ -50,6 +58,22 @@ def _held_by_program(work: object) -> bool:
     return sys.getrefcount(unboxed) > 2
 
 
+def _refcount_at(items: list, index: int) -> int:
+    return sys.getrefcount(items[index])
+
+
+#: `_refcount_at` of an object only a list holds: the list's reference and the argument's (2 on
+#: CPython 3.11), measured rather than assumed so that an interpreter's counting cannot shift it.
+_LIST_ONLY_REFS = _refcount_at([object()], 0)
+
+
+def _held_by_dispatch(works: list[object]) -> bool:
+    """Whether something besides `works` holds one of the collective's `ScriptObject`s: the dispatch
+    that issued it, which returns it to the caller (the pybind `Work` the program gets does not exist
+    yet, so `_held_by_program` cannot see it)."""
+    return any(_refcount_at(works, i) > _LIST_ONLY_REFS for i in range(len(works)))
+
+
 def _completed(work: object) -> bool:
     return _unboxed(work).is_completed()
 
@@ -61,6 +85,9 @@ class CollectiveReleases:
 
     def __init__(self) -> None:
         self._pending: list[tuple[list[object], list[tuple[StorageWeakRef, int]]]] = []
+        #: Settles that reached `SETTLE_TIMEOUT_S` for a collective (its buffers then count as alive):
+        #: 0 unless a backend thread stalls.
+        self.timeouts = 0
 
     def call(self, func, args: tuple, kwargs: dict) -> object:
         """`func(*args, **kwargs)`; for a c10d collective, its `Work` held until `settle`."""
@@ -80,10 +107,10 @@ class CollectiveReleases:
     def settle(self) -> None:
         """Drop every completed collective's `Work` that the program no longer holds and wait until
         the references it took are gone; one still running, or held by the program (an async
-        collective not waited for yet), stays held."""
+        collective not waited for yet, or one whose dispatch has not returned yet), stays held."""
         still: list[tuple[list[object], list[tuple[StorageWeakRef, int]]]] = []
         for works, taken in self._pending:
-            if any(_held_by_program(w) for w in works):
+            if _held_by_dispatch(works) or any(_held_by_program(w) for w in works):
                 still.append((works, taken))
                 continue
             # Dropped by the program: a synchronous collective whose wait returned can be marked
@@ -92,9 +119,12 @@ class CollectiveReleases:
             deadline = time.monotonic() + SETTLE_TIMEOUT_S
             while not all(_completed(w) for w in works) and time.monotonic() < deadline:
                 time.sleep(0)
+            complete = all(_completed(w) for w in works)
             targets = [(ref, _use_count(ref) - n) for ref, n in taken]
             works.clear()  # this object's reference: the backend thread's, if it has one, is the last
             for ref, target in targets:
                 while _use_count(ref) > target and time.monotonic() < deadline:
                     time.sleep(0)
+            if not complete or any(_use_count(ref) > target for ref, target in targets):
+                self.timeouts += 1
         self._pending = still
