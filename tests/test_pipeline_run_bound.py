@@ -14,7 +14,10 @@ from slackswap.experiment import pipeline_run as pr
 from slackswap.planners.registry import available_planners
 from tests.test_experiment import _config
 
-FAST_MILP = {"exact_max_layers": 0, "plan_problem_max_layers": 0, "heuristic_candidates": ["slackswap"]}
+# peak_split off: these tests are about how stage bounds combine, and on these op-level stage LPs the
+# split moves no bound but costs 1.5 s of this file (its validity: tests/test_milp.py).
+FAST_MILP = {"exact_max_layers": 0, "plan_problem_max_layers": 0, "heuristic_candidates": ["slackswap"],
+             "peak_split": False}
 LAYOUTS = {
     "1f1b_pp2": {"pp": 2, "microbatches": 4},
     "1f1b_pp4": {"pp": 4, "microbatches": 8},

@@ -46,6 +46,7 @@ from slackswap.planners.milp.facts import (
     saved_infos,
 )
 from slackswap.planners.milp.flows import group_swap_flow, swap_flow
+from slackswap.planners.milp.peak import keep_all_peak_op, recompute_split
 from slackswap.schedule.transfer import d2h_s, h2d_s, transfer_s
 
 if TYPE_CHECKING:  # scipy.sparse (~0.25 s) is imported when a problem is built, not by the planner registry
@@ -123,6 +124,7 @@ def build_bound_problem(
     transfer_groups: bool = False,
     chain_cuts: bool = False,
     candidates: bool = True,
+    peak_split: bool = False,
 ) -> BoundProblem:
     """Assemble the bound MILP. Objective: total gap time sum(sigma) in ms, so T = run time + objective.
 
@@ -149,6 +151,12 @@ def build_bound_problem(
     (due before t's first backward reader, on the per-interval engine rows) and the memory of u's
     copies while the offload runs and once the prefetch has started: a swap of u, priced as one.
     `candidates=False` is the bound over plans that decide only saved tensors.
+
+    `peak_split=True` (bound problem only; docs/milp.md "Recompute before the peak"): the recompute
+    time is split at the checkpoint c* at or before the op where keeping everything peaks; a recompute
+    step before S_{c*} holds its copy from there to its tensor's first backward reader
+    (`milp.peak.recompute_split`), so gap time before the peak no longer serves both as recompute time
+    and as copy-engine time for free.
     """
     if memory_rows not in MEMORY_ROWS:
         raise ConfigError("planner.options.memory_rows", memory_rows, f"unknown; known: {MEMORY_ROWS}")
@@ -269,6 +277,7 @@ def build_bound_problem(
         escape_flow_of.update(dict.fromkeys(pairs, len(escape_flows)))
         escape_flows.append((pairs, o, pf))
 
+    peak_split = peak_split and not plan_rules
     for k in range(1, K + 1):
         for engines, work in ((link.d2h_engines, q_by_interval[k]), (link.h2d_engines, v_by_interval[k])):
             if work:
@@ -312,6 +321,16 @@ def build_bound_problem(
         for j in {info.producer} | info.readers:
             const[j] += info.size_bytes
     floor = [int(c) for c in const]
+    early: dict[int, int] = {}  # saved index -> y: its first backward reader's copy was made before S_{c*}
+    c_star = n
+    if peak_split:
+        k_star = bisect.bisect_right(cps, keep_all_peak_op(saved, const)) - 1
+        c_star = cps[k_star]
+        early = recompute_split(cols, rows, k_star=k_star, n_intervals=K, sigma=sigma,
+                                producer=[info.producer for info in saved],
+                                recompute_cols=[rc if ops[info.producer].phase in FORWARD_PHASES else None
+                                                for info, (_, _, rc) in zip(saved, decision_cols, strict=True)],
+                                kb_of=kb_of, dur_ms=dur_ms)
     chain_bytes = [chain_intermediate_bytes(graph, info.name) if plan_rules else 0 for info in saved]
     last_fwd = [last_forward_reader(graph, info) for info in saved]
     selected = range(n) if memory_rows == "all" else reduced_memory_rows(graph, saved, const, chain_bytes)
@@ -330,6 +349,8 @@ def build_bound_problem(
             if j == info.producer or j in info.readers:
                 continue
             terms.append((kc, w))
+            if i in early and c_star <= j < info.first_bwd:  # a recompute copy made before S_{c*}
+                terms.append((early[i], w))
             if plan_rules and (j <= last_fwd[i] or j > info.first_bwd):
                 # build_schedule: the run copy lives to its last forward reader (swap or recompute);
                 # the prefetched or recomputed copy from the first to the last backward reader.
@@ -349,6 +370,9 @@ def build_bound_problem(
             if lo_j <= j <= hi_j and j not in saved[i].readers:
                 m = m_bytes * scale
                 terms += [(decision_cols[i][2], m), (w, -m)]
+                if i in early and c_star <= j and j != saved[i].producer:
+                    # the copy of t or u may be the recompute copy of t the y term above counts
+                    terms.append((early[i], -m))
                 if n in escape_flow_of:
                     escape_status.setdefault(escape_flow_of[n], []).append(n)
                 elif escape:  # u swapped: its run copy until the offload ends, its prefetched copy after

@@ -63,6 +63,7 @@ class MilpPlanner:
         plan_problem_max_layers: int = 8,
         chain_cuts: bool = True,
         candidates: bool = True,
+        peak_split: bool | str = "auto",
     ):
         self.node_limit = check.integer("planner.options.node_limit", node_limit, 1)
         self.plan_node_limit = check.integer("planner.options.plan_node_limit", plan_node_limit, 1)
@@ -101,6 +102,9 @@ class MilpPlanner:
         self.chain_cuts = chain_cuts
         check.flag("planner.options.candidates", candidates)
         self.candidates = candidates
+        if peak_split not in ("auto", True, False):
+            raise ConfigError("planner.options.peak_split", peak_split, "must be auto, true or false")
+        self.peak_split = peak_split
         self.plan_problem_max_layers = check.integer(
             "planner.options.plan_problem_max_layers", plan_problem_max_layers, 0
         )
@@ -119,8 +123,10 @@ class MilpPlanner:
         window = self.layers_per_window
         if window == "auto":
             window = 1 if exact else max(1, -(-graph.num_layers // 16))
+        # The split costs the LP little, but slows branch and bound (docs/milp.md): auto = LP only.
+        split = self.peak_split if self.peak_split != "auto" else not exact
         return {"granularity": granularity, "memory_rows": rows, "transfer_groups": bool(groups),
-                "layers_per_window": window}
+                "layers_per_window": window, "peak_split": bool(split)}
 
     def _granularity_for(self, graph: Graph) -> str:
         return str(self._model_options(graph)["granularity"])
@@ -132,7 +138,7 @@ class MilpPlanner:
             graph, hardware, budget_bytes, str(opts["granularity"]), memory_rows=str(opts["memory_rows"]),
             transfer_groups=bool(opts["transfer_groups"]), layers_per_window=int(opts["layers_per_window"]),
             plan_rules=plan_rules, chain_cuts=self.chain_cuts if chain_cuts is None else chain_cuts,
-            candidates=self.candidates,
+            candidates=self.candidates, peak_split=bool(opts["peak_split"]),
         )
 
     def bound(self, graph: Graph, hardware: Hardware, budget_bytes: int) -> tuple[BoundSolution, str]:
@@ -200,6 +206,7 @@ class MilpPlanner:
             "milp_layers_per_window": opts["layers_per_window"],
             "milp_chain_cuts": self.chain_cuts,
             "milp_candidates": self.candidates,
+            "milp_peak_split": opts["peak_split"],
             "milp_bound_step_s": solution.bound_step_s,
             "milp_model_step_s": solution.incumbent_step_s,
         }
