@@ -73,9 +73,17 @@ def _emit_stage(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig, 
 
 def stage_parameter_counts(model: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
     """(parameters, largest parameter group) of one rank of stage `stage`, counted as its graph is built."""
+    groups = stage_group_parameters(model, parallel, stage)
+    return sum(groups.values()), max(groups.values())
+
+
+def stage_group_parameters(model: ModelConfig, parallel: ParallelConfig, stage: int) -> dict[int, int]:
+    """Parameters of each parameter group of one rank of stage `stage`: its layers (local indices, global
+    `stage_layers(...)[i]`) and `NO_LAYER` (embedding, final norm, head). The groups are ZeRO-3's gather
+    units; under expert parallelism a layer's count holds this rank's experts, which the advise search
+    splits off (its experts form their own unit over the expert data-parallel group)."""
     gb = GraphBuilder(None, model.dtype)
-    fb = _emit_stage(model, gb, parallel, stage, False)
-    return fb.params, max(fb.layer_params.values())
+    return dict(_emit_stage(model, gb, parallel, stage, False).layer_params)
 
 
 def build_stage_graph(model: ModelConfig, hardware: Hardware, training: TrainingConfig,
