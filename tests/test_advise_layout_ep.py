@@ -140,3 +140,23 @@ def test_zero_stages_searched_with_ep_and_pp():
     assert zero_stages((0, 1, 2, 3), dp=4, pp=1, ep=2) == [0, 1, 2, 3]
     assert zero_stages((0, 1, 2, 3), dp=4, pp=2, ep=2) == [0, 1]
     assert zero_stages((2, 3), dp=1, pp=1, ep=1) == [0]
+
+
+def test_pipelines_run_holds_the_same_static_bytes_as_advise(model):
+    """`pipelines.run`'s static memory on an ep layout (`device_static_memory`) is the advise rule's: dense
+    over training.zero_shards (4), routed experts over zero_shards x cp / ep = 2 ranks; the default
+    zero_shards=1 shards nothing, experts included."""
+    from slackswap.memory.recipe import TrainingConfig
+    from slackswap.parallel import ParallelConfig
+    from slackswap.profile.stages import device_static_memory, expert_shards
+
+    layer, head, expert = 16_768, 16_448, 3 * 64 * 256
+    dense, x = 4 * layer + head, 4 * 2 * expert
+    par = ParallelConfig(dp=4, ep=2)
+    assert expert_shards(par, 3, 4) == 2 and expert_shards(par, 3, 1) == 1 and expert_shards(par, 0, 4) == 1
+    z3 = device_static_memory(model, par, TrainingConfig(precision="mixed", zero_stage=3, zero_shards=4), 0)
+    assert z3.total_bytes == 16 * math.ceil(dense / 4) + 16 * (x // 2) + 2 * 2 * layer + 2 * 2 * 2 * expert
+    z2 = device_static_memory(model, par, TrainingConfig(precision="mixed", zero_stage=2, zero_shards=4), 0)
+    assert z2.total_bytes == 2 * (dense + x) + 14 * math.ceil(dense / 4) + 14 * (x // 2)
+    whole = device_static_memory(model, par, TrainingConfig(precision="mixed"), 0)
+    assert whole.total_bytes == 16 * (dense + x) and whole.num_params == dense + x
