@@ -33,7 +33,9 @@ Two models, each stated where it is used:
      were freed after forward) and a reduce-scatter of the gradients, overlapping the next unit's
      backward;
    - stage 3 with shards < GPUs (FSDP HYBRID_SHARD): as stage 3 within a shard group, plus an
-     all-reduce of the gradient shard across the replicas in backward.
+     all-reduce of the gradient shard across the replicas in backward;
+   - with expert parallelism, the routed experts' collectives of the same stage over their expert
+     data-parallel group (`expert_step_communication`: ZeRO-3 gathers a layer's experts with it).
 
    Overlap, as the frameworks schedule it: the collectives of one phase run on their own stream, one
    sharding unit (a transformer layer; embeddings + head) at a time, one unit ahead of (forward
