@@ -33,7 +33,9 @@ Two models, each stated where it is used:
      were freed after forward) and a reduce-scatter of the gradients, overlapping the next unit's
      backward;
    - stage 3 with shards < GPUs (FSDP HYBRID_SHARD): as stage 3 within a shard group, plus an
-     all-reduce of the gradient shard across the replicas in backward.
+     all-reduce of the gradient shard across the replicas in backward;
+   - with expert parallelism, the routed experts' collectives of the same stage over their expert
+     data-parallel group (`expert_step_communication`: ZeRO-3 gathers a layer's experts with it).
 
    Overlap, as the frameworks schedule it: the collectives of one phase run on their own stream, one
    sharding unit (a transformer layer; embeddings + head) at a time, one unit ahead of (forward
@@ -295,3 +297,67 @@ def step_communication(
         replica_fabric=replica_fabric.name if replicas > 1 else "-",
         assumption=assumption,
     )
+
+
+def expert_step_communication(
+    dense: StepCommunication,
+    *,
+    num_params: int,
+    param_bytes: int,
+    grad_bytes: int,
+    gpus: int,
+    topology: Topology,
+    forward_compute_s: float,
+    backward_compute_s: float,
+    units: int,
+    moe_layers: int,
+) -> StepCommunication:
+    """`dense` (the non-expert parameters' collectives over the dp group) plus those of `num_params`
+    routed-expert parameters under the same ZeRO stage over their expert data-parallel group of `gpus`
+    ranks (dp x cp / ep: Megatron-Core's expert_data_parallel group, DeepSpeed-MoE's expert data
+    parallel group, torchtitan's `efsdp` mesh), on `topology` as that group's ring sees it.
+
+    What each stage adds, and the overlap rule (`dense`'s own, the module docstring's pipeline of units):
+
+    - stages 0-2: the expert gradients all-reduce (stage 0, one per unit) or reduce-scatter once per
+      step in the last backward, after the dense reduction, so under what is left of the backward once
+      the dense collectives have hidden their part; ZeRO-1/2 then all-gather the updated expert
+      parameters after the optimizer step, exposed (DeepSpeed's ZeRO-2 and Megatron's distributed
+      optimizer reduce and gather the expert buffers over their own group, as the dense ones).
+    - stage 3: each MoE layer's experts are their own sharding unit (torchtitan `apply_fsdp`:
+      `fully_shard(block.moe.experts, mesh=edp_mesh)`), all-gathered in forward and again in backward
+      and their gradients reduce-scattered, one call per MoE layer and phase (`moe_layers` calls);
+      torchtitan prefetches a layer's experts with the layer (`set_modules_to_forward_prefetch([next
+      block, next block's experts])`, likewise in backward), so one unit's communication is its dense
+      plus its experts' collectives on the same stream: the pipeline over `units` units takes the
+      phase's dense + expert communication as C. Paid per micro-batch, like the dense gathers.
+
+    An expert group of one rank (ep = dp x cp) holds its experts whole: nothing is added.
+    """
+    if gpus == 1 or num_params == 0:
+        note = "experts held whole by each rank (expert data-parallel group of 1)"
+        return replace(dense, assumption=f"{dense.assumption}; {note}")
+    stage = dense.zero_stage
+    expert = step_communication(
+        num_params=num_params, param_bytes=param_bytes, grad_bytes=grad_bytes, zero_stage=stage, gpus=gpus,
+        shards=gpus if stage else 1, topology=topology, forward_compute_s=0.0, backward_compute_s=0.0,
+        units=moe_layers if stage == 3 else units)
+    fwd, bwd = dense.forward_comm_s + expert.forward_comm_s, dense.backward_comm_s + expert.backward_comm_s
+    if stage == 3:
+        fwd_exposed = pipelined_exposed_s(fwd, forward_compute_s, units) if fwd else 0.0
+        bwd_exposed = pipelined_exposed_s(bwd, backward_compute_s, units) if bwd else 0.0
+        how = (f"experts: ZeRO-3 over their {gpus}-rank expert data-parallel group ({expert.fabric}), each MoE "
+               "layer's expert gather and gradient reduce-scatter prefetched with its layer")
+    else:
+        hidden = dense.backward_comm_s - dense.backward_exposed_s
+        left = max(backward_compute_s - hidden, 0.0)
+        fwd_exposed = dense.forward_exposed_s
+        bwd_exposed = dense.backward_exposed_s + pipelined_exposed_s(expert.backward_comm_s, left, units)
+        how = (f"experts: gradients reduced over their {gpus}-rank expert data-parallel group ({expert.fabric}) "
+               "after the dense ones" + ("; their updated params all-gathered after the step" if stage else ""))
+    return replace(
+        dense, forward_comm_s=fwd, backward_comm_s=bwd,
+        after_step_comm_s=dense.after_step_comm_s + expert.after_step_comm_s,
+        forward_exposed_s=fwd_exposed, backward_exposed_s=bwd_exposed, bus_bytes=dense.bus_bytes + expert.bus_bytes,
+        fabric=dense.fabric if expert.fabric == dense.fabric else f"{dense.fabric}, experts {expert.fabric}",
+        assumption=f"{dense.assumption}; {how}")

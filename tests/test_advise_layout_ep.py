@@ -92,3 +92,71 @@ def test_bad_ep_lists_name_their_field(model, a100):
     dense = replace(model, moe=None)
     advice = run_search(dense, a100, TOPO, _space(ep=(1, 2), micro_batches=(1,)), graphs_of(dense, a100))
     assert all(r.candidate.layout.ep == 1 for r in advice.rows) and not advice.regions
+
+
+def test_zero2_and_zero3_with_ep_to_the_byte(model, a100):
+    """ZeRO-2 and ZeRO-3 are searched with ep (dp 4; ep 2: an expert data-parallel group of 2, ep 4: of
+    1). Hand counts (h 64, 4 layers, 4 experts of width 256, vocabulary 128): a layer's dense group is
+    norm 64 + QKV 64 x 192 + projection 64 x 64 + norm 64 + router 64 x 4 = 16,768, the embedding / head
+    group 128 x 64 + 64 + 64 x 128 = 16,448, so D = 4 x 16,768 + 16,448 = 83,520 dense parameters; one
+    expert is 3 x 64 x 256 = 49,152. Mixed AdamW: 2 + 2 + 12 bytes per parameter."""
+    from slackswap.parallel import ParallelConfig
+    from slackswap.profile.stages import stage_group_parameters
+
+    layer, head, expert = 16_768, 16_448, 3 * 64 * 256
+    assert stage_group_parameters(model, ParallelConfig(dp=2, ep=2), 0) == {-1: head, **{i: layer + 2 * expert
+                                                                                         for i in range(4)}}
+    dense = 4 * layer + head
+    rows = {}
+    for ep in (2, 4):
+        for zero in (2, 3):  # one search each: best-first planning would skip a slower one
+            _, ctx = plan_search(model, a100, TOPO, _space(ep=(ep,), zero_stages=(zero,), micro_batches=(1,)),
+                                 graphs_of(model, a100))
+            rows |= {(r.candidate.layout.ep, r.candidate.layout.zero_stage): r for r in search_layouts(ctx, []).rows}
+    assert set(rows) == {(2, 2), (2, 3), (4, 2), (4, 3)} and all(r.status == "ok" for r in rows.values())
+    q = math.ceil(dense / 4)
+    for ep, edp in ((2, 2), (4, 1)):
+        x = 4 * (4 // ep) * expert  # the rank's routed-expert parameters
+        assert rows[(ep, 2)].static_bytes == 2 * (dense + x) + 14 * q + 14 * math.ceil(x / edp)
+        # ZeRO-3: two gathered dense layers; two gathered layers' experts where the expert group shards them
+        gathered = 2 * 2 * layer + (2 * 2 * (4 // ep) * expert if edp > 1 else 0)
+        assert rows[(ep, 3)].static_bytes == 16 * q + 16 * math.ceil(x / edp) + gathered
+    # Collective bytes per step (grad_accum 1, bf16 gradients): dense over dp 4, experts over their group of 2
+    x = 4 * 2 * expert
+    assert rows[(2, 3)].comm.bus_bytes == pytest.approx(6 * dense * 3 / 4 + 6 * x / 2)
+    assert rows[(2, 2)].comm.bus_bytes == pytest.approx(4 * dense * 3 / 4 + 4 * x / 2)
+    assert rows[(4, 3)].comm.bus_bytes == pytest.approx(6 * dense * 3 / 4)  # experts whole: not gathered
+    # ZeRO-3's forward gathers on NVLink (230 GB/s, 2 us a ring step): the dense ones one call per unit
+    # (4 layers + the embedding / head group) over 4 ranks, the experts' one per MoE layer over 2
+    forward = 5 * 3 * 2e-6 + 2 * dense * 3 / 4 / 230e9 + 4 * 1 * 2e-6 + 2 * x / 2 / 230e9
+    assert rows[(2, 3)].comm.forward_comm_s == pytest.approx(forward)
+    assert "expert data-parallel group" in rows[(2, 3)].comm.assumption
+
+
+def test_zero_stages_searched_with_ep_and_pp():
+    """ep no longer restricts the stages; a pipeline still does (DeepSpeed refuses ZeRO-2/3 with pp)."""
+    from slackswap.experiment.advise_layout_configs import zero_stages
+
+    assert zero_stages((0, 1, 2, 3), dp=4, pp=1, ep=2) == [0, 1, 2, 3]
+    assert zero_stages((0, 1, 2, 3), dp=4, pp=2, ep=2) == [0, 1]
+    assert zero_stages((2, 3), dp=1, pp=1, ep=1) == [0]
+
+
+def test_pipelines_run_holds_the_same_static_bytes_as_advise(model):
+    """`pipelines.run`'s static memory on an ep layout (`device_static_memory`) is the advise rule's: dense
+    over training.zero_shards (4), routed experts over zero_shards x cp / ep = 2 ranks; the default
+    zero_shards=1 shards nothing, experts included."""
+    from slackswap.memory.recipe import TrainingConfig
+    from slackswap.parallel import ParallelConfig
+    from slackswap.profile.stages import device_static_memory, expert_shards
+
+    layer, head, expert = 16_768, 16_448, 3 * 64 * 256
+    dense, x = 4 * layer + head, 4 * 2 * expert
+    par = ParallelConfig(dp=4, ep=2)
+    assert expert_shards(par, 3, 4) == 2 and expert_shards(par, 3, 1) == 1 and expert_shards(par, 0, 4) == 1
+    z3 = device_static_memory(model, par, TrainingConfig(precision="mixed", zero_stage=3, zero_shards=4), 0)
+    assert z3.total_bytes == 16 * math.ceil(dense / 4) + 16 * (x // 2) + 2 * 2 * layer + 2 * 2 * 2 * expert
+    z2 = device_static_memory(model, par, TrainingConfig(precision="mixed", zero_stage=2, zero_shards=4), 0)
+    assert z2.total_bytes == 2 * (dense + x) + 14 * math.ceil(dense / 4) + 14 * (x // 2)
+    whole = device_static_memory(model, par, TrainingConfig(precision="mixed"), 0)
+    assert whole.total_bytes == 16 * (dense + x) and whole.num_params == dense + x

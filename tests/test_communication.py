@@ -10,6 +10,7 @@ from slackswap.communication import (
     all_gather_s,
     all_reduce_s,
     check_sharding,
+    expert_step_communication,
     not_modelled,
     pipelined_exposed_s,
     reduce_scatter_s,
@@ -166,3 +167,34 @@ def test_bad_fabric_names_the_field():
         Fabric("x", 1e9, -1.0)
     with pytest.raises(ConfigError, match="fabric.call_latency_s"):
         Fabric("x", 1e9, 1e-6, -1.0)
+
+
+def test_expert_collectives_by_hand():
+    """Routed experts over a 2-rank expert data-parallel group beside 1e9 dense parameters over 8 GPUs
+    (latency 0, 100 GB/s: bytes only). ZeRO-3: each layer's expert gather rides its layer's unit, so
+    the pipeline takes the dense + expert time as C; ZeRO-2: the expert reduce-scatter under what the
+    dense one leaves of the backward, both updated-parameter gathers after the step."""
+    topo = Topology(8, Fabric("nvlink", 100e9, 0.0), Fabric("ib", 10e9, 0.0))
+    kw = dict(num_params=10**9, param_bytes=2, grad_bytes=2, topology=topo, gpus=8, shards=8, units=10)
+    ekw = dict(num_params=4 * 10**9, param_bytes=2, grad_bytes=2, gpus=2, topology=topo, units=10, moe_layers=9)
+    dense = step_communication(zero_stage=3, forward_compute_s=0.05, backward_compute_s=0.2, **kw)
+    z3 = expert_step_communication(dense, forward_compute_s=0.05, backward_compute_s=0.2, **ekw)
+    # dense gather 2e9 B x 7/8 / 100e9 = 0.0175 s, expert gather 8e9 x 1/2 / 100e9 = 0.04 s
+    assert z3.forward_comm_s == pytest.approx(0.0575)
+    assert z3.backward_comm_s == pytest.approx(2 * 0.0175 + 2 * 0.04)  # re-gather + reduce-scatter each
+    # forward: c = 0.00575 > p = 0.005 per unit: C - 9 p = 0.0125 exposed; backward: c < p, one unit's c
+    assert z3.forward_exposed_s == pytest.approx(0.0575 - 9 * 0.005)
+    assert z3.backward_exposed_s == pytest.approx(0.0115)
+    assert z3.after_step_comm_s == 0
+    assert z3.bus_bytes == pytest.approx((4e9 + 2e9) * 7 / 8 + (16e9 + 8e9) / 2)
+    dense2 = step_communication(zero_stage=2, forward_compute_s=0.05, backward_compute_s=0.2, **kw)
+    z2 = expert_step_communication(dense2, forward_compute_s=0.05, backward_compute_s=0.2, **ekw)
+    assert z2.forward_comm_s == 0 and z2.backward_comm_s == pytest.approx(0.0175 + 0.04)
+    assert z2.after_step_comm_s == pytest.approx(0.0175 + 0.04)  # both gathers of updated parameters
+    # dense: 0.00175 exposed, 0.01575 hidden; experts: c = 0.004 under (0.2 - 0.01575) / 10 per unit
+    assert z2.backward_exposed_s == pytest.approx(0.00175 + 0.004)
+    assert z2.bus_bytes == pytest.approx((2e9 + 2e9) * 7 / 8 + (8e9 + 8e9) / 2)
+    # an expert group of one rank holds its experts whole: nothing added
+    whole = expert_step_communication(dense, forward_compute_s=0.05, backward_compute_s=0.2, **{**ekw, "gpus": 1})
+    assert whole.total_comm_s == dense.total_comm_s and whole.exposed_s == dense.exposed_s
+    assert "expert data-parallel group of 1" in whole.assumption

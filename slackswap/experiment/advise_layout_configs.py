@@ -81,13 +81,16 @@ def zero_stages(searched: tuple[int, ...], dp: int, pp: int, ep: int = 1) -> lis
     """The ZeRO stages a (dp, pp, ep) layout is searched under, over its dp group: 0 alone without data
     parallelism; 0 and 1 (Megatron's DDP and distributed optimizer) with a pipeline, as Megatron and
     DeepSpeed run it (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism: its gradient partitions
-    would be reduced once per micro-batch), and likewise with expert parallelism (Megatron-Core's
-    distributed optimizer shards the expert parameters over the expert data-parallel group; ZeRO-3
-    over experts is not modelled); every searched stage otherwise (tp / cp x ZeRO-3 is FSDP over the
-    dp group on tp-sharded parameters)."""
+    would be reduced once per micro-batch); every searched stage otherwise, expert parallelism
+    included (tp / cp x ZeRO-3 is FSDP over the dp group on tp-sharded parameters; with ep the routed
+    experts are sharded over the expert data-parallel group, as DeepSpeed-MoE's ZeRO-2, Megatron-Core's
+    distributed optimizer and torchtitan's FSDP2 over its `efsdp` mesh do: `device_statics`,
+    `slackswap.communication.expert_step_communication`). `ep` no longer restricts the stages; it
+    stays in the signature for the callers that pass it."""
+    del ep
     if dp == 1:
         return [0]
-    stages = sorted({z for z in searched if (pp == 1 and ep == 1) or z <= 1})
+    stages = sorted({z for z in searched if pp == 1 or z <= 1})
     return stages or [1]
 
 
@@ -133,25 +136,66 @@ def chunk_expert_params(model: Any, layout: Layout) -> list[int]:
     return [each * sum(moe.is_moe_layer(i) for i in range(c * per, (c + 1) * per)) for c in range(chunks)]
 
 
+def device_moe_layers(model: Any, layout: Layout) -> list[int]:
+    """MoE layers each device holds over its chunks: ZeRO-3's expert gathers per phase (one per layer)."""
+    chunks = layout.pp * layout.virtual_stages
+    per = model.num_layers // chunks
+    moe = model.moe
+    layers = [0 if moe is None else sum(moe.is_moe_layer(i) for i in range(c * per, (c + 1) * per))
+              for c in range(chunks)]
+    return [sum(layers[d::layout.pp]) for d in range(layout.pp)]
+
+
 def device_expert_params(model: Any, layout: Layout) -> list[int]:
     """Routed-expert parameters each device holds over its chunks (chunk c on device c mod pp)."""
     chunks = chunk_expert_params(model, layout)
     return [sum(chunks[d::layout.pp]) for d in range(layout.pp)]
 
 
+def device_units(ctx: Any, layout: Layout) -> list[tuple[int, int]]:
+    """(largest dense parameter group, largest routed-expert group) each device holds, cached per layout:
+    ZeRO-3's gather units. A layer's group less its E / ep experts (`chunk_expert_params`' per-layer
+    count) is its dense unit, the embedding / head group is dense; the experts of one MoE layer are
+    their own unit (torchtitan wraps `moe.experts` in its own `fully_shard` over the expert mesh)."""
+    from slackswap.graph import NO_LAYER
+    from slackswap.profile.stages import stage_group_parameters
+
+    key = ("units", layout.tp, layout.pp, layout.virtual_stages, layout.ep)
+    if key not in ctx.plan_cache:
+        model, chunks = ctx.model, layout.pp * layout.virtual_stages
+        par = chunk_parallel(layout.tp, layout.pp, virtual_stages=layout.virtual_stages, ep=layout.ep)
+        per = model.num_layers // chunks
+        each = 0 if model.moe is None else (model.moe.num_experts // layout.ep * 3 * model.hidden_size
+                                            * model.moe.expert_ffn_hidden_size)
+        units = []
+        for c in range(chunks):
+            dense = expert = 0
+            for group, n in stage_group_parameters(model, par, c).items():
+                moe_layer = model.moe is not None and group != NO_LAYER and model.moe.is_moe_layer(c * per + group)
+                e = each if moe_layer else 0
+                dense, expert = max(dense, n - e), max(expert, e)
+            units.append((dense, expert))
+        ctx.plan_cache[key] = [(max(u[0] for u in units[d::layout.pp]), max(u[1] for u in units[d::layout.pp]))
+                               for d in range(layout.pp)]
+    return ctx.plan_cache[key]
+
+
 def device_statics(ctx: Any, layout: Layout, training: Any) -> list[StaticMemory]:
     """Each device's static memory: its dense parameters' under ZeRO over the dp group (`training`), its
-    routed experts' over the expert data-parallel group (`Layout.expert_shards`), term by term summed."""
+    routed experts' over the expert data-parallel group (`Layout.expert_shards`), term by term summed.
+    Under ZeRO-3 each part gathers two of its own units (`device_units`; the current and the prefetched
+    one, `slackswap.memory.static`): two layers' dense parameters and, where the expert group has more
+    than one rank, two MoE layers' experts, transient bytes held beside the shards."""
     model = ctx.model
     per_device = device_param_counts(ctx, layout.tp, layout.pp, layout.virtual_stages, layout.ep)
     experts = device_expert_params(model, layout)
     out = []
-    for (n, unit), e in zip(per_device, experts, strict=True):
+    for (n, unit), e, (dense_unit, expert_unit) in zip(per_device, experts, device_units(ctx, layout), strict=True):
         if not e:
             out.append(static_memory(n, unit, training, model.dtype))
             continue
-        dense = static_memory(n - e, min(unit, n - e), training, model.dtype)
-        expert = static_memory(e, min(unit, e), replace(training, zero_shards=layout.expert_shards), model.dtype)
+        dense = static_memory(n - e, dense_unit, training, model.dtype)
+        expert = static_memory(e, expert_unit, replace(training, zero_shards=layout.expert_shards), model.dtype)
         out.append(replace(dense, num_params=n, **{k: v + expert.terms()[k] for k, v in dense.terms().items()}))
     return out
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from slackswap.communication import Topology, not_modelled, step_communication
+from slackswap.communication import Topology, expert_step_communication, not_modelled, step_communication
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_layout_configs import (
     chunk_expert_params,
     comm_buffer_bytes,
     device_expert_params,
+    device_moe_layers,
     device_param_counts,
     device_statics,
     graphs_key,
@@ -38,8 +39,9 @@ from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
 LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyond the attention they overlap; "
-               "dp gradient reduce once per step overlapping the last backward (ZeRO-3: gathers per micro-batch); "
-               "ZeRO-2/3 with pp and ep not searched; interleaved 1F1B: a device's chunks planned under one "
+               "dp gradient reduce once per step overlapping the last backward (ZeRO-3: gathers per micro-batch; "
+               "routed experts over their expert data-parallel group, gathered with their layer); "
+               "ZeRO-2/3 with pp not searched; interleaved 1F1B: a device's chunks planned under one "
                "planning budget, their copies not contending across chunks; no host check of offloads")
 
 
@@ -158,6 +160,15 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         gpus=lay.dp, shards=lay.zero_shards, topology=_strided(ctx.topology, lay.tp * lay.cp),
         forward_compute_s=plans[0].forward_s, backward_compute_s=plans[0].backward_s,
         units=model.num_layers // lay.pp + 1)
+    if experts:
+        # Routed experts over their expert data-parallel group (dp x cp / ep ranks, tp x ep GPUs apart in
+        # Megatron-Core's expert rank order; torchtitan's efsdp mesh likewise): reduced once per step
+        # after the dense gradients (stages 0-2), gathered with their layer per micro-batch (ZeRO-3).
+        dp_comm = expert_step_communication(
+            dp_comm, num_params=experts, param_bytes=param_b, grad_bytes=grad_b, gpus=lay.dp * lay.cp // lay.ep,
+            topology=_strided(ctx.topology, lay.tp * lay.ep), forward_compute_s=plans[0].forward_s,
+            backward_compute_s=plans[0].backward_s, units=model.num_layers // lay.pp + 1,
+            moe_layers=device_moe_layers(model, lay)[0])
     # The overlapped part costs compute on a calibrated preset, as in the data-parallel rows (advise.py).
     # ZeRO-3 gathers the parameters in every micro-batch's forward and backward (`step_communication`,
     # as the data-parallel rows price it); stages 0-2 reduce the gradients once, under the last backward.
@@ -165,19 +176,6 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     dp_exposed = (per_micro * (dp_comm.forward_exposed_s + dp_comm.backward_exposed_s
                                + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
                   + dp_comm.after_step_comm_s)
-    edp = lay.dp * lay.cp // lay.ep
-    if experts and edp > 1:
-        # Routed experts reduce over their expert data-parallel group (dp x cp / ep ranks, tp x ep GPUs
-        # apart in Megatron-Core's expert rank order), under what is left of the backward once the dense
-        # reduction has hidden its part.
-        hidden = dp_comm.backward_comm_s - dp_comm.backward_exposed_s
-        ecomm = step_communication(
-            num_params=experts, param_bytes=param_b, grad_bytes=grad_b, zero_stage=lay.zero_stage, gpus=edp,
-            shards=edp if lay.zero_stage else 1, topology=_strided(ctx.topology, lay.tp * lay.ep),
-            forward_compute_s=0.0, backward_compute_s=max(plans[0].backward_s - hidden, 0.0),
-            units=model.num_layers // lay.pp + 1)
-        dp_exposed += (ecomm.backward_exposed_s + ecomm.overlap_cost_s(hw.collective_overlap_slowdown)
-                       + ecomm.after_step_comm_s)
     step_s = pipe.step_s + dp_exposed
     layout_s = m * sum(comms[s.index].exposed_s or 0.0 for s in first)
     tokens = m * cand.micro_batch * model.seq_len / (lay.tp * lay.cp * lay.pp)

@@ -132,7 +132,12 @@ def build_stages(spec: RunSpec) -> list[Stage]:
 
 def device_static(spec: RunSpec, chunk_counts: list[tuple[int, int]], device: int) -> StaticMemory:
     """Device `device`'s static memory: every one of its chunks' parameters (`chunk_counts[c]`, the
-    (parameters, largest group) of chunk c) under the run's recipe."""
+    (parameters, largest group) of chunk c) under the run's recipe; on an MoE model under ep > 1 the
+    routed experts' over their expert data-parallel group (`slackswap.profile.stages.device_static_memory`)."""
+    if spec.model.moe is not None and spec.parallel.ep > 1:
+        from slackswap.profile.stages import device_static_memory
+
+        return device_static_memory(spec.model, spec.parallel, spec.training, device)
     own = [chunk_counts[c] for c in range(device, spec.parallel.chunks, spec.parallel.pp)]
     return static_memory(sum(n for n, _ in own), max(u for _, u in own), spec.training, spec.model.dtype)
 

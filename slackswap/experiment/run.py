@@ -121,7 +121,14 @@ def device_capacity(spec: RunSpec, graph: Graph | None = None) -> DeviceCapacity
     parameters `model_parameter_counts` gives (the traced module's with `graph`)."""
     from slackswap.memory.static import static_memory
 
-    static = static_memory(*model_parameter_counts(spec, graph), spec.training, spec.model.dtype)
+    traced = graph is not None and graph.meta.get("source") == "torch"
+    if spec.model.moe is not None and spec.parallel.ep > 1 and not traced:
+        # the routed experts' state over their expert data-parallel group, the dense over zero_shards
+        from slackswap.profile.stages import device_static_memory
+
+        static = device_static_memory(spec.model, spec.parallel, spec.training, 0)
+    else:
+        static = static_memory(*model_parameter_counts(spec, graph), spec.training, spec.model.dtype)
     return DeviceCapacity(spec.hardware.device_memory_bytes, spec.budget.reserve_bytes, static)
 
 

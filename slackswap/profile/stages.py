@@ -73,9 +73,17 @@ def _emit_stage(model: ModelConfig, gb: GraphBuilder, parallel: ParallelConfig, 
 
 def stage_parameter_counts(model: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[int, int]:
     """(parameters, largest parameter group) of one rank of stage `stage`, counted as its graph is built."""
+    groups = stage_group_parameters(model, parallel, stage)
+    return sum(groups.values()), max(groups.values())
+
+
+def stage_group_parameters(model: ModelConfig, parallel: ParallelConfig, stage: int) -> dict[int, int]:
+    """Parameters of each parameter group of one rank of stage `stage`: its layers (local indices, global
+    `stage_layers(...)[i]`) and `NO_LAYER` (embedding, final norm, head). The groups are ZeRO-3's gather
+    units; under expert parallelism a layer's count holds this rank's experts, which the advise search
+    splits off (its experts form their own unit over the expert data-parallel group)."""
     gb = GraphBuilder(None, model.dtype)
-    fb = _emit_stage(model, gb, parallel, stage, False)
-    return fb.params, max(fb.layer_params.values())
+    return dict(_emit_stage(model, gb, parallel, stage, False).layer_params)
 
 
 def build_stage_graph(model: ModelConfig, hardware: Hardware, training: TrainingConfig,
@@ -116,3 +124,44 @@ def boundary_bytes(graph: Graph) -> int:
     """Bytes stage `graph` sends forward per micro-batch (its output activation; 0 for the last stage)."""
     send = graph.op_by_name.get("p2p.send")
     return sum(graph.tensors[t].size_bytes for t in send.inputs) if send is not None else 0
+
+
+def expert_shards(parallel: ParallelConfig, zero_stage: int, zero_shards: int) -> int:
+    """GPUs one routed expert's ZeRO state is sharded over: of a `zero_shards`-rank shard group (times cp:
+    the ep group is carved out of dp x cp), the ranks that hold the same experts, zero_shards x cp / ep
+    (Megatron-Core's expert data-parallel group, torchtitan's efsdp = dp_shard x cp / ep), at least 1.
+    Stage 0 shards nothing."""
+    return max(1, zero_shards * parallel.cp // parallel.ep) if zero_stage else 1
+
+
+def device_static_memory(model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, device: int):
+    """Static memory of one rank of pipeline device `device` (its chunks' parameters) under `training`.
+
+    On an MoE model under ep > 1 the routed experts' state is sharded over `expert_shards` GPUs, the dense
+    parameters' over `training.zero_shards`, term by term summed; ZeRO-3 gathers two units of each (the
+    largest dense group: a layer less its experts or the embedding / head; one MoE layer's experts), the
+    rule of the advise layout search (docs/advise.md, "Layouts"). Otherwise every parameter under
+    `training`, as before experts were split."""
+    from dataclasses import replace as _replace
+
+    from slackswap.memory.static import static_memory
+
+    chunks = range(device, parallel.chunks, parallel.pp)
+    groups = [(c, stage_group_parameters(model, parallel, c)) for c in chunks]
+    total = sum(sum(g.values()) for _, g in groups)
+    unit = max(max(g.values()) for _, g in groups)
+    if model.moe is None or parallel.ep == 1:
+        return static_memory(total, unit, training, model.dtype)
+    each = model.moe.num_experts // parallel.ep * 3 * model.hidden_size * model.moe.expert_ffn_hidden_size
+    experts = dense_unit = expert_unit = 0
+    for c, g in groups:
+        first = stage_layers(model, parallel, c).start
+        for group, n in g.items():
+            e = each if group != NO_LAYER and model.moe.is_moe_layer(first + group) else 0
+            experts, dense_unit, expert_unit = experts + e, max(dense_unit, n - e), max(expert_unit, e)
+    if not experts:
+        return static_memory(total, unit, training, model.dtype)
+    shards = expert_shards(parallel, training.zero_stage, training.zero_shards)
+    dense = static_memory(total - experts, dense_unit, training, model.dtype)
+    expert = static_memory(experts, expert_unit, _replace(training, zero_shards=shards), model.dtype)
+    return _replace(dense, num_params=total, **{k: v + expert.terms()[k] for k, v in dense.terms().items()})
