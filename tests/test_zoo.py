@@ -4,8 +4,9 @@ Fast: the in-place patterns and BatchNorm at 70 % under every default planner (t
 runtime executor). Slow: every architecture of `slackswap.runtime.zoo` under every default planner at
 two of the budgets 30 / 50 / 70 %, the one left out turning with the architecture, so each budget
 meets two thirds of the architectures. A cell costs a verified step (0.3-0.7 s on a 2-layer model),
-and the whole grid of 28 architectures x 3 budgets (about 100 s of the suite's two workers) is the
-benchmark's record, `benchmarks/results/zoo.json`, with the export's cells beside it.
+and the whole grid of 32 architectures x 3 budgets (about 100 s of the suite's two workers) is the
+benchmark's record, `benchmarks/results/zoo.json`, with the export's cells beside it. The export's
+measure: a swapping plan's measured peak is its price, and a step measured over its budget fails the zoo.
 """
 
 from __future__ import annotations
