@@ -59,7 +59,7 @@ def pytorch_plan(graph: Graph, plan: Plan, decisions: Mapping[str, Decision], ha
         new_steps, index = steps, list(range(len(steps)))
     # Reloads are placed no later than the first backward reader of any saved tensor of their layer
     # (eager: the replay reloads; this bound is at or before it, conservative where the frame's first
-    # unpack comes later, which host copies that count as CPU memory keep from being measured here).
+    # unpack comes later; `eager_replay_peak_bytes` allocates them by then, the reloads being blocking).
     block_start = {layer: index[j] for layer, j in first_reader.items()}
     if mode == "eager":  # the layer's recompute block begins before that reader
         for layer in block_start:
@@ -203,14 +203,28 @@ def eager_replay_peak_bytes(graph: Graph, executed: Plan, hardware: Hardware) ->
     replay stops before that op (early stop, after the layer's last packed tensor) the frames unwind there.
     So a recomputed copy lives at least until the step of its hold in the same recompute block, or to the
     block's end. Measured on the zoo's Llama, recompute_knapsack at 90 %: the query, key and value
-    projections' 65,536 B stayed through the attention scores' matmul, which the last-reader rule freed."""
+    projections' 65,536 B stayed through the attention scores' matmul, which the last-reader rule freed.
+
+    The replay's reloads are blocking copies (`slackswap.runtime.export.HostCopies`): every reloaded copy
+    of the layer exists before the backward op whose unpack started the replay runs, so each is allocated
+    no later than the end of the step its prefetch is issued after, not when a copy engine the simulator
+    keeps busy would start it. Measured on the zoo's ViT, capuchin at 70 % (every tensor of the last
+    layer offloaded): the simulator started the last reloads (a hidden state and its LayerNorm's
+    statistics, 34,320 B) after the backward's next matmul, the step allocated them before it."""
     from slackswap.schedule.replay import estimate_plan, peak_bytes
     from slackswap.schedule.validate import resolve_schedule
 
     timeline = estimate_plan(graph, executed, hardware)
-    if not graph.has_holds:
+    if not graph.has_holds and not executed.prefetches:
         return timeline.peak_bytes
     resolved = resolve_schedule(graph, executed)
+    alloc_s = list(timeline.copy_alloc_s)
+    for c, source in enumerate(resolved.copy_source):
+        if source == "prefetch":
+            issue = executed.prefetches[resolved.copy_source_index[c]].issue_after_step
+            alloc_s[c] = min(alloc_s[c], timeline.step_end_s[issue] if issue >= 0 else 0.0)
+    if not graph.has_holds:
+        return peak_bytes(alloc_s, timeline.copy_free_s, timeline.copy_size_bytes)[0]
     steps, index = executed.steps, graph.op_index
     block_end: list[int] = [0] * len(steps)  # per recompute step: the last step of its contiguous block
     j = len(steps) - 1
@@ -232,7 +246,7 @@ def eager_replay_peak_bytes(graph: Graph, executed: Plan, hardware: Hardware) ->
         at = next((k for k in range(made, block_end[made] + 1) if index[steps[k].op] >= index[hold]),
                   block_end[made])
         free_s[c] = max(free_s[c], timeline.step_end_s[at])
-    return peak_bytes(timeline.copy_alloc_s, free_s, timeline.copy_size_bytes)[0]
+    return peak_bytes(alloc_s, free_s, timeline.copy_size_bytes)[0]
 
 
 def frame_ends(graph: Graph) -> dict[int, str]:

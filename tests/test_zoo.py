@@ -4,8 +4,9 @@ Fast: the in-place patterns and BatchNorm at 70 % under every default planner (t
 runtime executor). Slow: every architecture of `slackswap.runtime.zoo` under every default planner at
 two of the budgets 30 / 50 / 70 %, the one left out turning with the architecture, so each budget
 meets two thirds of the architectures. A cell costs a verified step (0.3-0.7 s on a 2-layer model),
-and the whole grid of 28 architectures x 3 budgets (about 100 s of the suite's two workers) is the
-benchmark's record, `benchmarks/results/zoo.json`, with the export's cells beside it.
+and the whole grid of 32 architectures x 3 budgets (about 100 s of the suite's two workers) is the
+benchmark's record, `benchmarks/results/zoo.json`, with the export's cells beside it. The export's
+measure: a swapping plan's measured peak is its price, and a step measured over its budget fails the zoo.
 """
 
 from __future__ import annotations
@@ -85,3 +86,68 @@ def test_the_zoo_compares_the_trace_with_the_hooks_per_architecture() -> None:
     routing = result["saved"]["routing"]
     assert routing.startswith("differs: ") and "layers.0/add#0:0 (32768 B)" in routing
     assert "packed for a node backward never ran" in routing
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while a test measures: the allocator's peak does not depend on the pool."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _swaps(plan) -> int:
+    from slackswap.plan import Decision
+
+    return sum(d == Decision.SWAP for d in plan.decisions.values())
+
+
+def test_an_exported_swap_plans_measured_peak_is_its_price_to_the_byte(one_thread) -> None:
+    """The tied MLP stack's capuchin plan at 70 % (20 tensors offloaded), measured as the zoo measures (the
+    step after the one that allocates the host buffers, so the CPU allocator sees device bytes only): the
+    CPU peak less the
+    checkpoints' RNG state and the largest weight gradient in flight is the plan's price, to the byte. The
+    offloads are what keeps it there: the same decisions with every swap kept measure higher. Before the
+    export's CPU offload copied into a host buffer and reloaded into a new tensor, its host copy was a
+    CPU allocation held to the end of the backward, and a swap plan could not be measured at all."""
+    from dataclasses import replace
+
+    from benchmarks.runtime_overhead_measures import peak_cpu_bytes
+    from benchmarks.zoo import HARDWARE, Arch, measure_export_peak
+    from slackswap.hardware import load_preset
+    from slackswap.plan import Decision
+    from slackswap.runtime.export import PlanExport
+
+    arch = Arch("tied", load_preset(HARDWARE))
+    plan = arch.plan("capuchin", 0.7, "export")
+    assert _swaps(plan) > 0
+    measured, rng, in_flight = measure_export_peak(plan, arch.graph, arch.pristine, arch.w, peak_cpu_bytes,
+                                                   PlanExport)
+    assert measured - rng - in_flight == plan.notes["pytorch_peak_bytes"] <= int(arch.peak * 0.7)
+    kept = replace(plan, decisions={n: Decision.KEEP if d == Decision.SWAP else d for n, d in plan.decisions.items()})
+    measured_kept, _, _ = measure_export_peak(kept, arch.graph, arch.pristine, arch.w, peak_cpu_bytes, PlanExport)
+    assert measured_kept > measured, (measured_kept, measured)
+
+
+def test_an_exported_step_measured_over_its_budget_is_a_failure(monkeypatch, tmp_path, one_thread) -> None:
+    """A swapping plan made for 70 % of the tied stack's keep-all peak, run as the cell of a 30 % budget: the
+    gradients are exact, the measured peak is not within the budget, and the zoo says so and fails."""
+    import json
+
+    from benchmarks import zoo
+
+    made_for = zoo.Arch.plan
+
+    def plan_at_70(self, planner: str, fraction: float, executor: str):
+        plan = made_for(self, planner, 0.7, executor)
+        assert _swaps(plan) > 0
+        return plan
+
+    monkeypatch.setattr(zoo.Arch, "plan", plan_at_70)
+    out = tmp_path / "zoo.json"
+    code = zoo.main(["--models", "tied", "--planners", "capuchin", "--fractions", "0.3", "--executors", "export",
+                     "--no-trace", "--out", str(out)])
+    assert code == 1
+    cell = json.loads(out.read_text())["matrix"]["tied"]["capuchin"]["30% export"]
+    assert cell.startswith("over budget: measured "), cell

@@ -251,6 +251,16 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
     # A shorter sequence: without mamba_ssm its selective scan runs several ops per token on the CPU.
     "mamba": _hf("MambaConfig", seq=16, vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
                  state_size=8, expand=2, conv_kernel=4, pad_token_id=0),
+    # Architectures added after the zoo's first run, to check its rules on models they were not made on:
+    # tied input and output embeddings on a Llama, GPT-J's parallel attention and MLP with partial
+    # rotary, Cohere's parallel block with tied embeddings and a logit scale, Persimmon's query/key
+    # LayerNorm with partial rotary and squared ReLU.
+    "llama_tied": _hf("LlamaConfig", tie_word_embeddings=True, **_DEC),
+    "gptj": _hf("GPTJConfig", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+                rotary_dim=HIDDEN // HEADS // 2, n_inner=2 * HIDDEN, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "cohere": _hf("CohereConfig", **_DEC),
+    "persimmon": _hf("PersimmonConfig", qk_layernorm=True, partial_rotary_factor=0.5,
+                     **{k: v for k, v in _DEC.items() if k != "num_key_value_heads"}),
     "bert": _hf("BertConfig", "AutoModelForMaskedLM", _mlm, **_ENC),
     "roberta": _hf("RobertaConfig", "AutoModelForMaskedLM", _mlm, **{**_ENC, "pad_token_id": 1}),
     "distilbert": _hf("DistilBertConfig", "AutoModelForMaskedLM", _mlm, vocab_size=VOCAB, dim=HIDDEN,

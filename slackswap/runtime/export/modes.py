@@ -221,12 +221,21 @@ def _fresh_bytes(func, out) -> int:
 class HostCopies:
     """Eager export's offloads: device -> host when the op returns, back at the layer's recompute.
 
-    On the CPU the host copy is a plain clone (there is no device); on CUDA a pinned buffer from a
-    pool (`slackswap.runtime.copy_engines.HostPool`), one per offloading call of a layer (region, op,
-    call index: the same on every step), reused across steps, and a blocking copy, no side stream
-    (the eager runtime's copies overlap on their own streams; here the reload is PyTorch's, at the
-    layer's recompute). Reuse is safe: the copies are blocking and a step's backward has reloaded
-    them all before the next step's forward offloads again."""
+    A pinned (on the CPU plain) host buffer from a pool (`slackswap.runtime.copy_engines.HostPool`), one
+    per offloading call of a layer (region, op, call index: the same on every step), reused across
+    steps, and a blocking copy, no side stream (the eager runtime's copies overlap on their own
+    streams; here the reload is PyTorch's, at the layer's recompute). The reload is a new device tensor
+    (its allocation is the reload's memory), with the strides the offloaded tensor had. Reuse is safe:
+    the copies are blocking and a step's backward has reloaded them all before the next step's forward
+    offloads again.
+
+    On the CPU, which stands in for a device, the pool's buffers are the host and the reload allocates
+    as a device's would, as the eager runtime's `CpuCopies` do: so from the second step on (the pool
+    allocated) the CPU allocator sees only device bytes, an offloaded tensor's bytes absent while it is
+    off the device and its reloaded copy present from the reload, and a measured CPU peak is the
+    step's device peak (`benchmarks/zoo.py`, `Arch.over_budget`). Before, the CPU copy was a clone held
+    from the offload to the end of the backward and handed back as the reload: the offload saved
+    nothing on the CPU, and no measure could tell an offload from a keep."""
 
     def __init__(self) -> None:
         from slackswap.runtime.copy_engines import HostPool
@@ -238,25 +247,26 @@ class HostCopies:
         if not isinstance(x, torch.Tensor):
             return x
         self.copies += 1
-        if x.device.type == "cpu":
-            return _Offloaded(x.detach().clone(), x.device)
         nbytes = x.numel() * x.element_size()
         host = self.pool.get(key, nbytes).view(x.dtype).view(x.shape)
         host.copy_(x.detach(), non_blocking=False)
-        return _Offloaded(host, x.device)
+        # The layout the reload restores (a clone's: strides kept where dense), no bytes: a kernel reading
+        # a transposed copy rounds as it did on the original.
+        return _Offloaded(host, x.device, torch.empty_like(x, device="meta"))
 
     def reload(self, x: object) -> object:
         if not isinstance(x, _Offloaded):
             return x
-        return x.host if x.device.type == "cpu" else x.host.to(x.device, non_blocking=False)
+        if x.device.type != "cpu":
+            return x.host.to(x.device, non_blocking=False)
+        return torch.empty_like(x.layout, device=x.device).copy_(x.host)
 
 
 class _Offloaded:
-    """A host copy and the device it came from (a pytree leaf, unlike a tuple)."""
+    """A host copy, the device it came from and its layout there (a meta tensor; a pytree leaf, unlike a
+    tuple)."""
 
-    __slots__ = ("device", "host")
+    __slots__ = ("device", "host", "layout")
 
-    def __init__(self, host: torch.Tensor, device: torch.device):
-        self.host, self.device = host, device
-
-
+    def __init__(self, host: torch.Tensor, device: torch.device, layout: torch.Tensor):
+        self.host, self.device, self.layout = host, device, layout
