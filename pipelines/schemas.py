@@ -40,6 +40,7 @@ class TorchSchema:
     hook: str = ""
     config_class: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    kernels: str = "eager"
 
 
 @dataclass

@@ -37,7 +37,7 @@ from slackswap.graph import (
 )
 from slackswap.hardware import Hardware
 from slackswap.profile.timing import op_duration_s
-from slackswap.profile.torch.identity import StorageIdentities
+from slackswap.profile.torch.identity import StorageIdentities, addressed_bytes
 from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks
 from slackswap.runtime.collectives import CollectiveReleases
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering, writes_into
@@ -203,7 +203,7 @@ class _Recorder(TorchDispatchMode):
             op["op_class"] = OpClass.ATTENTION
         leaves = [x for x in tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
         if not moves_no_data(func, args, kwargs, out):
-            op["moved"] += sum(x.numel() * x.element_size() for x in leaves)
+            op["moved"] += sum(addressed_bytes(x) for x in leaves)
         if op["dtype"] is None and leaves:
             op["dtype"] = leaves[0].dtype
         return out

@@ -9,7 +9,7 @@ scheme as the traced graph's tensor names. docs/torch_profile.md has the details
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from slackswap.graph import Graph
@@ -35,7 +35,8 @@ def trace_model(model: ModelConfig, spec: TorchSpec) -> tuple[Any, float]:
     import_torch()  # a named error, not an ImportError, when the extra is missing
     from slackswap.profile.torch.tracer import trace_step
 
-    key = json.dumps([asdict(model), asdict(spec)], sort_keys=True, default=str)
+    # The kernel mode prices the trace (graph_from_trace); the trace itself does not depend on it.
+    key = json.dumps([asdict(model), asdict(replace(spec, kernels="eager"))], sort_keys=True, default=str)
     if key in _TRACES:
         return _TRACES[key], 0.0
     t0 = time.perf_counter()
@@ -60,7 +61,8 @@ def build_torch_graph(model: ModelConfig, spec: TorchSpec, hardware: Hardware,
     # The graph depends on the torch and transformers code that ran the step: graph.json says which.
     meta = {"model": asdict(model), "torch": asdict(spec), "versions": package_versions(("torch", "transformers"))}
     return graph_from_trace(trace, hardware, f"{model.name}@{hardware.name}", meta, training=training,
-                            include_optimizer=model.include_optimizer)
+                            include_optimizer=model.include_optimizer, kernels=spec.kernels,
+                            attention_kernel=model.attention_kernel)
 
 
 def spec_for_family(model: ModelConfig, **options: Any) -> TorchSpec:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from slackswap.errors import ConfigError
 from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph, Op, OpClass, Phase, Tensor
 from slackswap.hardware import Hardware
 from slackswap.memory.recipe import TrainingConfig
 from slackswap.memory.static import optimizer_step_moved_bytes
 from slackswap.profile import default_training, state_bytes_per_param
 from slackswap.profile.timing import op_duration_s
+from slackswap.profile.torch.fusion import KERNEL_MODES, fused_traffic
 from slackswap.profile.torch.tracer import Trace
 
 #: Roles `selective_recompute` treats as the attention core (slackswap.planners.selective_recompute).
@@ -30,6 +32,18 @@ _FUSED_ATTENTION = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention",
 })
+_EAGER_ATTENTION = frozenset({"bmm", "baddbmm"})
+
+
+def traced_attention_kernel(aten: str, configured: str) -> str:
+    """The attention kernel (`Hardware.attention_efficiency`) that times a traced attention-class op.
+
+    The model's `attention_kernel`, as the analytic builder uses it, when the trace runs that kind of
+    kernel, so both sources of one model price attention alike; otherwise the kind the trace runs:
+    eager batched matmuls are `eager`, a fused kernel the preset's generic attention efficiency."""
+    if aten.removesuffix("_backward") in _EAGER_ATTENTION:
+        return configured if configured in ("", "eager") else "eager"
+    return "" if configured == "eager" else configured
 
 
 def op_name(index: int, phase: Phase, module: str, aten: str) -> str:
@@ -83,7 +97,8 @@ def _held_until(trace: Trace, graph_keys: set[int], names: dict[int, str]) -> di
 
 
 def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | None = None, *,
-                     training: TrainingConfig | None = None, include_optimizer: bool = False) -> Graph:
+                     training: TrainingConfig | None = None, include_optimizer: bool = False,
+                     kernels: str = "eager", attention_kernel: str = "") -> Graph:
     """The traced step as a Graph, each op timed with the roofline of `slackswap.profile.timing`.
 
     A storage written in place gets one graph tensor per version (module docstring): the op that writes
@@ -91,6 +106,9 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
     later ops read the newest. The last version carries the storage's identity, earlier ones `@v<i>`.
     `include_optimizer`: end with one optimizer-step op per layer (and one for the rest) streaming the
     bytes of `training`'s recipe for that layer's traced parameters, as the analytic graph does.
+    `kernels`: `eager` times every aten call as its own kernel; `fused` times each run of elementwise
+    ops as one kernel (`slackswap.profile.torch.fusion`): `Op.moved_bytes` is then the fused traffic.
+    `attention_kernel`: the model's (`model.attention_kernel`; `traced_attention_kernel`).
     """
     hardware.peak_for(trace.dtype)
     training = default_training(trace.dtype) if training is None else training
@@ -100,6 +118,9 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
     roles = forward_roles(trace)
     last_version = Counter(k for op in trace.ops for k in op.writes if k in graph_keys)
     version: dict[int, int] = defaultdict(int)
+    if kernels not in KERNEL_MODES:
+        raise ConfigError("model.torch.kernels", kernels, f"unknown kernel mode; known: {KERNEL_MODES}")
+    fused = fused_traffic(trace) if kernels == "fused" else None
 
     def current(key: int) -> str:
         v = version[key]
@@ -125,10 +146,14 @@ def graph_from_trace(trace: Trace, hardware: Hardware, name: str, meta: dict | N
                 writes.append(old)
                 outputs.append(current(k))
                 made[current(k)] = (k, op.index, old)
-        duration = op_duration_s(op.flops, op.moved_bytes, op.op_class, trace.dtype, hardware)
+        moved = op.moved_bytes if fused is None else fused.moved_bytes[op.index]
+        duration = op_duration_s(op.flops, moved, op.op_class, trace.dtype, hardware,
+                                 attention_kernel=traced_attention_kernel(op.aten, attention_kernel))
+        if fused is not None and not fused.launches[op.index]:
+            duration -= hardware.launch_overhead_s  # runs inside its group's kernel
         role = roles.get(op.index, op.aten)
         ops.append(Op(names[op.index], op.phase, op.op_class, op.layer, inputs, tuple(outputs), op.flops,
-                      op.moved_bytes, duration, "", role, random=op.random, writes=tuple(writes),
+                      moved, duration, "", role, random=op.random, writes=tuple(writes),
                       attention_core=role in ATTENTION_CORE_ROLES))
     if include_optimizer:
         for layer in sorted(trace.layer_params, key=lambda n: (n == NO_LAYER, n)):

@@ -49,6 +49,18 @@ def tensor_leaves(tree: object) -> Iterator[torch.Tensor]:
     return (x for x in tree_leaves(tree) if isinstance(x, torch.Tensor))
 
 
+def addressed_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel reads or writes through `t`: its distinct elements. A broadcast view (`expand`,
+    stride 0) repeats elements a kernel fetches once, so counting its full view size charged, e.g.,
+    the backward of HF's RMSNorm `mean` a whole fp32 activation it never reads (67 MB per Llama-7B
+    layer, docs/profile.md "Traced against analytic")."""
+    elements = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride != 0:
+            elements *= size
+    return min(elements, t.numel()) * t.element_size()
+
+
 class ModuleStack:
     """The innermost running module's path and call index, kept by global forward (pre-)hooks."""
 

@@ -18,6 +18,10 @@ from slackswap.errors import ConfigError, reject_unknown_fields
 BUILDERS: tuple[str, ...] = ("hf_bert", "hf_gpt2", "hf_llama", "tiny_gpt", "hook", "hf")
 ATTENTION_IMPLS: tuple[str, ...] = ("eager", "sdpa")
 SEMANTICS: tuple[str, ...] = ("cuda", "cpu")
+#: How the traced step's elementwise ops are priced (`slackswap.profile.torch.fusion`): each aten call
+#: its own kernel, as eager PyTorch runs them, or each run of them one fused kernel, as the analytic
+#: graph and the calibrated presets count them.
+KERNEL_MODES: tuple[str, ...] = ("eager", "fused")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class TorchSpec:
     config_class: str = ""
     #: Extra keyword arguments of the builder (HF config keys for the hf_* builders).
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: `eager` or `fused` (KERNEL_MODES): the timing only, never the graph's tensors.
+    kernels: str = "eager"
 
     def __post_init__(self) -> None:
         if self.builder not in BUILDERS:
@@ -40,6 +46,8 @@ class TorchSpec:
                               f"unknown attention implementation; known: {ATTENTION_IMPLS}")
         if self.semantics not in SEMANTICS:
             raise ConfigError("model.torch.semantics", self.semantics, f"unknown kernel semantics; known: {SEMANTICS}")
+        if self.kernels not in KERNEL_MODES:
+            raise ConfigError("model.torch.kernels", self.kernels, f"unknown kernel mode; known: {KERNEL_MODES}")
         if (self.builder == "hook") != bool(self.hook):
             raise ConfigError("model.torch.hook", self.hook, "is required for builder 'hook' and only for it")
         if (self.builder == "hf") != bool(self.config_class):

@@ -38,7 +38,14 @@ from torch.utils.flop_counter import flop_registry
 
 from slackswap.errors import ConfigError, SlackSwapError
 from slackswap.graph import OpClass, Phase
-from slackswap.profile.torch.identity import LOSS_PATH, ROOT_PATH, StorageIdentities, storage_key, tensor_leaves
+from slackswap.profile.torch.identity import (
+    LOSS_PATH,
+    ROOT_PATH,
+    StorageIdentities,
+    addressed_bytes,
+    storage_key,
+    tensor_leaves,
+)
 from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks
 from slackswap.profile.torch.semantics import KernelRouting, check_semantics, cpu_size_correction
 
@@ -116,7 +123,8 @@ class TracedOp:
     #: Storages this op created.
     creates: tuple[int, ...]
     flops: float
-    #: Bytes of every tensor argument and result (views at their own size), graph or not.
+    #: Bytes of every tensor argument and result (views at their own size, a broadcast view at its
+    #: distinct elements: `identity.addressed_bytes`), graph or not.
     moved_bytes: int
     #: The op draws random numbers (dropout): a recompute must replay its RNG state.
     random: bool = False
@@ -338,7 +346,7 @@ class _Tracer(StorageIdentities):
             self.storages[key] = TracedStorage(key, name, int(size), index, str(t.dtype).removeprefix("torch."),
                                                tuple(t.shape))
             creates.append(key)
-        moved = sum(t.numel() * t.element_size() for t in inputs) + sum(t.numel() * t.element_size() for t in outputs)
+        moved = sum(addressed_bytes(t) for t in inputs) + sum(addressed_bytes(t) for t in outputs)
         written = tuple(dict.fromkeys(
             self.key(t) for t in outputs if self.key(t) in reads and self.key(t) not in creates)) \
             if mutates else ()
