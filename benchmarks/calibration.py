@@ -12,7 +12,8 @@ collectives cost compute), never per model.
 it; the calibrated presets (conf/hardware/*_calibrated.yaml, and the Hopper presets, which carry the
 H100 fit) hold the fitted values, rounded, and this script then evaluates every row, fitted and held
 out, on those presets (so the json checks the committed files, not the fit's memory). Held-out rows
-were not used by the fit: they are the check, and the summary counts them apart.
+were not used by the fit: they are the check, and the summary counts them apart, per preset too. The
+A100 40GB rows are all held out: they check a100_40gb_sxm_calibrated, the A100 fit on the 40GB part.
 
     python benchmarks/calibration.py            # -> benchmarks/results/calibration.json
     python benchmarks/calibration.py --fit      # the least-squares fit the presets were written from
@@ -30,6 +31,7 @@ pressure (allocator retries), framework overhead beyond one launch gap per kerne
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -40,7 +42,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.calibration_rows import FOUNDRY_README, FOUNDRY_ROWS, MPT_SHAPES, SECTIONS, held_out  # noqa: E402
+from benchmarks.calibration_rows import (  # noqa: E402
+    FOUNDRY_40GB_ROWS,
+    FOUNDRY_README,
+    FOUNDRY_ROWS,
+    MPT_SHAPES,
+    SECTIONS,
+    held_out,
+)
 from benchmarks.common import RESULTS, conf  # noqa: E402
 from slackswap.graph import Phase  # noqa: E402
 from slackswap.hardware import Hardware  # noqa: E402
@@ -98,27 +107,31 @@ class Measurement:
     node: str = ""
 
 
-#: The node whose NVLink and network carry each GPU's FSDP collectives (conf/node/): the A100 rows'
+#: The node whose NVLink and network carry each GPU's FSDP collectives (conf/node/): both A100 tables'
 #: "1600 Gbps node-node interconnect" is dgx_a100's 8 x 200 Gb/s; the H100 table names none, hgx_h100.
-NODES = {"a100": "dgx_a100", "h100": "hgx_h100"}
+NODES = {"a100": "dgx_a100", "a100_40gb": "dgx_a100", "h100": "hgx_h100"}
+#: The GPU (a key of PRESETS) each llm-foundry table ran on.
+SECTION_GPU = {"a100": "a100", "a100_40gb": "a100_40gb", "h100": "h100", "h100_large": "h100"}
 
 
 def foundry_measurements() -> list[Measurement]:
     """The llm-foundry rows (benchmarks/calibration_rows.py: which, and the held-out rule) as
-    measurements: MPT shapes, the Triton flash kernel, Composer FSDP on the table's fabric."""
+    measurements: MPT shapes, the Triton flash kernel, Composer FSDP on the table's fabric. The A100
+    40GB rows follow, every one held out (no fit uses them)."""
     out = []
-    for position, row in enumerate(FOUNDRY_ROWS):
+    rows = [(row, held_out(i)) for i, row in enumerate(FOUNDRY_ROWS)] + [(row, True) for row in FOUNDRY_40GB_ROWS]
+    for row, held in rows:
         section, line, size, seq, gpus, mb, accum, tokens, ckpt, mp_mode, sharding = row
         layers, width, heads = MPT_SHAPES[size]
         model = dict(family="gpt2", num_layers=layers, hidden_size=width, num_heads=heads, num_kv_heads=heads,
                      ffn_hidden_size=4 * width, vocab_size=50368, dtype="bf16", dropout=False, attention="flash",
                      attention_kernel="triton")
-        gpu = "a100" if section == "a100" else "h100"
+        gpu = SECTION_GPU[section]
         source = (f"{FOUNDRY_README}, {SECTIONS[section]}, line {line}: {size}, seq {seq}, {gpus} GPUs, "
                   f"MicroBatchSize {mb}, GradAccum {accum}, checkpointing {ckpt}, {mp_mode}, {sharding}: "
                   f"{tokens:,} tokens/s per GPU")
         out.append(Measurement(f"mpt{size}_s{seq}_g{gpus}_mb{mb}_{gpu}", source, gpu, model, seq, mb, "tokens_per_s",
-                               float(tokens), held_out=held_out(position), shards=gpus, grad_accum=accum,
+                               float(tokens), held_out=held, shards=gpus, grad_accum=accum,
                                checkpointing=ckpt, sharding=sharding,
                                grad_reduce_bytes=4 if mp_mode == "DEFAULT" else 2,
                                node=NODES[gpu]))
@@ -166,14 +179,43 @@ KNOWN_MISSES = {
                                 "micro-batch fit; a 30B FULL_SHARD rank holds ~60 GB of sharded state, so "
                                 "memory pressure (allocator retries) is a candidate cause, unverified, not modelled",
     "mpt30b_s8192_g8_mb1_h100": "the same seq-8192 drop on the H100 (MFU 35.9 -> 29.9 %)",
+    **dict.fromkeys(
+        ("mpt13b_s4096_g8_mb2_a100_40gb", "mpt13b_s2048_g8_mb4_a100_40gb", "mpt13b_s1024_g8_mb8_a100_40gb",
+         "mpt13b_s512_g8_mb16_a100_40gb"),
+        "held out; the same 13B at seq 2048 on 16 to 128 GPUs fits (1.02-1.04); on 8 GPUs a 13B FULL_SHARD "
+        "rank holds ~26 GB of sharded state, 0.60 of the 40 GB part, with 8,192 tokens per micro-batch, as "
+        "the 30B seq-8192 A100 80GB miss (0.70 of 80 GB, 8,192 tokens): memory pressure (allocator retries) "
+        "is a candidate cause, unverified, not modelled"),
+    "mpt70b_s2048_g64_mb2_a100_40gb": "held out; published MFU 35.9 % against 48.9 % for the same model on 128 "
+                                      "GPUs at micro-batch 4 (ratio 1.06 there), and the A100 80GB table's 70B "
+                                      "at micro-batch 2 on 32 GPUs (the same sharded state per GPU and tokens "
+                                      "per micro-batch, 16 accumulation steps) fits at 0.99: not explained",
+    "mpt1b_s2048_g32_mb10_a100_40gb": "held out; the source's own outlier: the same 1B at seq 2048 runs 18,647 "
+                                      "to 19,085 tokens/s per GPU (MFU 54-56 %) on 16, 64 and 128 GPUs and "
+                                      "15,555 (MFU 45 %) on 32; nothing in the step falls and recovers with "
+                                      "the GPU count",
 }
-#: The calibrated presets each GPU's rows run on; the uncalibrated twins they share every other figure with.
-PRESETS = {"a100": "a100_80gb_sxm_calibrated", "h100": "h100_sxm_calibrated"}
+#: The calibrated presets each GPU's rows run on (a100_40gb_sxm_calibrated carries the A100 fit on the 40GB
+#: part's HBM2); the uncalibrated twins the fitted ones share every other figure with.
+PRESETS = {"a100": "a100_80gb_sxm_calibrated", "a100_40gb": "a100_40gb_sxm_calibrated", "h100": "h100_sxm_calibrated"}
 BASE_PRESETS = {"a100": "a100_80gb_sxm_pcie4", "h100": "h100_sxm_pcie5"}
 #: Hopper presets that carry the H100 fit (the same SM and kernels; docs/hardware.md, "Calibrated compute").
 HOPPER_PRESETS = ("h100_sxm_pcie5", "h100_pcie5", "h200_sxm_pcie5", "gh200_c2c")
+#: Presets that carry the A100 fit on another A100 part (the same GA100 chip and peak; their own memory
+#: and host link): the 40GB SXM4 module and both PCIe cards.
+A100_PRESETS = ("a100_40gb_sxm_calibrated", "a100_80gb_pcie_calibrated", "a100_40gb_pcie_calibrated")
+#: Presets no public row checks, and why (printed; docs/hardware.md, "Calibrated compute").
+UNCHECKED = {
+    "a100_80gb_pcie_calibrated": "no public bf16 training run on an A100 PCIe card found",
+    "a100_40gb_pcie_calibrated": "no public bf16 training run on an A100 PCIe card found",
+    "h100_pcie5": "no public bf16 training run on an H100 PCIe card found",
+    "h200_sxm_pcie5": "the public H200 runs found (torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md, "
+                      "Llama 3.1 8B on 32 and 64 H200) train with float8 GEMMs, which this model does not time",
+    "gh200_c2c": "no public bf16 training run on GH200 with a configuration to reproduce found",
+}
 #: The seed-era shared efficiencies, for the "seed" column: what every preset assumed before calibration.
 SEED = {"a100": {"matmul": 0.7, "attention": 0.5, "hbm": 0.8}, "h100": {"matmul": 0.7, "attention": 0.35, "hbm": 0.8}}
+SEED["a100_40gb"] = SEED["a100"]
 #: Cited, not fitted: FlashAttention-2 reaches 35 % of H100 peak, FlashAttention-3 up to 740 TFLOP/s
 #: fp16 (75 %) (Dao 2023 and Shah et al. 2024, abstracts). No H100 row names its kernel to fit them on.
 H100_CITED = {"attention": 0.35, "flash3": 0.75}
@@ -220,7 +262,7 @@ def micro_collectives(meas: Measurement, num_params: int, hw: Hardware) -> Micro
 
     if not meas.sharding or meas.shards == 1:
         return MicroCollectives()
-    fabric = topology_from_node(Node.from_dict(conf("node", meas.node)), hw).fabric_for(meas.shards)
+    fabric = topology_from_node(Node.from_dict(node_conf(meas.node)), hw).fabric_for(meas.shards)
     units = meas.model["num_layers"] + 1
     params = all_gather_s(2 * num_params, meas.shards, fabric, units)
     grads = reduce_scatter_s(meas.grad_reduce_bytes * num_params, meas.shards, fabric, units)
@@ -288,8 +330,16 @@ def to_unit(meas: Measurement, step: float, model: ModelConfig | None = None) ->
     return meas.grad_accum * model_flops(model) / step / 1e12
 
 
+@functools.cache
 def hardware(name: str) -> Hardware:
+    """The preset, parsed once per process: a frozen value, and YAML parsing was 40 % of a run."""
     return Hardware.from_dict(conf("hardware", name))
+
+
+@functools.cache
+def node_conf(name: str) -> dict:
+    """The node preset's mapping, parsed once per process (read-only here)."""
+    return conf("node", name)
 
 
 def seed_hardware(gpu: str) -> Hardware:
@@ -411,8 +461,11 @@ def summary(rows: list[dict]) -> dict:
     def part(sel: list[dict]) -> dict:
         return {"rows": len(sel), "within_10pct": sum(r["within_10pct"] for r in sel),
                 "seed_within_10pct": sum(abs(r["seed_ratio"] - 1) <= TOLERANCE for r in sel)}
+    by_hardware = {hw: {"fitted": part([r for r in rows if r["hardware"] == hw and not r["held_out"]]),
+                        "held_out": part([r for r in rows if r["hardware"] == hw and r["held_out"]])}
+                   for hw in dict.fromkeys(r["hardware"] for r in rows)}
     return {"all": part(rows), "fitted": part([r for r in rows if not r["held_out"]]),
-            "held_out": part([r for r in rows if r["held_out"]])}
+            "held_out": part([r for r in rows if r["held_out"]]), "by_hardware": by_hardware}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,12 +486,17 @@ def main(argv: list[str] | None = None) -> int:
         p = s[key]
         print(f"{key:<8}: {p['within_10pct']} of {p['rows']} rows within 10 % "
               f"(seed-era efficiencies: {p['seed_within_10pct']})")
+    for hw, parts in s["by_hardware"].items():
+        print(f"  {hw:<26} " + "; ".join(f"{k.replace('_', ' ')} {p['within_10pct']} of {p['rows']}"
+                                         for k, p in parts.items() if p["rows"]))
     for r in rows:
         if not r["within_10pct"]:
             print(f"miss  {r['name']}: ratio {r['ratio']:.3f}; {KNOWN_MISSES.get(r['name'], 'not explained')}")
     for meas, why in EXCLUDED:
         ratio = to_unit(meas, step_s(meas, hardware(PRESETS[meas.gpu]))) / meas.published
         print(f"not comparable  {meas.name}: ratio {ratio:.3f}; {why}")
+    for name, why in UNCHECKED.items():
+        print(f"unchecked  {name}: efficiencies derived, no row; {why}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "calibration.json").write_text(json.dumps({"summary": s, "rows": rows}, indent=2) + "\n")
     return 0

@@ -3,11 +3,17 @@
 Source: mosaicml/llm-foundry scripts/train/benchmarking/README.md at commit 8c8dd48f7; every row keeps
 its table (section) and line. Which rows, by a rule fixed before any ratio was computed:
 
-- the three bf16 tables whose GPU has a calibrated preset: "H100 80GB BF16 (Large Scale, >= 128 GPUs)",
+- the three bf16 tables whose GPU has a fitted preset: "H100 80GB BF16 (Large Scale, >= 128 GPUs)",
   "H100 80GB BF16" and "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" (not the FP8 table:
-  FP8 GEMMs are not timed here; not the A100 40GB table: no calibrated preset for its HBM2 part);
+  FP8 GEMMs are not timed here);
 - micro-batch 1 to 16 and sequence 512 to 8192 (issue 42's span), every such row, no other filter;
 - held out: every third row in source order (position 2, 5, 8, ... of this list), never chosen by fit.
+
+FOUNDRY_40GB_ROWS: the "A100 40GB with 1600 Gbps node-node interconnect (RoCE)" table under the same
+span rule, every row held out. No fit uses them: they check a100_40gb_sxm_calibrated, which carries
+the A100 80GB fit unchanged on the 40GB part's HBM2 (1,555 GB/s), so they test whether that fit
+transfers to another memory system of the same chip. The table was written in the same commit as the
+A100 80GB table (b2a43a147), by the same script and defaults.
 
 The runs (submit_benchmarks.py at the commits that wrote the tables, b2a43a147 and 5e85bd62d): MPT
 models from scripts/train/yamls/pretrain/mpt-<size>.yaml (d_model, n_heads, n_layers, expansion 4,
@@ -24,6 +30,7 @@ SECTIONS = {
     "h100_large": "H100 80GB BF16 (Large Scale, >= 128 GPUs)",
     "h100": "H100 80GB BF16",
     "a100": "A100 80GB with 1600 Gbps node-node interconnect (RoCE)",
+    "a100_40gb": "A100 40GB with 1600 Gbps node-node interconnect (RoCE)",
 }
 #: (n_layers, d_model, n_heads) of scripts/train/yamls/pretrain/mpt-<size>.yaml at commit 8c8dd48f7.
 MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
@@ -108,3 +115,53 @@ FOUNDRY_ROWS: tuple[tuple, ...] = (
 def held_out(position: int) -> bool:
     """The split rule: every third row of FOUNDRY_ROWS, in source order."""
     return position % 3 == 2
+
+
+#: The A100 40GB table's rows under the same span rule (fields as FOUNDRY_ROWS), all held out.
+FOUNDRY_40GB_ROWS: tuple[tuple, ...] = (
+    ('a100_40gb', 232, '70b', 2048, 128, 4, 1, 376, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 233, '70b', 2048, 64, 2, 1, 276, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 234, '30b', 2048, 128, 6, 1, 865, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 235, '30b', 2048, 32, 4, 1, 857, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 236, '13b', 8192, 8, 1, 16, 1407, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 237, '13b', 4096, 8, 2, 16, 1603, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 238, '13b', 2048, 128, 16, 1, 1972, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 239, '13b', 2048, 64, 16, 1, 1976, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 240, '13b', 2048, 32, 14, 1, 1998, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 241, '13b', 2048, 16, 10, 1, 1993, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 242, '13b', 2048, 8, 4, 16, 1668, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 243, '13b', 1024, 8, 8, 16, 1727, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 244, '13b', 512, 8, 16, 16, 1763, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 246, '7b', 8192, 8, 3, 4, 2887, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 247, '7b', 4096, 8, 6, 4, 3366, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 251, '7b', 2048, 16, 16, 1, 3645, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 252, '7b', 2048, 8, 12, 4, 3679, True, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 257, '3b', 8192, 8, 1, 8, 7149, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 258, '3b', 4096, 8, 2, 8, 8777, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 259, '3b', 2048, 128, 6, 1, 9538, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 260, '3b', 2048, 64, 6, 1, 9736, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 261, '3b', 2048, 32, 6, 1, 9914, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 262, '3b', 2048, 16, 5, 1, 9750, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 263, '3b', 2048, 8, 5, 8, 10065, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 264, '3b', 1024, 8, 10, 8, 10731, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 268, '1b', 8192, 8, 2, 8, 13474, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 269, '1b', 4096, 8, 4, 8, 16856, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 270, '1b', 2048, 128, 10, 1, 18647, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 271, '1b', 2048, 64, 10, 1, 19001, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 272, '1b', 2048, 32, 10, 1, 15555, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 273, '1b', 2048, 16, 8, 1, 19085, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 274, '1b', 2048, 8, 8, 8, 19271, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 275, '1b', 1024, 8, 16, 8, 20959, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 279, '760m', 8192, 8, 3, 4, 20106, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 280, '760m', 4096, 8, 6, 4, 25863, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 281, '760m', 2048, 128, 12, 1, 28940, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 282, '760m', 2048, 64, 12, 1, 29344, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 283, '760m', 2048, 32, 12, 1, 29648, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 284, '760m', 2048, 16, 12, 1, 29607, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 285, '760m', 2048, 8, 12, 4, 30173, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 290, '350m', 8192, 8, 4, 4, 34933, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 291, '350m', 4096, 8, 8, 4, 46833, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 296, '350m', 2048, 8, 16, 4, 55995, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 301, '125m', 8192, 8, 5, 3, 86858, False, 'PURE', 'FULL_SHARD'),
+    ('a100_40gb', 302, '125m', 4096, 8, 13, 3, 115162, False, 'PURE', 'FULL_SHARD'),
+)

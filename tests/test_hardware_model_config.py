@@ -1,5 +1,6 @@
 """Every preset loads into the library types and builds a graph; bad input names the field and value."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,40 @@ def test_the_required_presets_exist():
     assert {"bert_large", "gpt2_xl", "llama7b", "llama2_70b", "tiny"} <= set(MODELS)
     gpus = {"a100_80gb_pcie4", "a100_80gb_sxm_pcie4", "a100_40gb_pcie4", "v100_pcie3", "h100_pcie5"}
     assert gpus | {"h100_sxm_pcie5", "h200_sxm_pcie5", "gh200_c2c"} <= set(HARDWARE)
+
+
+#: Issue 42's GPU generations, each with a preset on a fitted efficiency set (the A100 or the H100 fit).
+GENERATIONS = {
+    "NVIDIA A100 40GB PCIe": "a100_40gb_pcie_calibrated", "NVIDIA A100 40GB SXM4": "a100_40gb_sxm_calibrated",
+    "NVIDIA A100 80GB PCIe": "a100_80gb_pcie_calibrated", "NVIDIA A100 80GB SXM4": "a100_80gb_sxm_calibrated",
+    "NVIDIA H100 PCIe 80GB": "h100_pcie5", "NVIDIA H100 SXM5 80GB": "h100_sxm_calibrated",
+    "NVIDIA H200 SXM 141GB": "h200_sxm_pcie5", "NVIDIA GH200 Grace Hopper Superchip 96GB HBM3": "gh200_c2c",
+}
+
+
+@pytest.mark.parametrize(("sku", "name"), GENERATIONS.items())
+def test_every_gpu_generation_has_a_preset_on_a_fit(sku, name):
+    hw = Hardware.from_dict(load("hardware", name))
+    fit = Hardware.from_dict(load("hardware", "h100_sxm_calibrated" if "H" in sku.split()[1] else
+                                  "a100_80gb_sxm_calibrated"))
+    assert hw.sku == sku
+    assert (dict(hw.efficiency), hw.hbm_efficiency) == (dict(fit.efficiency), fit.hbm_efficiency)
+    assert hw.collective_overlap_slowdown == fit.collective_overlap_slowdown > 0
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_a_seed_era_preset_says_so_and_names_a_preset_on_a_fit(name):
+    """The presets that keep the shared seed-era figures say so in their header, and an A100 one names
+    its twin on the A100 fit, which exists."""
+    text = (CONF / "hardware" / f"{name}.yaml").read_text()
+    hw = Hardware.from_dict(load("hardware", name))
+    if hw.collective_overlap_slowdown > 0:
+        assert "Seed-era" not in text
+        return
+    assert "Seed-era efficiencies" in text and hw.hbm_efficiency == 0.8
+    twins = re.findall(r"use (\w+_calibrated)", " ".join(text.split()))
+    assert bool(twins) == name.startswith("a100"), name
+    assert all(t in HARDWARE for t in twins)
 
 
 @pytest.mark.parametrize("name", MODELS)
