@@ -46,8 +46,10 @@ from benchmarks.calibration_rows import (  # noqa: E402
     FOUNDRY_40GB_ROWS,
     FOUNDRY_README,
     FOUNDRY_ROWS,
+    KNOWN_MISSES,
     MPT_SHAPES,
     SECTIONS,
+    UNCHECKED,
     held_out,
 )
 from benchmarks.common import RESULTS, conf  # noqa: E402
@@ -171,30 +173,6 @@ EXCLUDED: tuple[tuple[Measurement, str], ...] = (
      "padded to their bin, not to 512, so the published 210 sequences/s is not a seq-512 step"),
 )
 
-#: Rows more than 10 % off on the committed presets, each with what the model assumes there
-#: (docs/hardware.md, "Calibrated compute"); tests/test_calibration.py fails on any other miss.
-KNOWN_MISSES = {
-    "mpt30b_s8192_g8_mb1_a100": "published MFU drops from 51 % at seq 4096 to 39 % at 8192 (same model, "
-                                "micro-batch 1) while 7B-13B at seq 8192 and 30B at 6,144 tokens per "
-                                "micro-batch fit; a 30B FULL_SHARD rank holds ~60 GB of sharded state, so "
-                                "memory pressure (allocator retries) is a candidate cause, unverified, not modelled",
-    "mpt30b_s8192_g8_mb1_h100": "the same seq-8192 drop on the H100 (MFU 35.9 -> 29.9 %)",
-    **dict.fromkeys(
-        ("mpt13b_s4096_g8_mb2_a100_40gb", "mpt13b_s2048_g8_mb4_a100_40gb", "mpt13b_s1024_g8_mb8_a100_40gb",
-         "mpt13b_s512_g8_mb16_a100_40gb"),
-        "held out; the same 13B at seq 2048 on 16 to 128 GPUs fits (1.02-1.04); on 8 GPUs a 13B FULL_SHARD "
-        "rank holds ~26 GB of sharded state, 0.60 of the 40 GB part, with 8,192 tokens per micro-batch, as "
-        "the 30B seq-8192 A100 80GB miss (0.70 of 80 GB, 8,192 tokens): memory pressure (allocator retries) "
-        "is a candidate cause, unverified, not modelled"),
-    "mpt70b_s2048_g64_mb2_a100_40gb": "held out; published MFU 35.9 % against 48.9 % for the same model on 128 "
-                                      "GPUs at micro-batch 4 (ratio 1.06 there), and the A100 80GB table's 70B "
-                                      "at micro-batch 2 on 32 GPUs (the same sharded state per GPU and tokens "
-                                      "per micro-batch, 16 accumulation steps) fits at 0.99: not explained",
-    "mpt1b_s2048_g32_mb10_a100_40gb": "held out; the source's own outlier: the same 1B at seq 2048 runs 18,647 "
-                                      "to 19,085 tokens/s per GPU (MFU 54-56 %) on 16, 64 and 128 GPUs and "
-                                      "15,555 (MFU 45 %) on 32; nothing in the step falls and recovers with "
-                                      "the GPU count",
-}
 #: The calibrated presets each GPU's rows run on (a100_40gb_sxm_calibrated carries the A100 fit on the 40GB
 #: part's HBM2); the uncalibrated twins the fitted ones share every other figure with.
 PRESETS = {"a100": "a100_80gb_sxm_calibrated", "a100_40gb": "a100_40gb_sxm_calibrated", "h100": "h100_sxm_calibrated"}
@@ -204,15 +182,6 @@ HOPPER_PRESETS = ("h100_sxm_pcie5", "h100_pcie5", "h200_sxm_pcie5", "gh200_c2c")
 #: Presets that carry the A100 fit on another A100 part (the same GA100 chip and peak; their own memory
 #: and host link): the 40GB SXM4 module and both PCIe cards.
 A100_PRESETS = ("a100_40gb_sxm_calibrated", "a100_80gb_pcie_calibrated", "a100_40gb_pcie_calibrated")
-#: Presets no public row checks, and why (printed; docs/hardware.md, "Calibrated compute").
-UNCHECKED = {
-    "a100_80gb_pcie_calibrated": "no public bf16 training run on an A100 PCIe card found",
-    "a100_40gb_pcie_calibrated": "no public bf16 training run on an A100 PCIe card found",
-    "h100_pcie5": "no public bf16 training run on an H100 PCIe card found",
-    "h200_sxm_pcie5": "the public H200 runs found (torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md, "
-                      "Llama 3.1 8B on 32 and 64 H200) train with float8 GEMMs, which this model does not time",
-    "gh200_c2c": "no public bf16 training run on GH200 with a configuration to reproduce found",
-}
 #: The seed-era shared efficiencies, for the "seed" column: what every preset assumed before calibration.
 SEED = {"a100": {"matmul": 0.7, "attention": 0.5, "hbm": 0.8}, "h100": {"matmul": 0.7, "attention": 0.35, "hbm": 0.8}}
 SEED["a100_40gb"] = SEED["a100"]
