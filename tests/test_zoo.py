@@ -2,10 +2,11 @@
 
 Fast: the in-place patterns and BatchNorm at 70 % under every default planner (the
 runtime executor). Slow: every architecture of `slackswap.runtime.zoo` under every default planner at
-two of the budgets 30 / 50 / 70 %, the one left out turning with the architecture, so each budget
-meets two thirds of the architectures. A cell costs a verified step (0.3-0.7 s on a 2-layer model),
-and the whole grid of 32 architectures x 3 budgets (about 100 s of the suite's two workers) is the
-benchmark's record, `benchmarks/results/zoo.json`, with the export's cells beside it. The export's
+one of the budgets 70 / 50 / 30 %, turning with the architecture, so each budget meets a third of the
+architectures (the suite's time is its limit: with two budgets each, this file took 58.6 s of worker time).
+A cell costs a verified step (0.3-0.7 s on a 2-layer model), and the whole grid of 32 architectures x
+3 budgets x both executors is the benchmark's record, `benchmarks/results/zoo.json`, which fails on
+any cell that differs, crashes or measures over its budget. The export's
 measure: a swapping plan's measured peak is its price, and a step measured over its budget fails the zoo.
 """
 
@@ -41,16 +42,15 @@ def test_the_fast_zoo_runs_every_planner_exact_or_infeasible_at_70_percent() -> 
         assert any(r["cell"] == "exact" for r in result["cells"] if r["model"] == model), model
 
 
-BUDGETS = (0.3, 0.5, 0.7)
-#: Per architecture, the budgets its test runs: all but one, a different one for consecutive models.
-BUDGETS_BY_MODEL = {model: tuple(f for j, f in enumerate(BUDGETS) if j != i % len(BUDGETS))
-                    for i, model in enumerate(FACTORIES)}
+BUDGETS = (0.7, 0.5, 0.3)
+#: Per architecture, the budget its test runs: a different one for consecutive models.
+BUDGETS_BY_MODEL = {model: (BUDGETS[i % len(BUDGETS)],) for i, model in enumerate(FACTORIES)}
 
 
 def test_every_budget_meets_most_architectures() -> None:
     for fraction in BUDGETS:
         met = sum(fraction in fractions for fractions in BUDGETS_BY_MODEL.values())
-        assert met >= len(FACTORIES) * 2 // 3, (fraction, met)
+        assert met >= len(FACTORIES) // 3, (fraction, met)
 
 
 @pytest.mark.slow
