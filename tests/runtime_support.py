@@ -80,6 +80,15 @@ def deterministic_kernels():
     torch.use_deterministic_algorithms(before)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while a test measures: the allocator's peak does not depend on the pool."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def step_under(w: Workload, context=None):
     """One step from seed 1 (the dropout stream), plainly or inside `context` (an `apply(...)` run, which
     can be entered once per step, or an export's `installed(...)`); returns (loss, grads)."""

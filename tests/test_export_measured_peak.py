@@ -44,7 +44,7 @@ from slackswap.runtime.export import PlanExport  # noqa: E402
 from slackswap.runtime.export_facts import layer_paths  # noqa: E402
 from slackswap.runtime.zoo import build  # noqa: E402
 from slackswap.simulate.metrics import simulate_ideal  # noqa: E402
-from tests.runtime_support import deterministic_kernels, h200  # noqa: E402, F401 (deterministic_kernels: a fixture)
+from tests.runtime_support import deterministic_kernels, h200, one_thread  # noqa: E402, F401 (two fixtures)
 
 pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 
@@ -68,15 +68,6 @@ def _measured_peaks(model: torch.nn.Module, batch: torch.Tensor, loss_fn, export
             gc.collect()
             peaks.append(peak_cpu_bytes(step))
     return peaks
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread while a test measures: the allocator's peak does not depend on the pool."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _captured(name: str, fraction: float):
@@ -105,7 +96,8 @@ def _planned_and_measured(name: str, planner: str, fraction: float):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2", "tied"])
-def test_an_exported_steps_measured_peak_is_within_its_budget_and_its_price(name: str, one_thread) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_an_exported_steps_measured_peak_is_within_its_budget_and_its_price(name: str) -> None:
     w, pristine, graph, budget = _captured(name, 0.8)
     plan = plan_for_export(get_planner("full_recompute"), graph, pristine, h200(), budget)
     model = copy.deepcopy(pristine)
@@ -153,8 +145,8 @@ def test_an_infeasible_export_budget_says_what_pytorch_keeps_with_the_bytes() ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "planner"), [("llama", "recompute_knapsack"), ("bert", "recompute_knapsack")])
-def test_a_plan_keeping_tensors_in_a_layer_is_refused_or_runs_within_its_budget(name: str, planner: str,
-                                                                               one_thread) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_a_plan_keeping_tensors_in_a_layer_is_refused_or_runs_within_its_budget(name: str, planner: str) -> None:
     """A replay keeps what the layer's Python forward keeps: the inputs it recomputed for a cached op stay
     until the op after which the forward dropped them (`eager_replay_peak_bytes`). Priced at their last
     reader instead, both plans at 90 % measured over their budget (Llama 1,517,164 B against 1,498,759;
@@ -202,8 +194,8 @@ def test_an_in_place_write_after_a_view_is_held_as_the_cache_holds_it() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "planner"), [("tied", "torch_budget"), ("inplace_attention", "recompute_knapsack")])
-def test_what_the_export_caches_is_priced_so_a_step_stays_within_its_budget(name: str, planner: str,
-                                                                             one_thread) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_what_the_export_caches_is_priced_so_a_step_stays_within_its_budget(name: str, planner: str) -> None:
     """A checkpoint candidate a plan keeps is cached by the export until the layer's replay (or its frame's
     end), not freed at its last forward reader; in-place-written scores are cached with their op. Priced
     so, the plan is re-planned or refused before it runs; before, both cells at 70 % ran over their budget
@@ -220,7 +212,8 @@ def test_what_the_export_caches_is_priced_so_a_step_stays_within_its_budget(name
 
 
 @pytest.mark.slow
-def test_a_layer_argument_no_op_reads_is_priced_as_its_frame_holds_it(one_thread) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_a_layer_argument_no_op_reads_is_priced_as_its_frame_holds_it() -> None:
     """HF Llama passes `cache_position` (512 B) to every decoder layer, whose ops never read it: the capture
     freed it at the end of the forward, the checkpoint frames hold it into the backward. Recorded per layer
     (`LAYER_ARGUMENTS_KEY`) and held to the frames' ends, Llama's torch_sac_torchtitan at 70 % is priced

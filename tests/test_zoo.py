@@ -20,7 +20,7 @@ torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
 from benchmarks.zoo import DEFAULT_PLANNERS, FACTORIES, kind, run  # noqa: E402
-from tests.runtime_support import deterministic_kernels  # noqa: E402, F401 (a fixture)
+from tests.runtime_support import deterministic_kernels, one_thread  # noqa: E402, F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 
@@ -88,22 +88,14 @@ def test_the_zoo_compares_the_trace_with_the_hooks_per_architecture() -> None:
     assert "packed for a node backward never ran" in routing
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread while a test measures: the allocator's peak does not depend on the pool."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _swaps(plan) -> int:
     from slackswap.plan import Decision
 
     return sum(d == Decision.SWAP for d in plan.decisions.values())
 
 
-def test_an_exported_swap_plans_measured_peak_is_its_price_to_the_byte(one_thread) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_an_exported_swap_plans_measured_peak_is_its_price_to_the_byte() -> None:
     """The tied MLP stack's capuchin plan at 70 % (20 tensors offloaded), measured as the zoo measures (the
     step after the one that allocates the host buffers, so the CPU allocator sees device bytes only): the
     CPU peak less the
@@ -130,7 +122,8 @@ def test_an_exported_swap_plans_measured_peak_is_its_price_to_the_byte(one_threa
     assert measured_kept > measured, (measured_kept, measured)
 
 
-def test_an_exported_step_measured_over_its_budget_is_a_failure(monkeypatch, tmp_path, one_thread) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_an_exported_step_measured_over_its_budget_is_a_failure(monkeypatch, tmp_path) -> None:
     """A swapping plan made for 70 % of the tied stack's keep-all peak, run as the cell of a 30 % budget: the
     gradients are exact, the measured peak is not within the budget, and the zoo says so and fails."""
     import json
