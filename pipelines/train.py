@@ -82,7 +82,9 @@ class _Console(TrainingProgress):
         print(f"{done} {peak}", flush=True)
 
     def timed(self, figures) -> None:
-        cached = " (cached table)" if figures["op_times_cached"] else ""
+        load = figures["op_times_load_average"]
+        when = f"measured at load {load:.2f}" if load == load else "measured at an unrecorded load"
+        cached = f" (cached table, {when})" if figures["op_times_cached"] else f" ({when})"
         print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}{cached}; sum of op "
               f"times {figures['op_times_sum_s'] * 1e3:.1f} ms, plain step {figures['profile_plain_step_s'] * 1e3:.1f}"
               f" ms", flush=True)

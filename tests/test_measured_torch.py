@@ -48,6 +48,9 @@ def test_the_table_is_measured_once_then_read_from_the_cache(captured, tmp_path)
     first, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     again, cached_again = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     assert (cached, cached_again) == (False, True) and again == first
+    # The load the times were measured at travels with the cached table (a reused table says it).
+    assert again.notes["load_average_1min"] == first.notes["load_average_1min"] >= 0.0
+    assert again.notes["cpu_count"] >= 1
 
 
 def test_a_step_that_is_not_the_captured_one_is_one_line_naming_it(captured):
@@ -98,6 +101,7 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path):
     assert f["ops_timed_measured"] == len(outcome.graph.ops) and f["ops_timed_roofline"] == 0
     assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"])
     assert f["measured_steps_compared"] == 2 and math.isfinite(f["step_relative_error"])
+    assert f["op_times_load_average"] >= 0.0 and not f["op_times_cached"]
     # The simulated plan runs on the measured op times, not the roofline's.
     assert outcome.graph.meta["timing"] == "measured"
 

@@ -14,6 +14,7 @@ torch only inside the functions that measure.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ class MeasuredTiming:
                    "profile_plain_step_s": table.step_median_s,
                    "profile_plain_step_min_s": table.step_min_s, "profile_plain_step_max_s": table.step_max_s,
                    "timer_overhead_per_call_s": table.timer_overhead_per_call_s,
+                   # The table's op times carry the load they were measured at (a cached table was
+                   # measured by an earlier run): the timer's cost taken off each op is not load-free.
+                   "op_times_load_average": table.notes.get("load_average_1min", math.nan),
                    "timing_sources_line": sources.line()}
         return retimed, figures
 

@@ -28,6 +28,7 @@ idle launch gaps included. The CUDA path is written but was never run in this re
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -248,7 +249,8 @@ def measure_op_times(
     return OpTimeTable(key=key, times=times, warmup=warmup, repeats=repeats, step_median_s=statistics.median(plain),
                        step_min_s=min(plain), step_max_s=max(plain), timer_overhead_per_call_s=overhead,
                        unattributed_s=statistics.median(tails),
-                       notes={"timed_step_median_s": statistics.median(timed), "aten_calls": calls})
+                       notes={"timed_step_median_s": statistics.median(timed), "aten_calls": calls,
+                              "load_average_1min": os.getloadavg()[0], "cpu_count": os.cpu_count()})
 
 
 def cached_op_times(
