@@ -23,6 +23,7 @@ from slackswap.experiment.advise_space import (
 from slackswap.experiment.advise_step import activation_floor_bytes, optimizer_step_s, recipe_for_layout
 from slackswap.memory.static import StaticMemory, static_memory
 from slackswap.parallel import ParallelConfig
+from slackswap.profile.stages import chunk_units, routed_expert_params
 
 
 @dataclass
@@ -132,7 +133,7 @@ def chunk_expert_params(model: Any, layout: Layout) -> list[int]:
     if moe is None:
         return [0] * chunks
     per = model.num_layers // chunks
-    each = moe.num_experts // layout.ep * 3 * model.hidden_size * moe.expert_ffn_hidden_size
+    each = routed_expert_params(model, layout.ep)
     return [each * sum(moe.is_moe_layer(i) for i in range(c * per, (c + 1) * per)) for c in range(chunks)]
 
 
@@ -153,28 +154,12 @@ def device_expert_params(model: Any, layout: Layout) -> list[int]:
 
 
 def device_units(ctx: Any, layout: Layout) -> list[tuple[int, int]]:
-    """(largest dense parameter group, largest routed-expert group) each device holds, cached per layout:
-    ZeRO-3's gather units. A layer's group less its E / ep experts (`chunk_expert_params`' per-layer
-    count) is its dense unit, the embedding / head group is dense; the experts of one MoE layer are
-    their own unit (torchtitan wraps `moe.experts` in its own `fully_shard` over the expert mesh)."""
-    from slackswap.graph import NO_LAYER
-    from slackswap.profile.stages import stage_group_parameters
-
+    """(largest dense parameter group, largest routed-expert group) each device holds over its chunks
+    (`slackswap.profile.stages.chunk_units`), cached per layout: ZeRO-3's gather units."""
     key = ("units", layout.tp, layout.pp, layout.virtual_stages, layout.ep)
     if key not in ctx.plan_cache:
-        model, chunks = ctx.model, layout.pp * layout.virtual_stages
         par = chunk_parallel(layout.tp, layout.pp, virtual_stages=layout.virtual_stages, ep=layout.ep)
-        per = model.num_layers // chunks
-        each = 0 if model.moe is None else (model.moe.num_experts // layout.ep * 3 * model.hidden_size
-                                            * model.moe.expert_ffn_hidden_size)
-        units = []
-        for c in range(chunks):
-            dense = expert = 0
-            for group, n in stage_group_parameters(model, par, c).items():
-                moe_layer = model.moe is not None and group != NO_LAYER and model.moe.is_moe_layer(c * per + group)
-                e = each if moe_layer else 0
-                dense, expert = max(dense, n - e), max(expert, e)
-            units.append((dense, expert))
+        units = [chunk_units(ctx.model, par, c) for c in range(layout.pp * layout.virtual_stages)]
         ctx.plan_cache[key] = [(max(u[0] for u in units[d::layout.pp]), max(u[1] for u in units[d::layout.pp]))
                                for d in range(layout.pp)]
     return ctx.plan_cache[key]

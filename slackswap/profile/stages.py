@@ -134,34 +134,45 @@ def expert_shards(parallel: ParallelConfig, zero_stage: int, zero_shards: int) -
     return max(1, zero_shards * parallel.cp // parallel.ep) if zero_stage else 1
 
 
+def routed_expert_params(model: ModelConfig, ep: int) -> int:
+    """Parameters of one MoE layer's routed experts on one of `ep` ranks: its E / ep experts' gate, up and
+    down weights, 3 h f_e each (`slackswap.profile.moe`; shared experts and the router are dense)."""
+    return model.moe.num_experts // ep * 3 * model.hidden_size * model.moe.expert_ffn_hidden_size
+
+
+def chunk_units(model: ModelConfig, parallel: ParallelConfig, chunk: int) -> tuple[int, int, int]:
+    """(largest dense parameter group, largest routed-expert group, routed-expert parameters) of one rank
+    of chunk `chunk`: ZeRO-3's gather units once the experts are split off. A layer's group less its
+    routed experts is dense, the embedding / head group is dense, one MoE layer's experts are their own
+    unit (torchtitan wraps `moe.experts` in its own `fully_shard` over the expert mesh)."""
+    each = 0 if model.moe is None else routed_expert_params(model, parallel.ep)
+    first = stage_layers(model, parallel, chunk).start
+    dense_unit = expert_unit = experts = 0
+    for group, n in stage_group_parameters(model, parallel, chunk).items():
+        e = each if group != NO_LAYER and model.moe is not None and model.moe.is_moe_layer(first + group) else 0
+        dense_unit, expert_unit, experts = max(dense_unit, n - e), max(expert_unit, e), experts + e
+    return dense_unit, expert_unit, experts
+
+
 def device_static_memory(model: ModelConfig, parallel: ParallelConfig, training: TrainingConfig, device: int):
     """Static memory of one rank of pipeline device `device` (its chunks' parameters) under `training`.
 
     On an MoE model under ep > 1 the routed experts' state is sharded over `expert_shards` GPUs, the dense
-    parameters' over `training.zero_shards`, term by term summed; ZeRO-3 gathers two units of each (the
-    largest dense group: a layer less its experts or the embedding / head; one MoE layer's experts), the
-    rule of the advise layout search (docs/advise.md, "Layouts"). Otherwise every parameter under
-    `training`, as before experts were split."""
-    from dataclasses import replace as _replace
-
+    parameters' over `training.zero_shards`, term by term summed; ZeRO-3 gathers two units of each
+    (`chunk_units`), the rule of the advise layout search (docs/advise.md, "Layouts"). Otherwise every
+    parameter under `training`, as before experts were split."""
     from slackswap.memory.static import static_memory
 
     chunks = range(device, parallel.chunks, parallel.pp)
-    groups = [(c, stage_group_parameters(model, parallel, c)) for c in chunks]
-    total = sum(sum(g.values()) for _, g in groups)
-    unit = max(max(g.values()) for _, g in groups)
+    groups = [stage_group_parameters(model, parallel, c) for c in chunks]
+    total = sum(sum(g.values()) for g in groups)
     if model.moe is None or parallel.ep == 1:
-        return static_memory(total, unit, training, model.dtype)
-    each = model.moe.num_experts // parallel.ep * 3 * model.hidden_size * model.moe.expert_ffn_hidden_size
-    experts = dense_unit = expert_unit = 0
-    for c, g in groups:
-        first = stage_layers(model, parallel, c).start
-        for group, n in g.items():
-            e = each if group != NO_LAYER and model.moe.is_moe_layer(first + group) else 0
-            experts, dense_unit, expert_unit = experts + e, max(dense_unit, n - e), max(expert_unit, e)
+        return static_memory(total, max(max(g.values()) for g in groups), training, model.dtype)
+    units = [chunk_units(model, parallel, c) for c in chunks]
+    experts = sum(u[2] for u in units)
     if not experts:
-        return static_memory(total, unit, training, model.dtype)
+        return static_memory(total, max(max(g.values()) for g in groups), training, model.dtype)
     shards = expert_shards(parallel, training.zero_stage, training.zero_shards)
-    dense = static_memory(total - experts, dense_unit, training, model.dtype)
-    expert = static_memory(experts, expert_unit, _replace(training, zero_shards=shards), model.dtype)
-    return _replace(dense, num_params=total, **{k: v + expert.terms()[k] for k, v in dense.terms().items()})
+    dense = static_memory(total - experts, max(u[0] for u in units), training, model.dtype)
+    expert = static_memory(experts, max(u[1] for u in units), replace(training, zero_shards=shards), model.dtype)
+    return replace(dense, num_params=total, **{k: v + expert.terms()[k] for k, v in dense.terms().items()})
