@@ -233,9 +233,8 @@ class HostCopies:
     as a device's would, as the eager runtime's `CpuCopies` do: so from the second step on (the pool
     allocated) the CPU allocator sees only device bytes, an offloaded tensor's bytes absent while it is
     off the device and its reloaded copy present from the reload, and a measured CPU peak is the
-    step's device peak (`benchmarks/zoo.py`, `Arch.over_budget`). Before, the CPU copy was a clone held
-    from the offload to the end of the backward and handed back as the reload: the offload saved
-    nothing on the CPU, and no measure could tell an offload from a keep."""
+    step's device peak (`benchmarks/zoo.py`, `Arch.over_budget`). A clone held from the offload to the
+    end of the backward would save nothing on the CPU, and no measure could tell an offload from a keep."""
 
     def __init__(self) -> None:
         from slackswap.runtime.copy_engines import HostPool
