@@ -1,6 +1,7 @@
 """Calibrated compute: the committed calibration.json is what the committed presets give, rows are
-counted within 10 % fitted and held out apart, the fit reproduces the presets' efficiencies, and
-every Hopper preset carries the H100 fit."""
+counted within 10 % fitted and held out apart, the presets hold the fit their rows give, and every
+Hopper preset carries the H100 fit. The fit with n_half (a global search, about a minute) is the
+benchmarks' check (`python benchmarks/calibration_fit.py --check`)."""
 
 from __future__ import annotations
 
@@ -69,19 +70,11 @@ def test_the_step_is_the_simulators_keep_all_step() -> None:
 
 @pytest.mark.slow
 def test_the_fit_reproduces_the_calibrated_presets() -> None:
-    fits = calibration.fit_all()
-    a100 = yaml.safe_load((REPO / "conf/hardware/a100_80gb_sxm_calibrated.yaml").read_text())
-    for key in ("matmul", "attention"):
-        assert fits["a100"][key] == pytest.approx(a100["efficiency"][key], abs=0.006)
-    for key in ("eager", "flash1", "triton"):
-        assert fits["a100"][key] == pytest.approx(a100["attention_kernels"][key], abs=0.006)
-    assert fits["a100"]["hbm"] == pytest.approx(a100["hbm_efficiency"], abs=0.006)
-    assert fits["a100"]["slowdown"] == pytest.approx(a100["collective_overlap_slowdown"], abs=0.006)
-    h100 = yaml.safe_load((REPO / "conf/hardware/h100_sxm_calibrated.yaml").read_text())
-    assert fits["h100"]["matmul"] == pytest.approx(h100["efficiency"]["matmul"], abs=0.006)
-    assert fits["h100"]["triton"] == pytest.approx(h100["attention_kernels"]["triton"], abs=0.006)
-    assert fits["h100"]["hbm"] == pytest.approx(h100["hbm_efficiency"], abs=0.006)
-    assert fits["h100"]["slowdown"] == pytest.approx(h100["collective_overlap_slowdown"], abs=0.006)
+    """Every preset carrying a fit holds the fit its GPU's rows give today (the kept variant only; the
+    global search with n_half is the benchmark's, `calibration_fit.py --check`)."""
+    from benchmarks import calibration_fit
+
+    assert calibration_fit.check(calibration_fit.kept_fits()) == []
 
 
 def test_held_out_rows_follow_the_stated_rule() -> None:
@@ -225,3 +218,17 @@ def test_every_fitted_or_derived_preset_is_checked_or_says_why_not(rows) -> None
     checked = {r["hardware"] for r in rows} | {"h100_sxm_pcie5"}
     assert set(calibration.UNCHECKED) == carrying - checked
     assert all(calibration.UNCHECKED.values())
+
+
+def test_the_fit_check_flags_a_preset_that_strays_from_its_fit() -> None:
+    """`calibration_fit.py --check` (the benchmarks' check that the presets hold the fit; the fit itself
+    takes a minute, so no unit test runs it) passes on the committed presets' own figures and names a
+    preset whose figure strays beyond its rounding, n_half included (read in GFLOP)."""
+    from benchmarks import calibration_fit
+
+    fits = {gpu: {"kept": calibration_fit.preset_values(calibration.PRESETS[gpu])} for gpu in ("a100", "h100")}
+    assert calibration_fit.check(fits) == []
+    fits["h100"]["kept"] = fits["h100"]["kept"] | {"n_half_matmul": 5.0}
+    bad = calibration_fit.check(fits)
+    assert bad and all("n_half_matmul" in line for line in bad)
+    assert {line.split(":")[0] for line in bad} == {"h100_sxm_calibrated", *calibration.HOPPER_PRESETS}
