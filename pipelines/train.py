@@ -82,6 +82,8 @@ class _Console(TrainingProgress):
         print(f"{done} {peak}", flush=True)
 
     def timed(self, figures) -> None:
+        if figures.get("op_times_remeasured_because"):
+            print(f"[train] {figures['op_times_remeasured_because']}", flush=True)
         load = figures["op_times_load_average"]
         when = f"measured at load {load:.2f}" if load == load else "measured at an unrecorded load"
         cached = f" (cached table, {when})" if figures["op_times_cached"] else f" ({when})"

@@ -43,14 +43,51 @@ def test_every_op_of_the_captured_step_is_timed(captured):
     assert all(p.grad is None for p in w.model.parameters())  # the model is left as it was
 
 
-def test_the_table_is_measured_once_then_read_from_the_cache(captured, tmp_path):
+def test_the_table_is_measured_once_then_read_from_the_cache(captured, tmp_path, monkeypatch):
     w, graph = captured
+    # A quiet machine, whatever the suite's load: a table measured under load is measured again (below).
+    monkeypatch.setattr("os.getloadavg", lambda: (0.1, 0.1, 0.1))
     first, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     again, cached_again = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     assert (cached, cached_again) == (False, True) and again == first
     # The load the times were measured at travels with the cached table (a reused table says it).
     assert again.notes["load_average_1min"] == first.notes["load_average_1min"] >= 0.0
     assert again.notes["cpu_count"] >= 1
+
+
+def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path, monkeypatch):
+    # A stub stands in for the measurement: each call returns a table at the next load, so the test
+    # sees which cached tables are reused and which are measured again, without timing a step.
+    import slackswap.runtime.op_times as op_times
+    from slackswap.profile.measured import MAX_REUSE_LOAD_PER_CPU, OpTimeTable
+
+    w, graph = captured
+    notes = iter([{"load_average_1min": 1.6, "cpu_count": 2}, {"load_average_1min": 0.4, "cpu_count": 2},
+                  {}, {"load_average_1min": 0.2, "cpu_count": 2}])
+    made = []
+
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock):
+        key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
+        made.append(OpTimeTable(key=key, times={}, warmup=warmup, repeats=repeats, step_median_s=1e-3,
+                                step_min_s=1e-3, step_max_s=1e-3, notes=next(notes)))
+        return made[-1]
+
+    monkeypatch.setattr(op_times, "measure_op_times", stub)
+
+    def cached():
+        return cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
+
+    first, was_cached = cached()  # load 1.6 on 2 CPUs: 0.8 per CPU
+    assert not was_cached and MAX_REUSE_LOAD_PER_CPU < 1.6 / 2
+    again, was_cached = cached()  # measured again, and the new table says why
+    assert not was_cached and len(made) == 2 and again.notes["load_average_1min"] == 0.4
+    assert "measured at load 1.60 on 2 CPUs" in again.notes["remeasured_because"]
+    reused, was_cached = cached()  # 0.2 per CPU: reused as it is
+    assert was_cached and len(made) == 2 and reused == again
+    # A table with no recorded load (one written before loads were recorded) is measured again too.
+    op_times.save_table(replace(again, notes={}), tmp_path)
+    fresh, was_cached = cached()
+    assert not was_cached and len(made) == 3 and "no recorded load" in fresh.notes["remeasured_because"]
 
 
 def test_a_step_that_is_not_the_captured_one_is_one_line_naming_it(captured):

@@ -81,6 +81,8 @@ class MeasuredTiming:
                    # The table's op times carry the load they were measured at (a cached table was
                    # measured by an earlier run): the timer's cost taken off each op is not load-free.
                    "op_times_load_average": table.notes.get("load_average_1min", math.nan),
+                   # A cached table measured under load is measured again (`reuse_refusal`): why, or "".
+                   "op_times_remeasured_because": table.notes.get("remeasured_because", "") if not cached else "",
                    "timing_sources_line": sources.line()}
         return retimed, figures
 

@@ -123,6 +123,27 @@ class OpTimeTable:
         return sum(t.median_s for t in self.times.values())
 
 
+#: Highest 1-minute load average per CPU at which a cached table is reused. Above it (or with no load
+#: recorded) the table is measured again: a table's op times carry its load (the timer's cost taken off
+#: each op is measured next to the step), and on this project's 2-core machine hf_gpt2_2l's table
+#: measured at load 1.0 (0.5 per CPU) predicted its step at -8 to -10 % while one measured during a
+#: package install predicted -28 % (docs/profile.md, "The table").
+MAX_REUSE_LOAD_PER_CPU = 0.5
+
+
+def reuse_refusal(table: OpTimeTable) -> str | None:
+    """Why a cached `table` must be measured again rather than reused (one line), or None to reuse it:
+    it was measured at a 1-minute load per CPU above `MAX_REUSE_LOAD_PER_CPU`, or at an unrecorded load."""
+    load, cpus = table.notes.get("load_average_1min"), table.notes.get("cpu_count")
+    digest = table.key.digest()
+    if not isinstance(load, int | float) or not isinstance(cpus, int) or cpus < 1 or load != load:
+        return f"cached op-time table {digest} has no recorded load: measuring it again"
+    if load / cpus > MAX_REUSE_LOAD_PER_CPU:
+        return (f"cached op-time table {digest} was measured at load {load:.2f} on {cpus} CPUs ({load / cpus:.2f} "
+                f"per CPU > {MAX_REUSE_LOAD_PER_CPU}): measuring it again")
+    return None
+
+
 def table_path(key: OpTimeKey, cache_dir: str | Path) -> Path:
     return Path(cache_dir) / f"{key.digest()}.json"
 
