@@ -31,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +77,8 @@ def _row_line(r: dict) -> str:
             f"({ms['measured_min_s']:.1f}-{ms['measured_max_s']:.1f})  error {r['rel_error'] * 100:+6.1f} %  "
             f"overhead {r.get('overhead_predicted', math.nan):.3f} vs {r.get('overhead_measured', math.nan):.3f} "
             f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}"
+            + (f"  [runtime host {r['predicted_runtime_host_s'] * 1e3:.2f} ms]" if r.get("predicted_runtime_host_s")
+               else "")
             + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else "")
             + (f"  [eager SAC: {r['executed_recomputes']} recomputes run, the plan's {r['plan_recomputes']}, "
                f"{r['sac_dispatch_calls']} calls through the SAC modes ({r['predicted_dispatch_s'] * 1e3:.2f} ms); "
@@ -89,7 +91,7 @@ def _load() -> float:
 
 
 def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto",
-                   dispatch=None):
+                   dispatch=None, host=None):
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
@@ -102,6 +104,8 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock)
     if dispatch is not None:  # measured once per run, apart from any plan's step: stored with the profile
         table = replace(table, sac_dispatch_per_call_s=dispatch.per_call_s, sac_dispatch_source=dispatch.source)
+    if host is not None:  # likewise: the runtime's own host costs on this machine
+        table = replace(table, runtime_host=host)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
                "plain_step_min_s": table.step_min_s, "plain_step_max_s": table.step_max_s,
@@ -115,7 +119,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
         row = {"model": name, "plan": planner if fraction is None else f"{planner}@{fraction}",
                "budget_bytes": budget}
         rows.append(row | measure_plan(w, timed, hardware, machine_, planner, budget, steps, clock, executor,
-                                       table.sac_dispatch_per_call_s))
+                                       table.sac_dispatch_per_call_s, table.runtime_host))
     base = next(r for r in rows if r["plan"] == "keep_all")
     for r in rows:
         if "predicted_s" in r and "predicted_s" in base:
@@ -127,7 +131,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
 
 
 def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int, clock: str,
-                 executor: str = "auto", dispatch_per_call_s: float = 0.0) -> dict:
+                 executor: str = "auto", dispatch_per_call_s: float = 0.0, host=None) -> dict:
     """One plan's row: planned, predicted before any of its steps, run for 1 + `steps` steps, compared.
 
     `executor` (`slackswap.experiment.measured_executor.EXECUTORS`): `runtime` runs every plan under
@@ -154,7 +158,8 @@ def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int,
             plan = get_planner(planner, **options).plan(timed, hardware, budget)
         except InfeasibleBudgetError as exc:
             return {"executor": "runtime", "infeasible": str(exc), "load": _load()}
-        prediction = predict_step(timed, plan, hardware, machine_)  # before any step of this plan runs
+        # Before any step of this plan runs; with the runtime's host costs measured once per run (`host`).
+        prediction = predict_step(timed, plan, hardware, machine_, host)
         # One verified step against a plain one (weights unchanged): is the runtime's gradient exact, and
         # does its hook-only program take the plan?
         exact, refusal = hook_only_refusal(w, timed, plan)
@@ -201,6 +206,7 @@ def _timed(prediction, records) -> dict:
 
     c = compare_steps(prediction.step_s, [r.step_s for r in records])
     return {"predicted_s": c.predicted_s, "predicted_sim_s": prediction.simulated_s,
+            "predicted_runtime_host_s": prediction.runtime_host_s,
             "predicted_sync_copy_s": prediction.sync_copy_s, "copies": prediction.copies,
             "measured_median_s": c.measured_median_s, "measured_min_s": c.measured_min_s,
             "measured_max_s": c.measured_max_s, "steps": c.steps,
@@ -260,9 +266,15 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     hardware = load_preset(HARDWARE)
     links = measurement_description(measure_links(device, (64 if quick else 256) * 1024**2, 3), device)
     machine_ = Machine.from_dict(links)
+    from slackswap.runtime.eager.host_cost import measure_runtime_host_cost
     from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
 
     dispatch = measure_dispatch_cost() if device == "cpu" else None
+    host = measure_runtime_host_cost() if device == "cpu" else None
+    if host is not None:
+        print(f"[runtime host] {host.hook_per_event_s * 1e6:.2f} us per saved-tensor event, "
+              f"{host.replay_per_step_s * 1e6:.1f} us per recompute step, {host.replay_per_call_s * 1e6:.1f} us per "
+              f"replayed ATen call ({host.source}); load {_load()}", flush=True)
     if dispatch is not None:
         print(f"[dispatch] the export's SAC modes: {dispatch.per_call_s * 1e6:.1f} us per ATen call "
               f"({dispatch.source}); load {_load()}", flush=True)
@@ -272,7 +284,8 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     profiles, rows, cross = [], [], None
     for name, model, spec in _cases():
         profile, model_rows, table, graph, _ = _measure_model(name, model, spec, hardware, machine_, device,
-                                                              warmup, repeats, steps, clock, executor, dispatch)
+                                                              warmup, repeats, steps, clock, executor, dispatch,
+                                                              host)
         profiles.append(profile)
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
@@ -313,6 +326,7 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
               "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
               "sac_dispatch": None if dispatch is None else {"per_call_s": dispatch.per_call_s, "calls": dispatch.calls,
                                                              "repeats": dispatch.repeats, "source": dispatch.source},
+              "runtime_host": None if host is None else asdict(host),
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
     tag = ("" if clock == "wall" else f"_{clock}") + ("" if executor == "auto" else f"_{executor}")
     path = save_result(f"measured_profile{tag}{'_quick' if quick else ''}.json", result)

@@ -131,6 +131,31 @@ def test_synchronous_copies_add_to_the_predicted_step():
     assert overlapped.sync_copy_s == 0.0
 
 
+def test_the_runtimes_host_costs_add_where_its_hook_only_step_makes_them():
+    from slackswap.graph import Graph
+    from slackswap.profile.measured import RuntimeHostCost
+
+    g = make_graph([fwd("op0:aten.mm.default", [], ["a"], 1.0), fwd("op3:aten.relu.default", ["a"], ["b"], 2.0),
+                    bwd("op4:aten.threshold_backward.default", ["b"], ["gb"], 3.0),
+                    bwd("op6:aten.mm.default", ["a", "gb"], ["ga"], 4.0)], {"a": 100, "b": 200, "gb": 200, "ga": 100})
+    g = Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers,
+              meta=dict(g.meta) | {"saved_tensor_packs": 2, "saved_tensor_unpacks": 3})
+    host = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1, source="test")
+    hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
+    recompute = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
+    p = predict_step(g, recompute, hw, _machine(True), host)
+    # 5 hook events, one recompute step replaying op0's 3 ATen calls (op0 .. op2).
+    assert p.runtime_host_s == pytest.approx(5e-3 + 1e-2 + 3 * 1e-1)
+    assert p.step_s == pytest.approx(predict_step(g, recompute, hw, _machine(True)).step_s + p.runtime_host_s)
+    # A plan that keeps everything runs no hook; on an asynchronous machine host work overlaps the device's.
+    keep = schedule_from_decisions(g, {"a": Decision.KEEP, "b": Decision.KEEP, "gb": Decision.KEEP})
+    assert predict_step(g, keep, hw, _machine(True), host).runtime_host_s == 0.0
+    assert predict_step(g, recompute, hw, _machine(False), host).runtime_host_s == 0.0
+    # The costs travel with the op-time table.
+    table = replace(_table(g, {op.name: 1.0 for op in g.ops}), runtime_host=host)
+    assert OpTimeTable.from_dict(json.loads(json.dumps(table.to_dict()))).runtime_host == host
+
+
 def test_step_comparison_drops_the_first_step():
     c = compare_steps(1.0, [9.0, 1.0, 2.0, 1.5])
     assert (c.measured_median_s, c.measured_min_s, c.measured_max_s, c.steps) == (1.5, 1.0, 2.0, 3)

@@ -78,6 +78,18 @@ class OpTime:
 
 
 @dataclass(frozen=True)
+class RuntimeHostCost:
+    """Host seconds the eager runtime's hook-only step spends beyond its ops' in-context times, measured
+    once per machine by `slackswap.runtime.eager.host_cost` (never from a plan's step): per saved-tensor
+    event (pack or unpack) of a plan that is not idle, per recompute step, per ATen call it replays."""
+
+    hook_per_event_s: float = 0.0
+    replay_per_step_s: float = 0.0
+    replay_per_call_s: float = 0.0
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class OpTimeTable:
     key: OpTimeKey
     times: Mapping[str, OpTime]
@@ -99,6 +111,8 @@ class OpTimeTable:
     #: a plan's step); 0 when not measured. `sac_dispatch_source` says how it was measured.
     sac_dispatch_per_call_s: float = 0.0
     sac_dispatch_source: str = ""
+    #: The eager runtime's own host costs on this machine (`RuntimeHostCost`); None when not measured.
+    runtime_host: RuntimeHostCost | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +121,7 @@ class OpTimeTable:
             "timer_overhead_per_call_s": self.timer_overhead_per_call_s, "unattributed_s": self.unattributed_s,
             "failed": list(self.failed), "notes": dict(self.notes),
             "sac_dispatch_per_call_s": self.sac_dispatch_per_call_s, "sac_dispatch_source": self.sac_dispatch_source,
+            "runtime_host": None if self.runtime_host is None else asdict(self.runtime_host),
             "times": {name: asdict(t) for name, t in self.times.items()},
         }
 
@@ -115,6 +130,8 @@ class OpTimeTable:
         d = dict(d)
         key = OpTimeKey.from_dict(d.pop("key"))
         times = MappingProxyType({name: OpTime(**t) for name, t in d.pop("times").items()})
+        host = d.pop("runtime_host", None)
+        d["runtime_host"] = None if host is None else RuntimeHostCost(**host)
         return cls(key=key, times=times, failed=tuple(d.pop("failed", ())),
                    notes=MappingProxyType(dict(d.pop("notes", {}))), **d)
 
