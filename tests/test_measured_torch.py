@@ -119,8 +119,19 @@ def test_cpu_links_are_one_memory_and_say_pinned_is_not_measured():
 
 
 @pytest.mark.slow
-def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path):
+def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path, monkeypatch):
+    import slackswap.experiment.measured_timing as measured_timing
+    from slackswap.experiment.measured_prediction import HostCosts
     from slackswap.experiment.training_run import TrainingRunSpec, run_training
+    from slackswap.profile.measured import ExportHostCost, RuntimeHostCost
+
+    # The executors' host costs as the microbenchmarks would give them (their own tests measure them; here
+    # a second and a half of the suite is spared): measured once with the table, for the CPU.
+    asked = []
+    host = RuntimeHostCost(hook_per_event_s=2e-6, replay_per_step_s=3e-5, replay_per_call_s=1e-5, per_copy_s=2e-6,
+                           source="stub")
+    monkeypatch.setattr(measured_timing, "measure_host_costs",
+                        lambda device: asked.append(device) or HostCosts(host, ExportHostCost(source="stub")))
 
     def preset(group, name):
         data = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
@@ -136,7 +147,11 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path):
     f = outcome.figures
     assert outcome.verdict == "ok", outcome.reason
     assert f["ops_timed_measured"] == len(outcome.graph.ops) and f["ops_timed_roofline"] == 0
-    assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"])
+    # The runtime's host work is in it, at the costs measured with the table and stored with it.
+    assert asked == ["cpu"] and "2.00 us per saved-tensor event" in f["host_costs_line"]
+    assert f["predicted_runtime_host_s"] > 0
+    assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"]
+                                                  + f["predicted_runtime_host_s"])
     assert f["measured_steps_compared"] == 2 and math.isfinite(f["step_relative_error"])
     assert f["op_times_load_average"] >= 0.0 and not f["op_times_cached"]
     # The simulated plan runs on the measured op times, not the roofline's.
@@ -216,3 +231,18 @@ def test_a_preset_fitted_on_one_shape_predicts_another_shape_within_15_percent(c
     predicted = sum(op_duration_s(op.flops, op.moved_bytes, op.op_class, op_dtype(gb, op, "fp32"), report.hardware)
                     for op in gb.ops)
     assert predicted / sum(tb.values()) - 1 == pytest.approx(0.0, abs=0.15)
+
+
+def test_the_runtimes_host_cost_is_measured_on_a_fixed_microbenchmark():
+    import torch
+
+    from slackswap.planners.registry import get_planner
+    from slackswap.runtime.eager.host_cost import measure_runtime_host_cost
+
+    full_recompute = get_planner("full_recompute")
+    state = torch.get_rng_state()
+    cost = measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None), 0, 1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert cost.hook_per_event_s > 0 and cost.replay_per_step_s + cost.replay_per_call_s > 0
+    # A swap's copies are timed against the same blocks with every tensor kept: per copy, never negative.
+    assert cost.per_copy_s >= 0 and "56 copies" in cost.source and "thread CPU time" in cost.source

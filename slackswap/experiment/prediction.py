@@ -11,8 +11,9 @@ With `host` (the machine's `RuntimeHostCost`, measured once by `slackswap.runtim
 eager runtime's own host work is added where its hook-only step makes it (`runtime_host_s`, counted
 from the graph and the plan): a plan that is not idle passes every saved tensor through the runtime's
 pack hook and every read-back through its unpack hook (the capture's counts,
-`saved_tensor_packs` / `saved_tensor_unpacks`), and each recompute step replays its op's ATen calls
-from Python. An idle plan (keeps everything, moves nothing) runs no hook and adds nothing.
+`saved_tensor_packs` / `saved_tensor_unpacks`), each recompute step replays its op's ATen calls
+from Python, and each copy of a swap costs its bookkeeping beyond the copy's own time. An idle plan
+(keeps everything, moves nothing) runs no hook and adds nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Prediction:
     copies: int
     #: Seconds of the eager export's selective-checkpoint dispatch added to it (`predict_export`; 0 otherwise).
     dispatch_s: float = 0.0
+    #: Seconds of the eager export's non-reentrant checkpoints' own work added to it (`predict_export`).
+    checkpoint_s: float = 0.0
     #: Seconds of the eager runtime's own host work added to it (`runtime_host_s`; 0 without `host`).
     runtime_host_s: float = 0.0
 
@@ -49,10 +52,11 @@ class RuntimeHostCounts:
     hook_events: int
     recompute_steps: int
     replayed_calls: int
+    copies: int = 0
 
     def seconds(self, host: RuntimeHostCost) -> float:
         return (self.hook_events * host.hook_per_event_s + self.recompute_steps * host.replay_per_step_s
-                + self.replayed_calls * host.replay_per_call_s)
+                + self.replayed_calls * host.replay_per_call_s + self.copies * host.per_copy_s)
 
 
 def runtime_host_counts(graph: Graph, plan: Plan) -> RuntimeHostCounts:
@@ -73,7 +77,8 @@ def runtime_host_counts(graph: Graph, plan: Plan) -> RuntimeHostCounts:
         return number(ops[k + 1].name) - number(name) if k + 1 < len(ops) else 1
 
     events = int(graph.meta.get("saved_tensor_packs", 0)) + int(graph.meta.get("saved_tensor_unpacks", 0))
-    return RuntimeHostCounts(events, len(steps), sum(width(s.op) for s in steps))
+    return RuntimeHostCounts(events, len(steps), sum(width(s.op) for s in steps),
+                             len(plan.offloads) + len(plan.prefetches))
 
 
 def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None,

@@ -24,18 +24,28 @@ and its hooks are wrapped in thread-CPU-time stamps (other load and intra-op thr
   a + b * (ATen calls the step replays), a and b kept >= 0: `replay_per_step_s`, `replay_per_call_s`;
 - per saved-tensor event (pack or unpack), the time inside the hooks less the recomputes they ran,
   less the same stamps around a pass-through hook (the profile's plain steps run with pass-through
-  hooks, so that much is already in the op times), over the events: `hook_per_event_s`.
+  hooks, so that much is already in the op times), over the events: `hook_per_event_s`;
+- per copy of a swap, beyond the copy itself (which the link measurement times) and the hook events:
+  the same blocks under a plan that swaps every saved tensor against one that keeps them all
+  (`_per_copy_s`): `per_copy_s`.
+
+The full-recompute plan is the caller's (`slackswap.experiment.measured_prediction.measure_host_costs`
+passes the full_recompute planner's): the planners are a layer above the runtime.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Plan
 from slackswap.profile.measured import RuntimeHostCost
 
 BLOCKS, WIDTH, TOKENS = 4, 64, 64
@@ -124,10 +134,12 @@ def _pass_through_per_event_s(model, x, warmup: int, repeats: int) -> float:
     return statistics.median(per)
 
 
-def measure_runtime_host_cost(warmup: int = 3, repeats: int = 15) -> RuntimeHostCost:
-    """`RuntimeHostCost` of this machine's CPU (module docstring). The RNG state is left as it was."""
+def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan], warmup: int = 3,
+                              repeats: int = 15) -> RuntimeHostCost:
+    """`RuntimeHostCost` of this machine's CPU (module docstring). `full_recompute`: the full_recompute
+    planner's plan of a graph (given by the caller: planners are a layer above the runtime). The RNG
+    state is left as it was."""
     from slackswap.hardware import load_preset
-    from slackswap.planners.registry import get_planner
     from slackswap.profile.measured import retime
     from slackswap.runtime import apply, capture_graph
     from slackswap.runtime.op_numbering import call_number
@@ -142,7 +154,7 @@ def measure_runtime_host_cost(warmup: int = 3, repeats: int = 15) -> RuntimeHost
         graph = capture_graph(model, (x,), _loss, hardware, "runtime host cost")
         table = measure_op_times(graph, model, (x,), _loss, warmup, repeats, clock)
         timed, _ = retime(graph, table)
-        plan = get_planner("full_recompute").plan(timed, hardware, None)
+        plan = full_recompute(timed, hardware)
         run = apply(plan, timed, model)
         stamps = _Stamps({})
         _instrument(run, stamps)
@@ -164,6 +176,8 @@ def measure_runtime_host_cost(warmup: int = 3, repeats: int = 15) -> RuntimeHost
         for p in model.parameters():
             p.grad = None
         pass_through = _pass_through_per_event_s(model, x, warmup, repeats)
+        hook = max(0.0, statistics.median(hooks) - pass_through)
+        per_copy, copies = _per_copy_s(model, x, timed, hook, warmup, repeats)
     ops = {op.name: k for k, op in enumerate(timed.ops)}
     calls, excess = [], []
     for j, times in stamps.recompute.items():
@@ -173,13 +187,54 @@ def measure_runtime_host_cost(warmup: int = 3, repeats: int = 15) -> RuntimeHost
         calls.append(width)
         excess.append(statistics.median(times) - timed.ops[k].duration_s)
     per_step, per_call = _nonnegative_line(np.array(calls, float), np.array(excess, float))
-    hook = max(0.0, statistics.median(hooks) - pass_through)
     source = (f"slackswap.runtime.eager.host_cost: {BLOCKS} pre-norm MLP blocks (width {WIDTH}, {TOKENS} tokens) "
               f"under the runtime's full-recompute plan, {len(calls)} recompute steps of {min(calls)}-{max(calls)} "
-              f"ATen calls, {events} saved-tensor events, thread CPU time, medians over {repeats} hook-only steps; "
+              f"ATen calls, {events} saved-tensor events; the same blocks with every tensor swapped against every "
+              f"tensor kept, {copies} copies; thread CPU time, medians over {repeats} hook-only steps; "
               f"op times by the {clock} clock; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     return RuntimeHostCost(hook_per_event_s=hook, replay_per_step_s=per_step, replay_per_call_s=per_call,
-                           source=source)
+                           per_copy_s=per_copy, source=source)
+
+
+def _per_copy_s(model, x, graph, hook_per_event_s: float, warmup: int, repeats: int) -> tuple[float, int]:
+    """(thread CPU seconds per copy beyond the copy itself and the hook events, copies per step): steps
+    under a plan that swaps every decided tensor against steps under one that keeps them all (idle: no
+    hook), alternating; less the hook events the swap plan's step makes (`hook_per_event_s` each) and
+    the copies themselves (`copy_` into a host buffer and a `clone` back, what the link measurement
+    times, `slackswap.profile.torch.links`), timed here on buffers of the same sizes."""
+    from slackswap.plan import Decision
+    from slackswap.runtime import apply
+    from slackswap.testing import schedule_from_decisions
+
+    decided = [t.name for t in graph.saved_tensors]
+    swap = schedule_from_decisions(graph, {n: Decision.SWAP for n in decided})
+    keep = schedule_from_decisions(graph, {n: Decision.KEEP for n in decided})
+    sizes = graph.size_bytes_of
+    copies = [sizes[t.tensor] for t in swap.offloads] + [sizes[t.tensor] for t in swap.prefetches]
+    events = int(graph.meta["saved_tensor_packs"]) + int(graph.meta["saved_tensor_unpacks"])
+    runs = {"swap": apply(swap, graph, model), "keep": apply(keep, graph, model)}
+    buffers = [(torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+               for n in copies[:len(swap.offloads)]]
+
+    def step(kind: str) -> float:
+        for p in model.parameters():
+            p.grad = None
+        c0 = time.thread_time_ns()
+        if kind == "copies":  # the offloads and their reloads alone
+            for src, host in buffers:
+                host.copy_(src)
+                host.clone()
+        else:
+            with runs[kind]:
+                _loss(model(x)).backward()
+        return (time.thread_time_ns() - c0) / 1e9
+
+    extra = []
+    for i in range(1 + warmup + repeats):  # the first step of each run is the verified one
+        t = {kind: step(kind) for kind in ("swap", "keep", "copies")}
+        if i > warmup:
+            extra.append(t["swap"] - t["keep"] - t["copies"] - events * hook_per_event_s)
+    return max(0.0, statistics.median(extra) / max(1, len(copies))), len(copies)
 
 
 def _nonnegative_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
