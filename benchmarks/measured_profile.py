@@ -7,10 +7,11 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
 1. the op-time profile is measured once, from plain steps (`slackswap.runtime.op_times`), and the
    machine's links once per run (`slackswap.profile.torch.links`);
 2. each plan (keep_all, full_recompute, torch_sac, slackswap at two budgets) is made on the measured
-   profile and predicted (`slackswap.experiment.prediction.predict_step`: on the CPU, the plan
-   simulated on an instant link plus its synchronous copies; an exported plan, as eager checkpointing
-   runs it, plus its SAC layers' calls at the cost per call measured once per run by
-   `slackswap.runtime.export.dispatch_cost`, stored with each op-time table) before any of its steps runs;
+   profile and predicted as `pipelines.train` predicts it (`slackswap.experiment.measured_prediction`:
+   on the CPU, the plan simulated on an instant link plus its synchronous copies, plus the host work of
+   the executor that runs it, the eager runtime's hooks and replays or an exported plan's SAC dispatch
+   and checkpoints, at costs measured once per run by fixed microbenchmarks and stored with each
+   op-time table) before any of its steps runs;
 3. the plan runs 1 + N AdamW steps under the runtime; the median of the N after the first is the
    measured step. No plan's measured step feeds any prediction.
 
@@ -31,13 +32,14 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples" / "byo_model")]
 
 from benchmarks.common import conf, machine, save_result  # noqa: E402
+from slackswap.experiment.measured_prediction import HostCosts  # noqa: E402
 
 #: The step clock of each `--clock` (the op times use the same, `slackswap.runtime.op_times.CLOCKS`).
 STEP_CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
@@ -77,9 +79,12 @@ def _row_line(r: dict) -> str:
             f"({ms['measured_min_s']:.1f}-{ms['measured_max_s']:.1f})  error {r['rel_error'] * 100:+6.1f} %  "
             f"overhead {r.get('overhead_predicted', math.nan):.3f} vs {r.get('overhead_measured', math.nan):.3f} "
             f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}"
+            + (f"  [runtime host {r['predicted_runtime_host_s'] * 1e3:.2f} ms]" if r.get("predicted_runtime_host_s")
+               else "")
             + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else "")
             + (f"  [eager SAC: {r['executed_recomputes']} recomputes run, the plan's {r['plan_recomputes']}, "
-               f"{r['sac_dispatch_calls']} calls through the SAC modes ({r['predicted_dispatch_s'] * 1e3:.2f} ms); "
+               f"{r['sac_dispatch_calls']} calls through the SAC modes ({r['predicted_dispatch_s'] * 1e3:.2f} ms), "
+               f"{r['checkpoint_regions']} checkpoint regions ({r['predicted_checkpoint_s'] * 1e3:.2f} ms); "
                "hook-only program refused the runtime plan]" if r["executor"] == "export" and r["hook_only_refusal"]
                else ""))
 
@@ -89,7 +94,7 @@ def _load() -> float:
 
 
 def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto",
-                   dispatch=None):
+                   costs=None):
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
@@ -100,8 +105,8 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
     t0 = time.perf_counter()
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock)
-    if dispatch is not None:  # measured once per run, apart from any plan's step: stored with the profile
-        table = replace(table, sac_dispatch_per_call_s=dispatch.per_call_s, sac_dispatch_source=dispatch.source)
+    if costs is not None:  # measured once per run, apart from any plan's step: stored with the profile
+        table = costs.attach(table)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
                "plain_step_min_s": table.step_min_s, "plain_step_max_s": table.step_max_s,
@@ -115,7 +120,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
         row = {"model": name, "plan": planner if fraction is None else f"{planner}@{fraction}",
                "budget_bytes": budget}
         rows.append(row | measure_plan(w, timed, hardware, machine_, planner, budget, steps, clock, executor,
-                                       table.sac_dispatch_per_call_s))
+                                       HostCosts.of(table)))
     base = next(r for r in rows if r["plan"] == "keep_all")
     for r in rows:
         if "predicted_s" in r and "predicted_s" in base:
@@ -127,23 +132,23 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
 
 
 def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int, clock: str,
-                 executor: str = "auto", dispatch_per_call_s: float = 0.0) -> dict:
+                 executor: str = "auto", costs=None) -> dict:
     """One plan's row: planned, predicted before any of its steps, run for 1 + `steps` steps, compared.
 
     `executor` (`slackswap.experiment.measured_executor.EXECUTORS`): `runtime` runs every plan under
     `apply`; `export` makes every plan for the export and runs it as eager selective checkpointing;
     `auto` (default) runs a plan under `apply` unless its hook-only program refuses it (one verified
     step against a plain one says so), and then through the export, as a user would. An exported
-    step whose loss or gradients differ from the plain step's is a refusal, not a timing."""
+    step whose loss or gradients differ from the plain step's is a refusal, not a timing. `costs`: the
+    executors' host costs (`HostCosts`; None: none added)."""
     from slackswap.errors import InfeasibleBudgetError
     from slackswap.experiment.export_plan import plan_for_export
     from slackswap.experiment.measured_executor import (
         export_gradient_check,
         export_steps,
         hook_only_refusal,
-        predict_export,
     )
-    from slackswap.experiment.prediction import predict_step
+    from slackswap.experiment.measured_prediction import HostCosts, predict_measured
     from slackswap.planners.registry import get_planner
     from slackswap.runtime.train import train_steps
 
@@ -154,7 +159,8 @@ def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int,
             plan = get_planner(planner, **options).plan(timed, hardware, budget)
         except InfeasibleBudgetError as exc:
             return {"executor": "runtime", "infeasible": str(exc), "load": _load()}
-        prediction = predict_step(timed, plan, hardware, machine_)  # before any step of this plan runs
+        # Before any step of this plan runs; with the runtime's host costs measured once per run.
+        prediction = predict_measured(timed, plan, hardware, machine_, costs or HostCosts()).prediction
         # One verified step against a plain one (weights unchanged): is the runtime's gradient exact, and
         # does its hook-only program take the plan?
         exact, refusal = hook_only_refusal(w, timed, plan)
@@ -175,12 +181,11 @@ def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int,
         plan = plan_for_export(get_planner(planner, **options), timed, w.model, hardware, budget)
     except InfeasibleBudgetError as exc:
         return row | {"infeasible": str(exc), "load": _load()}
-    # Before any step of the exported plan runs; the SAC layers' dispatch at the microbenchmark's cost per call.
-    predicted = predict_export(timed, plan, hardware, machine_, w.model, dispatch_per_call_s)
+    # Before any step of the exported plan runs; its SAC dispatch and checkpoints at the microbenchmarks' costs.
+    predicted = predict_measured(timed, plan, hardware, machine_, costs or HostCosts(), True, w.model)
     check = export_gradient_check(w, timed, plan)
-    row |= {"grad_bit_exact": check.bit_exact, "export_differences": check.differences,
-            "plan_recomputes": predicted.plan_recomputes, "executed_recomputes": predicted.executed_recomputes,
-            "sac_dispatch_calls": predicted.dispatch_calls, "predicted_dispatch_s": predicted.prediction.dispatch_s}
+    row |= {"grad_bit_exact": check.bit_exact, "export_differences": check.differences} | {
+        k: v for k, v in predicted.figures.items() if k != "sac_dispatch_source"}
     if not check.bit_exact:
         return row | {"refused": f"exported step's loss or gradients differ from the plain step's (max abs diff "
                                  f"{check.max_abs_diff:.3g})", "load": _load()}
@@ -201,6 +206,7 @@ def _timed(prediction, records) -> dict:
 
     c = compare_steps(prediction.step_s, [r.step_s for r in records])
     return {"predicted_s": c.predicted_s, "predicted_sim_s": prediction.simulated_s,
+            "predicted_runtime_host_s": prediction.runtime_host_s,
             "predicted_sync_copy_s": prediction.sync_copy_s, "copies": prediction.copies,
             "measured_median_s": c.measured_median_s, "measured_min_s": c.measured_min_s,
             "measured_max_s": c.measured_max_s, "steps": c.steps,
@@ -260,19 +266,18 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     hardware = load_preset(HARDWARE)
     links = measurement_description(measure_links(device, (64 if quick else 256) * 1024**2, 3), device)
     machine_ = Machine.from_dict(links)
-    from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
+    from slackswap.experiment.measured_prediction import measure_host_costs
 
-    dispatch = measure_dispatch_cost() if device == "cpu" else None
-    if dispatch is not None:
-        print(f"[dispatch] the export's SAC modes: {dispatch.per_call_s * 1e6:.1f} us per ATen call "
-              f"({dispatch.source}); load {_load()}", flush=True)
+    costs = measure_host_costs(device)
+    if costs.measured:
+        print(f"[host costs] {costs.line()}; load {_load()}", flush=True)
     print(f"[links] {device}: h2d {machine_.h2d.bytes_per_s / 1e9:.2f} GB/s + {machine_.h2d.latency_s * 1e6:.1f} us, "
           f"d2h {machine_.d2h.bytes_per_s / 1e9:.2f} GB/s + {machine_.d2h.latency_s * 1e6:.1f} us; "
           f"synchronous copies: {machine_.synchronous}; load {_load()}", flush=True)
     profiles, rows, cross = [], [], None
     for name, model, spec in _cases():
         profile, model_rows, table, graph, _ = _measure_model(name, model, spec, hardware, machine_, device,
-                                                              warmup, repeats, steps, clock, executor, dispatch)
+                                                              warmup, repeats, steps, clock, executor, costs)
         profiles.append(profile)
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
@@ -311,8 +316,8 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     result = {"quick": quick, "device": device, "clock": clock, "executor": executor, "hardware_preset": HARDWARE,
               "torch_threads": torch.get_num_threads(),
               "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
-              "sac_dispatch": None if dispatch is None else {"per_call_s": dispatch.per_call_s, "calls": dispatch.calls,
-                                                             "repeats": dispatch.repeats, "source": dispatch.source},
+              "runtime_host": None if costs.runtime is None else asdict(costs.runtime),
+              "export_host": None if costs.export is None else asdict(costs.export),
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
     tag = ("" if clock == "wall" else f"_{clock}") + ("" if executor == "auto" else f"_{executor}")
     path = save_result(f"measured_profile{tag}{'_quick' if quick else ''}.json", result)

@@ -12,10 +12,22 @@ def load_text() -> str:
     return f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
 
 
+def host_text(f: Mapping[str, Any]) -> str:
+    """The executor's own host work the prediction added (`slackswap.experiment.measured_prediction`)."""
+    parts = []
+    if f.get("predicted_runtime_host_s"):
+        parts.append(f"{f['predicted_runtime_host_s'] * 1e3:.2f} ms runtime host work")
+    if f.get("predicted_dispatch_s"):
+        parts.append(f"{f['predicted_dispatch_s'] * 1e3:.2f} ms SAC dispatch")
+    if f.get("predicted_checkpoint_s"):
+        parts.append(f"{f['predicted_checkpoint_s'] * 1e3:.2f} ms checkpoint host work")
+    return "".join(f" + {p}" for p in parts)
+
+
 def comparison_line(f: Mapping[str, Any]) -> str:
     copies = (f" + {f['predicted_sync_copy_s'] * 1e3:.2f} ms synchronous copies"
               if f.get("machine_synchronous_copies") else "")
     return (f"[train] predicted step {f['predicted_step_s'] * 1e3:.2f} ms (simulated on the measured profile"
-            f"{copies}) vs measured {f['measured_step_median_s'] * 1e3:.2f} ms median of "
+            f"{copies}{host_text(f)}) vs measured {f['measured_step_median_s'] * 1e3:.2f} ms median of "
             f"{f['measured_steps_compared']} steps after the first (min {f['measured_step_min_s'] * 1e3:.2f}, max "
             f"{f['measured_step_max_s'] * 1e3:.2f}): error {f['step_relative_error'] * 100:+.1f} %; {load_text()}")

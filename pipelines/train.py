@@ -82,17 +82,23 @@ class _Console(TrainingProgress):
         print(f"{done} {peak}", flush=True)
 
     def timed(self, figures) -> None:
+        if figures.get("op_times_remeasured_because"):
+            print(f"[train] {figures['op_times_remeasured_because']}", flush=True)
         load = figures["op_times_load_average"]
         when = f"measured at load {load:.2f}" if load == load else "measured at an unrecorded load"
         cached = f" (cached table, {when})" if figures["op_times_cached"] else f" ({when})"
         print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}{cached}; sum of op "
               f"times {figures['op_times_sum_s'] * 1e3:.1f} ms, plain step {figures['profile_plain_step_s'] * 1e3:.1f}"
               f" ms", flush=True)
+        if figures.get("host_costs_line"):
+            print(f"[train] executors' host costs on this machine: {figures['host_costs_line']}", flush=True)
 
 
 def _summary(spec: TrainingRunSpec, f) -> None:
     """The closing lines of an eager run: measured against simulated, step time and peak."""
-    print(f"[train] measured step {f['measured_step_s'] * 1e3:.1f} ms (simulated {f['sim_step_s'] * 1e3:.3f} ms "
+    simulated = (f"simulated {f['sim_step_s'] * 1e3:.3f} ms" if f["sim_step_s"] is not None
+                 else f"simulated: infeasible, {f.get('sim_infeasible_reason')}")
+    print(f"[train] measured step {f['measured_step_s'] * 1e3:.1f} ms ({simulated} "
           f"on {spec.hardware.name}); measured peak {size_text(f['measured_peak_bytes'])}, simulated peak "
           f"{size_text(f['sim_peak_activation_bytes_device_link'])} on this device's link "
           f"({size_text(f['sim_peak_activation_bytes'])} on {spec.hardware.name}), budget "
@@ -189,7 +195,8 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
                                                strict=True)):
             client.log_metric(run_id, "step_loss", loss, step=i)
             client.log_metric(run_id, "step_time_s", step_s, step=i)
-        timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine")
+        timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine",
+                                                       "host_costs_line")
                   if k in figures}  # which source timed the ops, on the run itself
         tracking.log_tags(client, run_id, {"status": str(status), **timing})
         if (run_dir / "train.json").exists():

@@ -17,6 +17,7 @@ require_torch_extra("transformers")
 from slackswap.experiment.export_plan import plan_for_export  # noqa: E402
 from slackswap.experiment.measured_executor import predict_export, sac_dispatch_calls  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
+from slackswap.profile.measured import ExportHostCost  # noqa: E402
 from slackswap.runtime import capture_graph  # noqa: E402
 from slackswap.runtime.export import PlanExport  # noqa: E402
 from slackswap.runtime.export.mechanism import CHECKPOINT, SELECTIVE  # noqa: E402
@@ -53,10 +54,32 @@ def test_a_layer_recomputing_every_decided_tensor_runs_under_a_plain_checkpoint_
     assert sac_dispatch_calls(graph, recompute, pristine) == 0
     calls = sac_dispatch_calls(graph, mixed, pristine)
     assert calls > len([op for op in graph.forward_ops if op.layer >= 0])
-    plain = predict_export(graph, mixed, h200(), None).prediction.step_s
-    priced = predict_export(graph, mixed, h200(), None, pristine, 2e-5)
+    cpu = _synchronous_machine()
+    plain = predict_export(graph, mixed, h200(), cpu).prediction.step_s
+    priced = predict_export(graph, mixed, h200(), cpu, pristine, ExportHostCost(sac_per_call_s=2e-5))
     assert priced.dispatch_calls == calls
     assert priced.prediction.step_s == pytest.approx(plain + calls * 2e-5)
+    # Both layers are checkpoint regions; their saved tensors are the graph's, scaled by autograd's packs.
+    assert priced.checkpoint_regions == 2 and priced.checkpoint_saved > 0
+
+
+def _synchronous_machine():
+    from slackswap.profile.machine import Machine, machine_description
+
+    rows = [{"direction": d, "host_memory": "pageable", "size_bytes": s, "median_s": 1e-6 + s / 1e10}
+            for d in ("h2d", "d2h", "both") for s in (4096, 8192)]
+    return Machine.from_dict(machine_description("cpu", "cpu", True, rows, [], [], "test"))
+
+
+def test_the_checkpoints_host_cost_is_measured_per_region_and_saved_tensor() -> None:
+    from slackswap.runtime.export.checkpoint_cost import measure_checkpoint_cost
+
+    state = torch.get_rng_state()
+    cost = measure_checkpoint_cost(warmup=0, repeats=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert cost.saved > 0 and cost.per_region_s >= 0 and cost.per_saved_s >= 0
+    assert cost.per_region_s + cost.per_saved_s > 0
+    assert "thread CPU time" in cost.source and torch.__version__ in cost.source
 
 
 def test_the_sac_dispatch_cost_is_measured_per_call_on_a_fixed_microbenchmark() -> None:

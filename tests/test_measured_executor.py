@@ -65,14 +65,23 @@ def test_the_exported_step_equals_the_plain_step_and_its_prediction_counts_the_r
 
 
 @pytest.mark.slow
-def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_export(tmp_path):
+def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_export(tmp_path, monkeypatch):
     import math
     from pathlib import Path
 
     import torch
     import yaml
 
+    import slackswap.experiment.measured_timing as measured_timing
+    from slackswap.experiment.measured_prediction import HostCosts
     from slackswap.experiment.training_run import TrainingRunSpec, run_training
+    from slackswap.profile.measured import ExportHostCost, RuntimeHostCost
+
+    # The microbenchmarks' figures (tests/test_export_mechanism.py measures them), without their time here.
+    export = ExportHostCost(sac_per_call_s=1.5e-5, checkpoint_per_region_s=2e-4, checkpoint_per_saved_s=1.5e-5,
+                            source="slackswap.runtime.export.dispatch_cost (stub)")
+    monkeypatch.setattr(measured_timing, "measure_host_costs",
+                        lambda device: HostCosts(RuntimeHostCost(source="stub"), export))
 
     conf = Path(__file__).resolve().parents[1] / "conf"
 
@@ -103,3 +112,8 @@ def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_expor
     assert f["sac_dispatch_calls"] > 0 and f["sac_dispatch_per_call_s"] > 0
     assert f["predicted_dispatch_s"] == f["sac_dispatch_calls"] * f["sac_dispatch_per_call_s"]
     assert "slackswap.runtime.export.dispatch_cost" in f["sac_dispatch_source"]
+    # Every layer is a checkpoint region, with its own host work per region and per saved tensor.
+    assert f["checkpoint_regions"] == 2 and f["checkpoint_saved"] > 0
+    assert f["predicted_checkpoint_s"] == pytest.approx(2 * 2e-4 + f["checkpoint_saved"] * 1.5e-5)
+    assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"]
+                                                  + f["predicted_dispatch_s"] + f["predicted_checkpoint_s"])

@@ -17,6 +17,7 @@ from slackswap.experiment.prediction import compare_steps, predict_step
 from slackswap.plan import Decision
 from slackswap.profile.machine import Machine, fit_link, machine_description
 from slackswap.profile.measured import (
+    ExportHostCost,
     MeasurementError,
     OpTime,
     OpTimeKey,
@@ -50,7 +51,7 @@ def _table(graph, times: dict[str, float], **change) -> OpTimeTable:
 def test_table_round_trips_through_the_cache(tmp_path):
     g = _graph()
     table = _table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4})
-    table = replace(table, sac_dispatch_per_call_s=2.1e-5, sac_dispatch_source="dispatch_cost: 4 blocks")
+    table = replace(table, export_host=ExportHostCost(2.1e-5, 2e-4, 1.5e-5, "dispatch_cost: 4 blocks"))
     path = save_table(table, tmp_path)
     assert path == table_path(table.key, tmp_path) and path.is_file()
     loaded = load_table(_key(g), tmp_path)
@@ -129,6 +130,84 @@ def test_synchronous_copies_add_to_the_predicted_step():
     assert sync.step_s == pytest.approx(sync.simulated_s + sync.sync_copy_s)
     overlapped = predict_step(g, plan, hw, _machine(False))
     assert overlapped.sync_copy_s == 0.0
+
+
+def test_the_runtimes_host_costs_add_where_its_hook_only_step_makes_them():
+    from slackswap.graph import Graph
+    from slackswap.profile.measured import RuntimeHostCost
+
+    g = make_graph([fwd("op0:aten.mm.default", [], ["a"], 1.0), fwd("op3:aten.relu.default", ["a"], ["b"], 2.0),
+                    bwd("op4:aten.threshold_backward.default", ["b"], ["gb"], 3.0),
+                    bwd("op6:aten.mm.default", ["a", "gb"], ["ga"], 4.0)], {"a": 100, "b": 200, "gb": 200, "ga": 100})
+    g = Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers,
+              meta=dict(g.meta) | {"saved_tensor_packs": 2, "saved_tensor_unpacks": 3})
+    host = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1, source="test")
+    hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
+    recompute = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
+    p = predict_step(g, recompute, hw, _machine(True), host)
+    # 5 hook events, one recompute step replaying op0's 3 ATen calls (op0 .. op2).
+    assert p.runtime_host_s == pytest.approx(5e-3 + 1e-2 + 3 * 1e-1)
+    assert p.step_s == pytest.approx(predict_step(g, recompute, hw, _machine(True)).step_s + p.runtime_host_s)
+    # A plan that keeps everything runs no hook; on an asynchronous machine host work overlaps the device's.
+    keep = schedule_from_decisions(g, {"a": Decision.KEEP, "b": Decision.KEEP, "gb": Decision.KEEP})
+    assert predict_step(g, keep, hw, _machine(True), host).runtime_host_s == 0.0
+    assert predict_step(g, recompute, hw, _machine(False), host).runtime_host_s == 0.0
+    # The costs travel with the op-time table.
+    table = replace(_table(g, {op.name: 1.0 for op in g.ops}), runtime_host=host)
+    assert OpTimeTable.from_dict(json.loads(json.dumps(table.to_dict()))).runtime_host == host
+
+
+def _hooked_graph():
+    from slackswap.graph import Graph
+
+    g = make_graph([fwd("op0:aten.mm.default", [], ["a"], 1.0), fwd("op3:aten.relu.default", ["a"], ["b"], 2.0),
+                    bwd("op4:aten.threshold_backward.default", ["b"], ["gb"], 3.0),
+                    bwd("op6:aten.mm.default", ["a", "gb"], ["ga"], 4.0)], {"a": 100, "b": 200, "gb": 200, "ga": 100})
+    return Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers,
+                 meta=dict(g.meta) | {"saved_tensor_packs": 2, "saved_tensor_unpacks": 3})
+
+
+def test_the_training_run_predicts_as_the_benchmark_with_the_runtimes_host_costs():
+    from pipelines.measured_console import comparison_line
+    from slackswap.experiment.measured_prediction import HostCosts, predict_measured
+    from slackswap.profile.measured import RuntimeHostCost
+
+    g = _hooked_graph()
+    hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
+    plan = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.SWAP, "gb": Decision.KEEP})
+    costs = HostCosts(RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1,
+                                      per_copy_s=1e-4, source="test"))
+    f = MeasuredTiming.compare(g, plan, hw, _machine(True), [30.0, 20.0, 22.0], costs)
+    # pipelines.train's figures are the benchmark's prediction (one function), the host work in it: 5 hook
+    # events, one recompute step replaying 3 ATen calls, 2 copies (b out and back).
+    assert f["predicted_step_s"] == predict_measured(g, plan, hw, _machine(True), costs).prediction.step_s
+    assert f["predicted_runtime_host_s"] == pytest.approx(5e-3 + 1e-2 + 3e-1 + 2e-4)
+    bare = MeasuredTiming.compare(g, plan, hw, _machine(True), [30.0, 20.0, 22.0], HostCosts())
+    assert f["predicted_step_s"] == pytest.approx(bare["predicted_step_s"] + f["predicted_runtime_host_s"])
+    # ... and the printed line says how much of the prediction it is.
+    assert "+ 315.20 ms runtime host work)" in comparison_line(f)
+    assert "host work" not in comparison_line(bare)
+
+
+def test_the_exports_host_costs_add_per_call_region_and_saved_tensor(monkeypatch):
+    import slackswap.experiment.measured_executor as executor
+    from slackswap.experiment.measured_prediction import HostCosts, predict_measured
+
+    g = _hooked_graph()
+    hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
+    plan = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
+    monkeypatch.setattr(executor, "export_counts", lambda graph, p, model: (7, 2, 12.5))
+    costs = HostCosts(export=ExportHostCost(sac_per_call_s=1e-3, checkpoint_per_region_s=1e-2,
+                                            checkpoint_per_saved_s=1e-4, source="test"))
+    bare = predict_measured(g, plan, hw, _machine(True), HostCosts(), True, object())
+    priced = predict_measured(g, plan, hw, _machine(True), costs, True, object())
+    assert priced.figures["predicted_dispatch_s"] == pytest.approx(7e-3)
+    assert priced.figures["predicted_checkpoint_s"] == pytest.approx(2e-2 + 12.5e-4)
+    assert priced.prediction.step_s == pytest.approx(bare.prediction.step_s + 7e-3 + 2e-2 + 12.5e-4)
+    assert (priced.figures["checkpoint_regions"], priced.figures["checkpoint_saved"]) == (2, 12.5)
+    # Where copies overlap (a GPU), the host work overlaps the kernels: nothing added.
+    overlapped = predict_measured(g, plan, hw, _machine(False), costs, True, object())
+    assert overlapped.prediction.checkpoint_s == overlapped.prediction.dispatch_s == 0.0
 
 
 def test_step_comparison_drops_the_first_step():

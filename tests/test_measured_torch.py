@@ -43,14 +43,51 @@ def test_every_op_of_the_captured_step_is_timed(captured):
     assert all(p.grad is None for p in w.model.parameters())  # the model is left as it was
 
 
-def test_the_table_is_measured_once_then_read_from_the_cache(captured, tmp_path):
+def test_the_table_is_measured_once_then_read_from_the_cache(captured, tmp_path, monkeypatch):
     w, graph = captured
+    # A quiet machine, whatever the suite's load: a table measured under load is measured again (below).
+    monkeypatch.setattr("os.getloadavg", lambda: (0.1, 0.1, 0.1))
     first, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     again, cached_again = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     assert (cached, cached_again) == (False, True) and again == first
     # The load the times were measured at travels with the cached table (a reused table says it).
     assert again.notes["load_average_1min"] == first.notes["load_average_1min"] >= 0.0
     assert again.notes["cpu_count"] >= 1
+
+
+def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path, monkeypatch):
+    # A stub stands in for the measurement: each call returns a table at the next load, so the test
+    # sees which cached tables are reused and which are measured again, without timing a step.
+    import slackswap.runtime.op_times as op_times
+    from slackswap.profile.measured import MAX_REUSE_LOAD_PER_CPU, OpTimeTable
+
+    w, graph = captured
+    notes = iter([{"load_average_1min": 1.6, "cpu_count": 2}, {"load_average_1min": 0.4, "cpu_count": 2},
+                  {}, {"load_average_1min": 0.2, "cpu_count": 2}])
+    made = []
+
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock):
+        key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
+        made.append(OpTimeTable(key=key, times={}, warmup=warmup, repeats=repeats, step_median_s=1e-3,
+                                step_min_s=1e-3, step_max_s=1e-3, notes=next(notes)))
+        return made[-1]
+
+    monkeypatch.setattr(op_times, "measure_op_times", stub)
+
+    def cached():
+        return cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
+
+    first, was_cached = cached()  # load 1.6 on 2 CPUs: 0.8 per CPU
+    assert not was_cached and MAX_REUSE_LOAD_PER_CPU < 1.6 / 2
+    again, was_cached = cached()  # measured again, and the new table says why
+    assert not was_cached and len(made) == 2 and again.notes["load_average_1min"] == 0.4
+    assert "measured at load 1.60 on 2 CPUs" in again.notes["remeasured_because"]
+    reused, was_cached = cached()  # 0.2 per CPU: reused as it is
+    assert was_cached and len(made) == 2 and reused == again
+    # A table with no recorded load (one written before loads were recorded) is measured again too.
+    op_times.save_table(replace(again, notes={}), tmp_path)
+    fresh, was_cached = cached()
+    assert not was_cached and len(made) == 3 and "no recorded load" in fresh.notes["remeasured_because"]
 
 
 def test_a_step_that_is_not_the_captured_one_is_one_line_naming_it(captured):
@@ -82,8 +119,19 @@ def test_cpu_links_are_one_memory_and_say_pinned_is_not_measured():
 
 
 @pytest.mark.slow
-def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path):
+def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path, monkeypatch):
+    import slackswap.experiment.measured_timing as measured_timing
+    from slackswap.experiment.measured_prediction import HostCosts
     from slackswap.experiment.training_run import TrainingRunSpec, run_training
+    from slackswap.profile.measured import ExportHostCost, RuntimeHostCost
+
+    # The executors' host costs as the microbenchmarks would give them (their own tests measure them; here
+    # a second and a half of the suite is spared): measured once with the table, for the CPU.
+    asked = []
+    host = RuntimeHostCost(hook_per_event_s=2e-6, replay_per_step_s=3e-5, replay_per_call_s=1e-5, per_copy_s=2e-6,
+                           source="stub")
+    monkeypatch.setattr(measured_timing, "measure_host_costs",
+                        lambda device: asked.append(device) or HostCosts(host, ExportHostCost(source="stub")))
 
     def preset(group, name):
         data = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
@@ -99,7 +147,11 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path):
     f = outcome.figures
     assert outcome.verdict == "ok", outcome.reason
     assert f["ops_timed_measured"] == len(outcome.graph.ops) and f["ops_timed_roofline"] == 0
-    assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"])
+    # The runtime's host work is in it, at the costs measured with the table and stored with it.
+    assert asked == ["cpu"] and "2.00 us per saved-tensor event" in f["host_costs_line"]
+    assert f["predicted_runtime_host_s"] > 0
+    assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"]
+                                                  + f["predicted_runtime_host_s"])
     assert f["measured_steps_compared"] == 2 and math.isfinite(f["step_relative_error"])
     assert f["op_times_load_average"] >= 0.0 and not f["op_times_cached"]
     # The simulated plan runs on the measured op times, not the roofline's.
@@ -179,3 +231,18 @@ def test_a_preset_fitted_on_one_shape_predicts_another_shape_within_15_percent(c
     predicted = sum(op_duration_s(op.flops, op.moved_bytes, op.op_class, op_dtype(gb, op, "fp32"), report.hardware)
                     for op in gb.ops)
     assert predicted / sum(tb.values()) - 1 == pytest.approx(0.0, abs=0.15)
+
+
+def test_the_runtimes_host_cost_is_measured_on_a_fixed_microbenchmark():
+    import torch
+
+    from slackswap.planners.registry import get_planner
+    from slackswap.runtime.eager.host_cost import measure_runtime_host_cost
+
+    full_recompute = get_planner("full_recompute")
+    state = torch.get_rng_state()
+    cost = measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None), 0, 1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert cost.hook_per_event_s > 0 and cost.replay_per_step_s + cost.replay_per_call_s > 0
+    # A swap's copies are timed against the same blocks with every tensor kept: per copy, never negative.
+    assert cost.per_copy_s >= 0 and "56 copies" in cost.source and "thread CPU time" in cost.source

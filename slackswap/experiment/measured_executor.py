@@ -18,8 +18,18 @@ runs each layer under the cheapest mechanism that executes its decisions
 (`slackswap.runtime.export.mechanism`): a layer whose every decided tensor is recomputed under a plain
 checkpoint, any other under the SAC policy, whose Python dispatch modes see every ATen call of the
 layer's forward and of its replay. That per-call cost is no op's: it is measured once per machine by a
-microbenchmark (`slackswap.runtime.export.dispatch_cost`, stored with the op-time table as
-`sac_dispatch_per_call_s`) and added per call the SAC layers make (`dispatch_calls`); 0 when not given.
+microbenchmark (`slackswap.runtime.export.dispatch_cost`) and added per call the SAC layers make
+(`dispatch_calls`). Every layer, under either mechanism, is a non-reentrant checkpoint region, whose own
+host work (a frame, the RNG state, the recompute started and stopped early from backward; a pack hook in
+the forward, another in the recompute and an unpack hook per saved tensor) is no op's either: measured
+once per machine (`slackswap.runtime.export.checkpoint_cost`) and added per region and per saved tensor
+of the layers (`checkpoint_regions`, `checkpoint_saved`). Both are the op-time table's `ExportHostCost`;
+nothing is added when it is not given (a GPU, where that host work overlaps the kernels).
+
+What the replay costs in ops is the simulator's: the recompute reruns the layer's forward up to its last
+saved tensor; under SAC each op the policy saved is intercepted there and served from the cache (a
+dispatch call, no op), each op it recomputes runs again (a dispatch call and the op's time:
+`pytorch_plan`'s executed recomputes).
 
 `EXECUTORS`: `runtime` (every plan under `apply`), `export` (every plan made for and run through the
 export), `auto` (the runtime, and the export for a plan its hook-only program refuses). Needs torch
@@ -37,6 +47,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan, StepKind
 from slackswap.profile.machine import Machine
+from slackswap.profile.measured import ExportHostCost
 
 if TYPE_CHECKING:
     from slackswap.experiment.prediction import Prediction
@@ -58,6 +69,10 @@ class ExportPrediction:
     #: ATen calls per step the SAC layers route through the export's dispatch modes (forward and replay),
     #: counted on the graph; 0 when no model was given.
     dispatch_calls: int = 0
+    #: Checkpoint regions per step and the saved tensors (pack events) of their forwards, counted on the
+    #: graph (`export_counts`); 0 when no model was given.
+    checkpoint_regions: int = 0
+    checkpoint_saved: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,12 +87,12 @@ class ExportCheck:
 
 
 def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None, model: object = None,
-                   dispatch_per_call_s: float = 0.0) -> ExportPrediction:
+                   costs: ExportHostCost | None = None) -> ExportPrediction:
     """`plan` (made by `plan_for_export` on `graph`) predicted as PyTorch's eager checkpointing runs it:
     `pytorch_plan(..., "eager")`, each layer's recomputes and replayed transients in one block before
     its first backward reader, on `slackswap.experiment.prediction.predict_step`; with `model` (the
-    plan's) and `dispatch_per_call_s` (the op-time table's `sac_dispatch_per_call_s`), plus that cost per
-    call of the layers run under the SAC policy (`sac_dispatch_calls`)."""
+    plan's) and `costs` (the op-time table's `export_host`), plus the SAC layers' dispatch per call and
+    the checkpoint's own work per region and per saved tensor (module docstring)."""
     from dataclasses import replace
 
     from slackswap.experiment.prediction import predict_step
@@ -89,14 +104,32 @@ def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machin
         return sum(s.kind == StepKind.RECOMPUTE for s in p.steps)
 
     prediction = predict_step(graph, executed, hardware, machine)
-    calls = sac_dispatch_calls(graph, plan, model) if model is not None else 0
-    if calls and dispatch_per_call_s > 0:
-        extra = calls * dispatch_per_call_s
-        prediction = replace(prediction, step_s=prediction.step_s + extra, dispatch_s=extra)
-    return ExportPrediction(prediction, recomputes(plan), recomputes(executed), calls)
+    calls, regions, saved = export_counts(graph, plan, model) if model is not None else (0, 0, 0.0)
+    if costs is not None and machine is not None and machine.synchronous:
+        dispatch = calls * costs.sac_per_call_s
+        frames = regions * costs.checkpoint_per_region_s + saved * costs.checkpoint_per_saved_s
+        prediction = replace(prediction, step_s=prediction.step_s + dispatch + frames, dispatch_s=dispatch,
+                             checkpoint_s=frames)
+    return ExportPrediction(prediction, recomputes(plan), recomputes(executed), calls, regions, saved)
 
 
-def sac_dispatch_calls(graph: Graph, plan: Plan, model: object) -> int:
+def export_counts(graph: Graph, plan: Plan, model: object) -> tuple[int, int, float]:
+    """(SAC dispatch calls, checkpoint regions, saved tensors of the regions) per step of `plan`'s eager
+    export: `sac_dispatch_calls`; every layer the export wraps is a region; a region's saved tensors are
+    the graph's saved tensors of the layer, scaled by the capture's pack events per saved graph tensor
+    (autograd also packs weights and saves some tensors twice; `saved_tensor_packs`, 1 when absent)."""
+    from slackswap.graph import NO_LAYER
+    from slackswap.runtime.export import PlanExport
+
+    export = PlanExport(plan, graph, model)
+    saved = [t for t in graph.tensors.values() if t.saved]
+    per_tensor = graph.meta.get("saved_tensor_packs", len(saved)) / max(1, len(saved))
+    regions = len(export.regions)
+    in_regions = sum(1 for t in saved if t.layer != NO_LAYER and t.layer < regions)
+    return sac_dispatch_calls(graph, plan, model, export), regions, in_regions * per_tensor
+
+
+def sac_dispatch_calls(graph: Graph, plan: Plan, model: object, export: object = None) -> int:
     """The ATen calls per step that pass the export's SAC dispatch modes: per layer the export runs under
     the policy (`PlanExport.mechanisms`), its forward's calls (the graph's ops of the layer, each with
     the in-place calls joined to it) and its replay's (those up to the layer's last op with a saved
@@ -105,7 +138,7 @@ def sac_dispatch_calls(graph: Graph, plan: Plan, model: object) -> int:
     from slackswap.runtime.export.mechanism import SELECTIVE
     from slackswap.runtime.op_numbering import call_number
 
-    export = PlanExport(plan, graph, model)
+    export = export if export is not None else PlanExport(plan, graph, model)
     selective = {r for r, m in enumerate(export.mechanisms()) if m == SELECTIVE}
     forward = graph.forward_ops
     calls = 0
@@ -154,4 +187,4 @@ def export_steps(w: Workload, graph: Graph, plan: Plan, steps: int, lr: float, s
 
 
 __all__ = ["EXECUTORS", "ExportCheck", "ExportPrediction", "export_gradient_check", "export_steps",
-           "hook_only_refusal", "predict_export", "sac_dispatch_calls"]
+           "export_counts", "hook_only_refusal", "predict_export", "sac_dispatch_calls"]

@@ -2,13 +2,15 @@
 device, the machine's links, and the plan's predicted step beside the measured one.
 
     timing = MeasuredTiming.from_dict(config["profile"])      # checks, ConfigError naming the field
-    graph, figures = timing.retime(graph, workload)           # before the planner sees the graph
+    graph, figures, costs = timing.retime(graph, workload)    # before the planner sees the graph
     machine = timing.machine(device)                          # measured links (or the given file)
-    figures |= timing.compare(graph, plan, hardware, machine, step_times_s)
+    figures |= timing.compare(graph, plan, hardware, machine, step_times_s, costs)
 
 The profile comes from plain steps of the model (`slackswap.runtime.op_times`), measured once
-per graph, device and versions and cached; no plan's own timed steps feed its prediction. Imports
-torch only inside the functions that measure.
+per graph, device and versions and cached; no plan's own timed steps feed its prediction. The
+executors' own host costs (`slackswap.experiment.measured_prediction.HostCosts`) are measured once on
+the CPU by fixed microbenchmarks when the table is, and stored with it; the prediction is the
+benchmark's (`predict_measured`). Imports torch only inside the functions that measure.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from slackswap import validation as check
 from slackswap.errors import ConfigError
-from slackswap.experiment.prediction import compare_steps, predict_step
+from slackswap.experiment.measured_prediction import HostCosts, measure_host_costs, predict_measured
+from slackswap.experiment.prediction import compare_steps
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.profile.machine import Machine
-from slackswap.profile.measured import TIMINGS, retime
+from slackswap.profile.measured import TIMINGS, retime, save_table
 
 if TYPE_CHECKING:
     from slackswap.runtime.training_workload import Workload
@@ -64,13 +67,20 @@ class MeasuredTiming:
         return cls(timing=timing, cache_dir=profile.get("cache_dir") or None, warmup=warmup, repeats=repeats,
                    machine_path=machine)
 
-    def retime(self, graph: Graph, w: Workload) -> tuple[Graph, dict[str, Any]]:
-        """The graph with its ops' measured times (roofline for any op not measured) and the figures
-        saying how many ops each source timed."""
+    def retime(self, graph: Graph, w: Workload) -> tuple[Graph, dict[str, Any], HostCosts]:
+        """The graph with its ops' measured times (roofline for any op not measured), the figures
+        saying how many ops each source timed, and the executors' host costs stored with the table
+        (measured now, and stored, where a CPU table lacks them)."""
         from slackswap.runtime.op_times import cached_op_times
 
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
                                         self.repeats)
+        costs = HostCosts.of(table)
+        if table.key.device.startswith("cpu") and not costs.measured:
+            costs = measure_host_costs(table.key.device)
+            table = costs.attach(table)
+            if self.cache_dir is not None:
+                save_table(table, self.cache_dir)
         retimed, sources = retime(graph, table)
         figures = {"timing": "measured", "ops_timed_measured": sources.measured,
                    "ops_timed_roofline": sources.roofline, "op_times_cached": cached,
@@ -81,8 +91,10 @@ class MeasuredTiming:
                    # The table's op times carry the load they were measured at (a cached table was
                    # measured by an earlier run): the timer's cost taken off each op is not load-free.
                    "op_times_load_average": table.notes.get("load_average_1min", math.nan),
-                   "timing_sources_line": sources.line()}
-        return retimed, figures
+                   # A cached table measured under load is measured again (`reuse_refusal`): why, or "".
+                   "op_times_remeasured_because": table.notes.get("remeasured_because", "") if not cached else "",
+                   "timing_sources_line": sources.line(), "host_costs_line": costs.line()}
+        return retimed, figures, costs
 
     def machine(self, device: str) -> Machine:
         """The machine description of `profile.machine`, else the links of `device` measured now (on
@@ -108,35 +120,18 @@ class MeasuredTiming:
         return Machine.from_dict(description)
 
     @staticmethod
-    def compare(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine,
-                step_times_s: Sequence[float], export: bool = False, model: object = None) -> dict[str, Any]:
-        """The predicted step beside the measured steps (after the first) and the relative error.
-        `export`: `plan` was made for the export and ran as eager selective checkpointing, predicted as
-        that runs it (`slackswap.experiment.measured_executor.predict_export`: the layers' replays), and
-        with `model` on the CPU its SAC layers' dispatch at the cost per call measured now by the fixed
-        microbenchmark (`slackswap.runtime.export.dispatch_cost`), never from this plan's steps."""
-        extra: dict[str, Any] = {}
-        if export:
-            from slackswap.experiment.measured_executor import predict_export
-
-            per_call_s = 0.0
-            if model is not None and machine.synchronous:  # the CPU: the host cost is the step's
-                from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
-
-                cost = measure_dispatch_cost()
-                per_call_s = cost.per_call_s
-                extra = {"sac_dispatch_per_call_s": per_call_s, "sac_dispatch_source": cost.source}
-            executed = predict_export(graph, plan, hardware, machine, model, per_call_s)
-            prediction = executed.prediction
-            extra |= {"plan_recomputes": executed.plan_recomputes,
-                      "executed_recomputes": executed.executed_recomputes,
-                      "sac_dispatch_calls": executed.dispatch_calls, "predicted_dispatch_s": prediction.dispatch_s}
-        else:
-            prediction = predict_step(graph, plan, hardware, machine)
+    def compare(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine, step_times_s: Sequence[float],
+                costs: HostCosts, export: bool = False, model: object = None) -> dict[str, Any]:
+        """The predicted step (`predict_measured`, as `benchmarks/measured_profile.py` predicts it) beside
+        the measured steps (after the first) and the relative error. `export`: `plan` was made for the
+        export and ran as eager selective checkpointing; `model` is the plan's."""
+        predicted = predict_measured(graph, plan, hardware, machine, costs, export, model)
+        prediction = predicted.prediction
         c = compare_steps(prediction.step_s, step_times_s)
-        return extra | {"predicted_step_s": c.predicted_s, "predicted_sim_step_s": prediction.simulated_s,
-                "predicted_sync_copy_s": prediction.sync_copy_s, "measured_step_median_s": c.measured_median_s,
-                "measured_step_min_s": c.measured_min_s, "measured_step_max_s": c.measured_max_s,
-                "measured_steps_compared": c.steps, "step_relative_error": c.relative_error,
-                "machine": machine.name, "machine_synchronous_copies": machine.synchronous,
-                "load_avg_1m": os.getloadavg()[0]}
+        return predicted.figures | {
+            "predicted_step_s": c.predicted_s, "predicted_sim_step_s": prediction.simulated_s,
+            "predicted_sync_copy_s": prediction.sync_copy_s, "measured_step_median_s": c.measured_median_s,
+            "measured_step_min_s": c.measured_min_s, "measured_step_max_s": c.measured_max_s,
+            "measured_steps_compared": c.steps, "step_relative_error": c.relative_error,
+            "machine": machine.name, "machine_synchronous_copies": machine.synchronous,
+            "load_avg_1m": os.getloadavg()[0]}

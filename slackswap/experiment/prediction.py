@@ -6,6 +6,14 @@ runtime copies synchronously on the compute thread (`slackswap.runtime.copy_engi
 nothing overlaps: the predicted step is the plan simulated on an instant link (its ops and
 recomputes, every copy arrived when issued) plus each copy's measured time (`Machine.copy_s`:
 latency + bytes / bandwidth). Nothing is skipped and nothing is fitted to the step it predicts.
+
+With `host` (the machine's `RuntimeHostCost`, measured once by `slackswap.runtime.eager.host_cost`), the
+eager runtime's own host work is added where its hook-only step makes it (`runtime_host_s`, counted
+from the graph and the plan): a plan that is not idle passes every saved tensor through the runtime's
+pack hook and every read-back through its unpack hook (the capture's counts,
+`saved_tensor_packs` / `saved_tensor_unpacks`), each recompute step replays its op's ATen calls
+from Python, and each copy of a swap costs its bookkeeping beyond the copy's own time. An idle plan
+(keeps everything, moves nothing) runs no hook and adds nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ from dataclasses import dataclass
 
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
-from slackswap.plan import Plan
+from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.machine import Machine
+from slackswap.profile.measured import RuntimeHostCost
 
 
 @dataclass(frozen=True)
@@ -30,22 +39,67 @@ class Prediction:
     copies: int
     #: Seconds of the eager export's selective-checkpoint dispatch added to it (`predict_export`; 0 otherwise).
     dispatch_s: float = 0.0
+    #: Seconds of the eager export's non-reentrant checkpoints' own work added to it (`predict_export`).
+    checkpoint_s: float = 0.0
+    #: Seconds of the eager runtime's own host work added to it (`runtime_host_s`; 0 without `host`).
+    runtime_host_s: float = 0.0
 
 
-def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None) -> Prediction:
-    """The plan's step on `machine` (None: `hardware` as it is, copies overlapping)."""
+@dataclass(frozen=True)
+class RuntimeHostCounts:
+    """What a plan's hook-only step does that its ops' times do not hold (module docstring)."""
+
+    hook_events: int
+    recompute_steps: int
+    replayed_calls: int
+    copies: int = 0
+
+    def seconds(self, host: RuntimeHostCost) -> float:
+        return (self.hook_events * host.hook_per_event_s + self.recompute_steps * host.replay_per_step_s
+                + self.replayed_calls * host.replay_per_call_s + self.copies * host.per_copy_s)
+
+
+def runtime_host_counts(graph: Graph, plan: Plan) -> RuntimeHostCounts:
+    """Hook events, recompute steps and replayed ATen calls of `plan`'s hook-only step on `graph`."""
+    steps = [s for s in plan.steps if s.kind == StepKind.RECOMPUTE]
+    idle = not (steps or plan.offloads or plan.prefetches) and all(d == Decision.KEEP
+                                                                    for d in plan.decisions.values())
+    if idle:
+        return RuntimeHostCounts(0, 0, 0)
+    ops = graph.ops
+    index = {op.name: k for k, op in enumerate(ops)}
+
+    def number(name: str) -> int:  # 'op22:aten.empty_like.default' -> 22 (slackswap.runtime.op_numbering)
+        return int(name.split(":", 1)[0].removeprefix("op"))
+
+    def width(name: str) -> int:  # the op's ATen calls: up to the next op's first
+        k = index[name]
+        return number(ops[k + 1].name) - number(name) if k + 1 < len(ops) else 1
+
+    events = int(graph.meta.get("saved_tensor_packs", 0)) + int(graph.meta.get("saved_tensor_unpacks", 0))
+    return RuntimeHostCounts(events, len(steps), sum(width(s.op) for s in steps),
+                             len(plan.offloads) + len(plan.prefetches))
+
+
+def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None,
+                 host: RuntimeHostCost | None = None) -> Prediction:
+    """The plan's step on `machine` (None: `hardware` as it is, copies overlapping); with `host` on a
+    synchronous machine (the CPU), plus the eager runtime's own host work (module docstring): on a GPU
+    it overlaps the kernels and is not added."""
     from slackswap.simulate import simulate
     from slackswap.simulate.saved_peak import instant_link
 
-    if machine is None or not machine.synchronous:
+    copies = len(plan.offloads) + len(plan.prefetches)
+    if machine is None or not machine.synchronous:  # host work overlaps the device's: not added
         on = machine.on(hardware) if machine is not None else hardware
         sim = simulate(graph, plan, on, None)
-        return Prediction(sim.step_s, sim.step_s, 0.0, len(plan.offloads) + len(plan.prefetches))
+        return Prediction(sim.step_s, sim.step_s, 0.0, copies)
+    host_s = runtime_host_counts(graph, plan).seconds(host) if host is not None else 0.0
     sim = simulate(graph, plan, instant_link(hardware), None)
     sizes = graph.size_bytes_of
     copy_s = sum(machine.copy_s("d2h", sizes[t.tensor]) for t in plan.offloads)
     copy_s += sum(machine.copy_s("h2d", sizes[t.tensor]) for t in plan.prefetches)
-    return Prediction(sim.step_s + copy_s, sim.step_s, copy_s, len(plan.offloads) + len(plan.prefetches))
+    return Prediction(sim.step_s + copy_s + host_s, sim.step_s, copy_s, copies, runtime_host_s=host_s)
 
 
 @dataclass(frozen=True)

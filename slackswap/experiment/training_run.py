@@ -196,9 +196,9 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     progress.captured(graph, capture_s, ideal.peak_activation_bytes, budget_bytes)
     figures: dict[str, Any] = {"status": Verdict.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
                                "keep_all_peak_bytes": ideal.peak_activation_bytes, "timing": spec.timing.timing}
-    machine = None
+    machine = costs = None
     if spec.timing.measured:  # the planner and the simulator see the measured op times
-        graph, timed = spec.timing.retime(graph, w)
+        graph, timed, costs = spec.timing.retime(graph, w)
         machine = spec.timing.machine(spec.device)
         figures.update(timed)
         progress.timed(timed)
@@ -231,6 +231,8 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     # simulated hardware's link; on CUDA the hardware's own link.
     on_link = simulate(graph, plan, instant_link(hardware) if spec.device == "cpu" else hardware, None)
     counts = plan_counts(plan)
+    if not sim.feasible:  # the plan over its budget on the simulated hardware: said, never a crash later
+        figures["sim_infeasible_reason"] = sim.infeasible_reason
     figures.update(sim_step_s=sim.step_s, sim_peak_activation_bytes=sim.peak_activation_bytes,
                    sim_peak_activation_bytes_device_link=on_link.peak_activation_bytes,
                    sim_saved_peak_bytes=simulated_saved_peak_bytes(graph, plan, hardware),
@@ -241,12 +243,12 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     elif executor == "export":
         records = _run_export(spec, w, graph, plan, figures, progress)
         if machine is not None and figures["grad_check_bit_exact"]:  # as eager checkpointing runs the plan
-            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], export=True,
-                                               model=w.model))
+            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], costs,
+                                               export=True, model=w.model))
     else:
         records = _run_eager(spec, w, graph, plan, counts, figures, progress)
         if machine is not None:  # the plan's predicted step on this machine beside its measured steps
-            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"]))
+            figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], costs))
         if spec.device == "cpu":
             # The CPU ledger counts the graph's tensors, as the simulator does; on CUDA the measured peak
             # is max_memory_allocated (weights and optimizer state too) and is not compared byte for byte.

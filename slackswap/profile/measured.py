@@ -78,6 +78,35 @@ class OpTime:
 
 
 @dataclass(frozen=True)
+class RuntimeHostCost:
+    """Host seconds the eager runtime's hook-only step spends beyond its ops' in-context times, measured
+    once per machine by `slackswap.runtime.eager.host_cost` (never from a plan's step): per saved-tensor
+    event (pack or unpack) of a plan that is not idle, per recompute step, per ATen call it replays, per
+    copy of a swap."""
+
+    hook_per_event_s: float = 0.0
+    replay_per_step_s: float = 0.0
+    replay_per_call_s: float = 0.0
+    #: Per copy (offload or reload) of a swap, beyond the copy's own time (`Machine.copy_s`) and the hook
+    #: events: the runtime's bookkeeping and the host buffer's lookup.
+    per_copy_s: float = 0.0
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class ExportHostCost:
+    """Host seconds the eager export's step spends beyond its ops' in-context times and the replay's ops,
+    measured once per machine (never from a plan's step): per ATen call through the SAC dispatch modes
+    (`slackswap.runtime.export.dispatch_cost`), and the non-reentrant checkpoint's own work per region and
+    per saved tensor (`slackswap.runtime.export.checkpoint_cost`)."""
+
+    sac_per_call_s: float = 0.0
+    checkpoint_per_region_s: float = 0.0
+    checkpoint_per_saved_s: float = 0.0
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class OpTimeTable:
     key: OpTimeKey
     times: Mapping[str, OpTime]
@@ -94,11 +123,10 @@ class OpTimeTable:
     #: Ops that could not be timed, one line each ("op12:aten.bmm.default: <why>").
     failed: tuple[str, ...] = ()
     notes: Mapping[str, Any] = field(default_factory=dict)
-    #: Host seconds per ATen call the eager export's selective-checkpoint modes add (a property of the
-    #: machine and the PyTorch build, measured once by `slackswap.runtime.export.dispatch_cost`, never from
-    #: a plan's step); 0 when not measured. `sac_dispatch_source` says how it was measured.
-    sac_dispatch_per_call_s: float = 0.0
-    sac_dispatch_source: str = ""
+    #: The eager runtime's own host costs on this machine (`RuntimeHostCost`); None when not measured.
+    runtime_host: RuntimeHostCost | None = None
+    #: The eager export's own host costs on this machine (`ExportHostCost`); None when not measured.
+    export_host: ExportHostCost | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,7 +134,8 @@ class OpTimeTable:
             "step_median_s": self.step_median_s, "step_min_s": self.step_min_s, "step_max_s": self.step_max_s,
             "timer_overhead_per_call_s": self.timer_overhead_per_call_s, "unattributed_s": self.unattributed_s,
             "failed": list(self.failed), "notes": dict(self.notes),
-            "sac_dispatch_per_call_s": self.sac_dispatch_per_call_s, "sac_dispatch_source": self.sac_dispatch_source,
+            "runtime_host": None if self.runtime_host is None else asdict(self.runtime_host),
+            "export_host": None if self.export_host is None else asdict(self.export_host),
             "times": {name: asdict(t) for name, t in self.times.items()},
         }
 
@@ -115,12 +144,39 @@ class OpTimeTable:
         d = dict(d)
         key = OpTimeKey.from_dict(d.pop("key"))
         times = MappingProxyType({name: OpTime(**t) for name, t in d.pop("times").items()})
+        host = d.pop("runtime_host", None)
+        d["runtime_host"] = None if host is None else RuntimeHostCost(**host)
+        export = d.pop("export_host", None)
+        d["export_host"] = None if export is None else ExportHostCost(**export)
+        for old in ("sac_dispatch_per_call_s", "sac_dispatch_source"):  # tables cached before export_host
+            d.pop(old, None)
         return cls(key=key, times=times, failed=tuple(d.pop("failed", ())),
                    notes=MappingProxyType(dict(d.pop("notes", {}))), **d)
 
     @property
     def measured_sum_s(self) -> float:
         return sum(t.median_s for t in self.times.values())
+
+
+#: Highest 1-minute load average per CPU at which a cached table is reused. Above it (or with no load
+#: recorded) the table is measured again: a table's op times carry its load (the timer's cost taken off
+#: each op is measured next to the step), and on this project's 2-core machine hf_gpt2_2l's table
+#: measured at load 1.0 (0.5 per CPU) predicted its step at -8 to -10 % while one measured during a
+#: package install predicted -28 % (docs/profile.md, "The table").
+MAX_REUSE_LOAD_PER_CPU = 0.5
+
+
+def reuse_refusal(table: OpTimeTable) -> str | None:
+    """Why a cached `table` must be measured again rather than reused (one line), or None to reuse it:
+    it was measured at a 1-minute load per CPU above `MAX_REUSE_LOAD_PER_CPU`, or at an unrecorded load."""
+    load, cpus = table.notes.get("load_average_1min"), table.notes.get("cpu_count")
+    digest = table.key.digest()
+    if not isinstance(load, int | float) or not isinstance(cpus, int) or cpus < 1 or load != load:
+        return f"cached op-time table {digest} has no recorded load: measuring it again"
+    if load / cpus > MAX_REUSE_LOAD_PER_CPU:
+        return (f"cached op-time table {digest} was measured at load {load:.2f} on {cpus} CPUs ({load / cpus:.2f} "
+                f"per CPU > {MAX_REUSE_LOAD_PER_CPU}): measuring it again")
+    return None
 
 
 def table_path(key: OpTimeKey, cache_dir: str | Path) -> Path:

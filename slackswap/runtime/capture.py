@@ -291,7 +291,10 @@ def capture_graph(
         packed = recorder.packed
         stack.enter_context(loss_boundary(model, identities))
 
+        events = [0, 0]  # saved-tensor packs and unpacks: the hook calls a hooked step makes
+
         def pack(t: torch.Tensor) -> object:
+            events[0] += 1
             # Autograd gets a private copy of a graph tensor, not the tensor: what keeps the tensor's
             # storage alive is then what keeps it alive under any plan (the model's own variables, the
             # autograd engine's buffers), and its release is measured (`Tensor.held_until`).
@@ -305,6 +308,7 @@ def capture_graph(
             return (name_, copy, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), recorder.layer_of())
 
         def unpack(stand_in: object) -> torch.Tensor:
+            events[1] += 1
             numbering.close_op()
             if isinstance(stand_in, torch.Tensor):
                 return stand_in
@@ -371,6 +375,8 @@ def capture_graph(
         "model_signature": model_signature(model),
         "input_signature": input_signature(inputs),
         "aten_calls": numbering.calls,
+        "saved_tensor_packs": events[0],
+        "saved_tensor_unpacks": events[1],
         "packed_never_read": never_read,
         "weight_bytes_from_params": sum(p.numel() * p.element_size() for p in model.parameters()),
         "hardware": hardware.name,

@@ -32,14 +32,22 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.graph import Graph
-from slackswap.profile.measured import MeasurementError, OpTime, OpTimeKey, OpTimeTable, load_table, save_table
+from slackswap.profile.measured import (
+    MeasurementError,
+    OpTime,
+    OpTimeKey,
+    OpTimeTable,
+    load_table,
+    reuse_refusal,
+    save_table,
+)
 from slackswap.runtime.op_numbering import call_number
 from slackswap.versions import package_versions
 
@@ -263,13 +271,20 @@ def cached_op_times(
     repeats: int = 5,
     clock: str = "wall",
 ) -> tuple[OpTimeTable, bool]:
-    """(table, True when it came from `cache_dir`): measured once per key, reused by later runs."""
+    """(table, True when it came from `cache_dir`): measured once per key, reused by later runs unless
+    it was measured under load (`slackswap.profile.measured.reuse_refusal`); then it is measured again,
+    and the new table's `notes["remeasured_because"]` says why (the run prints it)."""
+    why = None
     if cache_dir is not None:
         device = next(model.parameters()).device
         found = load_table(op_time_key(graph, device, clock), cache_dir)
         if found is not None:
-            return found, True
+            why = reuse_refusal(found)
+            if why is None:
+                return found, True
     table = measure_op_times(graph, model, inputs, loss_fn, warmup, repeats, clock)
+    if why is not None:
+        table = replace(table, notes=dict(table.notes) | {"remeasured_because": why})
     if cache_dir is not None:
         save_table(table, cache_dir)
     return table, False

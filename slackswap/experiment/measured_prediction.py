@@ -1,0 +1,122 @@
+"""One prediction of a plan's step on measured op times, for `pipelines.train` (`profile.timing=measured`)
+and `benchmarks/measured_profile.py` alike: what the product prints is what the benchmark checks.
+
+    costs = measure_host_costs("cpu")                          # once per machine, apart from any plan
+    table = costs.attach(table)                                # stored with the op-time table
+    predicted = predict_measured(graph, plan, hardware, machine, HostCosts.of(table), export, model)
+
+The step is `slackswap.experiment.prediction.predict_step` (the plan simulated on the measured profile,
+plus synchronous copies on the CPU), with the host work of the executor that runs it, measured once per
+machine by fixed microbenchmarks and counted from the graph and the plan: for the eager runtime its
+hooks and replays (`RuntimeHostCost`, `slackswap.runtime.eager.host_cost`), for a plan run through the
+eager export its SAC dispatch and its checkpoints (`ExportHostCost`,
+`slackswap.experiment.measured_executor.predict_export`). On a GPU that host work overlaps the kernels:
+nothing is measured and nothing added. Imports torch only inside the function that measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from slackswap.experiment.prediction import Prediction, predict_step
+from slackswap.graph import Graph
+from slackswap.hardware import Hardware
+from slackswap.plan import Plan
+from slackswap.profile.machine import Machine
+from slackswap.profile.measured import ExportHostCost, OpTimeTable, RuntimeHostCost
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """The executors' own host costs on a machine (None: not measured, nothing added)."""
+
+    runtime: RuntimeHostCost | None = None
+    export: ExportHostCost | None = None
+
+    @classmethod
+    def of(cls, table: OpTimeTable) -> HostCosts:
+        return cls(table.runtime_host, table.export_host)
+
+    def attach(self, table: OpTimeTable) -> OpTimeTable:
+        return replace(table, runtime_host=self.runtime, export_host=self.export)
+
+    @property
+    def measured(self) -> bool:
+        return self.runtime is not None and self.export is not None
+
+    def line(self) -> str:
+        """One console line of the figures (empty when not measured)."""
+        parts = []
+        if self.runtime is not None:
+            h = self.runtime
+            parts.append(f"runtime {h.hook_per_event_s * 1e6:.2f} us per saved-tensor event, "
+                         f"{h.replay_per_step_s * 1e6:.1f} us per recompute step, {h.replay_per_call_s * 1e6:.1f} us "
+                         f"per replayed ATen call, {h.per_copy_s * 1e6:.1f} us per copy")
+        if self.export is not None:
+            e = self.export
+            parts.append(f"export {e.sac_per_call_s * 1e6:.1f} us per ATen call through the SAC modes, "
+                         f"checkpoint {e.checkpoint_per_region_s * 1e6:.0f} us per region + "
+                         f"{e.checkpoint_per_saved_s * 1e6:.1f} us per saved tensor")
+        return "; ".join(parts)
+
+
+def measure_host_costs(device: str) -> HostCosts:
+    """The executors' host costs measured now on `device`: on the CPU the three microbenchmarks (about
+    2 s), on one intra-op thread whatever the run's (module docstring); elsewhere none.
+
+    Why one thread: the costs are the calling thread's Python work, read in its CPU time; with torch's
+    intra-op workers the calling thread also spins at their barriers, and that time lands in the
+    differences (at torch's 2 threads on a loaded 2-core machine: 58 us per copy against 2-6 us, 0 us
+    per SAC call against 11-16 us)."""
+    if not device.startswith("cpu"):
+        return HostCosts()
+    import torch
+
+    from slackswap.planners.registry import get_planner
+    from slackswap.runtime.eager.host_cost import measure_runtime_host_cost
+    from slackswap.runtime.export.checkpoint_cost import measure_export_host_cost
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full_recompute = get_planner("full_recompute")
+        return HostCosts(measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None)),
+                         measure_export_host_cost())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class MeasuredPrediction:
+    prediction: Prediction
+    #: What the prediction counted and added, by name (logged and printed beside it).
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None, costs: HostCosts,
+                     export: bool = False, model: object = None) -> MeasuredPrediction:
+    """`plan`'s step on `machine` as its executor runs it (module docstring). `export`: `plan` was made
+    for the export (`plan_for_export`) and runs as eager selective checkpointing; `model` (the plan's)
+    lets the export's regions be counted."""
+    if not export:
+        prediction = predict_step(graph, plan, hardware, machine, costs.runtime)
+        return MeasuredPrediction(prediction, {"predicted_runtime_host_s": prediction.runtime_host_s})
+    from slackswap.experiment.measured_executor import predict_export
+
+    executed = predict_export(graph, plan, hardware, machine, model, costs.export)
+    p = executed.prediction
+    figures: dict[str, Any] = {
+        "plan_recomputes": executed.plan_recomputes, "executed_recomputes": executed.executed_recomputes,
+        "sac_dispatch_calls": executed.dispatch_calls, "predicted_dispatch_s": p.dispatch_s,
+        "checkpoint_regions": executed.checkpoint_regions, "checkpoint_saved": executed.checkpoint_saved,
+        "predicted_checkpoint_s": p.checkpoint_s, "predicted_runtime_host_s": p.runtime_host_s}
+    if costs.export is not None:
+        figures |= {"sac_dispatch_per_call_s": costs.export.sac_per_call_s,
+                    "checkpoint_per_region_s": costs.export.checkpoint_per_region_s,
+                    "checkpoint_per_saved_s": costs.export.checkpoint_per_saved_s,
+                    "sac_dispatch_source": costs.export.source}
+    return MeasuredPrediction(p, figures)
+
+
+__all__ = ["HostCosts", "MeasuredPrediction", "measure_host_costs", "predict_measured"]
