@@ -8,8 +8,8 @@ simulated / published says how optimistic the compute model is.
 
 One efficiency set per GPU (matmul, HBM-bound ops, one per attention kernel, the slowdown overlapped
 collectives cost compute), never per model.
-`--fit` fits that set to the rows marked `held_out=False` (least squares on log ratios,
-benchmarks/calibration_fit.py, with and without a Hockney n_half per op class) and prints it; the
+benchmarks/calibration_fit.py fits that set to the rows marked `held_out=False` (least squares on log
+ratios, with and without a Hockney n_half per op class) and prints it; the
 calibrated presets (conf/hardware/*_calibrated.yaml, and the Hopper presets, which carry the
 H100 fit) hold the fitted values, rounded, and this script then evaluates every row, fitted and held
 out, on those presets (so the json checks the committed files, not the fit's memory). Held-out rows
@@ -17,8 +17,8 @@ were not used by the fit: they are the check, and the summary counts them apart,
 A100 40GB rows are all held out: they check a100_40gb_sxm_calibrated, the A100 fit on the 40GB part.
 
     python benchmarks/calibration.py            # -> benchmarks/results/calibration.json
-    python benchmarks/calibration.py --fit      # the least-squares fit the presets were written from
-    python benchmarks/calibration_fit.py --check   # and that the presets hold it (about a minute)
+    python benchmarks/calibration_fit.py          # the least-squares fit the presets were written from
+    python benchmarks/calibration_fit.py --check  # and that the presets hold it (about a minute)
 
 The step: gradient accumulation x (forward + backward, plus every layer's forward once more with
 activation checkpointing, plus the micro-batch's FSDP collectives: their exposed part and the
@@ -366,13 +366,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="print the least-squares fit instead")
-    args = parser.parse_args(argv)
-    if args.fit:
-        from benchmarks.calibration_fit import main as fit_main
-
-        return fit_main([])
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     rows = evaluate()
     for r in rows:
         mark = "held out" if r["held_out"] else "fitted  "
