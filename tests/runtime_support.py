@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from slackswap.errors import InfeasibleBudgetError
-from slackswap.graph import Graph
+from slackswap.graph import Graph, GraphMemo
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.planners.registry import get_planner
@@ -59,8 +59,23 @@ def planner_for_runtime(planner: str, **options: object):
     return get_planner(planner, **{**RUNTIME_TEST_OPTIONS.get(planner, {}), **options})
 
 
+#: Each planner's plan per graph, kept with the graph: a test file that runs every planner's plan in
+#: several tests (tests/test_runtime_exact.py: twice per model) plans each once. A planner is a pure
+#: function of the graph, the hardware and the budget (tests/test_reliability.py checks the same
+#: config twice gives the same plan files), and a Plan is frozen, so a shared one cannot leak a change.
+_PLANS: GraphMemo[dict[tuple[str, str], tuple[Plan, float | None]]] = GraphMemo(lambda graph: {})
+
+
 def plan_for(planner: str, captured: Captured, **options: object) -> tuple[Plan, float | None]:
-    """The planner's plan (with `options`) at the tightest of FRACTIONS it can meet."""
+    """The planner's plan (with `options`) at the tightest of FRACTIONS it can meet (planned once per graph)."""
+    plans = _PLANS(captured.graph)
+    key = (planner, repr(sorted(options.items())))
+    if key not in plans:
+        plans[key] = _plan_for(planner, captured, **options)
+    return plans[key]
+
+
+def _plan_for(planner: str, captured: Captured, **options: object) -> tuple[Plan, float | None]:
     for fraction in FRACTIONS:
         budget = None if fraction is None else int(captured.keep_all_peak_bytes * fraction)
         try:

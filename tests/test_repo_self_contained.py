@@ -80,9 +80,11 @@ def test_contract_doc_lists_every_metric_the_pipeline_test_checks() -> None:
 @pytest.mark.slow
 def test_pytest_quiet_prints_the_pass_count(tmp_path) -> None:
     (tmp_path / "test_one.py").write_text("def test_one():\n    assert True\n")
+    # The repository's addopts (what this guards: a -q in them makes `pytest -q` -qq, which drops the
+    # count), with -n 0 after them: two xdist workers for one test cost 3 s of CPU and print the same line.
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-c", str(REPO_ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
-         str(tmp_path / "test_one.py")],
+         "-n", "0", str(tmp_path / "test_one.py")],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

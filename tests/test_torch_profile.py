@@ -235,3 +235,40 @@ def test_graph_marks_random_ops_in_place_versions_and_the_attention_core():
     assert {op.role for op in cuda.ops if op.random} >= {"native_dropout", "softmax_dropout"}
     assert {op.role for op in cuda.ops if op.attention_core} == {"qk_bmm", "softmax", "softmax_dropout", "attn_core",
                                                                    "pv_bmm"}
+
+
+def test_the_fast_leaves_are_pytrees_leaves_in_pytrees_order() -> None:
+    """`identity.leaves` (the dispatch modes' flattening) against `tree_leaves`: the same objects in the
+    same order on what an ATen call takes and returns (nested lists, kwargs, torch.Size, a structseq
+    result) and on the nodes it hands to pytree (a namedtuple, OrderedDict, defaultdict), and a node
+    type registered after a first call is a node from then on."""
+    import collections
+
+    from torch.utils._pytree import register_pytree_node, tree_leaves
+
+    from slackswap.profile.torch.identity import leaves
+
+    t = torch.ones(2)
+    pair = collections.namedtuple("pair", "a b")
+    cases = [((t, 1, None, [t, t], 2.0, torch.float32), {"dim": 1, "out": t}), (t, torch.Size([2, 3]), pair(t, [t])),
+             {"b": [t, {"z": 2, "y": (3,)}], "a": pair(1, 2)}, collections.OrderedDict(b=t, a=1),
+             collections.defaultdict(int, x=t), [torch.max(torch.ones(3, 2), 1), 5], ((), [[]], {}), "ab",
+             (torch.device("cpu"), torch.strided, torch.contiguous_format)]
+    for case in cases:
+        expected = tree_leaves(case)
+        got = leaves(case)
+        assert len(got) == len(expected) and all(a is b for a, b in zip(got, expected, strict=True)), (case, got)
+
+    class Box:
+        def __init__(self, *items: object) -> None:
+            self.items = items
+
+    box = Box(t, 3)
+    assert leaves([box]) == [box]  # a leaf while unregistered
+    register_pytree_node(Box, lambda b: (list(b.items), None), lambda items, _: Box(*items))
+    try:
+        assert leaves([box, 4]) == tree_leaves([box, 4]) == [t, 3, 4]
+    finally:
+        from torch.utils._pytree import _deregister_pytree_node
+
+        _deregister_pytree_node(Box)

@@ -28,9 +28,9 @@ from functools import cache
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
 
 from slackswap.graph import PYTHON_CONSTANT_OPS
+from slackswap.profile.torch.identity import leaves as tree_leaves
 
 #: A version tag recorded in every captured graph and checked when a plan is applied; its text is kept
 #: as first written (it names this module by its earlier name), so graphs captured before still match.

@@ -21,7 +21,11 @@ tensors (split into in and out nodes), so the planner needs no torch.
 
 `fraction`: torch's budget, or `fit`: the largest fraction in steps of 1/100 whose plan fits the
 budget (what a user tuning the knob for a memory limit finds: scanned down from 1, each distinct
-partition scheduled once; the min cuts and the knapsack table are shared by all fractions). Differences
+partition scheduled once; the min cuts and the knapsack table are shared by all fractions). The
+partitions and their replayed peaks are kept with the graph (`GraphMemo`, per hardware): a peak does
+not depend on the budget, so the floor's bisection (about 20 plannings of one graph,
+`slackswap.experiment.floor`) and a budget sweep schedule each partition once, not once per
+planning; only the returned plan is built again, with its own budget. Differences
 from the compiled step, measured on the CPU, are in docs/planners.md ("torch_sac and torch_budget
 against PyTorch").
 """
@@ -31,12 +35,13 @@ from __future__ import annotations
 import numpy as np
 
 from slackswap.errors import ConfigError
-from slackswap.graph import FORWARD_PHASES, Graph, OpClass
+from slackswap.graph import FORWARD_PHASES, Graph, GraphMemo, OpClass
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan
 from slackswap.planners.base import check_budget
 from slackswap.planners.registry import register_planner
 from slackswap.planners.support.budget_check import over_budget, scheduled_peak
+from slackswap.schedule.build import build_schedule
 
 #: torch's dp_knapsack quantisation (torch/_functorch/_activation_checkpointing/knapsack.py: S = 10000).
 KNAPSACK_SCALE = 10000
@@ -176,12 +181,21 @@ class TorchPartitioner:
         self.max_bytes = sum(sizes[t] for t in self.default)
         self._aggressive: set[str] | None = None
         self._table = None
+        self._by_fraction: dict[float, tuple[frozenset[str], dict[str, object]]] = {}
 
     def _own_bytes(self, op: str) -> int:
         return sum(self.graph.size_bytes_of[t] for t in self.graph.op_by_name[op].outputs
                    if not self.graph.tensors[t].base)
 
     def saved(self, fraction: float) -> tuple[set[str], dict[str, object]]:
+        """The saved set at `fraction` and how it was found (a fresh set and dict: the caller's to keep)."""
+        if fraction not in self._by_fraction:
+            saved, facts = self._saved(fraction)
+            self._by_fraction[fraction] = (frozenset(saved), facts)
+        saved, facts = self._by_fraction[fraction]
+        return set(saved), dict(facts)
+
+    def _saved(self, fraction: float) -> tuple[set[str], dict[str, object]]:
         if fraction == 0:
             return set(), {"stage": "inputs_only"}
         if fraction == 1 or self.max_bytes == 0:
@@ -205,9 +219,24 @@ class TorchPartitioner:
         return saved, {"stage": "knapsack", "default_saved_bytes": self.max_bytes, "knapsack_saved_ops": len(kept)}
 
 
+#: One partitioner per graph: its cuts, knapsack table and saved sets depend on the graph alone.
+_partitioner: GraphMemo[TorchPartitioner] = GraphMemo(TorchPartitioner)
+#: Per graph, per hardware (compared by value): each partition's replayed peak (module docstring).
+_peaks: GraphMemo[list[tuple[Hardware, dict[frozenset[str], int]]]] = GraphMemo(lambda graph: [])
+
+
+def _peaks_on(graph: Graph, hardware: Hardware) -> dict[frozenset[str], int]:
+    tables = _peaks(graph)
+    for known, table in tables:
+        if known == hardware:
+            return table
+    tables.append((hardware, {}))
+    return tables[-1][1]
+
+
 def torch_budget_saved(graph: Graph, fraction: float) -> tuple[set[str], dict[str, object]]:
     """The saved set torch's `choose_saved_values_set` picks at `fraction`, and how it got there."""
-    return TorchPartitioner(graph).saved(fraction)
+    return _partitioner(graph).saved(fraction)
 
 
 def _needed_by_backward(graph: Graph) -> set[str]:
@@ -243,28 +272,35 @@ class TorchBudget:
 
     def plan(self, graph: Graph, hardware: Hardware, budget_bytes: int | None) -> Plan:
         check_budget(budget_bytes)
-        partitioner = TorchPartitioner(graph)
-        built: dict[frozenset[str], tuple[Plan, int]] = {}
+        partitioner = _partitioner(graph)
+        peaks = _peaks_on(graph, hardware)
+        # Per partition, the notes of the first fraction of this planning that gave it (many fractions
+        # give one partition); the plan is built for the one returned.
+        first: dict[frozenset[str], dict[str, object]] = {}
 
-        def probe(fraction: float) -> tuple[Plan, int]:
+        def probe(fraction: float) -> tuple[frozenset[str], int]:
             saved, facts = partitioner.saved(fraction)
             key = frozenset(saved)
-            if key not in built:  # many fractions give one partition: built once
-                notes = {"fraction": fraction, **facts,
-                         "kept_candidates": sum(1 for t in graph.candidate_tensors if t.name in saved)}
-                built[key] = scheduled_peak(graph, decisions_for(graph, saved), planner=self.name,
-                                            budget_bytes=budget_bytes, hardware=hardware, notes=notes)
-            return built[key]
+            first.setdefault(key, {"fraction": fraction, **facts,
+                                   "kept_candidates": sum(1 for t in graph.candidate_tensors if t.name in saved)})
+            if key not in peaks:
+                peaks[key] = scheduled_peak(graph, decisions_for(graph, saved), planner=self.name,
+                                            budget_bytes=budget_bytes, hardware=hardware)[1]
+            return key, peaks[key]
+
+        def plan_of(key: frozenset[str]) -> Plan:
+            return build_schedule(graph, decisions_for(graph, set(key)), planner=self.name,
+                                  budget_bytes=budget_bytes, hardware=hardware, notes=first[key])
 
         if self.fraction != "fit":
-            plan, peak = probe(float(self.fraction))
+            key, peak = probe(float(self.fraction))
             if budget_bytes is not None and peak > budget_bytes:
                 raise over_budget(self.name, budget_bytes, f"torch's partition at budget {self.fraction}")
-            return plan
+            return plan_of(key)
         # The largest fraction that fits, scanned down from 1 in steps of 0.01 (the peak is not monotone
         # in the fraction: a small one saves little but regenerates long chains in backward at once).
         for k in range(FIT_STEPS, -1, -1):
-            plan, peak = probe(k / FIT_STEPS)
+            key, peak = probe(k / FIT_STEPS)
             if budget_bytes is None or peak <= budget_bytes:
-                return plan
+                return plan_of(key)
         raise over_budget(self.name, budget_bytes, "torch's partition at every budget 0, 0.01, .., 1")
