@@ -173,8 +173,8 @@ FOUNDRY_40GB_ROWS: tuple[tuple, ...] = (
 #: no torch.compile: the graph has one kernel set, so a compiled run's fusions are not in it) and states
 #: its activation checkpointing; the rest are INDEPENDENT_EXCLUDED with their reason.
 TORCHTITAN_A100 = ("pytorch/torchtitan docs/performance.md (commit 1d5815c4b1b9), 64 A100 80GB, FSDP2; "
-                   "runs as train_configs/llama*_*.toml at commit 1ea476e9f24b, which wrote the table: "
-                   "compile = false, SDPA flash attention, reduce_dtype float32")
+                   "runs as train_configs/llama*.toml at the commits that wrote the rows (395a52627, Llama 2; "
+                   "1ea476e9f24b, Llama 3): compile = false, SDPA flash attention, reduce_dtype float32")
 TORCHTITAN_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit b5bcd76c66d0), "
                    "Llama 3.1 8B, FSDP, selective (op) activation checkpointing, H100 96GB HBM2e at 500 W, "
                    "400 Gb/s per GPU; train_configs/llama3_8b.toml at torchtitan 9dec370ad26b: seq_len 8192")
