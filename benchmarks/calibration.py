@@ -15,6 +15,7 @@ H100 fit) hold the fitted values, rounded, and this script then evaluates every 
 out, on those presets (so the json checks the committed files, not the fit's memory). Held-out rows
 were not used by the fit: they are the check, and the summary counts them apart, per preset too. The
 A100 40GB rows are all held out: they check a100_40gb_sxm_calibrated, the A100 fit on the 40GB part.
+The independent rows (torchtitan, fms-fsdp: sources no fit reads) are held out and counted apart.
 
     python benchmarks/calibration.py            # -> benchmarks/results/calibration.json
     python benchmarks/calibration_fit.py          # the least-squares fit the presets were written from
@@ -48,11 +49,17 @@ from benchmarks.calibration_rows import (  # noqa: E402
     FOUNDRY_40GB_ROWS,
     FOUNDRY_README,
     FOUNDRY_ROWS,
+    INDEPENDENT_EXCLUDED,
+    INDEPENDENT_ROWS,
+    INDEPENDENT_SOURCES,
     KNOWN_MISSES,
+    LLAMA_SHAPES,
     MPT_SHAPES,
     SECTIONS,
     UNCHECKED,
+    family,
     held_out,
+    slowdowns,
 )
 from benchmarks.common import RESULTS, conf  # noqa: E402
 from slackswap.graph import Phase  # noqa: E402
@@ -109,6 +116,16 @@ class Measurement:
     grad_reduce_bytes: int = 2
     #: The node preset (conf/node/) whose NVLink and network carry the collectives.
     node: str = ""
+    #: Node fields the source states otherwise than the preset (its network rate), as (field, value).
+    node_overrides: tuple = ()
+    #: Checkpointing beyond `checkpointing` (every layer): "layers:K" recomputes every K-th layer's
+    #: forward, "op" torchtitan's selective op policy (planner torch_sac_torchtitan).
+    recompute: str = ""
+    #: HYBRID_SHARD: FSDP over `shards` GPUs of a node, the gradients all-reduced over this many nodes.
+    replicas: int = 1
+    #: From a source no fit saw (not llm-foundry, the FlashAttention-2 paper or DeepLearningExamples):
+    #: counted apart in the summary as the independent check.
+    independent: bool = False
 
 
 #: The node whose NVLink and network carry each GPU's FSDP collectives (conf/node/): both A100 tables'
@@ -142,6 +159,26 @@ def foundry_measurements() -> list[Measurement]:
     return out
 
 
+def independent_measurements() -> list[Measurement]:
+    """The independent rows (benchmarks/calibration_rows.py, INDEPENDENT_ROWS), every one held out:
+    Llama shapes, SDPA's FlashAttention-2, FSDP with fp32 (torchtitan) or bf16 (fms-fsdp) reduction."""
+    out = []
+    for key, line, text, shape, seq, gpus, mb, ckpt, sharding, tokens in INDEPENDENT_ROWS:
+        family, gpu, node, overrides, reduce_bytes, source = INDEPENDENT_SOURCES[key]
+        layers, width, heads, kv, ffn, vocab = LLAMA_SHAPES[shape]
+        model = dict(family="llama", num_layers=layers, hidden_size=width, num_heads=heads, num_kv_heads=kv,
+                     ffn_hidden_size=ffn, vocab_size=vocab, dtype="bf16", dropout=False, attention="flash",
+                     attention_kernel="flash2")
+        shards = 8 if sharding == "HYBRID_SHARD" else gpus
+        out.append(Measurement(
+            f"{family.split('-')[0]}_{shape}_s{seq}_g{gpus}_mb{mb}_{ckpt.replace(':', '')}", f"{source}, line {line}: "
+            f"{text}: {tokens:,} tokens/s per GPU", gpu, model, seq, mb, "tokens_per_s", float(tokens),
+            held_out=True, shards=shards, checkpointing=ckpt == "full", sharding=sharding,
+            grad_reduce_bytes=reduce_bytes, node=node, node_overrides=overrides,
+            recompute=ckpt if ckpt in ("op", "layers:2") else "", replicas=gpus // shards, independent=True))
+    return out
+
+
 MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("bert_large_phase1_seq128_a100",
                 DLE_BERT + ", line 813: phase 1, 1 GPU, batch 256, seq 128, 580 sequences/s",
@@ -164,7 +201,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
                 "a100", dict(GPT27, **FLASH1), 2048, 8, "tflops_per_s", 189.0, held_out=True),
     Measurement("gpt_2.7b_flash2_a100", FA2 + ": GPT3-2.7B with FlashAttention-2, 205 TFLOP/s per GPU",
                 "a100", dict(GPT27, **FLASH2), 2048, 8, "tflops_per_s", 205.0, held_out=True),
-) + tuple(foundry_measurements())
+) + tuple(foundry_measurements()) + tuple(independent_measurements())
 
 #: Published figures whose workload this model cannot reproduce, so no efficiency can be checked on
 #: them; printed with their ratio, kept out of calibration.json (docs/hardware.md, "Calibrated compute").
@@ -227,22 +264,31 @@ def micro_collectives(meas: Measurement, num_params: int, hw: Hardware) -> Micro
     embedding/head group, and each unit's gather and reduce-scatter is its own NCCL call, paying the
     ring's latency (NCCL's tuning model: per step 3.4 us on NVLink, 14 us across the network), so a
     512-rank ring costs more than a 128-rank one at the same bytes."""
-    from slackswap.communication import all_gather_s, reduce_scatter_s
+    from slackswap.communication import all_gather_s, all_reduce_s, reduce_scatter_s
     from slackswap.experiment.advise_node import topology_from_node
     from slackswap.node import Node
 
     if not meas.sharding or meas.shards == 1:
         return MicroCollectives()
-    fabric = topology_from_node(Node.from_dict(node_conf(meas.node)), hw).fabric_for(meas.shards)
+    topology = topology_from_node(Node.from_dict(node_conf(meas.node) | dict(meas.node_overrides)), hw)
+    fabric = topology.fabric_for(meas.shards)
     units = meas.model["num_layers"] + 1
     params = all_gather_s(2 * num_params, meas.shards, fabric, units)
     grads = reduce_scatter_s(meas.grad_reduce_bytes * num_params, meas.shards, fabric, units)
+    if meas.replicas > 1:
+        # HYBRID_SHARD: each shard's gradients all-reduced across the nodes (PyTorch FSDP docs). The
+        # node's `shards` replica rings run at once and share its NICs, whose busbw the preset gives
+        # for one ring of the whole node (slackswap/node.py): each ring gets 1 / shards of it.
+        ring = topology.fabric_for(meas.replicas, stride=meas.shards)
+        ring = replace(ring, bus_bytes_per_s=ring.bus_bytes_per_s / meas.shards)
+        grads += all_reduce_s(meas.grad_reduce_bytes * num_params / meas.shards, meas.replicas, ring, units)
     backward = grads + (params if meas.sharding == "FULL_SHARD" else 0.0)
     return MicroCollectives(params, backward, units)
 
 
 def _step_from_ops(meas: Measurement, phases: list, layers: list, durations: np.ndarray,
-                   comm: MicroCollectives = MicroCollectives(), slowdown: float = 0.0) -> float:
+                   comm: MicroCollectives = MicroCollectives(), slowdown: float = 0.0,
+                   recompute_s: float = 0.0) -> float:
     """grad_accum x (forward + backward [+ checkpointing's second forward] + the collectives' exposed
     part + what the overlapped part slows compute by) + the optimizer step.
 
@@ -252,7 +298,7 @@ def _step_from_ops(meas: Measurement, phases: list, layers: list, durations: np.
     outlasts its compute are exposed (`pipelined_exposed_s`). The overlapped rest is not free: NCCL's
     kernels take SMs and HBM bandwidth from the GEMMs beside them; `slowdown` (the preset's
     `collective_overlap_slowdown`, fitted) is the compute time lost per second of overlapped collective."""
-    return _step_from_masks(meas, _phase_masks(phases, layers), durations, comm, slowdown)
+    return _step_from_masks(meas, _phase_masks(phases, layers), durations, comm, slowdown, recompute_s)
 
 
 def _phase_masks(phases: list, layers: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -265,13 +311,15 @@ def _phase_masks(phases: list, layers: list) -> tuple[np.ndarray, np.ndarray, np
 
 
 def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
-                     comm: MicroCollectives = MicroCollectives(), slowdown: float = 0.0) -> float:
-    """`_step_from_ops` with the ops' masks already found (`_phase_masks`)."""
+                     comm: MicroCollectives = MicroCollectives(), slowdown: float = 0.0,
+                     recompute_s: float = 0.0) -> float:
+    """`_step_from_ops` with the ops' masks already found (`_phase_masks`); `recompute_s`: a
+    selective policy's recompute per micro-batch (`recompute_s`)."""
     from slackswap.communication import pipelined_exposed_s
 
     fwd, bwd, layer_fwd, opt = masks
     forward_s = float(durations[fwd].sum())
-    backward_s = float(durations[bwd].sum())
+    backward_s = float(durations[bwd].sum()) + recompute_s
     if meas.checkpointing:
         backward_s += float(durations[layer_fwd].sum())
     exposed = (pipelined_exposed_s(comm.forward_s, forward_s, comm.units)
@@ -281,13 +329,46 @@ def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
     return meas.grad_accum * micro + float(durations[opt].sum())
 
 
-def step_s(meas: Measurement, hardware: Hardware) -> float:
-    model, training = workload(meas)
-    graph = build_graph(model, hardware, training)
+def step_s(meas: Measurement, hardware: Hardware, graph=None, retime: bool = False) -> float:
+    """`graph`: the workload's graph where the caller has it; `retime`: it was built on another preset
+    (only its ops' durations depend on that), so time its ops on `hardware` (`durations_on`)."""
+    if graph is None:
+        model, training = workload(meas)
+        graph = build_graph(model, hardware, training)
+    durations = durations_on(graph, hardware) if retime else np.array([op.duration_s for op in graph.ops])
     comm = micro_collectives(meas, graph.meta["num_params"], hardware)
-    return _step_from_ops(meas, [str(op.phase) for op in graph.ops], [op.layer for op in graph.ops],
-                          np.array([op.duration_s for op in graph.ops]), comm,
-                          hardware.collective_overlap_slowdown)
+    return _step_from_ops(meas, [str(op.phase) for op in graph.ops], [op.layer for op in graph.ops], durations,
+                          comm, hardware.collective_overlap_slowdown, recompute_s(meas, graph, hardware, durations))
+
+
+def durations_on(graph, hw: Hardware) -> np.ndarray:
+    """The ops' seconds on `hw`, from their FLOPs and bytes as the graph builder times them (the seed
+    column, without building each graph twice)."""
+    from slackswap.profile.timing import op_duration_s
+
+    dtype, kernel = graph.meta["model"]["dtype"], graph.meta["model"]["attention_kernel"]
+    return np.array([op_duration_s(op.flops, op.moved_bytes, op.op_class, dtype, hw, attention_kernel=kernel)
+                     for op in graph.ops])
+
+
+def recompute_s(meas: Measurement, graph, hardware: Hardware, durations: np.ndarray) -> float:
+    """Seconds a selective policy recomputes per micro-batch: "layers:K", the forward of every K-th
+    layer (torchtitan and fms-fsdp count blocks from 1 and wrap those with count % K == 0); "op", what
+    the simulator's step with planner torch_sac_torchtitan adds to the keep-all step, no memory limit."""
+    if meas.recompute.startswith("layers:"):
+        every = int(meas.recompute.split(":")[1])
+        return float(sum(d for op, d in zip(graph.ops, durations, strict=True)
+                         if op.phase == Phase.FORWARD and op.layer >= 0 and (op.layer + 1) % every == 0))
+    if meas.recompute == "op":
+        from slackswap.planners.registry import get_planner
+        from slackswap.simulate.engine import simulate
+        from slackswap.simulate.metrics import simulate_ideal
+
+        graph = replace(graph, ops=tuple(replace(op, duration_s=float(d)) for op, d in zip(graph.ops, durations,
+                                                                                          strict=True)))
+        plan = get_planner("torch_sac_torchtitan").plan(graph, hardware, None)
+        return simulate(graph, plan, hardware, None).step_s - simulate_ideal(graph, hardware).step_s
+    return 0.0
 
 
 def mean_op_s(meas: Measurement, hardware: Hardware) -> float:
@@ -333,8 +414,10 @@ def seed_hardware(gpu: str) -> Hardware:
 def evaluate() -> list[dict]:
     rows = []
     for meas in MEASUREMENTS:
-        simulated = to_unit(meas, step_s(meas, hardware(PRESETS[meas.gpu])))
-        seed = to_unit(meas, step_s(meas, seed_hardware(meas.gpu)))
+        model, training = workload(meas)
+        graph, seed_hw = build_graph(model, hardware(PRESETS[meas.gpu]), training), seed_hardware(meas.gpu)
+        simulated = to_unit(meas, step_s(meas, hardware(PRESETS[meas.gpu]), graph), model)
+        seed = to_unit(meas, step_s(meas, seed_hw, graph, retime=True), model)
         ratio = simulated / meas.published
         rows.append({
             "name": meas.name,
@@ -347,6 +430,8 @@ def evaluate() -> list[dict]:
             "ratio": round(ratio, 4),
             "within_10pct": abs(ratio - 1) <= TOLERANCE,
             "held_out": meas.held_out,
+            "family": family(meas),
+            "independent": meas.independent,
             # the same workload with the seed-era shared efficiencies (matmul 0.7, HBM 0.8, one attention)
             "seed_ratio": round(seed / meas.published, 4),
             "notes": meas.notes,
@@ -358,11 +443,14 @@ def summary(rows: list[dict]) -> dict:
     def part(sel: list[dict]) -> dict:
         return {"rows": len(sel), "within_10pct": sum(r["within_10pct"] for r in sel),
                 "seed_within_10pct": sum(abs(r["seed_ratio"] - 1) <= TOLERANCE for r in sel)}
-    by_hardware = {hw: {"fitted": part([r for r in rows if r["hardware"] == hw and not r["held_out"]]),
-                        "held_out": part([r for r in rows if r["hardware"] == hw and r["held_out"]])}
+    def split(sel: list[dict]) -> dict:
+        return {"fitted": part([r for r in sel if not r["held_out"]]),
+                "held_out": part([r for r in sel if r["held_out"] and not r["independent"]]),
+                "independent": part([r for r in sel if r["independent"]])}
+    by_hardware = {hw: split([r for r in rows if r["hardware"] == hw])
                    for hw in dict.fromkeys(r["hardware"] for r in rows)}
-    return {"all": part(rows), "fitted": part([r for r in rows if not r["held_out"]]),
-            "held_out": part([r for r in rows if r["held_out"]]), "by_hardware": by_hardware}
+    by_family = {f: part([r for r in rows if r["family"] == f]) for f in dict.fromkeys(r["family"] for r in rows)}
+    return {"all": part(rows), **split(rows), "by_hardware": by_hardware, "by_family": by_family}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,13 +461,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mark}  {r['name']:<34} {r['attention_kernel']:<10} simulated {r['simulated']:>9.1f}  "
               f"published {r['published']:>9.1f}  ratio {r['ratio']:.3f}  (seed-era {r['seed_ratio']:.3f})")
     s = summary(rows)
-    for key in ("fitted", "held_out", "all"):
+    for key in ("fitted", "held_out", "independent", "all"):
         p = s[key]
         print(f"{key:<8}: {p['within_10pct']} of {p['rows']} rows within 10 % "
               f"(seed-era efficiencies: {p['seed_within_10pct']})")
     for hw, parts in s["by_hardware"].items():
         print(f"  {hw:<26} " + "; ".join(f"{k.replace('_', ' ')} {p['within_10pct']} of {p['rows']}"
                                          for k, p in parts.items() if p["rows"]))
+    print("  by source: " + "; ".join(f"{f} {p['within_10pct']} of {p['rows']}" for f, p in s["by_family"].items()))
+    slow = slowdowns(rows)
+    for d in slow:
+        print(f"slowdown  {d['checkpointed']}: simulated {d['simulated_pct']:+.1f} %, published "
+              f"{d['published_pct']:+.1f} % ({d['error_pp']:+.1f} pp)")
+    for what, why in INDEPENDENT_EXCLUDED.items():
+        print(f"independent, not mapped  {what}: {why}")
     for r in rows:
         if not r["within_10pct"]:
             print(f"miss  {r['name']}: ratio {r['ratio']:.3f}; {KNOWN_MISSES.get(r['name'], 'not explained')}")
@@ -392,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, why in UNCHECKED.items():
         print(f"unchecked  {name}: efficiencies derived, no row; {why}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "calibration.json").write_text(json.dumps({"summary": s, "rows": rows}, indent=2) + "\n")
+    (RESULTS / "calibration.json").write_text(json.dumps({"summary": s, "slowdowns": slow, "rows": rows},
+                                                         indent=2) + "\n")
     return 0
 
 

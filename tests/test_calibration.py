@@ -31,14 +31,16 @@ def test_committed_json_is_what_the_presets_give_now(rows) -> None:
 
 
 def test_rows_within_10_percent_fitted_and_held_out_apart(rows) -> None:
-    """At least 30 rows; 90 % of all rows, of the fitted and of the held-out rows within 10 % (issue
-    42's target), on the A100 alone too; every miss is one the script explains."""
-    held_out = [r for r in rows if r["held_out"]]
-    fitted = [r for r in rows if not r["held_out"]]
-    assert len(rows) >= 30 and len(held_out) >= 10 and len(fitted) >= 10
+    """At least 30 rows; 90 % of the fitted sources' rows, of the fitted and of the held-out rows within
+    10 % (issue 42's target), on the A100 alone too; every miss, independent rows' included, is one the
+    script explains. The independent rows are the check no fit saw, counted apart (their own test)."""
+    own = [r for r in rows if not r["independent"]]
+    held_out = [r for r in own if r["held_out"]]
+    fitted = [r for r in own if not r["held_out"]]
+    assert len(own) >= 30 and len(held_out) >= 10 and len(fitted) >= 10
     assert sum(r["within_10pct"] for r in fitted) >= 0.9 * len(fitted)
     assert sum(r["within_10pct"] for r in held_out) >= 0.9 * len(held_out)
-    assert sum(r["within_10pct"] for r in rows) >= 0.9 * len(rows)
+    assert sum(r["within_10pct"] for r in own) >= 0.9 * len(own)
     a100_held = [r for r in held_out if r["hardware"] == calibration.PRESETS["a100"]]
     assert sum(r["within_10pct"] for r in a100_held) >= 0.9 * len(a100_held)
     # the A100 fit on the 40GB part, checked only on rows it never saw: 39 of 45 when written
@@ -82,7 +84,7 @@ def test_held_out_rows_follow_the_stated_rule() -> None:
     ratio; every A100 40GB row is held out (no fit uses that table)."""
     from benchmarks.calibration_rows import FOUNDRY_40GB_ROWS, FOUNDRY_ROWS
 
-    foundry = [m for m in calibration.MEASUREMENTS if m.sharding]
+    foundry = [m for m in calibration.MEASUREMENTS if m.sharding and not m.independent]
     assert len(foundry) == len(FOUNDRY_ROWS) + len(FOUNDRY_40GB_ROWS)
     assert [m.held_out for m in foundry] == [i % 3 == 2 for i in range(len(FOUNDRY_ROWS))] + [True] * len(
         FOUNDRY_40GB_ROWS)
@@ -139,7 +141,7 @@ def test_the_mpt7b_preset_runs_the_benchmarks_attention_kernel() -> None:
     table the calibration rows come from: it names the kernel those runs used (attn_impl: triton), so a
     Hopper or calibrated preset times its attention as the calibration does, not at the generic figure."""
     preset = yaml.safe_load((REPO / "conf/model/mpt7b.yaml").read_text())
-    kernels = {m.model["attention_kernel"] for m in calibration.MEASUREMENTS if m.sharding}
+    kernels = {m.model["attention_kernel"] for m in calibration.MEASUREMENTS if m.sharding and not m.independent}
     assert kernels == {"triton"} and preset.get("attention_kernel") == "triton"
 
 
@@ -232,3 +234,80 @@ def test_the_fit_check_flags_a_preset_that_strays_from_its_fit() -> None:
     bad = calibration_fit.check(fits)
     assert bad and all("n_half_matmul" in line for line in bad)
     assert {line.split(":")[0] for line in bad} == {"h100_sxm_calibrated", *calibration.HOPPER_PRESETS}
+
+
+def _committed() -> dict:
+    return json.loads((RESULTS / "calibration.json").read_text())
+
+
+def test_independent_rows_are_held_out_and_cite_their_source_line() -> None:
+    """Every independent row comes from a source no fit reads (not llm-foundry, the FlashAttention-2
+    paper or DeepLearningExamples), is held out (so calibration_fit never uses it), names the commit
+    and line it is read from and quotes the table line; the json marks the same rows."""
+    from benchmarks.calibration_rows import INDEPENDENT_ROWS
+
+    independent = [m for m in calibration.MEASUREMENTS if m.independent]
+    assert len(independent) == len(INDEPENDENT_ROWS) >= 10
+    for m, row in zip(independent, INDEPENDENT_ROWS, strict=True):
+        assert m.held_out and calibration.family(m) in {"torchtitan", "fms-fsdp"}, m.name
+        assert re.search(r"\(commit [0-9a-f]{12}", m.source) and f"line {row[1]}: {row[2]}" in m.source, m.name
+    committed = {r["name"]: r for r in _committed()["rows"]}
+    assert {n for n, r in committed.items() if r["independent"]} == {m.name for m in independent}
+
+
+def test_summary_counts_independent_rows_apart() -> None:
+    """The committed summary counts the independent rows in their own part, never among the fitted or
+    held-out rows, and per source family; the parts add up to all rows."""
+    committed = _committed()
+    s, rows = committed["summary"], committed["rows"]
+    assert s["independent"]["rows"] == sum(r["independent"] for r in rows) > 0
+    assert s["fitted"]["rows"] + s["held_out"]["rows"] + s["independent"]["rows"] == s["all"]["rows"] == len(rows)
+    assert s["held_out"]["rows"] == sum(r["held_out"] and not r["independent"] for r in rows)
+    assert sum(p["rows"] for p in s["by_family"].values()) == len(rows)
+    assert s["by_family"]["llm-foundry"]["rows"] == 114
+
+
+def test_slowdown_rows_compare_the_same_run_with_and_without_checkpointing() -> None:
+    """Each slowdown row pairs two runs of one source that differ in checkpointing alone, and its
+    figures are the pair's step-time ratio (simulated and published) in the committed json."""
+    committed = _committed()
+    by_name = {m.name: m for m in calibration.MEASUREMENTS}
+    assert committed["slowdowns"] == calibration.slowdowns(committed["rows"]) and committed["slowdowns"]
+    for d in committed["slowdowns"]:
+        a, b = by_name[d["keep_all"]], by_name[d["checkpointed"]]
+        assert not a.checkpointing and not a.recompute and (b.checkpointing or b.recompute)
+        assert (a.model, a.seq_len, a.micro_batch_size, a.shards, a.gpu) == (b.model, b.seq_len, b.micro_batch_size,
+                                                                            b.shards, b.gpu)
+        assert d["published_pct"] > 0 and d["simulated_pct"] > 0
+
+
+def test_selective_policies_recompute_less_than_full_checkpointing() -> None:
+    """"layers:2" recomputes the forward of every second layer (half the layers' forward time of the
+    analytic graph); torchtitan's op policy recomputes some of every layer, less than all of it."""
+    from dataclasses import replace
+
+    from slackswap.profile import build_graph
+
+    meas = next(m for m in calibration.MEASUREMENTS if m.name == "torchtitan_llama2_13b_s4096_g64_mb2_op")
+    hw = calibration.hardware(calibration.PRESETS[meas.gpu])
+    model, training = calibration.workload(meas)
+    graph = build_graph(replace(model, num_layers=4), hw, training)
+    durations = calibration.durations_on(graph, hw)
+    full = sum(op.duration_s for op in graph.ops if str(op.phase) == "forward" and op.layer >= 0)
+    half = calibration.recompute_s(replace(meas, recompute="layers:2"), graph, hw, durations)
+    assert half == pytest.approx(full / 2, rel=1e-9)
+    assert 0 < calibration.recompute_s(meas, graph, hw, durations) < full
+    assert calibration.recompute_s(replace(meas, recompute=""), graph, hw, durations) == 0.0
+    assert durations == pytest.approx([op.duration_s for op in graph.ops], rel=1e-12)  # re-timing is the builder's
+
+
+def test_hybrid_shard_all_reduces_each_shard_across_nodes() -> None:
+    """HYBRID_SHARD (fms-fsdp's 7b rows) adds the all-reduce of each node's gradient shard across the
+    nodes, its rings sharing the node's NICs; FSDP within the node alone would leave it out."""
+    from dataclasses import replace
+
+    meas = next(m for m in calibration.MEASUREMENTS if m.sharding == "HYBRID_SHARD")
+    hw = calibration.hardware(calibration.PRESETS[meas.gpu])
+    hybrid = calibration.micro_collectives(meas, 7_000_000_000, hw)
+    alone = calibration.micro_collectives(replace(meas, replicas=1), 7_000_000_000, hw)
+    assert meas.replicas > 1 and hybrid.forward_s == alone.forward_s and hybrid.backward_s > 1.5 * alone.backward_s
