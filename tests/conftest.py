@@ -4,11 +4,22 @@
 tmp_path. Creating the SQLite schema costs ~1.3 s on 2 cores, so it is created once per session (once
 per pytest-xdist worker) in a template file and copied for each test (about 10x faster), which also
 keeps tests independent.
+
+`TORCHINDUCTOR_VEC_ISA_OK=1` (set unless the environment already sets it; subprocesses inherit it): the
+tests that compile with inductor on the CPU skip inductor's SIMD probe. Without it, a process's first
+compile builds and loads a test program per instruction set its CPU advertises
+(`torch._inductor.cpu_vec_isa.VecISA.check_build`): about 7 s of CPU on a cold inductor cache, which a
+fresh machine has (the 4 compiled-partition tests of test_runtime_export.py, cold, one process: 66.7 s
+user+sys without, 59.8 s with). With it, inductor takes the instruction sets from the CPU's flags alone.
+It changes nothing the tests check: on the development machine both ways pick the same list (avx512
+avx512_vnni, avx512, avx2) and so the same generated code; a compiler that could not build an
+advertised set would fail the compile loudly, not change a result.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -17,6 +28,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
+
+# Before anything imports torch._inductor.config, which reads it once (see the docstring).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 # Tests write nothing outside temporary directories: no example database, and Hypothesis' own cache
 # (it writes ./.hypothesis/constants even without a database) goes to a temporary folder.
