@@ -277,10 +277,9 @@ def micro_collectives(meas: Measurement, num_params: int, hw: Hardware) -> Micro
     grads = reduce_scatter_s(meas.grad_reduce_bytes * num_params, meas.shards, fabric, units)
     if meas.replicas > 1:
         # HYBRID_SHARD: each shard's gradients all-reduced across the nodes (PyTorch FSDP docs). The
-        # node's `shards` replica rings run at once and share its NICs, whose busbw the preset gives
-        # for one ring of the whole node (slackswap/node.py): each ring gets 1 / shards of it.
+        # node's replica rings run at once and share its NICs: `fabric_for` gives one its share
+        # (`Topology.network_share`: 1 / 8 with 8-GPU shard groups on 8-GPU nodes).
         ring = topology.fabric_for(meas.replicas, stride=meas.shards)
-        ring = replace(ring, bus_bytes_per_s=ring.bus_bytes_per_s / meas.shards)
         grads += all_reduce_s(meas.grad_reduce_bytes * num_params / meas.shards, meas.replicas, ring, units)
     backward = grads + (params if meas.sharding == "FULL_SHARD" else 0.0)
     return MicroCollectives(params, backward, units)

@@ -14,6 +14,9 @@ Two models, each stated where it is used:
    comparable to the hardware peak bandwidth, independently of the number of ranks"). So the
    achievable busbw nccl-tests reports for a fabric is the B to use. A ring that leaves a node runs
    at the slower of the two fabrics (every ring step waits for its slowest link): the network's.
+   That network busbw is the node's NICs together (one ring with every GPU of the node in it); rings
+   of one collective that run at once with fewer GPUs per node each share them (`network_share`: a
+   ring with m of the node's g GPUs gets m / g; HSDP's replica all-reduces on 8-GPU nodes, 1/8).
 
    Latency as NCCL's own tuning model prices a ring (NVIDIA/nccl src/graph/tuning.cc,
    `ncclTopoTuneModel`): a base latency per collective call plus, of its n - 1 steps over N nodes,
@@ -33,7 +36,8 @@ Two models, each stated where it is used:
      were freed after forward) and a reduce-scatter of the gradients, overlapping the next unit's
      backward;
    - stage 3 with shards < GPUs (FSDP HYBRID_SHARD): as stage 3 within a shard group, plus an
-     all-reduce of the gradient shard across the replicas in backward;
+     all-reduce of the gradient shard across the replicas in backward: one ring per local rank, the
+     node's rings sharing its NICs (model 1);
    - with expert parallelism, the routed experts' collectives of the same stage over their expert
      data-parallel group (`expert_step_communication`: ZeRO-3 gathers a layer's experts with it).
 
@@ -157,9 +161,10 @@ class Topology:
             raise ConfigError("node.gpus_per_node", n, "must be an integer >= 1")
 
     def fabric_for(self, ranks: int, stride: int = 1) -> Fabric:
-        """The fabric of a ring over `ranks` ranks placed `stride` GPUs apart (consecutive ranks fill a
-        node first): NVLink when the group stays in one node, else the network (the ring's slowest
-        link)."""
+        """The fabric of one ring over `ranks` ranks placed `stride` GPUs apart (consecutive ranks fill
+        a node first), while every other GPU of the node runs its own ring of the same collective:
+        NVLink when the group stays in one node, else the network (the ring's slowest link) at this
+        ring's share of the node's NICs (`network_share`)."""
         span = (ranks - 1) * stride + 1
         if span <= self.gpus_per_node:
             return self.intra_node
@@ -171,7 +176,35 @@ class Topology:
         # rest stay on NVLink; the fabric carries their mean, so (n - 1) alpha is NCCL's sum.
         nodes = min(ranks, math.ceil(span / self.gpus_per_node))
         step = ((ranks - nodes) * self.intra_node.latency_s + (nodes - 1) * self.inter_node.latency_s) / (ranks - 1)
-        return replace(self.inter_node, latency_s=step)
+        bus = self.inter_node.bus_bytes_per_s * self.network_share(ranks, stride)
+        return replace(self.inter_node, latency_s=step, bus_bytes_per_s=bus)
+
+    def network_share(self, ranks: int, stride: int = 1) -> float:
+        """The share of the node's network bus bandwidth one ring over `ranks` ranks `stride` GPUs apart
+        gets when it leaves the node: its GPUs in one node over the node's GPUs.
+
+        Why: `inter_node` is the busbw of one ring that spans whole nodes, every GPU of the node in it,
+        which NCCL runs as one channel per NIC (`slackswap.node.Node.network_bus_bytes_per_s`; nccl-tests
+        busbw, NVIDIA/nccl-tests doc/PERFORMANCE.md), so it is the node's NICs together. A layout puts
+        every GPU in one group of each kind and the groups of one kind run the same collective at the
+        same time (HSDP's replica all-reduces, one per local rank; data-parallel rings under tensor
+        parallelism; context- and expert-parallel groups; pipeline sends), so a node holding m GPUs of
+        each ring carries gpus_per_node / m rings through the same NICs, each at m / gpus_per_node of
+        them: HSDP with 8-GPU shard groups on 8-GPU nodes, 1/8. NVLink is not shared: each GPU has its
+        own links to the NVSwitches, and its busbw is per GPU."""
+        members = max(1, min(ranks, self.gpus_per_node // stride))
+        return members / self.gpus_per_node
+
+    def strided(self, stride: int) -> Topology:
+        """The topology a ring over consecutive ranks of its own group sees when those ranks sit `stride`
+        GPUs apart (data parallelism outside tensor / context parallelism): a node holds
+        gpus_per_node // stride of them (at least 1) and, the node's other rings of the same kind running
+        at once, that share of its network (`network_share`), so `fabric_for` on it prices as on self."""
+        gpus = max(1, self.gpus_per_node // stride)
+        inter = self.inter_node
+        if inter is not None:
+            inter = replace(inter, bus_bytes_per_s=inter.bus_bytes_per_s * gpus / self.gpus_per_node)
+        return Topology(gpus, self.intra_node, inter)
 
 
 @dataclass(frozen=True)
@@ -250,7 +283,8 @@ def step_communication(
     group = gpus if zero_stage in (0, 1, 2) else shards
     fabric = topology.fabric_for(group)
     replicas = gpus // shards if zero_stage == 3 else 1
-    # Replicas of one shard sit `shards` GPUs apart (HSDP: shard groups fill a node first).
+    # Replicas of one shard sit `shards` GPUs apart (HSDP: shard groups fill a node first); the node's
+    # replica rings all-reduce at once and share its NICs (`Topology.network_share`).
     replica_fabric = topology.fabric_for(replicas, stride=shards)
     frac = (group - 1) / group if group > 1 else 0.0
     if gpus == 1:

@@ -115,6 +115,26 @@ def test_stages_issue_the_documented_collectives():
     assert one.total_comm_s == 0 and one.exposed_s == 0
 
 
+def test_hsdp_replica_rings_share_the_nodes_nics_by_hand():
+    """2 nodes x 8 GPUs, HSDP with 8-GPU shard groups: 8 replica all-reduces (one per local rank) cross
+    each node at once, so each ring gets the node's network busbw / 8 (NET's 20 GB/s: 2.5 GB/s)."""
+    p = 1_000_000_000  # bf16 gradients: 2 GB, a 1/8 shard of 250 MB per rank
+    hsdp = step_communication(num_params=p, param_bytes=2, grad_bytes=2, zero_stage=3, gpus=16, shards=8,
+                              topology=NODE, forward_compute_s=1.0, backward_compute_s=2.0, units=1)
+    ring = 2 * (7 * 5e-6 + 2e9 * 7 / 8 / 200e9)  # the shard group's re-gather + reduce-scatter on NVLink
+    # Replica all-reduce over 2 ranks, one network step each way (10 us) and 2 x 250 MB x 1/2 at 2.5 GB/s.
+    replica = 2 * 10e-6 + 2 * 250e6 * 1 / 2 / 2.5e9
+    assert replica == pytest.approx(0.10002)
+    assert hsdp.backward_comm_s == pytest.approx(ring + replica)
+    assert NODE.network_share(2, stride=8) == 1 / 8
+    # One ring over all 16 GPUs has the node's NICs to itself; 4-GPU shard groups: 4 rings of 2 GPUs a node.
+    assert NODE.fabric_for(16).bus_bytes_per_s == 20e9
+    assert NODE.fabric_for(4, stride=4).bus_bytes_per_s == pytest.approx(20e9 * 2 / 8)
+    # The data-parallel ring under tp=2 (ranks 2 apart) sees half of each node and half of its NICs.
+    assert NODE.strided(2).fabric_for(8).bus_bytes_per_s == pytest.approx(10e9)
+    assert NODE.strided(2).fabric_for(8).bus_bytes_per_s == NODE.fabric_for(8, stride=2).bus_bytes_per_s
+
+
 def test_communication_bound_when_compute_is_short():
     # 16 GPUs over the network, tiny compute: nearly all of the communication shows.
     comm = step_communication(num_params=10**9, param_bytes=2, grad_bytes=2, zero_stage=3, gpus=16, shards=16,

@@ -46,8 +46,9 @@ LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyon
 
 
 def _strided(topology: Topology, stride: int) -> Topology:
-    """The topology a data-parallel ring sees when its ranks sit `stride` GPUs apart."""
-    return replace(topology, gpus_per_node=max(1, topology.gpus_per_node // stride))
+    """The topology a data-parallel ring sees when its ranks sit `stride` GPUs apart, the node's other
+    rings of the same kind sharing its network (`Topology.strided`)."""
+    return topology.strided(stride)
 
 
 def _planned_stages(ctx: Any, cand: Candidate, hw: Any) -> list[tuple]:

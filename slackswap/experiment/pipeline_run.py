@@ -99,8 +99,9 @@ def p2p_seconds(spec: RunSpec, boundary_bytes: int) -> tuple[float, str | None]:
     """(seconds to send one boundary activation to the next stage, why it is unpriced or None).
 
     Neighbouring stages are dp x tp x cp GPUs apart (Megatron-Core puts pp outermost): NVLink while
-    both sit in one node, else the network (`Topology.fabric_for`). No node, or stages that leave a
-    node without a network: 0 s, and the reason says so."""
+    both sit in one node, else the network (`Topology.fabric_for`), at one pair's share of the node's
+    NICs: every GPU of a stage sends to its peer at once (`Topology.network_share`). No node, or stages
+    that leave a node without a network: 0 s, and the reason says so."""
     if spec.node is None:
         return 0.0, "no node given"
     from slackswap.experiment.advise_node import topology_from_node

@@ -151,7 +151,9 @@ def attention_compute_s(graph) -> dict[tuple[int, str], float]:
 def price(collectives: Sequence[Collective], parallel, topology: Topology | None,
           node_name: str = "", graph=None) -> LayoutCommunication:
     """Sum `collectives` per phase and time them on `topology`'s fabrics (the tp group on NVLink while
-    it stays in one node). No topology, or a group the node cannot hold: bytes only, `unpriced` says why.
+    it stays in one node; a group that leaves it at its share of the node's NICs, every group of its
+    kind running the same collective at once: `Topology.network_share`). No topology, or a group the
+    node cannot hold: bytes only, `unpriced` says why.
     The exposed time follows the module docstring's overlap rule, ring exchanges hidden behind `graph`'s
     attention compute of their layer and phase (no `graph`: nothing hidden)."""
     fwd = sum(c.bus_bytes for c in collectives if c.phase == "forward")
