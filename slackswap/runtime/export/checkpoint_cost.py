@@ -38,6 +38,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from slackswap.profile.measured import ExportHostCost
+from slackswap.runtime.export.dispatch_cost import mlp_blocks
 
 #: Tiny shapes on purpose: the checkpoint's host work does not depend on them, the kernels do, and their
 #: noise is what the differences must not carry (at width 64 and 64 tokens, on this project's loaded
@@ -57,13 +58,6 @@ class CheckpointCost:
     source: str
 
 
-def _blocks() -> torch.nn.ModuleList:
-    torch.manual_seed(0)
-    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, 4 * WIDTH),
-                                                   torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
-                               for _ in range(BLOCKS))
-
-
 def _run(blocks: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for block in blocks:
         x = x + block(x)
@@ -73,7 +67,7 @@ def _run(blocks: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 def measure_checkpoint_cost(warmup: int = 3, repeats: int = 41) -> CheckpointCost:
     """`CheckpointCost` of this machine's CPU (module docstring). The RNG state is left as it was."""
     with torch.random.fork_rng(devices=[]):
-        blocks = _blocks()
+        blocks = mlp_blocks(BLOCKS, WIDTH)
         x = torch.randn(TOKENS, WIDTH, requires_grad=True)
         count = [0]
 

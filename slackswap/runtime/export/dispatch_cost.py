@@ -67,11 +67,12 @@ class _CountingReplay(_ReplayMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _blocks() -> torch.nn.ModuleList:
+def mlp_blocks(blocks: int = BLOCKS, width: int = WIDTH) -> torch.nn.ModuleList:
+    """The microbenchmarks' fixed stack: `blocks` pre-norm MLP blocks of `width`, seeded."""
     torch.manual_seed(0)
-    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, 4 * WIDTH),
-                                                   torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
-                               for _ in range(BLOCKS))
+    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width),
+                                                   torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+                               for _ in range(blocks))
 
 
 def _block_forward(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +82,7 @@ def _block_forward(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def measure_dispatch_cost(warmup: int = 3, repeats: int = 15) -> DispatchCost:
     """`DispatchCost` on this machine's CPU (module docstring). The RNG state is left as it was."""
     with torch.random.fork_rng(devices=[]):
-        blocks = _blocks()
+        blocks = mlp_blocks()
         x = torch.randn(TOKENS, WIDTH, requires_grad=True)
         recorder = _Calls()
         with torch.no_grad(), recorder:
@@ -128,4 +129,4 @@ def measure_dispatch_cost(warmup: int = 3, repeats: int = 15) -> DispatchCost:
     return DispatchCost(per_call, calls, repeats, source)
 
 
-__all__ = ["DispatchCost", "measure_dispatch_cost"]
+__all__ = ["DispatchCost", "measure_dispatch_cost", "mlp_blocks"]
