@@ -185,7 +185,7 @@ class Topology:
 
         Why: `inter_node` is the busbw of one ring that spans whole nodes, every GPU of the node in it,
         which NCCL runs as one channel per NIC (`slackswap.node.Node.network_bus_bytes_per_s`; nccl-tests
-        busbw, NVIDIA/nccl-tests doc/PERFORMANCE.md), so it is the node's NICs together. A layout puts
+        busbw, NVIDIA/nccl-tests/doc/PERFORMANCE.md), so it is the node's NICs together. A layout puts
         every GPU in one group of each kind and the groups of one kind run the same collective at the
         same time (HSDP's replica all-reduces, one per local rank; data-parallel rings under tensor
         parallelism; context- and expert-parallel groups; pipeline sends), so a node holding m GPUs of
