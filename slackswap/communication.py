@@ -346,7 +346,7 @@ def expert_step_communication(
     units: int,
     moe_layers: int,
 ) -> StepCommunication:
-    """`dense` (the non-expert parameters' collectives over the dp group) plus those of `num_params`
+    """`dense` (the non-expert parameters' collectives over the dp x cp ranks that hold them) plus those of `num_params`
     routed-expert parameters under the same ZeRO stage over their expert data-parallel group of `gpus`
     ranks (dp x cp / ep: Megatron-Core's expert_data_parallel group, DeepSpeed-MoE's expert data
     parallel group, torchtitan's `efsdp` mesh), on `topology` as that group's ring sees it.

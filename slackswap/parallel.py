@@ -23,7 +23,13 @@ under a layout (`slackswap.profile.build_graph(..., parallel=...)`, docs/profile
   each holding num_experts / ep experts and the tokens dispatched to them; all-to-all dispatch and
   combine (`slackswap.profile.moe`). ep must divide the experts and dp * cp; a dense model has ep 1.
 - **dp** (data parallelism): replicas of the rest; it does not change a rank's activations.
-  Its gradient collectives are priced by `slackswap.communication.step_communication` (advise).
+  The cp ranks hold the same dense parameters as the dp replicas, so the dense gradients are reduced,
+  and ZeRO / FSDP shards the dense state, over the dp x cp ranks (`ParallelConfig.dp_cp`): Megatron-Core
+  allocates the dense gradient buffers on `get_data_parallel_group(with_context_parallel=True)`
+  (NVIDIA/Megatron-LM/megatron/core/distributed/distributed_data_parallel.py) and torchtitan shards
+  FSDP over its `dp_shard_cp` mesh (pytorch/torchtitan/torchtitan/distributed/parallel_dims.py); the
+  routed experts over their expert data-parallel group of dp x cp / ep. Those collectives are priced
+  by `slackswap.communication.step_communication` (advise).
 
 World size = dp * tp * pp * cp (ep is carved out of dp * cp in Megatron-Core, not a factor of it).
 """
@@ -106,6 +112,12 @@ class ParallelConfig:
     def is_replica(self) -> bool:
         """True for the default layout: one rank's graph is the whole model's (no field changes it)."""
         return self.tp == 1 and self.pp == 1 and self.cp == 1 and self.ep == 1
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same dense parameters: dp x cp (module docstring, **dp**). The dense
+        gradients are reduced over them and ZeRO / FSDP shards the dense state over them."""
+        return self.dp * self.cp
 
     @property
     def world_size(self) -> int:

@@ -78,7 +78,7 @@ def test_an_interleaved_row_is_what_pipelines_run_plans(model, a100):
     advise's optimizer tails (the run's graphs here carry no optimizer; the step model is the same)."""
     from slackswap.budget import Budget
     from slackswap.experiment.advise_layout_configs import optimizer_share_s, stage_param_counts
-    from slackswap.experiment.advise_layout_eval import evaluate_layout, layout_parallel
+    from slackswap.experiment.advise_layout_eval import evaluate_layout
     from slackswap.experiment.fitting import FitOptions
     from slackswap.experiment.pipeline_run import build_stages, plan_pipeline
     from slackswap.experiment.spec import RunSpec
@@ -100,7 +100,7 @@ def test_an_interleaved_row_is_what_pipelines_run_plans(model, a100):
     spec = RunSpec(replace(model, micro_batch_size=2, include_optimizer=False), a100,
                    Budget(device=True, reserve_bytes=margin), "slackswap", {}, MIXED,
                    FitOptions(allocator="caching", plan_against="reserved"), planner=get_planner("slackswap"),
-                   parallel=layout_parallel(lay))
+                   parallel=lay.parallel)
     run = plan_pipeline(spec, build_stages(spec))
     assert run.pipeline is not None, run.reason
     devices = [run.stages[d::2] for d in range(2)]

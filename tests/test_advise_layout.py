@@ -146,3 +146,46 @@ def test_the_layout_search_plans_the_same_rows_over_workers(model, a100):
     two = search_layouts(plan_search(model, a100, TOPO, replace(space, n_jobs=2), graphs_of(model, a100))[1], [])
     assert one.rows and any(r.reason == NOT_PLANNED for r in one.regions)
     assert (two.rows, two.regions, two.pruned) == (one.rows, one.regions, one.pruned)
+
+
+def test_cp_ranks_reduce_and_shard_the_dense_state_with_the_dp_ranks(model, a100):
+    """dp 2 x cp 2 on 4 GPUs: both cp ranks of a replica hold the same dense parameters, so their
+    gradients are reduced, and ZeRO shards their state, over n = dp x cp = 4 ranks (Megatron-Core's
+    data-parallel group with context parallel; torchtitan's `dp_shard_cp` mesh), 1 GPU apart: NVLink
+    (230 GB/s, 2 us a ring step). Hand figures: P = 4 x 49,984 (a layer: norms 2 x 128, QKV 64 x 192 +
+    192, projection 64 x 64 + 64, MLP 64 x 256 + 256 + 256 x 64 + 64) + 10,368 (embeddings 128 x 64 +
+    32 x 64, final norm 128) = 210,304 parameters on every rank (cp splits none); bf16 gradients and
+    parameters, G = 2P = 420,608 bytes; 5 units (4 layers, embedding / head).
+
+    - DDP: ring all-reduce of G over n = 4, 2 (n - 1) / n x G = 630,912 bytes per rank, 2 (n - 1) = 6
+      ring steps per call, 5 calls: 5 x 6 x 2 us + 630,912 / 230e9 s = 62.74 us. Over dp alone
+      (n = 2) it would be 420,608 bytes and 2 steps.
+    - ZeRO-1: reduce-scatter of G and all-gather of the 2P-byte parameters, (n - 1) / n each: 630,912
+      bytes; static 2 + 2 bytes whole + 12 bytes (fp32 master, Adam moments) over 4:
+      4P + 12 ceil(P / 4) = 1,472,128 bytes (over dp alone 2,103,040).
+    - ZeRO-3: 16 ceil(P / 4) + two gathered layers 2 x 2 x 49,984 = 1,041,152 bytes."""
+    import math
+
+    from slackswap.communication import all_reduce_s
+    from slackswap.parallel import ParallelConfig
+    from slackswap.profile.stages import stage_parameter_counts
+
+    params, unit = stage_parameter_counts(model, ParallelConfig(dp=2, cp=2), 0)
+    assert (params, unit) == (4 * 49_984 + 10_368, 49_984)
+    rows = {}
+    for zero in (0, 1, 3):  # one search each: best-first planning would skip a slower one
+        space = _space(tp=(1,), pp=(1,), cp=(2,), micro_batches=(1,), zero_stages=(zero,), layout_top_n=20)
+        _, ctx = plan_search(model, a100, TOPO, space, graphs_of(model, a100))
+        rows |= {r.candidate.layout.zero_stage: r for r in search_layouts(ctx, []).rows
+                 if r.candidate.layout.cp == 2 and r.status == "ok"}
+    assert set(rows) == {0, 1, 3}
+    n, grads = 4, 2 * params
+    ddp = rows[0].comm
+    assert (ddp.gpus, ddp.fabric) == (n, "nvlink")
+    assert ddp.bus_bytes == pytest.approx(2 * (n - 1) / n * grads)
+    assert ddp.backward_comm_s == pytest.approx(5 * 2 * (n - 1) * 2e-6 + 2 * (n - 1) / n * grads / 230e9)
+    assert ddp.backward_comm_s == pytest.approx(all_reduce_s(grads, n, TOPO.intra_node, 5))
+    one = rows[1]
+    assert one.candidate.training.zero_shards == n and one.comm.bus_bytes == pytest.approx((n - 1) / n * 2 * grads)
+    assert one.static_bytes == 4 * params + 12 * math.ceil(params / n)
+    assert rows[3].static_bytes == 16 * math.ceil(params / n) + 2 * 2 * unit

@@ -137,15 +137,16 @@ def test_zero_stages_searched_with_ep_and_pp():
     """ep no longer restricts the stages; a pipeline still does (DeepSpeed refuses ZeRO-2/3 with pp)."""
     from slackswap.experiment.advise_layout_configs import zero_stages
 
-    assert zero_stages((0, 1, 2, 3), dp=4, pp=1, ep=2) == [0, 1, 2, 3]
-    assert zero_stages((0, 1, 2, 3), dp=4, pp=2, ep=2) == [0, 1]
-    assert zero_stages((2, 3), dp=1, pp=1, ep=1) == [0]
+    assert zero_stages((0, 1, 2, 3), dp_cp=4, pp=1, ep=2) == [0, 1, 2, 3]
+    assert zero_stages((0, 1, 2, 3), dp_cp=4, pp=2, ep=2) == [0, 1]
+    assert zero_stages((2, 3), dp_cp=1, pp=1, ep=1) == [0]
 
 
 def test_pipelines_run_holds_the_same_static_bytes_as_advise(model):
     """`pipelines.run`'s static memory on an ep layout (`device_static_memory`) is the advise rule's: dense
-    over training.zero_shards (4), routed experts over zero_shards x cp / ep = 2 ranks; the default
-    zero_shards=1 shards nothing, experts included."""
+    over training.zero_shards (4), routed experts over zero_shards / ep = 2 ranks; the default
+    zero_shards=1 shards nothing, experts included. Under cp the dense state is sharded over dp x cp
+    ranks (dp 2 x cp 2: zero_shards 4), the experts over dp x cp / ep of them (ep 2: 2)."""
     from slackswap.memory.recipe import TrainingConfig
     from slackswap.parallel import ParallelConfig
     from slackswap.profile.stages import device_static_memory, expert_shards
@@ -154,6 +155,7 @@ def test_pipelines_run_holds_the_same_static_bytes_as_advise(model):
     dense, x = 4 * layer + head, 4 * 2 * expert
     par = ParallelConfig(dp=4, ep=2)
     assert expert_shards(par, 3, 4) == 2 and expert_shards(par, 3, 1) == 1 and expert_shards(par, 0, 4) == 1
+    assert expert_shards(ParallelConfig(dp=2, cp=2, ep=2), 3, ParallelConfig(dp=2, cp=2).dp_cp) == 2
     z3 = device_static_memory(model, par, TrainingConfig(precision="mixed", zero_stage=3, zero_shards=4), 0)
     assert z3.total_bytes == 16 * math.ceil(dense / 4) + 16 * (x // 2) + 2 * 2 * layer + 2 * 2 * 2 * expert
     z2 = device_static_memory(model, par, TrainingConfig(precision="mixed", zero_stage=2, zero_shards=4), 0)

@@ -11,11 +11,11 @@ Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
    is not a layout of it (skipped); one that does not divide the model (`ParallelConfig.check_model`:
    tp the heads, KV heads and MLP width, pp the layers, cp the sequence) or puts a tp group across
    nodes is a rejected region, as is an interleaved (pp, v, m) Megatron refuses (pp x v not dividing
-   the layers, m not a multiple of pp: `pipeline_variants`); ZeRO over the dp group: stages 0 and 1
+   the layers, m not a multiple of pp: `pipeline_variants`); ZeRO over the dp x cp group: stages 0 and 1
    with a pipeline (Megatron's DDP and distributed optimizer), every searched stage on a pp = 1
    layout (`zero_stages`); a (layout, recipe) whose static memory on its fullest stage (its own
    parameters, interleaved all its chunks',
-   `slackswap.profile.stages.stage_parameter_counts`; under ZeRO-k over the dp group, the ZeRO
+   `slackswap.profile.stages.stage_parameter_counts`; under ZeRO-k over the dp x cp group, the ZeRO
    paper's per-rank terms of that stage's parameters, `slackswap.memory.static.static_memory`) leaves
    no activation capacity is a region **static memory does not fit**;
 2. **rank by an optimistic estimate**: the full model's keep-all compute of one micro-batch split
@@ -32,10 +32,11 @@ Coarse to fine, so that a 70B model on 64 GPUs answers in seconds:
    (`slackswap.simulate.pipeline`), with the exposed part of the stage's tp / cp collectives added to
    its forward and backward (`slackswap.profile.collectives.price`: tp in full, a cp ring beyond the
    attention it overlaps) and its optimizer step as its tail, plus the data-parallel gradient
-   reduction once per step, overlapping the last backward (`step_communication` over the dp ranks,
-   tp x cp GPUs apart). A configuration whose optimistic estimate cannot beat the best configuration
-   planned so far (data-parallel ones included; for a numerics-preserving recipe, the
-   best such) is not planned, nor any beyond `advise.layout_top_n`: region **not planned**.
+   reduction once per step, overlapping the last backward (`step_communication` over the dp x cp
+   ranks that hold the same dense parameters, `ParallelConfig.dp_cp`, tp GPUs apart). A
+   configuration whose optimistic estimate cannot beat the best configuration planned so far
+   (data-parallel ones included; for a numerics-preserving recipe, the best such) is not planned,
+   nor any beyond `advise.layout_top_n`: region **not planned**.
 
 Planned against the reserved peak (when `advise.plan_against` lists it) with the search's first
 planner, then its others unless that plan keeps every activation (every planner would then give the

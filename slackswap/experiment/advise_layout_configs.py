@@ -78,18 +78,19 @@ def layout_shapes(ctx: Any, gpus: int, out: LayoutSearch) -> list[tuple[int, int
     return shapes
 
 
-def zero_stages(searched: tuple[int, ...], dp: int, pp: int, ep: int = 1) -> list[int]:
-    """The ZeRO stages a (dp, pp, ep) layout is searched under, over its dp group: 0 alone without data
-    parallelism; 0 and 1 (Megatron's DDP and distributed optimizer) with a pipeline, as Megatron and
-    DeepSpeed run it (DeepSpeed refuses ZeRO-2/3 with pipeline parallelism: its gradient partitions
-    would be reduced once per micro-batch); every searched stage otherwise, expert parallelism
-    included (tp / cp x ZeRO-3 is FSDP over the dp group on tp-sharded parameters; with ep the routed
-    experts are sharded over the expert data-parallel group, as DeepSpeed-MoE's ZeRO-2, Megatron-Core's
-    distributed optimizer and torchtitan's FSDP2 over its `efsdp` mesh do: `device_statics`,
+def zero_stages(searched: tuple[int, ...], dp_cp: int, pp: int, ep: int = 1) -> list[int]:
+    """The ZeRO stages a layout is searched under, over its dp x cp ranks (`ParallelConfig.dp_cp`: they
+    hold the same dense parameters): 0 alone when one rank holds them; 0 and 1 (Megatron's DDP and
+    distributed optimizer) with a pipeline, as Megatron and DeepSpeed run it (DeepSpeed refuses
+    ZeRO-2/3 with pipeline parallelism: its gradient partitions would be reduced once per
+    micro-batch); every searched stage otherwise, expert parallelism included (tp / cp x ZeRO-3 is
+    FSDP over the dp x cp group on tp-sharded parameters; with ep the routed experts are sharded over
+    the expert data-parallel group, as DeepSpeed-MoE's ZeRO-2, Megatron-Core's distributed optimizer
+    and torchtitan's FSDP2 over its `efsdp` mesh do: `device_statics`,
     `slackswap.communication.expert_step_communication`). `ep` no longer restricts the stages; it
     stays in the signature for the callers that pass it."""
     del ep
-    if dp == 1:
+    if dp_cp == 1:
         return [0]
     stages = sorted({z for z in searched if pp == 1 or z <= 1})
     return stages or [1]
@@ -166,7 +167,7 @@ def device_units(ctx: Any, layout: Layout) -> list[tuple[int, int]]:
 
 
 def device_statics(ctx: Any, layout: Layout, training: Any) -> list[StaticMemory]:
-    """Each device's static memory: its dense parameters' under ZeRO over the dp group (`training`), its
+    """Each device's static memory: its dense parameters' under ZeRO over the dp x cp group (`training`), its
     routed experts' over the expert data-parallel group (`Layout.expert_shards`), term by term summed.
     Under ZeRO-3 each part gathers two of its own units (`device_units`; the current and the prefetched
     one, `slackswap.memory.static`): two layers' dense parameters and, where the expert group has more
@@ -273,11 +274,13 @@ def layout_configs(ctx: Any, gpus: int, out: LayoutSearch, incumbents: tuple[flo
     configs = []
     n_planners = len([p for p in space.planners if p != "milp"])
     for tp, pp, cp, ep in layout_shapes(ctx, gpus, out):
-        dp = gpus // (tp * pp * cp)
+        # ZeRO over the dp x cp ranks that hold the same dense parameters (`ParallelConfig.dp_cp`)
+        dp_cp = ParallelConfig(dp=gpus // (tp * pp * cp), cp=cp).dp_cp
         variants = pipeline_variants(ctx, gpus, (tp, pp, cp, ep), out)
-        for zero in zero_stages(space.zero_stages, dp, pp, ep):
+        for zero in zero_stages(space.zero_stages, dp_cp, pp, ep):
             for m, schedule, v in variants:
-                layout = Layout(gpus, zero, dp if zero else 1, tp, pp, cp, space.sp and tp > 1, m, schedule, v, ep)
+                layout = Layout(gpus, zero, dp_cp if zero else 1, tp, pp, cp, space.sp and tp > 1, m, schedule, v,
+                                ep)
                 for name, recipe in space.recipes.items():
                     try:
                         recipe.check_model_dtype(model.dtype)

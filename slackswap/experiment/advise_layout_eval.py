@@ -28,18 +28,16 @@ from slackswap.experiment.advise_space import (
     COMMUNICATION_BOUND,
     COMMUNICATION_BOUND_SHARE,
     Candidate,
-    Layout,
     Row,
     StagePlan,
     numerics_change,
 )
 from slackswap.experiment.advise_step import infeasible_row
 from slackswap.memory.static import bytes_per_param
-from slackswap.parallel import ParallelConfig
 
 #: What the layout rows leave out (advice.json `layout_note`).
 LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyond the attention they overlap; "
-               "dp gradient reduce once per step overlapping the last backward (ZeRO-3: gathers per micro-batch; "
+               "dp x cp gradient reduce once per step overlapping the last backward (ZeRO-3: gathers per micro-batch; "
                "routed experts over their expert data-parallel group, gathered with their layer); "
                "ZeRO-2/3 with pp not searched; interleaved 1F1B: a device's chunks planned under one "
                "planning budget, their copies not contending across chunks; no host check of offloads")
@@ -65,13 +63,6 @@ def _planned_stages(ctx: Any, cand: Candidate, hw: Any) -> list[tuple]:
     return ctx.plan_cache[key]
 
 
-def layout_parallel(lay: Layout) -> ParallelConfig:
-    """The `parallel` of a layout row: what `pipelines.run` takes to run the same layout."""
-    return ParallelConfig(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, sp=lay.sp,
-                          microbatches=lay.microbatches if lay.pp > 1 else 1, pipeline_schedule=lay.schedule,
-                          virtual_stages=lay.virtual_stages)
-
-
 def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     """Plan every stage of one layout configuration and price its step (`advise_layout` docstring, step 3).
     Interleaved: every chunk of a device under one planning budget (`pipeline_run.plan_pipeline`, as
@@ -91,7 +82,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     rank_hw = ctx.rank_hardware.get(lay.gpus, hw)
     m = lay.microbatches if lay.pp > 1 else space.grad_accum
     p, v = lay.pp, lay.virtual_stages
-    par = layout_parallel(lay)
+    par = lay.parallel
     buffers = comm_buffer_bytes(ctx, lay, cand.micro_batch)
     reserve = space.reserve_bytes + space.margin_bytes + buffers
     params_by_chunk = stage_param_counts(ctx, lay.tp, p, v, lay.ep)
@@ -156,9 +147,11 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     pipe = simulate_pipeline(times, m, result.p2p_s, lay.schedule, v)
     first = result.stages[::p]  # device 0's chunks
     experts = device_expert_params(model, lay)[0]
+    # The dense parameters over the dp x cp ranks that hold them (`ParallelConfig.dp_cp`), tp GPUs apart
+    # (Megatron-Core's rank order tp-cp-ep-dp-pp; torchtitan's mesh [pp, dp, cp, tp] likewise).
     dp_comm = step_communication(
         num_params=num_params - experts, param_bytes=param_b, grad_bytes=grad_b, zero_stage=lay.zero_stage,
-        gpus=lay.dp, shards=lay.zero_shards, topology=_strided(ctx.topology, lay.tp * lay.cp),
+        gpus=par.dp_cp, shards=lay.zero_shards, topology=_strided(ctx.topology, lay.tp),
         forward_compute_s=plans[0].forward_s, backward_compute_s=plans[0].backward_s,
         units=model.num_layers // lay.pp + 1)
     if experts:
@@ -166,7 +159,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         # Megatron-Core's expert rank order; torchtitan's efsdp mesh likewise): reduced once per step
         # after the dense gradients (stages 0-2), gathered with their layer per micro-batch (ZeRO-3).
         dp_comm = expert_step_communication(
-            dp_comm, num_params=experts, param_bytes=param_b, grad_bytes=grad_b, gpus=lay.dp * lay.cp // lay.ep,
+            dp_comm, num_params=experts, param_bytes=param_b, grad_bytes=grad_b, gpus=par.dp_cp // lay.ep,
             topology=_strided(ctx.topology, lay.tp * lay.ep), forward_compute_s=plans[0].forward_s,
             backward_compute_s=plans[0].backward_s, units=model.num_layers // lay.pp + 1,
             moe_layers=device_moe_layers(model, lay)[0])

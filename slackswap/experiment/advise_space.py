@@ -13,6 +13,7 @@ from slackswap import validation as check
 from slackswap.communication import StepCommunication, not_modelled
 from slackswap.errors import ConfigError
 from slackswap.memory.recipe import TrainingConfig
+from slackswap.parallel import ParallelConfig
 
 PLAN_AGAINST = ("allocated", "reserved")
 #: Rejected-region reasons (advice.json `rejected_regions[].reason`).
@@ -153,7 +154,8 @@ def _schedules(value: Any) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Layout:
     """How `gpus` GPUs split the model (tp x pp x cp, `slackswap.parallel`) and hold the training state
-    over the dp = gpus / (tp pp cp) data-parallel replicas (ZeRO stage and shards)."""
+    (ZeRO stage and shards) over the dp x cp ranks that hold the same dense parameters, dp = gpus /
+    (tp pp cp) data-parallel replicas times the cp ranks (`ParallelConfig.dp_cp`)."""
 
     gpus: int
     zero_stage: int
@@ -175,10 +177,20 @@ class Layout:
         return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
+    def parallel(self) -> ParallelConfig:
+        """The `parallel` of this layout: what `pipelines.run` takes to run the same layout."""
+        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, sp=self.sp,
+                              microbatches=self.microbatches if self.pp > 1 else 1,
+                              pipeline_schedule=self.schedule, virtual_stages=self.virtual_stages)
+
+    @property
     def expert_shards(self) -> int:
         """GPUs the expert parameters' ZeRO state is sharded over: the expert data-parallel group,
-        dp x cp / ep (Megatron-Core's expert_data_parallel group); the dense parameters' is zero_shards."""
-        return max(1, self.dp * self.cp // self.ep) if self.zero_stage else 1
+        dp x cp / ep (`slackswap.profile.stages.expert_shards`); the dense parameters' is zero_shards,
+        dp x cp (`ParallelConfig.dp_cp`)."""
+        from slackswap.profile.stages import expert_shards
+
+        return expert_shards(self.parallel, self.zero_stage, self.zero_shards)
 
     @property
     def is_data_parallel(self) -> bool:
@@ -187,7 +199,7 @@ class Layout:
     @property
     def label(self) -> str:
         if not self.is_data_parallel:
-            zero = "" if self.dp == 1 else " DDP" if self.zero_stage == 0 else f" ZeRO-{self.zero_stage}"
+            zero = "" if self.parallel.dp_cp == 1 else " DDP" if self.zero_stage == 0 else f" ZeRO-{self.zero_stage}"
             chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             pipe = f" pp{self.pp} x {self.microbatches} mb {self.schedule}{chunks}" if self.pp > 1 else ""
             return (f"{self.gpus} GPUs dp{self.dp} tp{self.tp}{'+sp' if self.sp else ''}{pipe}"

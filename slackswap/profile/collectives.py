@@ -38,9 +38,10 @@ Expert parallelism adds four all-to-alls per MoE layer over the ep group (dispat
 forward, their gradients in backward; GShard, Lepikhin et al. 2020; Megatron-Core's alltoall token
 dispatcher), each of this rank's T k routed token rows (`slackswap.profile.moe`).
 
-Not here: data-parallel gradient collectives (ZeRO / DDP over dp, and over dp * cp under context
-parallelism), which `slackswap.communication.step_communication` prices, so nothing is counted twice;
-pipeline sends; the transient full-sequence buffers an all-gather writes (not graph tensors).
+Not here: data-parallel gradient collectives (ZeRO / DDP over the dp x cp ranks that hold the
+same dense parameters, `ParallelConfig.dp_cp`), which `slackswap.communication.step_communication`
+prices, so nothing is counted twice; pipeline sends; the transient full-sequence buffers an
+all-gather writes (not graph tensors).
 """
 
 from __future__ import annotations

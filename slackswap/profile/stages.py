@@ -127,11 +127,12 @@ def boundary_bytes(graph: Graph) -> int:
 
 
 def expert_shards(parallel: ParallelConfig, zero_stage: int, zero_shards: int) -> int:
-    """GPUs one routed expert's ZeRO state is sharded over: of a `zero_shards`-rank shard group (times cp:
-    the ep group is carved out of dp x cp), the ranks that hold the same experts, zero_shards x cp / ep
-    (Megatron-Core's expert data-parallel group, torchtitan's efsdp = dp_shard x cp / ep), at least 1.
-    Stage 0 shards nothing."""
-    return max(1, zero_shards * parallel.cp // parallel.ep) if zero_stage else 1
+    """GPUs one routed expert's ZeRO state is sharded over: of the `zero_shards` ranks the dense state is
+    sharded over (at most the dp x cp ranks that hold the same dense parameters, `ParallelConfig.dp_cp`;
+    the ep group is carved out of them), the ranks that hold the same experts, zero_shards / ep
+    (Megatron-Core's expert data-parallel group dp x cp / ep, torchtitan's efsdp = dp_shard x cp / ep),
+    at least 1. Stage 0 shards nothing."""
+    return max(1, zero_shards // parallel.ep) if zero_stage else 1
 
 
 def routed_expert_params(model: ModelConfig, ep: int) -> int:
