@@ -41,11 +41,26 @@ def test_cpu_path_writes_one_row_per_plan(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_cpu_path_also_runs_the_export_compiled(tmp_path) -> None:
+def test_cpu_path_also_runs_the_export_compiled(tmp_path, monkeypatch) -> None:
     """--export: the plan also runs exported to PyTorch and compiled, priced by the simulator as
-    PyTorch executes it."""
+    PyTorch executes it. Each layer group is compiled once: the timed steps reuse the gradient check's
+    compiled export."""
+    from torch._dynamo.utils import counters
+
+    measured_exports = []
+    measure = gpu_validate.measure_export
+
+    def recorded(w, graph, plan, device, steps, export=None, backend="inductor"):
+        measured_exports.append((export, dict(export._compiled_fns) if export is not None else {}))
+        return measure(w, graph, plan, device, steps, export, backend)
+
+    monkeypatch.setattr(gpu_validate, "measure_export", recorded)
+    graphs_before = counters["stats"]["unique_graphs"]
     rows = gpu_validate.main(["--device", "cpu", "--models", "tiny", "--steps", "1", "--export", "slackswap",
                               "--out", str(tmp_path / "gv.json")])
+    [(export, compiled_before)] = measured_exports
+    assert compiled_before and compiled_before == export._compiled_fns  # compiled already, nothing added
+    assert counters["stats"]["unique_graphs"] - graphs_before == len(compiled_before)
     exported = [r for r in rows if r["executor"] == "export_compiled"]
     assert [r["planner"] for r in exported] == ["slackswap"]
     r = exported[0]

@@ -34,7 +34,12 @@ from slackswap.planners.strategies.torch_budget import torch_budget_saved  # noq
 from slackswap.profile.torch import build_torch_graph  # noqa: E402
 from slackswap.profile.torch.assemble import graph_from_trace  # noqa: E402
 from slackswap.profile.torch.layer_stacks import find_layer_stacks  # noqa: E402
-from slackswap.profile.torch.mechanisms import checkpointed_layers, compiled_saved, resident_after_forward  # noqa: E402
+from slackswap.profile.torch.mechanisms import (  # noqa: E402
+    checkpointed_layers,
+    compiled_saved,
+    inductor_partition,
+    resident_after_forward,
+)
 from slackswap.profile.torch.spec import TorchSpec  # noqa: E402
 from slackswap.profile.torch.tracer import ATTENTION_OPS, MATMUL_OPS, trace_step  # noqa: E402
 from slackswap.profile.torch.workloads import build_workload  # noqa: E402
@@ -109,18 +114,36 @@ def _stack(device: str):
 
 @pytest.mark.slow
 def test_torch_budget_saves_the_bytes_torch_compile_saves() -> None:
+    """At each budget the bytes inductor's partition saves (read through `inductor_partition`: inductor's
+    compile up to its partition, no C++; the next test shows it saves what inductor's full compile saves)."""
     net, x = _stack("meta")
     graph = graph_from_trace(trace_step(net, (x,), lambda y: (y * y).sum(), semantics="cpu", dtype="fp32"), HW, "mlp")
     net, x = _stack("cpu")
     seen = []
     for fraction in (1.0, 0.7, 0.5, 0.3):
         saved, _ = torch_budget_saved(graph, fraction)
-        real, loss = compiled_saved(lambda: (net(x) ** 2).sum(), fraction, "inductor")
+        real, loss = compiled_saved(lambda: (net(x) ** 2).sum(), fraction, inductor_partition)
         loss.backward()
         ours_bytes = sum(graph.tensors[t].size_bytes for t in saved)
         assert ours_bytes == sum(v.size_bytes for v in real), fraction
         seen.append(ours_bytes)
     assert seen == sorted(seen, reverse=True) and len(set(seen)) == 4  # four different partitions
+
+
+@pytest.mark.slow
+def test_inductor_partition_saves_what_inductors_compile_saves() -> None:
+    """`inductor_partition` (inductor's compile without code generation) and inductor itself save the same
+    values, node for node, at a budget where the partitioner recomputes (the test above: fewer bytes at 0.5
+    than at 1.0), and compute the same loss."""
+    net, x = _stack("cpu")
+    got = {}
+    for backend in ("inductor", inductor_partition):
+        saved, loss = compiled_saved(lambda: (net(x) ** 2).sum(), 0.5, backend)
+        loss.backward()
+        got[backend] = (saved, loss.detach())
+    (full, full_loss), (partition, partition_loss) = got.values()
+    assert full and full == partition
+    torch.testing.assert_close(full_loss, partition_loss)
 
 
 class _Dropout(torch.nn.Module):

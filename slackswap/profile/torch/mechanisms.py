@@ -9,7 +9,8 @@ the traced graph; these functions run the mechanisms themselves so tests can com
   (non-reentrant) with a selective-checkpointing policy, as users apply SAC.
 - `compiled_saved`: compile the step with torch.compile under `activation_memory_budget` and read the
   saved values off the partition the min-cut partitioner chose (the backward graph's inputs that are
-  neither tangents nor forward inputs).
+  neither tangents nor forward inputs). With the backend `inductor_partition` the step goes through
+  inductor's compile up to and including that partition, then runs without code generation.
 """
 
 from __future__ import annotations
@@ -126,11 +127,32 @@ class SavedValue:
     size_bytes: int
 
 
-def compiled_saved(step: Callable[[], torch.Tensor], budget: float, backend: str = "inductor") -> tuple[
+def _run_as_fx_graph(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: object) -> Callable:
+    """An inductor `inner_compile` that generates no code: the partitioned graph runs as it is."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def inductor_partition(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """A torch.compile backend for reading inductor's partition without paying for its code: inductor's
+    `compile_fx` (its decompositions, joint-graph passes and config, its min-cut partitioner under
+    `activation_memory_budget`), whose forward and backward graphs then run as FX graphs instead of being
+    lowered to C++ and compiled. The partition is chosen before inductor lowers anything, so the saved set
+    is inductor's own (tests/test_torch_mechanisms.py compares the two); only the step's speed, and its
+    rounding where inductor's kernels round otherwise than ATen's, differ."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, inner_compile=_run_as_fx_graph)
+
+
+def compiled_saved(step: Callable[[], torch.Tensor], budget: float, backend: str | Callable = "inductor") -> tuple[
         list[SavedValue], torch.Tensor]:
     """(the activations the compiled step saves for backward, its loss), torch.compile under
     `torch._functorch.config.activation_memory_budget = budget`. Saved values that are forward
-    inputs (parameters, the batch) are left out, as the traced graph has no weights."""
+    inputs (parameters, the batch) are left out, as the traced graph has no weights. `backend`: any
+    torch.compile backend that partitions with `min_cut_rematerialization_partition`; `inductor_partition`
+    gives inductor's saved set without its C++ compile (seconds per graph on the CPU)."""
     import torch._functorch.partitioners as partitioners
     from torch._functorch import config as functorch_config
 
