@@ -217,10 +217,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def mlflow_server(tmp_path):
+def mlflow_server(tmp_path, _mlflow_template_db):
     """`mlflow server` on 127.0.0.1 with its own SQLite backend and artifact folder under tmp_path.
     Without MLflow's job execution (its GenAI job runner, nothing a sweep logs through): starting it
-    made the server answer 2.7 s later (7.8 -> 5.1 s at load 0.6-1.2)."""
+    made the server answer 2.7 s later (7.8 -> 5.1 s at load 0.6-1.2). The backend is a copy of the
+    session's empty store (tests/conftest.py), as a server's store already exists: creating its schema
+    cost the server about 1.2 s of CPU and 4 s before it answered."""
+    import shutil
     import signal
     import time
     import urllib.request
@@ -228,6 +231,7 @@ def mlflow_server(tmp_path):
     port = _free_port()
     folder = tmp_path / "server"
     folder.mkdir()
+    shutil.copyfile(_mlflow_template_db, folder / "backend.db")
     log = (folder / "server.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
