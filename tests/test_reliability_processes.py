@@ -140,11 +140,13 @@ def _runs(db: Path) -> list[tuple[str, str | None, str | None]]:
     return rows
 
 
-def _interrupt_when_a_job_runs(tmp_path: Path, extra: list[str], signum: int, jobs_running: int):
-    """Start a sweep, wait until `jobs_running` job runs are RUNNING in MLflow, send `signum`."""
+def _interrupt_when_a_job_runs(store, tmp_path: Path, extra: list[str], signum: int, jobs_running: int):
+    """Start a sweep on `store` (an `mlflow_store`: its schema made, as a store a user interrupts
+    has; creating it was a third of the sweep process's CPU), wait until `jobs_running` job runs are
+    RUNNING in MLflow, send `signum`."""
     import time
 
-    db = tmp_path / "mlflow" / "mlflow.db"
+    db = store.db_path
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.run", "--multirun", *_base_args(tmp_path, db), f"hydra.sweep.dir={sweep}",
@@ -185,23 +187,23 @@ def _check_interrupted(code, err, db, sweep, expected_code) -> None:
 
 
 @pytest.mark.slow
-def test_sigint_during_a_basic_sweep_kills_runs_and_writes_the_partial_summary(tmp_path) -> None:
+def test_sigint_during_a_basic_sweep_kills_runs_and_writes_the_partial_summary(tmp_path, mlflow_store) -> None:
     """llama7b (32 layers): a job takes long enough (about a second) to be caught while it runs."""
     import signal
 
     extra = ["model=llama7b", "planner=slackswap", "budget.fraction=0.3,0.5,0.7,0.9"]
-    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGINT, 1)
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(mlflow_store, tmp_path, extra, signal.SIGINT, 1)
     _check_interrupted(code, err, db, sweep, 130)
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_joblib_sweep_kills_runs_in_workers(tmp_path) -> None:
+def test_sigterm_during_a_joblib_sweep_kills_runs_in_workers(tmp_path, mlflow_store) -> None:
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     import signal
 
     extra = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=llama7b", "planner=slackswap",
              "budget.fraction=0.3,0.5,0.7,0.9"]  # fmt: skip
-    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGTERM, 1)
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(mlflow_store, tmp_path, extra, signal.SIGTERM, 1)
     _check_interrupted(code, err, db, sweep, 143)
 
 
