@@ -44,9 +44,11 @@ def _open_and_log(uri: str, artifact_root: str, barrier, results, index: int) ->
 
 
 @pytest.mark.slow
-def test_four_processes_on_a_fresh_store_three_times_lose_no_run(tmp_path) -> None:
+def test_four_processes_on_a_fresh_store_three_times_lose_no_run(tmp_path, _mlflow_template_db) -> None:
     """The store setup of the pipeline (open_client + ensure_experiment), not a whole job: forked
     processes start with everything imported, so a round costs one schema creation (~1 s)."""
+    import shutil
+
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("needs the fork start method for cheap processes")
     from pipelines import tracking
@@ -54,6 +56,10 @@ def test_four_processes_on_a_fresh_store_three_times_lose_no_run(tmp_path) -> No
     # The same calls once here, on a store of no round: every forked process inherits MLflow's and
     # SQLAlchemy's modules and statement caches warm (cold, a process spent up to ~1 s CPU importing
     # and compiling before its first statement), so each round is the four racing on the fresh store.
+    # The schema's creation (alembic's migrations) ran in this process already, for the session's
+    # empty store (tests/conftest.py); the warm-up opens a copy of it instead of making another.
+    (tmp_path / "warm").mkdir()
+    shutil.copyfile(_mlflow_template_db, tmp_path / "warm" / "mlflow.db")
     warm = tracking.open_client(f"sqlite:///{tmp_path / 'warm' / 'mlflow.db'}")
     warm_experiment = tracking.ensure_experiment(warm, "warm", str(tmp_path / "warm"))
     warm_run = tracking.create_run(warm, warm_experiment, "w", {}, None).run_id
