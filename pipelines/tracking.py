@@ -221,7 +221,7 @@ def open_client(uri: str):
     exists, concurrent writers are fine.
 
     MLflow is imported only once the checks pass: a store refused (no server answers, a read-only or
-    foreign database) costs its one line, not MLflow's import (about 2 s of CPU).
+    foreign database) costs its one line, not MLflow's import (about 1 s of CPU).
     """
     import os
 
