@@ -219,19 +219,21 @@ def open_client(uri: str):
     exists", "duplicate column name"). `<db>.lock` next to the database serialises that step across
     processes (and hosts sharing the folder, as far as the filesystem's locks reach); once the schema
     exists, concurrent writers are fine.
+
+    MLflow is imported only once the checks pass: a store refused (no server answers, a read-only or
+    foreign database) costs its one line, not MLflow's import (about 1 s of CPU).
     """
     import os
 
     from pipelines.heavy_imports import import_paused
 
-    MlflowClient = import_paused("mlflow.tracking").MlflowClient  # noqa: N806 (a class)
     db = sqlite_path(uri)
     if db is None:
         if uri.startswith(("http://", "https://")):
             probe_server(uri)
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(SERVER_PROBE_TIMEOUT_S * 2)))
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(SERVER_HTTP_MAX_RETRIES))
-        return MlflowClient(tracking_uri=uri)
+        return import_paused("mlflow.tracking").MlflowClient(tracking_uri=uri)
     from filelock import FileLock, Timeout
 
     try:
@@ -240,6 +242,7 @@ def open_client(uri: str):
         raise TrackingUnavailable(f"tracking store {db}: its folder cannot be created ({exc.strerror})") from None
     check_sqlite_store(db)
     check_store_writable(db)
+    MlflowClient = import_paused("mlflow.tracking").MlflowClient  # noqa: N806 (a class)
     lock = FileLock(str(db) + ".lock")
     # A warm-up only: the module the client constructs for SQLite, imported here with the collector
     # paused and outside the lock. The client never needs it by this name, so a MLflow that moves it

@@ -121,7 +121,7 @@ def worker(rank: int, world: int, out_dir: str, configs: list[str]) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.fork_ranks import fork_two_ranks
+    from tests.fork_ranks import EXAMPLE, fork_two_ranks
 
     out, *wanted = sys.argv[1:]
-    fork_two_ranks(worker, (2, out, wanted), ("accelerate", "transformers", "slackswap.integrations.accelerate"))
+    fork_two_ranks(worker, (2, out, wanted), (*EXAMPLE, "slackswap.integrations.accelerate"))

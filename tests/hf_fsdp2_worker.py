@@ -66,6 +66,6 @@ def worker(rank: int, world: int, out_dir: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.fork_ranks import fork_two_ranks
+    from tests.fork_ranks import EXAMPLE, fork_two_ranks
 
-    fork_two_ranks(worker, (2, sys.argv[1]), ("transformers", "slackswap.integrations.hf"))
+    fork_two_ranks(worker, (2, sys.argv[1]), (*EXAMPLE, "slackswap.integrations.hf"))

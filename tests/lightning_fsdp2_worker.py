@@ -118,8 +118,8 @@ def worker(rank: int, world: int, out_dir: str, port: str, budget: float) -> Non
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    from tests.fork_ranks import fork_two_ranks
+    from tests.fork_ranks import EXAMPLE, fork_two_ranks
 
     out, port, budget = sys.argv[1:]
     fork_two_ranks(worker, (2, out, port, float(budget)),
-                   ("lightning.pytorch", "transformers", "slackswap.integrations.lightning"))
+                   ("lightning.pytorch", *EXAMPLE, "slackswap.integrations.lightning"))

@@ -230,6 +230,24 @@ def test_a_read_only_store_is_one_line_naming_it_before_any_run(tmp_path, mlflow
     assert _runs(db) == before
 
 
+@pytest.mark.parametrize(("store", "line"), [("garbage", "is not an MLflow SQLite database"),
+                                             ("server", "no MLflow server answers")])
+def test_a_refused_store_is_refused_before_mlflow_is_imported(tmp_path, monkeypatch, store, line) -> None:
+    """The store's checks come before MLflow's import (about 1 s of CPU a process): a refusal costs
+    its one line, not the import. Port 9 (discard) on 127.0.0.1 has no server."""
+    from pipelines import heavy_imports, tracking
+
+    def no_import(name: str) -> None:
+        raise AssertionError(f"{name} imported before the store was checked")
+
+    monkeypatch.setattr(heavy_imports, "import_paused", no_import)
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"this is not a database" * 100)
+    uri = f"sqlite:///{db}" if store == "garbage" else "http://127.0.0.1:9"
+    with pytest.raises(tracking.TrackingUnavailable, match=line):
+        tracking.open_client(uri)
+
+
 # ------------------------------------------------------------------------------- pipelines.train
 
 

@@ -44,9 +44,11 @@ def _open_and_log(uri: str, artifact_root: str, barrier, results, index: int) ->
 
 
 @pytest.mark.slow
-def test_four_processes_on_a_fresh_store_three_times_lose_no_run(tmp_path) -> None:
+def test_four_processes_on_a_fresh_store_three_times_lose_no_run(tmp_path, _mlflow_template_db) -> None:
     """The store setup of the pipeline (open_client + ensure_experiment), not a whole job: forked
     processes start with everything imported, so a round costs one schema creation (~1 s)."""
+    import shutil
+
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("needs the fork start method for cheap processes")
     from pipelines import tracking
@@ -54,6 +56,10 @@ def test_four_processes_on_a_fresh_store_three_times_lose_no_run(tmp_path) -> No
     # The same calls once here, on a store of no round: every forked process inherits MLflow's and
     # SQLAlchemy's modules and statement caches warm (cold, a process spent up to ~1 s CPU importing
     # and compiling before its first statement), so each round is the four racing on the fresh store.
+    # The schema's creation (alembic's migrations) ran in this process already, for the session's
+    # empty store (tests/conftest.py); the warm-up opens a copy of it instead of making another.
+    (tmp_path / "warm").mkdir()
+    shutil.copyfile(_mlflow_template_db, tmp_path / "warm" / "mlflow.db")
     warm = tracking.open_client(f"sqlite:///{tmp_path / 'warm' / 'mlflow.db'}")
     warm_experiment = tracking.ensure_experiment(warm, "warm", str(tmp_path / "warm"))
     warm_run = tracking.create_run(warm, warm_experiment, "w", {}, None).run_id
@@ -140,11 +146,13 @@ def _runs(db: Path) -> list[tuple[str, str | None, str | None]]:
     return rows
 
 
-def _interrupt_when_a_job_runs(tmp_path: Path, extra: list[str], signum: int, jobs_running: int):
-    """Start a sweep, wait until `jobs_running` job runs are RUNNING in MLflow, send `signum`."""
+def _interrupt_when_a_job_runs(store, tmp_path: Path, extra: list[str], signum: int, jobs_running: int):
+    """Start a sweep on `store` (an `mlflow_store`: its schema made, as a store a user interrupts
+    has; creating it was a third of the sweep process's CPU), wait until `jobs_running` job runs are
+    RUNNING in MLflow, send `signum`."""
     import time
 
-    db = tmp_path / "mlflow" / "mlflow.db"
+    db = store.db_path
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.run", "--multirun", *_base_args(tmp_path, db), f"hydra.sweep.dir={sweep}",
@@ -185,23 +193,23 @@ def _check_interrupted(code, err, db, sweep, expected_code) -> None:
 
 
 @pytest.mark.slow
-def test_sigint_during_a_basic_sweep_kills_runs_and_writes_the_partial_summary(tmp_path) -> None:
+def test_sigint_during_a_basic_sweep_kills_runs_and_writes_the_partial_summary(tmp_path, mlflow_store) -> None:
     """llama7b (32 layers): a job takes long enough (about a second) to be caught while it runs."""
     import signal
 
     extra = ["model=llama7b", "planner=slackswap", "budget.fraction=0.3,0.5,0.7,0.9"]
-    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGINT, 1)
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(mlflow_store, tmp_path, extra, signal.SIGINT, 1)
     _check_interrupted(code, err, db, sweep, 130)
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_joblib_sweep_kills_runs_in_workers(tmp_path) -> None:
+def test_sigterm_during_a_joblib_sweep_kills_runs_in_workers(tmp_path, mlflow_store) -> None:
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     import signal
 
     extra = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=llama7b", "planner=slackswap",
              "budget.fraction=0.3,0.5,0.7,0.9"]  # fmt: skip
-    code, _, err, db, sweep = _interrupt_when_a_job_runs(tmp_path, extra, signal.SIGTERM, 1)
+    code, _, err, db, sweep = _interrupt_when_a_job_runs(mlflow_store, tmp_path, extra, signal.SIGTERM, 1)
     _check_interrupted(code, err, db, sweep, 143)
 
 
@@ -217,10 +225,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def mlflow_server(tmp_path):
+def mlflow_server(tmp_path, _mlflow_template_db):
     """`mlflow server` on 127.0.0.1 with its own SQLite backend and artifact folder under tmp_path.
     Without MLflow's job execution (its GenAI job runner, nothing a sweep logs through): starting it
-    made the server answer 2.7 s later (7.8 -> 5.1 s at load 0.6-1.2)."""
+    made the server answer 2.7 s later (7.8 -> 5.1 s at load 0.6-1.2). The backend is a copy of the
+    session's empty store (tests/conftest.py), as a server's store already exists: creating its schema
+    cost the server about 1.2 s of CPU and 4 s before it answered."""
+    import shutil
     import signal
     import time
     import urllib.request
@@ -228,6 +239,7 @@ def mlflow_server(tmp_path):
     port = _free_port()
     folder = tmp_path / "server"
     folder.mkdir()
+    shutil.copyfile(_mlflow_template_db, folder / "backend.db")
     log = (folder / "server.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
