@@ -102,23 +102,27 @@ def fit(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = None) 
         p.update(dict(zip(free, (float(v) for v in x), strict=True)))
         return p
 
-    # Per table, the ops each efficiency key times (elementwise ops run at efficiency 1), found once:
-    # the optimizer evaluates the loss thousands of times.
-    timed_by = [{k: t["key"] == k for k in np.unique(t["key"]) if k != "elementwise"} for t in tables]
-    # Per table, the FLOP ops of each n_half class (an attention kernel's ops are the attention class).
-    classed = [{key: (t["flops"] > 0) & ((t["key"] == "matmul") == (cls == "matmul")) & (t["key"] != "elementwise")
-                for key, cls in N_HALF.items()} for t in tables]
+    # Per table, the efficiency key timing each op as an index into the values `loss` looks up
+    # (0: elementwise, efficiency 1), found once: the optimizer evaluates the loss thousands of times.
+    keys = sorted({k for t in tables for k in np.unique(t["key"]) if k != "elementwise"})
+    key_index = [np.searchsorted(keys, t["key"]) + 1 for t in tables]
+    for t, index in zip(tables, key_index, strict=True):
+        index[t["key"] == "elementwise"] = 0
+    # Per table, each op's n_half class as an index (0: none; an attention kernel's ops are the attention
+    # class): the FLOP ops of the matmul class, else of the attention class.
+    classes = list(N_HALF)
+    class_index = [np.where((t["flops"] > 0) & (t["key"] != "elementwise"),
+                            np.where(t["key"] == "matmul", 1 + classes.index("n_half_matmul"),
+                                     1 + classes.index("n_half_attention")), 0) for t in tables]
 
     def loss(x: np.ndarray) -> float:
         p = params(x)
+        efficiencies = np.array([1.0, *(p.get(k, p["attention"]) for k in keys)])
+        halves = np.array([0.0, *(p.get(k, 0.0) * 1e9 for k in classes)])
         total = 0.0
-        for meas, t, by_key, by_class in zip(rows, tables, timed_by, classed, strict=True):
-            eff = np.ones(len(t["key"]))
-            for k, ops in by_key.items():
-                eff[ops] = p.get(k, p["attention"])
-            n_half = np.zeros(len(t["key"]))
-            for k, ops in by_class.items():
-                n_half[ops] = p.get(k, 0.0) * 1e9
+        for meas, t, by_key, by_class in zip(rows, tables, key_index, class_index, strict=True):
+            eff = efficiencies[by_key]
+            n_half = halves[by_class]
             dur = np.maximum((t["flops"] + n_half) / (peak * eff), t["moved"] / (base.hbm_bytes_per_s * p["hbm"]))
             dur = dur + base.launch_overhead_s
             step = _step_from_masks(meas, t["masks"], dur, t["comm"], p.get("slowdown", 0.0))

@@ -12,7 +12,12 @@ import math
 
 import pytest
 
-from slackswap.experiment.export_plan import Attempt, largest_fitting_budget
+from slackswap.experiment.export_plan import (
+    SEARCH_RESOLUTION_SHARE,
+    Attempt,
+    largest_fitting_budget,
+    search_resolution_bytes,
+)
 from slackswap.plan import Plan
 from tests.extras import require_torch_extra
 
@@ -64,6 +69,20 @@ def test_the_search_finds_nothing_when_no_planning_budget_fits_and_stops_within_
     low = max(a.budget_bytes for a in tried if a.plan is None)
     over = min(a.budget_bytes for a in tried if a.plan is not None)
     assert 0 < over - low <= RESOLUTION
+
+
+def test_the_export_searches_to_the_smallest_decided_tensor_or_a_share_of_the_budget() -> None:
+    """The resolution `plan_for_export` searches to: the smallest decided tensor where it is the larger,
+    else 1/256 of the budget, so the bisection takes at most 8 halvings after the floor however small
+    the tensors; the plan found is then within that share of the largest fitting planning budget."""
+    assert search_resolution_bytes(BUDGET, [100_000, 8]) == int(BUDGET * SEARCH_RESOLUTION_SHARE) > 8
+    assert search_resolution_bytes(BUDGET, [100_000, 9_000]) == 9_000
+    assert search_resolution_bytes(None, [64, 8]) == 8 and search_resolution_bytes(BUDGET, []) > 1
+    resolution = search_resolution_bytes(BUDGET, [8])
+    attempt, calls = _planner(too_low_below=100_000, over_from=700_000)
+    best, _ = largest_fitting_budget(BUDGET, BUDGET + 200_000, FLOOR, resolution, attempt)
+    assert best is not None and 700_000 - resolution <= best.budget_bytes < 700_000
+    assert len(calls) <= EXCESS_ROUNDS + 1 + math.ceil(math.log2(1 / SEARCH_RESOLUTION_SHARE)), calls
 
 
 def test_a_fitting_floor_or_lowering_round_is_never_lost_to_a_planner_that_does_not_follow_its_budget() -> None:

@@ -138,6 +138,29 @@ def test_selective_recompute_drops_only_the_attention_core():
     assert roles <= {"softmax", "softmax_dropout", "qk_bmm"}
 
 
+def test_the_knapsack_is_re_solved_only_when_its_last_optimum_no_longer_covers_the_need(monkeypatch):
+    """recompute_knapsack's rounds raise the need by the plan's excess; while the last optimal set
+    still frees the raised need it is still optimal, so no solve is run for it (tiny at 70 %: six
+    rounds, four solves), and every solve run asks for more than the last optimum frees."""
+    import slackswap.planners.strategies.recompute_knapsack as knapsack
+
+    solved: list[tuple[int, int]] = []  # (need, bytes the optimum frees)
+
+    def counted(sizes, costs, need):
+        chosen = solve_knapsack(sizes, costs, need)
+        solved.append((need, sum(sizes[i] for i in chosen or ())))
+        return chosen
+
+    monkeypatch.setattr(knapsack, "solve_knapsack", counted)
+    graph = build_graph(_model("tiny"), HW)
+    from slackswap.schedule.replay import estimate_plan
+
+    peak = estimate_plan(graph, keep_all_plan(graph, HW), HW).peak_bytes
+    plan = get_planner("recompute_knapsack").plan(graph, HW, int(0.7 * peak))
+    assert plan.notes["knapsack_rounds"] > len(solved) > 1
+    assert all(need > freed for (_, freed), (need, _) in itertools.pairwise(solved)), solved
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 20), st.sampled_from([0.5, 1.0, 2.0, 3.5])), min_size=1, max_size=9),
        st.integers(0, 120))

@@ -66,13 +66,13 @@ def plan_for_export(planner: Planner, graph: Graph, model: object, hardware: Har
     mode = "compiled" if compile else "eager"
     every = recompute_all_plan(graph, facts, hardware, held)
     # The search's floor: the plan recomputing every decidable tensor, in its own schedule (a planner
-    # asked for less must swap); its step: the smallest tensor a plan decides.
+    # asked for less must swap); its step: `search_resolution_bytes`.
     floor = estimate_plan(graph, every, hardware).peak_bytes
     decided = [t.size_bytes for t in graph.saved_tensors if t.name not in facts.fixed_keep]
     attempts: list[Attempt] = []
     try:
         plan = within_pytorchs_peak(priced, hardware, budget_bytes, mode, plan_at, planner.name, floor,
-                                    min(decided, default=1), attempts)
+                                    search_resolution_bytes(budget_bytes, decided), attempts)
     except InfeasibleBudgetError as exc:
         from slackswap.experiment.export_repair import repair_for_export
 
@@ -178,6 +178,24 @@ def _plain_layers(graph: Graph, plan: Plan) -> frozenset[int]:
     from slackswap.runtime.export.mechanism import plain_checkpoint_layers
 
     return plain_checkpoint_layers(graph, plan.decisions, meta[FORCED_LAYERS_KEY], meta[CACHED_OUTPUTS_KEY])
+
+
+#: The export's search of the planning budget stops within this share of the budget (`search_resolution_bytes`).
+SEARCH_RESOLUTION_SHARE = 1 / 256
+
+
+def search_resolution_bytes(budget_bytes: int | None, decided_sizes_bytes: list[int]) -> int:
+    """How close `largest_fitting_budget` brings the planning budgets known fitting and over before it
+    stops: the bytes of the smallest tensor a plan decides (`decided_sizes_bytes`; a closer budget
+    cannot add a whole tensor), or `SEARCH_RESOLUTION_SHARE` of the budget (0.4 %) if that is more. Why
+    the share: each halving is a whole planning (for milp several MILP solves, and each planning budget
+    that finds no plan up to five of them), and past 0.4 % of the budget the plan it could find keeps at
+    most that many more bytes. On the runtime tests' tiny GPT at 70 % it spares milp three plannings,
+    and every planner's plan peaks as before."""
+    smallest = min(decided_sizes_bytes, default=1)
+    if budget_bytes is None:
+        return smallest
+    return max(smallest, int(budget_bytes * SEARCH_RESOLUTION_SHARE))
 
 
 @dataclass(frozen=True)
@@ -307,6 +325,6 @@ def _noted(a: Attempt, plannings: int) -> Plan:
 
 
 __all__ = ["export_plan_graph", "plan_for_export", "pytorch_graph", "pytorch_peak_bytes", "recompute_all_peak_bytes",
-           "recompute_all_plan",
+           "recompute_all_plan", "search_resolution_bytes", "SEARCH_RESOLUTION_SHARE",
            "what_pytorch_keeps", "within_pytorchs_peak", "largest_fitting_budget",
            "Attempt"]
