@@ -1,7 +1,7 @@
 """How long `python -m pipelines.advise` takes over >= 100 configurations of a 7B model, MLflow included.
 
     python benchmarks/bench_advise.py            # the headline command (hf_llama7b, 1 and 8 GPUs, every default)
-    python benchmarks/bench_advise.py --quick    # llama7b on 8 GPUs, mixed AdamW, allocated peak: ~140 configurations
+    python benchmarks/bench_advise.py --quick    # llama7b on 8 GPUs, mixed AdamW, allocated peak: ~180 configurations
     python benchmarks/bench_advise.py --layout   # llama3_70b on 64 H100s, every default layout (target < 60 s)
 
 Runs the command as a user would (a subprocess, MLflow on a temporary SQLite store), reads the
