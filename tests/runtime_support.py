@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,9 @@ torch.set_num_threads(1)
 FRACTIONS = (0.5, 0.7, 0.9, None)
 
 
+@functools.cache
 def h200() -> Hardware:
+    """The H200 preset, read once per process (a `Hardware` is frozen, its mappings read-only)."""
     return Hardware.from_dict(yaml.safe_load((ROOT / "conf/hardware/h200_sxm_pcie5.yaml").read_text()))
 
 
