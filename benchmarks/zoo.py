@@ -11,6 +11,8 @@ runs on each executor:
   seed (deterministic kernels);
 - `export`: the plan made for the export (`plan_for_export`) through `PlanExport(...).installed(model)`
   (eager selective checkpointing), compared the same way.
+A runtime plan equal to one already run on the architecture (same decisions, steps and transfers: the
+executor reads nothing else, and the step is seeded and deterministic) takes that run's cell.
 A cell is `exact` (`exact: repaired ...` where the planner's plan for the export was repaired to fit,
 `slackswap.experiment.export_repair`), `infeasible: <why>` (the planner has no plan within the budget), `refused: <why>`
 (the executor declined the plan with its error: `PlanMismatchError`, `InexactRecomputeError`,
@@ -172,6 +174,8 @@ class Arch:
         self.graph = capture_graph(copy.deepcopy(self.pristine), (self.w.batch,), self.w.loss_fn, hardware, name=name)
         self.peak = simulate_ideal(self.graph, hardware).peak_activation_bytes
         self.reference = step(self.w, copy.deepcopy(self.pristine))
+        #: The runtime executor's outcome per plan content (`_content`): planners that agree share a run.
+        self._ran: dict[tuple, str] = {}
 
     def saved(self) -> str:
         """`trace_vs_hooks` of this architecture, or 'crash: trace: <error>' when the tracer fails."""
@@ -218,7 +222,20 @@ class Arch:
                 f"state ({rng} B) and a weight gradient in flight ({in_flight} B), > budget {budget} B (priced "
                 f"{plan.notes.get('pytorch_peak_bytes')} B)")
 
+    def _run_and_compare(self, plan, executor: str) -> str:
+        try:
+            got = self.run(plan, executor)
+        except _REFUSALS as exc:
+            return f"refused: {_short(exc)}"
+        except Exception as exc:  # noqa: BLE001 - a crash is a result of this suite, reported as such
+            return f"crash: {_short(exc)}"
+        return compare(self.reference, got)
+
     def cell(self, planner: str, fraction: float, executor: str) -> str:
+        """The cell of `planner` at `fraction` on `executor`. The runtime executor reads a plan's
+        decisions, steps, transfers and graph fingerprint only, and the step is seeded and deterministic:
+        a plan equal in those to one already run here (keep_all, swap_only and selective_recompute often
+        agree) has that run's outcome, so it is not run again."""
         try:
             plan = self.plan(planner, fraction, executor)
         except InfeasibleBudgetError as exc:
@@ -227,13 +244,12 @@ class Arch:
             return f"refused: {_short(exc)}"
         except Exception as exc:  # noqa: BLE001 - a crash is a result of this suite, reported as such
             return f"crash: planning: {_short(exc)}"
-        try:
-            got = self.run(plan, executor)
-        except _REFUSALS as exc:
-            return f"refused: {_short(exc)}"
-        except Exception as exc:  # noqa: BLE001
-            return f"crash: {_short(exc)}"
-        result = compare(self.reference, got)
+        key = _content(plan) if executor == "runtime" else None
+        if key in self._ran:
+            return self._ran[key]
+        result = self._run_and_compare(plan, executor)
+        if key is not None:
+            self._ran[key] = result
         if result == "exact" and executor == "export" and self.measure:
             result = self.over_budget(plan, fraction) or result
         if result == "exact" and plan.notes.get("export_repaired"):
@@ -243,13 +259,21 @@ class Arch:
         return result
 
 
+def _content(plan) -> tuple:
+    """What of `plan` the runtime executor reads: equal contents run the same step."""
+    return (tuple(sorted((n, d.value) for n, d in plan.decisions.items())), plan.steps, plan.offloads,
+            plan.prefetches, plan.graph_fingerprint, plan.budget_bytes)
+
+
 def kind(cell: str) -> str:
     return cell.split(":", 1)[0]
 
 
-def run(models, planners, fractions, executors, log=print, measure: bool = True, trace: bool = False) -> dict:
+def run(models, planners, fractions, executors, log=print, measure: bool = True, trace: bool = False,
+        archs: dict[str, Arch] | None = None) -> dict:
     """The matrix of `models` x `planners` x `fractions` x `executors` (`Arch.cell`), and with `trace`
-    each model's traced saved tensors against what the hooks saw (`Arch.saved`, result["saved"])."""
+    each model's traced saved tensors against what the hooks saw (`Arch.saved`, result["saved"]).
+    `archs`: architectures already captured, by name, reused (with the runs they remember) and added to."""
     torch.set_num_threads(1)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -260,7 +284,11 @@ def run(models, planners, fractions, executors, log=print, measure: bool = True,
         for name in models:
             t0 = time.process_time()
             try:
-                arch = Arch(name, hardware, measure)
+                arch = (archs or {}).get(name)
+                if arch is None or arch.measure != measure:
+                    arch = Arch(name, hardware, measure)
+                if archs is not None:
+                    archs[name] = arch
             except Exception as exc:  # noqa: BLE001
                 cell = f"crash: capture: {_short(exc)}"
                 rows += [dict(model=name, planner=p, fraction=f, executor=e, cell=cell)

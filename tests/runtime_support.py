@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,9 @@ torch.set_num_threads(1)
 FRACTIONS = (0.5, 0.7, 0.9, None)
 
 
+@functools.cache
 def h200() -> Hardware:
+    """The H200 preset, read once per process (a `Hardware` is frozen, its mappings read-only)."""
     return Hardware.from_dict(yaml.safe_load((ROOT / "conf/hardware/h200_sxm_pcie5.yaml").read_text()))
 
 
@@ -73,6 +76,13 @@ def plan_for(planner: str, captured: Captured, **options: object) -> tuple[Plan,
     if key not in plans:
         plans[key] = _plan_for(planner, captured, **options)
     return plans[key]
+
+
+def plan_content(plan: Plan) -> tuple:
+    """What of `plan` the runtime executor reads (decisions, steps, transfers): plans of two planners
+    equal in it run the same step, so a test that has checked one need not run the other."""
+    return (tuple(sorted((n, str(d)) for n, d in plan.decisions.items())), plan.steps, plan.offloads,
+            plan.prefetches, plan.graph_fingerprint)
 
 
 def _plan_for(planner: str, captured: Captured, **options: object) -> tuple[Plan, float | None]:

@@ -49,6 +49,21 @@ def _train(kind: str, tmp_path, plan: dict | None, steps: int = 3, accumulation:
     return losses, grads.steps, planned, lines, trainer
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`_train` shared by this module's tests: the same training (model, plan arguments, steps) runs once.
+    The Trainer writes nothing (save_strategy="no"), and the tests only read what it returns."""
+    runs: dict[str, tuple] = {}
+
+    def train(kind: str, plan: dict | None, steps: int = 3, **args: object):
+        key = repr((kind, plan, steps, sorted(args.items())))
+        if key not in runs:
+            runs[key] = _train(kind, tmp_path_factory.mktemp("trained"), plan, steps, **args)
+        return runs[key]
+
+    return train
+
+
 def _assert_same_training(plain, planned) -> None:
     assert len(plain[0]) == len(planned[0]) > 0
     assert plain[0] == planned[0]
@@ -70,9 +85,9 @@ def _assert_predicted_and_within_budget(state, lines) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "budget"), [("llama", 0.5), ("t5", 0.6)])
-def test_three_trainer_steps_under_the_plan_are_bit_exact_within_budget(kind, budget, tmp_path) -> None:
-    plain = _train(kind, tmp_path, None)
-    planned = _train(kind, tmp_path, {"budget": budget})
+def test_three_trainer_steps_under_the_plan_are_bit_exact_within_budget(kind, budget, trained) -> None:
+    plain = trained(kind, None)
+    planned = trained(kind, {"budget": budget})
     _assert_same_training(plain, planned)
     _assert_predicted_and_within_budget(planned[2], planned[3])
     # the trainer's own log has the prediction and the measurement of the verified step
@@ -89,7 +104,7 @@ def test_gradient_accumulation_under_the_plan_is_bit_exact(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_bf16_trainer_steps_under_the_plan_are_bit_exact_within_budget(tmp_path) -> None:
+def test_bf16_trainer_steps_under_the_plan_are_bit_exact_within_budget(tmp_path, trained) -> None:
     """`bf16=True`: Accelerate's autocast wraps the prepared model's forward and the plan is captured
     through it (its keep-all peak below the fp32 capture's)."""
     plain = _train("llama", tmp_path, None, bf16=True)
@@ -97,13 +112,13 @@ def test_bf16_trainer_steps_under_the_plan_are_bit_exact_within_budget(tmp_path)
     assert planned[4].accelerator.mixed_precision == "bf16"
     _assert_same_training(plain, planned)
     _assert_predicted_and_within_budget(planned[2], planned[3])
-    fp32 = _train("llama", tmp_path / "fp32", {"budget": 0.5}, steps=1)
+    fp32 = trained("llama", {"budget": 0.5})  # its plan, made at the first step
     assert planned[2].planned.keep_all_peak_bytes < fp32[2].planned.keep_all_peak_bytes
 
 
 @pytest.mark.slow
-def test_the_export_runs_the_trainer_steps_bit_exact(tmp_path) -> None:
-    plain = _train("llama", tmp_path, None)
+def test_the_export_runs_the_trainer_steps_bit_exact(tmp_path, trained) -> None:
+    plain = trained("llama", None)
     planned = _train("llama", tmp_path, {"budget": 0.8, "planner": "recompute_knapsack", "executor": "export"})
     _assert_same_training(plain, planned)
     assert planned[2].planned.plan.notes.get("export_executor") == "eager"
@@ -139,8 +154,8 @@ def test_a_budget_the_model_cannot_meet_stops_before_the_first_step(tmp_path) ->
 
 
 @pytest.mark.slow
-def test_a_plan_made_for_another_batch_shape_is_refused(tmp_path) -> None:
-    made = _train("llama", tmp_path, {"budget": 0.5}, steps=1)[2].planned
+def test_a_plan_made_for_another_batch_shape_is_refused(tmp_path, trained) -> None:
+    made = trained("llama", {"budget": 0.5})[2].planned  # made at the first step
     trainer = ex["make_trainer"]("llama", str(tmp_path / "other"), batch=1)
     plan_for(trainer, plan=made, printer=lambda _: None)
     with pytest.raises(IntegrationError, match=r"^plan.graph.meta\['input_signature'\]=.*another input"):

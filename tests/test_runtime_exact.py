@@ -13,11 +13,21 @@ from tests.extras import require_torch_extra
 torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
+from slackswap.graph import GraphMemo  # noqa: E402
 from slackswap.planners.registry import available_planners  # noqa: E402
 from slackswap.runtime import plan_counts  # noqa: E402
 from slackswap.runtime.compare import explain_ledger  # noqa: E402
 from slackswap.simulate.saved_peak import simulated_saved_peak_bytes  # noqa: E402
-from tests.runtime_support import bit_equal, capture, deterministic_kernels, h200, plan_for, run_step, step_under  # noqa: E402, F401 (deterministic_kernels: a fixture)
+from tests.runtime_support import (  # noqa: E402
+    bit_equal,
+    capture,
+    deterministic_kernels,  # noqa: F401 (a fixture)
+    h200,
+    plan_content,
+    plan_for,
+    run_step,
+    step_under,
+)
 
 KINDS = ("tiny", "gpt2", "bert", "llama")
 _CAPTURED: dict[str, object] = {}
@@ -32,8 +42,21 @@ def captured(kind: str):
     return _CAPTURED[kind]
 
 
+#: check_plan_run's results per plan content, kept with the captured graph: a plan two planners share
+#: (keep_all's and selective_recompute's here) is run and checked once.
+_CHECKED: GraphMemo[dict[tuple, dict]] = GraphMemo(lambda graph: {})
+
+
 def check_plan_run(c, planner: str, **options: object) -> dict:
     plan, fraction = plan_for(planner, c, **options)
+    checked = _CHECKED(c.graph)
+    key = plan_content(plan)
+    if key not in checked:
+        checked[key] = _check_plan_run(c, plan, planner, fraction)
+    return {**checked[key], "plan": plan}
+
+
+def _check_plan_run(c, plan, planner: str, fraction: float | None) -> dict:
     loss, grads, report = run_step(c.workload, plan, c.graph, trace=True)
     assert bit_equal(c.reference, loss, grads), f"{planner} at {fraction}: loss or a gradient differs"
     counts = plan_counts(plan)
@@ -133,8 +156,12 @@ def test_hook_only_steps_run_every_planner_bit_exact(kind: str) -> None:
 
     c = captured(kind)
     fast_seen = False
+    ran = set()  # a plan two planners share runs once
     for planner in available_planners():
         plan, _ = plan_for(planner, c)
+        if plan_content(plan) in ran:
+            continue
+        ran.add(plan_content(plan))
         run = apply(plan, c.graph, c.workload.model)
         counts = plan_counts(plan)
         for step in range(3):

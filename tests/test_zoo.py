@@ -32,9 +32,25 @@ def _failures(result: dict) -> list[str]:
             if kind(r["cell"]) in ("different", "crash")]
 
 
-def test_the_fast_zoo_runs_every_planner_exact_or_infeasible_at_70_percent() -> None:
-    result = run(FAST, DEFAULT_PLANNERS, (0.7,), ("runtime",), log=lambda _line: None)
+@pytest.fixture(scope="module")
+def archs() -> dict:
+    """The architectures captured by this module's tests, by name: a model two tests run is captured once,
+    and a cell two tests ask for (the same plan on the same executor) runs once."""
+    return {}
+
+
+def test_the_fast_zoo_runs_every_planner_exact_or_infeasible_at_70_percent(archs, monkeypatch) -> None:
+    from benchmarks import zoo
+
+    ran = []
+    run_plan = zoo.Arch.run
+    monkeypatch.setattr(zoo.Arch, "run", lambda self, plan, executor: ran.append(plan) or run_plan(self, plan,
+                                                                                                    executor))
+    result = run(FAST, DEFAULT_PLANNERS, (0.7,), ("runtime",), log=lambda _line: None, archs=archs)
     assert not _failures(result), _failures(result)
+    # A plan equal to one already run on the model (keep_all's and swap_only's, often) is not run again.
+    planned = sum(kind(r["cell"]) not in ("infeasible", "crash") for r in result["cells"])
+    assert len({zoo._content(p) for p in ran}) == len(ran) < planned, (len(ran), planned)
     kinds = [kind(r["cell"]) for r in result["cells"]]
     assert "refused" not in kinds, [r["cell"] for r in result["cells"] if kind(r["cell"]) == "refused"]
     # Every model has a plan below its keep-all peak that runs exact (most planners do).
@@ -55,8 +71,9 @@ def test_every_budget_meets_most_architectures() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", list(FACTORIES))
-def test_every_zoo_architecture_runs_exact_refused_or_infeasible(model: str) -> None:
-    result = run((model,), DEFAULT_PLANNERS, BUDGETS_BY_MODEL[model], ("runtime",), log=lambda _line: None)
+def test_every_zoo_architecture_runs_exact_refused_or_infeasible(model: str, archs) -> None:
+    result = run((model,), DEFAULT_PLANNERS, BUDGETS_BY_MODEL[model], ("runtime",), log=lambda _line: None,
+                 archs=archs)
     assert not _failures(result), _failures(result)
 
 
@@ -77,11 +94,11 @@ def test_trace_vs_hooks_names_every_tensor_one_side_lacks_and_every_byte_differe
     assert "bytes differ: r (trace 16 B, hooks 32 B)" in got
 
 
-def test_the_zoo_compares_the_trace_with_the_hooks_per_architecture() -> None:
+def test_the_zoo_compares_the_trace_with_the_hooks_per_architecture(archs) -> None:
     """Routing's router logits die after argsort, so the node that packed each layer's input never runs
     backward: the hooks' capture frees them, the trace holds them (named); ResNet's saved tensors agree."""
     result = run(("routing", "resnet_bn"), ("keep_all",), (0.7,), ("runtime",), log=lambda _line: None,
-                 trace=True)
+                 trace=True, archs=archs)
     assert result["saved"]["resnet_bn"].startswith("same: ")
     routing = result["saved"]["routing"]
     assert routing.startswith("differs: ") and "layers.0/add#0:0 (32768 B)" in routing
