@@ -224,7 +224,7 @@ def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(
 ) -> None:
     sweep = tmp_path / "sweep"
     common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
-              "planner=keep_all"]  # fmt: skip
+              "planner=keep_all", "plots=none"]  # fmt: skip
     assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5") == 0
     first = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
     parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
@@ -277,7 +277,7 @@ def test_resuming_a_sweep_folder_with_another_grid_says_so_and_the_parent_matche
     their folders and stay in the summary. The parent lists exactly the summary's children (it kept the
     set-aside runs too: 6 children beside a 4-row summary)."""
     sweep = tmp_path / "sweep"
-    common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}"]
+    common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}", "plots=none"]
     assert _in_process(monkeypatch, tmp_path, *common, "planner=keep_all,full_recompute",
                        "budget.fraction=1.0,0.9") == 0
     capsys.readouterr()
@@ -342,16 +342,18 @@ def test_same_config_twice_gives_the_same_files(tmp_path, monkeypatch) -> None:
     twice from scratch (the per-process profile cache emptied): the same bytes.
 
     Both sweeps run the same command line into the same folder (moved aside after each), and the
-    second gets the first's composed job configs instead of composing them again (half of this test's
-    CPU): what is under test is what the stages make of one config. That composing the same overrides
-    twice gives the same config files is tests/test_job_overhead.py's comparison of two sweepers."""
+    second gets the first's composed job configs instead of composing them again (18 compositions,
+    about 2 s of CPU): what is under test is what the stages make of one config. That composing the
+    same overrides twice gives the same config files is tests/test_job_overhead.py's comparison of two
+    sweepers. No sweep plots (`plots=none`): none is compared; a one-budget sweep's plots are
+    test_one_budget_draws_no_throughput_curve's."""
     from slackswap.experiment import baseline as baselines
 
     composed = _composing_each_job_once(monkeypatch)
     sweeps = [tmp_path / "first", tmp_path / "second"]
     for sweep in sweeps:
         monkeypatch.setattr(baselines, "_BASELINES", {})
-        args = ["--multirun", "model=tiny", "tracking=off", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        args = ["--multirun", "model=tiny", "tracking=off", f"hydra.sweep.dir={tmp_path / 'sweep'}", "plots=none",
                 "hydra/job_logging=disabled", "planner=glob(*,exclude=milp)", "budget.fraction=0.5"]  # fmt: skip
         assert _in_process(monkeypatch, tmp_path, *args) == 0
         (tmp_path / "sweep").rename(sweep)
