@@ -193,8 +193,9 @@ def test_an_interrupt_inside_a_store_write_does_not_keep_the_run_running(tmp_pat
 
 def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     sweep = tmp_path / "sweep"
+    # The sweep draws no plots of its own (`plots=none`): the aggregate CLI's are the ones under test.
     args = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
-            "planner=keep_all", "budget.fraction=1.0,0.5"]  # fmt: skip
+            "planner=keep_all", "budget.fraction=1.0,0.5", "plots=none"]  # fmt: skip
     assert _in_process(monkeypatch, tmp_path, *args) == 0
     for name in ("summary.md", "summary.csv"):
         (sweep / name).unlink()
