@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pickle
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from pipelines import schemas
@@ -31,6 +33,21 @@ GROUPS = ("model", "hardware", "planner", "budget", "training", "tracking", "par
 def _compose(overrides: list[str], hydra_node: bool = False):
     with initialize_config_dir(config_dir=str(CONF), **MAIN_VERSION):
         return compose("config", overrides=overrides, return_hydra_config=hydra_node)
+
+
+@functools.cache
+def _experiment_pickled(preset: str) -> bytes:
+    return pickle.dumps(_compose([f"+experiment={preset}"], hydra_node=True))
+
+
+def _experiment(preset: str, hydra_node: bool = False):
+    """`+experiment=<preset>` composed once per process (a fresh copy each call). Without the hydra node
+    it is what `compose(..., return_hydra_config=False)` returns: the same config, `hydra` deleted."""
+    cfg = pickle.loads(_experiment_pickled(preset))
+    if not hydra_node:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
 
 
 def _resolved(cfg) -> dict:
@@ -79,8 +96,8 @@ IN_PROCESS_EXPERIMENTS = ("seed_identify",)
 
 @pytest.mark.parametrize("preset", [p for p in _presets("experiment") if p not in IN_PROCESS_EXPERIMENTS])
 def test_every_experiment_composes_and_sweeps_existing_presets(preset: str) -> None:
-    RunSpec.from_dict(_resolved(_compose([f"+experiment={preset}"])))
-    cfg = _compose([f"+experiment={preset}"], hydra_node=True)
+    RunSpec.from_dict(_resolved(_experiment(preset)))
+    cfg = _experiment(preset, hydra_node=True)
     assert cfg.experiment.name == preset
     params = cfg.hydra.sweeper.params or {}
     assert params, f"experiment {preset} sweeps nothing"
@@ -91,7 +108,7 @@ def test_every_experiment_composes_and_sweeps_existing_presets(preset: str) -> N
 
 
 def test_paper_experiment_is_the_seed_setup() -> None:
-    cfg = _compose(["+experiment=paper"], hydra_node=True)
+    cfg = _experiment("paper", hydra_node=True)
     assert cfg.budget.fraction == 0.5 and cfg.budget.bytes is None
     assert set(cfg.experiment.paper_reference) == set(str(cfg.hydra.sweeper.params.model).split(","))
     assert "pcie" in cfg.hardware.link.name.lower() and "4" in cfg.hardware.link.name
@@ -99,7 +116,7 @@ def test_paper_experiment_is_the_seed_setup() -> None:
 
 
 def test_budget_curves_cover_fractions_point_two_to_one() -> None:
-    cfg = _compose(["+experiment=budget_curves"], hydra_node=True)
+    cfg = _experiment("budget_curves", hydra_node=True)
     fractions = [float(x) for x in str(cfg.hydra.sweeper.params["budget.fraction"]).split(",")]
     assert min(fractions) == pytest.approx(0.2) and max(fractions) == pytest.approx(1.0)
 

@@ -188,24 +188,29 @@ def test_child_params_reads_every_child_of_a_parent(mlflow_store) -> None:
     assert tracking.child_params(client, parent) == {child: {"i": str(i)} for i, child in enumerate(children)}
 
 
-def test_a_single_run_with_a_fast_planner_does_not_import_scipys_solvers(tmp_path) -> None:
-    """scipy.optimize and scipy.sparse (~0.4 s) are imported by milp and recompute_knapsack when they
-    solve, not by the planner registry every job loads."""
+@pytest.fixture(scope="module")
+def fast_cli_run(tmp_path_factory) -> tuple[Path, Any]:
+    """One `python -m pipelines.run` of a fast planner (the fast exit's path), with `-X importtime`: the
+    interpreter lists every module it imports on stderr. Shared by the two tests below."""
     import subprocess
-    import sys
 
     from pipelines.schemas import REPO_ROOT
 
-    probe = (
-        "import runpy, sys\n"
-        f"sys.argv = ['pipelines/run.py', 'model=tiny', 'tracking=off', 'plots=none', 'hydra.run.dir={tmp_path}/run']\n"
-        "try:\n    runpy.run_module('pipelines.run', run_name='__main__')\n"
-        "except SystemExit as exc:\n    code = exc.code\n"
-        "print('CODE', code, sorted(n for n in ('scipy.optimize', 'scipy.sparse') if n in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "CODE 0 []"
-    assert (tmp_path / "run" / "metrics.json").is_file()
+    run_dir = tmp_path_factory.mktemp("fast_cli_run") / "ok"
+    cmd = [sys.executable, "-X", "importtime", "-m", "pipelines.run", "model=tiny", "tracking=off", "plots=none",
+           f"hydra.run.dir={run_dir}"]  # fmt: skip
+    return run_dir, subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+
+
+def test_a_single_run_with_a_fast_planner_does_not_import_scipys_solvers(fast_cli_run) -> None:
+    """scipy.optimize and scipy.sparse (~0.4 s) are imported by milp and recompute_knapsack when they
+    solve, not by the planner registry every job loads."""
+    run_dir, done = fast_cli_run
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert {"pipelines.job", "slackswap.planners.registry"} <= imported  # the listing is complete
+    assert sorted(n for n in ("scipy.optimize", "scipy.sparse") if n in imported) == []
+    assert (run_dir / "metrics.json").is_file()
 
 
 @pytest.mark.parametrize("other_thread", [False, True])
@@ -229,15 +234,15 @@ def test_exit_process_runs_atexit_flushes_and_keeps_the_code(tmp_path, other_thr
 
 
 @pytest.mark.slow
-def test_the_cli_exit_code_and_output_survive_the_fast_exit(tmp_path) -> None:
+def test_the_cli_exit_code_and_output_survive_the_fast_exit(tmp_path, fast_cli_run) -> None:
     import subprocess
     import sys
 
     from pipelines.schemas import REPO_ROOT
 
+    run_dir, ok = fast_cli_run  # `python -m pipelines.run model=tiny tracking=off plots=none`
+    assert ok.returncode == 0 and ok.stdout.rstrip().endswith(f"run dir      {run_dir}"), ok.stdout
     base = [sys.executable, "-m", "pipelines.run", "model=tiny", "tracking=off", "plots=none"]
-    ok = subprocess.run([*base, f"hydra.run.dir={tmp_path}/ok"], cwd=REPO_ROOT, capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.rstrip().endswith(f"run dir      {tmp_path}/ok"), ok.stdout
     bad = subprocess.run([*base, "budget.fraction=7", f"hydra.run.dir={tmp_path}/bad"], cwd=REPO_ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: budget.fraction=7.0")

@@ -5,8 +5,6 @@ MLflow database and its artifacts); the tests check that with the paths MLflow r
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -251,16 +249,13 @@ def test_profile_cli_prints_breakdown_and_writes_files(tmp_path, monkeypatch, ca
     assert json.loads((tmp_path / "profile" / "graph.json").read_text())
 
 
-def test_profile_cli_names_a_bad_value_in_one_line_and_exits_2(tmp_path) -> None:
-    import subprocess
-
-    from pipelines.schemas import REPO_ROOT
-
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    cmd = [sys.executable, "-m", "pipelines.profile", "model=tiny", "model.num_layers=-3", f"hydra.run.dir={tmp_path}"]
-    out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert out.stderr.strip() == "error: model.num_layers=-3: must be an integer >= 1"
+def test_profile_cli_names_a_bad_value_in_one_line_and_exits_2(tmp_path, monkeypatch, capsys) -> None:
+    """In this process (the exit code is what `cli()` returns to `sys.exit`; no interpreter start-up)."""
+    args = ["model=tiny", "model.num_layers=-3", f"hydra.run.dir={tmp_path}"]
+    code = run_cli_in_process(monkeypatch, "pipelines.profile", args)
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert err.strip() == "error: model.num_layers=-3: must be an integer >= 1"
     assert not (tmp_path / "profile.csv").exists()
 
 

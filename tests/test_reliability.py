@@ -193,8 +193,9 @@ def test_an_interrupt_inside_a_store_write_does_not_keep_the_run_running(tmp_pat
 
 def test_aggregate_cli_summarises_a_partial_sweep(tmp_path, mlflow_store, monkeypatch, capsys) -> None:
     sweep = tmp_path / "sweep"
+    # The sweep draws no plots of its own (`plots=none`): the aggregate CLI's are the ones under test.
     args = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
-            "planner=keep_all", "budget.fraction=1.0,0.5"]  # fmt: skip
+            "planner=keep_all", "budget.fraction=1.0,0.5", "plots=none"]  # fmt: skip
     assert _in_process(monkeypatch, tmp_path, *args) == 0
     for name in ("summary.md", "summary.csv"):
         (sweep / name).unlink()
@@ -224,7 +225,7 @@ def test_rerunning_a_sweep_into_its_folder_neither_duplicates_nor_loses(
 ) -> None:
     sweep = tmp_path / "sweep"
     common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}",
-              "planner=keep_all"]  # fmt: skip
+              "planner=keep_all", "plots=none"]  # fmt: skip
     assert _in_process(monkeypatch, tmp_path, *common, "budget.fraction=1.0,0.5") == 0
     first = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/run_record.json")}
     parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
@@ -277,7 +278,7 @@ def test_resuming_a_sweep_folder_with_another_grid_says_so_and_the_parent_matche
     their folders and stay in the summary. The parent lists exactly the summary's children (it kept the
     set-aside runs too: 6 children beside a 4-row summary)."""
     sweep = tmp_path / "sweep"
-    common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}"]
+    common = ["--multirun", *_base_args(tmp_path, mlflow_store.db_path), f"hydra.sweep.dir={sweep}", "plots=none"]
     assert _in_process(monkeypatch, tmp_path, *common, "planner=keep_all,full_recompute",
                        "budget.fraction=1.0,0.9") == 0
     capsys.readouterr()
@@ -309,27 +310,63 @@ def _without_wall_clock(path: Path) -> bytes:
     return b"".join(line for line in lines if not any(key.encode() in line for key in WALL_CLOCK_LINES))
 
 
+def _composing_each_job_once(monkeypatch) -> list[list[str]]:
+    """Hydra's per-job composition, kept by the job's command line (the master's overrides and the job's):
+    a job composed again gets an unpickled copy of the first composition, with the master's resolver
+    cache copied on as Hydra's `load_sweep_config` does. Returns the overrides actually composed."""
+    import pickle
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from omegaconf import OmegaConf
+
+    original = ConfigLoaderImpl.load_sweep_config
+    kept: dict[tuple, bytes] = {}
+    composed: list[list[str]] = []
+
+    def once(self, master_config, sweep_overrides):
+        overrides = master_config.hydra.overrides
+        key = (tuple(overrides.hydra), tuple(overrides.task), tuple(sweep_overrides))
+        if key not in kept:
+            composed.append(list(sweep_overrides))
+            kept[key] = pickle.dumps(original(self, master_config, sweep_overrides))
+        config = pickle.loads(kept[key])
+        OmegaConf.copy_cache(from_config=master_config, to_config=config)
+        return config
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", once)
+    return composed
+
+
 @pytest.mark.slow
 def test_same_config_twice_gives_the_same_files(tmp_path, monkeypatch) -> None:
     """Every planner (milp: tests/test_milp.py, its exact solve on tiny takes a minute) and every stage,
-    twice from scratch (the per-process profile cache emptied): the same bytes."""
+    twice from scratch (the per-process profile cache emptied): the same bytes.
+
+    Both sweeps run the same command line into the same folder (moved aside after each), and the
+    second gets the first's composed job configs instead of composing them again (18 compositions,
+    about 2 s of CPU): what is under test is what the stages make of one config. That composing the
+    same overrides twice gives the same config files is tests/test_job_overhead.py's comparison of two
+    sweepers. No sweep plots (`plots=none`): none is compared; a one-budget sweep's plots are
+    test_one_budget_draws_no_throughput_curve's."""
     from slackswap.experiment import baseline as baselines
 
+    composed = _composing_each_job_once(monkeypatch)
     sweeps = [tmp_path / "first", tmp_path / "second"]
     for sweep in sweeps:
         monkeypatch.setattr(baselines, "_BASELINES", {})
-        args = ["--multirun", "model=tiny", "tracking=off", f"hydra.sweep.dir={sweep}", "hydra/job_logging=disabled",
-                "planner=glob(*,exclude=milp)", "budget.fraction=0.5"]  # fmt: skip
+        args = ["--multirun", "model=tiny", "tracking=off", f"hydra.sweep.dir={tmp_path / 'sweep'}", "plots=none",
+                "hydra/job_logging=disabled", "planner=glob(*,exclude=milp)", "budget.fraction=0.5"]  # fmt: skip
         assert _in_process(monkeypatch, tmp_path, *args) == 0
+        (tmp_path / "sweep").rename(sweep)
     jobs = sorted(p.name for p in sweeps[0].iterdir() if p.name.isdigit())
     assert len(jobs) >= 8
+    assert len(composed) == len(jobs)  # each job's config composed by the first sweep, once
     for job in jobs:
         first, second = sweeps[0] / job, sweeps[1] / job
         assert _without_wall_clock(first / "metrics.json") == _without_wall_clock(second / "metrics.json"), job
         for name in ("profile.csv", "graph.json", "plan.json", "trace.json", "config.resolved.yaml"):
             if (first / name).exists():
                 assert (first / name).read_bytes() == (second / name).read_bytes(), (job, name)
-
 
 
 # -------------------------------------------------------------------------------------- everyday use
