@@ -295,14 +295,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible (use --device cpu for the CPU path)")
     small = args.device == "cpu"  # the CPU path runs the same families at toy sizes
+    threads = torch.get_num_threads()
     if small:
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # the caller's setting is given back below (main runs inside tests too)
     t0 = time.perf_counter()
     rows = []
     export = args.export if args.export is not None else ("slackswap" if args.device == "cuda" else "")
-    for kind in args.models.split(","):
-        rows += validate_model(kind, args.device, args.layers, args.steps, small,
-                               tuple(p for p in export.split(",") if p))
+    try:
+        for kind in args.models.split(","):
+            rows += validate_model(kind, args.device, args.layers, args.steps, small,
+                                   tuple(p for p in export.split(",") if p))
+    finally:
+        torch.set_num_threads(threads)
     out = args.out or REPO / "benchmarks" / "results" / f"gpu_validate{'_cpu' if small else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

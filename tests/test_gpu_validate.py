@@ -20,8 +20,16 @@ import gpu_validate  # noqa: E402
 
 @pytest.mark.slow
 def test_cpu_path_writes_one_row_per_plan(tmp_path) -> None:
+    import torch
+
     out = tmp_path / "gv.json"
-    rows = gpu_validate.main(["--device", "cpu", "--models", "gpt2", "--steps", "1", "--out", str(out)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the CPU path runs on one thread, then gives the caller's setting back
+    try:
+        rows = gpu_validate.main(["--device", "cpu", "--models", "gpt2", "--steps", "1", "--out", str(out)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads(out.read_text())["rows"] == rows
     assert [r["planner"] for r in rows] == list(gpu_validate.PLANNERS)
     ran = [r for r in rows if r["status"] == "ok"]
