@@ -31,3 +31,12 @@ def comparison_line(f: Mapping[str, Any]) -> str:
             f"{copies}{host_text(f)}) vs measured {f['measured_step_median_s'] * 1e3:.2f} ms median of "
             f"{f['measured_steps_compared']} steps after the first (min {f['measured_step_min_s'] * 1e3:.2f}, max "
             f"{f['measured_step_max_s'] * 1e3:.2f}): error {f['step_relative_error'] * 100:+.1f} %; {load_text()}")
+
+
+def drift_line(f: Mapping[str, Any]) -> str | None:
+    """The plain step before and after the plan's steps (`slackswap.experiment.measured_timing.PlainDrift`)."""
+    if "plain_step_after_s" not in f:
+        return None
+    from slackswap.experiment.measured_timing import PlainDrift
+
+    return f"[train] {PlainDrift(f['plain_step_before_s'], f['plain_step_after_s']).line()}"

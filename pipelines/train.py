@@ -105,9 +105,12 @@ def _summary(spec: TrainingRunSpec, f) -> None:
           f"{size_text(f['budget_bytes'])}; saved-tensor ledger {size_text(f['ledger_peak_bytes'])} vs "
           f"simulated saved peak {size_text(f['sim_saved_peak_bytes'])}", flush=True)
     if "step_relative_error" in f:
-        from pipelines.measured_console import comparison_line
+        from pipelines.measured_console import comparison_line, drift_line
 
         print(comparison_line(f), flush=True)
+        drift = drift_line(f)  # the plain step re-measured after the plan's steps
+        if drift:
+            print(drift, flush=True)
     if spec.device == "cpu":
         print(f"[train] measured peak == simulated peak: {f['measured_equals_sim']}; within budget: "
               f"{f['measured_within_budget']}", flush=True)
@@ -119,10 +122,13 @@ def _export_summary(f) -> None:
     print(f"[train] measured step {f['measured_step_s'] * 1e3:.1f} ms through the eager export; gradient check "
           f"bit-exact={f['grad_check_bit_exact']}", flush=True)
     if "step_relative_error" in f:
-        from pipelines.measured_console import comparison_line
+        from pipelines.measured_console import comparison_line, drift_line
 
         print(comparison_line(f) + f" (eager checkpointing runs {f['executed_recomputes']} recomputes, the plan "
               f"{f['plan_recomputes']})", flush=True)
+        drift = drift_line(f)  # the plain step re-measured after the plan's steps
+        if drift:
+            print(drift, flush=True)
 
 
 def run_training_job(spec: TrainingRunSpec, run_dir: Path) -> dict[str, Any]:

@@ -107,6 +107,7 @@ def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_expor
     assert f["grad_check_bit_exact"] is True and f["export_differences"] == 0
     assert f["executed_recomputes"] > f["plan_recomputes"] > 0
     assert f["measured_steps_compared"] == 1 and math.isfinite(f["step_relative_error"])
+    assert math.isfinite(f["plain_step_drift"])  # the machine's drift over the export's steps, beside it
     # The SAC layers' dispatch, at the microbenchmark's cost per call (never this plan's step), is in the
     # prediction and says where it came from.
     assert f["sac_dispatch_calls"] > 0 and f["sac_dispatch_per_call_s"] > 0

@@ -319,6 +319,31 @@ def test_the_console_line_puts_prediction_measurement_error_and_load_together():
     assert "error -20.0 %" in line and "load " in line
 
 
+@pytest.mark.parametrize("after_times_s, median_s, exceeds", [([0.5, 0.0199, 0.0198, 0.0197], 0.0198, True),
+                                                            ([0.5, 0.0141, 0.0139, 0.0140], 0.0140, False),
+                                                            ([0.5, 0.0118, 0.0110, 0.0120], 0.0118, True)])
+def test_the_plain_steps_drift_is_the_median_after_the_first_against_before(after_times_s, median_s, exceeds):
+    from pipelines.measured_console import drift_line
+    from slackswap.experiment.measured_timing import PLAIN_DRIFT_LIMIT, PlainDrift
+
+    d = PlainDrift.of([0.4, 0.0137, 0.0138, 0.0139], after_times_s)  # the first (warm-up) steps left out
+    drift = (median_s - 0.0138) / 0.0138
+    assert d.after_s == pytest.approx(median_s)
+    assert d.drift == pytest.approx(drift) and d.exceeds is exceeds is (abs(drift) > PLAIN_DRIFT_LIMIT)
+    line = drift_line(d.figures())
+    assert f"plain step 13.80 ms before the plan's steps, {d.after_s * 1e3:.2f} ms after" in line
+    assert f"drift {drift * 100:+.1f} %" in line
+    assert ("inside the machine's own variation" in line) is exceeds
+    assert drift_line({"step_relative_error": 0.1}) is None  # no re-measured plain step, no line
+
+
+def test_the_drift_limit_is_strictly_over_it():
+    from slackswap.experiment.measured_timing import PlainDrift
+
+    assert not PlainDrift(1.0, 1.05, limit=0.1).exceeds and PlainDrift(1.0, 1.25, limit=0.1).exceeds
+    assert PlainDrift(1.0, 0.75, limit=0.1).exceeds and not PlainDrift(1.0, 1.25, limit=0.3).exceeds
+
+
 def test_the_machine_description_is_what_hardware_and_node_configs_load():
     import yaml
 

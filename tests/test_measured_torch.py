@@ -154,6 +154,12 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path, mo
                                                   + f["predicted_runtime_host_s"])
     assert f["measured_steps_compared"] == 2 and math.isfinite(f["step_relative_error"])
     assert f["op_times_load_average"] >= 0.0 and not f["op_times_cached"]
+    # The plain step timed right before and after the plan's steps, its drift beside the error, not in it.
+    assert f["plain_step_before_s"] > 0 and f["plain_step_after_s"] > 0
+    assert f["plain_step_drift"] == pytest.approx((f["plain_step_after_s"] - f["plain_step_before_s"])
+                                                  / f["plain_step_before_s"])
+    assert f["step_relative_error"] == pytest.approx((f["predicted_step_s"] - f["measured_step_median_s"])
+                                                     / f["measured_step_median_s"])
     # The simulated plan runs on the measured op times, not the roofline's.
     assert outcome.graph.meta["timing"] == "measured"
 

@@ -39,6 +39,48 @@ if TYPE_CHECKING:
 #: Largest copy measured when a run measures the CPU's links itself (a few seconds at most); the
 #: standalone `python -m pipelines.measure_links` goes to 1 GiB where memory allows.
 RUN_LINK_MAX_BYTES = 64 * 1024**2
+#: Relative change of the plain step, before the plan's steps to after them, above which the machine's
+#: own variation is as large as what a prediction's error can say.
+PLAIN_DRIFT_LIMIT = 0.10
+
+
+@dataclass(frozen=True)
+class PlainDrift:
+    """The plain step timed right before the plan's steps and again right after them, each the median of
+    the steps after the first (as the plan's are compared): how far the machine itself moved."""
+
+    before_s: float
+    after_s: float
+    limit: float = PLAIN_DRIFT_LIMIT
+
+    @classmethod
+    def of(cls, before_times_s: Sequence[float], after_times_s: Sequence[float],
+           limit: float = PLAIN_DRIFT_LIMIT) -> PlainDrift:
+        from slackswap.experiment.prediction import compare_steps
+
+        return cls(compare_steps(0.0, before_times_s).measured_median_s,
+                   compare_steps(0.0, after_times_s).measured_median_s, limit)
+
+    @property
+    def drift(self) -> float:
+        """(after - before) / before: positive when the plain step got slower."""
+        return (self.after_s - self.before_s) / self.before_s
+
+    @property
+    def exceeds(self) -> bool:
+        return abs(self.drift) > self.limit
+
+    def figures(self) -> dict[str, Any]:
+        return {"plain_step_before_s": self.before_s, "plain_step_after_s": self.after_s,
+                "plain_step_drift": self.drift, "plain_step_drift_exceeds_limit": self.exceeds}
+
+    def line(self) -> str:
+        text = (f"plain step {self.before_s * 1e3:.2f} ms before the plan's steps, {self.after_s * 1e3:.2f} ms "
+                f"after: drift {self.drift * 100:+.1f} %")
+        if self.exceeds:
+            text += (f"; over {self.limit * 100:.0f} %: the comparison above is inside the machine's own "
+                     "variation")
+        return text
 
 
 @dataclass(frozen=True)
@@ -118,6 +160,13 @@ class MeasuredTiming:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(description, indent=1))
         return Machine.from_dict(description)
+
+    @staticmethod
+    def plain_steps(w: Workload, steps: int) -> list[float]:
+        """Seconds of `steps` plain steps of the workload now, timed as the profile's are."""
+        from slackswap.runtime.op_times import plain_step_times
+
+        return plain_step_times(w.model, (w.batch,), w.loss_fn, steps)
 
     @staticmethod
     def compare(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine, step_times_s: Sequence[float],

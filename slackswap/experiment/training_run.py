@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from slackswap import validation as check
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
-from slackswap.experiment.measured_timing import MeasuredTiming
+from slackswap.experiment.measured_timing import MeasuredTiming, PlainDrift
 from slackswap.experiment.run import Verdict
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
@@ -238,6 +238,9 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
                    sim_saved_peak_bytes=simulated_saved_peak_bytes(graph, plan, hardware),
                    sim_saved_peak_bytes_link=simulated_saved_peak_bytes(graph, plan, hardware, instant=False),
                    **{f"plan_{k}": v for k, v in counts.items()})
+    # The plain step timed right before the plan's steps and again right after (same count, same way):
+    # how far the machine itself moved while the prediction's steps ran.
+    plain_before = spec.timing.plain_steps(w, spec.steps) if machine is not None and executor != "compile" else None
     if executor == "compile":
         records = _run_compiled(spec, w, graph, plan, figures, progress)
     elif executor == "export":
@@ -256,6 +259,8 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
                 measured_equals_sim=figures["measured_peak_bytes"] == on_link.peak_activation_bytes,
                 measured_within_budget=budget_bytes is None or figures["measured_peak_bytes"] <= budget_bytes,
             )
+    if plain_before is not None and "step_relative_error" in figures:  # beside the error, never in it
+        figures.update(PlainDrift.of(plain_before, spec.timing.plain_steps(w, spec.steps)).figures())
     return TrainingRunOutcome(Verdict.OK, "", figures, graph, budget_bytes, plan, sim, on_link, tuple(records))
 
 

@@ -131,6 +131,27 @@ def _plain_step(model, inputs, loss_fn, device, context, clock: str) -> tuple[fl
     return (now_ns() - t0) / 1e9, (time.thread_time_ns() - c0) / 1e9
 
 
+def plain_step_times(model: torch.nn.Module, inputs: Sequence[object], loss_fn: Callable[[object], torch.Tensor],
+                     steps: int, clock: str = "wall") -> list[float]:
+    """Seconds of `steps` plain steps, timed as the table's plain steps are (same hooks, same clock); the
+    RNG state and the gradients are left as they were. What a run re-measures after its plan's steps."""
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    times = []
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        for _ in range(steps):
+            for p in params:
+                p.grad = None
+            times.append(_plain_step(model, inputs, loss_fn, device, _as_captured, clock)[0])
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    return times
+
+
 def _timed_step(model, inputs, loss_fn, device, context, clock_name: str) -> tuple[_Run, float, float]:
     """(the calls and their marks, seconds on the clock, CPU seconds of this thread)."""
     clock = _Clock(device, clock_name)
