@@ -247,7 +247,15 @@ def test_the_runtimes_host_cost_is_measured_on_a_fixed_microbenchmark():
 
     full_recompute = get_planner("full_recompute")
     state = torch.get_rng_state()
-    cost = measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None), 0, 1)
+    # On one intra-op thread, as `measure_host_costs` runs it: its op times then come from the thread's own
+    # CPU clock, where with torch's pool they come from the wall clock, which a busy machine can push past
+    # a step's whole time (replay costs clamped to 0).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cost = measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None), 0, 1)
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(torch.get_rng_state(), state)
     assert cost.hook_per_event_s > 0 and cost.replay_per_step_s + cost.replay_per_call_s > 0
     # A swap's copies are timed against the same blocks with every tensor kept: per copy, never negative.
