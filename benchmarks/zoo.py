@@ -174,7 +174,8 @@ class Arch:
         self.graph = capture_graph(copy.deepcopy(self.pristine), (self.w.batch,), self.w.loss_fn, hardware, name=name)
         self.peak = simulate_ideal(self.graph, hardware).peak_activation_bytes
         self.reference = step(self.w, copy.deepcopy(self.pristine))
-        #: The runtime executor's outcome per plan content (`_content`): planners that agree share a run.
+        #: The runtime executor's outcome per plan content (`Plan.schedule_key` and its budget): planners
+        #: that agree share a run.
         self._ran: dict[tuple, str] = {}
 
     def saved(self) -> str:
@@ -244,7 +245,7 @@ class Arch:
             return f"refused: {_short(exc)}"
         except Exception as exc:  # noqa: BLE001 - a crash is a result of this suite, reported as such
             return f"crash: planning: {_short(exc)}"
-        key = _content(plan) if executor == "runtime" else None
+        key = (plan.schedule_key(), plan.budget_bytes) if executor == "runtime" else None
         if key in self._ran:
             return self._ran[key]
         result = self._run_and_compare(plan, executor)
@@ -257,12 +258,6 @@ class Arch:
             result = (f"exact: repaired for the export, {len(moved)} tensor(s) "
                       f"({plan.notes['export_repaired_bytes']} B) moved to recompute")
         return result
-
-
-def _content(plan) -> tuple:
-    """What of `plan` the runtime executor reads: equal contents run the same step."""
-    return (tuple(sorted((n, d.value) for n, d in plan.decisions.items())), plan.steps, plan.offloads,
-            plan.prefetches, plan.graph_fingerprint, plan.budget_bytes)
 
 
 def kind(cell: str) -> str:

@@ -83,6 +83,13 @@ class Plan:
     def tensors_with(self, decision: Decision) -> tuple[str, ...]:
         return tuple(t for t, d in self.decisions.items() if d == decision)
 
+    def schedule_key(self) -> tuple:
+        """What of the plan the runtime executor reads (decisions, steps, transfers, graph): two plans
+        equal in it run the same step, whichever planner made them and whatever notes they carry, so a
+        check that has run one need not run the other."""
+        return (tuple(sorted((n, d.value) for n, d in self.decisions.items())), self.steps, self.offloads,
+                self.prefetches, self.graph_fingerprint)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
             return NotImplemented

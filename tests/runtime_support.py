@@ -78,13 +78,6 @@ def plan_for(planner: str, captured: Captured, **options: object) -> tuple[Plan,
     return plans[key]
 
 
-def plan_content(plan: Plan) -> tuple:
-    """What of `plan` the runtime executor reads (decisions, steps, transfers): plans of two planners
-    equal in it run the same step, so a test that has checked one need not run the other."""
-    return (tuple(sorted((n, str(d)) for n, d in plan.decisions.items())), plan.steps, plan.offloads,
-            plan.prefetches, plan.graph_fingerprint)
-
-
 def _plan_for(planner: str, captured: Captured, **options: object) -> tuple[Plan, float | None]:
     for fraction in FRACTIONS:
         budget = None if fraction is None else int(captured.keep_all_peak_bytes * fraction)

@@ -29,6 +29,21 @@ def test_round_trip_through_a_file_gives_an_equal_plan(tmp_path):
     assert read_plan_json(path).graph_fingerprint == plan.graph_fingerprint != ""
 
 
+def test_the_schedule_key_ignores_who_made_a_plan_and_sees_what_it_runs():
+    """`Plan.schedule_key`: planner, budget, bound and notes do not change the step an executor runs;
+    a decision, a step or the graph does."""
+    from dataclasses import replace
+
+    plan = _plan()
+    assert replace(plan, planner="other", budget_bytes=None, bound_step_s=None, notes={}).schedule_key() == \
+        plan.schedule_key()
+    name, decision = next(iter(plan.decisions.items()))
+    other = next(d for d in type(decision) if d != decision)
+    assert replace(plan, decisions={**plan.decisions, name: other}).schedule_key() != plan.schedule_key()
+    assert replace(plan, steps=plan.steps[:-1]).schedule_key() != plan.schedule_key()
+    assert replace(plan, graph_fingerprint="x").schedule_key() != plan.schedule_key()
+
+
 def test_a_version_1_file_is_read_with_an_unknown_fingerprint():
     data = plan_to_dict(_plan())
     data["schema_version"] = 1

@@ -23,7 +23,6 @@ from tests.runtime_support import (  # noqa: E402
     capture,
     deterministic_kernels,  # noqa: F401 (a fixture)
     h200,
-    plan_content,
     plan_for,
     run_step,
     step_under,
@@ -50,7 +49,7 @@ _CHECKED: GraphMemo[dict[tuple, dict]] = GraphMemo(lambda graph: {})
 def check_plan_run(c, planner: str, **options: object) -> dict:
     plan, fraction = plan_for(planner, c, **options)
     checked = _CHECKED(c.graph)
-    key = plan_content(plan)
+    key = plan.schedule_key()
     if key not in checked:
         checked[key] = _check_plan_run(c, plan, planner, fraction)
     return {**checked[key], "plan": plan}
@@ -159,9 +158,9 @@ def test_hook_only_steps_run_every_planner_bit_exact(kind: str) -> None:
     ran = set()  # a plan two planners share runs once
     for planner in available_planners():
         plan, _ = plan_for(planner, c)
-        if plan_content(plan) in ran:
+        if plan.schedule_key() in ran:
             continue
-        ran.add(plan_content(plan))
+        ran.add(plan.schedule_key())
         run = apply(plan, c.graph, c.workload.model)
         counts = plan_counts(plan)
         for step in range(3):
