@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from slackswap.communication import Topology, expert_step_communication, not_modelled, step_communication
+from slackswap.communication import expert_step_communication, not_modelled, step_communication
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_layout_configs import (
@@ -41,12 +41,6 @@ LAYOUT_NOTE = ("tp collectives on the critical path (no overlap), cp rings beyon
                "routed experts over their expert data-parallel group, gathered with their layer); "
                "ZeRO-2/3 with pp not searched; interleaved 1F1B: a device's chunks planned under one "
                "planning budget, their copies not contending across chunks; no host check of offloads")
-
-
-def _strided(topology: Topology, stride: int) -> Topology:
-    """The topology a data-parallel ring sees when its ranks sit `stride` GPUs apart, the node's other
-    rings of the same kind sharing its network (`Topology.strided`)."""
-    return topology.strided(stride)
 
 
 def _planned_stages(ctx: Any, cand: Candidate, hw: Any) -> list[tuple]:
@@ -151,7 +145,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     # (Megatron-Core's rank order tp-cp-ep-dp-pp; torchtitan's mesh [pp, dp, cp, tp] likewise).
     dp_comm = step_communication(
         num_params=num_params - experts, param_bytes=param_b, grad_bytes=grad_b, zero_stage=lay.zero_stage,
-        gpus=par.dp_cp, shards=lay.zero_shards, topology=_strided(ctx.topology, lay.tp),
+        gpus=par.dp_cp, shards=lay.zero_shards, topology=ctx.topology.strided(lay.tp),
         forward_compute_s=plans[0].forward_s, backward_compute_s=plans[0].backward_s,
         units=model.num_layers // lay.pp + 1)
     if experts:
@@ -160,7 +154,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
         # after the dense gradients (stages 0-2), gathered with their layer per micro-batch (ZeRO-3).
         dp_comm = expert_step_communication(
             dp_comm, num_params=experts, param_bytes=param_b, grad_bytes=grad_b, gpus=par.dp_cp // lay.ep,
-            topology=_strided(ctx.topology, lay.tp * lay.ep), forward_compute_s=plans[0].forward_s,
+            topology=ctx.topology.strided(lay.tp * lay.ep), forward_compute_s=plans[0].forward_s,
             backward_compute_s=plans[0].backward_s, units=model.num_layers // lay.pp + 1,
             moe_layers=device_moe_layers(model, lay)[0])
     # The overlapped part costs compute on a calibrated preset, as in the data-parallel rows (advise.py).
