@@ -21,6 +21,7 @@ from slackswap.profile.torch.links import measure_links, measurement_description
 from slackswap.runtime import capture_graph  # noqa: E402
 from slackswap.runtime.op_times import cached_op_times, measure_op_times  # noqa: E402
 from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
+from tests.runtime_support import one_thread  # noqa: E402, F401 (a fixture)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -239,6 +240,10 @@ def test_a_preset_fitted_on_one_shape_predicts_another_shape_within_15_percent(c
     assert predicted / sum(tb.values()) - 1 == pytest.approx(0.0, abs=0.15)
 
 
+# On one intra-op thread, as `measure_host_costs` runs it: its op times then come from the thread's own CPU
+# clock, where with torch's pool they come from the wall clock, which a busy machine can push past a step's
+# whole time (replay costs clamped to 0).
+@pytest.mark.usefixtures("one_thread")
 def test_the_runtimes_host_cost_is_measured_on_a_fixed_microbenchmark():
     import torch
 
@@ -247,15 +252,7 @@ def test_the_runtimes_host_cost_is_measured_on_a_fixed_microbenchmark():
 
     full_recompute = get_planner("full_recompute")
     state = torch.get_rng_state()
-    # On one intra-op thread, as `measure_host_costs` runs it: its op times then come from the thread's own
-    # CPU clock, where with torch's pool they come from the wall clock, which a busy machine can push past
-    # a step's whole time (replay costs clamped to 0).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        cost = measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None), 0, 1)
-    finally:
-        torch.set_num_threads(threads)
+    cost = measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None), 0, 1)
     assert torch.equal(torch.get_rng_state(), state)
     assert cost.hook_per_event_s > 0 and cost.replay_per_step_s + cost.replay_per_call_s > 0
     # A swap's copies are timed against the same blocks with every tensor kept: per copy, never negative.
