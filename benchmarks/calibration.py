@@ -45,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.calibration_network import network_lines  # noqa: E402
 from benchmarks.calibration_rows import (  # noqa: E402
     FOUNDRY_40GB_ROWS,
     FOUNDRY_README,
@@ -474,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{d['published_pct']:+.1f} % ({d['error_pp']:+.1f} pp)")
     for what, why in INDEPENDENT_EXCLUDED.items():
         print(f"independent, not mapped  {what}: {why}")
+    for line in network_lines(PRESETS):  # each independent row's network, the readings its source allows
+        print(line)
     for r in rows:
         if not r["within_10pct"]:
             print(f"miss  {r['name']}: ratio {r['ratio']:.3f}; {KNOWN_MISSES.get(r['name'], 'not explained')}")
