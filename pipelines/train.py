@@ -82,12 +82,11 @@ class _Console(TrainingProgress):
         print(f"{done} {peak}", flush=True)
 
     def timed(self, figures) -> None:
-        if figures.get("op_times_remeasured_because"):
-            print(f"[train] {figures['op_times_remeasured_because']}", flush=True)
-        load = figures["op_times_load_average"]
-        when = f"measured at load {load:.2f}" if load == load else "measured at an unrecorded load"
-        cached = f" (cached table, {when})" if figures["op_times_cached"] else f" ({when})"
-        print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}{cached}; sum of op "
+        # One line per cached measurement: reused (at its load), measured again (why) or measured now.
+        for key in ("op_times_cache_line", "machine_cache_line"):
+            if figures.get(key):
+                print(f"[train] {figures[key]}", flush=True)
+        print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}; sum of op "
               f"times {figures['op_times_sum_s'] * 1e3:.1f} ms, plain step {figures['profile_plain_step_s'] * 1e3:.1f}"
               f" ms", flush=True)
         if figures.get("host_costs_line"):
@@ -202,7 +201,7 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
             client.log_metric(run_id, "step_loss", loss, step=i)
             client.log_metric(run_id, "step_time_s", step_s, step=i)
         timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine",
-                                                       "host_costs_line")
+                                                       "host_costs_line", "op_times_cache_line", "machine_cache_line")
                   if k in figures}  # which source timed the ops, on the run itself
         tracking.log_tags(client, run_id, {"status": str(status), **timing})
         if (run_dir / "train.json").exists():

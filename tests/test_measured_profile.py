@@ -362,3 +362,65 @@ def test_the_machine_description_is_what_hardware_and_node_configs_load():
     loaded_node = Node.from_dict(node | description["node"])
     assert loaded_node.pin_setup_s_per_tensor == pytest.approx(3e-3)
     assert loaded_node.h2d_duplex_fraction == pytest.approx(1.0)
+
+
+def test_a_file_that_cannot_be_used_is_one_line_naming_it(tmp_path):
+    from slackswap.profile.measured import read_table
+
+    g = _graph()
+    assert read_table(_key(g), tmp_path) == (None, None)  # none cached: measured, nothing to say
+    path = save_table(_table(g, {"f1": 0.1}), tmp_path)
+    for text, why in (("{not json", "cannot be read"), ("[1, 2]", "not a JSON mapping"),
+                      ('{"key": 3}', "not an op-time table")):
+        path.write_text(text)
+        table, line = read_table(_key(g), tmp_path)
+        assert table is None and why in line and path.name in line and "\n" not in line
+        assert line.endswith("measuring it again")
+
+
+def _description(notes: dict | None = None, versions: dict | None = None) -> dict:
+    d = machine_description("cpu", "cpu", True, [
+        {"direction": d, "host_memory": "pageable", "size_bytes": s, "median_s": 2e-6 + s / 1e10}
+        for d in ("h2d", "d2h", "both") for s in (4096, 1 << 20)], [], [], "test")
+    d["versions"] = versions or {"torch": "2.13.0"}
+    if notes is not None:
+        d["notes"] = notes
+    return d
+
+
+def test_a_cached_machine_description_is_reused_under_the_op_time_tables_rule():
+    from slackswap.profile.machine import description_refusal
+    from slackswap.profile.measured import MAX_REUSE_LOAD_PER_CPU, load_refusal, reuse_refusal
+
+    versions = {"torch": "2.13.0"}
+    quiet, loaded = {"load_average_1min": 0.4, "cpu_count": 2}, {"load_average_1min": 1.6, "cpu_count": 2}
+    assert 0.4 / 2 <= MAX_REUSE_LOAD_PER_CPU < 1.6 / 2
+    assert description_refusal(_description(quiet), "machine description m.json", versions) is None
+    why = description_refusal(_description(loaded), "machine description m.json", versions)
+    # One rule for both caches: the description's refusal is the op-time table's, word for word.
+    assert why == load_refusal("machine description m.json", loaded) == (
+        "cached machine description m.json was measured at load 1.60 on 2 CPUs (0.80 per CPU > 0.5): "
+        "measuring it again")
+    g = _graph()
+    table = replace(_table(g, {"f1": 0.1}), notes=loaded)
+    assert reuse_refusal(table) == load_refusal(f"op-time table {table.key.digest()}", loaded)
+    # A description cached before loads were recorded (no notes) is measured again, as such a table is.
+    assert "has no recorded load" in description_refusal(_description(), "machine description m.json", versions)
+    other = description_refusal(_description(quiet, {"torch": "2.14.0"}), "machine description m.json", versions)
+    assert "measured on versions" in other
+    broken = _description(quiet)
+    del broken["fit"]
+    assert "is not a machine description" in description_refusal(broken, "machine description m.json", versions)
+
+
+def test_the_cache_line_says_reused_measured_again_or_measured():
+    from slackswap.profile.measured import cache_line
+
+    quiet = {"load_average_1min": 0.4, "cpu_count": 2}
+    assert cache_line("op-time table ab", True, quiet, "c") == (
+        "cached op-time table ab reused (measured at load 0.40 on 2 CPUs)")
+    again = quiet | {"remeasured_because": "cached op-time table ab has no recorded load: measuring it again"}
+    assert cache_line("op-time table ab", False, again, "c") == (
+        "cached op-time table ab has no recorded load: measuring it again (now at load 0.40 on 2 CPUs)")
+    assert cache_line("machine description m.json", False, quiet, "c").endswith("at load 0.40 on 2 CPUs: none cached")
+    assert "profile.cache_dir is empty" in cache_line("op-time table ab", False, quiet, None)

@@ -91,6 +91,72 @@ def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path
     assert not was_cached and len(made) == 3 and "no recorded load" in fresh.notes["remeasured_because"]
 
 
+def test_a_cached_table_that_cannot_be_read_is_one_line_and_measured_again(captured, tmp_path, monkeypatch):
+    import slackswap.runtime.op_times as op_times
+    from slackswap.profile.measured import OpTimeTable, table_path
+
+    w, graph = captured
+    made = []
+
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock):
+        key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
+        made.append(OpTimeTable(key=key, times={}, warmup=warmup, repeats=repeats, step_median_s=1e-3,
+                                step_min_s=1e-3, step_max_s=1e-3, notes={"load_average_1min": 0.2, "cpu_count": 2}))
+        return made[-1]
+
+    monkeypatch.setattr(op_times, "measure_op_times", stub)
+    key = op_times.op_time_key(graph, next(w.model.parameters()).device)
+    table_path(key, tmp_path).write_text('{"key": {"graph_fi')  # a write cut short
+    table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
+    why = table.notes["remeasured_because"]
+    assert not cached and len(made) == 1 and "cannot be read" in why and "\n" not in why
+    again, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
+    assert cached and again == table  # the file is whole again: the new table, nothing of the broken one
+
+
+def test_a_cached_machine_description_measured_under_load_is_measured_again(tmp_path, monkeypatch):
+    """What the op-time table gets, the run's machine description gets too: a description measured under
+    load, one cached before loads were recorded, or a file that cannot be read is measured again, and
+    the run's line for it says which happened."""
+    import json
+
+    import slackswap.profile.torch.links as links
+    from slackswap.experiment.measured_timing import MeasuredTiming
+
+    loads = iter([1.6, 0.2, 0.25, 0.3])  # one per measurement
+    measured = []
+
+    def small_links(device, max_bytes, repeats):  # a real measurement, small: the test times no 64 MiB copy
+        measured.append(device)
+        return measure_links(device, max_bytes=16 * 1024, repeats=1)
+
+    monkeypatch.setattr(links, "measure_links", small_links)
+    monkeypatch.setattr("os.getloadavg", lambda: (next(loads), 0.0, 0.0))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    timing = MeasuredTiming(timing="measured", cache_dir=str(tmp_path))
+    path = links.machine_cache_path(tmp_path, "cpu")
+
+    _, f = timing.machine("cpu")  # none cached: measured at load 1.6 on 2 CPUs, and cached
+    assert not f["machine_cached"] and f["machine_cache_line"].endswith("load 1.60 on 2 CPUs: none cached")
+    _, f = timing.machine("cpu")  # 0.8 per CPU: measured again, not reused
+    assert not f["machine_cached"] and len(measured) == 2
+    assert f["machine_remeasured_because"] == (
+        f"cached machine description {path.name} was measured at load 1.60 on 2 CPUs (0.80 per CPU > 0.5): "
+        "measuring it again")
+    machine, f = timing.machine("cpu")  # measured at 0.2: reused as it is
+    assert f["machine_cached"] and len(measured) == 2 and machine.synchronous
+    assert f["machine_cache_line"] == f"cached machine description {path.name} reused (measured at load 0.20 on 2 CPUs)"
+    old = json.loads(path.read_text())
+    del old["notes"]  # as the runs before this rule cached it
+    path.write_text(json.dumps(old))
+    _, f = timing.machine("cpu")
+    assert not f["machine_cached"] and "has no recorded load" in f["machine_remeasured_because"]
+    path.write_text(path.read_text()[:40])  # a write cut short
+    _, f = timing.machine("cpu")
+    assert not f["machine_cached"] and len(measured) == 4 and "cannot be read" in f["machine_remeasured_because"]
+    assert json.loads(path.read_text())["notes"]["load_average_1min"] == 0.3  # replaced whole
+
+
 def test_a_step_that_is_not_the_captured_one_is_one_line_naming_it(captured):
     w, graph = captured
     wrong_count = Graph(name=graph.name, ops=graph.ops, tensors=graph.tensors, num_layers=graph.num_layers,

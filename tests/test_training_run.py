@@ -101,3 +101,34 @@ def test_an_infeasible_budget_is_an_outcome_not_an_error() -> None:
     out = run_training(TrainingRunSpec.from_dict(_config(budget={"bytes": 1})))
     assert out.verdict == Verdict.INFEASIBLE and out.plan is None and out.records == ()
     assert out.reason and out.figures["infeasible_reason"] == out.reason
+
+
+@pytest.mark.slow
+def test_executor_auto_checks_the_gradients_once_when_the_runtime_runs_the_plan(monkeypatch) -> None:
+    """executor=auto asks the eager gradient check whether the hook-only program refuses the plan; when it
+    does not, the eager executor reuses that check (the same weights, batch, seed and plan) rather than
+    making it again. Verified steps: the check's, then the first step's (it records the hook-only program)."""
+    from tests.extras import require_torch_extra
+
+    require_torch_extra("torch")
+    import slackswap.runtime.eager.verified as verified
+    import slackswap.runtime.train as train
+
+    made = {"checks": 0, "verified": 0}
+    check, enter = train.gradient_check, verified._VerifiedStep._enter_verified
+
+    def counted_check(*args, **kwargs):
+        made["checks"] += 1
+        return check(*args, **kwargs)
+
+    def counted_enter(self):
+        made["verified"] += 1
+        return enter(self)
+
+    monkeypatch.setattr(train, "gradient_check", counted_check)
+    monkeypatch.setattr(verified._VerifiedStep, "_enter_verified", counted_enter)
+    out = run_training(TrainingRunSpec.from_dict(_config({"fraction": 0.8}, steps=1, executor="auto")))
+    f = out.figures
+    assert out.verdict == Verdict.OK and f["executor"] == "eager" and f["hook_only_refusal"] is None
+    assert made == {"checks": 1, "verified": 2}
+    assert f["grad_check_bit_exact"] is True and out.records[0].report.verified

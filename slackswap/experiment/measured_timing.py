@@ -3,11 +3,14 @@ device, the machine's links, and the plan's predicted step beside the measured o
 
     timing = MeasuredTiming.from_dict(config["profile"])      # checks, ConfigError naming the field
     graph, figures, costs = timing.retime(graph, workload)    # before the planner sees the graph
-    machine = timing.machine(device)                          # measured links (or the given file)
+    machine, links = timing.machine(device)                   # measured links (or the given file)
     figures |= timing.compare(graph, plan, hardware, machine, step_times_s, costs)
 
 The profile comes from plain steps of the model (`slackswap.runtime.op_times`), measured once
-per graph, device and versions and cached; no plan's own timed steps feed its prediction. The
+per graph, device and versions and cached, as the machine's links are; a cached table or
+description measured under load is measured again (`slackswap.profile.measured.load_refusal`), and
+the run says in one line each which it reused and which it measured
+(`slackswap.profile.measured.cache_line`). No plan's own timed steps feed its prediction. The
 executors' own host costs (`slackswap.experiment.measured_prediction.HostCosts`) are measured once on
 the CPU by fixed microbenchmarks when the table is, and stored with it; the prediction is the
 benchmark's (`predict_measured`). Imports torch only inside the functions that measure.
@@ -15,7 +18,6 @@ benchmark's (`predict_measured`). Imports torch only inside the functions that m
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -31,7 +33,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.profile.machine import Machine
-from slackswap.profile.measured import TIMINGS, retime, save_table
+from slackswap.profile.measured import TIMINGS, cache_line, load_text, retime, save_table
 
 if TYPE_CHECKING:
     from slackswap.runtime.training_workload import Workload
@@ -135,31 +137,35 @@ class MeasuredTiming:
                    "op_times_load_average": table.notes.get("load_average_1min", math.nan),
                    # A cached table measured under load is measured again (`reuse_refusal`): why, or "".
                    "op_times_remeasured_because": table.notes.get("remeasured_because", "") if not cached else "",
+                   "op_times_cache_line": cache_line(f"op-time table {table.key.digest()}", cached, table.notes,
+                                                     self.cache_dir),
                    "timing_sources_line": sources.line(), "host_costs_line": costs.line()}
         return retimed, figures, costs
 
-    def machine(self, device: str) -> Machine:
+    def machine(self, device: str) -> tuple[Machine, dict[str, Any]]:
         """The machine description of `profile.machine`, else the links of `device` measured now (on
-        the CPU, up to `RUN_LINK_MAX_BYTES`; cached beside the op times)."""
+        the CPU, up to `RUN_LINK_MAX_BYTES`) or cached beside the op times under the op-time table's
+        rule (`slackswap.profile.torch.links.cached_machine_description`); and the figures saying which
+        (`machine_cache_line` is the run's line for it)."""
         import yaml
 
         if self.machine_path is not None:
-            return Machine.from_dict(yaml.safe_load(Path(self.machine_path).read_text()))
-        from slackswap.profile.torch.links import measure_links, measurement_description
-        from slackswap.versions import package_versions
+            description = yaml.safe_load(Path(self.machine_path).read_text())
+            notes = description.get("notes") if isinstance(description, dict) else None
+            load = load_text(notes if isinstance(notes, Mapping) else {})
+            return Machine.from_dict(description), {
+                "machine_cached": False, "machine_remeasured_because": "",
+                "machine_cache_line": f"machine description {self.machine_path} given by profile.machine "
+                                      f"(measured at {load}), used as given"}
+        from slackswap.profile.torch.links import cached_machine_description, machine_cache_path
 
-        versions = package_versions(("torch",))
-        cache = None
-        if self.cache_dir is not None:
-            tag = "-".join(f"{k}{v}" for k, v in sorted(versions.items())).replace("/", "_").replace(" ", "_")
-            cache = Path(self.cache_dir) / f"machine-{device.replace(':', '_')}-{tag}.json"
-            if cache.is_file():
-                return Machine.from_dict(json.loads(cache.read_text()))
-        description = measurement_description(measure_links(device, RUN_LINK_MAX_BYTES, repeats=3), device)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(description, indent=1))
-        return Machine.from_dict(description)
+        description, cached = cached_machine_description(device, self.cache_dir, RUN_LINK_MAX_BYTES, repeats=3)
+        notes = description.get("notes") or {}
+        name = machine_cache_path(self.cache_dir, device).name if self.cache_dir is not None else device
+        return Machine.from_dict(description), {
+            "machine_cached": cached, "machine_load_average": notes.get("load_average_1min", math.nan),
+            "machine_remeasured_because": notes.get("remeasured_because", "") if not cached else "",
+            "machine_cache_line": cache_line(f"machine description {name}", cached, notes, self.cache_dir)}
 
     @staticmethod
     def plain_steps(w: Workload, steps: int) -> list[float]:

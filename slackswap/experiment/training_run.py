@@ -152,7 +152,9 @@ class TrainingProgress:
         """One optimizer step under the plan finished."""
 
     def timed(self, figures: Mapping[str, Any]) -> None:
-        """profile.timing=measured: the graph's ops were timed on the device (how many by each source)."""
+        """profile.timing=measured: the graph's ops were timed on the device (how many by each source), and
+        the op-time table and the machine description were each reused from the cache or measured
+        (`op_times_cache_line`, `machine_cache_line`)."""
 
 
 @dataclass(frozen=True)
@@ -196,10 +198,11 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     progress.captured(graph, capture_s, ideal.peak_activation_bytes, budget_bytes)
     figures: dict[str, Any] = {"status": Verdict.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
                                "keep_all_peak_bytes": ideal.peak_activation_bytes, "timing": spec.timing.timing}
-    machine = costs = None
+    machine = costs = eager_check = None
     if spec.timing.measured:  # the planner and the simulator see the measured op times
         graph, timed, costs = spec.timing.retime(graph, w)
-        machine = spec.timing.machine(spec.device)
+        machine, links = spec.timing.machine(spec.device)
+        timed |= links
         figures.update(timed)
         progress.timed(timed)
     if spec.executor == "compile":
@@ -213,9 +216,13 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
         else:
             plan = spec.planner.plan(graph, hardware, budget_bytes)
         if spec.executor == "auto":
-            from slackswap.experiment.measured_executor import hook_only_refusal
+            from slackswap.runtime.train import gradient_check
 
-            figures["hook_only_refusal"] = refusal = hook_only_refusal(w, graph, plan, spec.seed + 1)[1]
+            # The eager executor's own gradient check, made once: its verified step is what says whether
+            # the hook-only program refuses the plan, and `_run_eager` reuses it (the same weights, batch,
+            # seed and plan would check the same step again).
+            eager_check = gradient_check(w, graph, plan, seed=spec.seed + 1)
+            figures["hook_only_refusal"] = refusal = eager_check.report.hook_only_refusal
             if refusal is not None:
                 progress.refused(refusal)
                 executor = "export"
@@ -249,7 +256,7 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
             figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], costs,
                                                export=True, model=w.model))
     else:
-        records = _run_eager(spec, w, graph, plan, counts, figures, progress)
+        records = _run_eager(spec, w, graph, plan, counts, figures, progress, eager_check)
         if machine is not None:  # the plan's predicted step on this machine beside its measured steps
             figures.update(spec.timing.compare(graph, plan, hardware, machine, figures["step_times_s"], costs))
         if spec.device == "cpu":
@@ -265,13 +272,17 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
 
 
 def _run_eager(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, counts: Mapping[str, int],
-               figures: dict[str, Any], progress: TrainingProgress) -> list[StepRecord]:
+               figures: dict[str, Any], progress: TrainingProgress, check: GradCheck | None = None) -> list[StepRecord]:
     """executor=eager: the bit-exact gradient check under `apply` (with the ledger's account of its
-    peak), then the steps, each with its ledger and measured peak."""
+    peak; `check`: that check already made, by executor=auto asking whether the hook-only program
+    refuses the plan), then the steps, each with its ledger and measured peak. The first step runs
+    verified again on purpose: on a fresh batch, it records the program the hook-only steps run and is
+    the step whose ledger gives the CPU's measured peak."""
     from slackswap.runtime.compare import explain_ledger
     from slackswap.runtime.train import gradient_check, train_steps
 
-    check = gradient_check(w, graph, plan, seed=spec.seed + 1)
+    if check is None:
+        check = gradient_check(w, graph, plan, seed=spec.seed + 1)
     why = explain_ledger(graph, plan, check.report.live_by_step)
     figures.update(grad_check_bit_exact=check.bit_exact, grad_check_max_abs_diff=check.max_abs_diff,
                    check_ledger_peak_bytes=check.report.ledger_peak_bytes,

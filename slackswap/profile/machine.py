@@ -16,7 +16,10 @@ host buffer (`pin_setup_s_per_tensor`, the median pin time of the smallest buffe
 On the CPU the device and the host are one memory and a copy runs synchronously on the compute thread
 (`synchronous: true`): the simulator's copy engines overlap copies with compute, which the CPU does
 not, so a prediction there adds each copy's time to the step (`slackswap.experiment.prediction`).
-This module needs no torch; `slackswap.profile.torch.links` measures.
+A run that measures the links itself caches the description beside the op-time tables and reuses it
+under the op-time table's rule (`description_refusal`: the same `load_refusal`), so a description
+measured on a loaded machine is measured again rather than reused. This module needs no torch;
+`slackswap.profile.torch.links` measures.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from slackswap.errors import ConfigError
 from slackswap.hardware import Hardware, HostLink
+from slackswap.profile.measured import load_refusal
 
 
 @dataclass(frozen=True)
@@ -139,3 +143,21 @@ def check_finite(description: Mapping[str, Any]) -> None:
     for k, v in description["link"].items():
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"machine.link.{k}", v, "is not finite")
+
+
+def description_refusal(description: Mapping[str, Any], artefact: str, versions: Mapping[str, str]) -> str | None:
+    """Why a cached machine `description` must be measured again rather than reused (one line), or None
+    to reuse it: it does not load as a `Machine` or its link is not finite, it was measured on other
+    `versions` than these, or under load (`slackswap.profile.measured.load_refusal` of its `notes`: the
+    op-time table's rule, so neither cache keeps a loaded measurement)."""
+    try:
+        Machine.from_dict(description)
+        check_finite(description)
+    except (ConfigError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"cached {artefact} is not a machine description ({first}): measuring it again"
+    if description.get("versions") != dict(versions):
+        return (f"cached {artefact} was measured on versions {description.get('versions')}, not "
+                f"{dict(versions)}: measuring it again")
+    notes = description.get("notes")
+    return load_refusal(artefact, notes if isinstance(notes, Mapping) else {})

@@ -9,14 +9,17 @@ A table is keyed by everything its times depend on (`OpTimeKey`): the graph's fi
 identities, tensor sizes), the model's parameter signature, the input shapes and dtypes, the device
 and the library versions. It is stored as `<cache_dir>/<key digest>.json`; another shape, device or
 torch version is another digest, so a stale table is never found, and `load_table` checks the stored
-key against the one asked for besides. This module needs no torch: the measuring is
-`slackswap.runtime.op_times`.
+key against the one asked for besides. A cached measurement measured under load is measured again
+rather than reused (`load_refusal`): the one rule for the op-time table and the machine description
+(`slackswap.profile.machine.description_refusal`), whose run says in one line each which it reused
+(`cache_line`). This module needs no torch: the measuring is `slackswap.runtime.op_times`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -158,25 +161,83 @@ class OpTimeTable:
         return sum(t.median_s for t in self.times.values())
 
 
-#: Highest 1-minute load average per CPU at which a cached table is reused. Above it (or with no load
-#: recorded) the table is measured again: a table's op times carry its load (the timer's cost taken off
-#: each op is measured next to the step), and on this project's 2-core machine hf_gpt2_2l's table
-#: measured at load 1.0 (0.5 per CPU) predicted its step at -8 to -10 % while one measured during a
-#: package install predicted -28 % (docs/profile.md, "The table").
+#: Highest 1-minute load average per CPU at which a cached measurement (an op-time table, a machine
+#: description of measured links) is reused. Above it (or with no load recorded) it is measured again:
+#: a table's op times carry its load (the timer's cost taken off each op is measured next to the step),
+#: and on this project's 2-core machine hf_gpt2_2l's table measured at load 1.0 (0.5 per CPU) predicted
+#: its step at -8 to -10 % while one measured during a package install predicted -28 % (docs/profile.md,
+#: "The table"). A machine description's copy times carry their load alike (docs/profile.md, "Links").
 MAX_REUSE_LOAD_PER_CPU = 0.5
 
 
-def reuse_refusal(table: OpTimeTable) -> str | None:
-    """Why a cached `table` must be measured again rather than reused (one line), or None to reuse it:
-    it was measured at a 1-minute load per CPU above `MAX_REUSE_LOAD_PER_CPU`, or at an unrecorded load."""
-    load, cpus = table.notes.get("load_average_1min"), table.notes.get("cpu_count")
-    digest = table.key.digest()
+def measured_load() -> dict[str, Any]:
+    """The machine's load now, as a cached measurement records it beside its figures (`load_refusal`
+    reads it back): the 1-minute load average and the CPU count."""
+    return {"load_average_1min": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+
+
+def load_text(notes: Mapping[str, Any]) -> str:
+    """"load 0.62 on 2 CPUs" from a measurement's `measured_load` notes ("an unrecorded load" without)."""
+    load, cpus = notes.get("load_average_1min"), notes.get("cpu_count")
+    if not isinstance(load, int | float) or load != load or not isinstance(cpus, int) or cpus < 1:
+        return "an unrecorded load"
+    return f"load {load:.2f} on {cpus} CPUs"
+
+
+def load_refusal(artefact: str, notes: Mapping[str, Any]) -> str | None:
+    """Why the cached `artefact` ("op-time table <digest>", "machine description <file>") must be measured
+    again rather than reused (one line), or None to reuse it: its `notes` (`measured_load`) say it was
+    measured at a 1-minute load per CPU above `MAX_REUSE_LOAD_PER_CPU`, or at an unrecorded load."""
+    load, cpus = notes.get("load_average_1min"), notes.get("cpu_count")
     if not isinstance(load, int | float) or not isinstance(cpus, int) or cpus < 1 or load != load:
-        return f"cached op-time table {digest} has no recorded load: measuring it again"
+        return f"cached {artefact} has no recorded load: measuring it again"
     if load / cpus > MAX_REUSE_LOAD_PER_CPU:
-        return (f"cached op-time table {digest} was measured at load {load:.2f} on {cpus} CPUs ({load / cpus:.2f} "
+        return (f"cached {artefact} was measured at load {load:.2f} on {cpus} CPUs ({load / cpus:.2f} "
                 f"per CPU > {MAX_REUSE_LOAD_PER_CPU}): measuring it again")
     return None
+
+
+def reuse_refusal(table: OpTimeTable) -> str | None:
+    """`load_refusal` of a cached op-time table."""
+    return load_refusal(f"op-time table {table.key.digest()}", table.notes)
+
+
+def cache_line(artefact: str, cached: bool, notes: Mapping[str, Any], cache_dir: str | Path | None) -> str:
+    """The run's one line for one cached measurement: reused (at the load it was measured at), measured
+    again (why: `notes["remeasured_because"]`), or measured now (none cached, or no cache)."""
+    if cached:
+        return f"cached {artefact} reused (measured at {load_text(notes)})"
+    why = notes.get("remeasured_because")
+    if why:
+        return f"{why} (now at {load_text(notes)})"
+    where = "none cached" if cache_dir is not None else "no cache (profile.cache_dir is empty)"
+    return f"{artefact} measured now at {load_text(notes)}: {where}"
+
+
+def read_cached_json(path: Path, artefact: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the mapping stored at `path`, None); (None, None) when there is no file; (None, one line saying
+    why) when the file cannot be read or is not a JSON mapping: the caller measures again, never uses part
+    of it."""
+    if not path.is_file():
+        return None, None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, f"cached {artefact} ({path.name}) cannot be read ({first}): measuring it again"
+    if not isinstance(data, dict):
+        return None, f"cached {artefact} ({path.name}) is not a JSON mapping: measuring it again"
+    return data, None
+
+
+def write_json_atomic(path: Path, data: Mapping[str, Any]) -> Path:
+    """Write `data` to `path` through a temporary file and a rename: a sweep's concurrent jobs never read
+    half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
 
 
 def table_path(key: OpTimeKey, cache_dir: str | Path) -> Path:
@@ -184,25 +245,31 @@ def table_path(key: OpTimeKey, cache_dir: str | Path) -> Path:
 
 
 def save_table(table: OpTimeTable, cache_dir: str | Path) -> Path:
-    path = table_path(table.key, cache_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table.to_dict(), indent=1))
-    tmp.replace(path)  # a sweep's concurrent jobs never read half a table
-    return path
+    return write_json_atomic(table_path(table.key, cache_dir), table.to_dict())
+
+
+def read_table(key: OpTimeKey, cache_dir: str | Path) -> tuple[OpTimeTable | None, str | None]:
+    """(the cached table of exactly `key`, None); (None, None) when none is cached (another version, shape
+    or device is another file); (None, one line saying why) when a file is there but cannot be used: it
+    does not parse as a table, or its stored key differs from `key`."""
+    path = table_path(key, cache_dir)
+    artefact = f"op-time table {key.digest()}"
+    data, why = read_cached_json(path, artefact)
+    if data is None:
+        return None, why
+    try:
+        table = OpTimeTable.from_dict(data)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return None, (f"cached {artefact} ({path.name}) is not an op-time table ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else 'bad field'}): measuring it again")
+    if table.key != key:
+        return None, f"cached {artefact} ({path.name}) stores another key: measuring it again"
+    return table, None
 
 
 def load_table(key: OpTimeKey, cache_dir: str | Path) -> OpTimeTable | None:
-    """The cached table of exactly `key`, or None: another version, shape or device is another file,
-    and a file whose stored key differs (or that does not parse) is not used."""
-    path = table_path(key, cache_dir)
-    if not path.is_file():
-        return None
-    try:
-        table = OpTimeTable.from_dict(json.loads(path.read_text()))
-    except (ValueError, KeyError, TypeError):
-        return None
-    return table if table.key == key else None
+    """The cached table of exactly `key`, or None (`read_table` says why a file there is not used)."""
+    return read_table(key, cache_dir)[0]
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ idle launch gaps included. The CUDA path is written but was never run in this re
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +43,8 @@ from slackswap.profile.measured import (
     OpTime,
     OpTimeKey,
     OpTimeTable,
-    load_table,
+    measured_load,
+    read_table,
     reuse_refusal,
     save_table,
 )
@@ -279,7 +279,7 @@ def measure_op_times(
                        step_min_s=min(plain), step_max_s=max(plain), timer_overhead_per_call_s=overhead,
                        unattributed_s=statistics.median(tails),
                        notes={"timed_step_median_s": statistics.median(timed), "aten_calls": calls,
-                              "load_average_1min": os.getloadavg()[0], "cpu_count": os.cpu_count()})
+                              **measured_load()})
 
 
 def cached_op_times(
@@ -293,12 +293,14 @@ def cached_op_times(
     clock: str = "wall",
 ) -> tuple[OpTimeTable, bool]:
     """(table, True when it came from `cache_dir`): measured once per key, reused by later runs unless
-    it was measured under load (`slackswap.profile.measured.reuse_refusal`); then it is measured again,
-    and the new table's `notes["remeasured_because"]` says why (the run prints it)."""
+    it was measured under load (`slackswap.profile.measured.reuse_refusal`) or the file there cannot be
+    used (`read_table`: it does not parse, or stores another key); then it is measured again, and the
+    new table's `notes["remeasured_because"]` says why (the run prints it:
+    `slackswap.profile.measured.cache_line`)."""
     why = None
     if cache_dir is not None:
         device = next(model.parameters()).device
-        found = load_table(op_time_key(graph, device, clock), cache_dir)
+        found, why = read_table(op_time_key(graph, device, clock), cache_dir)
         if found is not None:
             why = reuse_refusal(found)
             if why is None:

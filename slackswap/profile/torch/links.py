@@ -13,6 +13,10 @@ runtime's CPU engine does (`slackswap.runtime.copy_engines.CpuCopies`): an offlo
 host buffer, a prefetch is `clone`, both synchronous on the compute thread. Pinned memory needs an
 accelerator (`pin_memory=True` raises on a CPU-only build): those rows are one line saying so, not
 numbers. "Both at once" is two copies in a row on the one thread: it is what the runtime does there.
+
+`cached_machine_description` measures once per device and torch version and reuses the description
+under the op-time table's rule (`slackswap.profile.machine.description_refusal`): one measured on a
+loaded machine, or a file that cannot be used, is measured again, and the new one says why.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -155,10 +160,49 @@ def measurement_description(m: LinkMeasurement, name: str) -> dict:
     from dataclasses import asdict
 
     from slackswap.profile.machine import machine_description
+    from slackswap.profile.measured import measured_load
     from slackswap.versions import package_versions
 
     description = machine_description(
         name, m.device, m.same_memory, [asdict(r) for r in m.rows], m.pin_rows, m.skipped,
         source=f"measured by slackswap.profile.torch.links on {m.device}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
     description["versions"] = package_versions(("torch",))
+    # The load it was measured at: a cached description measured under load is measured again.
+    description["notes"] = measured_load()
     return description
+
+
+def machine_cache_path(cache_dir: str | Path, device: str) -> Path:
+    """Where a run caches the description of `device`'s links: one file per device and versions."""
+    from slackswap.versions import package_versions
+
+    tag = "-".join(f"{k}{v}" for k, v in sorted(package_versions(("torch",)).items()))
+    return Path(cache_dir) / f"machine-{device.replace(':', '_')}-{tag.replace('/', '_').replace(' ', '_')}.json"
+
+
+def cached_machine_description(device: str, cache_dir: str | Path | None, max_bytes: int,
+                               repeats: int = 3) -> tuple[dict, bool]:
+    """(description of `device`'s links, True when it came from `cache_dir`): measured once per device
+    and versions, reused by later runs unless `description_refusal` refuses the cached file (measured
+    under load, on other versions, or not a description; a file that does not parse alike); then it is
+    measured again, the new description's `notes["remeasured_because"]` says why, and it replaces the
+    cached file. As `slackswap.runtime.op_times.cached_op_times` does for the op-time table."""
+    from slackswap.profile.machine import description_refusal
+    from slackswap.profile.measured import read_cached_json, write_json_atomic
+    from slackswap.versions import package_versions
+
+    why = path = None
+    if cache_dir is not None:
+        path = machine_cache_path(cache_dir, device)
+        artefact = f"machine description {path.name}"
+        found, why = read_cached_json(path, artefact)
+        if found is not None:
+            why = description_refusal(found, artefact, package_versions(("torch",)))
+            if why is None:
+                return found, True
+    description = measurement_description(measure_links(device, max_bytes, repeats), device)
+    if why is not None:
+        description["notes"] = dict(description["notes"]) | {"remeasured_because": why}
+    if path is not None:
+        write_json_atomic(path, description)
+    return description, False
