@@ -38,7 +38,8 @@ def _graph():
 def _key(graph, **change) -> OpTimeKey:
     fields = dict(graph_fingerprint=graph.fingerprint, model_signature="m0",
                   input_signature=(((2, 16), "torch.int64"),),
-                  device="cpu", versions={"torch": "2.13.0", "transformers": "5.0"}, method="perf_counter")
+                  device="cpu", versions={"torch": "2.13.0", "transformers": "5.0"}, method="perf_counter",
+                  intra_op_threads=2)
     return OpTimeKey(**(fields | change))
 
 
@@ -64,6 +65,7 @@ def test_table_round_trips_through_the_cache(tmp_path):
     {"input_signature": (((4, 16), "torch.int64"),)},            # another micro-batch
     {"device": "cuda:0 NVIDIA H200"},                             # another device
     {"graph_fingerprint": "0" * 16},                              # another graph
+    {"intra_op_threads": 1},                                      # torch on another thread count
 ])
 def test_a_version_shape_or_device_change_misses_the_cache(tmp_path, change):
     g = _graph()

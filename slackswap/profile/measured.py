@@ -31,7 +31,7 @@ from slackswap.graph import Graph
 
 TIMINGS = ("roofline", "measured")
 #: Bumped when the measuring method changes what a time means (old tables then miss).
-TABLE_FORMAT = "slackswap.op_times/1"
+TABLE_FORMAT = "slackswap.op_times/2"
 
 
 class MeasurementError(SlackSwapError):
@@ -52,12 +52,17 @@ class OpTimeKey:
     versions: Mapping[str, str]
     #: "perf_counter" (CPU) or "cuda_events".
     method: str
+    #: torch's intra-op threads when measured (`torch.get_num_threads()`): on the CPU an op's time is its
+    #: kernel on that many threads (hf_gpt2_2l's plain step 12 ms on 2, 16 ms on 1), so a table measured on
+    #: one count predicts nothing on another.
+    intra_op_threads: int
     format: str = TABLE_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
         return {"graph_fingerprint": self.graph_fingerprint, "model_signature": self.model_signature,
                 "input_signature": [[list(s), dt] for s, dt in self.input_signature], "device": self.device,
-                "versions": dict(self.versions), "method": self.method, "format": self.format}
+                "versions": dict(self.versions), "method": self.method, "intra_op_threads": self.intra_op_threads,
+                "format": self.format}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OpTimeKey:

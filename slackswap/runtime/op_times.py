@@ -186,7 +186,8 @@ def op_time_key(graph: Graph, device: torch.device, clock: str = "wall") -> OpTi
                      input_signature=signature, device=device_label(device),
                      versions=package_versions(("torch", "transformers")),
                      method="cuda_events" if device.type == "cuda" else
-                     {"wall": "perf_counter", "process": "process_time"}[clock])
+                     {"wall": "perf_counter", "process": "process_time"}[clock],
+                     intra_op_threads=torch.get_num_threads())
 
 
 def _op_of_call(graph: Graph, calls: int) -> list[int]:

@@ -173,11 +173,13 @@ def measurement_description(m: LinkMeasurement, name: str) -> dict:
 
 
 def machine_cache_path(cache_dir: str | Path, device: str) -> Path:
-    """Where a run caches the description of `device`'s links: one file per device and versions."""
+    """Where a run caches the description of `device`'s links: one file per device, torch's intra-op
+    thread count (a CPU copy past torch's parallel-copy grain runs on that many threads) and versions."""
     from slackswap.versions import package_versions
 
     tag = "-".join(f"{k}{v}" for k, v in sorted(package_versions(("torch",)).items()))
-    return Path(cache_dir) / f"machine-{device.replace(':', '_')}-{tag.replace('/', '_').replace(' ', '_')}.json"
+    return Path(cache_dir) / (f"machine-{device.replace(':', '_')}-threads{torch.get_num_threads()}-"
+                              f"{tag.replace('/', '_').replace(' ', '_')}.json")
 
 
 def cached_machine_description(device: str, cache_dir: str | Path | None, max_bytes: int,
