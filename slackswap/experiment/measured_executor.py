@@ -116,15 +116,20 @@ def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machin
 def export_counts(graph: Graph, plan: Plan, model: object) -> tuple[int, int, float]:
     """(SAC dispatch calls, checkpoint regions, saved tensors of the regions) per step of `plan`'s eager
     export: `sac_dispatch_calls`; every layer the export wraps is a region; a region's saved tensors are
-    the graph's saved tensors of the layer, scaled by the capture's pack events per saved graph tensor
-    (autograd also packs weights and saves some tensors twice; `saved_tensor_packs`, 1 when absent)."""
-    from slackswap.graph import NO_LAYER
+    the pack events the capture counted while its layer ran (`saved_tensor_packs_by_layer`: weights and
+    tensors autograd saves twice included, a tensor the next layer's op saves counted in that layer, whose
+    frame packs it). A graph without that count (captured before it was recorded) scales the graph's
+    saved tensors of the layer by the capture's pack events per saved graph tensor (`saved_tensor_packs`)."""
+    from slackswap.graph import NO_LAYER, SAVED_PACKS_BY_LAYER_KEY
     from slackswap.runtime.export import PlanExport
 
     export = PlanExport(plan, graph, model)
+    regions = len(export.regions)
+    by_layer = graph.meta.get(SAVED_PACKS_BY_LAYER_KEY)
+    if by_layer is not None:
+        return sac_dispatch_calls(graph, plan, model, export), regions, float(sum(by_layer[:regions]))
     saved = [t for t in graph.tensors.values() if t.saved]
     per_tensor = graph.meta.get("saved_tensor_packs", len(saved)) / max(1, len(saved))
-    regions = len(export.regions)
     in_regions = sum(1 for t in saved if t.layer != NO_LAYER and t.layer < regions)
     return sac_dispatch_calls(graph, plan, model, export), regions, in_regions * per_tensor
 
