@@ -51,30 +51,12 @@ def _table(graph, times: dict[str, float], **change) -> OpTimeTable:
 def test_table_round_trips_through_the_cache(tmp_path):
     g = _graph()
     table = _table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4})
-    table = replace(table, export_host=ExportHostCost(2.1e-5, 2e-4, 1.5e-5, "dispatch_cost: 4 blocks",
-                                                      sac_per_region_s=6e-5))
+    table = replace(table, export_host=ExportHostCost(2.1e-5, 2e-4, 1.5e-5, "dispatch_cost: 4 blocks"))
     path = save_table(table, tmp_path)
     assert path == table_path(table.key, tmp_path) and path.is_file()
     loaded = load_table(_key(g), tmp_path)
-    assert loaded == table and loaded.export_host.sac_per_region_s == 6e-5
+    assert loaded == table
     assert loaded.times["b1"].max_s == pytest.approx(0.48)
-
-
-def test_export_host_costs_cached_without_a_priced_field_are_dropped_saying_why(tmp_path):
-    import json
-
-    from slackswap.profile.measured import HOST_COSTS_STALE_NOTE
-
-    g = _graph()
-    table = replace(_table(g, {"f1": 0.1}), export_host=ExportHostCost(2.1e-5, 2e-4, 1.5e-5, "before", 6e-5))
-    path = save_table(table, tmp_path)
-    data = json.loads(path.read_text())
-    del data["export_host"]["sac_per_region_s"]  # a table cached before the per-region cost was priced
-    path.write_text(json.dumps(data))
-    loaded = load_table(_key(g), tmp_path)
-    # Never a silent 0: the costs are left unmeasured (the run measures them again) and the line says why.
-    assert loaded.export_host is None and loaded.times == table.times
-    assert "lack sac_per_region_s" in loaded.notes[HOST_COSTS_STALE_NOTE]
 
 
 @pytest.mark.parametrize("change", [

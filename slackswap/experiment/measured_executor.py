@@ -78,8 +78,6 @@ class ExportPrediction:
     checkpoint_saved: float = 0.0
     #: The ops the replays run again that make no tensor of their own (priced at their op times on the CPU).
     replayed_views: int = 0
-    #: Layers under the SAC policy: each costs the modes' per-region work.
-    sac_regions: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,8 +103,6 @@ class ExportCounts:
     #: The ops the regions' replays run again that make no tensor of their own
     #: (`slackswap.pytorch_execution.replayed_views`).
     replayed_views: tuple[str, ...] = ()
-    #: Layers run under the SAC modes.
-    sac_regions: int = 0
 
 
 def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None, model: object = None,
@@ -115,8 +111,8 @@ def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machin
     `pytorch_plan(..., "eager")`, each layer's recomputes and replayed transients in one block before
     its first backward reader, on `slackswap.experiment.prediction.predict_step`; with `model` (the
     plan's) on a synchronous machine (the CPU), plus the views the replays run again at their op times,
-    and with `costs` (the op-time table's `export_host`) the SAC layers' dispatch per call and per region
-    and the checkpoint's own work per region and per saved tensor (module docstring)."""
+    and with `costs` (the op-time table's `export_host`) the SAC layers' dispatch per call and the
+    checkpoint's own work per region and per saved tensor (module docstring)."""
     from dataclasses import replace
 
     from slackswap.experiment.prediction import predict_step
@@ -134,12 +130,12 @@ def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machin
         views = sum(ops[v].duration_s for v in counts.replayed_views)
         prediction = replace(prediction, step_s=prediction.step_s + views, replayed_views_s=views)
         if costs is not None:
-            dispatch = counts.dispatch_calls * costs.sac_per_call_s + counts.sac_regions * costs.sac_per_region_s
+            dispatch = counts.dispatch_calls * costs.sac_per_call_s
             frames = counts.regions * costs.checkpoint_per_region_s + counts.saved * costs.checkpoint_per_saved_s
             prediction = replace(prediction, step_s=prediction.step_s + dispatch + frames, dispatch_s=dispatch,
                                  checkpoint_s=frames)
     return ExportPrediction(prediction, recomputes(plan), recomputes(executed), counts.dispatch_calls,
-                            counts.regions, counts.saved, len(counts.replayed_views), counts.sac_regions)
+                            counts.regions, counts.saved, len(counts.replayed_views))
 
 
 def export_counts(graph: Graph, plan: Plan, model: object) -> ExportCounts:
@@ -149,11 +145,10 @@ def export_counts(graph: Graph, plan: Plan, model: object) -> ExportCounts:
     next layer's op saves counted in that layer, whose frame packs it); a graph without that count
     (captured before it was recorded) scales the graph's saved tensors of the layer by the capture's
     pack events per saved graph tensor (`saved_tensor_packs`); the views the regions' replays run again
-    (`slackswap.pytorch_execution.replayed_views`); the layers under the SAC policy."""
+    (`slackswap.pytorch_execution.replayed_views`)."""
     from slackswap.graph import NO_LAYER, SAVED_PACKS_BY_LAYER_KEY
     from slackswap.pytorch_execution import replayed_views
     from slackswap.runtime.export import PlanExport
-    from slackswap.runtime.export.mechanism import SELECTIVE
 
     export = PlanExport(plan, graph, model)
     regions = len(export.regions)
@@ -165,8 +160,7 @@ def export_counts(graph: Graph, plan: Plan, model: object) -> ExportCounts:
         per_tensor = graph.meta.get("saved_tensor_packs", len(tensors)) / max(1, len(tensors))
         saved = sum(1 for t in tensors if t.layer != NO_LAYER and t.layer < regions) * per_tensor
     views = tuple(v for vs in replayed_views(graph, range(regions)).values() for v in vs)
-    sac = sum(m == SELECTIVE for m in export.mechanisms())
-    return ExportCounts(sac_dispatch_calls(graph, plan, model, export), regions, saved, views, sac)
+    return ExportCounts(sac_dispatch_calls(graph, plan, model, export), regions, saved, views)
 
 
 def sac_dispatch_calls(graph: Graph, plan: Plan, model: object, export: object = None) -> int:

@@ -55,8 +55,7 @@ class HostCosts:
                          f"per replayed ATen call, {h.per_copy_s * 1e6:.1f} us per copy")
         if self.export is not None:
             e = self.export
-            parts.append(f"export {e.sac_per_call_s * 1e6:.1f} us per ATen call through the SAC modes + "
-                         f"{e.sac_per_region_s * 1e6:.0f} us per SAC region, "
+            parts.append(f"export {e.sac_per_call_s * 1e6:.1f} us per ATen call through the SAC modes, "
                          f"checkpoint {e.checkpoint_per_region_s * 1e6:.0f} us per region + "
                          f"{e.checkpoint_per_saved_s * 1e6:.1f} us per saved tensor")
         return "; ".join(parts)
@@ -112,11 +111,10 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
         "sac_dispatch_calls": executed.dispatch_calls, "predicted_dispatch_s": p.dispatch_s,
         "checkpoint_regions": executed.checkpoint_regions, "checkpoint_saved": executed.checkpoint_saved,
         "predicted_checkpoint_s": p.checkpoint_s, "predicted_runtime_host_s": p.runtime_host_s,
-        "replayed_views": executed.replayed_views, "sac_regions": executed.sac_regions,
+        "replayed_views": executed.replayed_views,
         "predicted_replayed_views_s": p.replayed_views_s}
     if costs.export is not None:
         figures |= {"sac_dispatch_per_call_s": costs.export.sac_per_call_s,
-                    "sac_dispatch_per_region_s": costs.export.sac_per_region_s,
                     "checkpoint_per_region_s": costs.export.checkpoint_per_region_s,
                     "checkpoint_per_saved_s": costs.export.checkpoint_per_saved_s,
                     "sac_dispatch_source": costs.export.source}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,7 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.profile.machine import Machine
-from slackswap.profile.measured import HOST_COSTS_STALE_NOTE, TIMINGS, cache_line, load_text, retime, save_table
+from slackswap.profile.measured import TIMINGS, cache_line, load_text, retime, save_table
 
 if TYPE_CHECKING:
     from slackswap.runtime.training_workload import Workload
@@ -120,11 +120,9 @@ class MeasuredTiming:
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
                                         self.repeats)
         costs = HostCosts.of(table)
-        stale = table.notes.get(HOST_COSTS_STALE_NOTE, "")
         if table.key.device.startswith("cpu") and not costs.measured:
             costs = measure_host_costs(table.key.device)
-            notes = {k: v for k, v in table.notes.items() if k != HOST_COSTS_STALE_NOTE}
-            table = replace(costs.attach(table), notes=notes)
+            table = costs.attach(table)
             if self.cache_dir is not None:
                 save_table(table, self.cache_dir)
         retimed, sources = retime(graph, table)
@@ -141,10 +139,7 @@ class MeasuredTiming:
                    "op_times_remeasured_because": table.notes.get("remeasured_because", "") if not cached else "",
                    "op_times_cache_line": cache_line(f"op-time table {table.key.digest()}", cached, table.notes,
                                                      self.cache_dir),
-                   "timing_sources_line": sources.line(),
-                   # Stored costs that lack a field now priced are measured again: the line says so.
-                   "host_costs_line": costs.line() + (f" ({stale})" if stale else ""),
-                   "host_costs_remeasured_because": stale}
+                   "timing_sources_line": sources.line(), "host_costs_line": costs.line()}
         return retimed, figures, costs
 
     def machine(self, device: str) -> tuple[Machine, dict[str, Any]]:

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -96,11 +96,6 @@ class RuntimeHostCost:
     source: str = ""
 
 
-#: `OpTimeTable.notes` key of a cached table whose stored host costs lack a field the prediction prices:
-#: the line saying why they are measured again (never defaulted to 0).
-HOST_COSTS_STALE_NOTE = "host_costs_remeasured_because"
-
-
 @dataclass(frozen=True)
 class ExportHostCost:
     """Host seconds the eager export's step spends beyond its ops' in-context times and the replay's ops,
@@ -112,8 +107,6 @@ class ExportHostCost:
     checkpoint_per_region_s: float = 0.0
     checkpoint_per_saved_s: float = 0.0
     source: str = ""
-    #: Per region under the SAC modes, beyond its calls (its context and modes made, entered and left).
-    sac_per_region_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -157,14 +150,6 @@ class OpTimeTable:
         host = d.pop("runtime_host", None)
         d["runtime_host"] = None if host is None else RuntimeHostCost(**host)
         export = d.pop("export_host", None)
-        missing = sorted({f.name for f in fields(ExportHostCost)} - set(export or {}))
-        if export is not None and missing:
-            # Measured before those costs were priced: a default of 0 would leave them out silently, so the
-            # costs are measured again (`slackswap.experiment.measured_timing`), saying why.
-            d["notes"] = dict(d.get("notes") or {}) | {HOST_COSTS_STALE_NOTE: (
-                f"cached export host costs lack {', '.join(missing)} (measured before they were priced): "
-                "measuring the executors' host costs again")}
-            export = None
         d["export_host"] = None if export is None else ExportHostCost(**export)
         for old in ("sac_dispatch_per_call_s", "sac_dispatch_source"):  # tables cached before export_host
             d.pop(old, None)

@@ -112,16 +112,14 @@ def measure_checkpoint_cost(warmup: int = 3, repeats: int = 41) -> CheckpointCos
 
 
 def measure_export_host_cost() -> ExportHostCost:
-    """The eager export's `ExportHostCost` on this machine's CPU: the SAC modes' cost per call and per
-    region (`slackswap.runtime.export.dispatch_cost`) and the checkpoint's per region and per saved tensor
-    (above)."""
+    """The eager export's `ExportHostCost` on this machine's CPU: the SAC modes' cost per call
+    (`slackswap.runtime.export.dispatch_cost`) and the checkpoint's per region and per saved tensor (above)."""
     from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
 
     dispatch = measure_dispatch_cost()
     frames = measure_checkpoint_cost()
     return ExportHostCost(sac_per_call_s=dispatch.per_call_s, checkpoint_per_region_s=frames.per_region_s,
-                          checkpoint_per_saved_s=frames.per_saved_s, source=f"{dispatch.source}; {frames.source}",
-                          sac_per_region_s=dispatch.per_region_s)
+                          checkpoint_per_saved_s=frames.per_saved_s, source=f"{dispatch.source}; {frames.source}")
 
 
 __all__ = ["CheckpointCost", "measure_checkpoint_cost", "measure_export_host_cost"]

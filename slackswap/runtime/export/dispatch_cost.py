@@ -14,11 +14,8 @@ tokens), each under a non-reentrant `torch.utils.checkpoint`, forward and backwa
 the export's own save and replay modes over a call table of the block's calls (every call recomputed,
 as a full recompute's table reads; a saved entry costs a `detach` more). The same ops run in both and
 the same replay: the difference is the modes'. Pairs alternate (drift touches both), the calling
-thread's CPU time is read (other load and intra-op threads add nothing). The modes also cost per region
-(the context made, the modes entered and left in the forward and the replay, the cache), so the blocks
-run in two configurations, each block its own region and all in one, and the two median differences
-are fitted as per call x calls + per region x regions (least squares, both >= 0: `per_call_and_region`),
-the calls the modes saw counted (forward and replay).
+thread's CPU time is read (other load and intra-op threads add nothing), and the median difference is
+spread over the calls the modes saw (forward and replay, counted).
 """
 
 from __future__ import annotations
@@ -40,16 +37,13 @@ BLOCKS, WIDTH, TOKENS = 4, 64, 64
 
 @dataclass(frozen=True)
 class DispatchCost:
-    """Seconds of host time the export's SAC modes add per ATen call and per region, and how it was measured."""
+    """Seconds of host time per ATen call the export's SAC modes add, and how it was measured."""
 
     per_call_s: float
-    #: Calls per step the modes saw in the microbenchmark with every block its own region (forward and replay).
+    #: Calls per step the modes saw in the microbenchmark (forward and replay).
     calls: int
     repeats: int
     source: str
-    #: Per SAC region (its context and modes made, entered and left in the forward and the replay, its
-    #: cache): fitted beside the per-call cost from the two region counts (module docstring).
-    per_region_s: float = 0.0
 
 
 class _Calls(TorchDispatchMode):
@@ -85,46 +79,6 @@ def _block_forward(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x + block(x)
 
 
-def _table(funcs: tuple) -> CallTable:
-    """The call table of a region making `funcs`, every call recomputed (as a full recompute's reads)."""
-    index: dict = {}
-    keys = []
-    for f in funcs:
-        keys.append((f, index.get(f, 0)))
-        index[f] = index.get(f, 0) + 1
-    return CallTable(funcs, tuple(keys), (RECOMPUTE,) * len(funcs), 0)
-
-
-def _forward_all(blocks, x: torch.Tensor) -> torch.Tensor:
-    for block in blocks:
-        x = _block_forward(block, x)
-    return x
-
-
-def per_call_and_region(diffs_s: tuple[float, ...], calls: tuple[int, ...], regions: tuple[int, ...]
-                        ) -> tuple[float, float]:
-    """(per call, per region) >= 0 fitting diff = per_call x calls + per_region x regions by least squares
-    over the configurations: the unconstrained fit when both come out >= 0, else the better of the two
-    one-term fits (a term that is not there is 0, never negative)."""
-    sxx = sum(c * c for c in calls)
-    syy = sum(r * r for r in regions)
-    sxy = sum(c * r for c, r in zip(calls, regions, strict=True))
-    bx = sum(c * d for c, d in zip(calls, diffs_s, strict=True))
-    by = sum(r * d for r, d in zip(regions, diffs_s, strict=True))
-    det = sxx * syy - sxy * sxy
-    if det > 0:
-        a, b = (bx * syy - by * sxy) / det, (by * sxx - bx * sxy) / det
-        if a >= 0 and b >= 0:
-            return a, b
-
-    def residual(a: float, b: float) -> float:
-        return sum((d - a * c - b * r) ** 2 for d, c, r in zip(diffs_s, calls, regions, strict=True))
-
-    only_calls = (max(0.0, bx / sxx), 0.0)
-    only_regions = (0.0, max(0.0, by / syy))
-    return min(only_calls, only_regions, key=lambda ab: residual(*ab))
-
-
 def measure_dispatch_cost(warmup: int = 3, repeats: int = 15) -> DispatchCost:
     """`DispatchCost` on this machine's CPU (module docstring). The RNG state is left as it was."""
     with torch.random.fork_rng(devices=[]):
@@ -133,50 +87,46 @@ def measure_dispatch_cost(warmup: int = 3, repeats: int = 15) -> DispatchCost:
         recorder = _Calls()
         with torch.no_grad(), recorder:
             _block_forward(blocks[0], x)
-        block_table = _table(tuple(recorder.funcs))
-        recorder = _Calls()
-        with torch.no_grad(), recorder:
-            _forward_all(blocks, x)
-        all_table = _table(tuple(recorder.funcs))
+        funcs = tuple(recorder.funcs)
+        index: dict = {}
+        keys = []
+        for f in funcs:
+            keys.append((f, index.get(f, 0)))
+            index[f] = index.get(f, 0) + 1
+        table = CallTable(funcs, tuple(keys), (RECOMPUTE,) * len(funcs), 0)
         host = HostCopies()
         replayed = [0]
 
-        def contexts(table: CallTable):
+        def contexts():
             storage: dict = {}
             return _TableSaveMode(table, storage, host), _CountingReplay(storage, replayed)
 
-        def step(selective: bool, each: bool) -> float:
+        def step(selective: bool) -> float:
             for p in blocks.parameters():
                 p.grad = None
             c0 = time.thread_time_ns()
-            if each:
-                h = x
-                for block in blocks:
-                    h = checkpoint(partial(_block_forward, block), h, use_reentrant=False,
-                                   **({"context_fn": partial(contexts, block_table)} if selective else {}))
-            else:
-                h = checkpoint(partial(_forward_all, blocks), x, use_reentrant=False,
-                               **({"context_fn": partial(contexts, all_table)} if selective else {}))
+            h = x
+            for block in blocks:
+                if selective:
+                    h = checkpoint(partial(_block_forward, block), h, use_reentrant=False, context_fn=contexts)
+                else:
+                    h = checkpoint(partial(_block_forward, block), h, use_reentrant=False)
             h.sum().backward()
             return (time.thread_time_ns() - c0) / 1e9
 
-        diffs: dict[bool, list[float]] = {True: [], False: []}
-        calls: dict[bool, int] = {}
+        diffs = []
         for i in range(warmup + repeats):
-            for each in (True, False):
-                replayed[0] = 0
-                sac = step(True, each)
-                calls[each] = len(all_table.funcs) + replayed[0]
-                plain = step(False, each)
-                if i >= warmup:
-                    diffs[each].append(sac - plain)
-    per_call, per_region = per_call_and_region(
-        (statistics.median(diffs[True]), statistics.median(diffs[False])), (calls[True], calls[False]), (BLOCKS, 1))
+            replayed[0] = 0
+            sac = step(True)
+            plain = step(False)
+            if i >= warmup:
+                diffs.append(sac - plain)
+        calls = BLOCKS * len(funcs) + replayed[0]
+    per_call = max(0.0, statistics.median(diffs)) / calls
     source = (f"slackswap.runtime.export.dispatch_cost: {BLOCKS} pre-norm MLP blocks (width {WIDTH}, {TOKENS} tokens) "
-              f"in {BLOCKS} regions and in 1, each under plain checkpoint vs the export's SAC modes, thread CPU time, "
-              f"medians of {repeats} pairs over {calls[True]} and {calls[False]} calls, fitted per call and per "
-              f"region; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
-    return DispatchCost(per_call, calls[True], repeats, source, per_region)
+              f"under plain checkpoint vs the export's SAC modes, thread CPU time, median of {repeats} pairs over "
+              f"{calls} calls; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    return DispatchCost(per_call, calls, repeats, source)
 
 
-__all__ = ["DispatchCost", "measure_dispatch_cost", "mlp_blocks", "per_call_and_region"]
+__all__ = ["DispatchCost", "measure_dispatch_cost", "mlp_blocks"]
