@@ -84,7 +84,8 @@ def _row_line(r: dict) -> str:
             + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else "")
             + (f"  [eager SAC: {r['executed_recomputes']} recomputes run, the plan's {r['plan_recomputes']}, "
                f"{r['sac_dispatch_calls']} calls through the SAC modes ({r['predicted_dispatch_s'] * 1e3:.2f} ms), "
-               f"{r['checkpoint_regions']} checkpoint regions ({r['predicted_checkpoint_s'] * 1e3:.2f} ms); "
+               f"{r['checkpoint_regions']} checkpoint regions ({r['predicted_checkpoint_s'] * 1e3:.2f} ms), "
+               f"{r['replayed_views']} views replayed ({r['predicted_replayed_views_s'] * 1e3:.2f} ms); "
                "hook-only program refused the runtime plan]" if r["executor"] == "export" and r["hook_only_refusal"]
                else ""))
 

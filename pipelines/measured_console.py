@@ -21,6 +21,8 @@ def host_text(f: Mapping[str, Any]) -> str:
         parts.append(f"{f['predicted_dispatch_s'] * 1e3:.2f} ms SAC dispatch")
     if f.get("predicted_checkpoint_s"):
         parts.append(f"{f['predicted_checkpoint_s'] * 1e3:.2f} ms checkpoint host work")
+    if f.get("predicted_replayed_views_s"):
+        parts.append(f"{f['predicted_replayed_views_s'] * 1e3:.2f} ms views the replays run again")
     return "".join(f" + {p}" for p in parts)
 
 

@@ -108,6 +108,10 @@ BACKWARD_FRAMES_KEY = "backward_frames"
 #: or keyword, a view of it included). A checkpoint frame keeps its layer's arguments for the replay until
 #: the frame dies, also one no op of the layer reads (HF Llama's `cache_position`; `slackswap.pytorch_execution`).
 LAYER_ARGUMENTS_KEY = "layer_arguments"
+#: Graph meta of a captured graph: per layer (index), the saved-tensor pack events of its forward, weights and
+#: tensors saved twice included: what the layer's eager checkpoint frame packs (`slackswap.experiment
+#: .measured_executor.export_counts`).
+SAVED_PACKS_BY_LAYER_KEY = "saved_tensor_packs_by_layer"
 #: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
 #: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source
 #: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.

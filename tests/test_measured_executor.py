@@ -116,5 +116,8 @@ def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_expor
     # Every layer is a checkpoint region, with its own host work per region and per saved tensor.
     assert f["checkpoint_regions"] == 2 and f["checkpoint_saved"] > 0
     assert f["predicted_checkpoint_s"] == pytest.approx(2 * 2e-4 + f["checkpoint_saved"] * 1.5e-5)
+    # The views each layer's replay runs again, at their op times.
+    assert f["replayed_views"] > 0 and f["predicted_replayed_views_s"] > 0
     assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"]
-                                                  + f["predicted_dispatch_s"] + f["predicted_checkpoint_s"])
+                                                  + f["predicted_dispatch_s"] + f["predicted_checkpoint_s"]
+                                                  + f["predicted_replayed_views_s"])

@@ -198,7 +198,7 @@ def test_the_exports_host_costs_add_per_call_region_and_saved_tensor(monkeypatch
     g = _hooked_graph()
     hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
     plan = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
-    monkeypatch.setattr(executor, "export_counts", lambda graph, p, model: (7, 2, 12.5))
+    monkeypatch.setattr(executor, "export_counts", lambda graph, p, model: executor.ExportCounts(7, 2, 12.5))
     costs = HostCosts(export=ExportHostCost(sac_per_call_s=1e-3, checkpoint_per_region_s=1e-2,
                                             checkpoint_per_saved_s=1e-4, source="test"))
     bare = predict_measured(g, plan, hw, _machine(True), HostCosts(), True, object())

@@ -29,7 +29,10 @@ nothing is added when it is not given (a GPU, where that host work overlaps the 
 What the replay costs in ops is the simulator's: the recompute reruns the layer's forward up to its last
 saved tensor; under SAC each op the policy saved is intercepted there and served from the cache (a
 dispatch call, no op), each op it recomputes runs again (a dispatch call and the op's time:
-`pytorch_plan`'s executed recomputes).
+`pytorch_plan`'s executed recomputes). The replay re-runs the layer's Python forward, so its views
+(reshapes, transposes, expands: ops that make no tensor of their own, which no recompute step holds)
+run again too: on the CPU each is added at its op time, the module code leading to it
+(`slackswap.pytorch_execution.replayed_views`); their dispatch calls are already among a SAC layer's.
 
 `EXECUTORS`: `runtime` (every plan under `apply`), `export` (every plan made for and run through the
 export), `auto` (the runtime, and the export for a plan its hook-only program refuses). Needs torch
@@ -73,6 +76,8 @@ class ExportPrediction:
     #: graph (`export_counts`); 0 when no model was given.
     checkpoint_regions: int = 0
     checkpoint_saved: float = 0.0
+    #: The ops the replays run again that make no tensor of their own (priced at their op times on the CPU).
+    replayed_views: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,13 +91,28 @@ class ExportCheck:
     differences: int
 
 
+@dataclass(frozen=True)
+class ExportCounts:
+    """What a plan's eager export runs per step beyond the executed plan's ops (`export_counts`)."""
+
+    #: ATen calls through the SAC modes (`sac_dispatch_calls`).
+    dispatch_calls: int
+    #: Checkpoint regions (every layer the export wraps) and their forwards' pack events.
+    regions: int
+    saved: float
+    #: The ops the regions' replays run again that make no tensor of their own
+    #: (`slackswap.pytorch_execution.replayed_views`).
+    replayed_views: tuple[str, ...] = ()
+
+
 def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None, model: object = None,
                    costs: ExportHostCost | None = None) -> ExportPrediction:
     """`plan` (made by `plan_for_export` on `graph`) predicted as PyTorch's eager checkpointing runs it:
     `pytorch_plan(..., "eager")`, each layer's recomputes and replayed transients in one block before
     its first backward reader, on `slackswap.experiment.prediction.predict_step`; with `model` (the
-    plan's) and `costs` (the op-time table's `export_host`), plus the SAC layers' dispatch per call and
-    the checkpoint's own work per region and per saved tensor (module docstring)."""
+    plan's) on a synchronous machine (the CPU), plus the views the replays run again at their op times,
+    and with `costs` (the op-time table's `export_host`) the SAC layers' dispatch per call and the
+    checkpoint's own work per region and per saved tensor (module docstring)."""
     from dataclasses import replace
 
     from slackswap.experiment.prediction import predict_step
@@ -104,29 +124,43 @@ def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machin
         return sum(s.kind == StepKind.RECOMPUTE for s in p.steps)
 
     prediction = predict_step(graph, executed, hardware, machine)
-    calls, regions, saved = export_counts(graph, plan, model) if model is not None else (0, 0, 0.0)
-    if costs is not None and machine is not None and machine.synchronous:
-        dispatch = calls * costs.sac_per_call_s
-        frames = regions * costs.checkpoint_per_region_s + saved * costs.checkpoint_per_saved_s
-        prediction = replace(prediction, step_s=prediction.step_s + dispatch + frames, dispatch_s=dispatch,
-                             checkpoint_s=frames)
-    return ExportPrediction(prediction, recomputes(plan), recomputes(executed), calls, regions, saved)
+    counts = export_counts(graph, plan, model) if model is not None else ExportCounts(0, 0, 0.0)
+    if machine is not None and machine.synchronous:
+        ops = graph.op_by_name
+        views = sum(ops[v].duration_s for v in counts.replayed_views)
+        prediction = replace(prediction, step_s=prediction.step_s + views, replayed_views_s=views)
+        if costs is not None:
+            dispatch = counts.dispatch_calls * costs.sac_per_call_s
+            frames = counts.regions * costs.checkpoint_per_region_s + counts.saved * costs.checkpoint_per_saved_s
+            prediction = replace(prediction, step_s=prediction.step_s + dispatch + frames, dispatch_s=dispatch,
+                                 checkpoint_s=frames)
+    return ExportPrediction(prediction, recomputes(plan), recomputes(executed), counts.dispatch_calls,
+                            counts.regions, counts.saved, len(counts.replayed_views))
 
 
-def export_counts(graph: Graph, plan: Plan, model: object) -> tuple[int, int, float]:
-    """(SAC dispatch calls, checkpoint regions, saved tensors of the regions) per step of `plan`'s eager
-    export: `sac_dispatch_calls`; every layer the export wraps is a region; a region's saved tensors are
-    the graph's saved tensors of the layer, scaled by the capture's pack events per saved graph tensor
-    (autograd also packs weights and saves some tensors twice; `saved_tensor_packs`, 1 when absent)."""
-    from slackswap.graph import NO_LAYER
+def export_counts(graph: Graph, plan: Plan, model: object) -> ExportCounts:
+    """`ExportCounts` per step of `plan`'s eager export: `sac_dispatch_calls`; every layer the export
+    wraps is a region; a region's saved tensors are the pack events the capture counted while its layer
+    ran (`saved_tensor_packs_by_layer`: weights and tensors autograd saves twice included, a tensor the
+    next layer's op saves counted in that layer, whose frame packs it); a graph without that count
+    (captured before it was recorded) scales the graph's saved tensors of the layer by the capture's
+    pack events per saved graph tensor (`saved_tensor_packs`); the views the regions' replays run again
+    (`slackswap.pytorch_execution.replayed_views`)."""
+    from slackswap.graph import NO_LAYER, SAVED_PACKS_BY_LAYER_KEY
+    from slackswap.pytorch_execution import replayed_views
     from slackswap.runtime.export import PlanExport
 
     export = PlanExport(plan, graph, model)
-    saved = [t for t in graph.tensors.values() if t.saved]
-    per_tensor = graph.meta.get("saved_tensor_packs", len(saved)) / max(1, len(saved))
     regions = len(export.regions)
-    in_regions = sum(1 for t in saved if t.layer != NO_LAYER and t.layer < regions)
-    return sac_dispatch_calls(graph, plan, model, export), regions, in_regions * per_tensor
+    by_layer = graph.meta.get(SAVED_PACKS_BY_LAYER_KEY)
+    if by_layer is not None:
+        saved = float(sum(by_layer[:regions]))
+    else:
+        tensors = [t for t in graph.tensors.values() if t.saved]
+        per_tensor = graph.meta.get("saved_tensor_packs", len(tensors)) / max(1, len(tensors))
+        saved = sum(1 for t in tensors if t.layer != NO_LAYER and t.layer < regions) * per_tensor
+    views = tuple(v for vs in replayed_views(graph, range(regions)).values() for v in vs)
+    return ExportCounts(sac_dispatch_calls(graph, plan, model, export), regions, saved, views)
 
 
 def sac_dispatch_calls(graph: Graph, plan: Plan, model: object, export: object = None) -> int:
@@ -186,5 +220,5 @@ def export_steps(w: Workload, graph: Graph, plan: Plan, steps: int, lr: float, s
         return train_steps(w, graph, None, steps, lr, seed, on_step, clock=clock)
 
 
-__all__ = ["EXECUTORS", "ExportCheck", "ExportPrediction", "export_gradient_check", "export_steps",
-           "export_counts", "hook_only_refusal", "predict_export", "sac_dispatch_calls"]
+__all__ = ["EXECUTORS", "ExportCheck", "ExportCounts", "ExportPrediction", "export_gradient_check",
+           "export_steps", "export_counts", "hook_only_refusal", "predict_export", "sac_dispatch_calls"]

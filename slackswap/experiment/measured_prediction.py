@@ -110,7 +110,9 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
         "plan_recomputes": executed.plan_recomputes, "executed_recomputes": executed.executed_recomputes,
         "sac_dispatch_calls": executed.dispatch_calls, "predicted_dispatch_s": p.dispatch_s,
         "checkpoint_regions": executed.checkpoint_regions, "checkpoint_saved": executed.checkpoint_saved,
-        "predicted_checkpoint_s": p.checkpoint_s, "predicted_runtime_host_s": p.runtime_host_s}
+        "predicted_checkpoint_s": p.checkpoint_s, "predicted_runtime_host_s": p.runtime_host_s,
+        "replayed_views": executed.replayed_views,
+        "predicted_replayed_views_s": p.replayed_views_s}
     if costs.export is not None:
         figures |= {"sac_dispatch_per_call_s": costs.export.sac_per_call_s,
                     "checkpoint_per_region_s": costs.export.checkpoint_per_region_s,

@@ -41,6 +41,8 @@ class Prediction:
     dispatch_s: float = 0.0
     #: Seconds of the eager export's non-reentrant checkpoints' own work added to it (`predict_export`).
     checkpoint_s: float = 0.0
+    #: Seconds of the views the eager export's replays run again, at their op times (`predict_export`).
+    replayed_views_s: float = 0.0
     #: Seconds of the eager runtime's own host work added to it (`runtime_host_s`; 0 without `host`).
     runtime_host_s: float = 0.0
 

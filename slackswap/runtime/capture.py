@@ -27,6 +27,7 @@ from slackswap.graph import (
     LAYER_ARGUMENTS_KEY,
     NO_LAYER,
     REWRITTEN_KEY,
+    SAVED_PACKS_BY_LAYER_KEY,
     STATE_KEY,
     WEIGHT_GRADS_KEY,
     Graph,
@@ -292,9 +293,15 @@ def capture_graph(
         stack.enter_context(loss_boundary(model, identities))
 
         events = [0, 0]  # saved-tensor packs and unpacks: the hook calls a hooked step makes
+        # Pack events per layer (weights included): what each layer's checkpoint frame packs under the
+        # export (`slackswap.experiment.measured_executor.export_counts`).
+        packs_by_layer: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> object:
             events[0] += 1
+            layer = recorder.layer_of()
+            if layer != NO_LAYER:
+                packs_by_layer[layer] = packs_by_layer.get(layer, 0) + 1
             # Autograd gets a private copy of a graph tensor, not the tensor: what keeps the tensor's
             # storage alive is then what keeps it alive under any plan (the model's own variables, the
             # autograd engine's buffers), and its release is measured (`Tensor.held_until`).
@@ -305,7 +312,7 @@ def capture_graph(
             with _disable_current_modes():
                 copy = t.untyped_storage().clone()
             # The layer running the op that saves it: the checkpoint region whose frame would pack it.
-            return (name_, copy, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), recorder.layer_of())
+            return (name_, copy, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), layer)
 
         def unpack(stand_in: object) -> torch.Tensor:
             events[1] += 1
@@ -377,6 +384,7 @@ def capture_graph(
         "aten_calls": numbering.calls,
         "saved_tensor_packs": events[0],
         "saved_tensor_unpacks": events[1],
+        SAVED_PACKS_BY_LAYER_KEY: [packs_by_layer.get(k, 0) for k in range(max(packs_by_layer, default=-1) + 1)],
         "packed_never_read": never_read,
         "weight_bytes_from_params": sum(p.numel() * p.element_size() for p in model.parameters()),
         "hardware": hardware.name,

@@ -1,0 +1,88 @@
+"""What a plan's eager export runs beyond the executed plan's ops, counted by hand on a two-block model:
+the pack events each checkpoint frame makes (`slackswap.experiment.measured_executor.export_counts`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.extras import require_torch_extra
+
+require_torch_extra()
+
+import torch  # noqa: E402
+
+from slackswap.graph import SAVED_PACKS_BY_LAYER_KEY  # noqa: E402
+from tests.runtime_support import h200  # noqa: E402
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.t()  # a view
+        h = torch.relu(self.lin(y))  # F.linear on 2-D: `t` of the weight (a view) and `addmm`; relu saves h
+        return h.t()  # a view after the block's last op with a saved output
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def two_blocks():
+    from slackswap.runtime import capture_graph
+
+    torch.manual_seed(0)
+    model = _TwoBlocks()
+    x = torch.randn(4, 4)  # needs no gradient
+    return model, capture_graph(model, (x,), lambda out: out.sum(), h200(), name="two blocks")
+
+
+def test_the_capture_counts_each_layers_pack_events_by_hand(two_blocks) -> None:
+    from slackswap.experiment.measured_executor import export_counts
+    from slackswap.planners.registry import get_planner
+
+    model, graph = two_blocks
+    # Block 0's input needs no gradient, so its addmm saves only mat1 (the input's view, for the weight's
+    # gradient) and relu its result: 2. Block 1's input does, so its addmm saves mat2 (the weight's `t`)
+    # too: 3; block 0's output, saved by block 0's relu, is packed again there, by block 1's frame.
+    assert graph.meta[SAVED_PACKS_BY_LAYER_KEY] == [2, 3]
+    assert graph.meta["saved_tensor_packs"] == 5  # the loss's sum saves nothing
+    plan = get_planner("full_recompute").plan(graph, h200(), None)
+    counts = export_counts(graph, plan, model)
+    assert (counts.regions, counts.saved) == (2, 5.0)
+
+
+def test_the_replay_reruns_each_layers_views_up_to_its_last_saved_op(two_blocks) -> None:
+    from slackswap.experiment.measured_executor import export_counts, predict_export
+    from slackswap.planners.registry import get_planner
+    from slackswap.pytorch_execution import replayed_views
+    from tests.test_export_mechanism import _synchronous_machine
+
+    model, graph = two_blocks
+    views = replayed_views(graph, [0, 1])
+    # Per block, by hand: `x.t()` and the weight's `t` run before relu, the block's last op with a saved
+    # output, where the replay stops; `h.t()` after it is not replayed.
+    assert {layer: [v.split(":")[1] for v in names] for layer, names in views.items()} == {
+        0: ["aten.t.default", "aten.t.default"], 1: ["aten.t.default", "aten.t.default"]}
+    assert replayed_views(graph, [1]) == {1: views[1]}
+    plan = get_planner("full_recompute").plan(graph, h200(), None)
+    assert export_counts(graph, plan, model).replayed_views == (*views[0], *views[1])
+    # On the CPU the prediction adds their op times; where host work overlaps the kernels, nothing.
+    ops = graph.op_by_name
+    cpu = _synchronous_machine()
+    priced = predict_export(graph, plan, h200(), cpu, model).prediction
+    bare = predict_export(graph, plan, h200(), cpu).prediction
+    assert priced.replayed_views_s > 0
+    assert priced.replayed_views_s == pytest.approx(sum(ops[v].duration_s for v in (*views[0], *views[1])))
+    assert priced.step_s == pytest.approx(bare.step_s + priced.replayed_views_s)
+    assert predict_export(graph, plan, h200(), None, model).prediction.replayed_views_s == 0.0
