@@ -13,17 +13,13 @@ def load_text() -> str:
 
 
 def host_text(f: Mapping[str, Any]) -> str:
-    """The executor's own host work the prediction added (`slackswap.experiment.measured_prediction`)."""
-    parts = []
-    if f.get("predicted_runtime_host_s"):
-        parts.append(f"{f['predicted_runtime_host_s'] * 1e3:.2f} ms runtime host work")
-    if f.get("predicted_dispatch_s"):
-        parts.append(f"{f['predicted_dispatch_s'] * 1e3:.2f} ms SAC dispatch")
-    if f.get("predicted_checkpoint_s"):
-        parts.append(f"{f['predicted_checkpoint_s'] * 1e3:.2f} ms checkpoint host work")
-    if f.get("predicted_replayed_views_s"):
-        parts.append(f"{f['predicted_replayed_views_s'] * 1e3:.2f} ms views the replays run again")
-    return "".join(f" + {p}" for p in parts)
+    """The executor's own host work the prediction added (`slackswap.experiment.measured_prediction`). The
+    runtime's is negative for an idle plan, whose step runs no hook where the profile's steps ran one."""
+    parts = [(f[k], what) for k, what in (("predicted_runtime_host_s", "runtime host work"),
+                                          ("predicted_dispatch_s", "SAC dispatch"),
+                                          ("predicted_checkpoint_s", "checkpoint host work"),
+                                          ("predicted_replayed_views_s", "views the replays run again")) if f.get(k)]
+    return "".join(f" {'-' if s < 0 else '+'} {abs(s) * 1e3:.2f} ms {what}" for s, what in parts)
 
 
 def comparison_line(f: Mapping[str, Any]) -> str:

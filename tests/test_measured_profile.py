@@ -159,6 +159,50 @@ def test_the_runtimes_host_costs_add_where_its_hook_only_step_makes_them():
     assert OpTimeTable.from_dict(json.loads(json.dumps(table.to_dict()))).runtime_host == host
 
 
+def test_an_idle_plan_takes_the_profiles_pass_through_hook_off_and_adds_the_runtimes_context():
+    from slackswap.experiment.prediction import RuntimeHostCounts, runtime_host_counts
+    from slackswap.profile.measured import RuntimeHostCost
+
+    g = _hooked_graph()  # 2 packs + 3 unpacks: 5 events of the profile's pass-through hook
+    hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
+    host = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1,
+                           idle_context_per_step_s=7e-4, profile_hook_per_event_s=2e-4, source="test")
+    keep = schedule_from_decisions(g, {"a": Decision.KEEP, "b": Decision.KEEP, "gb": Decision.KEEP})
+    assert runtime_host_counts(g, keep) == RuntimeHostCounts(0, 0, 0, 0, idle_steps=1, profile_hook_events=5)
+    p = predict_step(g, keep, hw, _machine(True), host)
+    # No hook runs: the profile's 5 pass-through events come off, the runtime's context (once) goes on.
+    assert p.runtime_host_s == pytest.approx(7e-4 - 5 * 2e-4)
+    assert p.step_s == pytest.approx(predict_step(g, keep, hw, _machine(True)).step_s + 7e-4 - 1e-3)
+    from pipelines.measured_console import host_text
+
+    assert host_text({"predicted_runtime_host_s": p.runtime_host_s}) == " - 0.30 ms runtime host work"
+    # A plan that is not idle runs its hooks on every event: neither applies (its events are priced instead).
+    recompute = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
+    counts = runtime_host_counts(g, recompute)
+    assert (counts.idle_steps, counts.profile_hook_events) == (0, 0)
+    assert counts.seconds(host) == pytest.approx(5e-3 + 1e-2 + 3e-1)
+
+
+def test_runtime_host_costs_cached_without_a_field_are_read_as_not_measured_and_say_why():
+    from dataclasses import asdict
+
+    from slackswap.profile.measured import HOST_COSTS_REMEASURED, RuntimeHostCost
+
+    g = _graph()
+    table = replace(_table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4}),
+                    runtime_host=RuntimeHostCost(1e-6, 2e-5, 1e-5, 2e-6, 4e-5, 1e-6, "test"))
+    stored = table.to_dict()
+    assert OpTimeTable.from_dict(stored) == table and HOST_COSTS_REMEASURED not in table.notes
+    # A table cached before the idle plan's costs were measured: never read with zeros for them.
+    old = {k: v for k, v in asdict(table.runtime_host).items()
+           if k not in ("idle_context_per_step_s", "profile_hook_per_event_s")}
+    read = OpTimeTable.from_dict(stored | {"runtime_host": old})
+    assert read.runtime_host is None and read.times == table.times
+    assert read.notes[HOST_COSTS_REMEASURED] == (f"cached runtime host costs of op-time table {table.key.digest()} "
+                                                 "lack idle_context_per_step_s, profile_hook_per_event_s: "
+                                                 "measuring them again")
+
+
 def _hooked_graph():
     from slackswap.graph import Graph
 

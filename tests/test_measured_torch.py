@@ -321,5 +321,52 @@ def test_the_runtimes_host_cost_is_measured_on_a_fixed_microbenchmark():
     cost = measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None), 0, 1)
     assert torch.equal(torch.get_rng_state(), state)
     assert cost.hook_per_event_s > 0 and cost.replay_per_step_s + cost.replay_per_call_s > 0
+    # An idle plan's step against the profile's plain step: the pass-through hook's cost per event and the
+    # runtime's context per step, each measured (kept >= 0) and stored with the rest.
+    assert cost.profile_hook_per_event_s >= 0 and cost.idle_context_per_step_s >= 0
+    assert "pass-through hook and the keep plan" in cost.source
+    from dataclasses import asdict
+
+    from slackswap.profile.measured import RuntimeHostCost
+
+    assert RuntimeHostCost.lacking(asdict(cost)) == () and RuntimeHostCost(**asdict(cost)) == cost
     # A swap's copies are timed against the same blocks with every tensor kept: per copy, never negative.
     assert cost.per_copy_s >= 0 and "56 copies" in cost.source and "thread CPU time" in cost.source
+
+
+def test_a_cached_tables_runtime_host_costs_lacking_a_field_are_measured_again_in_one_line(tmp_path, monkeypatch):
+    import slackswap.experiment.measured_timing as measured_timing
+    import slackswap.runtime.op_times as op_times
+    from slackswap.experiment.measured_prediction import HostCosts
+    from slackswap.profile.measured import (
+        HOST_COSTS_REMEASURED,
+        ExportHostCost,
+        OpTime,
+        OpTimeKey,
+        OpTimeTable,
+        RuntimeHostCost,
+        load_table,
+    )
+    from slackswap.testing import bwd, fwd, make_graph
+
+    graph = make_graph([fwd("f1", [], ["a"], 1.0), bwd("b1", ["a"], ["ga"], 2.0)], {"a": 100, "ga": 100})
+    key = OpTimeKey(graph.fingerprint, "m0", (((2, 16), "torch.int64"),), "cpu", {"torch": "2.13.0"}, "perf_counter", 2)
+    fresh = RuntimeHostCost(1e-6, 2e-5, 1e-5, 2e-6, 4e-5, 1e-6, "measured now")
+    table = OpTimeTable(key, {"f1": OpTime(1e-3, 1e-3, 1e-3, 1), "b1": OpTime(2e-3, 2e-3, 2e-3, 1)}, 0, 1, 3e-3,
+                        3e-3, 3e-3, runtime_host=fresh, export_host=ExportHostCost(source="stub"))
+    stored = table.to_dict()
+    stored["runtime_host"] = {k: v for k, v in stored["runtime_host"].items() if k != "profile_hook_per_event_s"}
+    cached = OpTimeTable.from_dict(stored)  # as the cache reads a table written before the field was measured
+    monkeypatch.setattr(op_times, "cached_op_times", lambda *args, **kwargs: (cached, True))
+    asked = []
+    monkeypatch.setattr(measured_timing, "measure_host_costs",
+                        lambda device: asked.append(device) or HostCosts(fresh, ExportHostCost(source="stub")))
+    timing = measured_timing.MeasuredTiming(timing="measured", cache_dir=str(tmp_path))
+    w = type("W", (), {"model": None, "batch": None, "loss_fn": None})()
+    _, figures, costs = timing.retime(graph, w)
+    assert asked == ["cpu"] and costs.runtime == fresh
+    assert figures["host_costs_remeasured_because"] == (f"cached runtime host costs of op-time table {key.digest()} "
+                                                        "lack profile_hook_per_event_s: measuring them again")
+    # Stored with the table, without the note: the next run reads them and measures nothing.
+    saved = load_table(key, tmp_path)
+    assert saved.runtime_host == fresh and HOST_COSTS_REMEASURED not in saved.notes

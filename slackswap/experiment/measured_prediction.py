@@ -52,7 +52,9 @@ class HostCosts:
             h = self.runtime
             parts.append(f"runtime {h.hook_per_event_s * 1e6:.2f} us per saved-tensor event, "
                          f"{h.replay_per_step_s * 1e6:.1f} us per recompute step, {h.replay_per_call_s * 1e6:.1f} us "
-                         f"per replayed ATen call, {h.per_copy_s * 1e6:.1f} us per copy")
+                         f"per replayed ATen call, {h.per_copy_s * 1e6:.1f} us per copy; an idle plan "
+                         f"{h.idle_context_per_step_s * 1e6:.0f} us per step less the profile's pass-through hook, "
+                         f"{h.profile_hook_per_event_s * 1e6:.2f} us per event")
         if self.export is not None:
             e = self.export
             parts.append(f"export {e.sac_per_call_s * 1e6:.1f} us per ATen call through the SAC modes, "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,14 @@ from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.profile.machine import Machine
-from slackswap.profile.measured import TIMINGS, cache_line, load_text, retime, save_table
+from slackswap.profile.measured import (
+    HOST_COSTS_REMEASURED,
+    TIMINGS,
+    cache_line,
+    load_text,
+    retime,
+    save_table,
+)
 
 if TYPE_CHECKING:
     from slackswap.runtime.training_workload import Workload
@@ -120,9 +127,13 @@ class MeasuredTiming:
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
                                         self.repeats)
         costs = HostCosts.of(table)
+        host_why = ""
         if table.key.device.startswith("cpu") and not costs.measured:
+            # A cached table whose runtime host costs lack a field is read without them (`from_dict`): why.
+            host_why = str(table.notes.get(HOST_COSTS_REMEASURED, ""))
             costs = measure_host_costs(table.key.device)
-            table = costs.attach(table)
+            table = replace(costs.attach(table), notes={k: v for k, v in table.notes.items()
+                                                        if k != HOST_COSTS_REMEASURED})
             if self.cache_dir is not None:
                 save_table(table, self.cache_dir)
         retimed, sources = retime(graph, table)
@@ -139,7 +150,8 @@ class MeasuredTiming:
                    "op_times_remeasured_because": table.notes.get("remeasured_because", "") if not cached else "",
                    "op_times_cache_line": cache_line(f"op-time table {table.key.digest()}", cached, table.notes,
                                                      self.cache_dir),
-                   "timing_sources_line": sources.line(), "host_costs_line": costs.line()}
+                   "timing_sources_line": sources.line(), "host_costs_line": costs.line(),
+                   "host_costs_remeasured_because": host_why}
         return retimed, figures, costs
 
     def machine(self, device: str) -> tuple[Machine, dict[str, Any]]:

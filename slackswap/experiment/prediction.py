@@ -13,7 +13,10 @@ from the graph and the plan): a plan that is not idle passes every saved tensor 
 pack hook and every read-back through its unpack hook (the capture's counts,
 `saved_tensor_packs` / `saved_tensor_unpacks`), each recompute step replays its op's ATen calls
 from Python, and each copy of a swap costs its bookkeeping beyond the copy's own time. An idle plan
-(keeps everything, moves nothing) runs no hook and adds nothing.
+(keeps everything, moves nothing) runs no hook, where the profile's plain steps ran a pass-through
+one on every event (`slackswap.runtime.op_times`): its prediction takes that hook off and adds the
+runtime's context alone (measured beside it; a hooked step's context is within its events' cost,
+`slackswap.runtime.eager.host_cost`).
 """
 
 from __future__ import annotations
@@ -55,19 +58,28 @@ class RuntimeHostCounts:
     recompute_steps: int
     replayed_calls: int
     copies: int = 0
+    #: An idle plan's step (no hook, the runtime's context alone), once; 0 for a plan that is not idle.
+    idle_steps: int = 0
+    #: Events of the profile's pass-through hook the step does not make (an idle plan's: every event).
+    profile_hook_events: int = 0
 
     def seconds(self, host: RuntimeHostCost) -> float:
         return (self.hook_events * host.hook_per_event_s + self.recompute_steps * host.replay_per_step_s
-                + self.replayed_calls * host.replay_per_call_s + self.copies * host.per_copy_s)
+                + self.replayed_calls * host.replay_per_call_s + self.copies * host.per_copy_s
+                + self.idle_steps * host.idle_context_per_step_s
+                - self.profile_hook_events * host.profile_hook_per_event_s)
 
 
 def runtime_host_counts(graph: Graph, plan: Plan) -> RuntimeHostCounts:
-    """Hook events, recompute steps and replayed ATen calls of `plan`'s hook-only step on `graph`."""
+    """Hook events, recompute steps and replayed ATen calls of `plan`'s hook-only step on `graph`; for an
+    idle plan, its one step of the runtime's context and the profile's pass-through hook events it does
+    not make."""
     steps = [s for s in plan.steps if s.kind == StepKind.RECOMPUTE]
     idle = not (steps or plan.offloads or plan.prefetches) and all(d == Decision.KEEP
                                                                     for d in plan.decisions.values())
+    events = int(graph.meta.get("saved_tensor_packs", 0)) + int(graph.meta.get("saved_tensor_unpacks", 0))
     if idle:
-        return RuntimeHostCounts(0, 0, 0)
+        return RuntimeHostCounts(0, 0, 0, idle_steps=1, profile_hook_events=events)
     ops = graph.ops
     index = {op.name: k for k, op in enumerate(ops)}
 
@@ -78,7 +90,6 @@ def runtime_host_counts(graph: Graph, plan: Plan) -> RuntimeHostCounts:
         k = index[name]
         return number(ops[k + 1].name) - number(name) if k + 1 < len(ops) else 1
 
-    events = int(graph.meta.get("saved_tensor_packs", 0)) + int(graph.meta.get("saved_tensor_unpacks", 0))
     return RuntimeHostCounts(events, len(steps), sum(width(s.op) for s in steps),
                              len(plan.offloads) + len(plan.prefetches))
 

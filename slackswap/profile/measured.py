@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -32,6 +32,9 @@ from slackswap.graph import Graph
 TIMINGS = ("roofline", "measured")
 #: Bumped when the measuring method changes what a time means (old tables then miss).
 TABLE_FORMAT = "slackswap.op_times/2"
+#: The note of a table read whose stored runtime host costs lack a field (`OpTimeTable.from_dict`): why
+#: they are measured again; the caller takes it off once they are.
+HOST_COSTS_REMEASURED = "host_costs_remeasured_because"
 
 
 class MeasurementError(SlackSwapError):
@@ -90,7 +93,8 @@ class RuntimeHostCost:
     """Host seconds the eager runtime's hook-only step spends beyond its ops' in-context times, measured
     once per machine by `slackswap.runtime.eager.host_cost` (never from a plan's step): per saved-tensor
     event (pack or unpack) of a plan that is not idle, per recompute step, per ATen call it replays, per
-    copy of a swap."""
+    copy of a swap; for an idle plan, per step of the runtime's context, and what the profile's plain
+    steps hold that its step does not (`profile_hook_per_event_s`)."""
 
     hook_per_event_s: float = 0.0
     replay_per_step_s: float = 0.0
@@ -98,7 +102,18 @@ class RuntimeHostCost:
     #: Per copy (offload or reload) of a swap, beyond the copy's own time (`Machine.copy_s`) and the hook
     #: events: the runtime's bookkeeping and the host buffer's lookup.
     per_copy_s: float = 0.0
+    #: Per step of an idle plan (no hook), against a plain step without any hook: the runtime's context alone.
+    idle_context_per_step_s: float = 0.0
+    #: Per saved-tensor event, what the profile's pass-through hook adds to its plain steps' op times
+    #: (`slackswap.runtime.op_times`): an idle plan's step runs no hook, so its prediction takes it off.
+    profile_hook_per_event_s: float = 0.0
     source: str = ""
+
+    @classmethod
+    def lacking(cls, stored: Mapping[str, Any]) -> tuple[str, ...]:
+        """The fields a stored cost (`asdict`) lacks: one cached before they were measured, which is measured
+        again rather than read with zeros."""
+        return tuple(f.name for f in fields(cls) if f.name not in stored)
 
 
 @dataclass(frozen=True)
@@ -153,13 +168,17 @@ class OpTimeTable:
         key = OpTimeKey.from_dict(d.pop("key"))
         times = MappingProxyType({name: OpTime(**t) for name, t in d.pop("times").items()})
         host = d.pop("runtime_host", None)
-        d["runtime_host"] = None if host is None else RuntimeHostCost(**host)
+        lacking = RuntimeHostCost.lacking(host) if host is not None else ()
+        d["runtime_host"] = None if host is None or lacking else RuntimeHostCost(**host)
+        notes = dict(d.pop("notes", {}))
+        if lacking:  # cached before these were measured: None, so the caller measures them again and says why
+            notes[HOST_COSTS_REMEASURED] = (f"cached runtime host costs of op-time table {key.digest()} lack "
+                                            f"{', '.join(lacking)}: measuring them again")
         export = d.pop("export_host", None)
         d["export_host"] = None if export is None else ExportHostCost(**export)
         for old in ("sac_dispatch_per_call_s", "sac_dispatch_source"):  # tables cached before export_host
             d.pop(old, None)
-        return cls(key=key, times=times, failed=tuple(d.pop("failed", ())),
-                   notes=MappingProxyType(dict(d.pop("notes", {}))), **d)
+        return cls(key=key, times=times, failed=tuple(d.pop("failed", ())), notes=MappingProxyType(notes), **d)
 
     @property
     def measured_sum_s(self) -> float:

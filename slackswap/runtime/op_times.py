@@ -113,7 +113,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _as_captured():
+def as_captured():
     """Saved-tensor hooks that hand autograd its tensor back: with hooks installed autograd saves a
     tensor without the `detach` call it makes otherwise, so the step makes exactly the capture's (and
     the runtime's, which also saves through hooks) ATen calls."""
@@ -146,7 +146,7 @@ def plain_step_times(model: torch.nn.Module, inputs: Sequence[object], loss_fn: 
         for _ in range(steps):
             for p in params:
                 p.grad = None
-            times.append(_plain_step(model, inputs, loss_fn, device, _as_captured, clock)[0])
+            times.append(_plain_step(model, inputs, loss_fn, device, as_captured, clock)[0])
     for p, g in zip(params, grads, strict=True):
         p.grad = g
     return times
@@ -225,7 +225,7 @@ def measure_op_times(
     """Time every op of `graph` (captured from this model and inputs) on the model's device (module
     docstring; `clock`: the CPU's, "wall" or "process"). The RNG state and the gradients are left as
     they were."""
-    context = _as_captured
+    context = as_captured
     if warmup < 0 or repeats < 1:
         raise MeasurementError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
     if clock not in CLOCKS:

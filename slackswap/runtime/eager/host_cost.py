@@ -27,7 +27,14 @@ and its hooks are wrapped in thread-CPU-time stamps (other load and intra-op thr
   hooks, so that much is already in the op times), over the events: `hook_per_event_s`;
 - per copy of a swap, beyond the copy itself (which the link measurement times) and the hook events:
   the same blocks under a plan that swaps every saved tensor against one that keeps them all
-  (`_per_copy_s`): `per_copy_s`.
+  (`_per_copy_s`): `per_copy_s`;
+- what an idle plan's step (keeps every tensor, moves none: no hook) does not share with the
+  profile's plain step (`_idle_costs`): steps of the blocks with no hook, with the profile's
+  pass-through hook (`slackswap.runtime.op_times.as_captured`) and under the keep plan, in rotating
+  order, medians of the differences within a round: `profile_hook_per_event_s` (pass-through less no
+  hook, over the saved-tensor events: in every op time of the profile, in no idle step) and
+  `idle_context_per_step_s` (keep plan less no hook: the runtime's context, its entry and exit, the
+  model's input check and the step's report, once a step).
 
 The full-recompute plan is the caller's (`slackswap.experiment.measured_prediction.measure_host_costs`
 passes the full_recompute planner's): the planners are a layer above the runtime.
@@ -35,6 +42,7 @@ passes the full_recompute planner's): the planners are a layer above the runtime
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -49,6 +57,9 @@ from slackswap.plan import Plan
 from slackswap.profile.measured import RuntimeHostCost
 
 BLOCKS, WIDTH, TOKENS = 4, 64, 64
+#: `_idle_costs` runs this many rounds per repeat of the recomputes: its differences are tens to a few
+#: hundred microseconds on steps of about 1.7 ms, where each recompute step is stamped on its own.
+IDLE_ROUNDS_PER_REPEAT = 3
 
 
 class _Blocks(torch.nn.Module):
@@ -178,6 +189,7 @@ def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan],
         pass_through = _pass_through_per_event_s(model, x, warmup, repeats)
         hook = max(0.0, statistics.median(hooks) - pass_through)
         per_copy, copies = _per_copy_s(model, x, timed, hook, warmup, repeats)
+        profile_hook, idle_context = _idle_costs(model, x, timed, warmup, IDLE_ROUNDS_PER_REPEAT * repeats)
     ops = {op.name: k for k, op in enumerate(timed.ops)}
     calls, excess = [], []
     for j, times in stamps.recompute.items():
@@ -190,10 +202,49 @@ def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan],
     source = (f"slackswap.runtime.eager.host_cost: {BLOCKS} pre-norm MLP blocks (width {WIDTH}, {TOKENS} tokens) "
               f"under the runtime's full-recompute plan, {len(calls)} recompute steps of {min(calls)}-{max(calls)} "
               f"ATen calls, {events} saved-tensor events; the same blocks with every tensor swapped against every "
-              f"tensor kept, {copies} copies; thread CPU time, medians over {repeats} hook-only steps; "
-              f"op times by the {clock} clock; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+              f"tensor kept, {copies} copies; with no hook, the profile's pass-through hook and the keep plan, "
+              f"{IDLE_ROUNDS_PER_REPEAT * repeats} steps each; thread CPU time, medians over {repeats} hook-only "
+              f"steps; op times by the {clock} clock; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     return RuntimeHostCost(hook_per_event_s=hook, replay_per_step_s=per_step, replay_per_call_s=per_call,
-                           per_copy_s=per_copy, source=source)
+                           per_copy_s=per_copy, idle_context_per_step_s=idle_context,
+                           profile_hook_per_event_s=profile_hook, source=source)
+
+
+def _idle_costs(model, x, graph, warmup: int, repeats: int) -> tuple[float, float]:
+    """(`profile_hook_per_event_s`, `idle_context_per_step_s`: module docstring) in thread CPU seconds:
+    steps with no hook, with the profile's pass-through hook and under a plan that keeps every tensor
+    (idle), in rotating order (no kind always after the same one); medians of the differences within a
+    round, each kept >= 0."""
+    from slackswap.plan import Decision
+    from slackswap.runtime import apply
+    from slackswap.runtime.op_times import as_captured
+    from slackswap.testing import schedule_from_decisions
+
+    keep = apply(schedule_from_decisions(graph, {t.name: Decision.KEEP for t in graph.saved_tensors}), graph, model)
+    contexts = {"bare": contextlib.nullcontext, "pass": as_captured, "keep": lambda: keep}
+    kinds = tuple(contexts)
+    events = int(graph.meta["saved_tensor_packs"]) + int(graph.meta["saved_tensor_unpacks"])
+
+    def step(kind: str) -> float:
+        for p in model.parameters():
+            p.grad = None
+        c0 = time.thread_time_ns()
+        with contexts[kind]():
+            _loss(model(x)).backward()
+        return (time.thread_time_ns() - c0) / 1e9
+
+    rounds = []
+    for i in range(1 + warmup + repeats):  # the keep plan's first step is the verified one
+        t = {kind: step(kind) for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]}
+        if i > warmup:
+            rounds.append(t)
+    if keep.report.verified:
+        raise RuntimeError("runtime host cost: the keep plan's steps did not run hook-only")
+
+    def median(a: str, b: str) -> float:
+        return statistics.median(t[a] - t[b] for t in rounds)
+
+    return max(0.0, median("pass", "bare") / max(1, events)), max(0.0, median("keep", "bare"))
 
 
 def _per_copy_s(model, x, graph, hook_per_event_s: float, warmup: int, repeats: int) -> tuple[float, int]:
