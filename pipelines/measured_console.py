@@ -28,7 +28,9 @@ def comparison_line(f: Mapping[str, Any]) -> str:
     return (f"[train] predicted step {f['predicted_step_s'] * 1e3:.2f} ms (simulated on the measured profile"
             f"{copies}{host_text(f)}) vs measured {f['measured_step_median_s'] * 1e3:.2f} ms median of "
             f"{f['measured_steps_compared']} steps after the first (min {f['measured_step_min_s'] * 1e3:.2f}, max "
-            f"{f['measured_step_max_s'] * 1e3:.2f}): error {f['step_relative_error'] * 100:+.1f} %; {load_text()}")
+            f"{f['measured_step_max_s'] * 1e3:.2f}): error {f['step_relative_error'] * 100:+.1f} %; {load_text()}"
+            + ("; from op times that do not add up to their own step (the op-time table's line above)"
+               if f.get("op_times_sum_refusal") else ""))
 
 
 def drift_line(f: Mapping[str, Any]) -> str | None:

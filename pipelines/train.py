@@ -89,6 +89,8 @@ class _Console(TrainingProgress):
         print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}; sum of op "
               f"times {figures['op_times_sum_s'] * 1e3:.1f} ms, plain step {figures['profile_plain_step_s'] * 1e3:.1f}"
               f" ms", flush=True)
+        if figures.get("op_times_sum_refusal"):
+            print(f"[train] {figures['op_times_sum_refusal']}", flush=True)
         if figures.get("host_costs_line"):
             print(f"[train] executors' host costs on this machine: {figures['host_costs_line']}", flush=True)
 
@@ -201,7 +203,8 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
             client.log_metric(run_id, "step_loss", loss, step=i)
             client.log_metric(run_id, "step_time_s", step_s, step=i)
         timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine",
-                                                       "host_costs_line", "op_times_cache_line", "machine_cache_line")
+                                                       "host_costs_line", "op_times_cache_line", "machine_cache_line",
+                                                       "op_times_sum_refusal")
                   if k in figures}  # which source timed the ops, on the run itself
         tracking.log_tags(client, run_id, {"status": str(status), **timing})
         if (run_dir / "train.json").exists():

@@ -470,3 +470,27 @@ def test_the_cache_line_says_reused_measured_again_or_measured():
         "cached op-time table ab has no recorded load: measuring it again (now at load 0.40 on 2 CPUs)")
     assert cache_line("machine description m.json", False, quiet, "c").endswith("at load 0.40 on 2 CPUs: none cached")
     assert "profile.cache_dir is empty" in cache_line("op-time table ab", False, quiet, None)
+
+
+def test_a_table_whose_ops_do_not_add_up_to_its_plain_step_is_said_and_not_reused():
+    from slackswap.profile.measured import TABLE_SUM_TOLERANCE, reuse_refusal, sum_gap, sum_refusal
+
+    g = _graph()
+    quiet = {"load_average_1min": 0.4, "cpu_count": 2}
+    table = replace(_table(g, {"f1": 0.004, "b1": 0.006}), notes=quiet)  # ops add up to the plain step: 10 ms
+    assert sum_gap(table) == pytest.approx(0.0) and sum_refusal(table) is None and reuse_refusal(table) is None
+    edge = replace(table, step_median_s=0.010 / (1 - TABLE_SUM_TOLERANCE) * 0.999)  # just inside the tolerance
+    assert sum_refusal(edge) is None
+    stalled = replace(table, step_median_s=0.028)  # torch's threads waiting for a busy core: the plain step 2.8x
+    assert sum_gap(stalled) == pytest.approx(10 / 28 - 1)
+    why = sum_refusal(stalled)
+    assert why == (f"op-time table {table.key.digest()}: its op times add up to 10.00 ms, its plain step measured "
+                   "28.00 ms (-64 %, over 20 %): the ops' times are not the step's, measured at load 0.40 on 2 CPUs "
+                   "on torch's 2 intra-op threads; other work takes the cores its threads wait for: fewer threads "
+                   "(OMP_NUM_THREADS) or a quieter machine")
+    # Measured on one thread, there is no thread count to suggest; a cached table is measured again either way.
+    one = replace(stalled, key=replace(stalled.key, intra_op_threads=1))
+    assert sum_refusal(one).endswith("measured at load 0.40 on 2 CPUs on torch's 1 intra-op thread; other work "
+                                     "takes the core it runs on: a quieter machine")
+    assert reuse_refusal(stalled) == (f"cached op-time table {table.key.digest()}'s op times add up to -64 % of "
+                                      "its plain step: measuring it again")

@@ -44,10 +44,22 @@ def test_every_op_of_the_captured_step_is_timed(captured):
     assert all(p.grad is None for p in w.model.parameters())  # the model is left as it was
 
 
+def one_op_of(graph) -> dict:
+    """A stub table's times: one op taking the whole 1 ms plain step, so that its ops add up to it (a table
+    whose ops do not is measured again: tests/test_measured_profile.py)."""
+    from slackswap.profile.measured import OpTime
+
+    return {graph.ops[0].name: OpTime(1e-3, 1e-3, 1e-3, 1)}
+
+
 def test_the_table_is_measured_once_then_read_from_the_cache(captured, tmp_path, monkeypatch):
+    import slackswap.profile.measured as measured
+
     w, graph = captured
-    # A quiet machine, whatever the suite's load: a table measured under load is measured again (below).
+    # A quiet machine, whatever the suite's load: a table measured under load is measured again (below);
+    # one cold repeat's ops need not add up to its plain step, a check tested on its own.
     monkeypatch.setattr("os.getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(measured, "sum_refusal", lambda table: None)
     first, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     again, cached_again = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, warmup=0, repeats=1)
     assert (cached, cached_again) == (False, True) and again == first
@@ -69,7 +81,7 @@ def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path
 
     def stub(graph, model, inputs, loss_fn, warmup, repeats, clock):
         key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
-        made.append(OpTimeTable(key=key, times={}, warmup=warmup, repeats=repeats, step_median_s=1e-3,
+        made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
                                 step_min_s=1e-3, step_max_s=1e-3, notes=next(notes)))
         return made[-1]
 
@@ -100,7 +112,7 @@ def test_a_cached_table_that_cannot_be_read_is_one_line_and_measured_again(captu
 
     def stub(graph, model, inputs, loss_fn, warmup, repeats, clock):
         key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
-        made.append(OpTimeTable(key=key, times={}, warmup=warmup, repeats=repeats, step_median_s=1e-3,
+        made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
                                 step_min_s=1e-3, step_max_s=1e-3, notes={"load_average_1min": 0.2, "cpu_count": 2}))
         return made[-1]
 
@@ -365,6 +377,8 @@ def test_a_cached_tables_runtime_host_costs_lacking_a_field_are_measured_again_i
     w = type("W", (), {"model": None, "batch": None, "loss_fn": None})()
     _, figures, costs = timing.retime(graph, w)
     assert asked == ["cpu"] and costs.runtime == fresh
+    # Its ops add up to its plain step (1 + 2 ms against 3 ms): nothing to say beside the prediction.
+    assert figures["op_times_sum_gap"] == pytest.approx(0.0) and figures["op_times_sum_refusal"] == ""
     assert figures["host_costs_remeasured_because"] == (f"cached runtime host costs of op-time table {key.digest()} "
                                                         "lack profile_hook_per_event_s: measuring them again")
     # Stored with the table, without the note: the next run reads them and measures nothing.

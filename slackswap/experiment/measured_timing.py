@@ -40,6 +40,8 @@ from slackswap.profile.measured import (
     load_text,
     retime,
     save_table,
+    sum_gap,
+    sum_refusal,
 )
 
 if TYPE_CHECKING:
@@ -151,6 +153,9 @@ class MeasuredTiming:
                    "op_times_cache_line": cache_line(f"op-time table {table.key.digest()}", cached, table.notes,
                                                      self.cache_dir),
                    "timing_sources_line": sources.line(), "host_costs_line": costs.line(),
+                   # The op times against the table's own plain step: a table whose ops do not add up to
+                   # it predicts nothing (`sum_refusal`), said beside the prediction, never silently.
+                   "op_times_sum_gap": sum_gap(table), "op_times_sum_refusal": sum_refusal(table) or "",
                    "host_costs_remeasured_because": host_why}
         return retimed, figures, costs
 

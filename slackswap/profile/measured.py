@@ -221,9 +221,48 @@ def load_refusal(artefact: str, notes: Mapping[str, Any]) -> str | None:
     return None
 
 
+#: Largest relative gap between the sum of an op-time table's op medians and the median of its own plain
+#: steps (measured alternately with the timed ones) at which its op times are taken for the step's. The
+#: timer's cost is taken off each op so that they add up (`slackswap.runtime.op_times`): on the 2-core
+#: machine at load up to 1.3 they came within -10 % (torch's 2 threads) and -2 % (one thread). With torch's
+#: 2 threads and one core busy with other work they came to -39 % and -66 % (hf_gpt2_2l, sum 14.7 and 9.5
+#: ms against plain steps of 24.1 and 28.1 ms): the workers wait for a core at every parallel region, the
+#: plain steps more than the timed ones, and the prediction from such a table read -61 to -86 %.
+TABLE_SUM_TOLERANCE = 0.20
+
+
+def sum_gap(table: OpTimeTable) -> float:
+    """(sum of op medians - plain step median) / plain step median: negative when the ops add up short."""
+    return (table.measured_sum_s - table.step_median_s) / table.step_median_s
+
+
+def sum_refusal(table: OpTimeTable) -> str | None:
+    """Why `table`'s op times are not its step's (one line), or None: their medians add up to more than
+    `TABLE_SUM_TOLERANCE` away from its own plain step. A prediction from it is still made and printed
+    with this line beside it; a cached one is measured again (`reuse_refusal`)."""
+    gap = sum_gap(table)
+    if abs(gap) <= TABLE_SUM_TOLERANCE:
+        return None
+    threads = table.key.intra_op_threads
+    cpus = table.notes.get("cpu_count")
+    why = (f"op-time table {table.key.digest()}: its op times add up to {table.measured_sum_s * 1e3:.2f} ms, its "
+           f"plain step measured {table.step_median_s * 1e3:.2f} ms ({gap * 100:+.0f} %, over "
+           f"{TABLE_SUM_TOLERANCE * 100:.0f} %): the ops' times are not the step's, measured at "
+           f"{load_text(table.notes)} on torch's {threads} intra-op thread{'s' if threads != 1 else ''}")
+    if threads > 1 and isinstance(cpus, int) and threads >= cpus:
+        return why + ("; other work takes the cores its threads wait for: fewer threads (OMP_NUM_THREADS) or a "
+                      "quieter machine")
+    return why + "; other work takes the core it runs on: a quieter machine"
+
+
 def reuse_refusal(table: OpTimeTable) -> str | None:
-    """`load_refusal` of a cached op-time table."""
-    return load_refusal(f"op-time table {table.key.digest()}", table.notes)
+    """Why a cached op-time table is measured again rather than reused: `load_refusal`, or op times that
+    do not add up to its own plain step (`sum_refusal`); None to reuse it."""
+    refusal = load_refusal(f"op-time table {table.key.digest()}", table.notes)
+    if refusal is None and sum_refusal(table) is not None:
+        refusal = (f"cached op-time table {table.key.digest()}'s op times add up to {sum_gap(table) * 100:+.0f} % "
+                   "of its plain step: measuring it again")
+    return refusal
 
 
 def cache_line(artefact: str, cached: bool, notes: Mapping[str, Any], cache_dir: str | Path | None) -> str:
