@@ -86,3 +86,35 @@ def test_the_replay_reruns_each_layers_views_up_to_its_last_saved_op(two_blocks)
     assert priced.replayed_views_s == pytest.approx(sum(ops[v].duration_s for v in (*views[0], *views[1])))
     assert priced.step_s == pytest.approx(bare.step_s + priced.replayed_views_s)
     assert predict_export(graph, plan, h200(), None, model).prediction.replayed_views_s == 0.0
+
+
+def test_a_sac_replay_serves_the_kept_outputs_calls_from_the_cache_by_hand(two_blocks) -> None:
+    from slackswap.experiment.measured_executor import (
+        ReplayCalls,
+        export_counts,
+        predict_export,
+        sac_dispatch_calls,
+        sac_replay_calls,
+        sac_replay_ops,
+    )
+    from slackswap.planners.registry import get_planner
+
+    model, graph = two_blocks
+    # keep_all decides relu's output (saved) alone: both blocks run under the SAC policy. Each replay runs
+    # up to relu: the two `t` views again, addmm again (its output is a transient no decision keeps), and
+    # relu's call is served from the cache.
+    keep_all = get_planner("keep_all").plan(graph, h200(), None)
+    ops = sac_replay_ops(graph, keep_all, model)
+    assert {layer: [(name.split(":")[1], kind, calls) for name, kind, calls in v] for layer, v in ops.items()} == {
+        layer: [("aten.t.default", "views", 1), ("aten.t.default", "views", 1),
+                ("aten.addmm.default", "executed", 1), ("aten.relu.default", "cached", 1)] for layer in (0, 1)}
+    assert sac_replay_calls(graph, keep_all, model) == {0: ReplayCalls(1, 2, 1), 1: ReplayCalls(1, 2, 1)}
+    # torch_sac keeps addmm's output too: both of its block's ops are served, only the views run again.
+    torch_sac = get_planner("torch_sac").plan(graph, h200(), None)
+    assert sac_replay_calls(graph, torch_sac, model) == {0: ReplayCalls(0, 2, 2), 1: ReplayCalls(0, 2, 2)}
+    # Every replay call passes the modes with the forward's 5 a block: 2 x (5 + 4).
+    assert sac_dispatch_calls(graph, torch_sac, model) == 18
+    assert export_counts(graph, torch_sac, model).cached_calls == 4
+    from tests.test_export_mechanism import _synchronous_machine
+
+    assert predict_export(graph, torch_sac, h200(), _synchronous_machine(), model).cached_calls == 4

@@ -33,6 +33,11 @@ dispatch call, no op), each op it recomputes runs again (a dispatch call and the
 (reshapes, transposes, expands: ops that make no tensor of their own, which no recompute step holds)
 run again too: on the CPU each is added at its op time, the module code leading to it
 (`slackswap.pytorch_execution.replayed_views`); their dispatch calls are already among a SAC layer's.
+So does the module code leading to each call served from the cache: such a call is charged the
+per-call dispatch cost and nothing more, since measured that covers it (`benchmarks/export_cached_calls.py`:
+stamped in the replays of the benchmark's four exported models, a cached call, the module code leading
+to it included, cost within 2.5 us of the dispatch it is charged); which calls are served is counted on
+the graph (`sac_replay_ops`, `cached_calls`).
 
 `EXECUTORS`: `runtime` (every plan under `apply`), `export` (every plan made for and run through the
 export), `auto` (the runtime, and the export for a plan its hook-only program refuses). Needs torch
@@ -78,6 +83,8 @@ class ExportPrediction:
     checkpoint_saved: float = 0.0
     #: The ops the replays run again that make no tensor of their own (priced at their op times on the CPU).
     replayed_views: int = 0
+    #: Of `dispatch_calls`, those of the replays that the SAC cache serves (`sac_replay_calls`).
+    cached_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,20 @@ class ExportCheck:
 
 
 @dataclass(frozen=True)
+class ReplayCalls:
+    """A SAC layer's replay in ATen calls, by what each call costs there (`sac_replay_calls`)."""
+
+    #: Calls of the ops it runs again: the executed plan's recomputes (their op times, and the dispatch).
+    executed: int
+    #: Calls of its views (`replayed_views`: their op times, and the dispatch).
+    views: int
+    #: Calls the selective-checkpoint cache serves (a kept or swapped output): the dispatch alone, priced
+    #: at `ExportHostCost.sac_per_call_s` like every call; the module code leading to such a call runs
+    #: again too, and that per-call price covers it (module docstring).
+    cached: int
+
+
+@dataclass(frozen=True)
 class ExportCounts:
     """What a plan's eager export runs per step beyond the executed plan's ops (`export_counts`)."""
 
@@ -103,6 +124,8 @@ class ExportCounts:
     #: The ops the regions' replays run again that make no tensor of their own
     #: (`slackswap.pytorch_execution.replayed_views`).
     replayed_views: tuple[str, ...] = ()
+    #: Of the SAC calls, those of the replays that the cache serves (`sac_replay_calls`).
+    cached_calls: int = 0
 
 
 def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None, model: object = None,
@@ -135,7 +158,7 @@ def predict_export(graph: Graph, plan: Plan, hardware: Hardware, machine: Machin
             prediction = replace(prediction, step_s=prediction.step_s + dispatch + frames, dispatch_s=dispatch,
                                  checkpoint_s=frames)
     return ExportPrediction(prediction, recomputes(plan), recomputes(executed), counts.dispatch_calls,
-                            counts.regions, counts.saved, len(counts.replayed_views))
+                            counts.regions, counts.saved, len(counts.replayed_views), counts.cached_calls)
 
 
 def export_counts(graph: Graph, plan: Plan, model: object) -> ExportCounts:
@@ -160,32 +183,77 @@ def export_counts(graph: Graph, plan: Plan, model: object) -> ExportCounts:
         per_tensor = graph.meta.get("saved_tensor_packs", len(tensors)) / max(1, len(tensors))
         saved = sum(1 for t in tensors if t.layer != NO_LAYER and t.layer < regions) * per_tensor
     views = tuple(v for vs in replayed_views(graph, range(regions)).values() for v in vs)
-    return ExportCounts(sac_dispatch_calls(graph, plan, model, export), regions, saved, views)
+    cached = sum(c.cached for c in sac_replay_calls(graph, plan, model, export).values())
+    return ExportCounts(sac_dispatch_calls(graph, plan, model, export), regions, saved, views, cached)
 
 
 def sac_dispatch_calls(graph: Graph, plan: Plan, model: object, export: object = None) -> int:
     """The ATen calls per step that pass the export's SAC dispatch modes: per layer the export runs under
     the policy (`PlanExport.mechanisms`), its forward's calls (the graph's ops of the layer, each with
     the in-place calls joined to it) and its replay's (those up to the layer's last op with a saved
-    output, where the replay stops)."""
+    output, where the replay stops: `sac_replay_calls`)."""
+    forward = sum(sum(w for _, w in ops) for ops, _ in _selective_layers(graph, plan, model, export).values())
+    return forward + sum(c.executed + c.views + c.cached for c in sac_replay_calls(graph, plan, model, export).values())
+
+
+def sac_replay_calls(graph: Graph, plan: Plan, model: object, export: object = None) -> dict[int, ReplayCalls]:
+    """Per layer the export runs under the SAC policy, its replay's ATen calls by what each costs there
+    (`ReplayCalls`, summed from `sac_replay_ops`). All of them pass the dispatch modes (`sac_dispatch_calls`)."""
+    out: dict[int, ReplayCalls] = {}
+    for r, ops in sac_replay_ops(graph, plan, model, export).items():
+        counts = {"executed": 0, "views": 0, "cached": 0}
+        for _, kind, calls in ops:
+            counts[kind] += calls
+        out[r] = ReplayCalls(**counts)
+    return out
+
+
+def sac_replay_ops(graph: Graph, plan: Plan, model: object,
+                   export: object = None) -> dict[int, tuple[tuple[str, str, int], ...]]:
+    """Per SAC layer, its replay's ops in forward order (the layer's forward ops up to its last op with a
+    saved output, where the replay stops) as (op name, kind, its ATen calls: the op's and the in-place calls
+    joined to it). Kind, as `_replayed_transients` decides what runs: "executed" for an op with fresh
+    outputs that the plan recomputes or that no kept or swapped output covers (a recompute of the executed
+    plan, `pytorch_plan`), "views" for an op whose outputs are all views (`replayed_views`), "cached" for
+    one the selective-checkpoint cache serves."""
+    from slackswap.plan import Decision
+
+    cached = {t for t, d in plan.decisions.items() if d in (Decision.KEEP, Decision.SWAP)}
+    have = {t for s in plan.steps if s.kind == StepKind.RECOMPUTE for t in s.outputs}
+    out: dict[int, tuple[tuple[str, str, int], ...]] = {}
+    for r, (ops, last) in _selective_layers(graph, plan, model, export).items():
+        kinds = []
+        for op, width in ops[:last + 1]:
+            if all(graph.tensors[t].base for t in op.outputs):
+                kind = "views"
+            elif cached.intersection(op.outputs) and not have.intersection(op.outputs):
+                kind = "cached"
+            else:
+                kind = "executed"
+            kinds.append((op.name, kind, width))
+        out[r] = tuple(kinds)
+    return out
+
+
+def _selective_layers(graph: Graph, plan: Plan, model: object, export: object = None) -> dict[int, tuple]:
+    """Per SAC layer with forward ops: ([(op, its ATen calls)], the index of its last op with a saved output)."""
     from slackswap.runtime.export import PlanExport
     from slackswap.runtime.export.mechanism import SELECTIVE
     from slackswap.runtime.op_numbering import call_number
 
     export = export if export is not None else PlanExport(plan, graph, model)
-    selective = {r for r, m in enumerate(export.mechanisms()) if m == SELECTIVE}
     forward = graph.forward_ops
-    calls = 0
-    for r in selective:
+    out = {}
+    for r, m in enumerate(export.mechanisms()):
         ops = [(i, op) for i, op in enumerate(forward) if op.layer == r]
-        if not ops:
+        if m != SELECTIVE or not ops:
             continue
         width = [call_number(forward[i + 1].name) - call_number(op.name) if i + 1 < len(forward) else 1
                  for i, op in ops]
         last = max((k for k, (_, op) in enumerate(ops) if any(graph.tensors[t].saved for t in op.outputs)),
                    default=-1)
-        calls += sum(width) + sum(width[:last + 1])
-    return calls
+        out[r] = ([(op, w) for (_, op), w in zip(ops, width, strict=True)], last)
+    return out
 
 
 def hook_only_refusal(w: Workload, graph: Graph, plan: Plan, seed: int = 1) -> tuple[bool, str | None]:
@@ -221,4 +289,5 @@ def export_steps(w: Workload, graph: Graph, plan: Plan, steps: int, lr: float, s
 
 
 __all__ = ["EXECUTORS", "ExportCheck", "ExportCounts", "ExportPrediction", "export_gradient_check",
-           "export_steps", "export_counts", "hook_only_refusal", "predict_export", "sac_dispatch_calls"]
+           "export_steps", "export_counts", "hook_only_refusal", "predict_export", "ReplayCalls",
+           "sac_dispatch_calls", "sac_replay_calls", "sac_replay_ops"]

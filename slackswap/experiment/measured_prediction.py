@@ -110,7 +110,8 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
     p = executed.prediction
     figures: dict[str, Any] = {
         "plan_recomputes": executed.plan_recomputes, "executed_recomputes": executed.executed_recomputes,
-        "sac_dispatch_calls": executed.dispatch_calls, "predicted_dispatch_s": p.dispatch_s,
+        "sac_dispatch_calls": executed.dispatch_calls, "sac_cached_calls": executed.cached_calls,
+        "predicted_dispatch_s": p.dispatch_s,
         "checkpoint_regions": executed.checkpoint_regions, "checkpoint_saved": executed.checkpoint_saved,
         "predicted_checkpoint_s": p.checkpoint_s, "predicted_runtime_host_s": p.runtime_host_s,
         "replayed_views": executed.replayed_views,
