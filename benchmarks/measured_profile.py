@@ -79,8 +79,10 @@ def _row_line(r: dict) -> str:
             f"({ms['measured_min_s']:.1f}-{ms['measured_max_s']:.1f})  error {r['rel_error'] * 100:+6.1f} %  "
             f"overhead {r.get('overhead_predicted', math.nan):.3f} vs {r.get('overhead_measured', math.nan):.3f} "
             f"({r.get('overhead_gap_pp', math.nan):+.1f} pp)  load {r['load']}"
-            + (f"  [runtime host {r['predicted_runtime_host_s'] * 1e3:.2f} ms]" if r.get("predicted_runtime_host_s")
-               else "")
+            + (f"  [runtime host {r['predicted_runtime_host_s'] * 1e3:.2f} ms"
+               + (f"; recompute steps at replay times {r['replay_timed_steps']}, microbenchmark "
+                  f"{r['replay_fallback_steps']}" if r.get("replay_timed_steps") or r.get("replay_fallback_steps")
+                  else "") + "]" if r.get("predicted_runtime_host_s") else "")
             + (f"  [{r['steps_verified']}/{r['steps']} steps verified by the runtime]" if r["steps_verified"] else "")
             + (f"  [eager SAC: {r['executed_recomputes']} recomputes run, the plan's {r['plan_recomputes']}, "
                f"{r['sac_dispatch_calls']} calls through the SAC modes ({r['predicted_dispatch_s'] * 1e3:.2f} ms), "
@@ -96,6 +98,7 @@ def _load() -> float:
 
 def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto",
                    costs=None):
+    from slackswap.experiment.measured_prediction import replay_profile_plan
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
@@ -105,13 +108,18 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     w = build_training_workload(model, spec, device, 0)
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
     t0 = time.perf_counter()
-    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock)
+    # On the CPU each op's replay by the runtime is timed too, in profiling steps of the model under the
+    # full-recompute plan (a profile measurement like the op times: never a step of the plans below).
+    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock,
+                             replay_plan=replay_profile_plan(hardware))
     if costs is not None:  # measured once per run, apart from any plan's step: stored with the profile
         table = costs.attach(table)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
                "plain_step_min_s": table.step_min_s, "plain_step_max_s": table.step_max_s,
-               "timer_overhead_per_call_s": table.timer_overhead_per_call_s, "load": _load()}
+               "timer_overhead_per_call_s": table.timer_overhead_per_call_s,
+               "replay_times_ops": None if table.replay_times is None else len(table.replay_times),
+               "replay_source": table.notes.get("replay_source"), "load": _load()}
     timed, sources = retime(graph, table)
     profile["ops_measured"], profile["ops_roofline"] = sources.measured, sources.roofline
     peak = simulate_ideal(timed, hardware).peak_activation_bytes
@@ -208,6 +216,8 @@ def _timed(prediction, records) -> dict:
     c = compare_steps(prediction.step_s, [r.step_s for r in records])
     return {"predicted_s": c.predicted_s, "predicted_sim_s": prediction.simulated_s,
             "predicted_runtime_host_s": prediction.runtime_host_s,
+            "replay_timed_steps": prediction.replay_timed_steps,
+            "replay_fallback_steps": prediction.replay_fallback_steps,
             "predicted_sync_copy_s": prediction.sync_copy_s, "copies": prediction.copies,
             "measured_median_s": c.measured_median_s, "measured_min_s": c.measured_min_s,
             "measured_max_s": c.measured_max_s, "steps": c.steps,
@@ -282,7 +292,8 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
         profiles.append(profile)
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
-              f" plain step {profile['plain_step_median_s'] * 1e3:.1f} ms; load {profile['load']}", flush=True)
+              f" plain step {profile['plain_step_median_s'] * 1e3:.1f} ms; {profile['replay_source']}; "
+              f"load {profile['load']}", flush=True)
         for r in model_rows:
             if "infeasible" in r or "refused" in r:
                 what = "infeasible" if "infeasible" in r else f"refused: {r['refused']}"

@@ -14,8 +14,15 @@ def load_text() -> str:
 
 def host_text(f: Mapping[str, Any]) -> str:
     """The executor's own host work the prediction added (`slackswap.experiment.measured_prediction`). The
-    runtime's is negative for an idle plan, whose step runs no hook where the profile's steps ran one."""
-    parts = [(f[k], what) for k, what in (("predicted_runtime_host_s", "runtime host work"),
+    runtime's is negative for an idle plan, whose step runs no hook where the profile's steps ran one. Where
+    the op-time table timed its ops' replays, the runtime's says how many recompute steps were priced at
+    them and how many by the microbenchmark (their op had none)."""
+    runtime = "runtime host work"
+    timed, fallback = f.get("replay_timed_steps", 0), f.get("replay_fallback_steps", 0)
+    if f.get("replay_times_measured") and timed + fallback:
+        runtime += (f" ({timed} recompute steps at their ops' measured replay times, {fallback} at the "
+                    "microbenchmark's)")
+    parts = [(f[k], what) for k, what in (("predicted_runtime_host_s", runtime),
                                           ("predicted_dispatch_s", "SAC dispatch"),
                                           ("predicted_checkpoint_s", "checkpoint host work"),
                                           ("predicted_replayed_views_s", "views the replays run again")) if f.get(k)]

@@ -79,7 +79,7 @@ def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path
                   {}, {"load_average_1min": 0.2, "cpu_count": 2}])
     made = []
 
-    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock):
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None):
         key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
         made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
                                 step_min_s=1e-3, step_max_s=1e-3, notes=next(notes)))
@@ -103,6 +103,59 @@ def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path
     assert not was_cached and len(made) == 3 and "no recorded load" in fresh.notes["remeasured_because"]
 
 
+# On one intra-op thread, as the benchmark's record runs: the replays are stamped on the table's clock.
+@pytest.mark.usefixtures("one_thread")
+def test_the_profile_times_the_replay_of_every_op_the_plan_recomputes(captured):
+    import torch
+
+    from slackswap.experiment.measured_prediction import replay_profile_plan
+    from slackswap.plan import StepKind
+
+    w, graph = captured
+    hardware = load_preset("h200_sxm_pcie5")
+    state = torch.get_rng_state()
+    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1, clock="process",
+                             replay_plan=replay_profile_plan(hardware))
+    plan = replay_profile_plan(hardware)(retime(graph, table)[0])
+    recomputed = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE}
+    assert recomputed and set(table.replay_times) == recomputed
+    assert all(t > 0 for t in table.replay_times.values())
+    assert f"{len(recomputed)} ops of plan 'full_recompute'" in table.notes["replay_source"]
+    assert torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in w.model.parameters())
+    # Without a plan nothing is replayed, and the table says it was not measured (None), not "none replayed".
+    assert measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1).replay_times is None
+
+
+def test_a_cached_table_without_replay_times_is_measured_again_where_they_are_wanted(captured, tmp_path,
+                                                                                     monkeypatch):
+    import slackswap.runtime.op_times as op_times
+    from slackswap.profile.measured import OpTimeTable
+
+    w, graph = captured
+    made = []
+
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None):
+        key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
+        made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
+                                step_min_s=1e-3, step_max_s=1e-3, notes={"load_average_1min": 0.2, "cpu_count": 2},
+                                replay_times=None if replay_plan is None else {graph.ops[0].name: 2e-3}))
+        return made[-1]
+
+    monkeypatch.setattr(op_times, "measure_op_times", stub)
+    cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, 0, 1)  # cached without replay times
+    # A run that does not price replays (no plan) reuses it; one that does measures it again, in one line.
+    reused, was_cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, 0, 1)
+    assert was_cached and reused.replay_times is None and len(made) == 1
+    fresh, was_cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, 0, 1,
+                                        replay_plan=lambda g: None)
+    assert not was_cached and len(made) == 2 and fresh.replay_times == {graph.ops[0].name: 2e-3}
+    assert fresh.notes["remeasured_because"] == (f"cached op-time table {fresh.key.digest()} has no replay times of "
+                                                 "its ops: measuring it again")
+    again, was_cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, 0, 1,
+                                        replay_plan=lambda g: None)
+    assert was_cached and again == fresh and len(made) == 2
+
+
 def test_a_cached_table_that_cannot_be_read_is_one_line_and_measured_again(captured, tmp_path, monkeypatch):
     import slackswap.runtime.op_times as op_times
     from slackswap.profile.measured import OpTimeTable, table_path
@@ -110,7 +163,7 @@ def test_a_cached_table_that_cannot_be_read_is_one_line_and_measured_again(captu
     w, graph = captured
     made = []
 
-    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock):
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None):
         key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
         made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
                                 step_min_s=1e-3, step_max_s=1e-3, notes={"load_average_1min": 0.2, "cpu_count": 2}))
@@ -228,6 +281,8 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path, mo
     assert f["ops_timed_measured"] == len(outcome.graph.ops) and f["ops_timed_roofline"] == 0
     # The runtime's host work is in it, at the costs measured with the table and stored with it.
     assert asked == ["cpu"] and "2.00 us per saved-tensor event" in f["host_costs_line"]
+    # Each op's replay by the runtime was timed with the table (tiny_torch's full recompute replays some).
+    assert f["replay_times_ops"] > 0 and f"replay times of {f['replay_times_ops']} ops" in f["host_costs_line"]
     assert f["predicted_runtime_host_s"] > 0
     assert f["predicted_step_s"] == pytest.approx(f["predicted_sim_step_s"] + f["predicted_sync_copy_s"]
                                                   + f["predicted_runtime_host_s"])
@@ -375,7 +430,7 @@ def test_a_cached_tables_runtime_host_costs_lacking_a_field_are_measured_again_i
                         lambda device: asked.append(device) or HostCosts(fresh, ExportHostCost(source="stub")))
     timing = measured_timing.MeasuredTiming(timing="measured", cache_dir=str(tmp_path))
     w = type("W", (), {"model": None, "batch": None, "loss_fn": None})()
-    _, figures, costs = timing.retime(graph, w)
+    _, figures, costs = timing.retime(graph, w, None)  # hardware: the replays' plan, never made here (stub)
     assert asked == ["cpu"] and costs.runtime == fresh
     # Its ops add up to its plain step (1 + 2 ms against 3 ms): nothing to say beside the prediction.
     assert figures["op_times_sum_gap"] == pytest.approx(0.0) and figures["op_times_sum_refusal"] == ""

@@ -1,6 +1,7 @@
 """One prediction of a plan's step on measured op times, for `pipelines.train` (`profile.timing=measured`)
 and `benchmarks/measured_profile.py` alike: what the product prints is what the benchmark checks.
 
+    table = measure_op_times(..., replay_plan=replay_profile_plan(hardware))  # each op's replay timed too
     costs = measure_host_costs("cpu")                          # once per machine, apart from any plan
     table = costs.attach(table)                                # stored with the op-time table
     predicted = predict_measured(graph, plan, hardware, machine, HostCosts.of(table), export, model)
@@ -10,12 +11,16 @@ plus synchronous copies on the CPU), with the host work of the executor that run
 machine by fixed microbenchmarks and counted from the graph and the plan: for the eager runtime its
 hooks and replays (`RuntimeHostCost`, `slackswap.runtime.eager.host_cost`), for a plan run through the
 eager export its SAC dispatch and its checkpoints (`ExportHostCost`,
-`slackswap.experiment.measured_executor.predict_export`). On a GPU that host work overlaps the kernels:
+`slackswap.experiment.measured_executor.predict_export`). The runtime's recompute steps are priced at
+their ops' replay times where the op-time table has them (`OpTimeTable.replay_times`: each op's replay
+timed in profiling steps of the model under `replay_profile_plan`, when the table is measured), the
+microbenchmark's per-step and per-call cost otherwise. On a GPU that host work overlaps the kernels:
 nothing is measured and nothing added. Imports torch only inside the function that measures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,10 +38,13 @@ class HostCosts:
 
     runtime: RuntimeHostCost | None = None
     export: ExportHostCost | None = None
+    #: The op-time table's replay time per op (`OpTimeTable.replay_times`; None: not measured): measured
+    #: with the table's op times, so `attach` leaves the table's own.
+    replay_times: Mapping[str, float] | None = None
 
     @classmethod
     def of(cls, table: OpTimeTable) -> HostCosts:
-        return cls(table.runtime_host, table.export_host)
+        return cls(table.runtime_host, table.export_host, table.replay_times)
 
     def attach(self, table: OpTimeTable) -> OpTimeTable:
         return replace(table, runtime_host=self.runtime, export_host=self.export)
@@ -60,6 +68,8 @@ class HostCosts:
             parts.append(f"export {e.sac_per_call_s * 1e6:.1f} us per ATen call through the SAC modes, "
                          f"checkpoint {e.checkpoint_per_region_s * 1e6:.0f} us per region + "
                          f"{e.checkpoint_per_saved_s * 1e6:.1f} us per saved tensor")
+        if self.replay_times is not None:
+            parts.append(f"replay times of {len(self.replay_times)} ops measured in the model's own profiling steps")
         return "; ".join(parts)
 
 
@@ -89,6 +99,16 @@ def measure_host_costs(device: str) -> HostCosts:
         torch.set_num_threads(threads)
 
 
+def replay_profile_plan(hardware: Hardware) -> Callable[[Graph], Plan]:
+    """The plan whose profiling steps time each op's replay (`measure_op_times`'s `replay_plan`): the
+    full_recompute planner's, which recomputes every op of the stack it can. Here because the planners
+    are a layer above the runtime that measures."""
+    from slackswap.planners.registry import get_planner
+
+    full_recompute = get_planner("full_recompute")
+    return lambda graph: full_recompute.plan(graph, hardware, None)
+
+
 @dataclass(frozen=True)
 class MeasuredPrediction:
     prediction: Prediction
@@ -102,8 +122,11 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
     for the export (`plan_for_export`) and runs as eager selective checkpointing; `model` (the plan's)
     lets the export's regions be counted."""
     if not export:
-        prediction = predict_step(graph, plan, hardware, machine, costs.runtime)
-        return MeasuredPrediction(prediction, {"predicted_runtime_host_s": prediction.runtime_host_s})
+        prediction = predict_step(graph, plan, hardware, machine, costs.runtime, costs.replay_times)
+        return MeasuredPrediction(prediction, {"predicted_runtime_host_s": prediction.runtime_host_s,
+                                               "replay_timed_steps": prediction.replay_timed_steps,
+                                               "replay_fallback_steps": prediction.replay_fallback_steps,
+                                               "replay_times_measured": costs.replay_times is not None})
     from slackswap.experiment.measured_executor import predict_export
 
     executed = predict_export(graph, plan, hardware, machine, model, costs.export)
@@ -124,4 +147,4 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
     return MeasuredPrediction(p, figures)
 
 
-__all__ = ["HostCosts", "MeasuredPrediction", "measure_host_costs", "predict_measured"]
+__all__ = ["HostCosts", "MeasuredPrediction", "measure_host_costs", "predict_measured", "replay_profile_plan"]

@@ -2,7 +2,7 @@
 device, the machine's links, and the plan's predicted step beside the measured one.
 
     timing = MeasuredTiming.from_dict(config["profile"])      # checks, ConfigError naming the field
-    graph, figures, costs = timing.retime(graph, workload)    # before the planner sees the graph
+    graph, figures, costs = timing.retime(graph, workload, hardware)  # before the planner sees the graph
     machine, links = timing.machine(device)                   # measured links (or the given file)
     figures |= timing.compare(graph, plan, hardware, machine, step_times_s, costs)
 
@@ -13,7 +13,9 @@ the run says in one line each which it reused and which it measured
 (`slackswap.profile.measured.cache_line`). No plan's own timed steps feed its prediction. The
 executors' own host costs (`slackswap.experiment.measured_prediction.HostCosts`) are measured once on
 the CPU by fixed microbenchmarks when the table is, and stored with it; the prediction is the
-benchmark's (`predict_measured`). Imports torch only inside the functions that measure.
+benchmark's (`predict_measured`); on the CPU the table also times each op's replay by the runtime
+(`replay_profile_plan`), at which the prediction prices the plan's recompute steps. Imports torch
+only inside the functions that measure.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 from slackswap import validation as check
 from slackswap.errors import ConfigError
-from slackswap.experiment.measured_prediction import HostCosts, measure_host_costs, predict_measured
+from slackswap.experiment.measured_prediction import (
+    HostCosts,
+    measure_host_costs,
+    predict_measured,
+    replay_profile_plan,
+)
 from slackswap.experiment.prediction import compare_steps
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
@@ -120,14 +127,16 @@ class MeasuredTiming:
         return cls(timing=timing, cache_dir=profile.get("cache_dir") or None, warmup=warmup, repeats=repeats,
                    machine_path=machine)
 
-    def retime(self, graph: Graph, w: Workload) -> tuple[Graph, dict[str, Any], HostCosts]:
+    def retime(self, graph: Graph, w: Workload, hardware: Hardware) -> tuple[Graph, dict[str, Any], HostCosts]:
         """The graph with its ops' measured times (roofline for any op not measured), the figures
         saying how many ops each source timed, and the executors' host costs stored with the table
-        (measured now, and stored, where a CPU table lacks them)."""
+        (measured now, and stored, where a CPU table lacks them); on the CPU the table holds each op's
+        replay time too (a cached one without them is measured again). `hardware`: the run's, which the
+        replays' full-recompute plan is made for."""
         from slackswap.runtime.op_times import cached_op_times
 
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
-                                        self.repeats)
+                                        self.repeats, replay_plan=replay_profile_plan(hardware))
         costs = HostCosts.of(table)
         host_why = ""
         if table.key.device.startswith("cpu") and not costs.measured:
@@ -136,6 +145,7 @@ class MeasuredTiming:
             costs = measure_host_costs(table.key.device)
             table = replace(costs.attach(table), notes={k: v for k, v in table.notes.items()
                                                         if k != HOST_COSTS_REMEASURED})
+            costs = HostCosts.of(table)  # with the table's replay times
             if self.cache_dir is not None:
                 save_table(table, self.cache_dir)
         retimed, sources = retime(graph, table)
@@ -156,7 +166,9 @@ class MeasuredTiming:
                    # The op times against the table's own plain step: a table whose ops do not add up to
                    # it predicts nothing (`sum_refusal`), said beside the prediction, never silently.
                    "op_times_sum_gap": sum_gap(table), "op_times_sum_refusal": sum_refusal(table) or "",
-                   "host_costs_remeasured_because": host_why}
+                   "host_costs_remeasured_because": host_why,
+                   "replay_times_ops": -1 if table.replay_times is None else len(table.replay_times),
+                   "replay_source": str(table.notes.get("replay_source", ""))}
         return retimed, figures, costs
 
     def machine(self, device: str) -> tuple[Machine, dict[str, Any]]:

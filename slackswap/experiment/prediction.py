@@ -17,12 +17,20 @@ from Python, and each copy of a swap costs its bookkeeping beyond the copy's own
 one on every event (`slackswap.runtime.op_times`): its prediction takes that hook off and adds the
 runtime's context alone (measured beside it; a hooked step's context is within its events' cost,
 `slackswap.runtime.eager.host_cost`).
+
+With `replay_times` (the op-time table's: each op's replay by the runtime timed in profiling steps of
+the model itself, `slackswap.runtime.eager.replay_times`), a recompute step of an op that has one is
+priced at that replay time less the op's in-context time (which the simulator already counts for the
+recompute), instead of the microbenchmark's a + b x calls: the microbenchmark's small blocks stay in
+cache, where a real model's replay in backward reads data its forward left colder, and its calls'
+arguments are small. A recompute step of an op without a replay time falls back to the
+microbenchmark; both are counted (`Prediction.replay_timed_steps`, `replay_fallback_steps`).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from slackswap.graph import Graph
@@ -48,6 +56,10 @@ class Prediction:
     replayed_views_s: float = 0.0
     #: Seconds of the eager runtime's own host work added to it (`runtime_host_s`; 0 without `host`).
     runtime_host_s: float = 0.0
+    #: Recompute steps priced at their op's measured replay time, and those priced by the microbenchmark
+    #: (no replay time for their op), where the runtime's host work is added (the CPU); 0 elsewhere.
+    replay_timed_steps: int = 0
+    replay_fallback_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class RuntimeHostCounts:
     """What a plan's hook-only step does that its ops' times do not hold (module docstring)."""
 
     hook_events: int
+    #: Recompute steps priced by the microbenchmark (`replay_per_step_s`): those of an op without a
+    #: measured replay time (every one without replay times), and the ATen calls they replay.
     recompute_steps: int
     replayed_calls: int
     copies: int = 0
@@ -62,18 +76,25 @@ class RuntimeHostCounts:
     idle_steps: int = 0
     #: Events of the profile's pass-through hook the step does not make (an idle plan's: every event).
     profile_hook_events: int = 0
+    #: Recompute steps of an op with a measured replay time, and the sum over them of replay time less the
+    #: op's in-context time (negative where a replay costs less than the op did in its forward).
+    replay_timed_steps: int = 0
+    replay_timed_excess_s: float = 0.0
 
     def seconds(self, host: RuntimeHostCost) -> float:
-        return (self.hook_events * host.hook_per_event_s + self.recompute_steps * host.replay_per_step_s
+        return (self.replay_timed_excess_s
+                + self.hook_events * host.hook_per_event_s + self.recompute_steps * host.replay_per_step_s
                 + self.replayed_calls * host.replay_per_call_s + self.copies * host.per_copy_s
                 + self.idle_steps * host.idle_context_per_step_s
                 - self.profile_hook_events * host.profile_hook_per_event_s)
 
 
-def runtime_host_counts(graph: Graph, plan: Plan) -> RuntimeHostCounts:
+def runtime_host_counts(graph: Graph, plan: Plan, replay_times: Mapping[str, float] | None = None
+                        ) -> RuntimeHostCounts:
     """Hook events, recompute steps and replayed ATen calls of `plan`'s hook-only step on `graph`; for an
     idle plan, its one step of the runtime's context and the profile's pass-through hook events it does
-    not make."""
+    not make. With `replay_times`, a recompute step of an op that has one is counted apart with its
+    replay time less the op's duration on `graph` (module docstring)."""
     steps = [s for s in plan.steps if s.kind == StepKind.RECOMPUTE]
     idle = not (steps or plan.offloads or plan.prefetches) and all(d == Decision.KEEP
                                                                     for d in plan.decisions.values())
@@ -90,15 +111,22 @@ def runtime_host_counts(graph: Graph, plan: Plan) -> RuntimeHostCounts:
         k = index[name]
         return number(ops[k + 1].name) - number(name) if k + 1 < len(ops) else 1
 
-    return RuntimeHostCounts(events, len(steps), sum(width(s.op) for s in steps),
-                             len(plan.offloads) + len(plan.prefetches))
+    replays = replay_times or {}
+    timed = [s for s in steps if s.op in replays]
+    fallback = [s for s in steps if s.op not in replays]
+    excess = sum((replays[s.op] - ops[index[s.op]].duration_s for s in timed), 0.0)
+    return RuntimeHostCounts(events, len(fallback), sum(width(s.op) for s in fallback),
+                             len(plan.offloads) + len(plan.prefetches), replay_timed_steps=len(timed),
+                             replay_timed_excess_s=excess)
 
 
 def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None,
-                 host: RuntimeHostCost | None = None) -> Prediction:
+                 host: RuntimeHostCost | None = None, replay_times: Mapping[str, float] | None = None
+                 ) -> Prediction:
     """The plan's step on `machine` (None: `hardware` as it is, copies overlapping); with `host` on a
-    synchronous machine (the CPU), plus the eager runtime's own host work (module docstring): on a GPU
-    it overlaps the kernels and is not added."""
+    synchronous machine (the CPU), plus the eager runtime's own host work (module docstring), its
+    recompute steps at their ops' `replay_times` where measured: on a GPU it overlaps the kernels and
+    is not added."""
     from slackswap.simulate import simulate
     from slackswap.simulate.saved_peak import instant_link
 
@@ -107,12 +135,16 @@ def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine 
         on = machine.on(hardware) if machine is not None else hardware
         sim = simulate(graph, plan, on, None)
         return Prediction(sim.step_s, sim.step_s, 0.0, copies)
-    host_s = runtime_host_counts(graph, plan).seconds(host) if host is not None else 0.0
+    counts = runtime_host_counts(graph, plan, replay_times)
+    # Without `host` the microbenchmark's terms are not measured (nothing added); measured replays still are.
+    host_s = counts.seconds(host if host is not None else RuntimeHostCost())
     sim = simulate(graph, plan, instant_link(hardware), None)
     sizes = graph.size_bytes_of
     copy_s = sum(machine.copy_s("d2h", sizes[t.tensor]) for t in plan.offloads)
     copy_s += sum(machine.copy_s("h2d", sizes[t.tensor]) for t in plan.prefetches)
-    return Prediction(sim.step_s + copy_s + host_s, sim.step_s, copy_s, copies, runtime_host_s=host_s)
+    return Prediction(sim.step_s + copy_s + host_s, sim.step_s, copy_s, copies, runtime_host_s=host_s,
+                      replay_timed_steps=counts.replay_timed_steps,
+                      replay_fallback_steps=counts.recompute_steps if host is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
                                "keep_all_peak_bytes": ideal.peak_activation_bytes, "timing": spec.timing.timing}
     machine = costs = eager_check = None
     if spec.timing.measured:  # the planner and the simulator see the measured op times
-        graph, timed, costs = spec.timing.retime(graph, w)
+        graph, timed, costs = spec.timing.retime(graph, w, hardware)
         machine, links = spec.timing.machine(spec.device)
         timed |= links
         figures.update(timed)

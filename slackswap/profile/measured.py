@@ -150,6 +150,11 @@ class OpTimeTable:
     runtime_host: RuntimeHostCost | None = None
     #: The eager export's own host costs on this machine (`ExportHostCost`); None when not measured.
     export_host: ExportHostCost | None = None
+    #: Per op name: median seconds of the eager runtime's replay of that op in profiling steps of this
+    #: model (`slackswap.runtime.eager.replay_times`, measured on the CPU with the op times); a prediction
+    #: prices a recompute step of the op at it. None: not measured (a GPU's table, or one cached before
+    #: replays were timed: `replay_refusal`); empty: measured, no op replayed (`notes["replay_source"]`).
+    replay_times: Mapping[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -159,6 +164,7 @@ class OpTimeTable:
             "failed": list(self.failed), "notes": dict(self.notes),
             "runtime_host": None if self.runtime_host is None else asdict(self.runtime_host),
             "export_host": None if self.export_host is None else asdict(self.export_host),
+            "replay_times": None if self.replay_times is None else dict(self.replay_times),
             "times": {name: asdict(t) for name, t in self.times.items()},
         }
 
@@ -178,6 +184,8 @@ class OpTimeTable:
         d["export_host"] = None if export is None else ExportHostCost(**export)
         for old in ("sac_dispatch_per_call_s", "sac_dispatch_source"):  # tables cached before export_host
             d.pop(old, None)
+        replay = d.pop("replay_times", None)  # absent from a table cached before replays were timed: None
+        d["replay_times"] = None if replay is None else MappingProxyType({k: float(v) for k, v in replay.items()})
         return cls(key=key, times=times, failed=tuple(d.pop("failed", ())), notes=MappingProxyType(notes), **d)
 
     @property
@@ -263,6 +271,16 @@ def reuse_refusal(table: OpTimeTable) -> str | None:
         refusal = (f"cached op-time table {table.key.digest()}'s op times add up to {sum_gap(table) * 100:+.0f} % "
                    "of its plain step: measuring it again")
     return refusal
+
+
+def replay_refusal(table: OpTimeTable) -> str | None:
+    """Why a cached CPU table is measured again rather than reused by a run that prices recompute steps at
+    the ops' replay times (`slackswap.runtime.op_times.cached_op_times` with a `replay_plan`): it has none,
+    cached before replays were timed. None when it has them. A prediction never reads their absence as
+    zeros: it would price every recompute step at the microbenchmark's cost without saying so."""
+    if table.replay_times is None:
+        return f"cached op-time table {table.key.digest()} has no replay times of its ops: measuring it again"
+    return None
 
 
 def cache_line(artefact: str, cached: bool, notes: Mapping[str, Any], cache_dir: str | Path | None) -> str:

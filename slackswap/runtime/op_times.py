@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.graph import Graph
+from slackswap.plan import Plan
 from slackswap.profile.measured import (
     MeasurementError,
     OpTime,
@@ -45,6 +46,8 @@ from slackswap.profile.measured import (
     OpTimeTable,
     measured_load,
     read_table,
+    replay_refusal,
+    retime,
     reuse_refusal,
     save_table,
 )
@@ -221,10 +224,15 @@ def measure_op_times(
     warmup: int = 2,
     repeats: int = 5,
     clock: str = "wall",
+    replay_plan: Callable[[Graph], Plan] | None = None,
 ) -> OpTimeTable:
     """Time every op of `graph` (captured from this model and inputs) on the model's device (module
     docstring; `clock`: the CPU's, "wall" or "process"). The RNG state and the gradients are left as
-    they were."""
+    they were. `replay_plan` (the CPU only; the caller's full-recompute plan of the re-timed graph: the
+    planners are a layer above): after the plain steps, the runtime's replay of every op it recomputes is
+    timed on the same clock in profiling steps of the model (`slackswap.runtime.eager.replay_times`) and
+    kept per op (`OpTimeTable.replay_times`); on a GPU the runtime's host work overlaps the kernels and
+    nothing is timed."""
     context = as_captured
     if warmup < 0 or repeats < 1:
         raise MeasurementError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
@@ -276,11 +284,19 @@ def measure_op_times(
         tails.append(max(0.0, run.end_s - previous))
     times = {op.name: OpTime(statistics.median(v), min(v), max(v), len(v)) for op, v in zip(graph.ops, per_op,
                                                                                             strict=True)}
-    return OpTimeTable(key=key, times=times, warmup=warmup, repeats=repeats, step_median_s=statistics.median(plain),
+    table = OpTimeTable(key=key, times=times, warmup=warmup, repeats=repeats, step_median_s=statistics.median(plain),
                        step_min_s=min(plain), step_max_s=max(plain), timer_overhead_per_call_s=overhead,
                        unattributed_s=statistics.median(tails),
                        notes={"timed_step_median_s": statistics.median(timed), "aten_calls": calls,
                               **measured_load()})
+    if replay_plan is None or device.type != "cpu":
+        return table
+    from slackswap.runtime.eager.replay_times import measure_replay_times
+
+    timed_graph, _ = retime(graph, table)
+    replays, source = measure_replay_times(timed_graph, replay_plan(timed_graph), model, inputs, loss_fn,
+                                           CLOCKS[clock], warmup, repeats)
+    return replace(table, replay_times=replays, notes=dict(table.notes) | {"replay_source": source})
 
 
 def cached_op_times(
@@ -292,21 +308,25 @@ def cached_op_times(
     warmup: int = 2,
     repeats: int = 5,
     clock: str = "wall",
+    replay_plan: Callable[[Graph], Plan] | None = None,
 ) -> tuple[OpTimeTable, bool]:
     """(table, True when it came from `cache_dir`): measured once per key, reused by later runs unless
     it was measured under load (`slackswap.profile.measured.reuse_refusal`) or the file there cannot be
     used (`read_table`: it does not parse, or stores another key); then it is measured again, and the
     new table's `notes["remeasured_because"]` says why (the run prints it:
-    `slackswap.profile.measured.cache_line`)."""
+    `slackswap.profile.measured.cache_line`). With `replay_plan` (`measure_op_times`), a cached CPU table
+    without replay times is measured again too (`replay_refusal`)."""
     why = None
     if cache_dir is not None:
         device = next(model.parameters()).device
         found, why = read_table(op_time_key(graph, device, clock), cache_dir)
         if found is not None:
             why = reuse_refusal(found)
+            if why is None and replay_plan is not None and device.type == "cpu":
+                why = replay_refusal(found)
             if why is None:
                 return found, True
-    table = measure_op_times(graph, model, inputs, loss_fn, warmup, repeats, clock)
+    table = measure_op_times(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan)
     if why is not None:
         table = replace(table, notes=dict(table.notes) | {"remeasured_because": why})
     if cache_dir is not None:

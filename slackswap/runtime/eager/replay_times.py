@@ -1,0 +1,77 @@
+"""What the eager runtime's replay of each op of the user's own graph costs on the CPU, measured once
+when the op-time table is (`slackswap.runtime.op_times.measure_op_times`, `replay_plan`).
+
+Why: a recompute step of a hook-only step (`slackswap.runtime.eager.hook_only`) replays its op's
+recorded ATen calls from Python (`PlanRun._recompute`: RNG fork, argument resolution over the recorded
+call's pytree, one call through its `OpOverload` per call), in backward, on data the forward left
+colder. The simulator counts the op's in-context forward time for it (`slackswap.runtime.op_times`);
+the rest used to be priced by a fixed microbenchmark on small MLP blocks that stay in cache
+(`slackswap.runtime.eager.host_cost`: a + b x calls per step), which on the benchmark's models
+priced a recompute step tens of microseconds under what it cost. So the model's own replays are
+timed: profiling steps of the model under the runtime with a plan that recomputes every op it can
+(the caller's: the planners are a layer above the runtime), each recompute step stamped on the
+table's clock, and per op the median over the profiling steps kept (`OpTimeTable.replay_times`).
+
+A profile measurement like the op times: each op timed in its forward (the plain steps) and in its
+replay (these steps), never a step of the plan a prediction is for. Where the plan's hook-only
+program refuses the model (its steps would run verified, under dispatch modes), nothing is timed and
+every recompute step falls back to the microbenchmark, counted (`replay_source` says why).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+from slackswap.graph import Graph
+from slackswap.plan import Plan, StepKind
+
+
+def measure_replay_times(graph: Graph, plan: Plan, model: torch.nn.Module, inputs: Sequence[object],
+                         loss_fn: Callable[[object], torch.Tensor], now_ns: Callable[[], int], warmup: int = 2,
+                         repeats: int = 5) -> tuple[dict[str, float], str]:
+    """(per op `plan` recomputes: the median seconds of its replay on `now_ns` over the profiling steps;
+    one line saying what was measured). One verified step, `warmup` hook-only steps, then `repeats`
+    stamped ones; the RNG state is left as it was and the gradients cleared, as the op times leave them."""
+    from slackswap.runtime.eager.run import apply
+
+    recomputes = sum(s.kind == StepKind.RECOMPUTE for s in plan.steps)
+    if not recomputes:
+        return {}, f"replay times: plan {plan.planner!r} recomputes no op on this graph: none measured"
+    run = apply(plan, graph, model)
+    stamps: dict[int, list[float]] = {}
+    recompute = run._recompute
+
+    def stamped(j, reads=None):
+        t0 = now_ns()
+        recompute(j, reads)
+        stamps.setdefault(j, []).append((now_ns() - t0) / 1e9)
+
+    run._recompute = stamped  # an instance attribute: the hook-only step looks it up on the instance
+    with torch.random.fork_rng(devices=[]):
+        for i in range(1 + warmup + repeats):  # the first step is the verified one
+            for p in model.parameters():
+                p.grad = None
+            if i == 1 + warmup:
+                stamps.clear()
+            with run:
+                loss_fn(model(*inputs)).backward()
+            refusal = run.report.hook_only_refusal
+            if refusal is not None or (i > 0 and run.report.verified):
+                for p in model.parameters():
+                    p.grad = None
+                return {}, (f"replay times: the runtime's hook-only program refuses plan {plan.planner!r} "
+                            f"({refusal or 'its steps ran verified'}): none measured")
+    for p in model.parameters():
+        p.grad = None
+    per_op: dict[str, list[float]] = {}
+    for j, times in stamps.items():
+        per_op.setdefault(plan.steps[j].op, []).extend(times)
+    medians = {op: statistics.median(times) for op, times in per_op.items()}
+    return medians, (f"replay times: {len(medians)} ops of plan {plan.planner!r} ({recomputes} recompute steps), "
+                     f"each replay stamped in {repeats} hook-only steps after {warmup} warm-up steps, medians")
+
+
+__all__ = ["measure_replay_times"]
