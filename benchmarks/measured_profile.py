@@ -15,6 +15,9 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
 3. the plan runs 1 + N AdamW steps under the runtime; the median of the N after the first is the
    measured step. No plan's measured step feeds any prediction.
 
+`--runs K` repeats all of it K times, independently, one run after the other, and keeps every run's
+counts and every row's error side by side (`across_runs`): on a shared machine one run is one draw.
+
 Reported per row: predicted and measured step, the relative error (target |error| <= 10 %), the
 recompute overhead (plan step / keep_all step) predicted and measured and their gap in percentage
 points (target <= 3 pp), and the 1-minute load average when the row was measured. Then the preset fit
@@ -331,10 +334,34 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
               "runtime_host": None if costs.runtime is None else asdict(costs.runtime),
               "export_host": None if costs.export is None else asdict(costs.export),
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
-    tag = ("" if clock == "wall" else f"_{clock}") + ("" if executor == "auto" else f"_{executor}")
-    path = save_result(f"measured_profile{tag}{'_quick' if quick else ''}.json", result)
-    print(f"[saved] {path}", flush=True)
     return result
+
+
+def across_runs(results: list[dict]) -> dict:
+    """What repeated runs say together: each run's summary, cross-shape error and load range, and per row
+    its error and overhead gap in every run. On a shared 2-core machine one run's counts move by a third
+    between consecutive runs (the op-time table and the steps each carry the moment's state), so the record
+    is the runs side by side, never the best of them."""
+    per_run = [{"summary": r["summary"], "cross_shape_rel_error": (r["cross_shape_fit"] or {}).get("rel_error"),
+                "load_min": min(row["load"] for row in r["rows"]), "load_max": max(row["load"] for row in r["rows"]),
+                "wall_s": r["wall_s"]} for r in results]
+    rows: dict[str, dict[str, list]] = {}
+    for r in results:
+        for row in r["rows"]:
+            entry = rows.setdefault(f"{row['model']} {row['plan']}", {"rel_error": [], "overhead_gap_pp": []})
+            entry["rel_error"].append(row.get("rel_error"))
+            entry["overhead_gap_pp"].append(row.get("overhead_gap_pp"))
+    return {"runs": per_run, "rows": rows}
+
+
+def _runs_line(together: dict) -> str:
+    def spread(key: str) -> str:
+        return ", ".join(str(run["summary"][key]) for run in together["runs"])
+
+    return (f"[runs] {len(together['runs'])} runs: steps within 10 %: {spread('within_10pct')}; overheads within "
+            f"3 pp: {spread('overhead_within_3pp')}; cross-shape fit: "
+            + ", ".join(f"{run['cross_shape_rel_error'] * 100:+.1f} %" for run in together["runs"]
+                        if run["cross_shape_rel_error"] is not None))
 
 
 def main() -> None:
@@ -349,7 +376,12 @@ def main() -> None:
                              "made for and run through the export")
     parser.add_argument("--clock", default="wall", choices=sorted(STEP_CLOCKS),
                         help="process: CPU time of this process for op times and steps alike (needs --threads 1)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="independent runs one after the other (links, host costs, profiles and steps each "
+                             "measured again); the result keeps the last run's rows and every run's figures")
     args = parser.parse_args()
+    if args.runs < 1:
+        raise SystemExit(f"error: --runs={args.runs}: must be >= 1")
     if args.clock == "process" and (args.threads != 1 or args.device != "cpu"):
         raise SystemExit("error: --clock=process: needs --threads 1 on the CPU (CPU time of several threads "
                          "or of a GPU's work is not a step's time)")
@@ -359,7 +391,13 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    run(args.quick, args.device, args.clock, args.executor)
+    results = [run(args.quick, args.device, args.clock, args.executor) for _ in range(args.runs)]
+    result = results[-1] | {"across_runs": across_runs(results)}
+    if args.runs > 1:
+        print(_runs_line(result["across_runs"]), flush=True)
+    tag = ("" if args.clock == "wall" else f"_{args.clock}") + ("" if args.executor == "auto" else f"_{args.executor}")
+    path = save_result(f"measured_profile{tag}{'_quick' if args.quick else ''}.json", result)
+    print(f"[saved] {path}", flush=True)
 
 
 if __name__ == "__main__":
