@@ -439,3 +439,19 @@ def test_a_cached_tables_runtime_host_costs_lacking_a_field_are_measured_again_i
     # Stored with the table, without the note: the next run reads them and measures nothing.
     saved = load_table(key, tmp_path)
     assert saved.runtime_host == fresh and HOST_COSTS_REMEASURED not in saved.notes
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_the_table_calibrate_caches_is_one_a_training_run_reuses(tmp_path):
+    # pipelines.calibrate caches its op-time table with the ops' replay times, as a measured training run
+    # does: a later `pipelines.train ... profile.timing=measured` on the same cache reads it, not measures it.
+    import json
+
+    from pipelines.calibrate import main
+    from slackswap.profile.measured import OpTimeTable, replay_refusal
+
+    assert main(["model=tiny_torch", f"profile.cache_dir={tmp_path}", "--out", str(tmp_path / "fitted.yaml")]) == 0
+    (cached,) = tmp_path.glob("*.json")
+    table = OpTimeTable.from_dict(json.loads(cached.read_text()))
+    assert table.replay_times and replay_refusal(table) is None
