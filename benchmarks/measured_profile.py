@@ -12,17 +12,26 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
    the executor that runs it, the eager runtime's hooks and replays or an exported plan's SAC dispatch
    and checkpoints, at costs measured once per run by fixed microbenchmarks and stored with each
    op-time table) before any of its steps runs;
-3. the plan runs 1 + N AdamW steps under the runtime; the median of the N after the first is the
-   measured step. No plan's measured step feeds any prediction.
+3. the plan runs 1 + N AdamW steps (under the runtime, or through the export), in rounds with as many
+   keep_all steps on a copy of the model made just before (`benchmarks.measured_pairs`: same weights,
+   batches and RNG stream, which side goes first alternating); the median of the plan's N steps after
+   the first is the measured step. No plan's measured step feeds any prediction.
 
 `--runs K` repeats all of it K times, independently, one run after the other, and keeps every run's
 counts and every row's error side by side (`across_runs`): on a shared machine one run is one draw.
 
 Reported per row: predicted and measured step, the relative error (target |error| <= 10 %), the
 recompute overhead (plan step / keep_all step) predicted and measured and their gap in percentage
-points (target <= 3 pp), and the 1-minute load average when the row was measured. Then the preset fit
-(`slackswap.profile.fit`) on one shape of hf_gpt2_2l, predicting another micro-batch and sequence
-length (target within 15 %). Every row is kept, misses included. Results: benchmarks/results/
+points (target <= 3 pp), measured two ways: `overhead_measured`, the plan's median over the keep_all
+row's (steps of separate runs), and `overhead_measured_paired`, the median over rounds of the plan's
+step over keep_all's in the same round (`overhead_gap_pp_paired`, `overhead_within_3pp_paired`; the
+summary counts both). Why paired: on the shared 2-core machine the two medians of the unpaired ratio
+come from machine states seconds apart, and a row's gap moved by 10-50 pp between runs of the same
+code; a round's two steps run within milliseconds (docs/decisions/0021). keep_all's own row is paired
+with keep_all too: its paired gap is the run's noise floor. `paired_losses_equal` says the two sides
+stayed bit-identical step for step. Each row keeps the 1-minute load average when it was measured.
+Then the preset fit (`slackswap.profile.fit`) on one shape of hf_gpt2_2l, predicting another
+micro-batch and sequence length (target within 15 %). Every row is kept, misses included. Results: benchmarks/results/
 measured_profile[_quick].json. On a loaded machine the measured steps carry the load: read the load
 column before the errors.
 """
