@@ -41,6 +41,10 @@ def test_a_plan_the_hook_only_program_refuses_is_measured_through_the_export(tin
     # Predicted as eager checkpointing runs it: the layer's replay runs more than the plan's recomputes.
     assert row["executed_recomputes"] > row["plan_recomputes"] > 0
     assert row["export_differences"] == 0
+    # Its steps ran in rounds with keep_all's on a copy of the model (same weights, batches, RNG stream):
+    # both sides exact, they stay equal step for step, and keep_all ran on the runtime's hooks alone.
+    assert len(row["round_step_s"]) == len(row["round_keep_all_step_s"]) == 2
+    assert row["paired_losses_equal"] is True and row["paired_keep_all_steps_verified"] == 0
 
 
 @pytest.mark.slow

@@ -6,10 +6,12 @@ from benchmarks.measured_profile import _runs_line, across_runs
 
 
 def _run(within: int, gap: float, fit: float | None, loads: tuple[float, float]) -> dict:
-    rows = [{"model": "m", "plan": "keep_all", "rel_error": 0.01, "overhead_gap_pp": 0.0, "load": loads[0]},
-            {"model": "m", "plan": "slackswap@0.5", "rel_error": -0.2, "overhead_gap_pp": gap, "load": loads[1]},
+    rows = [{"model": "m", "plan": "keep_all", "rel_error": 0.01, "overhead_gap_pp": 0.0,
+             "overhead_gap_pp_paired": 0.5, "load": loads[0]},
+            {"model": "m", "plan": "slackswap@0.5", "rel_error": -0.2, "overhead_gap_pp": gap,
+             "overhead_gap_pp_paired": gap / 4, "load": loads[1]},
             {"model": "m", "plan": "torch_sac", "infeasible": "over budget", "load": loads[1]}]
-    summary = {"within_10pct": within, "overhead_within_3pp": within - 1}
+    summary = {"within_10pct": within, "overhead_within_3pp": within - 1, "overhead_within_3pp_paired": within - 2}
     return {"summary": summary, "rows": rows, "wall_s": 13.0,
             "cross_shape_fit": None if fit is None else {"rel_error": fit}}
 
@@ -18,11 +20,13 @@ def test_repeated_runs_keep_each_runs_counts_and_each_rows_errors_in_run_order()
     together = across_runs([_run(23, -4.0, 0.114, (0.6, 0.7)), _run(13, 12.5, -0.266, (1.0, 1.01))])
     assert [r["summary"]["within_10pct"] for r in together["runs"]] == [23, 13]
     assert [(r["load_min"], r["load_max"]) for r in together["runs"]] == [(0.6, 0.7), (1.0, 1.01)]
-    assert together["rows"]["m slackswap@0.5"] == {"rel_error": [-0.2, -0.2], "overhead_gap_pp": [-4.0, 12.5]}
+    assert together["rows"]["m slackswap@0.5"] == {"rel_error": [-0.2, -0.2], "overhead_gap_pp": [-4.0, 12.5],
+                                                   "overhead_gap_pp_paired": [-1.0, 3.125]}
     # A row that did not predict (infeasible, refused) keeps its place as None in every run.
-    assert together["rows"]["m torch_sac"] == {"rel_error": [None, None], "overhead_gap_pp": [None, None]}
-    assert _runs_line(together) == ("[runs] 2 runs: steps within 10 %: 23, 13; overheads within 3 pp: 22, 12; "
-                                    "cross-shape fit: +11.4 %, -26.6 %")
+    assert together["rows"]["m torch_sac"] == {"rel_error": [None, None], "overhead_gap_pp": [None, None],
+                                               "overhead_gap_pp_paired": [None, None]}
+    assert _runs_line(together) == ("[runs] 2 runs: steps within 10 %: 23, 13; overheads within 3 pp: 22, 12, "
+                                    "paired: 21, 11; cross-shape fit: +11.4 %, -26.6 %")
 
 
 def test_a_run_without_a_cross_shape_fit_is_left_out_of_the_fit_list():
