@@ -7,9 +7,7 @@ import pytest
 
 from tests.extras import require_torch_extra
 
-require_torch_extra()
-
-import torch  # noqa: E402
+torch = require_torch_extra("torch")
 
 from slackswap.graph import SAVED_PACKS_BY_LAYER_KEY  # noqa: E402
 from tests.runtime_support import h200  # noqa: E402
