@@ -83,7 +83,7 @@ class _Console(TrainingProgress):
 
     def timed(self, figures) -> None:
         # One line per cached measurement: reused (at its load), measured again (why) or measured now.
-        for key in ("op_times_cache_line", "machine_cache_line", "host_costs_remeasured_because"):
+        for key in ("op_times_cache_line", "machine_cache_line"):
             if figures.get(key):
                 print(f"[train] {figures[key]}", flush=True)
         print(f"[train] {figures['timing_sources_line']} on {figures['op_times_device']}; sum of op "

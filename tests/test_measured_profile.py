@@ -183,24 +183,28 @@ def test_an_idle_plan_takes_the_profiles_pass_through_hook_off_and_adds_the_runt
     assert counts.seconds(host) == pytest.approx(5e-3 + 1e-2 + 3e-1)
 
 
-def test_runtime_host_costs_cached_without_a_field_are_read_as_not_measured_and_say_why():
+def test_runtime_host_costs_cached_without_a_field_are_never_read_as_zeros(tmp_path):
     from dataclasses import asdict
 
-    from slackswap.profile.measured import HOST_COSTS_REMEASURED, RuntimeHostCost
+    from slackswap.profile.measured import RuntimeHostCost, read_table
 
     g = _graph()
     table = replace(_table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4}),
                     runtime_host=RuntimeHostCost(1e-6, 2e-5, 1e-5, 2e-6, 4e-5, 1e-6, "test"))
     stored = table.to_dict()
-    assert OpTimeTable.from_dict(stored) == table and HOST_COSTS_REMEASURED not in table.notes
-    # A table cached before the idle plan's costs were measured: never read with zeros for them.
+    assert OpTimeTable.from_dict(stored) == table
+    # Costs stored before the idle plan's were measured: the fields default to 0 s, so such a table does
+    # not load at all; the cache says so in one line and the table is measured again.
     old = {k: v for k, v in asdict(table.runtime_host).items()
            if k not in ("idle_context_per_step_s", "profile_hook_per_event_s")}
-    read = OpTimeTable.from_dict(stored | {"runtime_host": old})
-    assert read.runtime_host is None and read.times == table.times
-    assert read.notes[HOST_COSTS_REMEASURED] == (f"cached runtime host costs of op-time table {table.key.digest()} "
-                                                 "lack idle_context_per_step_s, profile_hook_per_event_s: "
-                                                 "measuring them again")
+    with pytest.raises(KeyError, match="RuntimeHostCost lacks idle_context_per_step_s, profile_hook_per_event_s"):
+        OpTimeTable.from_dict(stored | {"runtime_host": old})
+    path = save_table(table, tmp_path)
+    path.write_text(json.dumps(stored | {"runtime_host": old}))
+    found, why = read_table(table.key, tmp_path)
+    assert found is None and why == (
+        f"cached op-time table {table.key.digest()} ({path.name}) is not an op-time table (KeyError: "
+        "'RuntimeHostCost lacks idle_context_per_step_s, profile_hook_per_event_s'): measuring it again")
 
 
 def _hooked_graph():

@@ -396,17 +396,16 @@ def test_the_runtimes_host_cost_is_measured_on_a_fixed_microbenchmark():
 
     from slackswap.profile.measured import RuntimeHostCost
 
-    assert RuntimeHostCost.lacking(asdict(cost)) == () and RuntimeHostCost(**asdict(cost)) == cost
+    assert RuntimeHostCost(**asdict(cost)) == cost
     # A swap's copies are timed against the same blocks with every tensor kept: per copy, never negative.
     assert cost.per_copy_s >= 0 and "56 copies" in cost.source and "thread CPU time" in cost.source
 
 
-def test_a_cached_tables_runtime_host_costs_lacking_a_field_are_measured_again_in_one_line(tmp_path, monkeypatch):
+def test_a_cached_table_without_runtime_host_costs_gets_them_measured_and_stored(tmp_path, monkeypatch):
     import slackswap.experiment.measured_timing as measured_timing
     import slackswap.runtime.op_times as op_times
     from slackswap.experiment.measured_prediction import HostCosts
     from slackswap.profile.measured import (
-        HOST_COSTS_REMEASURED,
         ExportHostCost,
         OpTime,
         OpTimeKey,
@@ -419,11 +418,9 @@ def test_a_cached_tables_runtime_host_costs_lacking_a_field_are_measured_again_i
     graph = make_graph([fwd("f1", [], ["a"], 1.0), bwd("b1", ["a"], ["ga"], 2.0)], {"a": 100, "ga": 100})
     key = OpTimeKey(graph.fingerprint, "m0", (((2, 16), "torch.int64"),), "cpu", {"torch": "2.13.0"}, "perf_counter", 2)
     fresh = RuntimeHostCost(1e-6, 2e-5, 1e-5, 2e-6, 4e-5, 1e-6, "measured now")
-    table = OpTimeTable(key, {"f1": OpTime(1e-3, 1e-3, 1e-3, 1), "b1": OpTime(2e-3, 2e-3, 2e-3, 1)}, 0, 1, 3e-3,
-                        3e-3, 3e-3, runtime_host=fresh, export_host=ExportHostCost(source="stub"))
-    stored = table.to_dict()
-    stored["runtime_host"] = {k: v for k, v in stored["runtime_host"].items() if k != "profile_hook_per_event_s"}
-    cached = OpTimeTable.from_dict(stored)  # as the cache reads a table written before the field was measured
+    # A table cached without the executors' host costs (measured by a caller that attached none).
+    cached = OpTimeTable(key, {"f1": OpTime(1e-3, 1e-3, 1e-3, 1), "b1": OpTime(2e-3, 2e-3, 2e-3, 1)}, 0, 1, 3e-3,
+                         3e-3, 3e-3)
     monkeypatch.setattr(op_times, "cached_op_times", lambda *args, **kwargs: (cached, True))
     asked = []
     monkeypatch.setattr(measured_timing, "measure_host_costs",
@@ -434,11 +431,9 @@ def test_a_cached_tables_runtime_host_costs_lacking_a_field_are_measured_again_i
     assert asked == ["cpu"] and costs.runtime == fresh
     # Its ops add up to its plain step (1 + 2 ms against 3 ms): nothing to say beside the prediction.
     assert figures["op_times_sum_gap"] == pytest.approx(0.0) and figures["op_times_sum_refusal"] == ""
-    assert figures["host_costs_remeasured_because"] == (f"cached runtime host costs of op-time table {key.digest()} "
-                                                        "lack profile_hook_per_event_s: measuring them again")
-    # Stored with the table, without the note: the next run reads them and measures nothing.
+    # Stored with the table: the next run reads them and measures nothing.
     saved = load_table(key, tmp_path)
-    assert saved.runtime_host == fresh and HOST_COSTS_REMEASURED not in saved.notes
+    assert saved.runtime_host == fresh and saved.export_host == ExportHostCost(source="stub")
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +41,6 @@ from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.profile.machine import Machine
 from slackswap.profile.measured import (
-    HOST_COSTS_REMEASURED,
     TIMINGS,
     cache_line,
     load_text,
@@ -138,13 +137,9 @@ class MeasuredTiming:
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
                                         self.repeats, replay_plan=replay_profile_plan(hardware))
         costs = HostCosts.of(table)
-        host_why = ""
         if table.key.device.startswith("cpu") and not costs.measured:
-            # A cached table whose runtime host costs lack a field is read without them (`from_dict`): why.
-            host_why = str(table.notes.get(HOST_COSTS_REMEASURED, ""))
             costs = measure_host_costs(table.key.device)
-            table = replace(costs.attach(table), notes={k: v for k, v in table.notes.items()
-                                                        if k != HOST_COSTS_REMEASURED})
+            table = costs.attach(table)
             costs = HostCosts.of(table)  # with the table's replay times
             if self.cache_dir is not None:
                 save_table(table, self.cache_dir)
@@ -166,7 +161,6 @@ class MeasuredTiming:
                    # The op times against the table's own plain step: a table whose ops do not add up to
                    # it predicts nothing (`sum_refusal`), said beside the prediction, never silently.
                    "op_times_sum_gap": sum_gap(table), "op_times_sum_refusal": sum_refusal(table) or "",
-                   "host_costs_remeasured_because": host_why,
                    "replay_times_ops": -1 if table.replay_times is None else len(table.replay_times),
                    "replay_source": str(table.notes.get("replay_source", ""))}
         return retimed, figures, costs

@@ -32,9 +32,6 @@ from slackswap.graph import Graph
 TIMINGS = ("roofline", "measured")
 #: Bumped when the measuring method changes what a time means (old tables then miss).
 TABLE_FORMAT = "slackswap.op_times/2"
-#: The note of a table read whose stored runtime host costs lack a field (`OpTimeTable.from_dict`): why
-#: they are measured again; the caller takes it off once they are.
-HOST_COSTS_REMEASURED = "host_costs_remeasured_because"
 
 
 class MeasurementError(SlackSwapError):
@@ -109,12 +106,6 @@ class RuntimeHostCost:
     profile_hook_per_event_s: float = 0.0
     source: str = ""
 
-    @classmethod
-    def lacking(cls, stored: Mapping[str, Any]) -> tuple[str, ...]:
-        """The fields a stored cost (`asdict`) lacks: one cached before they were measured, which is measured
-        again rather than read with zeros."""
-        return tuple(f.name for f in fields(cls) if f.name not in stored)
-
 
 @dataclass(frozen=True)
 class ExportHostCost:
@@ -127,6 +118,16 @@ class ExportHostCost:
     checkpoint_per_region_s: float = 0.0
     checkpoint_per_saved_s: float = 0.0
     source: str = ""
+
+
+def _stored_cost(cls: type, stored: Mapping[str, Any]) -> Any:
+    """A host cost (`RuntimeHostCost`, `ExportHostCost`) as a cached table stores it, every field present:
+    their fields default to 0 s, so one stored before a field was measured would read as free. A missing
+    field is a KeyError naming it, which `read_table` turns into one line and a table measured again."""
+    missing = [f.name for f in fields(cls) if f.name not in stored]
+    if missing:
+        raise KeyError(f"{cls.__name__} lacks {', '.join(missing)}")
+    return cls(**stored)
 
 
 @dataclass(frozen=True)
@@ -174,19 +175,15 @@ class OpTimeTable:
         key = OpTimeKey.from_dict(d.pop("key"))
         times = MappingProxyType({name: OpTime(**t) for name, t in d.pop("times").items()})
         host = d.pop("runtime_host", None)
-        lacking = RuntimeHostCost.lacking(host) if host is not None else ()
-        d["runtime_host"] = None if host is None or lacking else RuntimeHostCost(**host)
-        notes = dict(d.pop("notes", {}))
-        if lacking:  # cached before these were measured: None, so the caller measures them again and says why
-            notes[HOST_COSTS_REMEASURED] = (f"cached runtime host costs of op-time table {key.digest()} lack "
-                                            f"{', '.join(lacking)}: measuring them again")
+        d["runtime_host"] = None if host is None else _stored_cost(RuntimeHostCost, host)
         export = d.pop("export_host", None)
-        d["export_host"] = None if export is None else ExportHostCost(**export)
+        d["export_host"] = None if export is None else _stored_cost(ExportHostCost, export)
         for old in ("sac_dispatch_per_call_s", "sac_dispatch_source"):  # tables cached before export_host
             d.pop(old, None)
         replay = d.pop("replay_times", None)  # absent from a table cached before replays were timed: None
         d["replay_times"] = None if replay is None else MappingProxyType({k: float(v) for k, v in replay.items()})
-        return cls(key=key, times=times, failed=tuple(d.pop("failed", ())), notes=MappingProxyType(notes), **d)
+        return cls(key=key, times=times, failed=tuple(d.pop("failed", ())),
+                   notes=MappingProxyType(dict(d.pop("notes", {}))), **d)
 
     @property
     def measured_sum_s(self) -> float:
