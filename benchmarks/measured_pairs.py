@@ -22,7 +22,6 @@ does not.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 
@@ -98,36 +97,12 @@ class _Side:
         self.records: list = []
 
     def step(self, w, batch, i: int, clock) -> None:
-        """One step as `slackswap.runtime.train._steps` makes it, on this side's model and RNG stream."""
-        import torch
+        """One step as `slackswap.runtime.train.train_steps` makes it, on this side's model and RNG stream."""
+        from slackswap.runtime.train import timed_step
 
-        from slackswap.runtime.eager import RunReport
-        from slackswap.runtime.train import StepRecord
-
-        device = batch.device
-        _set_rng_state(device, self.rng_state)
-        self.optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = clock()
-        with self.run or contextlib.nullcontext():
-            loss = w.loss_for(batch)(self.model(*w.inputs_for(batch)))
-            loss.backward()
-        _sync(device)
-        step_s = clock() - t0
-        self.optimizer.step()
-        self.rng_state = _rng_state(device)
-        report = self.run.report if self.run is not None else RunReport()
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.device_peak_bytes
-        self.records.append(StepRecord(i, float(loss.detach()), step_s, int(peak), report.ledger_peak_bytes, report))
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        _set_rng_state(batch.device, self.rng_state)
+        self.records.append(timed_step(w, self.model, self.run, self.optimizer, batch, i, clock))
+        self.rng_state = _rng_state(batch.device)
 
 
 def _rng_state(device) -> tuple:

@@ -163,21 +163,29 @@ def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step, clock=ti
     for i in range(steps):
         batch = (torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=device)
                  if w.token_slots else w.batch)
-        optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = clock()
-        with run or contextlib.nullcontext():
-            loss = w.loss_for(batch)(w.model(*w.inputs_for(batch)))
-            loss.backward()
-        _sync(device)
-        step_s = clock() - t0
-        optimizer.step()
-        report = run.report if run is not None else RunReport()
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.device_peak_bytes
-        record = StepRecord(i, float(loss.detach()), step_s, int(peak), report.ledger_peak_bytes, report)
+        record = timed_step(w, w.model, run, optimizer, batch, i, clock)
         records.append(record)
         if on_step is not None:
             on_step(record)
     return records
+
+
+def timed_step(w: Workload, model: torch.nn.Module, run, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
+               index: int, clock: Callable[[], float] = time.perf_counter) -> StepRecord:
+    """One step of `model` (the workload's, or a copy of it) on `batch` under `run` (None: plain), timed as
+    every step of `train_steps` is: forward and backward on `clock`, the optimizer step after it is read."""
+    device = batch.device
+    optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = clock()
+    with run or contextlib.nullcontext():
+        loss = w.loss_for(batch)(model(*w.inputs_for(batch)))
+        loss.backward()
+    _sync(device)
+    step_s = clock() - t0
+    optimizer.step()
+    report = run.report if run is not None else RunReport()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else report.device_peak_bytes
+    return StepRecord(index, float(loss.detach()), step_s, int(peak), report.ledger_peak_bytes, report)
