@@ -46,6 +46,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.calibration_network import network_lines  # noqa: E402
+from benchmarks.calibration_rank import MicroCollectives, micro_collectives, rank_memory_share  # noqa: E402
 from benchmarks.calibration_rows import (  # noqa: E402
     FOUNDRY_40GB_ROWS,
     FOUNDRY_README,
@@ -246,48 +247,12 @@ def workload(meas: Measurement) -> tuple[ModelConfig, TrainingConfig]:
     return model, training
 
 
-@dataclass(frozen=True)
-class MicroCollectives:
-    """The FSDP collectives of one micro-batch on one rank: seconds in forward and in backward."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    units: int = 1
-
-
-def micro_collectives(meas: Measurement, num_params: int, hw: Hardware) -> MicroCollectives:
-    """Composer FSDP issues its collectives on every micro-batch: it wraps only DDP models in `no_sync`
-    (mosaicml/composer composer/trainer/dist_strategy.py, `ddp_sync_context`: "if not
-    isinstance(state.model, DistributedDataParallel): yield"), so under gradient accumulation each
-    micro-batch all-gathers the 16-bit parameters in forward (FULL_SHARD: again in backward, as they
-    were freed after forward) and reduce-scatters its gradients (fp32 under DEFAULT mixed precision).
-    Ring times on the node's fabric (slackswap.communication); sharding units are the layers plus the
-    embedding/head group, and each unit's gather and reduce-scatter is its own NCCL call, paying the
-    ring's latency (NCCL's tuning model: per step 3.4 us on NVLink, 14 us across the network), so a
-    512-rank ring costs more than a 128-rank one at the same bytes."""
-    from slackswap.communication import all_gather_s, all_reduce_s, reduce_scatter_s
-    from slackswap.experiment.advise_node import topology_from_node
-    from slackswap.node import Node
-
-    if not meas.sharding or meas.shards == 1:
-        return MicroCollectives()
-    topology = topology_from_node(Node.from_dict(node_conf(meas.node) | dict(meas.node_overrides)), hw)
-    fabric = topology.fabric_for(meas.shards)
-    units = meas.model["num_layers"] + 1
-    params = all_gather_s(2 * num_params, meas.shards, fabric, units)
-    grads = reduce_scatter_s(meas.grad_reduce_bytes * num_params, meas.shards, fabric, units)
-    if meas.replicas > 1:
-        # HYBRID_SHARD: each shard's gradients all-reduced across the nodes (PyTorch FSDP docs). The
-        # node's replica rings run at once and share its NICs: `fabric_for` gives one its share
-        # (`Topology.network_share`: 1 / 8 with 8-GPU shard groups on 8-GPU nodes).
-        ring = topology.fabric_for(meas.replicas, stride=meas.shards)
-        grads += all_reduce_s(meas.grad_reduce_bytes * num_params / meas.shards, meas.replicas, ring, units)
-    backward = grads + (params if meas.sharding == "FULL_SHARD" else 0.0)
-    return MicroCollectives(params, backward, units)
+#: A row whose collectives the step does not price (no sharding stated, or one GPU).
+NO_COLLECTIVES = MicroCollectives()
 
 
 def _step_from_ops(meas: Measurement, phases: list, layers: list, durations: np.ndarray,
-                   comm: MicroCollectives = MicroCollectives(), slowdown: float = 0.0,
+                   comm: MicroCollectives = NO_COLLECTIVES, slowdown: float = 0.0,
                    recompute_s: float = 0.0) -> float:
     """grad_accum x (forward + backward [+ checkpointing's second forward] + the collectives' exposed
     part + what the overlapped part slows compute by) + the optimizer step.
@@ -311,10 +276,12 @@ def _phase_masks(phases: list, layers: list) -> tuple[np.ndarray, np.ndarray, np
 
 
 def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
-                     comm: MicroCollectives = MicroCollectives(), slowdown: float = 0.0,
-                     recompute_s: float = 0.0) -> float:
+                     comm: MicroCollectives = NO_COLLECTIVES, slowdown: float = 0.0,
+                     recompute_s: float = 0.0, per_gb: bool = False) -> float:
     """`_step_from_ops` with the ops' masks already found (`_phase_masks`); `recompute_s`: a
-    selective policy's recompute per micro-batch (`recompute_s`)."""
+    selective policy's recompute per micro-batch (`recompute_s`). `per_gb`: `slowdown` is the compute
+    lost per GB the overlapped collectives move through the rank, not per second of them (the variant
+    calibration_fit.py weighs; no preset holds it)."""
     from slackswap.communication import pipelined_exposed_s
 
     fwd, bwd, layer_fwd, opt = masks
@@ -322,9 +289,14 @@ def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
     backward_s = float(durations[bwd].sum()) + recompute_s
     if meas.checkpointing:
         backward_s += float(durations[layer_fwd].sum())
-    exposed = (pipelined_exposed_s(comm.forward_s, forward_s, comm.units)
-               + pipelined_exposed_s(comm.backward_s, backward_s, comm.units))
+    exposed_forward = pipelined_exposed_s(comm.forward_s, forward_s, comm.units)
+    exposed_backward = pipelined_exposed_s(comm.backward_s, backward_s, comm.units)
+    exposed = exposed_forward + exposed_backward
     overlapped = comm.forward_s + comm.backward_s - exposed
+    if per_gb:  # each phase's bytes in the share of its seconds that overlap
+        overlapped = sum(moved * (1 - hidden_not / comm_s) for moved, hidden_not, comm_s in (
+            (comm.forward_bytes, exposed_forward, comm.forward_s),
+            (comm.backward_bytes, exposed_backward, comm.backward_s)) if comm_s > 0) / 1e9
     micro = forward_s + backward_s + exposed + slowdown * overlapped
     return meas.grad_accum * micro + float(durations[opt].sum())
 
@@ -371,6 +343,15 @@ def recompute_s(meas: Measurement, graph, hardware: Hardware, durations: np.ndar
     return 0.0
 
 
+def memory_shares() -> dict[str, float | None]:
+    """`rank_memory_share` of every row, by name."""
+    shares = {}
+    for meas in MEASUREMENTS:
+        (model, training), hw = workload(meas), hardware(PRESETS[meas.gpu])
+        shares[meas.name] = rank_memory_share(meas, model, training, build_graph(model, hw, training), hw)
+    return shares
+
+
 def mean_op_s(meas: Measurement, hardware: Hardware) -> float:
     """Mean device seconds per op of one micro-batch (forward, loss, backward): what each op's host
     dispatch must stay below for the stream's queue to hide it (docs/hardware.md, "Calibrated compute")."""
@@ -394,12 +375,6 @@ def to_unit(meas: Measurement, step: float, model: ModelConfig | None = None) ->
 def hardware(name: str) -> Hardware:
     """The preset, parsed once per process: a frozen value, and YAML parsing was 40 % of a run."""
     return Hardware.from_dict(conf("hardware", name))
-
-
-@functools.cache
-def node_conf(name: str) -> dict:
-    """The node preset's mapping, parsed once per process (read-only here)."""
-    return conf("node", name)
 
 
 def seed_hardware(gpu: str) -> Hardware:
@@ -477,9 +452,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"independent, not mapped  {what}: {why}")
     for line in network_lines(PRESETS):  # each independent row's network, the readings its source allows
         print(line)
+    shares = memory_shares()
     for r in rows:
         if not r["within_10pct"]:
-            print(f"miss  {r['name']}: ratio {r['ratio']:.3f}; {KNOWN_MISSES.get(r['name'], 'not explained')}")
+            share = shares[r["name"]]
+            memory = "" if share is None else f"; rank memory {share:.2f} of the part (the model's estimate)"
+            print(f"miss  {r['name']}: ratio {r['ratio']:.3f}{memory}; {KNOWN_MISSES.get(r['name'], 'not explained')}")
+    fit_share = max((shares[r["name"]], r["name"]) for r in rows if r["within_10pct"] and shares[r["name"]] is not None)
+    print(f"memory  rows within 10 % reach a rank memory of {fit_share[0]:.2f} of the part ({fit_share[1]}, "
+          "the model's estimate)")
     shortest = min((mean_op_s(m, hardware(PRESETS[m.gpu])), m.name) for m in MEASUREMENTS)
     print(f"host  the shortest mean device time per op of a micro-batch: {shortest[0] * 1e6:.0f} us "
           f"({shortest[1]}); eager dispatch runs ahead on the stream's queue, so the launch gap stands for it")

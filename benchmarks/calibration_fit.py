@@ -63,8 +63,12 @@ from slackswap.profile import build_graph  # noqa: E402
 #:   section 3.2: a GEMM runs ceil(tiles / SMs) waves, the last one part-filled) costs on average half a
 #:   wave, SMs x tm x tn x k FLOPs for 2 x tm x tn x k per tile; with cuBLAS's 256 x 128 tiles at k = 8192
 #:   that is 29 GFLOP on the A100's 108 SMs, 35 GFLOP on the H100's 132: 0 to 30.
+#: - slowdown: compute seconds an overlapped FSDP collective costs per second of it (NCCL's kernels hold
+#:   SMs and stream HBM beside the GEMMs), 0 (free) to 1 (none of it hidden): 0-1. slowdown_per_gb, the
+#:   variant `overlap_rules` weighs: the same per GB the collectives move through the rank; 0-0.05 s spans
+#:   the per-second range at the bus rates of the rows (0.92 s/s at 25-230 GB/s: 0.004-0.037 s/GB).
 BOUNDS = {"matmul": (0.4, 0.85), "attention": (0.5, 0.73), "eager": (0.2, 0.73), "flash1": (0.2, 0.73),
-          "triton": (0.2, 0.73), "hbm": (0.4, 0.9), "slowdown": (0.0, 1.0),
+          "triton": (0.2, 0.73), "hbm": (0.4, 0.9), "slowdown": (0.0, 1.0), "slowdown_per_gb": (0.0, 0.05),
           "n_half_matmul": (0.0, 30.0), "n_half_attention": (0.0, 30.0)}
 #: The fit's n_half keys, in GFLOP (a scale Powell's unit steps suit), and the op class each times.
 N_HALF = {"n_half_matmul": "matmul", "n_half_attention": "attention"}
@@ -125,7 +129,9 @@ def fit(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = None) 
             n_half = halves[by_class]
             dur = np.maximum((t["flops"] + n_half) / (peak * eff), t["moved"] / (base.hbm_bytes_per_s * p["hbm"]))
             dur = dur + base.launch_overhead_s
-            step = _step_from_masks(meas, t["masks"], dur, t["comm"], p.get("slowdown", 0.0))
+            per_gb = "slowdown_per_gb" in p
+            slowdown = p.get("slowdown_per_gb" if per_gb else "slowdown", 0.0)
+            step = _step_from_masks(meas, t["masks"], dur, t["comm"], slowdown, per_gb=per_gb)
             total += math.log(to_unit(meas, step, t["model"]) / meas.published) ** 2
         return total
 
@@ -175,6 +181,17 @@ def fit_all() -> dict[str, dict[str, dict[str, float]]]:
     each with and without n_half of GEMMs and attention (`fit_gpu`)."""
     return {"a100": fit_gpu("a100", A100_FREE),
             "h100": fit_gpu("h100", H100_FREE, {"attention": H100_CITED["attention"]})}
+
+
+def overlap_rules() -> dict[str, dict[str, float]]:
+    """Per GPU, the kept fit with the overlapped collectives priced per second (what the presets hold)
+    and per GB moved, on the same fitted rows with the same free efficiencies: {"per_second", "per_gb"}
+    (each with its "loss"). A per-byte cost would carry across network rates where a per-second one
+    does not (fms-fsdp's 400 / 800 Gb/s rows, KNOWN_MISSES); the fitted rows say which they support."""
+    free = {"a100": (A100_FREE, None), "h100": (H100_FREE, {"attention": H100_CITED["attention"]})}
+    per_gb = {names: tuple("slowdown_per_gb" if k == "slowdown" else k for k in names) for names, _ in free.values()}
+    return {gpu: {"per_second": fit(gpu, names, fixed), "per_gb": fit(gpu, per_gb[names], fixed)}
+            for gpu, (names, fixed) in free.items()}
 
 
 def kept_fits() -> dict[str, dict[str, dict[str, float]]]:
@@ -227,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{gpu} {label:<7} n_half:", {k: round(v, 4) for k, v in variants[label].items()})
         print(f"{gpu}: AIC prefers {'with' if variants['preferred'] is variants['with'] else 'without'} n_half; "
               f"the presets hold the fit {'with' if variants['kept'] is variants['with'] else 'without'}")
+    for gpu, rules in overlap_rules().items():
+        second, gb = rules["per_second"], rules["per_gb"]
+        print(f"{gpu} overlapped collectives: per second {second['slowdown']:.4f} s/s, loss {second['loss']:.4f}; "
+              f"per GB {gb['slowdown_per_gb']:.5f} s/GB, loss {gb['loss']:.4f}; the presets hold per second")
     if args.check:
         bad = check(fits)
         print("\n".join(bad) if bad else "every preset carrying a fit holds it")
