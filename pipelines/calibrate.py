@@ -3,8 +3,9 @@
 Fits a hardware preset's efficiencies and launch overhead to the op times of a torch preset measured
 on this machine (`slackswap.experiment.calibrate`) and writes the fitted preset, provenance in its
 comments and `source`. Overrides are `pipelines.train`'s (conf/train.yaml): `model=hf_gpt2_2l
-hardware=h200_sxm_pcie5 train.device=cpu profile.repeats=7`. Prints the fit on the ops it used and
-on the ops held out of it. Bad input: one line naming the field, exit 2, nothing written.
+hardware=h200_sxm_pcie5 train.device=cpu profile.repeats=7`. Prints the fit on every op (the preset
+written) and a check fit's on the ops it held out. Bad input: one line naming the field, exit 2,
+nothing written.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of conf/train.yaml")
     parser.add_argument("--out", required=True, help="path of the fitted preset YAML")
-    parser.add_argument("--holdout-every", type=int, default=5, help="every k-th op is held out of the fit")
+    parser.add_argument("--holdout-every", type=int, default=5, help="every k-th op is held out of the check fit")
     parser.add_argument("--name", default=None, help="name of the fitted preset")
     args = parser.parse_args(argv)
     try:
@@ -60,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[calibrate] {len(result.table.times)} ops timed on {result.table.key.device}{cached}; {load_text()}")
     print(f"[calibrate] fitted {r.hardware.name}: efficiency {dict(r.hardware.efficiency)}, hbm_efficiency "
           f"{r.hardware.hbm_efficiency:.3g}, launch_overhead_s {r.hardware.launch_overhead_s:.3g}")
-    print(f"[calibrate] fit on {r.fit_ops} ops: median |error| {r.fit_median_rel_error:.1%}; held out "
-          f"{r.holdout_ops} ops: median |error| {r.holdout_median_rel_error:.1%}, sum {r.holdout_sum_rel_error:+.1%}")
+    print(f"[calibrate] fit on all {r.fit_ops} ops: median |error| {r.fit_median_rel_error:.1%}; a check fit "
+          f"without {r.holdout_ops} of them, on those: median |error| {r.holdout_median_rel_error:.1%}, "
+          f"sum {r.holdout_sum_rel_error:+.1%}")
     if r.unfitted_classes:
         print(f"[calibrate] not fitted (no op of the class with FLOPs measured): {', '.join(r.unfitted_classes)}")
     print(f"[calibrate] wrote {out}")

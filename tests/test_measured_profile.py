@@ -277,67 +277,6 @@ def test_bad_timing_settings_name_the_field(profile, field):
         MeasuredTiming.from_dict(profile)
 
 
-def _roofline_graph():
-    """Ops of every kind: matmuls of several sizes, 0-FLOP elementwise ops, an attention op."""
-    from dataclasses import replace as dc_replace
-
-    from slackswap.graph import OpClass
-
-    specs, sizes, ops_meta = [], {}, []
-    prev = []
-    for i in range(30):
-        out = f"t{i}"
-        specs.append(fwd(f"f{i}", prev, [out], 1.0))
-        sizes[out] = 1000
-        prev = [out]
-        kind = (OpClass.MATMUL, OpClass.ELEMENTWISE, OpClass.ATTENTION)[i % 3]
-        flops = 0.0 if kind == OpClass.ELEMENTWISE else 1e9 * (1 + i)
-        ops_meta.append((kind, flops, 10_000 * (1 + i % 7)))
-    g = make_graph(specs, sizes)
-    ops = tuple(dc_replace(op, op_class=k, flops=f, moved_bytes=b) for op, (k, f, b) in zip(g.ops, ops_meta,
-                                                                                          strict=True))
-    return type(g)(name=g.name, ops=ops, tensors=g.tensors, num_layers=g.num_layers)
-
-
-def test_the_fit_recovers_the_efficiencies_that_made_the_times():
-    from dataclasses import replace as dc_replace
-
-    from slackswap.hardware import load_preset
-    from slackswap.profile.fit import fit_preset, preset_yaml
-    from slackswap.profile.timing import op_duration_s
-
-    base = load_preset("h200_sxm_pcie5")
-    truth = dc_replace(base, efficiency={"matmul": 0.02, "attention": 0.005, "elementwise": 1.0},
-                       hbm_efficiency=0.01, launch_overhead_s=5e-6)
-    g = _roofline_graph()
-    measured = {op.name: op_duration_s(op.flops, op.moved_bytes, op.op_class, "bf16", truth) for op in g.ops}
-    report = fit_preset(g, measured, base, "bf16", holdout_every=5, name="fitted")
-    assert report.hardware.efficiency["matmul"] == pytest.approx(0.02, rel=1e-3)
-    assert report.hardware.efficiency["attention"] == pytest.approx(0.005, rel=1e-3)
-    assert report.hardware.launch_overhead_s == pytest.approx(5e-6, rel=1e-3)
-    assert report.holdout_ops == 6 and report.holdout_median_rel_error < 1e-3
-    assert report.unfitted_classes == ("elementwise",)  # 0-FLOP ops: its efficiency is inert, not fitted
-    import yaml
-
-    from slackswap.hardware import Hardware
-
-    text = preset_yaml(report, {"name": "x", **{k: v for k, v in yaml.safe_load(
-        (Path(__file__).resolve().parents[1] / "conf/hardware/h200_sxm_pcie5.yaml").read_text()).items()}},
-        ["fitted in a test"])
-    loaded = Hardware.from_dict(yaml.safe_load(text))
-    assert loaded.name == "fitted" and loaded.efficiency["matmul"] == pytest.approx(0.02, rel=1e-3)
-    assert text.startswith("# fitted in a test") and "held out 6 ops" in text
-
-
-def test_the_fit_refuses_too_few_ops():
-    from slackswap.hardware import load_preset
-    from slackswap.profile.fit import fit_preset
-
-    g = _graph()
-    with pytest.raises(ConfigError, match="measured ops"):
-        fit_preset(g, {op.name: 1e-3 for op in g.ops}, load_preset("h200_sxm_pcie5"), "bf16")
-
-
 @pytest.mark.parametrize("argv, field", [
     (["model=no_such_model"], "overrides"),
     (["model=hf_gpt2_2l", "profile.timing=guess"], "profile.timing"),

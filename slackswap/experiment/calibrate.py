@@ -6,8 +6,8 @@
 
 Builds the preset's model on `spec.device`, captures one step, times every op (the op-time table of
 `profile.timing=measured`, cached in `spec.timing.cache_dir`), and fits the preset's efficiencies
-and launch overhead to those times (`slackswap.profile.fit`), with every `holdout_every`-th op held
-out of the fit and the fit reported on them.
+and launch overhead to those times (`slackswap.profile.fit`): the preset on every op, and a check fit
+without every `holdout_every`-th op reported on those.
 """
 
 from __future__ import annotations

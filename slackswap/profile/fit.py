@@ -13,8 +13,14 @@ the model's constant term per op, so at the optimum the residuals sum to about z
 ops' sum is reproduced (the normal equation of an intercept). The log of predicted over measured per
 op, which counted a 2 us view as much as a 3 ms kernel, left the sum of hf_gpt2_2l's ops 14-24 % under
 the measured one and the other shape's 19-41 % under (docs/profile.md "Calibrating a preset").
-Every `holdout_every`-th op is left out of the fit and the fit is reported on those ops as well as on
-the ones it saw: a fit that only describes its own points says nothing.
+Every `holdout_every`-th op is left out of a check fit and that fit is reported on those ops as well as
+on the ones it saw: a fit that only describes its own points says nothing. The preset itself is then
+fitted on every op. Why: one shape's GEMMs are nearly one size, so its ops barely separate a GEMM's
+efficiency from its half-performance FLOPs (a per-FLOP cost from a fixed one), and which ops a fit
+leaves out moves that split and with it every prediction at another shape. On hf_gpt2_2l, 12 rounds of
+both shapes measured one after the other (`python benchmarks/cross_shape_fit.py --tables 12`, load
+0.6-0.7): the check fit timed the other shape's ops -10.2 to +14.5 % off their measured sum, the
+preset fitted on every op -5.1 to +7.2 % (docs/profile.md "Calibrating a preset").
 """
 
 from __future__ import annotations
@@ -52,18 +58,23 @@ def op_dtype(graph: Graph, op: Op, default: str) -> str:
 
 @dataclass(frozen=True)
 class FitReport:
+    #: The preset fitted on every measured op.
     hardware: Hardware
-    #: Median |predicted / measured - 1| over the ops in the fit and over the held-out ops.
+    #: Median |predicted / measured - 1| of `hardware` over every measured op.
     fit_median_rel_error: float
+    #: The check fit's (every `holdout_every`-th op left out): median |predicted / measured - 1| over
+    #: the ops it left out, and their sum of predicted over sum of measured, minus 1 (what a step sums).
     holdout_median_rel_error: float
-    #: Sum of predicted over sum of measured, minus 1, on the held-out ops (what a step sums).
     holdout_sum_rel_error: float
+    #: Ops `hardware` is fitted on (every measured op) and ops the check fit left out.
     fit_ops: int
     holdout_ops: int
     #: Op classes with no op in the fit: their efficiency is the preset's, not fitted.
     unfitted_classes: tuple[str, ...]
-    #: Sum of predicted over sum of measured, minus 1, on the ops in the fit (the objective's target: ~0).
+    #: Sum of predicted over sum of measured, minus 1, over every measured op (the objective's target: ~0).
     fit_sum_rel_error: float = 0.0
+    #: The check fit's preset (fitted without the held-out ops), for comparing the two elsewhere.
+    check_hardware: Hardware | None = None
 
 
 def _params(hardware: Hardware, classes: Sequence[str]) -> np.ndarray:
@@ -111,17 +122,36 @@ def _predict(ops: Sequence[tuple[Op, str]], hardware: Hardware) -> np.ndarray:
 
 def fit_preset(graph: Graph, measured_s: Mapping[str, float], hardware: Hardware, default_dtype: str,
                holdout_every: int = 5, name: str | None = None) -> FitReport:
-    """`hardware` with the efficiencies and launch overhead that best time `graph`'s ops as measured
+    """`hardware` with the efficiencies and launch overhead that best time `graph`'s ops as measured,
+    fitted on every op, and the check fit without every `holdout_every`-th op reported on those
     (module docstring). `measured_s`: op name -> seconds (a table's medians)."""
-    from scipy.optimize import least_squares
-
     if holdout_every < 2:
         raise ConfigError("holdout_every", holdout_every, "must be an integer >= 2 (every k-th op is held out)")
     ops = [(op, op_dtype(graph, op, default_dtype)) for op in graph.ops if measured_s.get(op.name, 0.0) > 0]
     if len(ops) < 2 * holdout_every:
         raise ConfigError("measured ops", len(ops), f"too few timed ops to fit and hold out every {holdout_every}th")
     held = [p for i, p in enumerate(ops) if i % holdout_every == holdout_every - 1]
-    fit = [p for i, p in enumerate(ops) if i % holdout_every != holdout_every - 1]
+    check = _fit([p for i, p in enumerate(ops) if i % holdout_every != holdout_every - 1], measured_s, hardware)
+    classes, fitted = _fit(ops, measured_s, hardware)
+    fitted = replace(fitted, name=name or f"{hardware.name}_fitted")
+
+    def errors(pairs, preset):
+        pred = _predict(pairs, preset)
+        meas = np.array([measured_s[op.name] for op, _ in pairs])
+        return [abs(p / m - 1) for p, m in zip(pred, meas, strict=True)], float(pred.sum() / meas.sum() - 1)
+
+    fit_err, fit_sum = errors(ops, fitted)
+    held_err, held_sum = errors(held, check[1])
+    unfitted = tuple(c for c in OP_CLASSES if c not in classes)
+    return FitReport(fitted, statistics.median(fit_err), statistics.median(held_err), held_sum, len(ops), len(held),
+                     unfitted, fit_sum, check[1])
+
+
+def _fit(fit: Sequence[tuple[Op, str]], measured_s: Mapping[str, float],
+         hardware: Hardware) -> tuple[list[str], Hardware]:
+    """(the op classes with FLOPs among `fit`, `hardware` with the figures that best time `fit`)."""
+    from scipy.optimize import least_squares
+
     classes = [c for c in OP_CLASSES if any(str(op.op_class) == c and op.flops > 0 for op, _ in fit)]
     measured = np.array([measured_s[op.name] for op, _ in fit])
     scale = float(measured.mean())
@@ -140,19 +170,7 @@ def fit_preset(graph: Graph, measured_s: Mapping[str, float], hardware: Hardware
         result = least_squares(residuals, np.clip(x0, low, high), bounds=(low, high))
         if best is None or result.cost < best.cost:
             best = result
-    fitted = _hardware(hardware, classes, best.x)
-    fitted = replace(fitted, name=name or f"{hardware.name}_fitted")
-
-    def errors(pairs):
-        pred = _predict(pairs, fitted)
-        meas = np.array([measured_s[op.name] for op, _ in pairs])
-        return [abs(p / m - 1) for p, m in zip(pred, meas, strict=True)], float(pred.sum() / meas.sum() - 1)
-
-    fit_err, fit_sum = errors(fit)
-    held_err, held_sum = errors(held)
-    unfitted = tuple(c for c in OP_CLASSES if c not in classes)
-    return FitReport(fitted, statistics.median(fit_err), statistics.median(held_err), held_sum, len(fit), len(held),
-                     unfitted, fit_sum)
+    return classes, _hardware(hardware, classes, best.x)
 
 
 def preset_yaml(report: FitReport, base: Mapping[str, object], provenance: Sequence[str]) -> str:
@@ -166,10 +184,10 @@ def preset_yaml(report: FitReport, base: Mapping[str, object], provenance: Seque
     data.update(name=hw.name, efficiency=dict(hw.efficiency), hbm_efficiency=hw.hbm_efficiency,
                 launch_overhead_s=hw.launch_overhead_s, half_performance_flops=dict(hw.half_performance_flops),
                 source=f"fitted by slackswap.profile.fit to measured op times; {'; '.join(provenance)}")
-    fit_lines = [f"fit on {report.fit_ops} ops: median |error| {report.fit_median_rel_error:.1%}, "
+    fit_lines = [f"fit on all {report.fit_ops} ops: median |error| {report.fit_median_rel_error:.1%}, "
                  f"sum error {report.fit_sum_rel_error:+.1%}",
-                 f"held out {report.holdout_ops} ops: median |error| {report.holdout_median_rel_error:.1%}, "
-                 f"sum error {report.holdout_sum_rel_error:+.1%}"]
+                 f"a check fit without {report.holdout_ops} of them, on those held out: median |error| "
+                 f"{report.holdout_median_rel_error:.1%}, sum error {report.holdout_sum_rel_error:+.1%}"]
     if report.unfitted_classes:
         fit_lines.append(f"not fitted (no such op measured): {', '.join(report.unfitted_classes)}")
     header = "\n".join(f"# {line}" for line in [*provenance, *fit_lines])
