@@ -161,7 +161,8 @@ class MeasuredTiming:
                    # The op times against the table's own plain step: a table whose ops do not add up to
                    # it predicts nothing (`sum_refusal`), said beside the prediction, never silently.
                    "op_times_sum_gap": sum_gap(table), "op_times_sum_refusal": sum_refusal(table) or "",
-                   "replay_times_ops": -1 if table.replay_times is None else len(table.replay_times),
+                   # NaN where none were measured (a GPU table), as the load above: never a count.
+                   "replay_times_ops": math.nan if table.replay_times is None else len(table.replay_times),
                    "replay_source": str(table.notes.get("replay_source", ""))}
         return retimed, figures, costs
 
