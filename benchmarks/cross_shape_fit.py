@@ -7,9 +7,10 @@ the first, as `benchmarks/measured_profile.py`'s cross-shape row measures them).
 
     python benchmarks/cross_shape_fit.py [--tables 10] [--threads 1]   # -> results/cross_shape_fit.json
 
-Why: the measured-profile benchmark's one cross-shape row per run read -35.5 to +15.5 % over 12 runs
-of one afternoon; this separates the fit's spread (the same A and B measured over and over) from the
-measured step's. CPU only; each round measures both shapes afresh (about 4 s a round).
+Why: the measured-profile benchmark's cross-shape row, one round per run then, read -35.5 to +15.5 %
+over 12 runs of one afternoon; this separates the fit's spread (the same A and B measured over and
+over) from the measured step's. `benchmarks/measured_profile.py` now runs three of these rounds
+(`cross_shape_round`) for its row. CPU here; each round measures both shapes afresh (about 2 s).
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ def _roofline_sum_s(graph, hardware, dtype: str) -> float:
                for op in graph.ops)
 
 
-def _round(shapes, spec, hardware) -> dict:
+def cross_shape_round(model, other, spec, hardware, device: str = "cpu", clock: str = "wall",
+                      step_clock=time.perf_counter) -> dict:
+    """One round: `model`'s op times (the fit's shape, A) and `other`'s (B) measured on `clock`, each
+    followed by its keep_all training steps on `step_clock` (1 + 5, the first left out), seconds apart;
+    the preset fitted on A (on every op, and the check fit) timing B's ops, against B's op sum, plain
+    step and training steps (`vs_*`: predicted over measured, minus 1). `benchmarks/measured_profile.py`
+    runs three for its cross-shape row."""
     from slackswap.planners.registry import get_planner
     from slackswap.profile.fit import fit_preset
     from slackswap.runtime import capture_graph
@@ -49,18 +56,19 @@ def _round(shapes, spec, hardware) -> dict:
     from slackswap.runtime.training_workload import build_training_workload
 
     measured = {}
-    for label, model in shapes:
-        w = build_training_workload(model, spec, "cpu", 0)
+    for label, shape in (("A", model), ("B", other)):
+        w = build_training_workload(shape, spec, device, 0)
         graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, label)
-        table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, 2, 5, "wall")
+        table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, 2, 5, clock)
         plan = get_planner("keep_all").plan(graph, hardware, None)
-        steps = [r.step_s for r in train_steps(w, graph, plan, 6, 1e-4, 0, clock=time.perf_counter)][1:]
+        steps = [r.step_s for r in train_steps(w, graph, plan, 6, 1e-4, 0, clock=step_clock)][1:]
         measured[label] = {"graph": graph, "medians": {k: t.median_s for k, t in table.times.items()},
                            "op_sum_s": table.measured_sum_s, "plain_step_s": table.step_median_s,
-                           "train_step_s": statistics.median(steps), "dtype": model.dtype}
+                           "train_step_s": statistics.median(steps), "dtype": shape.dtype}
     a, b = measured["A"], measured["B"]
     report = fit_preset(a["graph"], a["medians"], hardware, a["dtype"])
     row = {"b_op_sum_s": b["op_sum_s"], "b_plain_step_s": b["plain_step_s"], "b_train_step_s": b["train_step_s"],
+           "a_op_sum_s": a["op_sum_s"], "holdout_median_rel_error": report.holdout_median_rel_error,
            "load": round(os.getloadavg()[0], 2)}
     for fit, preset in (("every_op", report.hardware), ("check_fit", report.check_hardware)):
         predicted = _roofline_sum_s(b["graph"], preset, b["dtype"])
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     hardware, started, t0 = load_preset(HARDWARE), machine(), time.perf_counter()
     rows = []
     for k in range(args.tables):
-        row = _round((("A", model), ("B", other)), spec, hardware)
+        row = cross_shape_round(model, other, spec, hardware)
         rows.append(row)
         every, check = row["every_op"]["predicted_s"], row["check_fit"]["predicted_s"]
         print(f"[round {k}] B: op sum {row['b_op_sum_s'] * 1e3:.1f} ms, plain step {row['b_plain_step_s'] * 1e3:.1f}, "
