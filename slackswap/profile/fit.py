@@ -131,7 +131,7 @@ def fit_preset(graph: Graph, measured_s: Mapping[str, float], hardware: Hardware
     if len(ops) < 2 * holdout_every:
         raise ConfigError("measured ops", len(ops), f"too few timed ops to fit and hold out every {holdout_every}th")
     held = [p for i, p in enumerate(ops) if i % holdout_every == holdout_every - 1]
-    check = _fit([p for i, p in enumerate(ops) if i % holdout_every != holdout_every - 1], measured_s, hardware)
+    _, check = _fit([p for i, p in enumerate(ops) if i % holdout_every != holdout_every - 1], measured_s, hardware)
     classes, fitted = _fit(ops, measured_s, hardware)
     fitted = replace(fitted, name=name or f"{hardware.name}_fitted")
 
@@ -141,10 +141,10 @@ def fit_preset(graph: Graph, measured_s: Mapping[str, float], hardware: Hardware
         return [abs(p / m - 1) for p, m in zip(pred, meas, strict=True)], float(pred.sum() / meas.sum() - 1)
 
     fit_err, fit_sum = errors(ops, fitted)
-    held_err, held_sum = errors(held, check[1])
+    held_err, held_sum = errors(held, check)
     unfitted = tuple(c for c in OP_CLASSES if c not in classes)
     return FitReport(fitted, statistics.median(fit_err), statistics.median(held_err), held_sum, len(ops), len(held),
-                     unfitted, fit_sum, check[1])
+                     unfitted, fit_sum, check)
 
 
 def _fit(fit: Sequence[tuple[Op, str]], measured_s: Mapping[str, float],
