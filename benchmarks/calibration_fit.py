@@ -183,14 +183,16 @@ def fit_all() -> dict[str, dict[str, dict[str, float]]]:
             "h100": fit_gpu("h100", H100_FREE, {"attention": H100_CITED["attention"]})}
 
 
-def overlap_rules() -> dict[str, dict[str, float]]:
+def overlap_rules(kept: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, dict[str, float]]:
     """Per GPU, the kept fit with the overlapped collectives priced per second (what the presets hold)
     and per GB moved, on the same fitted rows with the same free efficiencies: {"per_second", "per_gb"}
     (each with its "loss"). A per-byte cost would carry across network rates where a per-second one
-    does not (fms-fsdp's 400 / 800 Gb/s rows, KNOWN_MISSES); the fitted rows say which they support."""
+    does not (fms-fsdp's 400 / 800 Gb/s rows, KNOWN_MISSES); the fitted rows say which they support.
+    `kept`: `kept_fits()` where the caller has it (not fitted again)."""
+    kept = kept or kept_fits()
     free = {"a100": (A100_FREE, None), "h100": (H100_FREE, {"attention": H100_CITED["attention"]})}
-    per_gb = {names: tuple("slowdown_per_gb" if k == "slowdown" else k for k in names) for names, _ in free.values()}
-    return {gpu: {"per_second": fit(gpu, names, fixed), "per_gb": fit(gpu, per_gb[names], fixed)}
+    return {gpu: {"per_second": kept[gpu]["kept"],
+                  "per_gb": fit(gpu, tuple("slowdown_per_gb" if k == "slowdown" else k for k in names), fixed)}
             for gpu, (names, fixed) in free.items()}
 
 

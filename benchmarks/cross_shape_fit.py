@@ -101,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --threads={args.threads}: must be >= 1")
     import torch
 
-    from benchmarks.measured_profile import HARDWARE, _cases
+    from benchmarks.measured_cases import HARDWARE, cases
     from slackswap.hardware import load_preset
 
     torch.set_num_threads(args.threads)
-    _, model, spec = _cases()[0]
+    _, model, spec = cases()[0]
     other = replace(model, micro_batch_size=model.micro_batch_size * 2, seq_len=model.seq_len // 2 * 3)
     hardware, started, t0 = load_preset(HARDWARE), machine(), time.perf_counter()
     rows = []

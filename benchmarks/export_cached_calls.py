@@ -174,7 +174,7 @@ def measure_model(name, model, spec, hardware, repeats: int, per_call_s: float) 
 def run(repeats: int) -> dict:
     import torch
 
-    from benchmarks.measured_profile import HARDWARE, _cases
+    from benchmarks.measured_cases import HARDWARE, cases
     from slackswap.hardware import load_preset
     from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
 
@@ -185,7 +185,7 @@ def run(repeats: int) -> dict:
     print(f"[dispatch] {dispatch.per_call_s * 1e6:.1f} us per SAC call (what every call is charged); "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
-    for name, model, spec in _cases():
+    for name, model, spec in cases():
         if name not in MODELS:
             continue
         r = measure_model(name, model, spec, hardware, repeats, dispatch.per_call_s)

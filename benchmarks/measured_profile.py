@@ -53,40 +53,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples" / "byo_model")]
 
 from benchmarks.common import conf, machine, save_result  # noqa: E402
+from benchmarks.measured_cases import HARDWARE, cases  # noqa: E402
 from benchmarks.measured_pairs import paired_export_steps, paired_overhead, paired_runtime_steps  # noqa: E402
 from slackswap.experiment.measured_prediction import HostCosts  # noqa: E402
 
 #: The step clock of each `--clock` (the op times use the same, `slackswap.runtime.op_times.CLOCKS`).
 STEP_CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 PLANS = (("keep_all", None), ("full_recompute", None), ("torch_sac", None), ("slackswap", 0.5), ("slackswap", 0.75))
-HARDWARE = "h200_sxm_pcie5"
-
-
-def _cases():
-    """(name, ModelConfig, TorchSpec) of the 5 models."""
-    from slackswap.model_config import ModelConfig
-    from slackswap.profile.torch.spec import TorchSpec
-    from slackswap.runtime.training_workload import small_config
-
-    def preset(name: str, **change):
-        data = conf("model", name)
-        data.pop("defaults", None)
-        base = conf("model", "gpt2_xl" if name == "hf_gpt2_2l" else "tiny")
-        base.pop("defaults", None)
-        data = {**base, **data, **change}
-        torch_node = data.pop("torch")
-        data.pop("source", None)
-        return ModelConfig.from_dict(data), TorchSpec.from_dict(torch_node)
-
-    bert, bert_spec = small_config("bert", hidden=128, heads=4, seq=128, batch=2, vocab=512)
-    llama, llama_spec = small_config("llama", hidden=128, heads=4, seq=128, batch=2, vocab=512)
-    mlp, _ = preset("tiny_torch")
-    mlp = replace(mlp, name="my_mlp (hook)", num_layers=4, seq_len=128)
-    return [("hf_gpt2_2l", *preset("hf_gpt2_2l")), ("tiny_torch", *preset("tiny_torch")),
-            ("small_bert", bert, bert_spec), ("small_llama", llama, llama_spec),
-            ("my_mlp (hook)", mlp, TorchSpec(builder="hook", hook="my_model:build"))]
-
-
 def _row_line(r: dict) -> str:
     ms = {k: r[k] * 1e3 for k in ("predicted_s", "measured_median_s", "measured_min_s", "measured_max_s")}
     return (f"  {r['plan']:<16} {r['executor']:<7} predicted {ms['predicted_s']:8.2f} ms  "
@@ -291,7 +264,7 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
           f"d2h {machine_.d2h.bytes_per_s / 1e9:.2f} GB/s + {machine_.d2h.latency_s * 1e6:.1f} us; "
           f"synchronous copies: {machine_.synchronous}; load {_load()}", flush=True)
     profiles, rows = [], []
-    for name, model, spec in _cases():
+    for name, model, spec in cases():
         profile, model_rows = _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps,
                                              clock, executor, costs)
         profiles.append(profile)
@@ -308,7 +281,7 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     # After every model's rows: its rounds build and step a model twice the fit's shape, which no row's
     # profile or steps should run beside (in a first draft it ran after hf_gpt2_2l's rows, and the next
     # two models' tables read 20-38 % slow in the first of three runs).
-    _, model, spec = _cases()[0]
+    _, model, spec = cases()[0]
     cross = _cross_shape(model, spec, hardware, device, clock)
     print(f"[fit] hf_gpt2_2l {cross['fitted_on']} -> {cross['predicted_for']}, median of {CROSS_SHAPE_ROUNDS} "
           f"rounds: predicted {cross['predicted_s'] * 1e3:.2f} ms, measured {cross['measured_median_s'] * 1e3:.2f} ms,"

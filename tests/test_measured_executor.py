@@ -9,7 +9,8 @@ from tests.extras import require_torch_extra
 
 require_torch_extra()
 
-from benchmarks.measured_profile import HARDWARE, _cases, measure_plan  # noqa: E402
+from benchmarks.measured_cases import HARDWARE, cases  # noqa: E402
+from benchmarks.measured_profile import measure_plan  # noqa: E402
 from slackswap.experiment.export_plan import plan_for_export  # noqa: E402
 from slackswap.experiment.measured_executor import export_gradient_check, predict_export  # noqa: E402
 from slackswap.hardware import load_preset  # noqa: E402
@@ -23,7 +24,7 @@ def tiny():
     from slackswap.runtime import capture_graph
     from slackswap.runtime.training_workload import build_training_workload
 
-    name, model, spec = next(c for c in _cases() if c[0] == "tiny_torch")
+    name, model, spec = next(c for c in cases() if c[0] == "tiny_torch")
     hardware = load_preset(HARDWARE)
     w = build_training_workload(model, spec, "cpu", 0)
     return w, capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name), hardware
