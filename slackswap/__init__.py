@@ -5,4 +5,4 @@ The library is pure Python + numpy/scipy. It imports neither Hydra nor MLflow: t
 """
 
 #: The release (CHANGELOG.md); pyproject.toml reads it from here.
-__version__ = "0.4.0"
+__version__ = "0.4.1"
