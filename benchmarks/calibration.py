@@ -294,7 +294,7 @@ def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
     exposed = exposed_forward + exposed_backward
     overlapped = comm.forward_s + comm.backward_s - exposed
     if per_gb:  # each phase's bytes in the share of its seconds that overlap
-        overlapped = sum(moved * (1 - hidden_not / comm_s) for moved, hidden_not, comm_s in (
+        overlapped = sum(moved * (1 - exposed_s / comm_s) for moved, exposed_s, comm_s in (
             (comm.forward_bytes, exposed_forward, comm.forward_s),
             (comm.backward_bytes, exposed_backward, comm.backward_s)) if comm_s > 0) / 1e9
     micro = forward_s + backward_s + exposed + slowdown * overlapped

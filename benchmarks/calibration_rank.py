@@ -21,8 +21,8 @@ def node_conf(name: str) -> dict:
 class MicroCollectives:
     """The FSDP collectives of one micro-batch on one rank: seconds in forward and in backward, and the
     bytes each phase's collectives move through the rank (nccl-tests' bus bytes: a ring all-gather or
-    reduce-scatter of S bytes over n ranks moves S (n - 1) / n, an all-reduce twice that), which the
-    per-byte overlap cost that calibration_fit.py weighs against the per-second one prices."""
+    reduce-scatter of S bytes over n ranks moves S (n - 1) / n, an all-reduce twice that): what an
+    overlap cost per GB would charge, the variant calibration_fit.py weighs against the per-second one."""
 
     forward_s: float = 0.0
     backward_s: float = 0.0
