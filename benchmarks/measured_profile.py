@@ -19,6 +19,9 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
 
 `--runs K` repeats all of it K times, independently, one run after the other, and keeps every run's
 counts and every row's error side by side (`across_runs`): on a shared machine one run is one draw.
+`--plan NAME[@FRACTION]` (repeatable) runs another plan beside the five (e.g. recompute_knapsack@0.5, a
+plan that recomputes part of the stack, which slackswap does not here); that result goes to
+measured_profile_extra*.json, never over the record.
 
 Reported per row: predicted and measured step, the relative error (target |error| <= 10 %), the
 recompute overhead (plan step / keep_all step) predicted and measured and their gap in percentage
@@ -87,7 +90,7 @@ def _load() -> float:
 
 
 def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto",
-                   costs=None):
+                   costs=None, plans=PLANS):
     from slackswap.experiment.measured_prediction import replay_profile_plan
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
@@ -114,7 +117,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     profile["ops_measured"], profile["ops_roofline"] = sources.measured, sources.roofline
     peak = simulate_ideal(timed, hardware).peak_activation_bytes
     rows = []
-    for planner, fraction in PLANS:
+    for planner, fraction in plans:
         budget = None if fraction is None else max(1, math.floor(peak * fraction))
         row = {"model": name, "plan": planner if fraction is None else f"{planner}@{fraction}",
                "budget_bytes": budget}
@@ -240,7 +243,7 @@ def _cross_shape(model, spec, hardware, device, clock):
             "within_15pct": abs(statistics.median(errors)) <= 0.15, "rounds": rounds, "load": _load()}
 
 
-def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "auto") -> dict:
+def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "auto", plans=PLANS) -> dict:
     import torch
 
     from slackswap.hardware import load_preset
@@ -266,7 +269,7 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     profiles, rows = [], []
     for name, model, spec in cases():
         profile, model_rows = _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps,
-                                             clock, executor, costs)
+                                             clock, executor, costs, plans)
         profiles.append(profile)
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
@@ -351,6 +354,26 @@ def _runs_line(together: dict) -> str:
                         if run["cross_shape_rel_error"] is not None))
 
 
+def parse_plan(text: str) -> tuple[str, float | None]:
+    """`--plan NAME` or `NAME@FRACTION` (of the keep-all peak, in (0, 1]) -> (planner, fraction); bad
+    input is one line naming the flag and the value (SystemExit)."""
+    from slackswap.planners.registry import available_planners
+
+    name, _, fraction = text.partition("@")
+    if name not in available_planners():
+        raise SystemExit(f"error: --plan={text!r}: unknown planner {name!r}; known: {', '.join(available_planners())}")
+    if not fraction:
+        return name, None
+    try:
+        value = float(fraction)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise SystemExit(f"error: --plan={text!r}: the budget after '@' must be a fraction of the keep-all peak "
+                         "in (0, 1]")
+    return name, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and steps (a few minutes)")
@@ -366,7 +389,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1,
                         help="independent runs one after the other (links, host costs, profiles and steps each "
                              "measured again); the result keeps the last run's rows and every run's figures")
+    parser.add_argument("--plan", action="append", default=[], metavar="NAME[@FRACTION]",
+                        help="a plan to run beside the five (repeatable), e.g. recompute_knapsack@0.5; the result "
+                             "goes to measured_profile_extra*.json, never over the record")
     args = parser.parse_args()
+    extra = tuple(parse_plan(text) for text in args.plan)
     if args.runs < 1:
         raise SystemExit(f"error: --runs={args.runs}: must be >= 1")
     if args.clock == "process" and (args.threads != 1 or args.device != "cpu"):
@@ -378,11 +405,12 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    results = [run(args.quick, args.device, args.clock, args.executor) for _ in range(args.runs)]
+    results = [run(args.quick, args.device, args.clock, args.executor, PLANS + extra) for _ in range(args.runs)]
     result = results[-1] | {"across_runs": across_runs(results)}
     if args.runs > 1:
         print(_runs_line(result["across_runs"]), flush=True)
-    tag = ("" if args.clock == "wall" else f"_{args.clock}") + ("" if args.executor == "auto" else f"_{args.executor}")
+    tag = (("_extra" if extra else "") + ("" if args.clock == "wall" else f"_{args.clock}")
+           + ("" if args.executor == "auto" else f"_{args.executor}"))
     path = save_result(f"measured_profile{tag}{'_quick' if args.quick else ''}.json", result)
     print(f"[saved] {path}", flush=True)
 

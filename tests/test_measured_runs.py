@@ -1,6 +1,11 @@
-"""`benchmarks/measured_profile.py --runs K`: every run's counts and every row's error kept side by side."""
+"""`benchmarks/measured_profile.py --runs K`: every run's counts and every row's error kept side by side;
+`--plan NAME@FRACTION` adds a plan, bad input one line."""
 
 from __future__ import annotations
+
+import re
+
+import pytest
 
 from benchmarks.measured_profile import _runs_line, across_runs
 
@@ -32,3 +37,15 @@ def test_repeated_runs_keep_each_runs_counts_and_each_rows_errors_in_run_order()
 def test_a_run_without_a_cross_shape_fit_is_left_out_of_the_fit_list():
     line = _runs_line(across_runs([_run(5, 0.0, None, (0.1, 0.2)), _run(6, 0.0, 0.05, (0.1, 0.2))]))
     assert line.endswith("cross-shape fit: +5.0 %")
+
+
+def test_an_extra_plan_is_a_planner_and_a_fraction_of_the_peak():
+    from benchmarks.measured_profile import parse_plan
+
+    assert parse_plan("recompute_knapsack@0.5") == ("recompute_knapsack", 0.5)
+    assert parse_plan("keep_all") == ("keep_all", None)
+    for bad, says in (("no_such@0.5", "unknown planner 'no_such'"), ("slackswap@0", "in (0, 1]"),
+                      ("slackswap@1.5", "in (0, 1]"), ("slackswap@half", "in (0, 1]")):
+        with pytest.raises(SystemExit, match=re.escape(says)) as caught:
+            parse_plan(bad)
+        assert str(caught.value).startswith(f"error: --plan={bad!r}:") and "\n" not in str(caught.value)
