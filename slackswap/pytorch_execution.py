@@ -17,11 +17,11 @@ selective-checkpoint policy). PyTorch then decides the positions itself, differe
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
 
-from slackswap.graph import NO_LAYER, Graph, Phase
+from slackswap.graph import NO_LAYER, Graph, Op, Phase
 from slackswap.hardware import Hardware
 from slackswap.plan import ComputeStep, Decision, Plan, StepKind, Transfer
 
@@ -119,6 +119,18 @@ def _frame_replays(graph: Graph, steps: list[ComputeStep], first_reader: dict[in
     return {layer: at.get(layer, j) for layer, j in first_reader.items()}
 
 
+def replay_stop(graph: Graph, layer_ops: Sequence[Op]) -> int:
+    """Index in `layer_ops` (a layer's forward ops, in order) of its last op with a saved output, where an
+    eager checkpoint's replay of the layer stops; -1 when none saves anything."""
+    return max((i for i, op in enumerate(layer_ops) if any(graph.tensors[t].saved for t in op.outputs)), default=-1)
+
+
+def makes_no_tensor(graph: Graph, op: Op) -> bool:
+    """Every output of `op` is a view of another tensor (view, reshape, transpose, expand, split): a replay
+    runs it again, yet no recompute step holds it."""
+    return all(graph.tensors[t].base for t in op.outputs)
+
+
 def _replayed_transients(graph: Graph, steps: list[ComputeStep], first_reader: dict[int, int],
                          decisions: Mapping[str, Decision]) -> dict[int, list[ComputeStep]]:
     """Eager: the recompute replays the layer's forward up to its last op with a saved output, and every op
@@ -131,11 +143,10 @@ def _replayed_transients(graph: Graph, steps: list[ComputeStep], first_reader: d
     added: dict[int, list[ComputeStep]] = {}
     for layer, j in first_reader.items():
         ops = [op for op in graph.forward_ops if op.layer == layer]
-        last = max((i for i, op in enumerate(ops) if any(graph.tensors[t].saved for t in op.outputs)), default=-1)
-        for op in ops[:last + 1]:
-            outs = tuple(t for t in op.outputs if not graph.tensors[t].base)
-            if not outs or cached.intersection(op.outputs) or have.intersection(op.outputs):
+        for op in ops[:replay_stop(graph, ops) + 1]:
+            if makes_no_tensor(graph, op) or cached.intersection(op.outputs) or have.intersection(op.outputs):
                 continue
+            outs = tuple(t for t in op.outputs if not graph.tensors[t].base)
             added.setdefault(j, []).append(ComputeStep(op.name, StepKind.RECOMPUTE, outs))
     return added
 
@@ -151,8 +162,7 @@ def replayed_views(graph: Graph, layers: Collection[int]) -> dict[int, tuple[str
     out: dict[int, tuple[str, ...]] = {}
     for layer in layers:
         ops = [op for op in graph.forward_ops if op.layer == layer]
-        last = max((i for i, op in enumerate(ops) if any(graph.tensors[t].saved for t in op.outputs)), default=-1)
-        views = tuple(op.name for op in ops[:last + 1] if all(graph.tensors[t].base for t in op.outputs))
+        views = tuple(op.name for op in ops[:replay_stop(graph, ops) + 1] if makes_no_tensor(graph, op))
         if views:
             out[layer] = views
     return out

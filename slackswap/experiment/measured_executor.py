@@ -183,8 +183,10 @@ def export_counts(graph: Graph, plan: Plan, model: object) -> ExportCounts:
         per_tensor = graph.meta.get("saved_tensor_packs", len(tensors)) / max(1, len(tensors))
         saved = sum(1 for t in tensors if t.layer != NO_LAYER and t.layer < regions) * per_tensor
     views = tuple(v for vs in replayed_views(graph, range(regions)).values() for v in vs)
-    cached = sum(c.cached for c in sac_replay_calls(graph, plan, model, export).values())
-    return ExportCounts(sac_dispatch_calls(graph, plan, model, export), regions, saved, views, cached)
+    layers = _selective_layers(graph, plan, model, export)
+    replays = _calls_by_kind(_replay_ops(graph, plan, layers))
+    return ExportCounts(_dispatch_calls(layers, replays), regions, saved, views,
+                        sum(c.cached for c in replays.values()))
 
 
 def sac_dispatch_calls(graph: Graph, plan: Plan, model: object, export: object = None) -> int:
@@ -192,20 +194,14 @@ def sac_dispatch_calls(graph: Graph, plan: Plan, model: object, export: object =
     the policy (`PlanExport.mechanisms`), its forward's calls (the graph's ops of the layer, each with
     the in-place calls joined to it) and its replay's (those up to the layer's last op with a saved
     output, where the replay stops: `sac_replay_calls`)."""
-    forward = sum(sum(w for _, w in ops) for ops, _ in _selective_layers(graph, plan, model, export).values())
-    return forward + sum(c.executed + c.views + c.cached for c in sac_replay_calls(graph, plan, model, export).values())
+    layers = _selective_layers(graph, plan, model, export)
+    return _dispatch_calls(layers, _calls_by_kind(_replay_ops(graph, plan, layers)))
 
 
 def sac_replay_calls(graph: Graph, plan: Plan, model: object, export: object = None) -> dict[int, ReplayCalls]:
     """Per layer the export runs under the SAC policy, its replay's ATen calls by what each costs there
     (`ReplayCalls`, summed from `sac_replay_ops`). All of them pass the dispatch modes (`sac_dispatch_calls`)."""
-    out: dict[int, ReplayCalls] = {}
-    for r, ops in sac_replay_ops(graph, plan, model, export).items():
-        counts = {"executed": 0, "views": 0, "cached": 0}
-        for _, kind, calls in ops:
-            counts[kind] += calls
-        out[r] = ReplayCalls(**counts)
-    return out
+    return _calls_by_kind(sac_replay_ops(graph, plan, model, export))
 
 
 def sac_replay_ops(graph: Graph, plan: Plan, model: object,
@@ -216,15 +212,37 @@ def sac_replay_ops(graph: Graph, plan: Plan, model: object,
     outputs that the plan recomputes or that no kept or swapped output covers (a recompute of the executed
     plan, `pytorch_plan`), "views" for an op whose outputs are all views (`replayed_views`), "cached" for
     one the selective-checkpoint cache serves."""
+    return _replay_ops(graph, plan, _selective_layers(graph, plan, model, export))
+
+
+def _dispatch_calls(layers: dict[int, tuple], replays: dict[int, ReplayCalls]) -> int:
+    """`sac_dispatch_calls` from the SAC layers and their replays' calls, each found once."""
+    forward = sum(sum(w for _, w in ops) for ops, _ in layers.values())
+    return forward + sum(c.executed + c.views + c.cached for c in replays.values())
+
+
+def _calls_by_kind(replay_ops: dict[int, tuple[tuple[str, str, int], ...]]) -> dict[int, ReplayCalls]:
+    out: dict[int, ReplayCalls] = {}
+    for r, ops in replay_ops.items():
+        counts = {"executed": 0, "views": 0, "cached": 0}
+        for _, kind, calls in ops:
+            counts[kind] += calls
+        out[r] = ReplayCalls(**counts)
+    return out
+
+
+def _replay_ops(graph: Graph, plan: Plan, layers: dict[int, tuple]) -> dict[int, tuple[tuple[str, str, int], ...]]:
+    """`sac_replay_ops` of the SAC layers `_selective_layers` found."""
     from slackswap.plan import Decision
+    from slackswap.pytorch_execution import makes_no_tensor
 
     cached = {t for t, d in plan.decisions.items() if d in (Decision.KEEP, Decision.SWAP)}
     have = {t for s in plan.steps if s.kind == StepKind.RECOMPUTE for t in s.outputs}
     out: dict[int, tuple[tuple[str, str, int], ...]] = {}
-    for r, (ops, last) in _selective_layers(graph, plan, model, export).items():
+    for r, (ops, last) in layers.items():
         kinds = []
         for op, width in ops[:last + 1]:
-            if all(graph.tensors[t].base for t in op.outputs):
+            if makes_no_tensor(graph, op):
                 kind = "views"
             elif cached.intersection(op.outputs) and not have.intersection(op.outputs):
                 kind = "cached"
@@ -236,7 +254,9 @@ def sac_replay_ops(graph: Graph, plan: Plan, model: object,
 
 
 def _selective_layers(graph: Graph, plan: Plan, model: object, export: object = None) -> dict[int, tuple]:
-    """Per SAC layer with forward ops: ([(op, its ATen calls)], the index of its last op with a saved output)."""
+    """Per SAC layer with forward ops: ([(op, its ATen calls)], the index of its last op with a saved output,
+    where its replay stops: `replay_stop`)."""
+    from slackswap.pytorch_execution import replay_stop
     from slackswap.runtime.export import PlanExport
     from slackswap.runtime.export.mechanism import SELECTIVE
     from slackswap.runtime.op_numbering import call_number
@@ -250,9 +270,7 @@ def _selective_layers(graph: Graph, plan: Plan, model: object, export: object = 
             continue
         width = [call_number(forward[i + 1].name) - call_number(op.name) if i + 1 < len(forward) else 1
                  for i, op in ops]
-        last = max((k for k, (_, op) in enumerate(ops) if any(graph.tensors[t].saved for t in op.outputs)),
-                   default=-1)
-        out[r] = ([(op, w) for (_, op), w in zip(ops, width, strict=True)], last)
+        out[r] = ([(op, w) for (_, op), w in zip(ops, width, strict=True)], replay_stop(graph, [op for _, op in ops]))
     return out
 
 
