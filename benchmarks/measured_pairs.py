@@ -74,6 +74,8 @@ def paired_export_steps(w, graph, plan, keep_all, steps: int, lr: float, seed: i
 def _rounds(w, plan_side: tuple, keep_all_side: tuple, steps: int, lr: float, seed: int, clock) -> tuple[list, list]:
     import torch
 
+    from slackswap.runtime.train import step_batch
+
     device = w.batch.device
     generator = torch.Generator(device=device).manual_seed(seed)
     torch.manual_seed(seed)  # what `_seed0` did before `train_steps`, now once for both sides
@@ -81,8 +83,7 @@ def _rounds(w, plan_side: tuple, keep_all_side: tuple, steps: int, lr: float, se
     sides = [_Side(model, run, torch.optim.AdamW(model.parameters(), lr=lr), state)
              for model, run in (plan_side, keep_all_side)]
     for i in range(steps):
-        batch = (torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=device)
-                 if w.token_slots else w.batch)
+        batch = step_batch(w, generator)
         for side in (sides if i % 2 else sides[::-1]):  # keep_all first in even rounds, the plan in odd ones
             side.step(w, batch, i, clock)
     return sides[0].records, sides[1].records

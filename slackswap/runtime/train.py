@@ -161,13 +161,18 @@ def _steps(w: Workload, run, steps: int, lr: float, seed: int, on_step, clock=ti
     generator = torch.Generator(device=device).manual_seed(seed)
     records = []
     for i in range(steps):
-        batch = (torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=device)
-                 if w.token_slots else w.batch)
-        record = timed_step(w, w.model, run, optimizer, batch, i, clock)
+        record = timed_step(w, w.model, run, optimizer, step_batch(w, generator), i, clock)
         records.append(record)
         if on_step is not None:
             on_step(record)
     return records
+
+
+def step_batch(w: Workload, generator: torch.Generator) -> torch.Tensor:
+    """The next step's batch: fresh token ids from `generator` for a token model, else the workload's own."""
+    if not w.token_slots:
+        return w.batch
+    return torch.randint(0, w.vocab_size, tuple(w.batch.shape), generator=generator, device=w.batch.device)
 
 
 def timed_step(w: Workload, model: torch.nn.Module, run, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
