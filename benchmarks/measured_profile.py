@@ -57,7 +57,12 @@ sys.path[:0] = [str(REPO), str(REPO / "examples" / "byo_model")]
 
 from benchmarks.common import conf, machine, save_result  # noqa: E402
 from benchmarks.measured_cases import HARDWARE, cases  # noqa: E402
-from benchmarks.measured_pairs import paired_export_steps, paired_overhead, paired_runtime_steps  # noqa: E402
+from benchmarks.measured_pairs import (  # noqa: E402
+    OVERHEAD_TARGET_PP,
+    paired_export_steps,
+    paired_overhead,
+    paired_runtime_steps,
+)
 from slackswap.experiment.measured_prediction import HostCosts  # noqa: E402
 
 #: The step clock of each `--clock` (the op times use the same, `slackswap.runtime.op_times.CLOCKS`).
@@ -129,7 +134,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
             r["overhead_predicted"] = r["predicted_s"] / base["predicted_s"]
             r["overhead_measured"] = r["measured_median_s"] / base["measured_median_s"]
             r["overhead_gap_pp"] = 100 * (r["overhead_predicted"] - r["overhead_measured"])
-            r["overhead_within_3pp"] = abs(r["overhead_gap_pp"]) <= 3.0
+            r["overhead_within_3pp"] = abs(r["overhead_gap_pp"]) <= OVERHEAD_TARGET_PP
             r |= paired_overhead(r["round_step_s"], r["round_keep_all_step_s"], r["overhead_predicted"])
     return profile, rows
 
