@@ -49,3 +49,15 @@ def test_an_extra_plan_is_a_planner_and_a_fraction_of_the_peak():
         with pytest.raises(SystemExit, match=re.escape(says)) as caught:
             parse_plan(bad)
         assert str(caught.value).startswith(f"error: --plan={bad!r}:") and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("argv, says", [(["--rounds", "0"], "error: --rounds=0: must be >= 1"),
+                                        (["--runs", "0"], "error: --runs=0: must be >= 1")])
+def test_a_count_below_one_is_one_line_before_anything_runs(monkeypatch, argv, says):
+    from benchmarks import measured_profile
+
+    monkeypatch.setattr(measured_profile, "run", lambda *a, **k: pytest.fail("ran with a bad count"))
+    monkeypatch.setattr("sys.argv", ["measured_profile.py", *argv])
+    with pytest.raises(SystemExit) as caught:
+        measured_profile.main()
+    assert str(caught.value) == says

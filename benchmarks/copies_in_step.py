@@ -1,0 +1,103 @@
+"""What the runtime's inline CPU copies cost inside a training step, against the copy curve's price.
+
+`python benchmarks/copies_in_step.py [--steps 12] [--threads 1]` (CPU). For each of the measured-profile
+benchmark's five models (`benchmarks.measured_cases`): slackswap at half the keep-all peak, planned on
+the captured graph for the benchmark's preset (swaps only on these models), runs under the eager
+runtime with `CpuCopies(measure=True)`, which adds up the CPU time of every inline offload and
+prefetch (allocation and memcpy; two clock reads per copy included). The median over the steps after
+the first is set beside what the machine description, measured by `slackswap.profile.torch.links` in
+the same run, prices the same copies at (`Machine.copy_s` per copy, as `slackswap.experiment.prediction`
+adds them to a CPU prediction).
+
+Why: in `benchmarks/measured_profile.py` slackswap's swap-only rows are predicted 2-5 pp too little
+overhead in most runs (docs/profile.md, "The record"). The link's rows time each copy over and over on
+the same two buffers, which stay in the caches; in a step, a host buffer was last written a step
+before and a tensor fetched back was written in forward. A diagnostic, not a correction: nothing here
+feeds a prediction. Results: benchmarks/results/copies_in_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "examples" / "byo_model")]  # the hook MLP's module (my_model)
+
+from benchmarks.common import machine, save_result  # noqa: E402
+from benchmarks.measured_cases import HARDWARE, cases  # noqa: E402
+
+BUDGET_FRACTION = 0.5
+
+
+def measure(steps: int) -> list[dict]:
+    """One row per model (module docstring)."""
+    import torch
+
+    from slackswap.hardware import load_preset
+    from slackswap.planners.registry import get_planner
+    from slackswap.profile.machine import Machine
+    from slackswap.profile.torch.links import measure_links, measurement_description
+    from slackswap.runtime import capture_graph
+    from slackswap.runtime.copy_engines import CpuCopies
+    from slackswap.runtime.eager.run import apply
+    from slackswap.runtime.training_workload import build_training_workload
+    from slackswap.simulate.metrics import simulate_ideal
+
+    hardware = load_preset(HARDWARE)
+    link = Machine.from_dict(measurement_description(measure_links("cpu", 64 * 1024**2, 3), "cpu"))
+    rows = []
+    for name, model, spec in cases():
+        w = build_training_workload(model, spec, "cpu", 0)
+        graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
+        peak = simulate_ideal(graph, hardware).peak_activation_bytes
+        plan = get_planner("slackswap").plan(graph, hardware, int(peak * BUDGET_FRACTION))
+        sizes = graph.size_bytes_of
+        priced_s = (sum(link.copy_s("d2h", sizes[t.tensor]) for t in plan.offloads)
+                    + sum(link.copy_s("h2d", sizes[t.tensor]) for t in plan.prefetches))
+        copies = CpuCopies(measure=True)
+        run = apply(plan, graph, w.model, copies=copies)
+        optimizer = torch.optim.AdamW(w.model.parameters(), lr=1e-4)
+        per_step = []
+        for _ in range(steps):
+            copies.copy_s = 0.0
+            with run:
+                w.loss_fn(w.model(w.batch)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            per_step.append(copies.copy_s)
+        in_step_s = statistics.median(per_step[1:])
+        rows.append({"model": name, "offloads": len(plan.offloads), "prefetches": len(plan.prefetches),
+                     "offloaded_bytes": sum(sizes[t.tensor] for t in plan.offloads),
+                     "priced_s": priced_s, "in_step_median_s": in_step_s, "in_step_s": per_step[1:],
+                     "ratio": in_step_s / priced_s if priced_s else None})
+        print(f"{name}: {len(plan.offloads)} offloads, {rows[-1]['offloaded_bytes'] / 1e6:.2f} MB; the copy curve "
+              f"prices the copies at {priced_s * 1e3:.3f} ms, in the step they took {in_step_s * 1e3:.3f} ms "
+              f"(CPU time, median of {steps - 1} steps): {rows[-1]['ratio']:.2f}x", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12, help="steps per model, the first a warm-up")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU time is one thread's)")
+    args = parser.parse_args()
+    if args.steps < 2:
+        raise SystemExit(f"error: --steps={args.steps}: must be >= 2 (the first is a warm-up)")
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads={args.threads}: must be >= 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    started = machine()
+    rows = measure(args.steps)
+    path = save_result("copies_in_step.json", {"hardware_preset": HARDWARE, "budget_fraction": BUDGET_FRACTION,
+                                               "torch_threads": args.threads, "machine_start": started,
+                                               "machine_end": machine(), "rows": rows})
+    print(f"[saved] {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
