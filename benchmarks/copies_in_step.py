@@ -9,11 +9,12 @@ the first is set beside what the machine description, measured by `slackswap.pro
 the same run, prices the same copies at (`Machine.copy_s` per copy, as `slackswap.experiment.prediction`
 adds them to a CPU prediction).
 
-Why: in `benchmarks/measured_profile.py` slackswap's swap-only rows are predicted 2-5 pp too little
-overhead in most runs (docs/profile.md, "The record"). The link's rows time each copy over and over on
-the same two buffers, which stay in the caches; in a step, a host buffer was last written a step
-before and a tensor fetched back was written in forward. A diagnostic, not a correction: nothing here
-feeds a prediction. Results: benchmarks/results/copies_in_step.json.
+Why: with copies priced by that curve, `benchmarks/measured_profile.py` predicted slackswap's swap-only
+rows 2-5 pp too little overhead in most runs (docs/profile.md, "The record"). The link's rows time each
+copy over and over on the same two buffers, which stay in the caches; in a step, a host buffer was last
+written a step before and a tensor fetched back was written in forward. This measurement is why a CPU
+op-time table now times each tensor's copies in profiling steps (`slackswap.runtime.eager.copy_times`);
+it is a diagnostic, and nothing here feeds a prediction. Results: benchmarks/results/copies_in_step.json.
 """
 
 from __future__ import annotations

@@ -29,8 +29,17 @@ def host_text(f: Mapping[str, Any]) -> str:
     return "".join(f" {'-' if s < 0 else '+'} {abs(s) * 1e3:.2f} ms {what}" for s, what in parts)
 
 
+def copy_text(f: Mapping[str, Any]) -> str:
+    """Where the op-time table timed its tensors' copies: how many of the plan's copies were priced at
+    them and how many by the machine description's copy curve (their tensor had none)."""
+    timed, curve = f.get("copies_at_copy_times", 0), f.get("copies_by_curve", 0)
+    if not f.get("copy_times_measured") or not timed + curve:
+        return ""
+    return f" ({timed} at their tensors' measured copy times, {curve} by the copy curve)"
+
+
 def comparison_line(f: Mapping[str, Any]) -> str:
-    copies = (f" + {f['predicted_sync_copy_s'] * 1e3:.2f} ms synchronous copies"
+    copies = (f" + {f['predicted_sync_copy_s'] * 1e3:.2f} ms synchronous copies{copy_text(f)}"
               if f.get("machine_synchronous_copies") else "")
     return (f"[train] predicted step {f['predicted_step_s'] * 1e3:.2f} ms (simulated on the measured profile"
             f"{copies}{host_text(f)}) vs measured {f['measured_step_median_s'] * 1e3:.2f} ms median of "

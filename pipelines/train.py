@@ -95,6 +95,8 @@ class _Console(TrainingProgress):
             print(f"[train] executors' host costs on this machine: {figures['host_costs_line']}", flush=True)
         if figures.get("replay_source"):  # what the op-time table's replay times are, or why there are none
             print(f"[train] {figures['replay_source']}", flush=True)
+        if figures.get("copy_source"):  # what the op-time table's copy times are, or why there are none
+            print(f"[train] {figures['copy_source']}", flush=True)
 
 
 def _summary(spec: TrainingRunSpec, f) -> None:
@@ -206,7 +208,8 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
             client.log_metric(run_id, "step_time_s", step_s, step=i)
         timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine",
                                                        "host_costs_line", "op_times_cache_line", "machine_cache_line",
-                                                       "op_times_sum_refusal", "replay_source")
+                                                       "op_times_sum_refusal", "replay_source",
+                                                       "copy_source")
                   if k in figures}  # which source timed the ops, on the run itself
         tracking.log_tags(client, run_id, {"status": str(status), **timing})
         if (run_dir / "train.json").exists():

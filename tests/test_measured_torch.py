@@ -79,7 +79,7 @@ def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path
                   {}, {"load_average_1min": 0.2, "cpu_count": 2}])
     made = []
 
-    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None):
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None, copy_plan=None):
         key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
         made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
                                 step_min_s=1e-3, step_max_s=1e-3, notes=next(notes)))
@@ -126,19 +126,40 @@ def test_the_profile_times_the_replay_of_every_op_the_plan_recomputes(captured):
     assert measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1).replay_times is None
 
 
-def test_a_cached_table_without_replay_times_is_measured_again_where_they_are_wanted(captured, tmp_path,
-                                                                                     monkeypatch):
+def test_the_profile_times_the_copies_of_every_tensor_the_plan_offloads(captured):
+    import torch
+
+    from slackswap.experiment.measured_prediction import copy_profile_plan
+
+    w, graph = captured
+    hardware = load_preset("h200_sxm_pcie5")
+    state = torch.get_rng_state()
+    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1, clock="process",
+                             copy_plan=copy_profile_plan(hardware))
+    plan = copy_profile_plan(hardware)(retime(graph, table)[0])
+    offloaded = {t.tensor for t in plan.offloads}
+    assert offloaded and set(table.copy_times) == offloaded and table.replay_times is None
+    assert all(d2h > 0 and h2d > 0 for d2h, h2d in table.copy_times.values())
+    assert f"{len(offloaded)} tensors of plan 'save_on_cpu'" in table.notes["copy_source"]
+    assert torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in w.model.parameters())
+    # Without a plan nothing is copied, and the table says it was not measured (None), not "none offloaded".
+    assert measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1).copy_times is None
+
+
+def test_a_cached_table_without_replay_or_copy_times_is_measured_again_where_they_are_wanted(captured, tmp_path,
+                                                                                             monkeypatch):
     import slackswap.runtime.op_times as op_times
     from slackswap.profile.measured import OpTimeTable
 
     w, graph = captured
     made = []
 
-    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None):
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None, copy_plan=None):
         key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
         made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
                                 step_min_s=1e-3, step_max_s=1e-3, notes={"load_average_1min": 0.2, "cpu_count": 2},
-                                replay_times=None if replay_plan is None else {graph.ops[0].name: 2e-3}))
+                                replay_times=None if replay_plan is None else {graph.ops[0].name: 2e-3},
+                                copy_times=None if copy_plan is None else {"t0": (1e-6, 2e-6)}))
         return made[-1]
 
     monkeypatch.setattr(op_times, "measure_op_times", stub)
@@ -154,6 +175,15 @@ def test_a_cached_table_without_replay_times_is_measured_again_where_they_are_wa
     again, was_cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, 0, 1,
                                         replay_plan=lambda g: None)
     assert was_cached and again == fresh and len(made) == 2
+    # Copy times alike: a run that prices copies at them measures a table cached without them again.
+    with_copies, was_cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, 0, 1,
+                                              replay_plan=lambda g: None, copy_plan=lambda g: None)
+    assert not was_cached and len(made) == 3 and with_copies.copy_times == {"t0": (1e-6, 2e-6)}
+    assert with_copies.notes["remeasured_because"] == (f"cached op-time table {fresh.key.digest()} has no copy times "
+                                                       "of its tensors: measuring it again")
+    reused, was_cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, tmp_path, 0, 1,
+                                         replay_plan=lambda g: None, copy_plan=lambda g: None)
+    assert was_cached and reused == with_copies and len(made) == 3
 
 
 def test_a_cached_table_that_cannot_be_read_is_one_line_and_measured_again(captured, tmp_path, monkeypatch):
@@ -163,7 +193,7 @@ def test_a_cached_table_that_cannot_be_read_is_one_line_and_measured_again(captu
     w, graph = captured
     made = []
 
-    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None):
+    def stub(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan=None, copy_plan=None):
         key = op_times.op_time_key(graph, next(model.parameters()).device, clock)
         made.append(OpTimeTable(key=key, times=one_op_of(graph), warmup=warmup, repeats=repeats, step_median_s=1e-3,
                                 step_min_s=1e-3, step_max_s=1e-3, notes={"load_average_1min": 0.2, "cpu_count": 2}))

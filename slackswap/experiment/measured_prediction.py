@@ -1,7 +1,8 @@
 """One prediction of a plan's step on measured op times, for `pipelines.train` (`profile.timing=measured`)
 and `benchmarks/measured_profile.py` alike: what the product prints is what the benchmark checks.
 
-    table = measure_op_times(..., replay_plan=replay_profile_plan(hardware))  # each op's replay timed too
+    table = measure_op_times(..., replay_plan=replay_profile_plan(hardware),  # each op's replay timed too
+                             copy_plan=copy_profile_plan(hardware))      # and each tensor's copies
     costs = measure_host_costs("cpu")                          # once per machine, apart from any plan
     table = costs.attach(table)                                # stored with the op-time table
     predicted = predict_measured(graph, plan, hardware, machine, HostCosts.of(table), export, model)
@@ -14,7 +15,9 @@ eager export its SAC dispatch and its checkpoints (`ExportHostCost`,
 `slackswap.experiment.measured_executor.predict_export`). The runtime's recompute steps are priced at
 their ops' replay times where the op-time table has them (`OpTimeTable.replay_times`: each op's replay
 timed in profiling steps of the model under `replay_profile_plan`, when the table is measured), the
-microbenchmark's per-step and per-call cost otherwise. On a GPU that host work overlaps the kernels:
+microbenchmark's per-step and per-call cost otherwise; its copies at each tensor's in-step copy times
+where the table has them (`OpTimeTable.copy_times`, timed in profiling steps under `copy_profile_plan`),
+the machine description's copy curve otherwise. On a GPU that host work overlaps the kernels:
 nothing is measured and nothing added. Imports torch only inside the function that measures.
 """
 
@@ -41,10 +44,12 @@ class HostCosts:
     #: The op-time table's replay time per op (`OpTimeTable.replay_times`; None: not measured): measured
     #: with the table's op times, so `attach` leaves the table's own.
     replay_times: Mapping[str, float] | None = None
+    #: The op-time table's in-step copy times per tensor (`OpTimeTable.copy_times`; None: not measured).
+    copy_times: Mapping[str, tuple[float, float]] | None = None
 
     @classmethod
     def of(cls, table: OpTimeTable) -> HostCosts:
-        return cls(table.runtime_host, table.export_host, table.replay_times)
+        return cls(table.runtime_host, table.export_host, table.replay_times, table.copy_times)
 
     def attach(self, table: OpTimeTable) -> OpTimeTable:
         return replace(table, runtime_host=self.runtime, export_host=self.export)
@@ -70,6 +75,8 @@ class HostCosts:
                          f"{e.checkpoint_per_saved_s * 1e6:.1f} us per saved tensor")
         if self.replay_times is not None:
             parts.append(f"replay times of {len(self.replay_times)} ops measured in the model's own profiling steps")
+        if self.copy_times is not None:
+            parts.append(f"copy times of {len(self.copy_times)} tensors measured in the model's own profiling steps")
         return "; ".join(parts)
 
 
@@ -109,6 +116,16 @@ def replay_profile_plan(hardware: Hardware) -> Callable[[Graph], Plan]:
     return lambda graph: full_recompute.plan(graph, hardware, None)
 
 
+def copy_profile_plan(hardware: Hardware) -> Callable[[Graph], Plan]:
+    """The plan whose profiling steps time each tensor's copies (`measure_op_times`'s `copy_plan`): the
+    save_on_cpu planner's, which offloads and fetches back every saved tensor (the runtime runs its
+    copies inline on the CPU, whatever offloader the plan names for the simulator)."""
+    from slackswap.planners.registry import get_planner
+
+    save_on_cpu = get_planner("save_on_cpu")
+    return lambda graph: save_on_cpu.plan(graph, hardware, None)
+
+
 @dataclass(frozen=True)
 class MeasuredPrediction:
     prediction: Prediction
@@ -122,11 +139,15 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
     for the export (`plan_for_export`) and runs as eager selective checkpointing; `model` (the plan's)
     lets the export's regions be counted."""
     if not export:
-        prediction = predict_step(graph, plan, hardware, machine, costs.runtime, costs.replay_times)
+        prediction = predict_step(graph, plan, hardware, machine, costs.runtime, costs.replay_times,
+                                  costs.copy_times)
         return MeasuredPrediction(prediction, {"predicted_runtime_host_s": prediction.runtime_host_s,
                                                "replay_timed_steps": prediction.replay_timed_steps,
                                                "replay_fallback_steps": prediction.replay_fallback_steps,
-                                               "replay_times_measured": costs.replay_times is not None})
+                                               "replay_times_measured": costs.replay_times is not None,
+                                               "copies_at_copy_times": prediction.copy_timed,
+                                               "copies_by_curve": prediction.copy_curve,
+                                               "copy_times_measured": costs.copy_times is not None})
     from slackswap.experiment.measured_executor import predict_export
 
     executed = predict_export(graph, plan, hardware, machine, model, costs.export)
@@ -147,4 +168,5 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
     return MeasuredPrediction(p, figures)
 
 
-__all__ = ["HostCosts", "MeasuredPrediction", "measure_host_costs", "predict_measured", "replay_profile_plan"]
+__all__ = ["HostCosts", "MeasuredPrediction", "copy_profile_plan", "measure_host_costs", "predict_measured",
+           "replay_profile_plan"]

@@ -31,6 +31,7 @@ from slackswap import validation as check
 from slackswap.errors import ConfigError
 from slackswap.experiment.measured_prediction import (
     HostCosts,
+    copy_profile_plan,
     measure_host_costs,
     predict_measured,
     replay_profile_plan,
@@ -130,12 +131,14 @@ class MeasuredTiming:
         """The graph with its ops' measured times (roofline for any op not measured), the figures
         saying how many ops each source timed, and the executors' host costs stored with the table
         (measured now, and stored, where a CPU table lacks them); on the CPU the table holds each op's
-        replay time too (a cached one without them is measured again). `hardware`: the run's, which the
+        replay time and each offloaded tensor's copy times too (a cached one without them is measured
+        again). `hardware`: the run's, which the
         replays' full-recompute plan is made for."""
         from slackswap.runtime.op_times import cached_op_times
 
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
-                                        self.repeats, replay_plan=replay_profile_plan(hardware))
+                                        self.repeats, replay_plan=replay_profile_plan(hardware),
+                                        copy_plan=copy_profile_plan(hardware))
         costs = HostCosts.of(table)
         if table.key.device.startswith("cpu") and not costs.measured:
             costs = measure_host_costs(table.key.device)
@@ -163,7 +166,9 @@ class MeasuredTiming:
                    "op_times_sum_gap": sum_gap(table), "op_times_sum_refusal": sum_refusal(table) or "",
                    # NaN where none were measured (a GPU table), as the load above: never a count.
                    "replay_times_ops": math.nan if table.replay_times is None else len(table.replay_times),
-                   "replay_source": str(table.notes.get("replay_source", ""))}
+                   "replay_source": str(table.notes.get("replay_source", "")),
+                   "copy_times_tensors": math.nan if table.copy_times is None else len(table.copy_times),
+                   "copy_source": str(table.notes.get("copy_source", ""))}
         return retimed, figures, costs
 
     def machine(self, device: str) -> tuple[Machine, dict[str, Any]]:

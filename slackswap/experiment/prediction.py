@@ -25,6 +25,12 @@ recompute), instead of the microbenchmark's a + b x calls: the microbenchmark's 
 cache, where a real model's replay in backward reads data its forward left colder, and its calls'
 arguments are small. A recompute step of an op without a replay time falls back to the
 microbenchmark; both are counted (`Prediction.replay_timed_steps`, `replay_fallback_steps`).
+
+With `copy_times` (the op-time table's: each offloaded tensor's inline copies timed in profiling steps
+of the model itself, `slackswap.runtime.eager.copy_times`), a copy of a tensor that has one is priced at
+it instead of the machine description's copy curve, which times copies on buffers that stay in the
+caches (in a step they cost 1.8-2.9x that on the measured-profile benchmark's models); both are counted
+(`Prediction.copy_timed`, `copy_curve`).
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ class Prediction:
     #: (no replay time for their op), where the runtime's host work is added (the CPU); 0 elsewhere.
     replay_timed_steps: int = 0
     replay_fallback_steps: int = 0
+    #: Copies priced at their tensor's in-step copy time (`copy_times`), and those priced by the machine
+    #: description's copy curve (no copy time for their tensor), where copies are synchronous; 0 elsewhere.
+    copy_timed: int = 0
+    copy_curve: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,12 +131,13 @@ def runtime_host_counts(graph: Graph, plan: Plan, replay_times: Mapping[str, flo
 
 
 def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None,
-                 host: RuntimeHostCost | None = None, replay_times: Mapping[str, float] | None = None
-                 ) -> Prediction:
+                 host: RuntimeHostCost | None = None, replay_times: Mapping[str, float] | None = None,
+                 copy_times: Mapping[str, tuple[float, float]] | None = None) -> Prediction:
     """The plan's step on `machine` (None: `hardware` as it is, copies overlapping); with `host` on a
     synchronous machine (the CPU), plus the eager runtime's own host work (module docstring), its
     recompute steps at their ops' `replay_times` where measured: on a GPU it overlaps the kernels and
-    is not added."""
+    is not added. On a synchronous machine a copy of a tensor with `copy_times` (offload, prefetch) is
+    priced at it, any other by the machine's copy curve (module docstring)."""
     from slackswap.simulate import simulate
     from slackswap.simulate.saved_peak import instant_link
 
@@ -139,12 +150,16 @@ def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine 
     # Without `host` the microbenchmark's terms are not measured (nothing added); measured replays still are.
     host_s = counts.seconds(host if host is not None else RuntimeHostCost())
     sim = simulate(graph, plan, instant_link(hardware), None)
-    sizes = graph.size_bytes_of
-    copy_s = sum(machine.copy_s("d2h", sizes[t.tensor]) for t in plan.offloads)
-    copy_s += sum(machine.copy_s("h2d", sizes[t.tensor]) for t in plan.prefetches)
+    sizes, timed = graph.size_bytes_of, copy_times or {}
+    copy_s = sum(timed[t.tensor][0] if t.tensor in timed else machine.copy_s("d2h", sizes[t.tensor])
+                 for t in plan.offloads)
+    copy_s += sum(timed[t.tensor][1] if t.tensor in timed else machine.copy_s("h2d", sizes[t.tensor])
+                  for t in plan.prefetches)
+    copy_timed = sum(t.tensor in timed for t in (*plan.offloads, *plan.prefetches))
     return Prediction(sim.step_s + copy_s + host_s, sim.step_s, copy_s, copies, runtime_host_s=host_s,
                       replay_timed_steps=counts.replay_timed_steps,
-                      replay_fallback_steps=counts.recompute_steps if host is not None else 0)
+                      replay_fallback_steps=counts.recompute_steps if host is not None else 0,
+                      copy_timed=copy_timed, copy_curve=copies - copy_timed)
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,11 @@ class OpTimeTable:
     #: prices a recompute step of the op at it. None: not measured (a GPU's table, or one cached before
     #: replays were timed: `replay_refusal`); empty: measured, no op replayed (`notes["replay_source"]`).
     replay_times: Mapping[str, float] | None = None
+    #: Per tensor name: median seconds of the eager runtime's inline CPU offload and of one prefetch of it,
+    #: (d2h, h2d), in profiling steps of this model (`slackswap.runtime.eager.copy_times`, measured on the
+    #: CPU with the op times); a prediction prices the tensor's copies at them. None: not measured (a GPU's
+    #: table, or one cached before copies were timed: `copy_refusal`); empty: measured, none offloaded.
+    copy_times: Mapping[str, tuple[float, float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +171,7 @@ class OpTimeTable:
             "runtime_host": None if self.runtime_host is None else asdict(self.runtime_host),
             "export_host": None if self.export_host is None else asdict(self.export_host),
             "replay_times": None if self.replay_times is None else dict(self.replay_times),
+            "copy_times": None if self.copy_times is None else {k: list(v) for k, v in self.copy_times.items()},
             "times": {name: asdict(t) for name, t in self.times.items()},
         }
 
@@ -182,6 +188,9 @@ class OpTimeTable:
             d.pop(old, None)
         replay = d.pop("replay_times", None)  # absent from a table cached before replays were timed: None
         d["replay_times"] = None if replay is None else MappingProxyType({k: float(v) for k, v in replay.items()})
+        copies = d.pop("copy_times", None)  # absent from a table cached before copies were timed: None
+        d["copy_times"] = None if copies is None else MappingProxyType(
+            {k: (float(d2h), float(h2d)) for k, (d2h, h2d) in copies.items()})
         return cls(key=key, times=times, failed=tuple(d.pop("failed", ())),
                    notes=MappingProxyType(dict(d.pop("notes", {}))), **d)
 
@@ -277,6 +286,15 @@ def replay_refusal(table: OpTimeTable) -> str | None:
     zeros: it would price every recompute step at the microbenchmark's cost without saying so."""
     if table.replay_times is None:
         return f"cached op-time table {table.key.digest()} has no replay times of its ops: measuring it again"
+    return None
+
+
+def copy_refusal(table: OpTimeTable) -> str | None:
+    """Why a cached CPU table is measured again rather than reused by a run that prices copies at the
+    tensors' in-step copy times (`slackswap.runtime.op_times.cached_op_times` with a `copy_plan`): it has
+    none, cached before copies were timed. None when it has them."""
+    if table.copy_times is None:
+        return f"cached op-time table {table.key.digest()} has no copy times of its tensors: measuring it again"
     return None
 
 

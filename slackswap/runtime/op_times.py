@@ -44,6 +44,7 @@ from slackswap.profile.measured import (
     OpTime,
     OpTimeKey,
     OpTimeTable,
+    copy_refusal,
     measured_load,
     read_table,
     replay_refusal,
@@ -225,6 +226,7 @@ def measure_op_times(
     repeats: int = 5,
     clock: str = "wall",
     replay_plan: Callable[[Graph], Plan] | None = None,
+    copy_plan: Callable[[Graph], Plan] | None = None,
 ) -> OpTimeTable:
     """Time every op of `graph` (captured from this model and inputs) on the model's device (module
     docstring; `clock`: the CPU's, "wall" or "process"). The RNG state and the gradients are left as
@@ -232,7 +234,9 @@ def measure_op_times(
     planners are a layer above): after the plain steps, the runtime's replay of every op it recomputes is
     timed on the same clock in profiling steps of the model (`slackswap.runtime.eager.replay_times`) and
     kept per op (`OpTimeTable.replay_times`); on a GPU the runtime's host work overlaps the kernels and
-    nothing is timed."""
+    nothing is timed. `copy_plan` (the CPU only; the caller's plan that offloads every saved tensor it
+    can): the runtime's inline copies of each offloaded tensor are timed alike
+    (`slackswap.runtime.eager.copy_times`, `OpTimeTable.copy_times`)."""
     context = as_captured
     if warmup < 0 or repeats < 1:
         raise MeasurementError(f"warmup={warmup}, repeats={repeats}: need warmup >= 0 and repeats >= 1")
@@ -289,14 +293,22 @@ def measure_op_times(
                        unattributed_s=statistics.median(tails),
                        notes={"timed_step_median_s": statistics.median(timed), "aten_calls": calls,
                               **measured_load()})
-    if replay_plan is None or device.type != "cpu":
+    if device.type != "cpu" or (replay_plan is None and copy_plan is None):
         return table
-    from slackswap.runtime.eager.replay_times import measure_replay_times
-
     timed_graph, _ = retime(graph, table)
-    replays, source = measure_replay_times(timed_graph, replay_plan(timed_graph), model, inputs, loss_fn,
-                                           CLOCKS[clock], warmup, repeats)
-    return replace(table, replay_times=replays, notes=dict(table.notes) | {"replay_source": source})
+    if replay_plan is not None:
+        from slackswap.runtime.eager.replay_times import measure_replay_times
+
+        replays, source = measure_replay_times(timed_graph, replay_plan(timed_graph), model, inputs, loss_fn,
+                                               CLOCKS[clock], warmup, repeats)
+        table = replace(table, replay_times=replays, notes=dict(table.notes) | {"replay_source": source})
+    if copy_plan is not None:
+        from slackswap.runtime.eager.copy_times import measure_copy_times
+
+        copies, source = measure_copy_times(timed_graph, copy_plan(timed_graph), model, inputs, loss_fn,
+                                            CLOCKS[clock], warmup, repeats)
+        table = replace(table, copy_times=copies, notes=dict(table.notes) | {"copy_source": source})
+    return table
 
 
 def cached_op_times(
@@ -309,13 +321,15 @@ def cached_op_times(
     repeats: int = 5,
     clock: str = "wall",
     replay_plan: Callable[[Graph], Plan] | None = None,
+    copy_plan: Callable[[Graph], Plan] | None = None,
 ) -> tuple[OpTimeTable, bool]:
     """(table, True when it came from `cache_dir`): measured once per key, reused by later runs unless
     it was measured under load (`slackswap.profile.measured.reuse_refusal`) or the file there cannot be
     used (`read_table`: it does not parse, or stores another key); then it is measured again, and the
     new table's `notes["remeasured_because"]` says why (the run prints it:
     `slackswap.profile.measured.cache_line`). With `replay_plan` (`measure_op_times`), a cached CPU table
-    without replay times is measured again too (`replay_refusal`)."""
+    without replay times is measured again too (`replay_refusal`), and with `copy_plan` one without copy
+    times (`copy_refusal`)."""
     why = None
     if cache_dir is not None:
         device = next(model.parameters()).device
@@ -324,9 +338,11 @@ def cached_op_times(
             why = reuse_refusal(found)
             if why is None and replay_plan is not None and device.type == "cpu":
                 why = replay_refusal(found)
+            if why is None and copy_plan is not None and device.type == "cpu":
+                why = copy_refusal(found)
             if why is None:
                 return found, True
-    table = measure_op_times(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan)
+    table = measure_op_times(graph, model, inputs, loss_fn, warmup, repeats, clock, replay_plan, copy_plan)
     if why is not None:
         table = replace(table, notes=dict(table.notes) | {"remeasured_because": why})
     if cache_dir is not None:
