@@ -71,8 +71,8 @@ from slackswap.experiment.measured_prediction import HostCosts  # noqa: E402
 STEP_CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 #: Paired rounds per plan after its warm-up (the `--quick` run: 3). The issue's check names a median of
 #: 5 steps; at 5 rounds keep_all's own paired gap (the noise floor) read -5.5 to +11.5 pp over six runs,
-#: wider than the 3 pp target it judges, and at 21 within 2.1 pp (docs/decisions/0023). The median of 21
-#: is the record; `--rounds 5` runs the issue's count.
+#: wider than the 3 pp target it judges, and at 21 -3.2 to +4.2 pp over twelve runs (docs/decisions/0023).
+#: The median of 21 is the record; `--rounds 5` runs the issue's count.
 ROUNDS = 21
 PLANS = (("keep_all", None), ("full_recompute", None), ("torch_sac", None), ("slackswap", 0.5), ("slackswap", 0.75))
 def _row_line(r: dict) -> str:
