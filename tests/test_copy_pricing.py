@@ -14,7 +14,14 @@ import pytest
 from slackswap.experiment.measured_prediction import HostCosts, predict_measured
 from slackswap.experiment.prediction import predict_step
 from slackswap.plan import Decision
-from slackswap.profile.measured import OpTimeTable, copy_refusal, load_table, reuse_refusal, save_table
+from slackswap.profile.measured import (
+    OpTimeTable,
+    copy_refusal,
+    load_table,
+    replay_refusal,
+    reuse_refusal,
+    save_table,
+)
 from slackswap.testing import schedule_from_decisions, toy_hardware
 from tests.test_measured_profile import _graph, _machine, _table
 
@@ -77,14 +84,19 @@ def test_copy_times_round_trip_with_the_table_and_are_taken_from_it(tmp_path):
     assert HostCosts().attach(loaded).copy_times == loaded.copy_times  # the machine's costs keep the table's
 
 
-def test_a_table_cached_before_copies_were_timed_is_refused_in_one_line_never_read_as_zeros():
+@pytest.mark.parametrize("field, value, refusal, what", [
+    ("replay_times", {"f1": 0.15}, replay_refusal, "replay times of its ops"),
+    ("copy_times", {"a": (1e-6, 2e-6)}, copy_refusal, "copy times of its tensors"),
+])
+def test_a_table_cached_before_a_field_was_measured_is_refused_in_one_line_never_read_as_zeros(field, value, refusal,
+                                                                                               what):
     g = _graph()
-    table = replace(_table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4}), copy_times={"a": (1e-6, 2e-6)},
-                    notes={"load_average_1min": 0.2, "cpu_count": 2})
+    table = replace(_table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4}), notes={"load_average_1min": 0.2,
+                                                                                   "cpu_count": 2}, **{field: value})
     stored = table.to_dict()
-    del stored["copy_times"]  # as a table written before the field existed
+    del stored[field]  # as a table written before the field existed
     old = OpTimeTable.from_dict(stored)
-    assert old.copy_times is None and old.times == table.times
-    assert reuse_refusal(old) is None  # its load and sum are fine: only its missing copy times refuse it
-    assert copy_refusal(old) == (f"cached op-time table {table.key.digest()} has no copy times of its tensors: "
-                                 "measuring it again")
+    assert getattr(old, field) is None and old.times == table.times
+    assert reuse_refusal(old) is None  # its load and sum are fine: only the missing field refuses it
+    assert refusal(old) == f"cached op-time table {table.key.digest()} has no {what}: measuring it again"
+    assert refusal(table) is None

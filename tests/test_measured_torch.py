@@ -105,45 +105,29 @@ def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path
 
 # On one intra-op thread, as the benchmark's record runs: the replays are stamped on the table's clock.
 @pytest.mark.usefixtures("one_thread")
-def test_the_profile_times_the_replay_of_every_op_the_plan_recomputes(captured):
+def test_the_profile_times_the_replay_of_every_op_and_the_copies_of_every_tensor_its_plans_name(captured):
     import torch
 
-    from slackswap.experiment.measured_prediction import replay_profile_plan
+    from slackswap.experiment.measured_prediction import copy_profile_plan, replay_profile_plan
     from slackswap.plan import StepKind
 
     w, graph = captured
     hardware = load_preset("h200_sxm_pcie5")
     state = torch.get_rng_state()
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1, clock="process",
-                             replay_plan=replay_profile_plan(hardware))
-    plan = replay_profile_plan(hardware)(retime(graph, table)[0])
-    recomputed = {s.op for s in plan.steps if s.kind == StepKind.RECOMPUTE}
-    assert recomputed and set(table.replay_times) == recomputed
-    assert all(t > 0 for t in table.replay_times.values())
-    assert f"{len(recomputed)} ops of plan 'full_recompute'" in table.notes["replay_source"]
-    assert torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in w.model.parameters())
-    # Without a plan nothing is replayed, and the table says it was not measured (None), not "none replayed".
-    assert measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1).replay_times is None
-
-
-def test_the_profile_times_the_copies_of_every_tensor_the_plan_offloads(captured):
-    import torch
-
-    from slackswap.experiment.measured_prediction import copy_profile_plan
-
-    w, graph = captured
-    hardware = load_preset("h200_sxm_pcie5")
-    state = torch.get_rng_state()
-    table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1, clock="process",
-                             copy_plan=copy_profile_plan(hardware))
-    plan = copy_profile_plan(hardware)(retime(graph, table)[0])
-    offloaded = {t.tensor for t in plan.offloads}
-    assert offloaded and set(table.copy_times) == offloaded and table.replay_times is None
+                             replay_plan=replay_profile_plan(hardware), copy_plan=copy_profile_plan(hardware))
+    timed = retime(graph, table)[0]
+    recomputed = {s.op for s in replay_profile_plan(hardware)(timed).steps if s.kind == StepKind.RECOMPUTE}
+    offloaded = {t.tensor for t in copy_profile_plan(hardware)(timed).offloads}
+    assert recomputed and set(table.replay_times) == recomputed and all(t > 0 for t in table.replay_times.values())
+    assert offloaded and set(table.copy_times) == offloaded
     assert all(d2h > 0 and h2d > 0 for d2h, h2d in table.copy_times.values())
+    assert f"{len(recomputed)} ops of plan 'full_recompute'" in table.notes["replay_source"]
     assert f"{len(offloaded)} tensors of plan 'save_on_cpu'" in table.notes["copy_source"]
     assert torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in w.model.parameters())
-    # Without a plan nothing is copied, and the table says it was not measured (None), not "none offloaded".
-    assert measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1).copy_times is None
+    # Without plans nothing is replayed or copied, and the table says neither was measured (None), not "none".
+    bare = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1)
+    assert bare.replay_times is None and bare.copy_times is None
 
 
 def test_a_cached_table_without_replay_or_copy_times_is_measured_again_where_they_are_wanted(captured, tmp_path,

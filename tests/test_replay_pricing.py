@@ -1,8 +1,8 @@
 """A plan's recompute steps priced at their ops' replay times measured in the model's own profiling steps
 (`OpTimeTable.replay_times`, `slackswap.experiment.prediction.runtime_host_counts`), the microbenchmark's
-a + b x calls for an op without one, both counted; the replay times round-trip with the table, and a table
-cached without them is refused, never read as zeros. Core only (no torch): the measuring is
-tests/test_measured_torch.py."""
+a + b x calls for an op without one, both counted; the replay times round-trip with the table (a table
+cached without them is refused, never read as zeros: tests/test_copy_pricing.py, with the copy times).
+Core only (no torch): the measuring is tests/test_measured_torch.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from slackswap.profile.measured import (
     RuntimeHostCost,
     load_table,
     replay_refusal,
-    reuse_refusal,
     save_table,
 )
 from slackswap.testing import schedule_from_decisions, toy_hardware
@@ -99,16 +98,3 @@ def test_replay_times_round_trip_with_the_table_and_are_taken_from_it(tmp_path):
     assert empty.replay_times == {} and replay_refusal(empty) is None
     # Attaching the machine's host costs keeps the table's own replay times.
     assert HostCosts(HOST).attach(loaded).replay_times == loaded.replay_times
-
-
-def test_a_table_cached_before_replays_were_timed_is_refused_in_one_line_never_read_as_zeros():
-    g = _graph()
-    table = replace(_table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4}), replay_times={"f1": 0.15},
-                    notes={"load_average_1min": 0.2, "cpu_count": 2})
-    stored = table.to_dict()
-    del stored["replay_times"]  # as a table written before the field existed
-    old = OpTimeTable.from_dict(stored)
-    assert old.replay_times is None and old.times == table.times
-    assert reuse_refusal(old) is None  # its load and sum are fine: only its missing replay times refuse it
-    assert replay_refusal(old) == (f"cached op-time table {table.key.digest()} has no replay times of its ops: "
-                                   "measuring it again")

@@ -67,29 +67,22 @@ def measure_copy_times(graph: Graph, plan: Plan, model: torch.nn.Module, inputs:
     `now_ns` over the profiling steps; one line saying what was measured). One verified step, `warmup`
     hook-only steps, then `repeats` stamped ones; the RNG state is left as it was and the gradients
     cleared, as the op times leave them."""
+    from slackswap.runtime.eager.profiling_steps import run_profiling_steps
     from slackswap.runtime.eager.run import apply
 
     if not plan.offloads:
         return {}, f"copy times: plan {plan.planner!r} offloads no tensor of this graph: none measured"
     copies = StampedCopies(now_ns)
-    run = apply(plan, graph, model, copies=copies)
-    with torch.random.fork_rng(devices=[]):
-        for i in range(1 + warmup + repeats):  # the first step is the verified one
-            for p in model.parameters():
-                p.grad = None
-            if i == 1 + warmup:
-                copies.d2h_s.clear()
-                copies.h2d_s.clear()
-            with run:
-                loss_fn(model(*inputs)).backward()
-            refusal = run.report.hook_only_refusal
-            if refusal is not None or (i > 0 and run.report.verified):
-                for p in model.parameters():
-                    p.grad = None
-                return {}, (f"copy times: the runtime's hook-only program refuses plan {plan.planner!r} "
-                            f"({refusal or 'its steps ran verified'}): none measured")
-    for p in model.parameters():
-        p.grad = None
+
+    def clear() -> None:
+        copies.d2h_s.clear()
+        copies.h2d_s.clear()
+
+    refusal = run_profiling_steps(apply(plan, graph, model, copies=copies), model, inputs, loss_fn, warmup, repeats,
+                                  clear)
+    if refusal is not None:
+        return {}, (f"copy times: the runtime's hook-only program refuses plan {plan.planner!r} ({refusal}): "
+                    "none measured")
     per_tensor = {}
     for k, transfer in enumerate(plan.offloads):
         d2h, h2d = copies.d2h_s.get(k), copies.h2d_s.get(k)

@@ -35,6 +35,7 @@ def measure_replay_times(graph: Graph, plan: Plan, model: torch.nn.Module, input
     """(per op `plan` recomputes: the median seconds of its replay on `now_ns` over the profiling steps;
     one line saying what was measured). One verified step, `warmup` hook-only steps, then `repeats`
     stamped ones; the RNG state is left as it was and the gradients cleared, as the op times leave them."""
+    from slackswap.runtime.eager.profiling_steps import run_profiling_steps
     from slackswap.runtime.eager.run import apply
 
     recomputes = sum(s.kind == StepKind.RECOMPUTE for s in plan.steps)
@@ -50,22 +51,10 @@ def measure_replay_times(graph: Graph, plan: Plan, model: torch.nn.Module, input
         stamps.setdefault(j, []).append((now_ns() - t0) / 1e9)
 
     run._recompute = stamped  # an instance attribute: the hook-only step looks it up on the instance
-    with torch.random.fork_rng(devices=[]):
-        for i in range(1 + warmup + repeats):  # the first step is the verified one
-            for p in model.parameters():
-                p.grad = None
-            if i == 1 + warmup:
-                stamps.clear()
-            with run:
-                loss_fn(model(*inputs)).backward()
-            refusal = run.report.hook_only_refusal
-            if refusal is not None or (i > 0 and run.report.verified):
-                for p in model.parameters():
-                    p.grad = None
-                return {}, (f"replay times: the runtime's hook-only program refuses plan {plan.planner!r} "
-                            f"({refusal or 'its steps ran verified'}): none measured")
-    for p in model.parameters():
-        p.grad = None
+    refusal = run_profiling_steps(run, model, inputs, loss_fn, warmup, repeats, stamps.clear)
+    if refusal is not None:
+        return {}, (f"replay times: the runtime's hook-only program refuses plan {plan.planner!r} ({refusal}): "
+                    "none measured")
     per_op: dict[str, list[float]] = {}
     for j, times in stamps.items():
         per_op.setdefault(plan.steps[j].op, []).extend(times)
