@@ -5,9 +5,11 @@ benchmark's five models (`benchmarks.measured_cases`): slackswap at half the kee
 the captured graph for the benchmark's preset (swaps only on these models), runs under the eager
 runtime with `CpuCopies(measure=True)`, which adds up the CPU time of every inline offload and
 prefetch (allocation and memcpy; two clock reads per copy included). The median over the steps after
-the first is set beside what the machine description, measured by `slackswap.profile.torch.links` in
-the same run, prices the same copies at (`Machine.copy_s` per copy, as `slackswap.experiment.prediction`
-adds them to a CPU prediction).
+the first is set beside what two profile measurements price the same copies at: the machine
+description's copy curve, measured by `slackswap.profile.torch.links` in the same run (`Machine.copy_s`
+per copy), and the tensors' copy times as a CPU op-time table measures them
+(`slackswap.runtime.eager.copy_times`: stamped in profiling steps of the save_on_cpu plan, on the same
+CPU-time clock), which `slackswap.experiment.prediction` adds to a CPU prediction.
 
 Why: with copies priced by that curve, `benchmarks/measured_profile.py` predicted slackswap's swap-only
 rows 2-5 pp too little overhead in most runs (docs/profile.md, "The record"). The link's rows time each
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,12 +40,14 @@ def measure(steps: int) -> list[dict]:
     """One row per model (module docstring)."""
     import torch
 
+    from slackswap.experiment.measured_prediction import copy_profile_plan
     from slackswap.hardware import load_preset
     from slackswap.planners.registry import get_planner
     from slackswap.profile.machine import Machine
     from slackswap.profile.torch.links import measure_links, measurement_description
     from slackswap.runtime import capture_graph
     from slackswap.runtime.copy_engines import CpuCopies
+    from slackswap.runtime.eager.copy_times import measure_copy_times
     from slackswap.runtime.eager.run import apply
     from slackswap.runtime.training_workload import build_training_workload
     from slackswap.simulate.metrics import simulate_ideal
@@ -58,6 +63,11 @@ def measure(steps: int) -> list[dict]:
         sizes = graph.size_bytes_of
         priced_s = (sum(link.copy_s("d2h", sizes[t.tensor]) for t in plan.offloads)
                     + sum(link.copy_s("h2d", sizes[t.tensor]) for t in plan.prefetches))
+        profiled, _ = measure_copy_times(graph, copy_profile_plan(hardware)(graph), w.model, (w.batch,), w.loss_fn,
+                                         time.process_time_ns)
+        missing = sum(t.tensor not in profiled for t in plan.offloads)
+        profiled_s = (sum(profiled[t.tensor][0] for t in plan.offloads if t.tensor in profiled)
+                      + sum(profiled[t.tensor][1] for t in plan.prefetches if t.tensor in profiled))
         copies = CpuCopies(measure=True)
         run = apply(plan, graph, w.model, copies=copies)
         optimizer = torch.optim.AdamW(w.model.parameters(), lr=1e-4)
@@ -72,11 +82,14 @@ def measure(steps: int) -> list[dict]:
         in_step_s = statistics.median(per_step[1:])
         rows.append({"model": name, "offloads": len(plan.offloads), "prefetches": len(plan.prefetches),
                      "offloaded_bytes": sum(sizes[t.tensor] for t in plan.offloads),
-                     "priced_s": priced_s, "in_step_median_s": in_step_s, "in_step_s": per_step[1:],
-                     "ratio": in_step_s / priced_s if priced_s else None})
-        print(f"{name}: {len(plan.offloads)} offloads, {rows[-1]['offloaded_bytes'] / 1e6:.2f} MB; the copy curve "
-              f"prices the copies at {priced_s * 1e3:.3f} ms, in the step they took {in_step_s * 1e3:.3f} ms "
-              f"(CPU time, median of {steps - 1} steps): {rows[-1]['ratio']:.2f}x", flush=True)
+                     "priced_s": priced_s, "copy_times_s": profiled_s, "copy_times_missing": missing,
+                     "in_step_median_s": in_step_s, "in_step_s": per_step[1:],
+                     "ratio": in_step_s / priced_s if priced_s else None,
+                     "ratio_to_copy_times": in_step_s / profiled_s if profiled_s else None})
+        print(f"{name}: {len(plan.offloads)} offloads, {rows[-1]['offloaded_bytes'] / 1e6:.2f} MB; in the step they "
+              f"took {in_step_s * 1e3:.3f} ms (CPU time, median of {steps - 1} steps); the copy curve prices them at "
+              f"{priced_s * 1e3:.3f} ms ({rows[-1]['ratio']:.2f}x), the tensors' copy times at {profiled_s * 1e3:.3f} "
+              f"ms ({rows[-1]['ratio_to_copy_times']:.2f}x; {missing} offloads without one)", flush=True)
     return rows
 
 

@@ -29,7 +29,8 @@ microbenchmark; both are counted (`Prediction.replay_timed_steps`, `replay_fallb
 With `copy_times` (the op-time table's: each offloaded tensor's inline copies timed in profiling steps
 of the model itself, `slackswap.runtime.eager.copy_times`), a copy of a tensor that has one is priced at
 it instead of the machine description's copy curve, which times copies on buffers that stay in the
-caches (in a step they cost 1.8-2.9x that on the measured-profile benchmark's models); both are counted
+caches (in a step they cost 0.8-3.1x that on the measured-profile benchmark's models, and 0.88-1.12x the
+copy times); both are counted
 (`Prediction.copy_timed`, `copy_curve`).
 """
 

@@ -5,7 +5,8 @@ Why: on the CPU a swap's copies run synchronously on the compute thread, so a pr
 time to the step. The machine description prices a copy from its size alone (`Machine.copy_s`: copies
 timed over and over on the same two buffers, which stay in the caches); in a step a host buffer was
 last written a step before and a fetched tensor in forward, and the runtime's copies there cost
-1.8-2.9x that price on the measured-profile benchmark's models (`benchmarks/copies_in_step.py`). So each
+0.8-3.1x that price on the measured-profile benchmark's models, the curve itself moving most between runs
+(`benchmarks/copies_in_step.py`), and 0.88-1.12x the copy times measured here. So each
 tensor's copies are timed where they happen: profiling steps of the model under the runtime with a
 plan that offloads and fetches back every saved tensor it can (the caller's: the planners are a layer
 above the runtime), each offload and prefetch stamped on the table's clock, and per tensor the median
