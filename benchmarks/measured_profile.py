@@ -323,7 +323,8 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
                "within_10pct": sum(r["within_10pct"] for r in done),
                "overhead_within_3pp": sum(bool(r.get("overhead_within_3pp")) for r in done),
                "overhead_within_3pp_paired": sum(bool(r.get("overhead_within_3pp_paired")) for r in done),
-               "median_abs_rel_error": statistics.median(abs(r["rel_error"]) for r in done) if done else None}
+               "median_abs_rel_error": statistics.median(abs(r["rel_error"]) for r in done) if done else None,
+               "noise_floor_pp": noise_floor(rows)}
     print(f"[summary] {summary['within_10pct']}/{len(done)} steps within 10 %, {summary['overhead_within_3pp']}/"
           f"{len(done)} overheads within 3 pp ({summary['overhead_within_3pp_paired']} paired), median |error| "
           f"{summary['median_abs_rel_error']:.1%}; of the {len(hook_only)} rows the runtime ran on its hooks alone: "
@@ -332,6 +333,8 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
           f"through the export: {summary['export_within_10pct']} within 10 %, {summary['export_overhead_within_3pp']} "
           f"overheads within 3 pp ({summary['export_overhead_within_3pp_paired']} paired); "
           f"{summary['refused_rows']} refused; "
+          + (f"noise floor (keep_all's paired gap) {summary['noise_floor_pp'][0]:+.1f} to "
+             f"{summary['noise_floor_pp'][1]:+.1f} pp; " if summary["noise_floor_pp"] else "") +
           f"{time.perf_counter() - t0:.0f} s; load {_load()}", flush=True)
     result = {"quick": quick, "device": device, "clock": clock, "executor": executor, "hardware_preset": HARDWARE,
               "paired_rounds": steps, "torch_threads": torch.get_num_threads(),
@@ -342,6 +345,15 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     return result
 
 
+def noise_floor(rows: list[dict]) -> list[float] | None:
+    """[lowest, highest] paired overhead gap of the keep_all rows, in pp: keep_all's predicted overhead is
+    exactly 1, so its measured paired ratio is the machine's alone, the scale a 3 pp verdict is read
+    against. None where no keep_all row was paired."""
+    gaps = [r["overhead_gap_pp_paired"] for r in rows
+            if r["plan"] == "keep_all" and r.get("overhead_gap_pp_paired") is not None]
+    return [min(gaps), max(gaps)] if gaps else None
+
+
 def across_runs(results: list[dict]) -> dict:
     """What repeated runs say together: each run's summary, cross-shape error and load range, and per row
     its error and overhead gap in every run. On a shared 2-core machine one run's counts move by a third
@@ -349,7 +361,7 @@ def across_runs(results: list[dict]) -> dict:
     is the runs side by side, never the best of them."""
     per_run = [{"summary": r["summary"], "cross_shape_rel_error": (r["cross_shape_fit"] or {}).get("rel_error"),
                 "load_min": min(row["load"] for row in r["rows"]), "load_max": max(row["load"] for row in r["rows"]),
-                "wall_s": r["wall_s"]} for r in results]
+                "noise_floor_pp": noise_floor(r["rows"]), "wall_s": r["wall_s"]} for r in results]
     rows: dict[str, dict[str, list]] = {}
     for r in results:
         for row in r["rows"]:
@@ -364,10 +376,13 @@ def _runs_line(together: dict) -> str:
     def spread(key: str) -> str:
         return ", ".join(str(run["summary"][key]) for run in together["runs"])
 
+    floors = [run["noise_floor_pp"] for run in together["runs"] if run.get("noise_floor_pp")]
     return (f"[runs] {len(together['runs'])} runs: steps within 10 %: {spread('within_10pct')}; overheads within "
             f"3 pp: {spread('overhead_within_3pp')}, paired: {spread('overhead_within_3pp_paired')}; cross-shape fit: "
             + ", ".join(f"{run['cross_shape_rel_error'] * 100:+.1f} %" for run in together["runs"]
-                        if run["cross_shape_rel_error"] is not None))
+                        if run["cross_shape_rel_error"] is not None)
+            + ("; noise floor (keep_all's paired gap): " + ", ".join(f"{lo:+.1f} to {hi:+.1f}" for lo, hi in floors)
+               + " pp" if floors else ""))
 
 
 def parse_plan(text: str) -> tuple[str, float | None]:

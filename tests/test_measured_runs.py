@@ -30,13 +30,25 @@ def test_repeated_runs_keep_each_runs_counts_and_each_rows_errors_in_run_order()
     # A row that did not predict (infeasible, refused) keeps its place as None in every run.
     assert together["rows"]["m torch_sac"] == {"rel_error": [None, None], "overhead_gap_pp": [None, None],
                                                "overhead_gap_pp_paired": [None, None]}
+    assert [r["noise_floor_pp"] for r in together["runs"]] == [[0.5, 0.5], [0.5, 0.5]]
     assert _runs_line(together) == ("[runs] 2 runs: steps within 10 %: 23, 13; overheads within 3 pp: 22, 12, "
-                                    "paired: 21, 11; cross-shape fit: +11.4 %, -26.6 %")
+                                    "paired: 21, 11; cross-shape fit: +11.4 %, -26.6 %; noise floor (keep_all's "
+                                    "paired gap): +0.5 to +0.5, +0.5 to +0.5 pp")
+
+
+def test_the_noise_floor_is_the_keep_all_rows_paired_gaps_and_none_without_one():
+    from benchmarks.measured_profile import noise_floor
+
+    rows = [{"model": m, "plan": "keep_all", "overhead_gap_pp_paired": g} for m, g in (("a", -2.2), ("b", 0.8))]
+    rows += [{"model": "a", "plan": "full_recompute", "overhead_gap_pp_paired": -20.0},  # a plan's gap: not noise
+             {"model": "c", "plan": "keep_all", "infeasible": "over budget"}]              # no gap: left out
+    assert noise_floor(rows) == [-2.2, 0.8]
+    assert noise_floor(rows[2:]) is None
 
 
 def test_a_run_without_a_cross_shape_fit_is_left_out_of_the_fit_list():
     line = _runs_line(across_runs([_run(5, 0.0, None, (0.1, 0.2)), _run(6, 0.0, 0.05, (0.1, 0.2))]))
-    assert line.endswith("cross-shape fit: +5.0 %")
+    assert line.endswith("cross-shape fit: +5.0 %; noise floor (keep_all's paired gap): +0.5 to +0.5, +0.5 to +0.5 pp")
 
 
 def test_an_extra_plan_is_a_planner_and_a_fraction_of_the_peak():
