@@ -40,7 +40,7 @@ def measure(steps: int) -> list[dict]:
     """One row per model (module docstring)."""
     import torch
 
-    from slackswap.experiment.measured_prediction import copy_profile_plan
+    from slackswap.experiment.measured_prediction import profiling_plans
     from slackswap.hardware import load_preset
     from slackswap.planners.registry import get_planner
     from slackswap.profile.machine import Machine
@@ -63,8 +63,8 @@ def measure(steps: int) -> list[dict]:
         sizes = graph.size_bytes_of
         priced_s = (sum(link.copy_s("d2h", sizes[t.tensor]) for t in plan.offloads)
                     + sum(link.copy_s("h2d", sizes[t.tensor]) for t in plan.prefetches))
-        profiled, _ = measure_copy_times(graph, copy_profile_plan(hardware)(graph), w.model, (w.batch,), w.loss_fn,
-                                         time.process_time_ns)
+        copy_plan = profiling_plans(hardware)["copy_plan"](graph)
+        profiled, _ = measure_copy_times(graph, copy_plan, w.model, (w.batch,), w.loss_fn, time.process_time_ns)
         missing = sum(t.tensor not in profiled for t in plan.offloads)
         profiled_s = (sum(profiled[t.tensor][0] for t in plan.offloads if t.tensor in profiled)
                       + sum(profiled[t.tensor][1] for t in plan.prefetches if t.tensor in profiled))

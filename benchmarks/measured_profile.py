@@ -103,7 +103,7 @@ def _load() -> float:
 
 def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto",
                    costs=None, plans=PLANS):
-    from slackswap.experiment.measured_prediction import copy_profile_plan, replay_profile_plan
+    from slackswap.experiment.measured_prediction import profiling_plans
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
@@ -116,7 +116,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     # On the CPU each op's replay by the runtime is timed too, in profiling steps of the model under the
     # full-recompute plan (a profile measurement like the op times: never a step of the plans below).
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock,
-                             replay_plan=replay_profile_plan(hardware), copy_plan=copy_profile_plan(hardware))
+                             **profiling_plans(hardware))
     if costs is not None:  # measured once per run, apart from any plan's step: stored with the profile
         table = costs.attach(table)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,

@@ -108,17 +108,17 @@ def test_a_cached_table_measured_under_load_is_measured_again(captured, tmp_path
 def test_the_profile_times_the_replay_of_every_op_and_the_copies_of_every_tensor_its_plans_name(captured):
     import torch
 
-    from slackswap.experiment.measured_prediction import copy_profile_plan, replay_profile_plan
+    from slackswap.experiment.measured_prediction import profiling_plans
     from slackswap.plan import StepKind
 
     w, graph = captured
     hardware = load_preset("h200_sxm_pcie5")
     state = torch.get_rng_state()
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup=0, repeats=1, clock="process",
-                             replay_plan=replay_profile_plan(hardware), copy_plan=copy_profile_plan(hardware))
+                             **profiling_plans(hardware))
     timed = retime(graph, table)[0]
-    recomputed = {s.op for s in replay_profile_plan(hardware)(timed).steps if s.kind == StepKind.RECOMPUTE}
-    offloaded = {t.tensor for t in copy_profile_plan(hardware)(timed).offloads}
+    recomputed = {s.op for s in profiling_plans(hardware)["replay_plan"](timed).steps if s.kind == StepKind.RECOMPUTE}
+    offloaded = {t.tensor for t in profiling_plans(hardware)["copy_plan"](timed).offloads}
     assert recomputed and set(table.replay_times) == recomputed and all(t > 0 for t in table.replay_times.values())
     assert offloaded and set(table.copy_times) == offloaded
     assert all(d2h > 0 and h2d > 0 for d2h, h2d in table.copy_times.values())

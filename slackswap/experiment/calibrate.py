@@ -36,7 +36,7 @@ def calibrate(spec: TrainingRunSpec, base_preset: Mapping[str, Any], holdout_eve
               name: str | None = None) -> Calibration:
     """Fit `spec.hardware` (whose preset file's fields are `base_preset`) to `spec.model` measured on
     `spec.device`."""
-    from slackswap.experiment.measured_prediction import copy_profile_plan, replay_profile_plan
+    from slackswap.experiment.measured_prediction import profiling_plans
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import cached_op_times
     from slackswap.runtime.training_workload import build_training_workload
@@ -48,8 +48,7 @@ def calibrate(spec: TrainingRunSpec, base_preset: Mapping[str, Any], holdout_eve
     # rather than measures again.
     table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, spec.timing.cache_dir,
                                     spec.timing.warmup, spec.timing.repeats,
-                                    replay_plan=replay_profile_plan(spec.hardware),
-                                    copy_plan=copy_profile_plan(spec.hardware))
+                                    **profiling_plans(spec.hardware))
     measured = {op: t.median_s for op, t in table.times.items()}
     fitted_name = name or f"{spec.hardware.name}_fitted_{table.key.device.split()[0].replace(':', '')}"
     report = fit_preset(graph, measured, spec.hardware, spec.model.dtype, holdout_every, fitted_name)

@@ -1,8 +1,7 @@
 """One prediction of a plan's step on measured op times, for `pipelines.train` (`profile.timing=measured`)
 and `benchmarks/measured_profile.py` alike: what the product prints is what the benchmark checks.
 
-    table = measure_op_times(..., replay_plan=replay_profile_plan(hardware),  # each op's replay timed too
-                             copy_plan=copy_profile_plan(hardware))      # and each tensor's copies
+    table = measure_op_times(..., **profiling_plans(hardware))  # each op's replay, each tensor's copies
     costs = measure_host_costs("cpu")                          # once per machine, apart from any plan
     table = costs.attach(table)                                # stored with the op-time table
     predicted = predict_measured(graph, plan, hardware, machine, HostCosts.of(table), export, model)
@@ -14,9 +13,9 @@ hooks and replays (`RuntimeHostCost`, `slackswap.runtime.eager.host_cost`), for 
 eager export its SAC dispatch and its checkpoints (`ExportHostCost`,
 `slackswap.experiment.measured_executor.predict_export`). The runtime's recompute steps are priced at
 their ops' replay times where the op-time table has them (`OpTimeTable.replay_times`: each op's replay
-timed in profiling steps of the model under `replay_profile_plan`, when the table is measured), the
+timed in profiling steps of the model under `profiling_plans`' replay plan, when the table is measured), the
 microbenchmark's per-step and per-call cost otherwise; its copies at each tensor's in-step copy times
-where the table has them (`OpTimeTable.copy_times`, timed in profiling steps under `copy_profile_plan`),
+where the table has them (`OpTimeTable.copy_times`, timed in profiling steps under its copy plan),
 the machine description's copy curve otherwise. On a GPU that host work overlaps the kernels:
 nothing is measured and nothing added. Imports torch only inside the function that measures.
 """
@@ -106,24 +105,19 @@ def measure_host_costs(device: str) -> HostCosts:
         torch.set_num_threads(threads)
 
 
-def replay_profile_plan(hardware: Hardware) -> Callable[[Graph], Plan]:
-    """The plan whose profiling steps time each op's replay (`measure_op_times`'s `replay_plan`): the
-    full_recompute planner's, which recomputes every op of the stack it can. Here because the planners
-    are a layer above the runtime that measures."""
+def profiling_plans(hardware: Hardware) -> dict[str, Callable[[Graph], Plan]]:
+    """The plans of the profiling steps a CPU op-time table ends with, as `measure_op_times` and
+    `cached_op_times` take them (`**profiling_plans(hardware)`): `replay_plan`, the full_recompute
+    planner's, which recomputes every op of the stack it can (each op's replay timed), and `copy_plan`,
+    the save_on_cpu planner's, which offloads and fetches back every saved tensor (each tensor's copies
+    timed; the runtime runs them inline on the CPU, whatever offloader the plan names for the simulator).
+    Here because the planners are a layer above the runtime that measures; one mapping, so that a
+    measured training run, `pipelines.calibrate` and the benchmark measure and cache the same table."""
     from slackswap.planners.registry import get_planner
 
-    full_recompute = get_planner("full_recompute")
-    return lambda graph: full_recompute.plan(graph, hardware, None)
-
-
-def copy_profile_plan(hardware: Hardware) -> Callable[[Graph], Plan]:
-    """The plan whose profiling steps time each tensor's copies (`measure_op_times`'s `copy_plan`): the
-    save_on_cpu planner's, which offloads and fetches back every saved tensor (the runtime runs its
-    copies inline on the CPU, whatever offloader the plan names for the simulator)."""
-    from slackswap.planners.registry import get_planner
-
-    save_on_cpu = get_planner("save_on_cpu")
-    return lambda graph: save_on_cpu.plan(graph, hardware, None)
+    full_recompute, save_on_cpu = get_planner("full_recompute"), get_planner("save_on_cpu")
+    return {"replay_plan": lambda graph: full_recompute.plan(graph, hardware, None),
+            "copy_plan": lambda graph: save_on_cpu.plan(graph, hardware, None)}
 
 
 @dataclass(frozen=True)
@@ -168,5 +162,4 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
     return MeasuredPrediction(p, figures)
 
 
-__all__ = ["HostCosts", "MeasuredPrediction", "copy_profile_plan", "measure_host_costs", "predict_measured",
-           "replay_profile_plan"]
+__all__ = ["HostCosts", "MeasuredPrediction", "measure_host_costs", "predict_measured", "profiling_plans"]

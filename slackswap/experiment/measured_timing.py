@@ -13,8 +13,9 @@ the run says in one line each which it reused and which it measured
 (`slackswap.profile.measured.cache_line`). No plan's own timed steps feed its prediction. The
 executors' own host costs (`slackswap.experiment.measured_prediction.HostCosts`) are measured once on
 the CPU by fixed microbenchmarks when the table is, and stored with it; the prediction is the
-benchmark's (`predict_measured`); on the CPU the table also times each op's replay by the runtime
-(`replay_profile_plan`), at which the prediction prices the plan's recompute steps. Imports torch
+benchmark's (`predict_measured`); on the CPU the table also times each op's replay and each saved
+tensor's copies by the runtime (`profiling_plans`), at which the prediction prices the plan's recompute
+steps and copies. Imports torch
 only inside the functions that measure.
 """
 
@@ -31,10 +32,9 @@ from slackswap import validation as check
 from slackswap.errors import ConfigError
 from slackswap.experiment.measured_prediction import (
     HostCosts,
-    copy_profile_plan,
     measure_host_costs,
     predict_measured,
-    replay_profile_plan,
+    profiling_plans,
 )
 from slackswap.experiment.prediction import compare_steps
 from slackswap.graph import Graph
@@ -137,8 +137,7 @@ class MeasuredTiming:
         from slackswap.runtime.op_times import cached_op_times
 
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
-                                        self.repeats, replay_plan=replay_profile_plan(hardware),
-                                        copy_plan=copy_profile_plan(hardware))
+                                        self.repeats, **profiling_plans(hardware))
         costs = HostCosts.of(table)
         if table.key.device.startswith("cpu") and not costs.measured:
             costs = measure_host_costs(table.key.device)
