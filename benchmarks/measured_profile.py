@@ -241,7 +241,7 @@ def _cross_shape(model, spec, hardware, device, clock):
     shape's op times and the other shape's steps measured seconds apart, every round kept); the row's
     error is the median round's. One draw read -35.5 to +15.5 % over twelve runs of one afternoon, the
     fit's table and the other shape's steps each carrying its own moment's state (docs/profile.md)."""
-    from benchmarks.cross_shape_fit import cross_shape_round
+    from benchmarks.cross_shape_fit import TARGET, cross_shape_round
 
     other = replace(model, micro_batch_size=model.micro_batch_size * 2, seq_len=model.seq_len // 2 * 3)
     rounds = [cross_shape_round(model, other, spec, hardware, device, clock, STEP_CLOCKS[clock])
@@ -254,7 +254,7 @@ def _cross_shape(model, spec, hardware, device, clock):
             "measured_median_s": rounds[middle]["b_train_step_s"],
             "holdout_median_rel_error": rounds[middle]["holdout_median_rel_error"],
             "rel_error": statistics.median(errors), "round_rel_errors": errors,
-            "within_15pct": abs(statistics.median(errors)) <= 0.15, "rounds": rounds, "load": _load()}
+            "within_15pct": abs(statistics.median(errors)) <= TARGET, "rounds": rounds, "load": _load()}
 
 
 def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "auto", plans=PLANS,
