@@ -30,8 +30,7 @@ With `copy_times` (the op-time table's: each offloaded tensor's inline copies ti
 of the model itself, `slackswap.runtime.eager.copy_times`), a copy of a tensor that has one is priced at
 it instead of the machine description's copy curve, which times copies on buffers that stay in the
 caches (in a step they cost 0.8-3.1x that on the measured-profile benchmark's models, and 0.88-1.12x the
-copy times); both are counted
-(`Prediction.copy_timed`, `copy_curve`).
+copy times); both are counted (`Prediction.copy_timed`, `copy_curve`).
 """
 
 from __future__ import annotations
