@@ -343,12 +343,21 @@ def recompute_s(meas: Measurement, graph, hardware: Hardware, durations: np.ndar
     return 0.0
 
 
+@functools.cache
+def row_graph(name: str):
+    """(model, training, graph on the row's preset) of the row `name`, built once per process: `evaluate`
+    times it and `memory_shares` sizes it."""
+    meas = next(m for m in MEASUREMENTS if m.name == name)
+    model, training = workload(meas)
+    return model, training, build_graph(model, hardware(PRESETS[meas.gpu]), training)
+
+
 def memory_shares() -> dict[str, float | None]:
     """`rank_memory_share` of every row, by name."""
     shares = {}
     for meas in MEASUREMENTS:
-        (model, training), hw = workload(meas), hardware(PRESETS[meas.gpu])
-        shares[meas.name] = rank_memory_share(meas, model, training, build_graph(model, hw, training), hw)
+        model, training, graph = row_graph(meas.name)
+        shares[meas.name] = rank_memory_share(meas, model, training, graph, hardware(PRESETS[meas.gpu]))
     return shares
 
 
@@ -389,8 +398,8 @@ def seed_hardware(gpu: str) -> Hardware:
 def evaluate() -> list[dict]:
     rows = []
     for meas in MEASUREMENTS:
-        model, training = workload(meas)
-        graph, seed_hw = build_graph(model, hardware(PRESETS[meas.gpu]), training), seed_hardware(meas.gpu)
+        model, _, graph = row_graph(meas.name)
+        seed_hw = seed_hardware(meas.gpu)
         simulated = to_unit(meas, step_s(meas, hardware(PRESETS[meas.gpu]), graph), model)
         seed = to_unit(meas, step_s(meas, seed_hw, graph, retime=True), model)
         ratio = simulated / meas.published
