@@ -112,6 +112,10 @@ LAYER_ARGUMENTS_KEY = "layer_arguments"
 #: tensors saved twice included: what the layer's eager checkpoint frame packs (`slackswap.experiment
 #: .measured_executor.export_counts`).
 SAVED_PACKS_BY_LAYER_KEY = "saved_tensor_packs_by_layer"
+#: Graph meta of a captured graph: per graph tensor autograd saves, [its pack events, its unpack events]
+#: (tensors saved twice or read back twice count twice; weights and inputs are no graph tensor): which
+#: of the step's hook events a plan hands over, by its decisions (`slackswap.experiment.prediction`).
+SAVED_EVENTS_BY_TENSOR_KEY = "saved_tensor_events_by_tensor"
 #: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
 #: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source
 #: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.
@@ -349,6 +353,20 @@ class GraphMemo(Generic[T]):
 
     def __repr__(self) -> str:
         return f"GraphMemo({self.build.__module__}.{self.build.__qualname__})"
+
+
+def saved_tensor_events(graph: Graph, tensors: Iterable[str]) -> int:
+    """Saved-tensor events (packs and unpacks) of `tensors`, by the capture's split
+    (`SAVED_EVENTS_BY_TENSOR_KEY`). A graph with events but without their split (captured before the
+    capture counted them) is a ValueError naming the key: its events cannot be told apart."""
+    events = int(graph.meta.get("saved_tensor_packs", 0)) + int(graph.meta.get("saved_tensor_unpacks", 0))
+    by_tensor = graph.meta.get(SAVED_EVENTS_BY_TENSOR_KEY)
+    if by_tensor is None:
+        if events:
+            raise ValueError(f"graph {graph.name!r}: meta {SAVED_EVENTS_BY_TENSOR_KEY!r} missing (its {events} "
+                             "saved-tensor events are not split by tensor): capture it again")
+        return 0
+    return sum(sum(by_tensor.get(name, (0, 0))) for name in set(tensors))
 
 
 def check_graph(ops: Iterable[Op], tensors: Mapping[str, Tensor]) -> None:

@@ -60,6 +60,22 @@ def test_the_capture_counts_each_layers_pack_events_by_hand(two_blocks) -> None:
     assert (counts.regions, counts.saved) == (2, 5.0)
 
 
+def test_the_capture_splits_the_hook_events_by_graph_tensor_by_hand(two_blocks) -> None:
+    from slackswap.graph import SAVED_EVENTS_BY_TENSOR_KEY, saved_tensor_events
+    from slackswap.plan import Decision
+    from slackswap.testing import schedule_from_decisions
+
+    _, graph = two_blocks
+    # Block 0's relu output is packed by its relu and again, as a view, by block 1's addmm, and read back
+    # by both; block 1's relu output once each. The other 2 packs (block 0's input view, block 1's weight
+    # `t`) are no graph tensor: 5 packs and 5 unpacks in all.
+    assert graph.meta[SAVED_EVENTS_BY_TENSOR_KEY] == {"layers.0/relu#0:0": [2, 2], "layers.1/relu#0:0": [1, 1]}
+    assert (graph.meta["saved_tensor_packs"], graph.meta["saved_tensor_unpacks"]) == (5, 5)
+    # A plan prices the events of the tensors it recomputes apart: layers.1's 2, not layers.0's swapped 4.
+    plan = schedule_from_decisions(graph, {"layers.0/relu#0:0": Decision.SWAP, "layers.1/relu#0:0": Decision.RECOMPUTE})
+    assert saved_tensor_events(graph, plan.tensors_with(Decision.RECOMPUTE)) == 2
+
+
 def test_the_replay_reruns_each_layers_views_up_to_its_last_saved_op(two_blocks) -> None:
     from slackswap.experiment.measured_executor import export_counts, predict_export
     from slackswap.planners.registry import get_planner

@@ -27,6 +27,7 @@ from slackswap.graph import (
     LAYER_ARGUMENTS_KEY,
     NO_LAYER,
     REWRITTEN_KEY,
+    SAVED_EVENTS_BY_TENSOR_KEY,
     SAVED_PACKS_BY_LAYER_KEY,
     STATE_KEY,
     WEIGHT_GRADS_KEY,
@@ -296,6 +297,7 @@ def capture_graph(
         # Pack events per layer (weights included): what each layer's checkpoint frame packs under the
         # export (`slackswap.experiment.measured_executor.export_counts`).
         packs_by_layer: dict[int, int] = {}
+        events_by_tensor: dict[str, list[int]] = {}  # graph tensor -> [packs, unpacks]
 
         def pack(t: torch.Tensor) -> object:
             events[0] += 1
@@ -309,6 +311,7 @@ def capture_graph(
             if name_ is None:
                 return t
             packed.add(name_)
+            events_by_tensor.setdefault(name_, [0, 0])[0] += 1
             with _disable_current_modes():
                 copy = t.untyped_storage().clone()
             # The layer running the op that saves it: the checkpoint region whose frame would pack it.
@@ -320,6 +323,7 @@ def capture_graph(
             if isinstance(stand_in, torch.Tensor):
                 return stand_in
             name_, copy, dtype, size, stride, offset, frame = stand_in
+            events_by_tensor[name_][1] += 1
             if frame != NO_LAYER:
                 recorder.pending_frames.add(frame)
             with _disable_current_modes():
@@ -384,6 +388,7 @@ def capture_graph(
         "aten_calls": numbering.calls,
         "saved_tensor_packs": events[0],
         "saved_tensor_unpacks": events[1],
+        SAVED_EVENTS_BY_TENSOR_KEY: {t: list(n) for t, n in events_by_tensor.items() if t in recorder.tensors},
         SAVED_PACKS_BY_LAYER_KEY: [packs_by_layer.get(k, 0) for k in range(max(packs_by_layer, default=-1) + 1)],
         "packed_never_read": never_read,
         "weight_bytes_from_params": sum(p.numel() * p.element_size() for p in model.parameters()),
