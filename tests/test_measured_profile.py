@@ -13,7 +13,7 @@ import pytest
 
 from slackswap.errors import ConfigError
 from slackswap.experiment.measured_timing import MeasuredTiming
-from slackswap.experiment.prediction import compare_steps, predict_step
+from slackswap.experiment.prediction import compare_steps, predict_step, runtime_host_counts
 from slackswap.plan import Decision
 from slackswap.profile.machine import Machine, fit_link, machine_description
 from slackswap.profile.measured import (
@@ -135,40 +135,52 @@ def test_synchronous_copies_add_to_the_predicted_step():
 
 
 def test_the_runtimes_host_costs_add_where_its_hook_only_step_makes_them():
-    from slackswap.graph import Graph
     from slackswap.profile.measured import RuntimeHostCost
 
-    g = make_graph([fwd("op0:aten.mm.default", [], ["a"], 1.0), fwd("op3:aten.relu.default", ["a"], ["b"], 2.0),
-                    bwd("op4:aten.threshold_backward.default", ["b"], ["gb"], 3.0),
-                    bwd("op6:aten.mm.default", ["a", "gb"], ["ga"], 4.0)], {"a": 100, "b": 200, "gb": 200, "ga": 100})
-    g = Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers,
-              meta=dict(g.meta) | {"saved_tensor_packs": 2, "saved_tensor_unpacks": 3})
-    host = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1, source="test")
+    g = _hooked_graph()  # a packed once and read back twice, b once each
+    host = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1,
+                           context_per_step_s=5e-4, recompute_hook_per_event_s=2e-3, source="test")
     hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
     recompute = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
     p = predict_step(g, recompute, hw, _machine(True), host)
-    # 5 hook events, one recompute step replaying op0's 3 ATen calls (op0 .. op2).
-    assert p.runtime_host_s == pytest.approx(5e-3 + 1e-2 + 3 * 1e-1)
+    # The context once; a's 3 events at the recomputed tensors' rate, b's 2 at the others'; one recompute
+    # step replaying op0's 3 ATen calls (op0 .. op2).
+    assert p.runtime_host_s == pytest.approx(5e-4 + 3 * 2e-3 + 2 * 1e-3 + 1e-2 + 3 * 1e-1)
     assert p.step_s == pytest.approx(predict_step(g, recompute, hw, _machine(True)).step_s + p.runtime_host_s)
-    # A plan that keeps everything runs no hook; on an asynchronous machine host work overlaps the device's.
-    keep = schedule_from_decisions(g, {"a": Decision.KEEP, "b": Decision.KEEP, "gb": Decision.KEEP})
-    assert predict_step(g, keep, hw, _machine(True), host).runtime_host_s == 0.0
+    # A swapped tensor's events are priced as a kept one's (its copies carry the rest).
+    swap = schedule_from_decisions(g, {"a": Decision.SWAP, "b": Decision.KEEP, "gb": Decision.KEEP})
+    assert runtime_host_counts(g, swap).hook_events == 5 and runtime_host_counts(g, swap).recompute_events == 0
+    # On an asynchronous machine host work overlaps the device's.
     assert predict_step(g, recompute, hw, _machine(False), host).runtime_host_s == 0.0
     # The costs travel with the op-time table.
     table = replace(_table(g, {op.name: 1.0 for op in g.ops}), runtime_host=host)
     assert OpTimeTable.from_dict(json.loads(json.dumps(table.to_dict()))).runtime_host == host
 
 
-def test_an_idle_plan_takes_the_profiles_pass_through_hook_off_and_adds_the_runtimes_context():
-    from slackswap.experiment.prediction import RuntimeHostCounts, runtime_host_counts
+def test_a_graph_whose_events_are_not_split_by_tensor_is_refused_in_one_line():
+    from slackswap.graph import SAVED_EVENTS_BY_TENSOR_KEY, Graph
+
+    g = _hooked_graph()
+    unsplit = Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers,
+                    meta={k: v for k, v in g.meta.items() if k != SAVED_EVENTS_BY_TENSOR_KEY})
+    recompute = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
+    with pytest.raises(ValueError, match="saved_tensor_events_by_tensor' missing \\(its 5 saved-tensor events"):
+        runtime_host_counts(unsplit, recompute)
+    # With no events at all there is nothing to split.
+    bare = Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers, meta={})
+    assert runtime_host_counts(bare, recompute).recompute_events == 0
+
+
+def test_an_idle_plan_takes_the_profiles_pass_through_hook_off_and_every_plan_pays_the_runtimes_context():
+    from slackswap.experiment.prediction import RuntimeHostCounts
     from slackswap.profile.measured import RuntimeHostCost
 
     g = _hooked_graph()  # 2 packs + 3 unpacks: 5 events of the profile's pass-through hook
     hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
     host = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1,
-                           idle_context_per_step_s=7e-4, profile_hook_per_event_s=2e-4, source="test")
+                           context_per_step_s=7e-4, profile_hook_per_event_s=2e-4, source="test")
     keep = schedule_from_decisions(g, {"a": Decision.KEEP, "b": Decision.KEEP, "gb": Decision.KEEP})
-    assert runtime_host_counts(g, keep) == RuntimeHostCounts(0, 0, 0, 0, idle_steps=1, profile_hook_events=5)
+    assert runtime_host_counts(g, keep) == RuntimeHostCounts(0, 0, 0, 0, context_steps=1, profile_hook_events=5)
     p = predict_step(g, keep, hw, _machine(True), host)
     # No hook runs: the profile's 5 pass-through events come off, the runtime's context (once) goes on.
     assert p.runtime_host_s == pytest.approx(7e-4 - 5 * 2e-4)
@@ -176,11 +188,11 @@ def test_an_idle_plan_takes_the_profiles_pass_through_hook_off_and_adds_the_runt
     from pipelines.measured_console import host_text
 
     assert host_text({"predicted_runtime_host_s": p.runtime_host_s}) == " - 0.30 ms runtime host work"
-    # A plan that is not idle runs its hooks on every event: neither applies (its events are priced instead).
+    # A plan that is not idle runs its hooks on every event, so nothing comes off; the context goes on.
     recompute = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
     counts = runtime_host_counts(g, recompute)
-    assert (counts.idle_steps, counts.profile_hook_events) == (0, 0)
-    assert counts.seconds(host) == pytest.approx(5e-3 + 1e-2 + 3e-1)
+    assert (counts.context_steps, counts.profile_hook_events) == (1, 0)
+    assert counts.seconds(host) == pytest.approx(7e-4 + 2 * 1e-3 + 1e-2 + 3e-1)
 
 
 def test_runtime_host_costs_cached_without_a_field_are_never_read_as_zeros(tmp_path):
@@ -190,31 +202,36 @@ def test_runtime_host_costs_cached_without_a_field_are_never_read_as_zeros(tmp_p
 
     g = _graph()
     table = replace(_table(g, {"f1": 0.1, "f2": 0.2, "b2": 0.3, "b1": 0.4}),
-                    runtime_host=RuntimeHostCost(1e-6, 2e-5, 1e-5, 2e-6, 4e-5, 1e-6, "test"))
+                    runtime_host=RuntimeHostCost(hook_per_event_s=1e-6, replay_per_step_s=2e-5, replay_per_call_s=1e-5,
+                                                 per_copy_s=2e-6, context_per_step_s=4e-5,
+                                                 profile_hook_per_event_s=1e-6, recompute_hook_per_event_s=3e-6,
+                                                 source="test"))
     stored = table.to_dict()
     assert OpTimeTable.from_dict(stored) == table
-    # Costs stored before the idle plan's were measured: the fields default to 0 s, so such a table does
-    # not load at all; the cache says so in one line and the table is measured again.
+    # Costs stored before the context and the recomputed tensors' events were measured: the fields default
+    # to 0 s, so such a table does not load at all; the cache says so in one line and it is measured again.
     old = {k: v for k, v in asdict(table.runtime_host).items()
-           if k not in ("idle_context_per_step_s", "profile_hook_per_event_s")}
-    with pytest.raises(KeyError, match="RuntimeHostCost lacks idle_context_per_step_s, profile_hook_per_event_s"):
+           if k not in ("context_per_step_s", "recompute_hook_per_event_s")}
+    with pytest.raises(KeyError, match="RuntimeHostCost lacks context_per_step_s, recompute_hook_per_event_s"):
         OpTimeTable.from_dict(stored | {"runtime_host": old})
     path = save_table(table, tmp_path)
     path.write_text(json.dumps(stored | {"runtime_host": old}))
     found, why = read_table(table.key, tmp_path)
     assert found is None and why == (
         f"cached op-time table {table.key.digest()} ({path.name}) is not an op-time table (KeyError: "
-        "'RuntimeHostCost lacks idle_context_per_step_s, profile_hook_per_event_s'): measuring it again")
+        "'RuntimeHostCost lacks context_per_step_s, recompute_hook_per_event_s'): measuring it again")
 
 
 def _hooked_graph():
-    from slackswap.graph import Graph
+    """A captured graph's hook events: a packed once and read back twice, b packed and read back once."""
+    from slackswap.graph import SAVED_EVENTS_BY_TENSOR_KEY, Graph
 
     g = make_graph([fwd("op0:aten.mm.default", [], ["a"], 1.0), fwd("op3:aten.relu.default", ["a"], ["b"], 2.0),
                     bwd("op4:aten.threshold_backward.default", ["b"], ["gb"], 3.0),
                     bwd("op6:aten.mm.default", ["a", "gb"], ["ga"], 4.0)], {"a": 100, "b": 200, "gb": 200, "ga": 100})
     return Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers,
-                 meta=dict(g.meta) | {"saved_tensor_packs": 2, "saved_tensor_unpacks": 3})
+                 meta=dict(g.meta) | {"saved_tensor_packs": 2, "saved_tensor_unpacks": 3,
+                                      SAVED_EVENTS_BY_TENSOR_KEY: {"a": [1, 2], "b": [1, 1]}})
 
 
 def test_the_training_run_predicts_as_the_benchmark_with_the_runtimes_host_costs():
@@ -226,16 +243,16 @@ def test_the_training_run_predicts_as_the_benchmark_with_the_runtimes_host_costs
     hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
     plan = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.SWAP, "gb": Decision.KEEP})
     costs = HostCosts(RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1,
-                                      per_copy_s=1e-4, source="test"))
+                                      per_copy_s=1e-4, recompute_hook_per_event_s=2e-3, source="test"))
     f = MeasuredTiming.compare(g, plan, hw, _machine(True), [30.0, 20.0, 22.0], costs)
-    # pipelines.train's figures are the benchmark's prediction (one function), the host work in it: 5 hook
-    # events, one recompute step replaying 3 ATen calls, 2 copies (b out and back).
+    # pipelines.train's figures are the benchmark's prediction (one function), the host work in it: a's 3
+    # hook events (recomputed) and b's 2, one recompute step replaying 3 ATen calls, 2 copies (b out and back).
     assert f["predicted_step_s"] == predict_measured(g, plan, hw, _machine(True), costs).prediction.step_s
-    assert f["predicted_runtime_host_s"] == pytest.approx(5e-3 + 1e-2 + 3e-1 + 2e-4)
+    assert f["predicted_runtime_host_s"] == pytest.approx(3 * 2e-3 + 2 * 1e-3 + 1e-2 + 3e-1 + 2e-4)
     bare = MeasuredTiming.compare(g, plan, hw, _machine(True), [30.0, 20.0, 22.0], HostCosts())
     assert f["predicted_step_s"] == pytest.approx(bare["predicted_step_s"] + f["predicted_runtime_host_s"])
     # ... and the printed line says how much of the prediction it is.
-    assert "+ 315.20 ms runtime host work)" in comparison_line(f)
+    assert "+ 318.20 ms runtime host work)" in comparison_line(f)
     assert "host work" not in comparison_line(bare)
 
 

@@ -24,7 +24,8 @@ from slackswap.profile.measured import (
 from slackswap.testing import schedule_from_decisions, toy_hardware
 from tests.test_measured_profile import _graph, _hooked_graph, _machine, _table
 
-HOST = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1, source="test")
+HOST = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1,
+                       recompute_hook_per_event_s=1e-3, source="test")
 MM, RELU = "op0:aten.mm.default", "op3:aten.relu.default"
 
 
@@ -40,7 +41,8 @@ def test_a_recompute_step_costs_its_ops_replay_time_less_the_op_time_the_simulat
     # op0 replayed in 1.5 s where its forward took 1 s: 0.5 s beyond the op time the simulator gives the
     # recompute. op3 has no replay time: 1e-2 per step + 1e-1 x its 1 call, from the microbenchmark.
     counts = runtime_host_counts(g, plan, {MM: 1.5})
-    assert counts == RuntimeHostCounts(5, 1, 1, 0, replay_timed_steps=1, replay_timed_excess_s=pytest.approx(0.5))
+    assert counts == RuntimeHostCounts(0, 1, 1, 0, replay_timed_steps=1, replay_timed_excess_s=pytest.approx(0.5),
+                                       recompute_events=5)  # a and b recomputed: their 5 events
     assert counts.seconds(HOST) == pytest.approx(5e-3 + 0.5 + 1e-2 + 1e-1)
     p = predict_step(g, plan, toy_hardware(), _machine(True), HOST, {MM: 1.5})
     assert p.runtime_host_s == pytest.approx(5e-3 + 0.5 + 1e-2 + 1e-1)

@@ -62,10 +62,11 @@ class HostCosts:
         parts = []
         if self.runtime is not None:
             h = self.runtime
-            parts.append(f"runtime {h.hook_per_event_s * 1e6:.2f} us per saved-tensor event, "
-                         f"{h.replay_per_step_s * 1e6:.1f} us per recompute step, {h.replay_per_call_s * 1e6:.1f} us "
-                         f"per replayed ATen call, {h.per_copy_s * 1e6:.1f} us per copy; an idle plan "
-                         f"{h.idle_context_per_step_s * 1e6:.0f} us per step less the profile's pass-through hook, "
+            parts.append(f"runtime {h.context_per_step_s * 1e6:.0f} us per step, {h.hook_per_event_s * 1e6:.2f} us "
+                         f"per saved-tensor event ({h.recompute_hook_per_event_s * 1e6:.2f} us of a recomputed "
+                         f"tensor), {h.replay_per_step_s * 1e6:.1f} us per recompute step, "
+                         f"{h.replay_per_call_s * 1e6:.1f} us per replayed ATen call, {h.per_copy_s * 1e6:.1f} us per "
+                         f"copy; an idle plan less the profile's pass-through hook, "
                          f"{h.profile_hook_per_event_s * 1e6:.2f} us per event")
         if self.export is not None:
             e = self.export

@@ -9,14 +9,15 @@ latency + bytes / bandwidth). Nothing is skipped and nothing is fitted to the st
 
 With `host` (the machine's `RuntimeHostCost`, measured once by `slackswap.runtime.eager.host_cost`), the
 eager runtime's own host work is added where its hook-only step makes it (`runtime_host_s`, counted
-from the graph and the plan): a plan that is not idle passes every saved tensor through the runtime's
-pack hook and every read-back through its unpack hook (the capture's counts,
-`saved_tensor_packs` / `saved_tensor_unpacks`), each recompute step replays its op's ATen calls
-from Python, and each copy of a swap costs its bookkeeping beyond the copy's own time. An idle plan
-(keeps everything, moves nothing) runs no hook, where the profile's plain steps ran a pass-through
-one on every event (`slackswap.runtime.op_times`): its prediction takes that hook off and adds the
-runtime's context alone (measured beside it; a hooked step's context is within its events' cost,
-`slackswap.runtime.eager.host_cost`).
+from the graph and the plan): every plan runs in the runtime's context once a step; a plan that is not
+idle passes every saved tensor through the runtime's pack hook and every read-back through its unpack
+hook (the capture's counts, `saved_tensor_packs` / `saved_tensor_unpacks`), priced apart for the
+tensors it recomputes (the capture's events per tensor, `SAVED_EVENTS_BY_TENSOR_KEY`: their unpack
+hands autograd another tensor than it saved, made by the replay) and the rest; each recompute step
+replays its op's ATen calls from Python, and each copy of a swap costs its bookkeeping beyond the
+copy's own time. An idle plan (keeps everything, moves nothing) runs no hook, where the profile's
+plain steps ran a pass-through one on every event (`slackswap.runtime.op_times`): its prediction takes
+that hook off.
 
 With `replay_times` (the op-time table's: each op's replay by the runtime timed in profiling steps of
 the model itself, `slackswap.runtime.eager.replay_times`), a recompute step of an op that has one is
@@ -39,7 +40,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from slackswap.graph import Graph
+from slackswap.graph import Graph, saved_tensor_events
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.machine import Machine
@@ -76,41 +77,48 @@ class Prediction:
 class RuntimeHostCounts:
     """What a plan's hook-only step does that its ops' times do not hold (module docstring)."""
 
+    #: Saved-tensor events (packs and unpacks) of tensors the plan does not recompute (kept, swapped, or
+    #: no graph tensor), for a plan that is not idle.
     hook_events: int
     #: Recompute steps priced by the microbenchmark (`replay_per_step_s`): those of an op without a
     #: measured replay time (every one without replay times), and the ATen calls they replay.
     recompute_steps: int
     replayed_calls: int
     copies: int = 0
-    #: An idle plan's step (no hook, the runtime's context alone), once; 0 for a plan that is not idle.
-    idle_steps: int = 0
+    #: Steps of the runtime's context: 1 (every plan runs in it, an idle one with no hook).
+    context_steps: int = 1
     #: Events of the profile's pass-through hook the step does not make (an idle plan's: every event).
     profile_hook_events: int = 0
     #: Recompute steps of an op with a measured replay time, and the sum over them of replay time less the
     #: op's in-context time (negative where a replay costs less than the op did in its forward).
     replay_timed_steps: int = 0
     replay_timed_excess_s: float = 0.0
+    #: Saved-tensor events of tensors the plan recomputes.
+    recompute_events: int = 0
 
     def seconds(self, host: RuntimeHostCost) -> float:
         return (self.replay_timed_excess_s
-                + self.hook_events * host.hook_per_event_s + self.recompute_steps * host.replay_per_step_s
+                + self.hook_events * host.hook_per_event_s
+                + self.recompute_events * host.recompute_hook_per_event_s
+                + self.recompute_steps * host.replay_per_step_s
                 + self.replayed_calls * host.replay_per_call_s + self.copies * host.per_copy_s
-                + self.idle_steps * host.idle_context_per_step_s
+                + self.context_steps * host.context_per_step_s
                 - self.profile_hook_events * host.profile_hook_per_event_s)
 
 
 def runtime_host_counts(graph: Graph, plan: Plan, replay_times: Mapping[str, float] | None = None
                         ) -> RuntimeHostCounts:
-    """Hook events, recompute steps and replayed ATen calls of `plan`'s hook-only step on `graph`; for an
-    idle plan, its one step of the runtime's context and the profile's pass-through hook events it does
-    not make. With `replay_times`, a recompute step of an op that has one is counted apart with its
-    replay time less the op's duration on `graph` (module docstring)."""
+    """Hook events (of tensors recomputed and of the rest), recompute steps and replayed ATen calls of
+    `plan`'s hook-only step on `graph`, and its one step of the runtime's context; for an idle plan, the profile's
+    pass-through hook events it does not make instead of events. With `replay_times`, a recompute step of
+    an op that has one is counted apart with its replay time less the op's duration on `graph` (module
+    docstring)."""
     steps = [s for s in plan.steps if s.kind == StepKind.RECOMPUTE]
     idle = not (steps or plan.offloads or plan.prefetches) and all(d == Decision.KEEP
                                                                     for d in plan.decisions.values())
     events = int(graph.meta.get("saved_tensor_packs", 0)) + int(graph.meta.get("saved_tensor_unpacks", 0))
     if idle:
-        return RuntimeHostCounts(0, 0, 0, idle_steps=1, profile_hook_events=events)
+        return RuntimeHostCounts(0, 0, 0, profile_hook_events=events)
     ops = graph.ops
     index = {op.name: k for k, op in enumerate(ops)}
 
@@ -125,9 +133,10 @@ def runtime_host_counts(graph: Graph, plan: Plan, replay_times: Mapping[str, flo
     timed = [s for s in steps if s.op in replays]
     fallback = [s for s in steps if s.op not in replays]
     excess = sum((replays[s.op] - ops[index[s.op]].duration_s for s in timed), 0.0)
-    return RuntimeHostCounts(events, len(fallback), sum(width(s.op) for s in fallback),
+    recomputed = saved_tensor_events(graph, plan.tensors_with(Decision.RECOMPUTE))
+    return RuntimeHostCounts(events - recomputed, len(fallback), sum(width(s.op) for s in fallback),
                              len(plan.offloads) + len(plan.prefetches), replay_timed_steps=len(timed),
-                             replay_timed_excess_s=excess)
+                             replay_timed_excess_s=excess, recompute_events=recomputed)
 
 
 def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None,

@@ -89,21 +89,28 @@ class OpTime:
 class RuntimeHostCost:
     """Host seconds the eager runtime's hook-only step spends beyond its ops' in-context times, measured
     once per machine by `slackswap.runtime.eager.host_cost` (never from a plan's step): per saved-tensor
-    event (pack or unpack) of a plan that is not idle, per recompute step, per ATen call it replays, per
-    copy of a swap; for an idle plan, per step of the runtime's context, and what the profile's plain
-    steps hold that its step does not (`profile_hook_per_event_s`)."""
+    event (pack or unpack) of a plan that is not idle, apart for the events of a tensor the plan
+    recomputes and of one it does not; per recompute step and per ATen call it replays;
+    per copy of a swap; per step of the runtime's context; and what the profile's plain steps hold that
+    an idle plan's step does not (`profile_hook_per_event_s`)."""
 
+    #: Per event of a tensor the plan does not recompute (kept, swapped, or no graph tensor: a weight, an
+    #: input), beyond the profile's pass-through hook, which the op times hold.
     hook_per_event_s: float = 0.0
     replay_per_step_s: float = 0.0
     replay_per_call_s: float = 0.0
     #: Per copy (offload or reload) of a swap, beyond the copy's own time (`Machine.copy_s`) and the hook
     #: events: the runtime's bookkeeping and the host buffer's lookup.
     per_copy_s: float = 0.0
-    #: Per step of an idle plan (no hook), against a plain step without any hook: the runtime's context alone.
-    idle_context_per_step_s: float = 0.0
+    #: Per step of any plan run by the runtime, against a plain step without any hook: its context
+    #: (entering and leaving the run, the model's input check, the step's report), measured on an idle plan.
+    context_per_step_s: float = 0.0
     #: Per saved-tensor event, what the profile's pass-through hook adds to its plain steps' op times
     #: (`slackswap.runtime.op_times`): an idle plan's step runs no hook, so its prediction takes it off.
     profile_hook_per_event_s: float = 0.0
+    #: Per event of a tensor the plan recomputes, beyond the pass-through hook: the pack keeps a number
+    #: instead of the tensor, the unpack hands autograd another tensor than it saved (the replay's).
+    recompute_hook_per_event_s: float = 0.0
     source: str = ""
 
 
