@@ -114,7 +114,8 @@ LAYER_ARGUMENTS_KEY = "layer_arguments"
 SAVED_PACKS_BY_LAYER_KEY = "saved_tensor_packs_by_layer"
 #: Graph meta of a captured graph: per graph tensor autograd saves, [its pack events, its unpack events]
 #: (tensors saved twice or read back twice count twice; weights and inputs are no graph tensor): which
-#: of the step's hook events a plan hands over, by its decisions (`slackswap.experiment.prediction`).
+#: of the step's hook events are those of the tensors a plan recomputes (`saved_tensor_events`, priced
+#: apart by `slackswap.experiment.prediction`).
 SAVED_EVENTS_BY_TENSOR_KEY = "saved_tensor_events_by_tensor"
 #: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
 #: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source

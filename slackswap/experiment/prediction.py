@@ -109,10 +109,10 @@ class RuntimeHostCounts:
 def runtime_host_counts(graph: Graph, plan: Plan, replay_times: Mapping[str, float] | None = None
                         ) -> RuntimeHostCounts:
     """Hook events (of tensors recomputed and of the rest), recompute steps and replayed ATen calls of
-    `plan`'s hook-only step on `graph`, and its one step of the runtime's context; for an idle plan, the profile's
-    pass-through hook events it does not make instead of events. With `replay_times`, a recompute step of
-    an op that has one is counted apart with its replay time less the op's duration on `graph` (module
-    docstring)."""
+    `plan`'s hook-only step on `graph`, and its one step of the runtime's context; for an idle plan, the
+    profile's pass-through hook events it does not make instead of events. With `replay_times`, a
+    recompute step of an op that has one is counted apart with its replay time less the op's duration on
+    `graph` (module docstring)."""
     steps = [s for s in plan.steps if s.kind == StepKind.RECOMPUTE]
     idle = not (steps or plan.offloads or plan.prefetches) and all(d == Decision.KEEP
                                                                     for d in plan.decisions.values())
