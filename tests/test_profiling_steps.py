@@ -53,3 +53,16 @@ def test_a_refused_or_verified_step_stops_the_steps_with_its_reason():
         assert run_profiling_steps(run, model, inputs, loss_fn, 2, 3, lambda: None) == why
         assert run.steps == stopped_after
         assert torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in model.parameters())
+
+
+def test_replay_times_are_scaled_so_the_ops_add_up_to_the_median_steps_replays():
+    from slackswap.runtime.eager.replay_times import _median_step_scale
+
+    # Two recompute steps over five stamped steps, each op's median 1 s: the sum of the medians, 2 s, is
+    # under every step's total but one (2, 3, 3, 3, 3: a slow replay of one op or the other in most steps).
+    stamps = {0: [1.0, 1.0, 1.0, 2.0, 2.0], 1: [1.0, 2.0, 2.0, 1.0, 1.0]}
+    assert _median_step_scale(stamps, {0: 1.0, 1: 1.0}) == 1.5
+    # Steps that add up to the medians' sum are left as they are.
+    assert _median_step_scale({0: [1.0, 1.0, 1.0], 1: [2.0, 2.0, 2.0]}, {0: 1.0, 1: 2.0}) == 1.0
+    # A step that missed a stamp cannot be summed: no scale.
+    assert _median_step_scale({0: [1.0, 2.0], 1: [1.0]}, {0: 1.5, 1: 1.0}) == 1.0
