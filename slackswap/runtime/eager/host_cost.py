@@ -38,9 +38,10 @@ round:
   tensor's hook work beyond a kept one's is the copy's bookkeeping (on the blocks its events priced as a
   recomputed tensor's over-explain the swap's step);
 - per recompute step j of the stamped full-recompute steps, its time minus the in-context time of the
-  op it recomputes (what a prediction already counts for it), medians over the rounds; least squares of
-  that excess over a + b * (ATen calls the step replays), a and b kept >= 0: `replay_per_step_s`,
-  `replay_per_call_s` (what a recompute step of an op without a measured replay time is priced at).
+  op it recomputes (what a prediction already counts for it), medians over the rounds; that excess as
+  a + b * (ATen calls the step replays) by non-negative least squares, as the rates above:
+  `replay_per_step_s`, `replay_per_call_s` (what a recompute step of an op without a measured replay
+  time is priced at).
 
 Why step differences, not stamps inside the hooks: a hook's callback into Python, autograd's handling
 of a tensor handed back that is not the one it saved, and the context cost the step outside any stamp;
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from scipy.optimize import nnls
 
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
@@ -171,7 +173,9 @@ def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan],
         width = call_number(timed.ops[k + 1].name) - call_number(op) if k + 1 < len(timed.ops) else 1
         calls.append(width)
         excess.append(statistics.median(times[-len(rounds):]) - timed.ops[k].duration_s)
-    per_step, per_call = _nonnegative_line(np.array(calls, float), np.array(excess, float))
+    # a + b x >= 0 by non-negative least squares, as the events' rates (`_solve`).
+    (per_step, per_call), _ = nnls(np.stack([np.ones(len(calls)), np.array(calls, float)], axis=1),
+                                   np.array(excess, float))
     events = int(timed.meta["saved_tensor_packs"]) + int(timed.meta["saved_tensor_unpacks"])
     copies = len(plans["swap"].offloads) + len(plans["swap"].prefetches)
     source = (f"slackswap.runtime.eager.host_cost: {BLOCKS} pre-norm MLP blocks (width {WIDTH}, {TOKENS} tokens), "
@@ -180,7 +184,8 @@ def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan],
               f"a plan recomputing one tensor and one swapping every tensor ({copies} copies), {len(rounds)} rounds "
               f"in rotating order, thread CPU time, medians of differences within a round; op times by the {clock} "
               f"clock; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
-    return RuntimeHostCost(hook_per_event_s=costs["other"], replay_per_step_s=per_step, replay_per_call_s=per_call,
+    return RuntimeHostCost(hook_per_event_s=costs["other"], replay_per_step_s=float(per_step),
+                           replay_per_call_s=float(per_call),
                            per_copy_s=costs["copy"], context_per_step_s=costs["context"],
                            profile_hook_per_event_s=costs["profile_hook"],
                            recompute_hook_per_event_s=costs["recomputed"], source=source)
@@ -230,8 +235,6 @@ def _rounds(model, x, graph: Graph, swap: Plan, runs: dict, stamps: dict, warmup
 
 def _solve(graph: Graph, plans: dict[str, Plan], rounds: list[dict[str, float]]) -> dict[str, float]:
     """The per-step, per-event and per-copy costs from the rounds' step times (module docstring), each >= 0."""
-    from scipy.optimize import nnls
-
     from slackswap.graph import saved_tensor_events
     from slackswap.plan import Decision
 
@@ -252,19 +255,6 @@ def _solve(graph: Graph, plans: dict[str, Plan], rounds: list[dict[str, float]])
     per_copy = (swap_extra - events * other) / max(1, copies)
     return {"context": context, "profile_hook": profile_hook, "other": float(other),
             "recomputed": float(recomputed_rate), "copy": max(0.0, float(per_copy))}
-
-
-def _nonnegative_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(a, b) >= 0 minimising sum (a + b x - y)^2: the unconstrained fit, else the best one-term fit."""
-    if len(set(x.tolist())) > 1:
-        (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), y, rcond=None)
-        if a >= 0 and b >= 0:
-            return float(a), float(b)
-    only_a = max(0.0, float(y.mean()))
-    only_b = max(0.0, float((x @ y) / (x @ x)))
-    if ((only_a - y) ** 2).sum() <= ((only_b * x - y) ** 2).sum():
-        return only_a, 0.0
-    return 0.0, only_b
 
 
 __all__ = ["measure_runtime_host_cost"]
