@@ -113,8 +113,9 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     w = build_training_workload(model, spec, device, 0)
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
     t0 = time.perf_counter()
-    # On the CPU each op's replay by the runtime is timed too, in profiling steps of the model under the
-    # full-recompute plan (a profile measurement like the op times: never a step of the plans below).
+    # On the CPU each op's replay and each saved tensor's copies by the runtime are timed too, in profiling
+    # steps of the model under the full-recompute and save_on_cpu plans (`profiling_plans`: a profile
+    # measurement like the op times, never a step of the plans below).
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock,
                              **profiling_plans(hardware))
     if costs is not None:  # measured once per run, apart from any plan's step: stored with the profile
