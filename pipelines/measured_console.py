@@ -50,9 +50,16 @@ def comparison_line(f: Mapping[str, Any]) -> str:
 
 
 def drift_line(f: Mapping[str, Any]) -> str | None:
-    """The plain step before and after the plan's steps (`slackswap.experiment.measured_timing.PlainDrift`)."""
+    """The plain step before and after the plan's steps (`slackswap.experiment.measured_timing.PlainDrift`),
+    and the prediction at the speed the first says the machine runs at (`PairedPrediction`)."""
     if "plain_step_after_s" not in f:
         return None
-    from slackswap.experiment.measured_timing import PlainDrift
+    from slackswap.experiment.measured_timing import PairedPrediction, PlainDrift
 
-    return f"[train] {PlainDrift(f['plain_step_before_s'], f['plain_step_after_s']).line()}"
+    drift = PlainDrift(f["plain_step_before_s"], f["plain_step_after_s"])
+    if "predicted_plain_step_s" not in f:
+        return f"[train] {drift.line()}"
+    paired = PairedPrediction(f["predicted_step_s"], f["predicted_plain_step_s"], drift.mean_s,
+                              f["measured_step_median_s"])
+    return (f"[train] {drift.line()}\n"
+            f"[train] {paired.line()}")

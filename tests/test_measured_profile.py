@@ -346,6 +346,25 @@ def test_the_plain_steps_drift_is_the_median_after_the_first_against_before(afte
     assert drift_line({"step_relative_error": 0.1}) is None  # no re-measured plain step, no line
 
 
+def test_the_paired_prediction_scales_by_the_plain_steps_around_the_plans_over_the_simulated_one():
+    from pipelines.measured_console import drift_line
+    from slackswap.experiment.measured_timing import PairedPrediction, PlainDrift
+
+    # Worked by hand: the table simulates the plain step at 6.0 ms and the plan at 6.6 ms; the plain steps
+    # around the plan's took 7.0 and 8.0 ms (the machine ran 1.25x slower than when the table was
+    # measured), the plan's 8.4 ms: at that speed the plan is predicted 6.6 x 1.25 = 8.25 ms, -1.79 %.
+    drift = PlainDrift(0.007, 0.008)
+    paired = PairedPrediction(0.0066, 0.006, drift.mean_s, 0.0084)
+    assert drift.mean_s == pytest.approx(0.0075) and paired.speed == pytest.approx(1.25)
+    assert paired.paired_predicted_s == pytest.approx(0.00825)
+    assert paired.relative_error == pytest.approx((0.00825 - 0.0084) / 0.0084)
+    f = drift.figures() | paired.figures() | {"predicted_step_s": 0.0066, "measured_step_median_s": 0.0084}
+    assert f["step_relative_error_paired"] == pytest.approx(-0.017857, abs=1e-6)
+    line = drift_line(f)
+    assert "plain step 7.50 ms around the plan's steps, simulated on the table 6.00 ms: x1.250" in line
+    assert "predicted 8.25 ms vs measured 8.40 ms: error -1.8 %" in line
+
+
 def test_the_drift_limit_is_strictly_over_it():
     from slackswap.experiment.measured_timing import PlainDrift
 

@@ -21,6 +21,9 @@ from slackswap.profile.torch.links import measure_links, measurement_description
 from slackswap.runtime import capture_graph  # noqa: E402
 from slackswap.runtime.op_times import cached_op_times, measure_op_times  # noqa: E402
 from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
+from slackswap.schedule.build import keep_all_plan  # noqa: E402
+from slackswap.simulate import simulate  # noqa: E402
+from slackswap.simulate.saved_peak import instant_link  # noqa: E402
 from tests.runtime_support import one_thread  # noqa: E402, F401 (a fixture)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -308,6 +311,11 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path, mo
                                                   / f["plain_step_before_s"])
     assert f["step_relative_error"] == pytest.approx((f["predicted_step_s"] - f["measured_step_median_s"])
                                                      / f["measured_step_median_s"])
+    # Beside it, the prediction at the speed of the plain steps around the plan's over the simulated one.
+    plain = simulate(outcome.graph, keep_all_plan(outcome.graph), instant_link(load_preset("h200_sxm_pcie5")), None)
+    speed = (f["plain_step_before_s"] + f["plain_step_after_s"]) / 2 / plain.step_s
+    assert f["plain_step_speed_now"] == pytest.approx(speed)
+    assert f["predicted_step_paired_s"] == pytest.approx(f["predicted_step_s"] * speed)
     # The simulated plan runs on the measured op times, not the roofline's.
     assert outcome.graph.meta["timing"] == "measured"
 

@@ -80,6 +80,11 @@ class PlainDrift:
                    compare_steps(0.0, after_times_s).measured_median_s, limit)
 
     @property
+    def mean_s(self) -> float:
+        """The plain step's speed while the plan's steps ran, bracketed by the two medians."""
+        return (self.before_s + self.after_s) / 2
+
+    @property
     def drift(self) -> float:
         """(after - before) / before: positive when the plain step got slower."""
         return (self.after_s - self.before_s) / self.before_s
@@ -99,6 +104,51 @@ class PlainDrift:
             text += (f"; over {self.limit * 100:.0f} %: the comparison above is inside the machine's own "
                      "variation")
         return text
+
+
+@dataclass(frozen=True)
+class PairedPrediction:
+    """The plan's predicted step at the speed the machine runs at while its steps run.
+
+    On a shared CPU the same plain step moves by tens of percent from one second to the next and from
+    one process to the next (hf_gpt2_2l's, median of 8 steps, 5.8 to 9.8 ms in blocks a second apart;
+    docs/profile.md, "Does not hold"), so a table measured earlier, or by another run, prices every op at
+    the speed the machine had then. The plain steps timed right before and right after the plan's steps
+    (`PlainDrift`, timed as the profile's are) bracket how fast it ran meanwhile: the prediction scaled by
+    their mean over the plain step simulated on the table is the plan's step at that speed, its overhead
+    over the plain step still the table's and the model's, as the benchmark's paired overheads read it.
+    The plan's own steps never feed it; keep-all's paired error is its steps' noise alone."""
+
+    predicted_s: float
+    #: The plain step simulated on the table: keep-all, no executor, no copies.
+    predicted_plain_s: float
+    #: The mean of the plain steps' medians before and after the plan's steps (`PlainDrift`).
+    plain_now_s: float
+    measured_median_s: float
+
+    @property
+    def speed(self) -> float:
+        """This run's plain step over the table's simulated one: above 1 when the machine runs slower now."""
+        return self.plain_now_s / self.predicted_plain_s
+
+    @property
+    def paired_predicted_s(self) -> float:
+        return self.predicted_s * self.speed
+
+    @property
+    def relative_error(self) -> float:
+        return (self.paired_predicted_s - self.measured_median_s) / self.measured_median_s
+
+    def figures(self) -> dict[str, Any]:
+        return {"predicted_plain_step_s": self.predicted_plain_s, "plain_step_speed_now": self.speed,
+                "predicted_step_paired_s": self.paired_predicted_s,
+                "step_relative_error_paired": self.relative_error}
+
+    def line(self) -> str:
+        return (f"at this run's speed (plain step {self.plain_now_s * 1e3:.2f} ms around the plan's steps, "
+                f"simulated on the table {self.predicted_plain_s * 1e3:.2f} ms: x{self.speed:.3f}): predicted "
+                f"{self.paired_predicted_s * 1e3:.2f} ms vs measured {self.measured_median_s * 1e3:.2f} ms: "
+                f"error {self.relative_error * 100:+.1f} %")
 
 
 @dataclass(frozen=True)
@@ -201,6 +251,18 @@ class MeasuredTiming:
         from slackswap.runtime.op_times import plain_step_times
 
         return plain_step_times(w.model, (w.batch,), w.loss_fn, steps)
+
+    @staticmethod
+    def paired(graph: Graph, hardware: Hardware, machine: Machine, figures: Mapping[str, Any],
+               drift: PlainDrift) -> dict[str, Any]:
+        """`PairedPrediction`'s figures for the prediction in `figures` (`compare`'s), at the speed of the
+        plain steps timed around the plan's (`drift`)."""
+        from slackswap.experiment.prediction import predict_step
+        from slackswap.schedule.build import keep_all_plan
+
+        plain = predict_step(graph, keep_all_plan(graph), hardware, machine).step_s
+        return PairedPrediction(figures["predicted_step_s"], plain, drift.mean_s,
+                                figures["measured_step_median_s"]).figures()
 
     @staticmethod
     def compare(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine, step_times_s: Sequence[float],

@@ -267,7 +267,9 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
                 measured_within_budget=budget_bytes is None or figures["measured_peak_bytes"] <= budget_bytes,
             )
     if plain_before is not None and "step_relative_error" in figures:  # beside the error, never in it
-        figures.update(PlainDrift.of(plain_before, spec.timing.plain_steps(w, spec.steps)).figures())
+        drift = PlainDrift.of(plain_before, spec.timing.plain_steps(w, spec.steps))
+        figures.update(drift.figures())
+        figures.update(spec.timing.paired(graph, hardware, machine, figures, drift))
     return TrainingRunOutcome(Verdict.OK, "", figures, graph, budget_bytes, plan, sim, on_link, tuple(records))
 
 
