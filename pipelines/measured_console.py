@@ -51,7 +51,7 @@ def comparison_line(f: Mapping[str, Any]) -> str:
 
 def drift_line(f: Mapping[str, Any]) -> str | None:
     """The plain step before and after the plan's steps (`slackswap.experiment.measured_timing.PlainDrift`),
-    and the prediction at the speed the first says the machine runs at (`PairedPrediction`)."""
+    and the prediction at the speed their mean says the machine ran at (`PairedPrediction`)."""
     if "plain_step_after_s" not in f:
         return None
     from slackswap.experiment.measured_timing import PairedPrediction, PlainDrift

@@ -112,7 +112,7 @@ class PairedPrediction:
 
     On a shared CPU the same plain step moves by tens of percent from one second to the next and from
     one process to the next (hf_gpt2_2l's, median of 8 steps, 5.8 to 9.8 ms in blocks a second apart;
-    docs/profile.md, "Does not hold"), so a table measured earlier, or by another run, prices every op at
+    docs/profile.md, "Measured op times and links"), so a table measured earlier, or by another run, prices every op at
     the speed the machine had then. The plain steps timed right before and right after the plan's steps
     (`PlainDrift`, timed as the profile's are) bracket how fast it ran meanwhile: the prediction scaled by
     their mean over the plain step simulated on the table is the plan's step at that speed, its overhead
