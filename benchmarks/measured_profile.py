@@ -103,7 +103,7 @@ def _load() -> float:
 
 def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeats, steps, clock, executor="auto",
                    costs=None, plans=PLANS):
-    from slackswap.experiment.measured_prediction import profiling_plans
+    from slackswap.experiment.measured_prediction import export_block_shape, measure_export_costs, profiling_plans
     from slackswap.profile.measured import retime
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
@@ -118,7 +118,10 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     # measurement like the op times, never a step of the plans below).
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock,
                              **profiling_plans(hardware))
-    if costs is not None:  # measured once per run, apart from any plan's step: stored with the profile
+    if costs is not None:  # measured apart from any plan's step: stored with the profile
+        # The runtime's once per run; the export's SAC dispatch at this model's shape (its per-call cost
+        # grows with the tensors the ops beside it touch: slackswap.runtime.export.dispatch_cost).
+        costs = measure_export_costs(costs, export_block_shape(model))
         table = costs.attach(table)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
@@ -127,7 +130,9 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
                "replay_times_ops": None if table.replay_times is None else len(table.replay_times),
                "replay_source": table.notes.get("replay_source"),
                "copy_times_tensors": None if table.copy_times is None else len(table.copy_times),
-               "copy_source": table.notes.get("copy_source"), "load": _load()}
+               "copy_source": table.notes.get("copy_source"), "load": _load(),
+               "export_block_shape": None if costs is None else list(export_block_shape(model)),
+               "sac_per_call_s": None if costs is None or costs.export is None else costs.export.sac_per_call_s}
     timed, sources = retime(graph, table)
     profile["ops_measured"], profile["ops_roofline"] = sources.measured, sources.roofline
     peak = simulate_ideal(timed, hardware).peak_activation_bytes
@@ -147,6 +152,14 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
             r["overhead_within_3pp"] = abs(r["overhead_gap_pp"]) <= OVERHEAD_TARGET_PP
             r |= paired_overhead(r["round_step_s"], r["round_keep_all_step_s"], r["overhead_predicted"])
     return profile, rows
+
+
+def _export_text(profile: dict) -> str:
+    """The export's SAC dispatch cost measured at the model's shape, for its `[profile]` line."""
+    if profile.get("sac_per_call_s") is None:
+        return ""
+    width, tokens = profile["export_block_shape"]
+    return f"export {profile['sac_per_call_s'] * 1e6:.1f} us per SAC call at {width} x {tokens}; "
 
 
 def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int, clock: str,
@@ -291,7 +304,7 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
         rows.extend(model_rows)
         print(f"[profile] {name}: {profile['ops']} ops, sum of op medians {profile['sum_op_medians_s'] * 1e3:.1f} ms,"
               f" plain step {profile['plain_step_median_s'] * 1e3:.1f} ms; {profile['replay_source']}; "
-              f"load {profile['load']}", flush=True)
+              + _export_text(profile) + f"load {profile['load']}", flush=True)
         for r in model_rows:
             if "infeasible" in r or "refused" in r:
                 what = "infeasible" if "infeasible" in r else f"refused: {r['refused']}"

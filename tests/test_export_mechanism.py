@@ -91,3 +91,18 @@ def test_the_sac_dispatch_cost_is_measured_per_call_on_a_fixed_microbenchmark() 
     assert torch.equal(torch.get_rng_state(), state)
     assert cost.calls > 0 and cost.per_call_s > 0
     assert "thread CPU time" in cost.source and torch.__version__ in cost.source
+    assert "(width 64, 64 tokens)" in cost.source
+
+
+def test_the_sac_dispatch_cost_is_measured_at_the_models_shape_and_a_bad_one_is_one_line() -> None:
+    from slackswap.experiment.measured_prediction import export_block_shape
+    from slackswap.model_config import ModelConfig
+    from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
+
+    model = ModelConfig("m", "gpt2", 2, hidden_size=48, num_heads=4, num_kv_heads=4, ffn_hidden_size=192, seq_len=8,
+                        micro_batch_size=3, vocab_size=64)
+    assert export_block_shape(model) == (48, 24)  # hidden size, tokens per micro-batch
+    cost = measure_dispatch_cost(1, 2, *export_block_shape(model))
+    assert "(width 48, 24 tokens)" in cost.source and cost.calls > 0
+    with pytest.raises(ValueError, match="at least 1, got 0 x 24"):
+        measure_dispatch_cost(1, 2, 0, 24)

@@ -86,7 +86,7 @@ def test_a_training_run_with_executor_auto_runs_a_refused_plan_through_the_expor
     export = ExportHostCost(sac_per_call_s=1.5e-5, checkpoint_per_region_s=2e-4, checkpoint_per_saved_s=1.5e-5,
                             source="slackswap.runtime.export.dispatch_cost (stub)")
     monkeypatch.setattr(measured_timing, "measure_host_costs",
-                        lambda device: HostCosts(RuntimeHostCost(source="stub"), export))
+                        lambda device, shape: HostCosts(RuntimeHostCost(source="stub"), export))
 
     conf = Path(__file__).resolve().parents[1] / "conf"
 

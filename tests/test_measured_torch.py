@@ -278,8 +278,8 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path, mo
     asked = []
     host = RuntimeHostCost(hook_per_event_s=2e-6, replay_per_step_s=3e-5, replay_per_call_s=1e-5, per_copy_s=2e-6,
                            source="stub")
-    monkeypatch.setattr(measured_timing, "measure_host_costs",
-                        lambda device: asked.append(device) or HostCosts(host, ExportHostCost(source="stub")))
+    monkeypatch.setattr(measured_timing, "measure_host_costs", lambda device, shape: asked.append((device, shape))
+                        or HostCosts(host, ExportHostCost(source="stub")))
 
     def preset(group, name):
         data = yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
@@ -295,8 +295,9 @@ def test_a_training_run_on_measured_times_predicts_beside_measuring(tmp_path, mo
     f = outcome.figures
     assert outcome.verdict == "ok", outcome.reason
     assert f["ops_timed_measured"] == len(outcome.graph.ops) and f["ops_timed_roofline"] == 0
-    # The runtime's host work is in it, at the costs measured with the table and stored with it.
-    assert asked == ["cpu"] and "2.00 us per saved-tensor event" in f["host_costs_line"]
+    # The runtime's host work is in it, at the costs measured with the table and stored with it, the export's
+    # at the model's shape (tiny_torch: hidden 64, 2 x 32 tokens).
+    assert asked == [("cpu", (64, 64))] and "2.00 us per saved-tensor event" in f["host_costs_line"]
     # Each op's replay by the runtime was timed with the table (tiny_torch's full recompute replays some).
     assert f["replay_times_ops"] > 0 and f"replay times of {f['replay_times_ops']} ops" in f["host_costs_line"]
     assert f["predicted_runtime_host_s"] > 0
@@ -447,12 +448,12 @@ def test_a_cached_table_without_runtime_host_costs_gets_them_measured_and_stored
                          3e-3, 3e-3)
     monkeypatch.setattr(op_times, "cached_op_times", lambda *args, **kwargs: (cached, True))
     asked = []
-    monkeypatch.setattr(measured_timing, "measure_host_costs",
-                        lambda device: asked.append(device) or HostCosts(fresh, ExportHostCost(source="stub")))
+    monkeypatch.setattr(measured_timing, "measure_host_costs", lambda device, shape: asked.append((device, shape))
+                        or HostCosts(fresh, ExportHostCost(source="stub")))
     timing = measured_timing.MeasuredTiming(timing="measured", cache_dir=str(tmp_path))
     w = type("W", (), {"model": None, "batch": None, "loss_fn": None})()
-    _, figures, costs = timing.retime(graph, w, None)  # hardware: the replays' plan, never made here (stub)
-    assert asked == ["cpu"] and costs.runtime == fresh
+    _, figures, costs = timing.retime(graph, w, None, (32, 16))  # hardware: the replays' plan, never made (stub)
+    assert asked == [("cpu", (32, 16))] and costs.runtime == fresh
     # Its ops add up to its plain step (1 + 2 ms against 3 ms): nothing to say beside the prediction.
     assert figures["op_times_sum_gap"] == pytest.approx(0.0) and figures["op_times_sum_refusal"] == ""
     # Stored with the table: the next run reads them and measures nothing.

@@ -2,7 +2,7 @@
 and `benchmarks/measured_profile.py` alike: what the product prints is what the benchmark checks.
 
     table = measure_op_times(..., **profiling_plans(hardware))  # each op's replay, each tensor's copies
-    costs = measure_host_costs("cpu")                          # once per machine, apart from any plan
+    costs = measure_host_costs("cpu", export_block_shape(model))  # per machine and model shape, no plan
     table = costs.attach(table)                                # stored with the op-time table
     predicted = predict_measured(graph, plan, hardware, machine, HostCosts.of(table), export, model)
 
@@ -22,13 +22,15 @@ nothing is measured and nothing added. Imports torch only inside the function th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from slackswap.experiment.prediction import Prediction, predict_step
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
+from slackswap.model_config import ModelConfig
 from slackswap.plan import Plan
 from slackswap.profile.machine import Machine
 from slackswap.profile.measured import ExportHostCost, OpTimeTable, RuntimeHostCost
@@ -80,28 +82,52 @@ class HostCosts:
         return "; ".join(parts)
 
 
-def measure_host_costs(device: str) -> HostCosts:
-    """The executors' host costs measured now on `device`: on the CPU the three microbenchmarks (about
-    2 s), on one intra-op thread whatever the run's (module docstring); elsewhere none.
+def export_block_shape(model: ModelConfig) -> tuple[int, int]:
+    """(width, tokens) the export's dispatch microbenchmark runs its blocks at for `model`: its hidden size
+    and its tokens per micro-batch, so the blocks' activations are the model's size
+    (`slackswap.runtime.export.dispatch_cost`, "Why at the model's shape")."""
+    return model.hidden_size, model.micro_batch_size * model.seq_len
 
-    Why one thread: the costs are the calling thread's Python work, read in its CPU time; with torch's
-    intra-op workers the calling thread also spins at their barriers, and that time lands in the
-    differences (at torch's 2 threads on a loaded 2-core machine: 58 us per copy against 2-6 us, 0 us
-    per SAC call against 11-16 us)."""
+
+def measure_host_costs(device: str, shape: tuple[int, int] | None = None) -> HostCosts:
+    """The executors' host costs measured now on `device`: on the CPU the three microbenchmarks (about
+    2 s), the export's dispatch at `shape` (`export_block_shape`; None: the microbenchmark's own), on one
+    intra-op thread whatever the run's (`one_intra_op_thread`); elsewhere none."""
     if not device.startswith("cpu"):
         return HostCosts()
-    import torch
-
     from slackswap.planners.registry import get_planner
     from slackswap.runtime.eager.host_cost import measure_runtime_host_cost
     from slackswap.runtime.export.checkpoint_cost import measure_export_host_cost
 
+    with one_intra_op_thread():
+        full_recompute = get_planner("full_recompute")
+        return HostCosts(measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None)),
+                         measure_export_host_cost(shape))
+
+
+def measure_export_costs(costs: HostCosts, shape: tuple[int, int]) -> HostCosts:
+    """`costs` with the export's measured again at `shape` (on the CPU, where `costs` has them): for a
+    caller that measured the runtime's once for several models, as `benchmarks/measured_profile.py` does."""
+    if costs.export is None:
+        return costs
+    from slackswap.runtime.export.checkpoint_cost import measure_export_host_cost
+
+    with one_intra_op_thread():
+        return replace(costs, export=measure_export_host_cost(shape))
+
+
+@contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside, as it was after. Why: the host costs are the calling thread's
+    Python work, read in its CPU time; with torch's intra-op workers the calling thread also spins at their
+    barriers, and that time lands in the differences (at torch's 2 threads on a loaded 2-core machine: 58 us
+    per copy against 2-6 us, 0 us per SAC call against 11-16 us)."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        full_recompute = get_planner("full_recompute")
-        return HostCosts(measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None)),
-                         measure_export_host_cost())
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -163,4 +189,5 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
     return MeasuredPrediction(p, figures)
 
 
-__all__ = ["HostCosts", "MeasuredPrediction", "measure_host_costs", "predict_measured", "profiling_plans"]
+__all__ = ["HostCosts", "MeasuredPrediction", "export_block_shape", "measure_export_costs", "measure_host_costs",
+           "one_intra_op_thread", "predict_measured", "profiling_plans"]

@@ -2,7 +2,7 @@
 device, the machine's links, and the plan's predicted step beside the measured one.
 
     timing = MeasuredTiming.from_dict(config["profile"])      # checks, ConfigError naming the field
-    graph, figures, costs = timing.retime(graph, workload, hardware)  # before the planner sees the graph
+    graph, figures, costs = timing.retime(graph, workload, hardware, export_block_shape(model))  # before planning
     machine, links = timing.machine(device)                   # measured links (or the given file)
     figures |= timing.compare(graph, plan, hardware, machine, step_times_s, costs)
 
@@ -177,20 +177,21 @@ class MeasuredTiming:
         return cls(timing=timing, cache_dir=profile.get("cache_dir") or None, warmup=warmup, repeats=repeats,
                    machine_path=machine)
 
-    def retime(self, graph: Graph, w: Workload, hardware: Hardware) -> tuple[Graph, dict[str, Any], HostCosts]:
+    def retime(self, graph: Graph, w: Workload, hardware: Hardware, shape: tuple[int, int] | None = None
+               ) -> tuple[Graph, dict[str, Any], HostCosts]:
         """The graph with its ops' measured times (roofline for any op not measured), the figures
         saying how many ops each source timed, and the executors' host costs stored with the table
-        (measured now, and stored, where a CPU table lacks them); on the CPU the table holds each op's
-        replay time and each offloaded tensor's copy times too (a cached one without them is measured
-        again). `hardware`: the run's, which the
-        replays' full-recompute plan is made for."""
+        (measured now, and stored, where a CPU table lacks them; the export's at `shape`,
+        `export_block_shape` of the run's model); on the CPU the table holds each op's replay time and each
+        offloaded tensor's copy times too (a cached one without them is measured again). `hardware`: the
+        run's, which the replays' full-recompute plan is made for."""
         from slackswap.runtime.op_times import cached_op_times
 
         table, cached = cached_op_times(graph, w.model, (w.batch,), w.loss_fn, self.cache_dir, self.warmup,
                                         self.repeats, **profiling_plans(hardware))
         costs = HostCosts.of(table)
         if table.key.device.startswith("cpu") and not costs.measured:
-            costs = measure_host_costs(table.key.device)
+            costs = measure_host_costs(table.key.device, shape)
             table = costs.attach(table)
             costs = HostCosts.of(table)  # with the table's replay times
             if self.cache_dir is not None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from slackswap import validation as check
 from slackswap.budget import Budget
 from slackswap.errors import ConfigError, InfeasibleBudgetError
+from slackswap.experiment.measured_prediction import export_block_shape
 from slackswap.experiment.measured_timing import MeasuredTiming, PlainDrift
 from slackswap.experiment.run import Verdict
 from slackswap.graph import Graph
@@ -200,7 +201,7 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
                                "keep_all_peak_bytes": ideal.peak_activation_bytes, "timing": spec.timing.timing}
     machine = costs = eager_check = None
     if spec.timing.measured:  # the planner and the simulator see the measured op times
-        graph, timed, costs = spec.timing.retime(graph, w, hardware)
+        graph, timed, costs = spec.timing.retime(graph, w, hardware, export_block_shape(spec.model))
         machine, links = spec.timing.machine(spec.device)
         timed |= links
         figures.update(timed)

@@ -31,7 +31,7 @@ from slackswap.graph import Graph
 
 TIMINGS = ("roofline", "measured")
 #: Bumped when the measuring method changes what a time means (old tables then miss).
-TABLE_FORMAT = "slackswap.op_times/3"
+TABLE_FORMAT = "slackswap.op_times/4"
 
 
 class MeasurementError(SlackSwapError):

@@ -111,12 +111,14 @@ def measure_checkpoint_cost(warmup: int = 3, repeats: int = 41) -> CheckpointCos
     return CheckpointCost(per_region, per_saved, saved, repeats, source)
 
 
-def measure_export_host_cost() -> ExportHostCost:
+def measure_export_host_cost(shape: tuple[int, int] | None = None) -> ExportHostCost:
     """The eager export's `ExportHostCost` on this machine's CPU: the SAC modes' cost per call
-    (`slackswap.runtime.export.dispatch_cost`) and the checkpoint's per region and per saved tensor (above)."""
+    (`slackswap.runtime.export.dispatch_cost`), its blocks at `shape` (width, tokens: the model's, from
+    `slackswap.experiment.measured_prediction.export_block_shape`; None: the microbenchmark's own), and the
+    checkpoint's per region and per saved tensor (above)."""
     from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
 
-    dispatch = measure_dispatch_cost()
+    dispatch = measure_dispatch_cost() if shape is None else measure_dispatch_cost(width=shape[0], tokens=shape[1])
     frames = measure_checkpoint_cost()
     return ExportHostCost(sac_per_call_s=dispatch.per_call_s, checkpoint_per_region_s=frames.per_region_s,
                           checkpoint_per_saved_s=frames.per_saved_s, source=f"{dispatch.source}; {frames.source}")
