@@ -5,8 +5,8 @@ CPU prediction charges for it.
 policy saved is served from the cache: no kernel, but the layer's Python forward runs again in full, so
 the module code and the host path leading to that call run again too. The prediction
 (`slackswap.experiment.measured_executor.predict_export`) charges such a call the SAC modes' cost per
-call (`slackswap.runtime.export.dispatch_cost`, measured on fixed MLP blocks with every call recomputed)
-and nothing else; the executed recomputes and the views are charged their op times on top. This checks,
+call (`slackswap.runtime.export.dispatch_cost`, measured on fixed MLP blocks at the model's shape with every
+call recomputed) and nothing else; the executed recomputes and the views are charged their op times on top. This checks,
 on the real layers of the measured-profile benchmark's models, whether anything is left:
 
 1. the model's op-time table (process CPU clock) and the torch_sac plan made for the export, as
@@ -175,20 +175,24 @@ def run(repeats: int) -> dict:
     import torch
 
     from benchmarks.measured_cases import HARDWARE, cases
+    from slackswap.experiment.measured_prediction import export_block_shape
     from slackswap.hardware import load_preset
     from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
 
     torch.set_num_threads(1)
     hardware = load_preset(HARDWARE)
     started = machine()
-    dispatch = measure_dispatch_cost()
-    print(f"[dispatch] {dispatch.per_call_s * 1e6:.1f} us per SAC call (what every call is charged); "
-          f"load {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for name, model, spec in cases():
         if name not in MODELS:
             continue
+        # What a run charges every call of this model: the dispatch at its shape (docs/decisions/0026).
+        width, tokens = export_block_shape(model)
+        dispatch = measure_dispatch_cost(width=width, tokens=tokens)
+        print(f"[dispatch] {name}: {dispatch.per_call_s * 1e6:.1f} us per SAC call at {width} x {tokens} (what "
+              f"every call is charged); load {os.getloadavg()[0]:.2f}", flush=True)
         r = measure_model(name, model, spec, hardware, repeats, dispatch.per_call_s)
+        r |= {"sac_per_call_s": dispatch.per_call_s, "sac_per_call_source": dispatch.source}
         rows.append(r)
         if "skipped" in r:
             print(f"[{name}] skipped: {r['skipped']}", flush=True)
@@ -201,8 +205,7 @@ def run(repeats: int) -> dict:
               f"{r['unpriced_per_cached_call_s'] * 1e6:+.1f} us a cached call. Check: the cache saves "
               f"{r['cache_saves_s'] * 1e6:.0f} us of the replay, priced {r['cached_ops_time_s'] * 1e6:.0f} us "
               f"({r['check_unpriced_per_cached_call_s'] * 1e6:+.1f} us a cached call); load {r['load']}", flush=True)
-    result = {"machine_start": started, "machine_end": machine(), "torch_threads": 1,
-              "sac_per_call_s": dispatch.per_call_s, "sac_per_call_source": dispatch.source, "rows": rows}
+    result = {"machine_start": started, "machine_end": machine(), "torch_threads": 1, "rows": rows}
     print(f"[saved] {save_result('export_cached_calls.json', result)}", flush=True)
     return result
 
