@@ -7,8 +7,9 @@ and `benchmarks/measured_profile.py` alike: what the product prints is what the 
     predicted = predict_measured(graph, plan, hardware, machine, HostCosts.of(table), export, model)
 
 The step is `slackswap.experiment.prediction.predict_step` (the plan simulated on the measured profile,
-plus synchronous copies on the CPU), with the host work of the executor that runs it, measured once per
-machine by fixed microbenchmarks and counted from the graph and the plan: for the eager runtime its
+plus synchronous copies on the CPU), with the host work of the executor that runs it, measured by fixed
+microbenchmarks (once per machine; the export's dispatch at each model's shape, `export_block_shape`)
+and counted from the graph and the plan: for the eager runtime its
 hooks and replays (`RuntimeHostCost`, `slackswap.runtime.eager.host_cost`), for a plan run through the
 eager export its SAC dispatch and its checkpoints (`ExportHostCost`,
 `slackswap.experiment.measured_executor.predict_export`). The runtime's recompute steps are priced at
@@ -90,8 +91,8 @@ def export_block_shape(model: ModelConfig) -> tuple[int, int]:
 
 
 def measure_host_costs(device: str, shape: tuple[int, int] | None = None) -> HostCosts:
-    """The executors' host costs measured now on `device`: on the CPU the three microbenchmarks (about
-    2 s), the export's dispatch at `shape` (`export_block_shape`; None: the microbenchmark's own), on one
+    """The executors' host costs measured now on `device`: on the CPU the three microbenchmarks (2-3 s),
+    the export's dispatch at `shape` (`export_block_shape`; None: the microbenchmark's own), on one
     intra-op thread whatever the run's (`one_intra_op_thread`); elsewhere none."""
     if not device.startswith("cpu"):
         return HostCosts()
