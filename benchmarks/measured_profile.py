@@ -10,8 +10,9 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
    profile and predicted as `pipelines.train` predicts it (`slackswap.experiment.measured_prediction`:
    on the CPU, the plan simulated on an instant link plus its synchronous copies, plus the host work of
    the executor that runs it, the eager runtime's hooks and replays or an exported plan's SAC dispatch
-   and checkpoints, at costs measured once per run by fixed microbenchmarks and stored with each
-   op-time table) before any of its steps runs;
+   and checkpoints, at costs measured by fixed microbenchmarks (the runtime's once per run, the export's
+   per model, its dispatch at the model's shape) and stored with each op-time table) before any of its
+   steps runs;
 3. the plan runs 1 + N AdamW steps (under the runtime, or through the export), in rounds with as many
    keep_all steps on a copy of the model made just before (`benchmarks.measured_pairs`: same weights,
    batches and RNG stream, which side goes first alternating); the median of the plan's N steps after
@@ -119,9 +120,9 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     table = measure_op_times(graph, w.model, (w.batch,), w.loss_fn, warmup, repeats, clock,
                              **profiling_plans(hardware))
     if costs is not None:  # measured apart from any plan's step: stored with the profile
-        # The runtime's once per run; the export's SAC dispatch at this model's shape (its per-call cost
-        # grows with the tensors the ops beside it touch: slackswap.runtime.export.dispatch_cost).
-        costs = measure_export_costs(costs, export_block_shape(model))
+        # The runtime's once per run; the export's here, its SAC dispatch at this model's shape (its per-call
+        # cost grows with the tensors the ops beside it touch: slackswap.runtime.export.dispatch_cost).
+        costs = measure_export_costs(costs, device, export_block_shape(model))
         table = costs.attach(table)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
@@ -132,7 +133,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
                "copy_times_tensors": None if table.copy_times is None else len(table.copy_times),
                "copy_source": table.notes.get("copy_source"), "load": _load(),
                "export_block_shape": None if costs is None else list(export_block_shape(model)),
-               "sac_per_call_s": None if costs is None or costs.export is None else costs.export.sac_per_call_s}
+               "export_host": None if costs is None or costs.export is None else asdict(costs.export)}
     timed, sources = retime(graph, table)
     profile["ops_measured"], profile["ops_roofline"] = sources.measured, sources.roofline
     peak = simulate_ideal(timed, hardware).peak_activation_bytes
@@ -156,10 +157,10 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
 
 def _export_text(profile: dict) -> str:
     """The export's SAC dispatch cost measured at the model's shape, for its `[profile]` line."""
-    if profile.get("sac_per_call_s") is None:
+    if profile.get("export_host") is None:
         return ""
     width, tokens = profile["export_block_shape"]
-    return f"export {profile['sac_per_call_s'] * 1e6:.1f} us per SAC call at {width} x {tokens}; "
+    return f"export {profile['export_host']['sac_per_call_s'] * 1e6:.1f} us per SAC call at {width} x {tokens}; "
 
 
 def measure_plan(w, timed, hardware, machine_, planner: str, budget, steps: int, clock: str,
@@ -288,11 +289,12 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     hardware = load_preset(HARDWARE)
     links = measurement_description(measure_links(device, (64 if quick else 256) * 1024**2, 3), device)
     machine_ = Machine.from_dict(links)
-    from slackswap.experiment.measured_prediction import measure_host_costs
+    from slackswap.experiment.measured_prediction import measure_runtime_costs
 
-    costs = measure_host_costs(device)
-    if costs.measured:
-        print(f"[host costs] {costs.line()}; load {_load()}", flush=True)
+    costs = measure_runtime_costs(device)  # the export's: per model, at its shape (`_measure_model`)
+    if costs.runtime is not None:
+        print(f"[host costs] {costs.line()}; the export's per model (its [profile] line); load {_load()}",
+              flush=True)
     print(f"[links] {device}: h2d {machine_.h2d.bytes_per_s / 1e9:.2f} GB/s + {machine_.h2d.latency_s * 1e6:.1f} us, "
           f"d2h {machine_.d2h.bytes_per_s / 1e9:.2f} GB/s + {machine_.d2h.latency_s * 1e6:.1f} us; "
           f"synchronous copies: {machine_.synchronous}; load {_load()}", flush=True)
@@ -354,7 +356,6 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
               "paired_rounds": steps, "torch_threads": torch.get_num_threads(),
               "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
               "runtime_host": None if costs.runtime is None else asdict(costs.runtime),
-              "export_host": None if costs.export is None else asdict(costs.export),
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
     return result
 

@@ -94,22 +94,27 @@ def measure_host_costs(device: str, shape: tuple[int, int] | None = None) -> Hos
     """The executors' host costs measured now on `device`: on the CPU the three microbenchmarks (2-3 s),
     the export's dispatch at `shape` (`export_block_shape`; None: the microbenchmark's own), on one
     intra-op thread whatever the run's (`one_intra_op_thread`); elsewhere none."""
+    return measure_export_costs(measure_runtime_costs(device), device, shape)
+
+
+def measure_runtime_costs(device: str) -> HostCosts:
+    """The eager runtime's host costs alone (`slackswap.runtime.eager.host_cost`): a property of the
+    machine, measured once for every model; on the CPU only (elsewhere none)."""
     if not device.startswith("cpu"):
         return HostCosts()
     from slackswap.planners.registry import get_planner
     from slackswap.runtime.eager.host_cost import measure_runtime_host_cost
-    from slackswap.runtime.export.checkpoint_cost import measure_export_host_cost
 
     with one_intra_op_thread():
         full_recompute = get_planner("full_recompute")
-        return HostCosts(measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None)),
-                         measure_export_host_cost(shape))
+        return HostCosts(measure_runtime_host_cost(lambda graph, hardware: full_recompute.plan(graph, hardware, None)))
 
 
-def measure_export_costs(costs: HostCosts, shape: tuple[int, int]) -> HostCosts:
-    """`costs` with the export's measured again at `shape` (on the CPU, where `costs` has them): for a
-    caller that measured the runtime's once for several models, as `benchmarks/measured_profile.py` does."""
-    if costs.export is None:
+def measure_export_costs(costs: HostCosts, device: str, shape: tuple[int, int] | None = None) -> HostCosts:
+    """`costs` with the export's host costs measured now on `device` (the CPU only: elsewhere `costs` as
+    given), its dispatch at `shape`: per model, for a caller that measured the runtime's once for several
+    (`benchmarks/measured_profile.py`)."""
+    if not device.startswith("cpu"):
         return costs
     from slackswap.runtime.export.checkpoint_cost import measure_export_host_cost
 
@@ -191,4 +196,4 @@ def predict_measured(graph: Graph, plan: Plan, hardware: Hardware, machine: Mach
 
 
 __all__ = ["HostCosts", "MeasuredPrediction", "export_block_shape", "measure_export_costs", "measure_host_costs",
-           "one_intra_op_thread", "predict_measured", "profiling_plans"]
+           "measure_runtime_costs", "one_intra_op_thread", "predict_measured", "profiling_plans"]
