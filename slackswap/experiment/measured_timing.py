@@ -36,7 +36,7 @@ from slackswap.experiment.measured_prediction import (
     predict_measured,
     profiling_plans,
 )
-from slackswap.experiment.prediction import compare_steps
+from slackswap.experiment.prediction import compare_steps, predict_step
 from slackswap.graph import Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
@@ -258,7 +258,6 @@ class MeasuredTiming:
                drift: PlainDrift) -> dict[str, Any]:
         """`PairedPrediction`'s figures for the prediction in `figures` (`compare`'s), at the speed of the
         plain steps timed around the plan's (`drift`)."""
-        from slackswap.experiment.prediction import predict_step
         from slackswap.schedule.build import keep_all_plan
 
         plain = predict_step(graph, keep_all_plan(graph), hardware, machine).step_s
