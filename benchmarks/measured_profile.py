@@ -20,6 +20,10 @@ the user-brought residual MLP of examples/byo_model through its hook), per model
    at which keep_all's own paired gap, the noise floor, was wider than the 3 pp target it judges.
    No plan's measured step feeds any prediction.
 
+The process keeps freed host memory from its start, as `pipelines.train` does by default
+(`slackswap.profile.host_allocator`: no step pays page faults at random); `--system-allocator` leaves the
+C library's own behaviour, to compare.
+
 `--runs K` repeats all of it K times, independently, one run after the other, and keeps every run's
 counts and every row's error side by side (`across_runs`): on a shared machine one run is one draw.
 `--plan NAME[@FRACTION]` (repeatable) runs another plan beside the five (e.g. recompute_knapsack@0.5, a
@@ -277,6 +281,7 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
     import torch
 
     from slackswap.hardware import load_preset
+    from slackswap.profile.host_allocator import host_allocator_label
     from slackswap.profile.machine import Machine
     from slackswap.profile.torch.links import measure_links, measurement_description
 
@@ -354,7 +359,8 @@ def run(quick: bool, device: str = "cpu", clock: str = "wall", executor: str = "
           f"{time.perf_counter() - t0:.0f} s; load {_load()}", flush=True)
     result = {"quick": quick, "device": device, "clock": clock, "executor": executor, "hardware_preset": HARDWARE,
               "paired_rounds": steps, "torch_threads": torch.get_num_threads(),
-              "machine_start": started, "machine_end": machine(), "links": links, "profiles": profiles,
+              "host_allocator": host_allocator_label(), "machine_start": started, "machine_end": machine(),
+              "links": links, "profiles": profiles,
               "runtime_host": None if costs.runtime is None else asdict(costs.runtime),
               "rows": rows, "cross_shape_fit": cross, "summary": summary, "wall_s": time.perf_counter() - t0}
     return result
@@ -438,6 +444,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help=f"paired rounds per plan after the warm-up (default {ROUNDS}, 3 with --quick; the issue's "
                              "check names 5); a count given here goes to measured_profile_rounds<N>*.json")
+    parser.add_argument("--system-allocator", action="store_true",
+                        help="leave the host allocator as the C library sets it up (default: freed memory kept, as "
+                             "pipelines.train keeps it; slackswap.profile.host_allocator); the result goes to "
+                             "measured_profile*_system_allocator.json")
     parser.add_argument("--plan", action="append", default=[], metavar="NAME[@FRACTION]",
                         help="a plan to run beside the five (repeatable), e.g. recompute_knapsack@0.5; the result "
                              "goes to measured_profile_extra*.json, never over the record")
@@ -450,6 +460,10 @@ def main() -> None:
     if args.clock == "process" and (args.threads != 1 or args.device != "cpu"):
         raise SystemExit("error: --clock=process: needs --threads 1 on the CPU (CPU time of several threads "
                          "or of a GPU's work is not a step's time)")
+    if not args.system_allocator:
+        from slackswap.profile.host_allocator import keep_freed_memory
+
+        print(f"[host allocator] {keep_freed_memory().detail}", flush=True)
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"error: --threads={args.threads}: must be >= 1")
@@ -463,7 +477,8 @@ def main() -> None:
         print(_runs_line(result["across_runs"]), flush=True)
     rounds_tag = "" if args.rounds in (None, ROUNDS) else f"_rounds{args.rounds}"
     tag = (("_extra" if extra else "") + rounds_tag + ("" if args.clock == "wall" else f"_{args.clock}")
-           + ("" if args.executor == "auto" else f"_{args.executor}"))
+           + ("" if args.executor == "auto" else f"_{args.executor}")
+           + ("_system_allocator" if args.system_allocator else ""))
     path = save_result(f"measured_profile{tag}{'_quick' if args.quick else ''}.json", result)
     print(f"[saved] {path}", flush=True)
 

@@ -318,6 +318,10 @@ class TrainSchema:
     #: "eager": slackswap's own runtime (apply); "compile": the plan exported to PyTorch's selective
     #: checkpointing, each layer torch.compile'd (slackswap.runtime.export).
     executor: str = "eager"
+    #: Keep the host allocator's freed memory in the process (glibc's trim and mmap thresholds), as a
+    #: GPU's caching allocator does, so that no step pays page faults at random
+    #: (slackswap.profile.host_allocator); false: the C library's own behaviour.
+    keep_freed_host_memory: bool = True
 
 
 @dataclass

@@ -46,6 +46,9 @@ class _Console(TrainingProgress):
     def building(self, spec) -> None:
         print(f"[train] building {spec.model.name} on {spec.device}", flush=True)
 
+    def host_allocator(self, detail) -> None:
+        print(f"[train] host allocator: {detail}", flush=True)
+
     def captured(self, graph, capture_s, keep_all_peak_bytes, budget_bytes) -> None:
         print(f"[train] captured {len(graph.ops)} ops, {len(graph.saved_tensors)} saved tensors in {capture_s:.1f} s; "
               f"keep-all peak {size_text(keep_all_peak_bytes)}, budget {size_text(budget_bytes)}", flush=True)
@@ -209,7 +212,7 @@ def train_job(cfg: DictConfig) -> dict[str, Any]:
         timing = {k: str(figures[k]) for k in ("timing", "timing_sources_line", "op_times_device", "machine",
                                                        "host_costs_line", "op_times_cache_line", "machine_cache_line",
                                                        "op_times_sum_refusal", "replay_source",
-                                                       "copy_source")
+                                                       "copy_source", "host_allocator")
                   if k in figures}  # which source timed the ops, on the run itself
         tracking.log_tags(client, run_id, {"status": str(status), **timing})
         if (run_dir / "train.json").exists():

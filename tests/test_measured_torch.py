@@ -46,6 +46,18 @@ def test_every_op_of_the_captured_step_is_timed(captured):
     assert all(p.grad is None for p in w.model.parameters())  # the model is left as it was
 
 
+def test_the_key_says_how_the_host_allocator_ran(captured, monkeypatch):
+    from slackswap.profile import host_allocator
+    from slackswap.runtime import op_times
+
+    w, graph = captured
+    cpu = next(w.model.parameters()).device
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    assert op_times.op_time_key(graph, cpu).host_allocator == host_allocator.SYSTEM_DEFAULT_ALLOCATOR
+    monkeypatch.setattr(host_allocator, "_applied", host_allocator.HostAllocatorSetting(True, "kept, as set"))
+    assert op_times.op_time_key(graph, cpu).host_allocator == "kept, as set"
+
+
 def one_op_of(graph) -> dict:
     """A stub table's times: one op taking the whole 1 ms plain step, so that its ops add up to it (a table
     whose ops do not is measured again: tests/test_measured_profile.py)."""

@@ -45,6 +45,8 @@ def test_the_spec_reads_every_node() -> None:
         ({"seed": 1.5}, "train.seed"),
         ({"lr": 0.0}, "train.lr"),
         ({"lr": "fast"}, "train.lr"),
+        ({"keep_freed_host_memory": "yes"}, "train.keep_freed_host_memory"),
+        ({"keep_freed_host_memory": 1}, "train.keep_freed_host_memory"),
     ],
 )
 def test_bad_train_values_name_their_field(change: dict, field: str) -> None:
@@ -75,6 +77,9 @@ def test_run_training_reports_its_moments_in_order_and_returns_the_figures() -> 
         def building(self, spec) -> None:
             heard.append("building")
 
+        def host_allocator(self, detail) -> None:
+            heard.append("host allocator")
+
         def captured(self, graph, capture_s, keep_all_peak_bytes, budget_bytes) -> None:
             heard.append("captured")
 
@@ -86,12 +91,16 @@ def test_run_training_reports_its_moments_in_order_and_returns_the_figures() -> 
 
     # The model's own holds put half its keep-all peak out of reach (tests/test_train_pipeline.py).
     out = run_training(TrainingRunSpec.from_dict(_config({"fraction": 0.8}, steps=2)), Recorder())
-    assert heard == ["building", "captured", "checked", "step 0", "step 1"]
+    assert heard == ["building", "host allocator", "captured", "checked", "step 0", "step 1"]
     assert out.verdict == Verdict.OK and out.reason == "" and len(out.records) == 2
     assert out.figures["status"] == Verdict.OK and out.figures["grad_check_bit_exact"] is True
     assert out.figures["losses"] == [r.loss for r in out.records]
     assert out.figures["measured_peak_bytes"] == out.simulation_device_link.peak_activation_bytes
     assert out.figures["sim_peak_activation_bytes"] == out.simulation.peak_activation_bytes
+    # train.yaml keeps freed host memory: the run says how (glibc here; `keep_freed_memory` is idempotent).
+    from slackswap.profile.host_allocator import host_allocator_label, keep_freed_memory
+
+    assert out.figures["host_allocator"] == keep_freed_memory().detail == host_allocator_label()
 
 
 def test_an_infeasible_budget_is_an_outcome_not_an_error() -> None:

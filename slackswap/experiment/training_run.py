@@ -41,6 +41,7 @@ from slackswap.model_config import ModelConfig
 from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 from slackswap.plan import Plan
 from slackswap.planners.base import Planner
+from slackswap.profile.host_allocator import host_allocator_label, keep_freed_memory
 from slackswap.profile.torch.spec import TorchSpec
 from slackswap.simulate.result import SimResult
 
@@ -80,6 +81,9 @@ class TrainingRunSpec:
     planner: Planner | None = field(default=None, compare=False, repr=False)
     #: `profile.timing` and its settings: measured op times replace the roofline's before planning.
     timing: MeasuredTiming = field(default_factory=MeasuredTiming)
+    #: Keep the host allocator's freed memory in the process from the run's start
+    #: (`slackswap.profile.host_allocator.keep_freed_memory`); False: the C library's own behaviour.
+    keep_freed_host_memory: bool = True
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> TrainingRunSpec:
@@ -98,6 +102,7 @@ class TrainingRunSpec:
             raise ConfigError("train.executor", train["executor"], f"unknown executor; known: {EXECUTORS}")
         check.integer("train.steps", train["steps"], 1)
         check.integer("train.seed", train["seed"])
+        keep_freed = check.flag("train.keep_freed_host_memory", train["keep_freed_host_memory"])
         lr = check.positive("train.lr", train["lr"])
         if train["device"] == "cuda":
             import torch
@@ -121,6 +126,7 @@ class TrainingRunSpec:
             # Unknown planner names and options fail here, before anything runs or is recorded.
             planner=get_planner(planner["name"], **options),
             timing=MeasuredTiming.from_dict(config.get("profile")),
+            keep_freed_host_memory=keep_freed,
         )
 
 
@@ -130,6 +136,9 @@ class TrainingProgress:
 
     def building(self, spec: TrainingRunSpec) -> None:
         """About to build the model on the device."""
+
+    def host_allocator(self, detail: str) -> None:
+        """How the host allocator runs (`spec.keep_freed_host_memory`, set before the model is built)."""
 
     def captured(self, graph: Graph, capture_s: float, keep_all_peak_bytes: int, budget_bytes: int | None) -> None:
         """The step's graph is captured and the budget resolved against its keep-all peak."""
@@ -189,7 +198,9 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
 
     progress = progress or TrainingProgress()
     hardware = spec.hardware
+    allocator = _host_allocator(spec.keep_freed_host_memory)  # before the model's first tensor
     progress.building(spec)
+    progress.host_allocator(allocator)
     w = build_training_workload(spec.model, spec.torch_spec, spec.device, spec.seed)
     t0 = time.perf_counter()
     graph = capture_graph(w.model, w.inputs, w.loss_fn, hardware, f"{spec.model.name}@{hardware.name}")
@@ -198,7 +209,8 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
     budget_bytes = spec.budget.resolve_bytes(ideal.peak_activation_bytes)
     progress.captured(graph, capture_s, ideal.peak_activation_bytes, budget_bytes)
     figures: dict[str, Any] = {"status": Verdict.OK, "capture_s": capture_s, "budget_bytes": budget_bytes,
-                               "keep_all_peak_bytes": ideal.peak_activation_bytes, "timing": spec.timing.timing}
+                               "keep_all_peak_bytes": ideal.peak_activation_bytes, "timing": spec.timing.timing,
+                               "host_allocator": allocator}
     machine = costs = eager_check = None
     if spec.timing.measured:  # the planner and the simulator see the measured op times
         graph, timed, costs = spec.timing.retime(graph, w, hardware, export_block_shape(spec.model))
@@ -356,6 +368,12 @@ def _run_export(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, fi
     if w.batch.device.type == "cuda":
         figures["measured_peak_bytes"] = max(r.measured_peak_bytes for r in records)
     return records
+
+
+def _host_allocator(keep_freed: bool) -> str:
+    """Keep freed host memory when asked; one line on how the host allocator runs either way (a process
+    that kept it earlier keeps it: glibc's thresholds cannot be read back or reset)."""
+    return keep_freed_memory().detail if keep_freed else host_allocator_label()
 
 
 def _median_step_s(records: list[StepRecord]) -> float:

@@ -28,10 +28,11 @@ from typing import Any
 
 from slackswap.errors import SlackSwapError
 from slackswap.graph import Graph
+from slackswap.profile.host_allocator import SYSTEM_DEFAULT_ALLOCATOR
 
 TIMINGS = ("roofline", "measured")
 #: Bumped when the measuring method changes what a time means (old tables then miss).
-TABLE_FORMAT = "slackswap.op_times/4"
+TABLE_FORMAT = "slackswap.op_times/5"
 
 
 class MeasurementError(SlackSwapError):
@@ -56,13 +57,17 @@ class OpTimeKey:
     #: kernel on that many threads (hf_gpt2_2l's plain step 12 ms on 2, 16 ms on 1), so a table measured on
     #: one count predicts nothing on another.
     intra_op_threads: int
+    #: How the host allocator ran (`slackswap.profile.host_allocator.host_allocator_label`): with glibc's
+    #: defaults a step takes page faults at random, with freed memory kept it does not, and the op times
+    #: differ by them.
+    host_allocator: str = SYSTEM_DEFAULT_ALLOCATOR
     format: str = TABLE_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
         return {"graph_fingerprint": self.graph_fingerprint, "model_signature": self.model_signature,
                 "input_signature": [[list(s), dt] for s, dt in self.input_signature], "device": self.device,
                 "versions": dict(self.versions), "method": self.method, "intra_op_threads": self.intra_op_threads,
-                "format": self.format}
+                "host_allocator": self.host_allocator, "format": self.format}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OpTimeKey:

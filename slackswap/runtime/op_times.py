@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from slackswap.graph import Graph
 from slackswap.plan import Plan
+from slackswap.profile.host_allocator import host_allocator_label
 from slackswap.profile.measured import (
     MeasurementError,
     OpTime,
@@ -191,7 +192,7 @@ def op_time_key(graph: Graph, device: torch.device, clock: str = "wall") -> OpTi
                      versions=package_versions(("torch", "transformers")),
                      method="cuda_events" if device.type == "cuda" else
                      {"wall": "perf_counter", "process": "process_time"}[clock],
-                     intra_op_threads=torch.get_num_threads())
+                     intra_op_threads=torch.get_num_threads(), host_allocator=host_allocator_label())
 
 
 def _op_of_call(graph: Graph, calls: int) -> list[int]:

@@ -1,0 +1,104 @@
+"""Freed host memory kept in the process (`slackswap.profile.host_allocator`): a block freed and asked
+for again is served without page faults, where glibc's own thresholds fault it back in; a C library
+other than glibc is left alone, and says so. Each check runs in a fresh interpreter: the setting holds
+for the rest of a process, and pytest's own must keep the C library's behaviour."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from slackswap.profile import host_allocator
+from slackswap.profile.host_allocator import SYSTEM_DEFAULT_ALLOCATOR
+
+#: In a fresh interpreter: malloc 8 MiB, write every page, free it, malloc it again and write it again;
+#: prints the minor faults of the second write (one per 4 KiB page the kernel hands over afresh).
+_REFAULT = """
+import ctypes, resource, sys
+from slackswap.profile.host_allocator import host_allocator_label, keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory().applied
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size = 8 * 1024 * 1024
+block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+block = libc.malloc(size); ctypes.memset(block, 2, size)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, host_allocator_label())
+"""
+
+PAGES = 8 * 1024 * 1024 // 4096
+
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+
+
+def _refaults(mode: str) -> tuple[int, str]:
+    out = subprocess.run([sys.executable, "-c", _REFAULT, mode], capture_output=True, text=True, check=True)
+    faults, label = out.stdout.split(" ", 1)
+    return int(faults), label.strip()
+
+
+@glibc_only
+def test_a_freed_block_asked_for_again_takes_no_page_faults_when_kept() -> None:
+    kept, label = _refaults("keep")
+    assert kept < PAGES // 10, f"{kept} faults of {PAGES} pages with freed memory kept"
+    assert label.startswith("glibc ") and "freed memory kept" in label
+
+
+@glibc_only
+def test_glibcs_own_thresholds_fault_the_block_back_in() -> None:
+    # The case the setting exists for: the first 8 MiB block is mapped (over glibc's 128 KiB start
+    # threshold) and unmapped when freed, so the second comes from pages the kernel hands over afresh.
+    default, label = _refaults("system")
+    assert default > PAGES // 2, f"only {default} faults of {PAGES} pages with glibc's defaults"
+    assert label == SYSTEM_DEFAULT_ALLOCATOR
+
+
+def test_another_c_library_is_left_alone_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("", ""))
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    setting = host_allocator.keep_freed_memory()
+    assert not setting.applied and "not glibc" in setting.detail
+    assert host_allocator.host_allocator_label() == SYSTEM_DEFAULT_ALLOCATOR
+
+
+class _RefusingLibc:
+    """A C library whose mallopt takes one parameter and refuses the other (glibc 2.36 takes any int)."""
+
+    def __init__(self, refused: int):
+        self.refused, self.calls = refused, []
+
+    def mallopt(self, parameter: int, value: int) -> int:
+        self.calls.append((parameter, value))
+        return 0 if parameter == self.refused else 1
+
+
+@pytest.mark.parametrize(("refused", "said"), [
+    (host_allocator.M_MMAP_THRESHOLD, "refused mallopt(M_MMAP_THRESHOLD, v) for v in (2147483647, 33554432)"),
+    (host_allocator.M_TRIM_THRESHOLD, "refused mallopt(M_TRIM_THRESHOLD, 2147483647): freed memory not kept"),
+])
+def test_a_value_the_c_library_refuses_is_reported_not_kept(monkeypatch: pytest.MonkeyPatch, refused: int,
+                                                            said: str) -> None:
+    libc = _RefusingLibc(refused)
+    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
+    monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    setting = host_allocator.keep_freed_memory()
+    assert not setting.applied and said in setting.detail
+    assert host_allocator.host_allocator_label() == SYSTEM_DEFAULT_ALLOCATOR
+    if refused == host_allocator.M_MMAP_THRESHOLD:  # the largest value first, then glibc's documented largest
+        assert [v for _, v in libc.calls] == [2**31 - 1, 32 * 1024 * 1024]
+
+
+def test_kept_once_it_stays_kept_without_asking_the_library_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _RefusingLibc(refused=0)
+    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
+    monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    first = host_allocator.keep_freed_memory()
+    assert first.applied and host_allocator.host_allocator_label() == first.detail
+    assert host_allocator.keep_freed_memory() is first and len(libc.calls) == 2
