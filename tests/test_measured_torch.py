@@ -479,12 +479,18 @@ def test_the_table_calibrate_caches_is_one_a_training_run_reuses(tmp_path):
     # pipelines.calibrate caches its op-time table with the ops' replay times, as a measured training run
     # does: a later `pipelines.train ... profile.timing=measured` on the same cache reads it, not measures it.
     import json
+    import platform
 
     from pipelines.calibrate import main
+    from slackswap.profile.host_allocator import host_allocator_label
     from slackswap.profile.measured import OpTimeTable, replay_refusal
 
     assert main(["model=tiny_torch", f"profile.cache_dir={tmp_path}", "--out", str(tmp_path / "fitted.yaml")]) == 0
     (cached,) = tmp_path.glob("*.json")
     table = OpTimeTable.from_dict(json.loads(cached.read_text()))
     assert table.replay_times and replay_refusal(table) is None
+    # Measured as a training run measures: with freed host memory kept (train.yaml), keyed so, said in the YAML.
+    assert table.key.host_allocator == host_allocator_label()
+    assert "freed memory kept" in table.key.host_allocator or platform.libc_ver()[0] != "glibc"
+    assert f"host allocator: {table.key.host_allocator}" in (tmp_path / "fitted.yaml").read_text()
 

@@ -20,6 +20,7 @@ from typing import Any
 from slackswap.experiment.training_run import TrainingRunSpec
 from slackswap.graph import Graph
 from slackswap.profile.fit import FitReport, fit_preset, preset_yaml
+from slackswap.profile.host_allocator import keep_freed_memory
 from slackswap.profile.measured import OpTimeTable
 
 
@@ -41,6 +42,8 @@ def calibrate(spec: TrainingRunSpec, base_preset: Mapping[str, Any], holdout_eve
     from slackswap.runtime.op_times import cached_op_times
     from slackswap.runtime.training_workload import build_training_workload
 
+    if spec.keep_freed_host_memory:  # as a training run does, so that the two share one cached table
+        keep_freed_memory()
     w = build_training_workload(spec.model, spec.torch_spec, spec.device, spec.seed)
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, spec.hardware, f"{spec.model.name}@{spec.hardware.name}")
     # With the ops' replay times and the tensors' copy times, as a measured training run caches its table:
@@ -58,7 +61,7 @@ def calibrate(spec: TrainingRunSpec, base_preset: Mapping[str, Any], holdout_eve
         f"model {spec.model.name}: micro-batch {spec.model.micro_batch_size}, seq {spec.model.seq_len}, "
         f"{spec.model.dtype}; graph {graph.fingerprint}, op-time table {table.key.digest()} "
         f"({table.repeats} repeats after {table.warmup} warm-up)",
-        f"versions: {versions}",
+        f"versions: {versions}; host allocator: {table.key.host_allocator}",
         "peaks are the base preset's datasheet figures; only efficiencies and launch_overhead_s are fitted",
     ]
     return Calibration(report, table, graph, preset_yaml(report, base_preset, provenance), cached)
