@@ -72,7 +72,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         #: Every step under the dispatch modes (else only the first, and after a refusal).
         self.verify = verify
         self.recording: Recording | None = None
-        #: Built at the first hook-only step, from the recording (`eager.program`).
+        #: Built as the verified step exits, from its recording (`eager.program`).
         self._program: HookProgram | None = None
         check_identity(graph, model)
         self.plan, self.graph, self.model = plan, graph, model
