@@ -83,6 +83,13 @@ class Plan:
     def tensors_with(self, decision: Decision) -> tuple[str, ...]:
         return tuple(t for t, d in self.decisions.items() if d == decision)
 
+    @property
+    def idle(self) -> bool:
+        """The plan keeps every tensor and moves none: no step of it needs a hook (the runtime runs it
+        as a plain step; a prediction charges it none of the hooks' costs)."""
+        return (not (self.offloads or self.prefetches) and all(s.kind != StepKind.RECOMPUTE for s in self.steps)
+                and all(d == Decision.KEEP for d in self.decisions.values()))
+
     def schedule_key(self) -> tuple:
         """What of the plan the runtime executor reads (decisions, steps, transfers, graph): two plans
         equal in it run the same step, whichever planner made them and whatever notes they carry, so a

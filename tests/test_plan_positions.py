@@ -8,6 +8,8 @@ Link 100 B/s per direction, so a 100-byte copy takes 1 s."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from slackswap.node import Node, pinned_reason
 from slackswap.plan import Decision, Direction, Plan, Transfer
 from slackswap.schedule.positions import plan_positions
@@ -48,7 +50,7 @@ def test_two_swaps_hold_their_host_copies_from_offload_to_last_prefetch_step_by_
     # a's run copy goes after step 1 (F2 reads it; its offload issued after step 0), b's after step 2.
     released = {s.copy_tensor[c] + "/" + s.copy_source[c]: j for j, cs in p.release_after.items() for c in cs}
     assert released == {"a/run": 1, "b/run": 2, "b/prefetch": 4, "a/prefetch": 5}
-    assert not p.idle and p.action_steps == (0, 1, 2, 3, 4, 5)
+    assert not plan.idle and p.action_steps == (0, 1, 2, 3, 4, 5)
 
 
 def test_the_simulator_holds_host_copies_from_offload_start_to_the_freeing_prefetchs_end() -> None:
@@ -76,7 +78,7 @@ def test_keep_all_holds_no_host_bytes_and_is_idle() -> None:
     g = three_layer_graph()
     plan = _swap(g, {}, {})
     p = plan_positions(plan, resolve_schedule(g, plan))
-    assert p.idle and p.host_peak_bytes == 0 and p.held_copies == frozenset()
+    assert plan.idle and p.host_peak_bytes == 0 and p.held_copies == frozenset()
     assert simulate(g, plan, HW, None).host_peak_bytes == 0
 
 
@@ -138,3 +140,11 @@ def test_the_runtime_measures_the_host_bytes_the_record_and_the_simulator_give()
     pool.reserve(sizes)
     slab = pool.get(0, sizes[0]).untyped_storage().nbytes()
     assert slab == positions.pinned_slab_bytes == fast.host_pinned_bytes > positions.host_peak_bytes
+
+
+def test_a_plan_that_recomputes_or_moves_anything_is_not_idle() -> None:
+    g = three_layer_graph()
+    keep = _swap(g, {}, {})
+    recompute = replace(keep, decisions={**keep.decisions, "a": Decision.RECOMPUTE})
+    swap = _swap(g, {"a": 0}, {"a": 2})
+    assert keep.idle and not recompute.idle and not swap.idle

@@ -114,10 +114,8 @@ def runtime_host_counts(graph: Graph, plan: Plan, replay_times: Mapping[str, flo
     recompute step of an op that has one is counted apart with its replay time less the op's duration on
     `graph` (module docstring)."""
     steps = [s for s in plan.steps if s.kind == StepKind.RECOMPUTE]
-    idle = not (steps or plan.offloads or plan.prefetches) and all(d == Decision.KEEP
-                                                                    for d in plan.decisions.values())
     events = int(graph.meta.get("saved_tensor_packs", 0)) + int(graph.meta.get("saved_tensor_unpacks", 0))
-    if idle:
+    if plan.idle:
         return RuntimeHostCounts(0, 0, 0, profile_hook_events=events)
     ops = graph.ops
     index = {op.name: k for k, op in enumerate(ops)}

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from slackswap.plan import Decision, Plan, StepKind
+from slackswap.plan import Plan, StepKind
 from slackswap.schedule.copies import ResolvedSchedule
 
 #: Each offload's pinned buffer starts at a multiple of this in the runtime's slab, so any dtype can
@@ -160,13 +160,6 @@ class PlanPositions:
         """The steps at whose end the plan acts (a recompute, a transfer issued after it, a release), in order."""
         return tuple(sorted(self.recompute_steps | set(self.release_after)
                             | {j for j in range(self.n_steps) if self.transfers_after(j)}))
-
-    @cached_property
-    def idle(self) -> bool:
-        """The plan keeps every tensor and moves none: no step of it needs a hook."""
-        plan = self.plan
-        return not (self.recompute_steps or plan.offloads or plan.prefetches) and all(
-            d == Decision.KEEP for d in plan.decisions.values())
 
 
 def plan_positions(plan: Plan, schedule: ResolvedSchedule) -> PlanPositions:

@@ -97,7 +97,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         #: Per copy: its source, read on every swapped or recomputed unpack.
         self.copy_source = self.schedule.copy_source
         #: The plan keeps every tensor and moves none: a hook-only step has nothing to do.
-        self.idle = positions.idle
+        self.idle = plan.idle
 
     def _default_copies(self) -> object:
         """CUDA streams with one pinned slab sized from the plan's offloads on a GPU; inline CPU copies."""
