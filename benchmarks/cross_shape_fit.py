@@ -31,16 +31,6 @@ from benchmarks.common import machine, save_result  # noqa: E402
 TARGET = 0.15
 
 
-def _roofline_sum_s(graph, hardware, dtype: str) -> float:
-    """B's keep-all step on `hardware`: every op timed by the roofline, one after another (the CPU's
-    synchronous stream; keep_all makes no copies)."""
-    from slackswap.profile.fit import op_dtype
-    from slackswap.profile.timing import op_duration_s
-
-    return sum(op_duration_s(op.flops, op.moved_bytes, op.op_class, op_dtype(graph, op, dtype), hardware)
-               for op in graph.ops)
-
-
 def cross_shape_round(model, other, spec, hardware, device: str = "cpu", clock: str = "wall",
                       step_clock=time.perf_counter) -> dict:
     """One round: `model`'s op times (the fit's shape, A) and `other`'s (B) measured on `clock`, each
@@ -49,7 +39,7 @@ def cross_shape_round(model, other, spec, hardware, device: str = "cpu", clock: 
     step and training steps (`vs_*`: predicted over measured, minus 1). `benchmarks/measured_profile.py`
     runs three for its cross-shape row."""
     from slackswap.planners.registry import get_planner
-    from slackswap.profile.fit import fit_preset
+    from slackswap.profile.fit import fit_preset, roofline_step_s
     from slackswap.runtime import capture_graph
     from slackswap.runtime.op_times import measure_op_times
     from slackswap.runtime.train import train_steps
@@ -71,7 +61,7 @@ def cross_shape_round(model, other, spec, hardware, device: str = "cpu", clock: 
            "a_op_sum_s": a["op_sum_s"], "holdout_median_rel_error": report.holdout_median_rel_error,
            "load": round(os.getloadavg()[0], 2)}
     for fit, preset in (("every_op", report.hardware), ("check_fit", report.check_hardware)):
-        predicted = _roofline_sum_s(b["graph"], preset, b["dtype"])
+        predicted = roofline_step_s(b["graph"], preset, b["dtype"])
         row[fit] = {"predicted_s": predicted, "hbm_efficiency": preset.hbm_efficiency,
                     "launch_overhead_s": preset.launch_overhead_s,
                     "half_performance_flops": dict(preset.half_performance_flops),

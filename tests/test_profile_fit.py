@@ -65,6 +65,28 @@ def test_the_fit_recovers_the_efficiencies_that_made_the_times():
     assert text.startswith("# fitted in a test") and "fit on all 30 ops" in text and "without 6 of them" in text
 
 
+def test_the_fitted_preset_times_the_keep_all_step_it_was_fitted_on():
+    """`roofline_step_s`, what the cross-shape benchmark predicts a shape's keep-all step with: on the
+    preset that made the op times it is their sum, on a preset twice as fast at GEMMs it is less by half of
+    the matmuls' share."""
+    from dataclasses import replace as dc_replace
+
+    from slackswap.graph import OpClass
+    from slackswap.hardware import load_preset
+    from slackswap.profile.fit import roofline_step_s
+    from slackswap.profile.timing import op_duration_s
+
+    base = load_preset("h200_sxm_pcie5")
+    truth = dc_replace(base, efficiency={"matmul": 0.02, "attention": 0.005, "elementwise": 1.0},
+                       hbm_efficiency=0.01, launch_overhead_s=0.0)
+    g = _roofline_graph()
+    times = {op.name: op_duration_s(op.flops, op.moved_bytes, op.op_class, "bf16", truth) for op in g.ops}
+    assert roofline_step_s(g, truth, "bf16") == pytest.approx(sum(times.values()), rel=1e-12)
+    faster = dc_replace(truth, efficiency={**truth.efficiency, "matmul": 0.04})
+    matmuls = sum(times[op.name] for op in g.ops if op.op_class == OpClass.MATMUL)
+    assert roofline_step_s(g, faster, "bf16") == pytest.approx(sum(times.values()) - matmuls / 2, rel=1e-12)
+
+
 def test_the_preset_is_fitted_on_every_op_and_the_check_fit_on_the_rest():
     """The ops the check fit leaves out still shape the preset: where they alone run slower than the
     roofline that made the others, the preset's sum over every op matches the measured sum, while the

@@ -120,6 +120,12 @@ def _predict(ops: Sequence[tuple[Op, str]], hardware: Hardware) -> np.ndarray:
     return np.array([op_duration_s(op.flops, op.moved_bytes, op.op_class, dtype, hardware) for op, dtype in ops])
 
 
+def roofline_step_s(graph: Graph, hardware: Hardware, default_dtype: str) -> float:
+    """Every op of `graph` timed by the roofline on `hardware` as the fit times it (`op_dtype`), one after
+    another: a keep-all step on a synchronous device (the CPU's one stream; keep-all makes no copies)."""
+    return float(_predict([(op, op_dtype(graph, op, default_dtype)) for op in graph.ops], hardware).sum())
+
+
 def fit_preset(graph: Graph, measured_s: Mapping[str, float], hardware: Hardware, default_dtype: str,
                holdout_every: int = 5, name: str | None = None) -> FitReport:
     """`hardware` with the efficiencies and launch overhead that best time `graph`'s ops as measured,
