@@ -77,21 +77,27 @@ class _RefusingLibc:
         return 0 if parameter == self.refused else 1
 
 
-@pytest.mark.parametrize(("refused", "said"), [
-    (host_allocator.M_MMAP_THRESHOLD, "refused mallopt(M_MMAP_THRESHOLD, v) for v in (2147483647, 33554432)"),
-    (host_allocator.M_TRIM_THRESHOLD, "refused mallopt(M_TRIM_THRESHOLD, 2147483647): freed memory not kept"),
-])
-def test_a_value_the_c_library_refuses_is_reported_not_kept(monkeypatch: pytest.MonkeyPatch, refused: int,
-                                                            said: str) -> None:
-    libc = _RefusingLibc(refused)
+def test_a_trim_threshold_the_c_library_refuses_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _RefusingLibc(host_allocator.M_TRIM_THRESHOLD)
     monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
     monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
     monkeypatch.setattr(host_allocator, "_applied", None)
     setting = host_allocator.keep_freed_memory()
-    assert not setting.applied and said in setting.detail
+    assert not setting.applied and "refused mallopt(M_TRIM_THRESHOLD, 2147483647)" in setting.detail
+    assert libc.calls == [(host_allocator.M_TRIM_THRESHOLD, 2**31 - 1)]  # no other threshold touched
     assert host_allocator.host_allocator_label() == SYSTEM_DEFAULT_ALLOCATOR
-    if refused == host_allocator.M_MMAP_THRESHOLD:  # the largest value first, then glibc's documented largest
-        assert [v for _, v in libc.calls] == [2**31 - 1, 32 * 1024 * 1024]
+
+
+def test_an_mmap_threshold_refused_leaves_the_trim_threshold_set_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _RefusingLibc(host_allocator.M_MMAP_THRESHOLD)
+    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
+    monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    setting = host_allocator.keep_freed_memory()
+    assert not setting.applied and "refused for v in (2147483647, 33554432)" in setting.detail
+    # The largest value first, then glibc's documented largest; what did change is the process's label.
+    assert [v for p, v in libc.calls if p == host_allocator.M_MMAP_THRESHOLD] == [2**31 - 1, 32 * 1024 * 1024]
+    assert host_allocator.host_allocator_label() == setting.detail != SYSTEM_DEFAULT_ALLOCATOR
 
 
 def test_kept_once_it_stays_kept_without_asking_the_library_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,7 +60,8 @@ _applied: HostAllocatorSetting | None = None
 
 def keep_freed_memory() -> HostAllocatorSetting:
     """Set glibc's trim and mmap thresholds so that freed memory stays in the process (module docstring);
-    idempotent. On another C library, or when glibc refuses a value, nothing is kept and `detail` says why."""
+    idempotent. On another C library, or when glibc refuses the trim threshold, nothing is changed; when it
+    refuses every mmap threshold, only the trim threshold is; `detail` says which."""
     global _applied
     if _applied is not None:
         return _applied
@@ -69,20 +70,21 @@ def keep_freed_memory() -> HostAllocatorSetting:
         return HostAllocatorSetting(False, f"the C library is {library or 'not identified'}, not glibc: "
                                            "the host allocator left as it is")
     libc = ctypes.CDLL("libc.so.6")
-    mmap = next((v for v in KEPT_MMAP_THRESHOLDS_BYTES if libc.mallopt(M_MMAP_THRESHOLD, v) == 1), None)
-    if mmap is None:
-        return HostAllocatorSetting(False, f"glibc {version} refused mallopt(M_MMAP_THRESHOLD, v) for v in "
-                                           f"{KEPT_MMAP_THRESHOLDS_BYTES}: the host allocator left as it is")
     if libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD_BYTES) != 1:
         return HostAllocatorSetting(False, f"glibc {version} refused mallopt(M_TRIM_THRESHOLD, "
-                                           f"{KEPT_TRIM_THRESHOLD_BYTES}): freed memory not kept (M_MMAP_THRESHOLD "
-                                           f"{mmap} set)")
+                                           f"{KEPT_TRIM_THRESHOLD_BYTES}): the host allocator left as it is")
+    mmap_threshold = next((v for v in KEPT_MMAP_THRESHOLDS_BYTES if libc.mallopt(M_MMAP_THRESHOLD, v) == 1), None)
+    if mmap_threshold is None:  # the trim threshold is set: what the process now runs, and a key must say
+        _applied = HostAllocatorSetting(False, f"glibc {version}, M_TRIM_THRESHOLD {KEPT_TRIM_THRESHOLD_BYTES} "
+                                               f"set but mallopt(M_MMAP_THRESHOLD, v) refused for v in "
+                                               f"{KEPT_MMAP_THRESHOLDS_BYTES}: large blocks still mapped afresh")
+        return _applied
     _applied = HostAllocatorSetting(True, f"glibc {version}, freed memory kept (M_TRIM_THRESHOLD "
-                                          f"{KEPT_TRIM_THRESHOLD_BYTES}, M_MMAP_THRESHOLD {mmap})")
+                                          f"{KEPT_TRIM_THRESHOLD_BYTES}, M_MMAP_THRESHOLD {mmap_threshold})")
     return _applied
 
 
 def host_allocator_label() -> str:
     """How this process's host allocator runs, for a measurement's key: `keep_freed_memory`'s detail once
-    it took effect, else `SYSTEM_DEFAULT_ALLOCATOR`."""
+    it changed a threshold, else `SYSTEM_DEFAULT_ALLOCATOR`."""
     return _applied.detail if _applied is not None else SYSTEM_DEFAULT_ALLOCATOR
