@@ -66,6 +66,13 @@ def test_another_c_library_is_left_alone_and_says_so(monkeypatch: pytest.MonkeyP
     assert host_allocator.host_allocator_label() == SYSTEM_DEFAULT_ALLOCATOR
 
 
+def _as_glibc(monkeypatch: pytest.MonkeyPatch, libc: object) -> None:
+    """This test's process as a glibc 2.99 whose library is `libc`, with no setting made yet."""
+    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
+    monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
+    monkeypatch.setattr(host_allocator, "_applied", None)
+
+
 class _RefusingLibc:
     """A C library whose mallopt takes one parameter and refuses the other (glibc 2.36 takes any int)."""
 
@@ -79,9 +86,7 @@ class _RefusingLibc:
 
 def test_a_trim_threshold_the_c_library_refuses_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     libc = _RefusingLibc(host_allocator.M_TRIM_THRESHOLD)
-    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
-    monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
-    monkeypatch.setattr(host_allocator, "_applied", None)
+    _as_glibc(monkeypatch, libc)
     setting = host_allocator.keep_freed_memory()
     assert not setting.applied and "refused mallopt(M_TRIM_THRESHOLD, 2147483647)" in setting.detail
     assert libc.calls == [(host_allocator.M_TRIM_THRESHOLD, 2**31 - 1)]  # no other threshold touched
@@ -90,9 +95,7 @@ def test_a_trim_threshold_the_c_library_refuses_changes_nothing(monkeypatch: pyt
 
 def test_an_mmap_threshold_refused_leaves_the_trim_threshold_set_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     libc = _RefusingLibc(host_allocator.M_MMAP_THRESHOLD)
-    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
-    monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
-    monkeypatch.setattr(host_allocator, "_applied", None)
+    _as_glibc(monkeypatch, libc)
     setting = host_allocator.keep_freed_memory()
     assert not setting.applied and "refused for v in (2147483647, 33554432)" in setting.detail
     # The largest value first, then glibc's documented largest; what did change is the process's label.
@@ -102,9 +105,7 @@ def test_an_mmap_threshold_refused_leaves_the_trim_threshold_set_and_says_so(mon
 
 def test_kept_once_it_stays_kept_without_asking_the_library_again(monkeypatch: pytest.MonkeyPatch) -> None:
     libc = _RefusingLibc(refused=0)
-    monkeypatch.setattr(host_allocator.platform, "libc_ver", lambda: ("glibc", "2.99"))
-    monkeypatch.setattr(host_allocator.ctypes, "CDLL", lambda name: libc)
-    monkeypatch.setattr(host_allocator, "_applied", None)
+    _as_glibc(monkeypatch, libc)
     first = host_allocator.keep_freed_memory()
     assert first.applied and host_allocator.host_allocator_label() == first.detail
     assert host_allocator.keep_freed_memory() is first and len(libc.calls) == 2
