@@ -73,3 +73,21 @@ def test_a_count_below_one_is_one_line_before_anything_runs(monkeypatch, argv, s
     with pytest.raises(SystemExit) as caught:
         measured_profile.main()
     assert str(caught.value) == says
+
+
+@pytest.mark.parametrize("argv, kept, saved", [([], True, "measured_profile.json"),
+                                               (["--system-allocator"], False,
+                                                "measured_profile_system_allocator.json")])
+def test_freed_host_memory_is_kept_unless_asked_and_a_run_without_saves_apart(monkeypatch, argv, kept, saved):
+    from benchmarks import measured_profile
+    from slackswap.profile import host_allocator
+
+    calls, names = [], []
+    monkeypatch.setattr(host_allocator, "keep_freed_memory",
+                        lambda: calls.append(1) or host_allocator.HostAllocatorSetting(True, "kept (stand-in)"))
+    monkeypatch.setattr(measured_profile, "run", lambda *a, **k: {"rows": []})
+    monkeypatch.setattr(measured_profile, "across_runs", lambda results: {})
+    monkeypatch.setattr(measured_profile, "save_result", lambda name, result: names.append(name) or name)
+    monkeypatch.setattr("sys.argv", ["measured_profile.py", *argv])
+    measured_profile.main()
+    assert (bool(calls), names) == (kept, [saved])  # the record is never written by a run without it
