@@ -109,3 +109,22 @@ def test_kept_once_it_stays_kept_without_asking_the_library_again(monkeypatch: p
     first = host_allocator.keep_freed_memory()
     assert first.applied and host_allocator.host_allocator_label() == first.detail
     assert host_allocator.keep_freed_memory() is first and len(libc.calls) == 2
+
+
+def test_a_machine_description_is_cached_apart_once_freed_memory_is_kept(monkeypatch, tmp_path) -> None:
+    # A CPU prefetch is a clone into a fresh block: its measured time depends on how the allocator runs.
+    from tests.extras import require_torch_extra
+
+    require_torch_extra("torch")
+    from slackswap.profile.torch import links
+
+    monkeypatch.setattr(host_allocator, "_applied", None)
+    plain = links.machine_cache_path(tmp_path, "cpu")
+    assert "-alloc" not in plain.name
+    assert links.measurement_description(links.measure_links("cpu", 16 * 1024, 1), "cpu")["host_allocator"] == (
+        SYSTEM_DEFAULT_ALLOCATOR)
+    monkeypatch.setattr(host_allocator, "_applied", host_allocator.HostAllocatorSetting(True, "kept, as set"))
+    kept = links.machine_cache_path(tmp_path, "cpu")
+    assert kept != plain and kept.name.startswith(plain.stem + "-alloc")
+    assert links.measurement_description(links.measure_links("cpu", 16 * 1024, 1), "cpu")["host_allocator"] == (
+        "kept, as set")

@@ -21,6 +21,7 @@ loaded machine, or a file that cannot be used, is measured again, and the new on
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from slackswap.profile.host_allocator import SYSTEM_DEFAULT_ALLOCATOR, host_allocator_label
 
 KIB = 1024
 #: Copy sizes: 4 KiB to 1 GiB by powers of 4 (the issue's range); callers cap the top (`max_bytes`).
@@ -167,6 +170,7 @@ def measurement_description(m: LinkMeasurement, name: str) -> dict:
         name, m.device, m.same_memory, [asdict(r) for r in m.rows], m.pin_rows, m.skipped,
         source=f"measured by slackswap.profile.torch.links on {m.device}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
     description["versions"] = package_versions(("torch",))
+    description["host_allocator"] = host_allocator_label()
     # The load it was measured at: a cached description measured under load is measured again.
     description["notes"] = measured_load()
     return description
@@ -174,12 +178,17 @@ def measurement_description(m: LinkMeasurement, name: str) -> dict:
 
 def machine_cache_path(cache_dir: str | Path, device: str) -> Path:
     """Where a run caches the description of `device`'s links: one file per device, torch's intra-op
-    thread count (a CPU copy past torch's parallel-copy grain runs on that many threads) and versions."""
+    thread count (a CPU copy past torch's parallel-copy grain runs on that many threads), versions and,
+    once this process keeps freed host memory (`slackswap.profile.host_allocator`), a digest of how: a
+    CPU prefetch is a `clone` into a fresh block, which glibc's own thresholds serve from fresh pages."""
     from slackswap.versions import package_versions
 
     tag = "-".join(f"{k}{v}" for k, v in sorted(package_versions(("torch",)).items()))
+    allocator = host_allocator_label()
+    digest = hashlib.sha256(allocator.encode()).hexdigest()[:8]
+    kept = "" if allocator == SYSTEM_DEFAULT_ALLOCATOR else f"-alloc{digest}"
     return Path(cache_dir) / (f"machine-{device.replace(':', '_')}-threads{torch.get_num_threads()}-"
-                              f"{tag.replace('/', '_').replace(' ', '_')}.json")
+                              f"{tag.replace('/', '_').replace(' ', '_')}{kept}.json")
 
 
 def cached_machine_description(device: str, cache_dir: str | Path | None, max_bytes: int,
