@@ -1,4 +1,5 @@
-"""`python -m pipelines.measure_links --out machine.yaml [--device cpu|cuda] [--max-mib 256] [--repeats 5]`.
+"""`python -m pipelines.measure_links --out machine.yaml [--device cpu|cuda] [--max-mib 256] [--repeats 5]
+[--system-allocator]`.
 
 Measures this machine's host <-> device copies (`slackswap.profile.torch.links`: bandwidth and
 per-copy latency of each direction, pinned and pageable, one direction and both at once, sizes from
@@ -7,7 +8,10 @@ per-copy latency of each direction, pinned and pageable, one direction and both 
 fields, the node's duplex fractions and pin cost, every row measured. On the CPU the device and the
 host are the same memory: the file says so (`synchronous: true`) and has no pinned rows. The default
 cap, 256 MiB, keeps three buffers of the largest size well inside a 24 GB machine's memory; 1024 reaches
-the issue's 1 GiB where memory allows. Bad input: one line, exit 2.
+the issue's 1 GiB where memory allows. The process keeps freed host memory first, as the runs that load
+the file do (`slackswap.profile.host_allocator`: a CPU prefetch is a clone into a fresh block, which the C
+library's own thresholds serve from fresh pages); `--system-allocator` leaves the C library's behaviour.
+The file records which (`host_allocator`). Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--system-allocator", action="store_true",
+                        help="leave the host allocator as the C library sets it up (default: freed memory kept)")
     args = parser.parse_args(argv)
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         print(f"error: --device={args.device!r}: must be cpu, cuda or cuda:<index>", file=sys.stderr)
@@ -37,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import yaml
 
+    from slackswap.profile.host_allocator import host_allocator_label, keep_freed_memory
     from slackswap.profile.measured import MeasurementError
     from slackswap.profile.torch.links import measure_links, measurement_description
 
+    print(f"[links] host allocator: {host_allocator_label() if args.system_allocator else keep_freed_memory().detail}")
     try:
         m = measure_links(args.device, args.max_mib * 1024**2, args.repeats)
     except MeasurementError as exc:

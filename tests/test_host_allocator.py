@@ -128,3 +128,27 @@ def test_a_machine_description_is_cached_apart_once_freed_memory_is_kept(monkeyp
     assert kept != plain and kept.name.startswith(plain.stem + "-alloc")
     assert links.measurement_description(links.measure_links("cpu", 16 * 1024, 1), "cpu")["host_allocator"] == (
         "kept, as set")
+
+
+@pytest.mark.parametrize("argv, kept", [([], True), (["--system-allocator"], False)])
+def test_measure_links_keeps_freed_memory_unless_told_and_the_file_says_so(monkeypatch, tmp_path, capsys, argv,
+                                                                         kept) -> None:
+    from tests.extras import require_torch_extra
+
+    require_torch_extra("torch")
+    import yaml
+
+    from pipelines.measure_links import main
+
+    monkeypatch.setattr(host_allocator, "_applied", None)
+
+    def keep() -> host_allocator.HostAllocatorSetting:  # a stand-in: pytest's own process stays as it is
+        host_allocator._applied = host_allocator.HostAllocatorSetting(True, "kept, as set")
+        return host_allocator._applied
+
+    monkeypatch.setattr(host_allocator, "keep_freed_memory", keep)
+    out = tmp_path / "machine.yaml"
+    assert main(["--out", str(out), "--max-mib", "1", "--repeats", "1", *argv]) == 0
+    said = "kept, as set" if kept else SYSTEM_DEFAULT_ALLOCATOR
+    assert f"[links] host allocator: {said}" in capsys.readouterr().out
+    assert yaml.safe_load(out.read_text())["host_allocator"] == said
