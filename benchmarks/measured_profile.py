@@ -460,10 +460,9 @@ def main() -> None:
     if args.clock == "process" and (args.threads != 1 or args.device != "cpu"):
         raise SystemExit("error: --clock=process: needs --threads 1 on the CPU (CPU time of several threads "
                          "or of a GPU's work is not a step's time)")
-    if not args.system_allocator:
-        from slackswap.profile.host_allocator import keep_freed_memory
+    from slackswap.profile.host_allocator import host_allocator
 
-        print(f"[host allocator] {keep_freed_memory().detail}", flush=True)
+    print(f"[host allocator] {host_allocator(not args.system_allocator)}", flush=True)
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"error: --threads={args.threads}: must be >= 1")

@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import yaml
 
-    from slackswap.profile.host_allocator import host_allocator_label, keep_freed_memory
+    from slackswap.profile.host_allocator import host_allocator
     from slackswap.profile.measured import MeasurementError
     from slackswap.profile.torch.links import measure_links, measurement_description
 
-    print(f"[links] host allocator: {host_allocator_label() if args.system_allocator else keep_freed_memory().detail}")
+    print(f"[links] host allocator: {host_allocator(not args.system_allocator)}")
     try:
         m = measure_links(args.device, args.max_mib * 1024**2, args.repeats)
     except MeasurementError as exc:

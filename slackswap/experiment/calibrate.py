@@ -20,7 +20,7 @@ from typing import Any
 from slackswap.experiment.training_run import TrainingRunSpec
 from slackswap.graph import Graph
 from slackswap.profile.fit import FitReport, fit_preset, preset_yaml
-from slackswap.profile.host_allocator import keep_freed_memory
+from slackswap.profile.host_allocator import host_allocator
 from slackswap.profile.measured import OpTimeTable
 
 
@@ -42,8 +42,7 @@ def calibrate(spec: TrainingRunSpec, base_preset: Mapping[str, Any], holdout_eve
     from slackswap.runtime.op_times import cached_op_times
     from slackswap.runtime.training_workload import build_training_workload
 
-    if spec.keep_freed_host_memory:  # as a training run does, so that the two share one cached table
-        keep_freed_memory()
+    host_allocator(spec.keep_freed_host_memory)  # as a training run does: the two share one cached table
     w = build_training_workload(spec.model, spec.torch_spec, spec.device, spec.seed)
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, spec.hardware, f"{spec.model.name}@{spec.hardware.name}")
     # With the ops' replay times and the tensors' copy times, as a measured training run caches its table:

@@ -41,7 +41,7 @@ from slackswap.model_config import ModelConfig
 from slackswap.parallel import NO_PARALLELISM, ParallelConfig
 from slackswap.plan import Plan
 from slackswap.planners.base import Planner
-from slackswap.profile.host_allocator import host_allocator_label, keep_freed_memory
+from slackswap.profile.host_allocator import host_allocator
 from slackswap.profile.torch.spec import TorchSpec
 from slackswap.simulate.result import SimResult
 
@@ -198,7 +198,7 @@ def run_training(spec: TrainingRunSpec, progress: TrainingProgress | None = None
 
     progress = progress or TrainingProgress()
     hardware = spec.hardware
-    allocator = _host_allocator(spec.keep_freed_host_memory)  # before the model's first tensor
+    allocator = host_allocator(spec.keep_freed_host_memory)  # before the model's first tensor
     progress.building(spec)
     progress.host_allocator(allocator)
     w = build_training_workload(spec.model, spec.torch_spec, spec.device, spec.seed)
@@ -368,12 +368,6 @@ def _run_export(spec: TrainingRunSpec, w: Workload, graph: Graph, plan: Plan, fi
     if w.batch.device.type == "cuda":
         figures["measured_peak_bytes"] = max(r.measured_peak_bytes for r in records)
     return records
-
-
-def _host_allocator(keep_freed: bool) -> str:
-    """Keep freed host memory when asked; one line on how the host allocator runs either way (a process
-    that kept it earlier keeps it: glibc's thresholds cannot be read back or reset)."""
-    return keep_freed_memory().detail if keep_freed else host_allocator_label()
 
 
 def _median_step_s(records: list[StepRecord]) -> float:

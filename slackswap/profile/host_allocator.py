@@ -84,6 +84,14 @@ def keep_freed_memory() -> HostAllocatorSetting:
     return _applied
 
 
+def host_allocator(keep_freed: bool) -> str:
+    """Keep freed memory when asked (`keep_freed_memory`); one line on how the host allocator runs either
+    way, for a console and a record (a process that kept it earlier keeps it: glibc's thresholds cannot be
+    read back or reset). What every entry point with a `keep_freed_host_memory` setting or a
+    `--system-allocator` flag calls before it builds a model or measures a copy."""
+    return keep_freed_memory().detail if keep_freed else host_allocator_label()
+
+
 def host_allocator_label() -> str:
     """How this process's host allocator runs, for a measurement's key: `keep_freed_memory`'s detail once
     it changed a threshold, else `SYSTEM_DEFAULT_ALLOCATOR`."""

@@ -116,9 +116,10 @@ def measure_export_host_cost(shape: tuple[int, int] | None = None) -> ExportHost
     (`slackswap.runtime.export.dispatch_cost`), its blocks at `shape` (width, tokens: the model's, from
     `slackswap.experiment.measured_prediction.export_block_shape`; None: the microbenchmark's own), and the
     checkpoint's per region and per saved tensor (above)."""
-    from slackswap.runtime.export.dispatch_cost import measure_dispatch_cost
+    from slackswap.runtime.export.dispatch_cost import TOKENS, WIDTH, measure_dispatch_cost
 
-    dispatch = measure_dispatch_cost() if shape is None else measure_dispatch_cost(width=shape[0], tokens=shape[1])
+    width, tokens = shape or (WIDTH, TOKENS)
+    dispatch = measure_dispatch_cost(width=width, tokens=tokens)
     frames = measure_checkpoint_cost()
     return ExportHostCost(sac_per_call_s=dispatch.per_call_s, checkpoint_per_region_s=frames.per_region_s,
                           checkpoint_per_saved_s=frames.per_saved_s, source=f"{dispatch.source}; {frames.source}")
