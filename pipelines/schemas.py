@@ -124,6 +124,8 @@ class HardwareSchema:
     attention_kernels: dict[str, float] = field(default_factory=dict)
     # Compute lost per second of overlapped FSDP collective (slackswap.hardware.Hardware); 0 = none.
     collective_overlap_slowdown: float = 0.0
+    # GPU idle seconds per all-gather FSDP1's rate limiter holds (slackswap.hardware.Hardware); 0 = none.
+    rate_limited_all_gather_s: float = 0.0
     # Hockney's n_1/2 per op class in FLOPs (slackswap.hardware.Hardware); absent = the plain roofline.
     half_performance_flops: dict[str, float] = field(default_factory=dict)
 
@@ -219,6 +221,8 @@ class TrainingSchema:
     zero_shards: int = 1
     #: Transformer Engine-style FP8 copies of the transformer layers' linear inputs (docs/profile.md).
     fp8_linear_inputs: bool = False
+    #: fully_shard (FSDP2) or FullyShardedDataParallel (FSDP1 with its rate limiter; docs/advise.md).
+    fsdp_api: str = "fully_shard"
 
 
 @dataclass

@@ -50,6 +50,12 @@ Two models, each stated where it is used:
    difference. The exposed time is that minus P. DDP's 25 MB buckets are finer than a layer; taking
    layers as units overstates its exposed tail, a conservative choice.
 
+   FSDP1's rate limiter (`FullyShardedDataParallel(limit_all_gathers=True)`, its default) blocks the
+   CPU thread on a CUDA event before each all-gather of a strategy that frees the parameters after
+   forward (FULL_SHARD, HYBRID_SHARD), so the GPU idles while the thread resumes and launches again
+   (pytorch/pytorch#108234 measured 235 us of it; FSDP2's `fully_shard` waits stream on stream instead):
+   `rate_limited_all_gathers` per micro-batch, each at the preset's fitted `rate_limited_all_gather_s`.
+
    Not modelled, and said so in every advise row: SMs and HBM bandwidth that NCCL kernels take from
    compute (so overlapped communication is free here), DDP / ZeRO bucket buffers, tensor or pipeline
    parallelism, and gradient accumulation's `no_sync` (every micro-batch reduces, as FSDP does by
@@ -73,6 +79,16 @@ def not_modelled(collective_overlap_slowdown: float) -> str:
         return (f"compute slowed by overlapped collectives as one fitted rate ({collective_overlap_slowdown:g} s "
                 "per s, hardware.collective_overlap_slowdown), not per kernel (SM/HBM contention)")
     return "compute slowed by NCCL kernels (SM/HBM contention) not modelled; overlapped collectives are free"
+
+
+def rate_limited_all_gathers(fsdp_api: str, zero_stage: int, shards: int, units: int) -> int:
+    """All-gathers per micro-batch that FSDP1's rate limiter holds the CPU thread on (module docstring,
+    model 2): each unit's in forward and again in backward, where FullyShardedDataParallel shards at
+    stage 3 (FULL_SHARD, or HYBRID_SHARD with shards < GPUs; its rate limiter runs for the strategies
+    that free the parameters after forward); none under `fully_shard` or where nothing is sharded."""
+    if fsdp_api != "FullyShardedDataParallel" or zero_stage != 3 or shards == 1:
+        return 0
+    return 2 * units
 
 
 @dataclass(frozen=True)

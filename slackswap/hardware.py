@@ -90,6 +90,13 @@ class Hardware:
     #: 0 (every uncalibrated preset): free, as `slackswap.communication` assumed; the calibrated presets
     #: carry a fitted value (benchmarks/calibration.py, docs/hardware.md).
     collective_overlap_slowdown: float = 0.0
+    #: Seconds the GPU idles per all-gather that FSDP1's rate limiter holds the CPU thread on
+    #: (`FullyShardedDataParallel(limit_all_gathers=True)`: the thread waits on a CUDA event before each
+    #: all-gather, so the GPU runs dry while it resumes and launches again; 235 us of that gap measured
+    #: in pytorch/pytorch#108234). Charged per rate-limited all-gather
+    #: (`slackswap.communication.rate_limited_all_gathers`); 0 (every uncalibrated preset): none. The
+    #: calibrated presets carry a fitted value (benchmarks/calibration_fit.py, docs/hardware.md).
+    rate_limited_all_gather_s: float = 0.0
     #: Hockney's half-performance length per op class, in FLOPs (`n_1/2`: an op of F FLOPs runs at
     #: `efficiency[class] * F / (F + n_1/2)`; Hockney and Jesshope, *Parallel Computers 2*,
     #: 1988): a small GEMM reaches less of the peak than a large one, by a fixed cost that does not
@@ -128,6 +135,7 @@ class Hardware:
         check.fraction("hardware.hbm_efficiency", self.hbm_efficiency)
         check.non_negative("hardware.launch_overhead_s", self.launch_overhead_s)
         check.fraction("hardware.collective_overlap_slowdown", self.collective_overlap_slowdown, zero=True)
+        check.non_negative("hardware.rate_limited_all_gather_s", self.rate_limited_all_gather_s)
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
         object.__setattr__(self, "efficiency", MappingProxyType(dict(self.efficiency)))
         object.__setattr__(self, "attention_kernels", MappingProxyType(dict(self.attention_kernels or {})))

@@ -191,6 +191,30 @@ def test_a_slow_network_makes_a_communication_bound_region(tiny, a100):
     assert rows and all(r.bound == COMMUNICATION_BOUND and r.comm.fabric == "network" for r in rows)
 
 
+def test_fsdp1_pays_its_rate_limiters_stall_per_gather_and_micro_batch(tiny, a100):
+    """Under FullyShardedDataParallel each micro-batch of a sharded ZeRO-3 rank pays the preset's stall
+    per rate-limited all-gather (two per unit); fully_shard and an unsharded layout pay none; a preset
+    without the figure (0, every uncalibrated one) prices both APIs alike."""
+    from slackswap.communication import rate_limited_all_gathers
+    from slackswap.experiment.advise_step import layer_param_counts
+
+    stall = replace(a100, rate_limited_all_gather_s=1e-3)
+    fsdp1 = replace(MIXED, fsdp_api="FullyShardedDataParallel")
+    space = _space(gpus=(1, 8), micro_batches=(2,), zero_stages=(3,), grad_accum=3)
+
+    def rows(hw, recipe):
+        advice = run_search(tiny, hw, TOPO, replace(space, recipes={"r": recipe}), _graphs(tiny, hw))
+        return {(r.candidate.layout.gpus, r.candidate.layout.zero_shards): r for r in advice.rows}
+
+    two, one, plain = rows(stall, fsdp1), rows(stall, MIXED), rows(a100, fsdp1)
+    units = len(layer_param_counts(tiny))
+    gathers = rate_limited_all_gathers("FullyShardedDataParallel", 3, 8, units)
+    assert gathers == 2 * units
+    assert two[(8, 8)].step_s == pytest.approx(one[(8, 8)].step_s + 3 * gathers * 1e-3)
+    assert two[(1, 1)].step_s == pytest.approx(one[(1, 1)].step_s)
+    assert plain[(8, 8)].step_s == pytest.approx(rows(a100, MIXED)[(8, 8)].step_s)
+
+
 def test_pareto_front():
     pts = [(1.0, 10.0), (2.0, 5.0), (2.0, 12.0), (3.0, 11.0), (4.0, 20.0)]
     assert pareto_front(pts) == [0, 2, 4]

@@ -196,6 +196,8 @@ def test_bad_override_fails_at_compose_time_naming_it(override: str, error: type
         (["hardware=v100_pcie3", "model.dtype=bf16"], "model.dtype"),  # no bf16 tensor cores on a V100
         (["training.optimizer=lion"], "training.optimizer"),
         (["training.zero_shards=0"], "training.zero_shards"),
+        (["training.fsdp_api=fsdp3"], "training.fsdp_api"),
+        (["hardware.rate_limited_all_gather_s=-0.001"], "hardware.rate_limited_all_gather_s"),
         (["training=adamw_fp32"], "training.precision"),  # fp32 recipe on a bf16 model
         (["budget=device", "budget.reserve_bytes=-1"], "budget.reserve_bytes"),
         (["budget=device", "budget.fraction=0.5"], "budget"),

@@ -86,6 +86,8 @@ def test_bad_training_values_name_the_field():
         TrainingConfig(zero_shards=0)
     with pytest.raises(ConfigError, match="training.zero_stage"):
         TrainingConfig(zero_stage=4)
+    with pytest.raises(ConfigError, match=r"^training.fsdp_api='FSDP': unknown FSDP API; known: "):
+        TrainingConfig(fsdp_api="FSDP")
     with pytest.raises(ConfigError, match="training.precision"):
         static_memory(10, 1, TrainingConfig(precision="fp32"), "bf16")
     with pytest.raises(ConfigError, match="training"):

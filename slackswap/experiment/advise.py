@@ -36,7 +36,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from slackswap.communication import Topology, check_sharding, not_modelled, step_communication
+from slackswap.communication import (
+    Topology,
+    check_sharding,
+    not_modelled,
+    rate_limited_all_gathers,
+    step_communication,
+)
 from slackswap.errors import ConfigError, InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_node import (
@@ -185,6 +191,10 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     # and HBM bandwidth; `Hardware.collective_overlap_slowdown`, 0 on uncalibrated presets): a fixed cost
     # per micro-batch, so it ranks small micro-batches lower, as the published runs do.
     per_micro_exposed += comm.overlap_cost_s(rank_hw.collective_overlap_slowdown)
+    # FSDP1's rate limiter idles the GPU once per all-gather it holds the CPU thread on (0 under
+    # fully_shard and on uncalibrated presets): another fixed cost per micro-batch.
+    per_micro_exposed += rank_hw.rate_limited_all_gather_s * rate_limited_all_gathers(
+        training.fsdp_api, cand.layout.zero_stage, cand.layout.zero_shards, ctx.units)
     exposed = space.grad_accum * per_micro_exposed + comm.after_step_comm_s
     step_s = space.grad_accum * (micro_s + per_micro_exposed) + opt_s + comm.after_step_comm_s
     tokens = space.grad_accum * cand.micro_batch * model.seq_len

@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from slackswap.communication import expert_step_communication, not_modelled, step_communication
+from slackswap.communication import (
+    expert_step_communication,
+    not_modelled,
+    rate_limited_all_gathers,
+    step_communication,
+)
 from slackswap.errors import InfeasibleBudgetError
 from slackswap.experiment import throughput
 from slackswap.experiment.advise_layout_configs import (
@@ -160,9 +165,12 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     # The overlapped part costs compute on a calibrated preset, as in the data-parallel rows (advise.py).
     # ZeRO-3 gathers the parameters in every micro-batch's forward and backward (`step_communication`,
     # as the data-parallel rows price it); stages 0-2 reduce the gradients once, under the last backward.
+    # FSDP1's rate limiter idles the GPU once per all-gather it holds (`rate_limited_all_gathers`).
     per_micro = m if lay.zero_stage == 3 else 1
+    stalls = hw.rate_limited_all_gather_s * rate_limited_all_gathers(
+        cand.training.fsdp_api, lay.zero_stage, lay.zero_shards, model.num_layers // lay.pp + 1)
     dp_exposed = (per_micro * (dp_comm.forward_exposed_s + dp_comm.backward_exposed_s
-                               + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown))
+                               + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown) + stalls)
                   + dp_comm.after_step_comm_s)
     step_s = pipe.step_s + dp_exposed
     layout_s = m * sum(comms[s.index].exposed_s or 0.0 for s in first)

@@ -22,6 +22,12 @@ PRECISIONS: tuple[str, ...] = ("mixed", "pure16", "fp32")
 #: accumulation buffer (Megatron-LM's `main_grad`, `--accumulate-allreduce-grads-in-fp32`).
 GRAD_BUFFERS: tuple[str, ...] = ("param", "fp32")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+#: PyTorch's two FSDP APIs. fully_shard: FSDP2 (torch.distributed.fsdp.fully_shard; torchtitan), whose
+#: streams wait on each other. FullyShardedDataParallel: FSDP1 with its default limit_all_gathers=True
+#: (PyTorch >= 2.1, pytorch/pytorch#104900; Composer / llm-foundry, fms-fsdp, HF Accelerate), whose rate
+#: limiter blocks the CPU thread before an all-gather ("does not require blocking the CPU like in FSDP1's
+#: limit_all_gathers=True", the fully_shard docs).
+FSDP_APIS: tuple[str, ...] = ("fully_shard", "FullyShardedDataParallel")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class TrainingConfig:
     #: (they save the FP8 cast of the input for the weight-gradient GEMM; TE docs, "Using FP8 with
     #: Transformer Engine"). The analytic profile only (`slackswap.profile.layers`); off by default.
     fp8_linear_inputs: bool = False
+    #: Which FSDP API shards at stage 3 (`FSDP_APIS`): with FullyShardedDataParallel each all-gather its
+    #: rate limiter holds costs `Hardware.rate_limited_all_gather_s` (`slackswap.communication`).
+    fsdp_api: str = "fully_shard"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -57,6 +66,8 @@ class TrainingConfig:
         check.integer("training.zero_shards", self.zero_shards, 1)
         if not isinstance(self.fp8_linear_inputs, bool):
             raise ConfigError("training.fp8_linear_inputs", self.fp8_linear_inputs, "must be true or false")
+        if self.fsdp_api not in FSDP_APIS:
+            raise ConfigError("training.fsdp_api", self.fsdp_api, f"unknown FSDP API; known: {FSDP_APIS}")
 
     def check_model_dtype(self, model_dtype: str) -> None:
         """The recipe and the model's activation dtype must agree (fp32 recipe <=> fp32 model)."""
