@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.calibration_network import network_lines  # noqa: E402
 from benchmarks.calibration_rank import MicroCollectives, micro_collectives, rank_memory_share  # noqa: E402
 from benchmarks.calibration_rows import (  # noqa: E402
+    COMPOSER_FSDP_API,
     FOUNDRY_40GB_ROWS,
     FOUNDRY_README,
     FOUNDRY_ROWS,
@@ -128,6 +129,8 @@ class Measurement:
     #: From a source no fit saw (not llm-foundry, the FlashAttention-2 paper or DeepLearningExamples):
     #: counted apart in the summary as the independent check.
     independent: bool = False
+    #: The run's FSDP API (slackswap.memory.recipe.FSDP_APIS): FSDP1's rate limiter stalls each all-gather.
+    fsdp_api: str = "fully_shard"
 
 
 #: The node whose NVLink and network carry each GPU's FSDP collectives (conf/node/): both A100 tables'
@@ -157,7 +160,7 @@ def foundry_measurements() -> list[Measurement]:
                                float(tokens), held_out=held, shards=gpus, grad_accum=accum,
                                checkpointing=ckpt, sharding=sharding,
                                grad_reduce_bytes=4 if mp_mode == "DEFAULT" else 2,
-                               node=NODES[gpu]))
+                               node=NODES[gpu], fsdp_api=COMPOSER_FSDP_API))
     return out
 
 
@@ -166,7 +169,7 @@ def independent_measurements() -> list[Measurement]:
     Llama shapes, SDPA's FlashAttention-2, FSDP with fp32 (torchtitan) or bf16 (fms-fsdp) reduction."""
     out = []
     for key, line, text, shape, seq, gpus, mb, ckpt, sharding, tokens in INDEPENDENT_ROWS:
-        family, gpu, node, overrides, reduce_bytes, source = INDEPENDENT_SOURCES[key]
+        family, gpu, node, overrides, reduce_bytes, source, api = INDEPENDENT_SOURCES[key]
         layers, width, heads, kv, ffn, vocab = LLAMA_SHAPES[shape]
         model = dict(family="llama", num_layers=layers, hidden_size=width, num_heads=heads, num_kv_heads=kv,
                      ffn_hidden_size=ffn, vocab_size=vocab, dtype="bf16", dropout=False, attention="flash",
@@ -177,7 +180,8 @@ def independent_measurements() -> list[Measurement]:
             f"{text}: {tokens:,} tokens/s per GPU", gpu, model, seq, mb, "tokens_per_s", float(tokens),
             held_out=True, shards=shards, checkpointing=ckpt == "full", sharding=sharding,
             grad_reduce_bytes=reduce_bytes, node=node, node_overrides=overrides,
-            recompute=ckpt if ckpt in ("op", "layers:2") else "", replicas=gpus // shards, independent=True))
+            recompute=ckpt if ckpt in ("op", "layers:2") else "", replicas=gpus // shards, independent=True,
+            fsdp_api=api))
     return out
 
 
@@ -253,7 +257,7 @@ NO_COLLECTIVES = MicroCollectives()
 
 def _step_from_ops(meas: Measurement, phases: list, layers: list, durations: np.ndarray,
                    comm: MicroCollectives = NO_COLLECTIVES, slowdown: float = 0.0,
-                   recompute_s: float = 0.0) -> float:
+                   recompute_s: float = 0.0, rate_limit_s: float = 0.0) -> float:
     """grad_accum x (forward + backward [+ checkpointing's second forward] + the collectives' exposed
     part + what the overlapped part slows compute by) + the optimizer step.
 
@@ -262,8 +266,10 @@ def _step_from_ops(meas: Measurement, phases: list, layers: list, durations: np.
     backward, so with k units only the first gather / last reduce and any unit whose collective
     outlasts its compute are exposed (`pipelined_exposed_s`). The overlapped rest is not free: NCCL's
     kernels take SMs and HBM bandwidth from the GEMMs beside them; `slowdown` (the preset's
-    `collective_overlap_slowdown`, fitted) is the compute time lost per second of overlapped collective."""
-    return _step_from_masks(meas, _phase_masks(phases, layers), durations, comm, slowdown, recompute_s)
+    `collective_overlap_slowdown`, fitted) is the compute time lost per second of overlapped collective.
+    FSDP1's rate limiter idles the GPU `rate_limit_s` (`rate_limited_all_gather_s`) per all-gather it holds."""
+    return _step_from_masks(meas, _phase_masks(phases, layers), durations, comm, slowdown, recompute_s,
+                            rate_limit_s=rate_limit_s)
 
 
 def _phase_masks(phases: list, layers: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -277,7 +283,7 @@ def _phase_masks(phases: list, layers: list) -> tuple[np.ndarray, np.ndarray, np
 
 def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
                      comm: MicroCollectives = NO_COLLECTIVES, slowdown: float = 0.0,
-                     recompute_s: float = 0.0, per_gb: bool = False) -> float:
+                     recompute_s: float = 0.0, per_gb: bool = False, rate_limit_s: float = 0.0) -> float:
     """`_step_from_ops` with the ops' masks already found (`_phase_masks`); `recompute_s`: a
     selective policy's recompute per micro-batch (`recompute_s`). `per_gb`: `slowdown` is the compute
     lost per GB the overlapped collectives move through the rank, not per second of them (the variant
@@ -297,7 +303,7 @@ def _step_from_masks(meas: Measurement, masks: tuple, durations: np.ndarray,
         overlapped = sum(moved * (1 - exposed_s / comm_s) for moved, exposed_s, comm_s in (
             (comm.forward_bytes, exposed_forward, comm.forward_s),
             (comm.backward_bytes, exposed_backward, comm.backward_s)) if comm_s > 0) / 1e9
-    micro = forward_s + backward_s + exposed + slowdown * overlapped
+    micro = forward_s + backward_s + exposed + slowdown * overlapped + comm.rate_limited * rate_limit_s
     return meas.grad_accum * micro + float(durations[opt].sum())
 
 
@@ -310,7 +316,8 @@ def step_s(meas: Measurement, hardware: Hardware, graph=None, retime: bool = Fal
     durations = durations_on(graph, hardware) if retime else np.array([op.duration_s for op in graph.ops])
     comm = micro_collectives(meas, graph.meta["num_params"], hardware)
     return _step_from_ops(meas, [str(op.phase) for op in graph.ops], [op.layer for op in graph.ops], durations,
-                          comm, hardware.collective_overlap_slowdown, recompute_s(meas, graph, hardware, durations))
+                          comm, hardware.collective_overlap_slowdown, recompute_s(meas, graph, hardware, durations),
+                          hardware.rate_limited_all_gather_s)
 
 
 def durations_on(graph, hw: Hardware) -> np.ndarray:

@@ -121,7 +121,7 @@ def independent_checks(presets: dict[str, str]) -> list[tuple[tuple, list[Readin
     out = []
     for row in INDEPENDENT_ROWS:
         key, _line, _text, shape, seq, gpus, mb, _ckpt, sharding, tokens = row
-        _family, gpu, node_name, overrides, reduce_bytes, _source = INDEPENDENT_SOURCES[key]
+        _family, gpu, node_name, overrides, reduce_bytes, _source, _api = INDEPENDENT_SOURCES[key]
         node = conf("node", node_name) | dict(overrides)
         link = conf("hardware", presets[gpu])["link"]
         link_bytes = min(link["h2d_theoretical_bytes_per_s"], link["d2h_theoretical_bytes_per_s"])

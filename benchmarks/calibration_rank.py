@@ -29,6 +29,8 @@ class MicroCollectives:
     units: int = 1
     forward_bytes: float = 0.0
     backward_bytes: float = 0.0
+    #: All-gathers FSDP1's rate limiter holds the CPU thread on (`rate_limited_all_gathers`).
+    rate_limited: int = 0
 
 
 def micro_collectives(meas, num_params: int, hw: Hardware) -> MicroCollectives:
@@ -41,7 +43,7 @@ def micro_collectives(meas, num_params: int, hw: Hardware) -> MicroCollectives:
     embedding/head group, and each unit's gather and reduce-scatter is its own NCCL call, paying the
     ring's latency (NCCL's tuning model: per step 3.4 us on NVLink, 14 us across the network), so a
     512-rank ring costs more than a 128-rank one at the same bytes. `meas`: a calibration Measurement."""
-    from slackswap.communication import all_gather_s, all_reduce_s, reduce_scatter_s
+    from slackswap.communication import all_gather_s, all_reduce_s, rate_limited_all_gathers, reduce_scatter_s
     from slackswap.experiment.advise_node import topology_from_node
     from slackswap.node import Node
 
@@ -64,8 +66,11 @@ def micro_collectives(meas, num_params: int, hw: Hardware) -> MicroCollectives:
         grads += all_reduce_s(shard_bytes, meas.replicas, ring, units)
         grads_bytes += 2 * shard_bytes * (meas.replicas - 1) / meas.replicas
     full_shard = meas.sharding == "FULL_SHARD"
+    # FULL_SHARD and HYBRID_SHARD free the parameters after forward (ZeRO stage 3; SHARD_GRAD_OP: 2).
+    stage = 3 if meas.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 2
     return MicroCollectives(params, grads + (params if full_shard else 0.0), units,
-                            params_bytes, grads_bytes + (params_bytes if full_shard else 0.0))
+                            params_bytes, grads_bytes + (params_bytes if full_shard else 0.0),
+                            rate_limited_all_gathers(meas.fsdp_api, stage, meas.shards, units))
 
 
 def rank_memory_share(meas, model, training, graph, hw: Hardware) -> float | None:
