@@ -192,9 +192,10 @@ def fit_gpu(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = No
 
 
 def fit_all() -> dict[str, dict[str, dict[str, float]]]:
-    """The fits the presets are written from, each on its GPU's fitted rows only: the A100's seven
-    efficiencies (GEMM, HBM, four attention kernels, the overlap slowdown); the H100's four (GEMM,
-    HBM, Triton's kernel, the overlap slowdown), FlashAttention-2 and -3 cited (no H100 row runs them);
+    """The fits the presets are written from, each on its GPU's fitted rows only: the A100's eight
+    figures (GEMM, HBM, four attention kernels, the overlap slowdown, FSDP1's rate-limiter stall); the
+    H100's five (GEMM, HBM, Triton's kernel, the overlap slowdown, the stall), FlashAttention-2 and -3
+    cited (no H100 row runs them);
     each with and without n_half of GEMMs and attention (`fit_gpu`)."""
     return {"a100": fit_gpu("a100", A100_FREE),
             "h100": fit_gpu("h100", H100_FREE, {"attention": H100_CITED["attention"]})}
