@@ -69,6 +69,7 @@ from dataclasses import dataclass, replace
 
 from slackswap import validation as check
 from slackswap.errors import ConfigError
+from slackswap.memory.recipe import FSDP1
 
 
 def not_modelled(collective_overlap_slowdown: float) -> str:
@@ -86,7 +87,7 @@ def rate_limited_all_gathers(fsdp_api: str, zero_stage: int, shards: int, units:
     model 2): each unit's in forward and again in backward, where FullyShardedDataParallel shards at
     stage 3 (FULL_SHARD, or HYBRID_SHARD with shards < GPUs; its rate limiter runs for the strategies
     that free the parameters after forward); none under `fully_shard` or where nothing is sharded."""
-    if fsdp_api != "FullyShardedDataParallel" or zero_stage != 3 or shards == 1:
+    if fsdp_api != FSDP1 or zero_stage != 3 or shards == 1:
         return 0
     return 2 * units
 

@@ -24,10 +24,11 @@ GRAD_BUFFERS: tuple[str, ...] = ("param", "fp32")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 #: PyTorch's two FSDP APIs. fully_shard: FSDP2 (torch.distributed.fsdp.fully_shard; torchtitan), whose
 #: streams wait on each other. FullyShardedDataParallel: FSDP1 with its default limit_all_gathers=True
-#: (PyTorch >= 2.1, pytorch/pytorch#104900; Composer / llm-foundry, fms-fsdp, HF Accelerate), whose rate
+#: (PyTorch >= 2.1, pytorch/pytorch#104900; Composer / llm-foundry and fms-fsdp run it), whose rate
 #: limiter blocks the CPU thread before an all-gather ("does not require blocking the CPU like in FSDP1's
 #: limit_all_gathers=True", the fully_shard docs).
-FSDP_APIS: tuple[str, ...] = ("fully_shard", "FullyShardedDataParallel")
+FSDP2, FSDP1 = "fully_shard", "FullyShardedDataParallel"
+FSDP_APIS: tuple[str, ...] = (FSDP2, FSDP1)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class TrainingConfig:
     fp8_linear_inputs: bool = False
     #: Which FSDP API shards at stage 3 (`FSDP_APIS`): with FullyShardedDataParallel each all-gather its
     #: rate limiter holds costs `Hardware.rate_limited_all_gather_s` (`slackswap.communication`).
-    fsdp_api: str = "fully_shard"
+    fsdp_api: str = FSDP2
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
