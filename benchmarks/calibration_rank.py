@@ -45,6 +45,7 @@ def micro_collectives(meas, num_params: int, hw: Hardware) -> MicroCollectives:
     512-rank ring costs more than a 128-rank one at the same bytes. `meas`: a calibration Measurement."""
     from slackswap.communication import all_gather_s, all_reduce_s, rate_limited_all_gathers, reduce_scatter_s
     from slackswap.experiment.advise_node import topology_from_node
+    from slackswap.memory.recipe import FSDP1
     from slackswap.node import Node
 
     if not meas.sharding or meas.shards == 1:
@@ -70,7 +71,7 @@ def micro_collectives(meas, num_params: int, hw: Hardware) -> MicroCollectives:
     stage = 3 if meas.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 2
     return MicroCollectives(params, grads + (params if full_shard else 0.0), units,
                             params_bytes, grads_bytes + (params_bytes if full_shard else 0.0),
-                            rate_limited_all_gathers(meas.fsdp_api, stage, meas.shards, units))
+                            rate_limited_all_gathers(meas.fsdp_api == FSDP1, stage, meas.shards, units))
 
 
 def rank_memory_share(meas, model, training, graph, hw: Hardware) -> float | None:

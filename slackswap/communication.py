@@ -69,7 +69,6 @@ from dataclasses import dataclass, replace
 
 from slackswap import validation as check
 from slackswap.errors import ConfigError
-from slackswap.memory.recipe import FSDP1
 
 
 def not_modelled(collective_overlap_slowdown: float) -> str:
@@ -82,12 +81,13 @@ def not_modelled(collective_overlap_slowdown: float) -> str:
     return "compute slowed by NCCL kernels (SM/HBM contention) not modelled; overlapped collectives are free"
 
 
-def rate_limited_all_gathers(fsdp_api: str, zero_stage: int, shards: int, units: int) -> int:
+def rate_limited_all_gathers(fsdp1: bool, zero_stage: int, shards: int, units: int) -> int:
     """All-gathers per micro-batch that FSDP1's rate limiter holds the CPU thread on (module docstring,
-    model 2): each unit's in forward and again in backward, where FullyShardedDataParallel shards at
-    stage 3 (FULL_SHARD, or HYBRID_SHARD with shards < GPUs; its rate limiter runs for the strategies
-    that free the parameters after forward); none under `fully_shard` or where nothing is sharded."""
-    if fsdp_api != FSDP1 or zero_stage != 3 or shards == 1:
+    model 2): each unit's in forward and again in backward, where FSDP1 (`fsdp1`: the recipe's
+    `fsdp_api` is FullyShardedDataParallel) shards at stage 3 (FULL_SHARD, or HYBRID_SHARD with shards <
+    GPUs; its rate limiter runs for the strategies that free the parameters after forward); none under
+    `fully_shard` or where nothing is sharded."""
+    if not fsdp1 or zero_stage != 3 or shards == 1:
         return 0
     return 2 * units
 

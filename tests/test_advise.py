@@ -208,7 +208,7 @@ def test_fsdp1_pays_its_rate_limiters_stall_per_gather_and_micro_batch(tiny, a10
 
     two, one, plain = rows(stall, fsdp1), rows(stall, MIXED), rows(a100, fsdp1)
     units = len(layer_param_counts(tiny))
-    gathers = rate_limited_all_gathers("FullyShardedDataParallel", 3, 8, units)
+    gathers = rate_limited_all_gathers(True, 3, 8, units)
     assert gathers == 2 * units
     assert two[(8, 8)].step_s == pytest.approx(one[(8, 8)].step_s + 3 * gathers * 1e-3)
     assert two[(1, 1)].step_s == pytest.approx(one[(1, 1)].step_s)

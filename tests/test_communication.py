@@ -91,10 +91,10 @@ def test_fsdp1_rate_limits_the_gathers_of_strategies_that_free_after_forward():
     """FullyShardedDataParallel's rate limiter holds each unit's gather in forward and its re-gather in
     backward at stage 3 (FULL_SHARD; HYBRID_SHARD is stage 3 over fewer shards than GPUs); nothing at
     stages 0-2 (SHARD_GRAD_OP keeps the parameters), with nothing sharded, or under fully_shard."""
-    assert rate_limited_all_gathers("FullyShardedDataParallel", 3, 8, 33) == 66
-    assert rate_limited_all_gathers("FullyShardedDataParallel", 3, 1, 33) == 0
-    assert all(rate_limited_all_gathers("FullyShardedDataParallel", stage, 8, 33) == 0 for stage in (0, 1, 2))
-    assert rate_limited_all_gathers("fully_shard", 3, 8, 33) == 0
+    assert rate_limited_all_gathers(True, 3, 8, 33) == 66
+    assert rate_limited_all_gathers(True, 3, 1, 33) == 0
+    assert all(rate_limited_all_gathers(True, stage, 8, 33) == 0 for stage in (0, 1, 2))
+    assert rate_limited_all_gathers(False, 3, 8, 33) == 0
 
 
 def test_the_caveat_says_whether_overlap_costs_compute():

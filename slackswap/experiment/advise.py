@@ -78,7 +78,7 @@ from slackswap.experiment.advise_step import (
 )
 from slackswap.graph import Graph, Phase
 from slackswap.hardware import Hardware
-from slackswap.memory.recipe import TrainingConfig
+from slackswap.memory.recipe import FSDP1, TrainingConfig
 from slackswap.memory.static import bytes_per_param, static_memory
 from slackswap.model_config import ModelConfig
 
@@ -194,7 +194,7 @@ def evaluate(ctx: _Context, cand: Candidate) -> Row:
     # FSDP1's rate limiter idles the GPU once per all-gather it holds the CPU thread on (0 under
     # fully_shard and on uncalibrated presets): another fixed cost per micro-batch.
     per_micro_exposed += rank_hw.rate_limited_all_gather_s * rate_limited_all_gathers(
-        training.fsdp_api, cand.layout.zero_stage, cand.layout.zero_shards, ctx.units)
+        training.fsdp_api == FSDP1, cand.layout.zero_stage, cand.layout.zero_shards, ctx.units)
     exposed = space.grad_accum * per_micro_exposed + comm.after_step_comm_s
     step_s = space.grad_accum * (micro_s + per_micro_exposed) + opt_s + comm.after_step_comm_s
     tokens = space.grad_accum * cand.micro_batch * model.seq_len

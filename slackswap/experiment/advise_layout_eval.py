@@ -38,6 +38,7 @@ from slackswap.experiment.advise_space import (
     numerics_change,
 )
 from slackswap.experiment.advise_step import infeasible_row
+from slackswap.memory.recipe import FSDP1
 from slackswap.memory.static import bytes_per_param
 
 #: What the layout rows leave out (advice.json `layout_note`).
@@ -168,7 +169,7 @@ def evaluate_layout(ctx: Any, cand: Candidate) -> Row:
     # FSDP1's rate limiter idles the GPU once per all-gather it holds (`rate_limited_all_gathers`).
     per_micro = m if lay.zero_stage == 3 else 1
     stalls = hw.rate_limited_all_gather_s * rate_limited_all_gathers(
-        cand.training.fsdp_api, lay.zero_stage, lay.zero_shards, model.num_layers // lay.pp + 1)
+        cand.training.fsdp_api == FSDP1, lay.zero_stage, lay.zero_shards, model.num_layers // lay.pp + 1)
     dp_exposed = (per_micro * (dp_comm.forward_exposed_s + dp_comm.backward_exposed_s
                                + dp_comm.overlap_cost_s(hw.collective_overlap_slowdown) + stalls)
                   + dp_comm.after_step_comm_s)
