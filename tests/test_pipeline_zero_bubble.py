@@ -88,6 +88,12 @@ def test_the_device_peak_holds_a_microbatch_until_its_weight_gradient():
 def test_bad_zero_bubble_input_is_one_config_error():
     with pytest.raises(ConfigError, match="stage.weight_grad_s"):
         StageTimes(1, 2, backward_hideable_s=1.5, weight_grad_s=1)
+    # W = B - hideable, as `stage_times` gives it, sums back to B only up to rounding: still inside
+    backward, hideable = 3.927445746803326, 0.7427878692393841
+    assert hideable + (backward - hideable) > backward  # one ulp over
+    assert StageTimes(1, backward, backward_hideable_s=hideable, weight_grad_s=backward - hideable)
+    with pytest.raises(ConfigError, match="stage.weight_grad_s"):
+        StageTimes(1, backward, backward_hideable_s=hideable, weight_grad_s=(backward - hideable) * (1 + 1e-9))
     with pytest.raises(ConfigError, match="parallel.virtual_stages"):
         ParallelConfig(pp=2, microbatches=2, pipeline_schedule="zb_h1", virtual_stages=2)
     assert ParallelConfig(pp=2, microbatches=3, pipeline_schedule="zb_h1").chunks == 2
