@@ -7,14 +7,15 @@ convert it to the published unit (sequences/s, tokens/s or model TFLOP/s per GPU
 simulated / published says how optimistic the compute model is.
 
 One efficiency set per GPU (matmul, HBM-bound ops, one per attention kernel, the slowdown overlapped
-collectives cost compute), never per model.
+collectives cost compute, where adopted FSDP1's rate-limiter stall), never per model.
 benchmarks/calibration_fit.py fits that set to the rows marked `held_out=False` (least squares on log
 ratios, with and without a Hockney n_half per op class) and prints it; the
 calibrated presets (conf/hardware/*_calibrated.yaml, and the Hopper presets, which carry the
 H100 fit) hold the fitted values, rounded, and this script then evaluates every row, fitted and held
 out, on those presets (so the json checks the committed files, not the fit's memory). Held-out rows
 were not used by the fit: they are the check, and the summary counts them apart, per preset too. The
-A100 40GB rows are all held out: they check a100_40gb_sxm_calibrated, the A100 fit on the 40GB part.
+A100 40GB rows are all held out: they check a100_40gb_sxm_calibrated, the A100 fit on the 40GB part;
+so are the rows of llm-foundry's micro-batch sweep (the same run at micro-batch 1 to 6).
 The independent rows (torchtitan, fms-fsdp: sources no fit reads) are held out and counted apart.
 
     python benchmarks/calibration.py            # -> benchmarks/results/calibration.json
@@ -59,6 +60,8 @@ from benchmarks.calibration_rows import (  # noqa: E402
     LLAMA_SHAPES,
     MPT_SHAPES,
     SECTIONS,
+    SWEEP_ROWS,
+    SWEEP_SOURCE,
     UNCHECKED,
     family,
     held_out,
@@ -143,24 +146,24 @@ SECTION_GPU = {"a100": "a100", "a100_40gb": "a100_40gb", "h100": "h100", "h100_l
 def foundry_measurements() -> list[Measurement]:
     """The llm-foundry rows (benchmarks/calibration_rows.py: which, and the held-out rule) as
     measurements: MPT shapes, the Triton flash kernel, Composer FSDP on the table's fabric. The A100
-    40GB rows follow, every one held out (no fit uses them)."""
+    40GB rows follow, then the micro-batch sweep's, every one held out (no fit uses them)."""
+    tables = [(FOUNDRY_README + ", " + SECTIONS[row[0]], SECTION_GPU[row[0]], row[1:], "", held_out(i))
+              for i, row in enumerate(FOUNDRY_ROWS)]
+    tables += [(FOUNDRY_README + ", " + SECTIONS[row[0]], SECTION_GPU[row[0]], row[1:], "", True)
+               for row in FOUNDRY_40GB_ROWS]
+    tables += [(SWEEP_SOURCE, row[4], (*row[:4], *row[5:]), "_sweep", True) for row in SWEEP_ROWS]
     out = []
-    rows = [(row, held_out(i)) for i, row in enumerate(FOUNDRY_ROWS)] + [(row, True) for row in FOUNDRY_40GB_ROWS]
-    for row, held in rows:
-        section, line, size, seq, gpus, mb, accum, tokens, ckpt, mp_mode, sharding = row
+    for where, gpu, (line, size, seq, gpus, mb, accum, tokens, ckpt, mp_mode, sharding), tag, held in tables:
         layers, width, heads = MPT_SHAPES[size]
         model = dict(family="gpt2", num_layers=layers, hidden_size=width, num_heads=heads, num_kv_heads=heads,
                      ffn_hidden_size=4 * width, vocab_size=50368, dtype="bf16", dropout=False, attention="flash",
                      attention_kernel="triton")
-        gpu = SECTION_GPU[section]
-        source = (f"{FOUNDRY_README}, {SECTIONS[section]}, line {line}: {size}, seq {seq}, {gpus} GPUs, "
-                  f"MicroBatchSize {mb}, GradAccum {accum}, checkpointing {ckpt}, {mp_mode}, {sharding}: "
-                  f"{tokens:,} tokens/s per GPU")
-        out.append(Measurement(f"mpt{size}_s{seq}_g{gpus}_mb{mb}_{gpu}", source, gpu, model, seq, mb, "tokens_per_s",
-                               float(tokens), held_out=held, shards=gpus, grad_accum=accum,
-                               checkpointing=ckpt, sharding=sharding,
-                               grad_reduce_bytes=4 if mp_mode == "DEFAULT" else 2,
-                               node=NODES[gpu], fsdp_api=COMPOSER_FSDP_API))
+        source = (f"{where}, line {line}: {size}, seq {seq}, {gpus} GPUs, MicroBatchSize {mb}, GradAccum {accum}, "
+                  f"checkpointing {ckpt}, {mp_mode}, {sharding}: {tokens:,} tokens/s per GPU")
+        out.append(Measurement(f"mpt{size}_s{seq}_g{gpus}_mb{mb}_{gpu}{tag}", source, gpu, model, seq, mb,
+                               "tokens_per_s", float(tokens), held_out=held, shards=gpus, grad_accum=accum,
+                               checkpointing=ckpt, sharding=sharding, node=NODES[gpu], fsdp_api=COMPOSER_FSDP_API,
+                               grad_reduce_bytes=4 if mp_mode == "DEFAULT" else 2))
     return out
 
 

@@ -165,8 +165,13 @@ def fit(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = None) 
     return params(best.x) | {"loss": float(best.fun)}
 
 
-A100_FREE = ("matmul", "attention", "eager", "flash1", "triton", "hbm", "slowdown", "rate_limit_ms")
-H100_FREE = ("matmul", "triton", "hbm", "slowdown", "rate_limit_ms")
+#: GPUs whose presets hold FSDP1's rate-limiter stall (`rate_limit_rules`): the H100 rows ask for it
+#: (Akaike's criterion), the A100 rows do not, and llm-foundry's A100 micro-batch sweep (held out, 7B at
+#: micro-batch 1 to 6) follows the fit without it (docs/hardware.md, "FSDP1's rate limiter").
+RATE_LIMIT_ADOPTED: frozenset[str] = frozenset({"h100"})
+A100_FREE = ("matmul", "attention", "eager", "flash1", "triton", "hbm", "slowdown",
+             *(("rate_limit_ms",) if "a100" in RATE_LIMIT_ADOPTED else ()))
+H100_FREE = ("matmul", "triton", "hbm", "slowdown", *(("rate_limit_ms",) if "h100" in RATE_LIMIT_ADOPTED else ()))
 
 
 def aic(loss: float, rows: int, figures: int) -> float:
@@ -212,6 +217,22 @@ def overlap_rules(kept: dict[str, dict[str, dict[str, float]]] | None = None) ->
     return {gpu: {"per_second": kept[gpu]["kept"],
                   "per_gb": fit(gpu, tuple("slowdown_per_gb" if k == "slowdown" else k for k in names), fixed)}
             for gpu, (names, fixed) in free.items()}
+
+
+def rate_limit_rules() -> dict[str, dict[str, float]]:
+    """Per GPU, its fit without n_half with FSDP1's rate-limiter stall left out and with it free, each
+    with its loss and Akaike's criterion on the fitted rows: {"without", "with"} (`RATE_LIMIT_ADOPTED`)."""
+    free = {"a100": (A100_FREE, None), "h100": (H100_FREE, {"attention": H100_CITED["attention"]})}
+    out = {}
+    for gpu, (names, fixed) in free.items():
+        base = tuple(k for k in names if k != "rate_limit_ms")
+        rows = sum(m.gpu == gpu and not m.held_out for m in MEASUREMENTS)
+        without = fit(gpu, base, fixed) | {"rate_limit_ms": 0.0}
+        with_stall = fit(gpu, (*base, "rate_limit_ms"), fixed)
+        for variant, k in ((without, len(base)), (with_stall, len(base) + 1)):
+            variant["aic"] = aic(variant["loss"], rows, k)
+        out[gpu] = {"without": without, "with": with_stall}
+    return out
 
 
 def kept_fits() -> dict[str, dict[str, dict[str, float]]]:
@@ -269,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         second, gb = rules["per_second"], rules["per_gb"]
         print(f"{gpu} overlapped collectives: per second {second['slowdown']:.4f} s/s, loss {second['loss']:.4f}; "
               f"per GB {gb['slowdown_per_gb']:.5f} s/GB, loss {gb['loss']:.4f}; the presets hold per second")
+    for gpu, rules in rate_limit_rules().items():
+        off, on = rules["without"], rules["with"]
+        print(f"{gpu} rate limiter: without, loss {off['loss']:.4f} (AIC {off['aic']:.1f}); with "
+              f"{on['rate_limit_ms']:.2f} ms, loss {on['loss']:.4f} (AIC {on['aic']:.1f}); the presets hold it "
+              f"{'with' if gpu in RATE_LIMIT_ADOPTED else 'without'}")
     if args.check:
         bad = check(fits)
         print("\n".join(bad) if bad else "every preset carrying a fit holds it")

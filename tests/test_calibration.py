@@ -33,32 +33,23 @@ def test_committed_json_is_what_the_presets_give_now(rows) -> None:
 
 
 def test_rows_within_10_percent_fitted_and_held_out_apart(rows) -> None:
-    """At least 30 rows; 90 % of the fitted sources' rows and of the fitted rows within 10 %, on the A100
-    alone too; the held-out rows' typical error small and most of them within 10 %; every miss,
-    independent rows' included, is one the script explains. The independent rows are the check no fit
-    saw, counted apart (their own test).
-
-    Issue 42's target is 90 % of the held-out rows within 10 %: 65 of 72 before the presets priced FSDP1's
-    rate limiter, 64 since (the 13B seq-8192 8-GPU 40GB row went from 1.100 to 1.107, joining its four
-    siblings), while the held-out rows' median error fell from 5.2 to 2.7 % and the 40GB table's from 6.2
-    to 2.3 %: so the held-out guard is their median error, and the counts guard against a collapse."""
+    """At least 30 rows; 90 % of the fitted sources' rows, of the fitted and of the held-out rows within
+    10 % (issue 42's target), on the A100 alone too; every miss, independent rows' included, is one the
+    script explains. The independent rows are the check no fit saw, counted apart (their own test)."""
     own = [r for r in rows if not r["independent"]]
     held_out = [r for r in own if r["held_out"]]
     fitted = [r for r in own if not r["held_out"]]
-
-    def median_error(part: list[dict]) -> float:
-        return float(np.median([abs(np.log(r["ratio"])) for r in part]))
-
     assert len(own) >= 30 and len(held_out) >= 10 and len(fitted) >= 10
     assert sum(r["within_10pct"] for r in fitted) >= 0.9 * len(fitted)
-    assert median_error(held_out) < 0.035 and sum(r["within_10pct"] for r in held_out) >= 0.85 * len(held_out)
+    assert sum(r["within_10pct"] for r in held_out) >= 0.9 * len(held_out)
     assert sum(r["within_10pct"] for r in own) >= 0.9 * len(own)
     a100_held = [r for r in held_out if r["hardware"] == calibration.PRESETS["a100"]]
     assert sum(r["within_10pct"] for r in a100_held) >= 0.9 * len(a100_held)
-    # the A100 fit on the 40GB part, checked only on rows it never saw: 38 of 45 within 10 % now
+    # the A100 fit on the 40GB part, checked only on rows it never saw: 39 of 45 of its table when written
+    # (and the micro-batch sweep's 3B row)
     a100_40gb = [r for r in rows if r["hardware"] == calibration.PRESETS["a100_40gb"]]
-    assert len(a100_40gb) == 45 and all(r["held_out"] for r in a100_40gb)
-    assert median_error(a100_40gb) < 0.035 and sum(r["within_10pct"] for r in a100_40gb) >= 0.8 * len(a100_40gb)
+    assert len(a100_40gb) == 46 and all(r["held_out"] for r in a100_40gb)
+    assert sum(r["within_10pct"] for r in a100_40gb) >= 0.85 * len(a100_40gb)
     assert {r["name"] for r in rows if not r["within_10pct"]} == set(calibration.KNOWN_MISSES)
     # the calibration earns its keep: the seed-era efficiencies meet fewer rows
     s = calibration.summary(rows)
@@ -83,16 +74,18 @@ def test_the_step_is_the_simulators_keep_all_step() -> None:
 
 def test_held_out_rows_follow_the_stated_rule() -> None:
     """Every third llm-foundry row of the fitted GPUs' tables in source order is held out, whatever its
-    ratio; every A100 40GB row is held out (no fit uses that table)."""
-    from benchmarks.calibration_rows import FOUNDRY_40GB_ROWS, FOUNDRY_ROWS
+    ratio; every A100 40GB row and every row of the micro-batch sweep is held out (no fit uses them)."""
+    from benchmarks.calibration_rows import FOUNDRY_40GB_ROWS, FOUNDRY_ROWS, SWEEP_ROWS
 
     foundry = [m for m in calibration.MEASUREMENTS if m.sharding and not m.independent]
-    assert len(foundry) == len(FOUNDRY_ROWS) + len(FOUNDRY_40GB_ROWS)
-    assert [m.held_out for m in foundry] == [i % 3 == 2 for i in range(len(FOUNDRY_ROWS))] + [True] * len(
-        FOUNDRY_40GB_ROWS)
-    rows = (*FOUNDRY_ROWS, *FOUNDRY_40GB_ROWS)
-    assert all(f"line {row[1]}:" in m.source for m, row in zip(foundry, rows, strict=True))
-    assert all(m.gpu == "a100_40gb" and "A100 40GB" in m.source for m in foundry[len(FOUNDRY_ROWS):])
+    assert len(foundry) == len(FOUNDRY_ROWS) + len(FOUNDRY_40GB_ROWS) + len(SWEEP_ROWS)
+    assert [m.held_out for m in foundry] == [i % 3 == 2 for i in range(len(FOUNDRY_ROWS))] + [True] * (
+        len(FOUNDRY_40GB_ROWS) + len(SWEEP_ROWS))
+    lines = [row[1] for row in (*FOUNDRY_ROWS, *FOUNDRY_40GB_ROWS)] + [row[0] for row in SWEEP_ROWS]
+    assert all(f"line {line}:" in m.source for m, line in zip(foundry, lines, strict=True))
+    table40 = foundry[len(FOUNDRY_ROWS):len(FOUNDRY_ROWS) + len(FOUNDRY_40GB_ROWS)]
+    assert all(m.gpu == "a100_40gb" and "A100 40GB" in m.source for m in table40)
+    assert all("larger_mb_1.md" in m.source for m in foundry[-len(SWEEP_ROWS):])
 
 
 def test_collectives_slow_small_micro_batches_more() -> None:
@@ -109,6 +102,19 @@ def test_collectives_slow_small_micro_batches_more() -> None:
         return calibration.step_s(m, hw) / calibration.step_s(m, free) - 1
 
     assert share(1) > share(8) > 0
+
+
+def test_the_micro_batch_sweep_follows_the_published_trend(rows) -> None:
+    """llm-foundry's A100 micro-batch sweep (the same 7B run at micro-batch 1, 2, 4 and 6): tokens/s
+    per GPU grow with the micro-batch as published (+34 % from 1 to 4), within 5 points at each step,
+    on the A100 fit (which carries no rate-limiter stall: it would make micro-batch 1 dearer)."""
+    sweep = {r["name"]: r for r in rows if r["name"].startswith("mpt7b_s2048_g8_mb") and r["name"].endswith("_sweep")}
+    by_mb = {int(n.split("_mb")[1].split("_")[0]): r for n, r in sweep.items()}
+    assert sorted(by_mb) == [1, 2, 4, 6]
+    for small, large in ((1, 2), (2, 4), (4, 6), (1, 4)):
+        simulated = by_mb[large]["simulated"] / by_mb[small]["simulated"]
+        published = by_mb[large]["published"] / by_mb[small]["published"]
+        assert abs(simulated - published) < 0.05, (small, large, simulated, published)
 
 
 def test_the_step_slows_with_the_gpu_count() -> None:
@@ -268,7 +274,7 @@ def test_summary_counts_independent_rows_apart() -> None:
     assert s["fitted"]["rows"] + s["held_out"]["rows"] + s["independent"]["rows"] == s["all"]["rows"] == len(rows)
     assert s["held_out"]["rows"] == sum(r["held_out"] and not r["independent"] for r in rows)
     assert sum(p["rows"] for p in s["by_family"].values()) == len(rows)
-    assert s["by_family"]["llm-foundry"]["rows"] == 114
+    assert s["by_family"]["llm-foundry"]["rows"] == 121
 
 
 def test_slowdown_rows_compare_the_same_run_with_and_without_checkpointing() -> None:
