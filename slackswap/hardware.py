@@ -95,7 +95,8 @@ class Hardware:
     #: all-gather, so the GPU runs dry while it resumes and launches again; 235 us of that gap measured
     #: in pytorch/pytorch#108234). Charged per rate-limited all-gather
     #: (`slackswap.communication.rate_limited_all_gathers`); 0 (every uncalibrated preset): none. The
-    #: calibrated presets carry a fitted value (benchmarks/calibration_fit.py, docs/hardware.md).
+    #: Hopper presets carry the H100 fit's value; the A100 fit's rows do not ask for one
+    #: (benchmarks/calibration_fit.py, `RATE_LIMIT_ADOPTED`; docs/hardware.md).
     rate_limited_all_gather_s: float = 0.0
     #: Hockney's half-performance length per op class, in FLOPs (`n_1/2`: an op of F FLOPs runs at
     #: `efficiency[class] * F / (F + n_1/2)`; Hockney and Jesshope, *Parallel Computers 2*,
