@@ -169,9 +169,19 @@ def fit(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = None) 
 #: (Akaike's criterion), the A100 rows do not, and llm-foundry's A100 micro-batch sweep (held out, 7B at
 #: micro-batch 1 to 6) follows the fit without it (docs/hardware.md, "FSDP1's rate limiter").
 RATE_LIMIT_ADOPTED: frozenset[str] = frozenset({"h100"})
-A100_FREE = ("matmul", "attention", "eager", "flash1", "triton", "hbm", "slowdown",
-             *(("rate_limit_ms",) if "a100" in RATE_LIMIT_ADOPTED else ()))
-H100_FREE = ("matmul", "triton", "hbm", "slowdown", *(("rate_limit_ms",) if "h100" in RATE_LIMIT_ADOPTED else ()))
+#: Per GPU, the figures its fit frees (the rate limiter's stall apart: `free_figures`) and those it holds
+#: fixed: the H100's FlashAttention-2 is cited, no H100 row runs it.
+FIGURES: dict[str, tuple[tuple[str, ...], dict[str, float] | None]] = {
+    "a100": (("matmul", "attention", "eager", "flash1", "triton", "hbm", "slowdown"), None),
+    "h100": (("matmul", "triton", "hbm", "slowdown"), {"attention": H100_CITED["attention"]}),
+}
+
+
+def free_figures(gpu: str, stall: bool | None = None) -> tuple[str, ...]:
+    """The figures `gpu`'s fit frees: FIGURES', and the rate limiter's stall where `stall` (None: where
+    the GPU has adopted it, `RATE_LIMIT_ADOPTED`)."""
+    stall = gpu in RATE_LIMIT_ADOPTED if stall is None else stall
+    return (*FIGURES[gpu][0], *(("rate_limit_ms",) if stall else ()))
 
 
 def aic(loss: float, rows: int, figures: int) -> float:
@@ -197,13 +207,11 @@ def fit_gpu(gpu: str, free: tuple[str, ...], fixed: dict[str, float] | None = No
 
 
 def fit_all() -> dict[str, dict[str, dict[str, float]]]:
-    """The fits the presets are written from, each on its GPU's fitted rows only: the A100's eight
-    figures (GEMM, HBM, four attention kernels, the overlap slowdown, FSDP1's rate-limiter stall); the
-    H100's five (GEMM, HBM, Triton's kernel, the overlap slowdown, the stall), FlashAttention-2 and -3
-    cited (no H100 row runs them);
-    each with and without n_half of GEMMs and attention (`fit_gpu`)."""
-    return {"a100": fit_gpu("a100", A100_FREE),
-            "h100": fit_gpu("h100", H100_FREE, {"attention": H100_CITED["attention"]})}
+    """The fits the presets are written from, each on its GPU's fitted rows only: the A100's seven
+    figures (GEMM, HBM, four attention kernels, the overlap slowdown); the H100's five (GEMM, HBM,
+    Triton's kernel, the overlap slowdown, FSDP1's rate-limiter stall), FlashAttention-2 and -3 cited (no
+    H100 row runs them); each with and without n_half of GEMMs and attention (`fit_gpu`)."""
+    return {gpu: fit_gpu(gpu, free_figures(gpu), fixed) for gpu, (_, fixed) in FIGURES.items()}
 
 
 def overlap_rules(kept: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, dict[str, float]]:
@@ -213,38 +221,39 @@ def overlap_rules(kept: dict[str, dict[str, dict[str, float]]] | None = None) ->
     does not (fms-fsdp's 400 / 800 Gb/s rows, KNOWN_MISSES); the fitted rows say which they support.
     `kept`: `kept_fits()` where the caller has it (not fitted again)."""
     kept = kept or kept_fits()
-    free = {"a100": (A100_FREE, None), "h100": (H100_FREE, {"attention": H100_CITED["attention"]})}
     return {gpu: {"per_second": kept[gpu]["kept"],
-                  "per_gb": fit(gpu, tuple("slowdown_per_gb" if k == "slowdown" else k for k in names), fixed)}
-            for gpu, (names, fixed) in free.items()}
+                  "per_gb": fit(gpu, tuple("slowdown_per_gb" if k == "slowdown" else k for k in free_figures(gpu)),
+                                fixed)}
+            for gpu, (_, fixed) in FIGURES.items()}
 
 
-def rate_limit_rules() -> dict[str, dict[str, float]]:
+def rate_limit_rules(kept: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, dict[str, float]]:
     """Per GPU, its fit without n_half with FSDP1's rate-limiter stall left out and with it free, each
-    with its loss and Akaike's criterion on the fitted rows: {"without", "with"} (`RATE_LIMIT_ADOPTED`)."""
-    free = {"a100": (A100_FREE, None), "h100": (H100_FREE, {"attention": H100_CITED["attention"]})}
+    with its loss and Akaike's criterion on the fitted rows: {"without", "with"} (`RATE_LIMIT_ADOPTED`).
+    The variant the presets hold is `kept`'s (`kept_fits()` where the caller has it); the other is fitted."""
+    kept = kept or kept_fits()
     out = {}
-    for gpu, (names, fixed) in free.items():
-        base = tuple(k for k in names if k != "rate_limit_ms")
+    for gpu, (_, fixed) in FIGURES.items():
+        adopted = gpu in RATE_LIMIT_ADOPTED
+        other = fit(gpu, free_figures(gpu, not adopted), fixed)
+        held = kept[gpu]["kept"]
+        without, with_stall = (other, held) if adopted else (held, other)
         rows = sum(m.gpu == gpu and not m.held_out for m in MEASUREMENTS)
-        without = fit(gpu, base, fixed) | {"rate_limit_ms": 0.0}
-        with_stall = fit(gpu, (*base, "rate_limit_ms"), fixed)
-        for variant, k in ((without, len(base)), (with_stall, len(base) + 1)):
-            variant["aic"] = aic(variant["loss"], rows, k)
-        out[gpu] = {"without": without, "with": with_stall}
+        base = len(FIGURES[gpu][0])
+        out[gpu] = {"without": {"rate_limit_ms": 0.0} | without | {"aic": aic(without["loss"], rows, base)},
+                    "with": with_stall | {"aic": aic(with_stall["loss"], rows, base + 1)}}
     return out
 
 
 def kept_fits() -> dict[str, dict[str, dict[str, float]]]:
     """Only the fits the presets hold (`fit_gpu`'s "kept"), for `check`: without n_half on a GPU that
     has not adopted it this is one local fit per GPU (seconds), not the global search (a minute)."""
-    free = {"a100": (A100_FREE, None), "h100": (H100_FREE, {"attention": H100_CITED["attention"]})}
     kept = {}
-    for gpu, (names, fixed) in free.items():
+    for gpu, (_, fixed) in FIGURES.items():
         if gpu in N_HALF_ADOPTED:
-            kept[gpu] = fit_gpu(gpu, names, fixed)
+            kept[gpu] = fit_gpu(gpu, free_figures(gpu), fixed)
         else:
-            kept[gpu] = {"kept": fit(gpu, names, fixed) | {key: 0.0 for key in N_HALF}}
+            kept[gpu] = {"kept": fit(gpu, free_figures(gpu), fixed) | {key: 0.0 for key in N_HALF}}
     return kept
 
 
@@ -263,7 +272,7 @@ def check(fits: dict[str, dict[str, dict[str, float]]]) -> list[str]:
     """Where a preset carrying a fit differs from the kept fit beyond its rounding (0.006 for an
     efficiency, 0.6 GFLOP for n_half): one line each; empty when every preset holds its fit."""
     carriers = {"a100": (PRESETS["a100"], *A100_PRESETS), "h100": (PRESETS["h100"], *HOPPER_PRESETS)}
-    keys = {"a100": (*A100_FREE, *N_HALF), "h100": (*H100_FREE, *N_HALF)}
+    keys = {gpu: (*free_figures(gpu), *N_HALF) for gpu in FIGURES}
     bad = []
     for gpu, names in carriers.items():
         kept = fits[gpu]["kept"]
@@ -286,11 +295,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{gpu} {label:<7} n_half:", {k: round(v, 4) for k, v in variants[label].items()})
         print(f"{gpu}: AIC prefers {'with' if variants['preferred'] is variants['with'] else 'without'} n_half; "
               f"the presets hold the fit {'with' if variants['kept'] is variants['with'] else 'without'}")
-    for gpu, rules in overlap_rules().items():
+    for gpu, rules in overlap_rules(fits).items():
         second, gb = rules["per_second"], rules["per_gb"]
         print(f"{gpu} overlapped collectives: per second {second['slowdown']:.4f} s/s, loss {second['loss']:.4f}; "
               f"per GB {gb['slowdown_per_gb']:.5f} s/GB, loss {gb['loss']:.4f}; the presets hold per second")
-    for gpu, rules in rate_limit_rules().items():
+    for gpu, rules in rate_limit_rules(fits).items():
         off, on = rules["without"], rules["with"]
         print(f"{gpu} rate limiter: without, loss {off['loss']:.4f} (AIC {off['aic']:.1f}); with "
               f"{on['rate_limit_ms']:.2f} ms, loss {on['loss']:.4f} (AIC {on['aic']:.1f}); the presets hold it "

@@ -117,6 +117,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
 
     w = build_training_workload(model, spec, device, 0)
     graph = capture_graph(w.model, (w.batch,), w.loss_fn, hardware, name)
+    shape = export_block_shape(model)  # where the export's SAC dispatch is measured
     t0 = time.perf_counter()
     # On the CPU each op's replay and each saved tensor's copies by the runtime are timed too, in profiling
     # steps of the model under the full-recompute and save_on_cpu plans (`profiling_plans`: a profile
@@ -126,7 +127,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
     if costs is not None:  # measured apart from any plan's step: stored with the profile
         # The runtime's once per run; the export's here, its SAC dispatch at this model's shape (its per-call
         # cost grows with the tensors the ops beside it touch: slackswap.runtime.export.dispatch_cost).
-        costs = measure_export_costs(costs, device, export_block_shape(model))
+        costs = measure_export_costs(costs, device, shape)
         table = costs.attach(table)
     profile = {"model": name, "ops": len(graph.ops), "profile_s": time.perf_counter() - t0,
                "sum_op_medians_s": table.measured_sum_s, "plain_step_median_s": table.step_median_s,
@@ -136,7 +137,7 @@ def _measure_model(name, model, spec, hardware, machine_, device, warmup, repeat
                "replay_source": table.notes.get("replay_source"),
                "copy_times_tensors": None if table.copy_times is None else len(table.copy_times),
                "copy_source": table.notes.get("copy_source"), "load": _load(),
-               "export_block_shape": None if costs is None else list(export_block_shape(model)),
+               "export_block_shape": None if costs is None else list(shape),
                "export_host": None if costs is None or costs.export is None else asdict(costs.export)}
     timed, sources = retime(graph, table)
     profile["ops_measured"], profile["ops_roofline"] = sources.measured, sources.roofline
