@@ -56,10 +56,15 @@ Two models, each stated where it is used:
    (pytorch/pytorch#108234 measured 235 us of it; FSDP2's `fully_shard` waits stream on stream instead):
    `rate_limited_all_gathers` per micro-batch, each at the preset's fitted `rate_limited_all_gather_s`.
 
-   Not modelled, and said so in every advise row: SMs and HBM bandwidth that NCCL kernels take from
-   compute (so overlapped communication is free here), DDP / ZeRO bucket buffers, tensor or pipeline
-   parallelism, and gradient accumulation's `no_sync` (every micro-batch reduces, as FSDP does by
-   default).
+   What the overlapped collectives cost the compute beside them (NCCL's kernels take SMs and HBM
+   bandwidth from the GEMMs) is one fitted rate per calibrated preset, seconds of compute per second
+   overlapped (`StepCommunication.overlap_cost_s`, `Hardware.collective_overlap_slowdown`); 0 on an
+   uncalibrated preset, where overlapped communication is free, and every advise row says which
+   (`not_modelled`).
+
+   Not modelled here: DDP / ZeRO bucket buffers and gradient accumulation's `no_sync` (every
+   micro-batch reduces, as FSDP does by default). The collectives of tensor, context, expert and
+   pipeline parallelism are priced apart (`slackswap.profile.collectives`).
 """
 
 from __future__ import annotations
