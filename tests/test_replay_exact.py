@@ -14,6 +14,7 @@ compared bit for bit (loss, gradients, buffers) with a plain step of the same mo
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -28,7 +29,7 @@ from slackswap.graph import REWRITTEN_KEY  # noqa: E402
 from slackswap.plan import StepKind  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.planners.support.replay_rule import replay_rule  # noqa: E402
-from slackswap.runtime.replay_check import InexactRecomputeError  # noqa: E402
+from slackswap.runtime.replay_check import InexactRecomputeError, WriteCounts  # noqa: E402
 from slackswap.testing import random_graph  # noqa: E402
 from tests.runtime_support import deterministic_kernels, h200  # noqa: E402, F401 (a fixture)
 
@@ -80,6 +81,34 @@ def test_a_plan_that_recomputes_a_rewritten_tensor_is_refused_by_name() -> None:
         a.run(plan, "runtime")
     message = str(info.value)
     assert "index_put_" in message and "/empty_like#0:0" in message and "zoo.py:" in message
+
+
+def test_a_swap_waits_for_the_writes_its_producer_makes_after_a_view() -> None:
+    """DeepSeek-V3's keys: `new_empty`, a slice view, `copy_`, a slice view, `copy_` (`SplitKeys`). The
+    copies are the `new_empty` op's own, the views ops between them: an offload issued at the op's step
+    copied the empty tensor, and the verified step refused every plan that swaps it."""
+    from slackswap.runtime import apply, plan_counts
+
+    a = arch("split_keys")
+    keys = "layers.0/new_empty#0:0"
+    assert [op.name for op in a.graph.ops if keys in op.outputs][0].endswith("new_empty.default")
+    plan = get_planner("save_on_cpu").plan(a.graph, a.hardware, int(a.peak * 0.7))
+    assert plan.decisions[keys].value == "swap"
+    model = copy.deepcopy(a.pristine)
+    run = apply(plan, a.graph, model)
+    counts = plan_counts(plan)
+    for n in range(3):  # the verified step, then hook-only steps
+        assert compare(a.reference, step(a.w, model, run)) == "exact", n
+        assert run.report.verified == (n == 0), n
+        assert (run.report.offloads, run.report.prefetches) == (counts["offloads"], counts["prefetches"]), n
+
+
+def test_a_version_check_without_a_later_writer_names_the_producers_own_writes() -> None:
+    counts = WriteCounts()
+    with pytest.raises(InexactRecomputeError) as info:
+        counts.check("layers.0/new_empty#0:0", 2, 0, "autograd unpacks the prefetch")
+    assert "its producer op's own in-place calls wrote it after the copy was made" in str(info.value)
+    assert "unknown" not in str(info.value)
 
 
 def test_the_rule_leaves_graphs_without_in_place_writes_alone() -> None:

@@ -115,9 +115,13 @@ class WriteCounts:
     def check(self, tensor: str, expected: int, actual: int, what: str) -> None:
         if expected == actual or expected < 0:
             return
-        op, line = self.writer.get(tensor, ("<unknown op>", "<unknown line>"))
+        if tensor in self.writer:
+            op, line = self.writer[tensor]
+            who = f"op {op!r} at {line} writes it in place after its producer"
+        else:  # only calls joined to the producer op wrote it (`OpNumbering`): no later op to name
+            who = "its producer op's own in-place calls wrote it after the copy was made"
         raise InexactRecomputeError(
             f"{what} tensor {tensor!r} at in-place write {actual}, but the step used it at write {expected}: "
-            f"op {op!r} at {line} writes it in place after its producer, and a recompute replays the "
-            "producer only (a swap copies it before the write). The plan cannot run exactly; keep that "
-            "tensor (slackswap's planners do on a graph captured with this version)")
+            f"{who}, and a recompute replays the producer only (a swap copies it before the write). The "
+            "plan cannot run exactly; keep that tensor (slackswap's planners do on a graph captured with "
+            "this version)")

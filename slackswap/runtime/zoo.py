@@ -122,6 +122,26 @@ class Routing(nn.Module):
         return x + y[inv_perm].reshape(x.shape)
 
 
+class SplitKeys(nn.Module):
+    """DeepSeek-V3's `expand_kv`: `keys = k_nope.new_empty(...)`, then `keys[..., :h].copy_(k_nope)` and
+    `keys[..., h:].copy_(k_rot)`. The copies join the `new_empty` op (`OpNumbering`), and the `slice`
+    views between them are ops of their own: a swap issued at the op's step would copy the tensor
+    before its writes."""
+
+    def __init__(self, d: int = HIDDEN) -> None:
+        super().__init__()
+        self.q, self.k_nope, self.k_rot, self.o = (nn.Linear(d, d), nn.Linear(d, d // 2), nn.Linear(d, d // 2),
+                                                   nn.Linear(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nope, rot = self.k_nope(x), self.k_rot(x)
+        keys = nope.new_empty(*nope.shape[:-1], x.shape[-1])
+        keys[..., : nope.shape[-1]].copy_(nope)
+        keys[..., nope.shape[-1]:].copy_(rot)
+        scores = self.q(x) @ keys.transpose(-1, -2)
+        return x + self.o(scores.softmax(-1) @ x)
+
+
 class _Stack(nn.Module):
     def __init__(self, layers: list[nn.Module], d_in: int = HIDDEN, d_out: int = VOCAB) -> None:
         super().__init__()
@@ -256,6 +276,12 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
     # rotary, Cohere's parallel block with tied embeddings and a logit scale, Persimmon's query/key
     # LayerNorm with partial rotary and squared ReLU.
     "llama_tied": _hf("LlamaConfig", tie_word_embeddings=True, **_DEC),
+    # DeepSeek-V3: multi-head latent attention (its keys built in a `new_empty` by two slice copies,
+    # `SplitKeys` below) and routed plus shared experts after a first dense layer.
+    "deepseek_v3": _hf("DeepseekV3Config", n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                       moe_intermediate_size=HIDDEN, first_k_dense_replace=1, n_group=1, topk_group=1,
+                       kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                       **{**_DEC, "num_key_value_heads": HEADS}),
     "gptj": _hf("GPTJConfig", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
                 rotary_dim=HIDDEN // HEADS // 2, n_inner=2 * HIDDEN, bos_token_id=0, eos_token_id=0, pad_token_id=0),
     "cohere": _hf("CohereConfig", **_DEC),
@@ -279,6 +305,7 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
     "buffer_mutated": _plain(lambda: _Stack([Counted() for _ in range(PLAIN_LAYERS)]), "buffer_mutated"),
     "inplace_attention": _plain(lambda: _Stack([InPlaceAttention() for _ in range(PLAIN_LAYERS)]), "inplace_attention"),
     "routing": _plain(lambda: _Stack([Routing() for _ in range(PLAIN_LAYERS)]), "routing"),
+    "split_keys": _plain(lambda: _Stack([SplitKeys() for _ in range(PLAIN_LAYERS)]), "split_keys"),
 }
 
 

@@ -77,6 +77,8 @@ class _VerifiedStep(TorchDispatchMode):
         self.members: dict[str, list[_Member]] = {}
         #: Per offload: the device of its source (where its prefetches go), for the hook program.
         self._offload_devices: dict[int, torch.device] = {}
+        #: Per graph tensor, the offloads issued from it in this step (`_refresh_offloads`).
+        self._offloads_of: dict[str, list[int]] = {}
         self.internal = False
         self.versions = WriteCounts()
         if self.copies is None:
@@ -159,6 +161,8 @@ class _VerifiedStep(TorchDispatchMode):
             self._random_since_pack = True
         self.versions.note(func, args, begin.op, begin.new_op, self.numbering.name_of)
         out = self.collectives.call(func, args, kwargs)
+        if not begin.new_op and self._offloads_of:
+            self._refresh_offloads(func, args)
         op = self.graph.op_by_name[begin.op]
         for index, name, t in self.numbering.end(func, out):
             nbytes = t.untyped_storage().nbytes()
@@ -248,6 +252,7 @@ class _VerifiedStep(TorchDispatchMode):
             self._host_bytes += (host.tensor if isinstance(host, InFlight) else host).nbytes
             self.versions.offloaded[k] = self.versions.total[self.plan.offloads[k].tensor]
             self._offload_devices[k] = source.device
+            self._offloads_of.setdefault(self.plan.offloads[k].tensor, []).append(k)
             self.report.offloads += 1
         self.report.host_live_bytes[bucket] = self._host_bytes
         self.report.host_peak_bytes = max(self.report.host_peak_bytes, self._host_bytes)
@@ -265,6 +270,30 @@ class _VerifiedStep(TorchDispatchMode):
             self.current_copy[tensor] = c
             self.ledger.track(arriving.storage if isinstance(arriving, InFlight) else arriving.untyped_storage(), c)
             self.report.prefetches += 1
+
+    def _refresh_offloads(self, func, args: tuple) -> None:
+        """After an in-place call joined to its tensor's producer op (`OpNumbering`), copy again the
+        offloads already issued from that tensor, into the same host buffer. Why: the plan offloads a
+        tensor after its producer op's step, and an op's own in-place calls may run after later view
+        ops' steps (DeepSeek-V3's keys: `new_empty`, a slice view, `copy_`, a slice view, `copy_`); the
+        copy made at the step holds the tensor before them, which autograd's unpack refuses
+        (`WriteCounts.check`). The host bytes and the transfer's position stay the plan's; the hook-only
+        steps offload at the tensor's pack, after those calls already."""
+        from slackswap.runtime.op_numbering import writes_into
+
+        for i in writes_into(func):
+            name = self.numbering.name_of(args[i]) if i < len(args) else None
+            for k in self._offloads_of.get(name, ()) if name is not None else ():
+                if k not in self.hosts or self.versions.offloaded[k] == self.versions.total[name]:
+                    continue
+                self.internal = True
+                try:
+                    with _disable_current_modes():
+                        held = self.held_tensors.get(self.schedule.offload_copy[k])  # the form offloaded
+                        self.hosts[k] = self.copies.offload(_whole(args[i].detach()) if held is None else held, k)
+                finally:
+                    self.internal = False
+                self.versions.offloaded[k] = self.versions.total[name]
 
     def _copy_of(self, c: int) -> torch.Tensor:
         """Copy `c` as held (`_whole` form); a prefetch not yet arrived is waited for."""
