@@ -1,6 +1,7 @@
 """The conformance zoo: every architecture x planner x budget x executor, each cell exact, refused or infeasible.
 
     PYTHONPATH=. python benchmarks/zoo.py                 # all of `slackswap.runtime.zoo.FACTORIES`
+    PYTHONPATH=. python benchmarks/zoo.py --extra         # EXTRA_FACTORIES, to benchmarks/results/zoo_extra.json
     PYTHONPATH=. python benchmarks/zoo.py --models llama t5 --planners full_recompute --fractions 0.7
 
 Per architecture (`slackswap.runtime.zoo`, tiny shapes, CPU, fp32, seeded random weights) the step is
@@ -46,7 +47,7 @@ from slackswap.runtime import apply, capture_graph
 from slackswap.runtime.errors import PlanMismatchError
 from slackswap.runtime.replay_check import InexactRecomputeError
 from slackswap.runtime.training_workload import Workload
-from slackswap.runtime.zoo import FACTORIES, build
+from slackswap.runtime.zoo import EXTRA_FACTORIES, FACTORIES, build
 from slackswap.simulate.metrics import simulate_ideal
 
 FRACTIONS = (0.3, 0.5, 0.7)
@@ -329,16 +330,25 @@ def _compact(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(FACTORIES))
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="default: every architecture of FACTORIES (with --extra: of EXTRA_FACTORIES)")
+    parser.add_argument("--extra", action="store_true",
+                        help="the architectures run once to check the rules (slackswap.runtime.zoo.EXTRA_FACTORIES); "
+                             "the result goes to zoo_extra.json unless --out says otherwise")
     parser.add_argument("--planners", nargs="+", default=list(DEFAULT_PLANNERS))
     parser.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS))
     parser.add_argument("--executors", nargs="+", default=list(EXECUTORS))
-    parser.add_argument("--out", type=Path, default=RESULTS / "zoo.json")
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--no-trace", dest="trace", action="store_false",
                         help="skip the column comparing the traced saved tensors with what saved_tensors_hooks sees")
     args = parser.parse_args(argv)
-    for field, values, known in (("--models", args.models, FACTORIES), ("--planners", args.planners,
-                                 available_planners()), ("--executors", args.executors, EXECUTORS)):
+    if args.models is None:
+        args.models = list(EXTRA_FACTORIES if args.extra else FACTORIES)
+    if args.out is None:
+        args.out = RESULTS / ("zoo_extra.json" if args.extra else "zoo.json")
+    checks = (("--models", args.models, {**FACTORIES, **EXTRA_FACTORIES}),
+              ("--planners", args.planners, available_planners()), ("--executors", args.executors, EXECUTORS))
+    for field, values, known in checks:
         bad = [v for v in values if v not in known]
         if bad:
             print(f"{field}: {bad[0]!r} unknown; known: {', '.join(known)}", file=sys.stderr)

@@ -4,7 +4,7 @@ Fast: the in-place patterns and BatchNorm at 70 % under every default planner (t
 runtime executor). Slow: every architecture of `slackswap.runtime.zoo` under every default planner at
 one of the budgets 70 / 50 / 30 %, turning with the architecture, so each budget meets a third of the
 architectures (the suite's time is its limit: with two budgets each, this file took 58.6 s of worker time).
-A cell costs a verified step (0.3-0.7 s on a 2-layer model), and the whole grid of 32 architectures x
+A cell costs a verified step (0.3-0.7 s on a 2-layer model), and the whole grid of 34 architectures x
 3 budgets x both executors is the benchmark's record, `benchmarks/results/zoo.json`, which fails on
 any cell that differs, crashes or measures over its budget. The export's
 measure: a swapping plan's measured peak is its price, and a step measured over its budget fails the zoo.
@@ -161,3 +161,22 @@ def test_an_exported_step_measured_over_its_budget_is_a_failure(monkeypatch, tmp
     assert code == 1
     cell = json.loads(out.read_text())["matrix"]["tied"]["capuchin"]["30% export"]
     assert cell.startswith("over budget: measured "), cell
+
+
+def test_the_extra_architectures_build_apart_from_the_tested_ones(tmp_path, monkeypatch) -> None:
+    """`EXTRA_FACTORIES` (run once, `--extra`) share no name with the tested `FACTORIES`; `build` and the
+    zoo command take either, and `--extra` writes its own record."""
+    import json
+
+    from benchmarks import zoo
+    from slackswap.runtime.zoo import EXTRA_FACTORIES, FACTORIES, build
+
+    assert EXTRA_FACTORIES and not set(EXTRA_FACTORIES) & set(FACTORIES)
+    with pytest.raises(KeyError, match="olmo2"):
+        build("no_such_model")
+    monkeypatch.setattr(zoo, "RESULTS", tmp_path)
+    assert zoo.main(["--extra", "--models", "olmo2", "--planners", "keep_all", "--fractions", "1",
+                     "--executors", "runtime", "--no-trace"]) == 0
+    matrix = json.loads((tmp_path / "zoo_extra.json").read_text())["matrix"]
+    assert matrix["olmo2"]["keep_all"]["100% runtime"] == "exact"
+    assert zoo.main(["--models", "no_such_model"]) == 2
