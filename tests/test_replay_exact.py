@@ -158,3 +158,27 @@ def test_an_exported_batch_norm_counts_its_batches_once() -> None:
     plan = a.plan("full_recompute", 0.8, "export")
     assert plan.tensors_with(Decision.RECOMPUTE)
     assert compare(a.reference, a.run(plan, "export")) == "exact"
+
+
+def test_the_export_refuses_a_layer_called_with_a_key_value_cache() -> None:
+    """A Hugging Face model whose config keeps `use_cache=True` (the default) passes its layers a cache in
+    training too; the export's recompute re-runs a layer's forward, which updates it a second time (before:
+    an obscure shape error mid-backward). Refused in the forward, naming the layer and the fix; the
+    runtime replays recorded calls and runs it exact."""
+    from slackswap.runtime.errors import RuntimeUsageError
+    from slackswap.runtime.export import PlanExport
+
+    a = arch("llama")
+    plan = a.plan("full_recompute", 0.7, "export")
+    model = copy.deepcopy(a.pristine)
+    model.model.config.use_cache = True
+    ran_backward = []
+    refusal = r"layer 'model\.model\.layers\.0' is called with a key/value cache \(argument '\w+', DynamicCache\)"
+    with pytest.raises(RuntimeUsageError, match=refusal + ".*use_cache=False"), \
+            PlanExport(plan, a.graph, model).installed(model):
+        a.w.loss_fn(model(a.w.batch)).backward()
+        ran_backward.append(True)
+    assert not ran_backward
+    model.model.config.use_cache = False
+    with PlanExport(plan, a.graph, model).installed(model):
+        assert compare(a.reference, step(a.w, model)) == "exact"

@@ -63,6 +63,22 @@ def _fresh_function(fn: Callable) -> Callable:
 
 
 
+def refuse_cache(path: str, args: tuple, kwargs: dict) -> None:
+    """Refuse a layer called with a Hugging Face key/value cache (a `transformers` `Cache`: what a model
+    whose config keeps `use_cache=True`, the default, passes its layers in training too). Why: the
+    eager export re-runs the layer's forward to recompute, and that forward updates the cache again
+    (Llama's and GPT-2's layers append their keys and values a second time, Whisper's cross-attention
+    finds them cached and skips its projections), so the recompute fails mid-backward on a shape or
+    on PyTorch's count of saved tensors. The runtime replays recorded calls and is not affected.
+    Checked on audited steps (the first, and each with other inputs)."""
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        if any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__):
+            raise RuntimeUsageError(
+                f"layer {path!r} is called with a key/value cache (argument {key!r}, {type(value).__name__}): the "
+                "export's recompute of the layer would update it a second time. Train with use_cache=False "
+                "(model.config.use_cache = False, as Hugging Face's gradient checkpointing sets it)")
+
+
 class PlanExport(TableSteps):
     """A plan as one SAC policy per layer of `model` (`slackswap.profile.torch.layer_stacks`).
 
@@ -263,10 +279,12 @@ class PlanExport(TableSteps):
         if compile:
             return self._compiled(layer, region, backend)
         plain = type(layer).forward
+        path = self.regions[region]
         if self.mechanisms()[region] == CHECKPOINT:  # every decided tensor recomputed: no policy to ask
 
             def checkpointed(*args, **kwargs):
                 if self._auditing:
+                    refuse_cache(path, args, kwargs)
                     self._note_plain(region)
                 return checkpoint(partial(plain, layer), *args, use_reentrant=False, **kwargs)
 
@@ -277,6 +295,8 @@ class PlanExport(TableSteps):
             return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         def run(*args, **kwargs):
+            if self._auditing:
+                refuse_cache(path, args, kwargs)
             return self._run_layer(region, forward, args, kwargs)
 
         return run
