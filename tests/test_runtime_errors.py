@@ -18,7 +18,7 @@ from slackswap.plan import Decision  # noqa: E402
 from slackswap.runtime import PlanMismatchError, apply  # noqa: E402
 from slackswap.runtime.copy_engines import CpuCopies  # noqa: E402
 from slackswap.runtime.executor import RuntimeUsageError  # noqa: E402
-from slackswap.runtime.training_workload import build_training_workload, small_config  # noqa: E402
+from slackswap.runtime.training_workload import Workload, build_training_workload, small_config  # noqa: E402
 from tests.runtime_support import bit_equal, capture, plan_for, run_step, step_under  # noqa: E402
 
 _C: dict[str, object] = {}
@@ -138,6 +138,46 @@ def test_changed_code_path_names_the_call_and_the_expected_op() -> None:
     changed = pytest.raises(PlanMismatchError, match=r"not an op of graph.*the plan expected 'op\d+:.*Capture and plan")
     with changed, apply(plan, c.graph, w.model):
         w.loss_fn(w.model(w.batch) * 2).backward()
+
+
+def test_a_first_forward_that_fills_a_cache_is_named_in_the_refusal() -> None:
+    """A model that computes a value once and caches it (BEiT's `lru_cache`'d relative position index)
+    runs ops in its first forward, the capture's, that later steps skip: the plan is refused, and the
+    refusal names that cause; captured after a warm-up forward, the same model runs exact."""
+    import functools
+
+    from slackswap.planners.registry import get_planner
+    from slackswap.runtime import capture_graph
+    from tests.runtime_support import h200
+
+    @functools.lru_cache(maxsize=1)
+    def positions(n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32).sin()
+
+    class Cached(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.fc(x) + positions(x.shape[-1]))
+
+    torch.manual_seed(0)
+    model, x = Cached(), torch.randn(4, 8)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.square().sum()
+
+    graph = capture_graph(model, (x,), loss, h200(), name="cached")
+    plan = get_planner("keep_all").plan(graph, h200(), None)
+    refused = pytest.raises(PlanMismatchError, match=r"computes once and caches.*ran ops later steps skip")
+    with refused, apply(plan, graph, model):
+        loss(model(x)).backward()
+    model.zero_grad(set_to_none=True)
+    graph = capture_graph(model, (x,), loss, h200(), name="cached")  # the cache is warm now
+    plan = get_planner("keep_all").plan(graph, h200(), None)
+    w = Workload("cached", model, x, loss, 8)
+    assert bit_equal(step_under(w), *step_under(w, apply(plan, graph, model)))
 
 
 def test_gradient_accumulation_over_micro_batches_is_bit_exact() -> None:

@@ -139,7 +139,9 @@ class _VerifiedStep(TorchDispatchMode):
                 raise PlanMismatchError(
                     f"ATen call {begin.op!r} is not an op of graph {self.graph.name!r} (traced "
                     f"{self.graph.meta.get('aten_calls')} calls; the plan expected {expected!r} next): the code path "
-                    "changed (the model, its inputs, its train/eval mode, a data-dependent branch), or gradients "
+                    "changed (the model, its inputs, its train/eval mode, a data-dependent branch, or a value the "
+                    "model computes once and caches, such as BEiT's lru_cache'd relative position index: the "
+                    "capture's forward, the first, ran ops later steps skip), or gradients "
                     "were not None before the step. Capture and plan again for the new code path; clear "
                     "gradients (optimizer.zero_grad()) or use apply(..., accumulate=True) for micro-batches"
                 )
