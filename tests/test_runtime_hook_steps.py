@@ -332,3 +332,77 @@ def test_folded_program_holds_no_copy_past_its_last_use_and_counts_what_the_step
     assert (run.report.offloads, run.report.prefetches) == program.transfers(len(program.packs), 0, False)
     assert run.report.offloads == len(plan.offloads)  # this plan offloads every swapped tensor in forward
     assert not run.held_tensors  # the failed step let everything go
+
+
+class _LayerDrop(torch.nn.Module):
+    """Residual blocks of one shape, the ones in `skip` left out (LayerDrop, set by hand per step)."""
+
+    def __init__(self, layers: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.skip: set[int] = {1}
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width))
+            for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = x + layer(x)
+        return x
+
+
+def _same_step(model, x, run) -> bool:
+    """A plain step and a step under `run`, loss and every gradient (None for a skipped layer's) equal."""
+    def grads(context):
+        for p in model.parameters():
+            p.grad = None
+        with context or contextlib.nullcontext():
+            loss = _loss(model(x))
+            loss.backward()
+        return [loss.detach()] + [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    plain, planned = grads(None), grads(run)
+    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(plain, planned, strict=True))
+
+
+def test_a_hook_only_step_that_calls_other_layers_is_refused_before_a_recompute_replays_them() -> None:
+    """Skipping layer 2 instead of layer 1 packs the same shapes in the same order: a recompute would
+    replay layer 1's recorded calls, with its weights, on layer 2's tensors (before this check, a
+    silently wrong gradient). A recomputing plan's hook-only step is refused at the first layer that
+    differs, before backward (one layer fewer: at the first read back in another order); a plan that only moves
+    tensors reads back what each pack handed over, and stays exact; so does the export."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop(), torch.randn(32, 16)
+    graph = capture_graph(model, (x,), _loss, h200(), name="layerdrop")
+    recompute = get_planner("full_recompute").plan(graph, h200(), None)
+    assert any(s.kind == StepKind.RECOMPUTE for s in recompute.steps)
+    run = apply(recompute, graph, model)
+    assert _same_step(model, x, run) and run.report.verified
+    assert run.recording.layer_calls == (0, 2, 3)
+    model.skip = {2}
+    with pytest.raises(PlanMismatchError, match=r"layer call 1 of this step is 'layers\.1'; the verified step "
+                                                r"called layer 'layers\.2' there.*eager export"):
+        _same_step(model, x, run)
+    assert not run.report.verified
+    model.skip = {1, 3}
+    with pytest.raises(PlanMismatchError, match=r"backward read 'layers\.2\.1/gelu#0:0' where the verified step read "
+                                                r"'layers\.3\.1/gelu#0:0'"):  # one layer fewer: the order differs
+        _same_step(model, x, run)
+    model.skip = {1}
+    assert _same_step(model, x, run) and not run.report.verified
+    moves = build_schedule(graph, {t.name: Decision.SWAP for t in graph.saved_tensors}, planner="swap_every_tensor",
+                           budget_bytes=None, hardware=h200())
+    run = apply(moves, graph, model)
+    for skip in ({1}, {2}, {0}):
+        model.skip = skip
+        assert _same_step(model, x, run), skip
+    assert not run.report.verified
+    # The eager export re-runs each layer's own forward: exact whichever layers a step calls.
+    from slackswap.experiment.export_plan import plan_for_export
+    from slackswap.runtime.export import PlanExport
+
+    export = PlanExport(plan_for_export(get_planner("full_recompute"), graph, model, h200(), None), graph, model)
+    for skip in ({1}, {2}, {1, 3}):
+        model.skip = skip
+        assert _same_step(model, x, export.installed(model)), skip
