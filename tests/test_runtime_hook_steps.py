@@ -366,6 +366,44 @@ def _same_step(model, x, run) -> bool:
                for a, b in zip(plain, planned, strict=True))
 
 
+class _Routed(torch.nn.Module):
+    """Each layer sends its whole input to one of two experts of one shape, by a Python choice."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.route = "a"
+        def expert() -> torch.nn.Module:
+            return torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * width, width))
+
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({name: expert() for name in "ab"}) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer[self.route](x)
+        return x
+
+
+def test_a_hook_only_step_routed_to_another_expert_of_one_shape_is_refused() -> None:
+    """The layers are called in the same order, their experts not: a recompute of every layer tensor
+    would replay expert a's calls with its weights on expert b's step (before: a gradient silently
+    wrong). Refused at the first module that differs; back on the recorded route, exact."""
+    torch.manual_seed(0)
+    model, x = _Routed(), torch.randn(32, 16)
+    graph = capture_graph(model, (x,), _loss, h200(), name="routed")
+    decisions = {t.name: Decision.RECOMPUTE if t.name.startswith("layers") else Decision.KEEP
+                 for t in graph.saved_tensors}
+    plan = build_schedule(graph, decisions, planner="recompute_the_layers", budget_bytes=None, hardware=h200())
+    run = apply(plan, graph, model)
+    assert _same_step(model, x, run) and run.report.verified
+    model.route = "b"
+    with pytest.raises(PlanMismatchError, match=r"module call 0 of this step is 'layers\.0\.b\.0'; the verified "
+                                                r"step called 'layers\.0\.a\.0' there"):
+        _same_step(model, x, run)
+    model.route = "a"
+    assert _same_step(model, x, run) and not run.report.verified
+
+
 def test_a_hook_only_step_that_calls_other_layers_is_refused_before_a_recompute_replays_them() -> None:
     """Skipping layer 2 instead of layer 1 packs the same shapes in the same order: a recompute would
     replay layer 1's recorded calls, with its weights, on layer 2's tensors (before this check, a
@@ -379,10 +417,11 @@ def test_a_hook_only_step_that_calls_other_layers_is_refused_before_a_recompute_
     assert any(s.kind == StepKind.RECOMPUTE for s in recompute.steps)
     run = apply(recompute, graph, model)
     assert _same_step(model, x, run) and run.report.verified
-    assert run.recording.layer_calls == (0, 2, 3)
+    called = [run.module_calls.paths[i] for i in run.recording.module_calls]
+    assert called[:4] == ["layers.0.0", "layers.0.1", "layers.0.2", "layers.2.0"] and len(called) == 9
     model.skip = {2}
-    with pytest.raises(PlanMismatchError, match=r"layer call 1 of this step is 'layers\.1'; the verified step "
-                                                r"called layer 'layers\.2' there.*eager export"):
+    with pytest.raises(PlanMismatchError, match=r"module call 3 of this step is 'layers\.1\.0'; the verified step "
+                                                r"called 'layers\.2\.0' there.*eager export"):
         _same_step(model, x, run)
     assert not run.report.verified
     model.skip = {1, 3}

@@ -79,5 +79,5 @@ class Recording:
     #: Pack events whose RNG state a recomputed random call needs (-1: the forward pre-hook).
     rng_events: frozenset[int]
     refusal: str | None = None
-    #: The layers the step called, in order (`eager.layer_calls`): what a hook-only step is checked against.
-    layer_calls: tuple[int, ...] = ()
+    #: The leaf modules the step called, in order (`eager.module_calls`): what a hook-only step is checked against.
+    module_calls: tuple[int, ...] = ()

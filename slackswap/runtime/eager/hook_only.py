@@ -75,9 +75,9 @@ class _HookOnlyStep:
         self._hook_only_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._step_inputs = []
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
-        self._layer_hooks = []
-        if self.recomputes:  # a recompute replays the recorded layer's calls: the layers must be the same
-            self._layer_hooks = self.layer_calls.check(self.recording.layer_calls)
+        self._module_hooks = []
+        if self.recomputes:  # a recompute replays the recorded modules' calls: the modules must be the same
+            self._module_hooks = self.module_calls.check(self.recording.module_calls)
         self._hooks = contextlib.nullcontext()
         self._reached = _nothing_reached
         if not self.idle:  # a plan that keeps everything and moves nothing needs no hook at all
@@ -88,7 +88,7 @@ class _HookOnlyStep:
     def _exit_hook_only(self, exc_type) -> None:
         self._hooks.__exit__(None, None, None)
         self._input_hook.remove()
-        for handle in self._layer_hooks:
+        for handle in self._module_hooks:
             handle.remove()
         packs_reached, unpacks_reached = self._reached()
         try:

@@ -30,7 +30,7 @@ from slackswap.runtime.copy_engines import (
     offload_sizes,
 )
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
-from slackswap.runtime.eager.layer_calls import LayerCalls
+from slackswap.runtime.eager.module_calls import ModuleCalls
 from slackswap.runtime.eager.program import HookProgram
 from slackswap.runtime.eager.verified import _VerifiedStep
 from slackswap.runtime.eager.views import _rng_state
@@ -99,8 +99,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         self.copy_source = self.schedule.copy_source
         #: The plan keeps every tensor and moves none: a hook-only step has nothing to do.
         self.idle = plan.idle
-        #: The model's layers, whose calls a hook-only step of a recomputing plan checks (`LayerCalls`).
-        self.layer_calls = LayerCalls(model)
+        #: The model's leaf modules, whose calls a hook-only step of a recomputing plan checks (`ModuleCalls`).
+        self.module_calls = ModuleCalls(model)
         self.recomputes = any(s.kind == StepKind.RECOMPUTE for s in steps)
 
     def _default_copies(self) -> object:

@@ -84,7 +84,7 @@ class _VerifiedStep(TorchDispatchMode):
         if self.copies is None:
             self.copies = self._default_copies()
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
-        self._layer_log, self._layer_hooks = self.layer_calls.record()
+        self._module_log, self._module_hooks = self.module_calls.record()
         self._loss_boundary = loss_boundary(self.model, self.identities)
         self._loss_boundary.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -99,7 +99,7 @@ class _VerifiedStep(TorchDispatchMode):
         self._hooks.__exit__(exc_type, exc, tb)
         self._loss_boundary.__exit__(exc_type, exc, tb)
         self._input_hook.remove()
-        for handle in self._layer_hooks:
+        for handle in self._module_hooks:
             handle.remove()
         try:
             if exc_type is None:
@@ -455,4 +455,4 @@ class _VerifiedStep(TorchDispatchMode):
         events = frozenset(m.rng_event for ms in members.values() for m in ms if m.rng is not None
                            and m.rng_event is not None)
         return Recording(tuple(self._packs), tuple(self._unpacks), members, events, self._refusal,
-                         layer_calls=tuple(self._layer_log))
+                         module_calls=tuple(self._module_log))
