@@ -1,4 +1,5 @@
-"""The order a step calls the model's leaf modules in: recorded by the verified step, checked by hook-only steps.
+"""What a recomputing plan's hook-only step must share with the verified step: the order it calls the
+model's leaf modules in (`ModuleCalls`) and the Python numbers its modules hold (`module_numbers`).
 
 Why: a hook-only step checks each saved tensor's shape and dtype against the verified step's record,
 and nothing else about the code path. A model whose path changes between steps among modules of one
@@ -58,4 +59,16 @@ class ModuleCalls:
         return [m.register_forward_pre_hook(lambda *_, i=i: hook(i)) for i, m in enumerate(self.modules)]
 
 
-__all__ = ["ModuleCalls"]
+def module_numbers(model: torch.nn.Module) -> tuple[tuple[int, str, object], ...]:
+    """The Python numbers (int, float, bool) every module of `model` holds as attributes, by module index
+    and name: what a recomputing plan's steps compare with the verified step's before running on hooks
+    alone. Why: a recompute replays the verified step's recorded calls with their Python numbers, so a
+    number the model reads in forward and the training loop changes between steps (wav2vec2's Gumbel
+    temperature, `set_gumbel_temperature`; a scheduled drop probability) would come back as the
+    verified step's: such a step runs verified instead, recording the calls again. A number computed
+    in forward from elsewhere is not seen (docs/runtime.md, "Hook-only steps")."""
+    return tuple((i, key, value) for i, m in enumerate(model.modules()) for key, value in m.__dict__.items()
+                 if type(value) in (int, float, bool))
+
+
+__all__ = ["ModuleCalls", "module_numbers"]

@@ -30,7 +30,7 @@ from slackswap.runtime.copy_engines import (
     offload_sizes,
 )
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
-from slackswap.runtime.eager.module_calls import ModuleCalls
+from slackswap.runtime.eager.module_calls import ModuleCalls, module_numbers
 from slackswap.runtime.eager.program import HookProgram
 from slackswap.runtime.eager.verified import _VerifiedStep
 from slackswap.runtime.eager.views import _rng_state
@@ -139,8 +139,11 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         return self
 
     def _enter(self) -> None:
+        #: A recomputing plan's step whose modules hold other Python numbers than the recorded step's
+        #: runs verified (`module_numbers`), and its recording replaces the old one.
+        self._numbers = module_numbers(self.model) if self.recomputes else ()
         self.hook_only = (self.recording is not None and self.recording.refusal is None
-                          and not (self.trace or self.verify))
+                          and not (self.trace or self.verify) and self._numbers == self.recording.module_numbers)
         if self.hook_only:
             self._enter_hook_only()
             return
@@ -153,7 +156,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
                 self._exit_hook_only(exc_type)
             else:
                 self._exit(exc_type, exc, tb)
-                if exc_type is None and self.recording is None:
+                if exc_type is None:  # each complete verified step's recording is the one to replay
                     self.recording = self._finish_recording()
                     if self.recording.refusal is None:
                         self._program = self._build_program()
