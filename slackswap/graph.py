@@ -117,6 +117,10 @@ SAVED_PACKS_BY_LAYER_KEY = "saved_tensor_packs_by_layer"
 #: of the step's hook events are those of the tensors a plan recomputes (`saved_tensor_events`, priced
 #: apart by `slackswap.experiment.prediction`).
 SAVED_EVENTS_BY_TENSOR_KEY = "saved_tensor_events_by_tensor"
+#: Graph meta of a captured graph: the calls of modules without children in the step, forward and
+#: backward: what a recomputing plan's hook-only step checks one by one (`slackswap.runtime.eager
+#: .module_calls`), priced per call by `slackswap.experiment.prediction`.
+LEAF_MODULE_CALLS_KEY = "leaf_module_calls"
 #: Graph meta of a captured graph: each parameter's gradient storage the step made, name -> bytes. A
 #: weight gradient is model state (`Graph.weight_grad_bytes`), not an activation, in every graph source
 #: (docs/memory.md); the capture lists them so the runtime can tell them from a tensor the graph lacks.

@@ -23,14 +23,18 @@ def test_the_runtimes_host_costs_are_solved_from_whole_steps_worked_by_hand():
              "swap": schedule_from_decisions(g, {"a": swap, "b": swap, "gb": keep})}
     copies = len(plans["swap"].offloads) + len(plans["swap"].prefetches)
     context, other, recomputed, profile_hook, per_copy = 10e-6, 1e-6, 3e-6, 0.5e-6, 2e-6
+    check = 4e-6  # per module call a recomputing plan's step checks: the graph's 4
     bare = 1e-3
     passed = bare + 5 * profile_hook
     rounds = [{"bare": bare, "pass": passed, "keep": bare + context,
-               "recompute": passed + 100e-6 + context + 2 * other + 3 * recomputed, "recompute_replays": 100e-6,
-               "one": passed + 50e-6 + context + 3 * other + 2 * recomputed, "one_replays": 50e-6,
+               "recompute": passed + 100e-6 + context + 2 * other + 3 * recomputed + 4 * check,
+               "recompute_replays": 100e-6,
+               "one": passed + 50e-6 + context + 3 * other + 2 * recomputed + 4 * check, "one_replays": 50e-6,
+               "one_unchecked": passed + 60e-6 + context + 3 * other + 2 * recomputed, "one_unchecked_replays": 60e-6,
                "copies": 40e-6, "swap": passed + context + 5 * other + 40e-6 + copies * per_copy}] * 3
     # The recompute plan's hook work is a's 3 events at the recomputed rate and b's 2 at the other, the one
-    # plan's b's 2 and a's 3: two equations; the swap's copies are what its step holds beyond the rest.
+    # plan's b's 2 and a's 3: two equations, each less the module checks (the one plan's step against the
+    # same step unchecked, replays taken off); the swap's copies are what its step holds beyond the rest.
     solved = _solve(g, plans, rounds)
     assert solved == pytest.approx({"context": context, "profile_hook": profile_hook, "other": other,
-                                    "recomputed": recomputed, "copy": per_copy}, rel=1e-6)
+                                    "recomputed": recomputed, "copy": per_copy, "module_check": check}, rel=1e-6)

@@ -140,17 +140,19 @@ def test_the_runtimes_host_costs_add_where_its_hook_only_step_makes_them():
 
     g = _hooked_graph()  # a packed once and read back twice, b once each
     host = RuntimeHostCost(hook_per_event_s=1e-3, replay_per_step_s=1e-2, replay_per_call_s=1e-1,
-                           context_per_step_s=5e-4, recompute_hook_per_event_s=2e-3, source="test")
+                           context_per_step_s=5e-4, recompute_hook_per_event_s=2e-3, module_check_per_call_s=1e-5,
+                           source="test")
     hw = toy_hardware(d2h_bytes_per_s=100.0, h2d_bytes_per_s=100.0)
     recompute = schedule_from_decisions(g, {"a": Decision.RECOMPUTE, "b": Decision.KEEP, "gb": Decision.KEEP})
     p = predict_step(g, recompute, hw, _machine(True), host)
     # The context once; a's 3 events at the recomputed tensors' rate, b's 2 at the others'; one recompute
-    # step replaying op0's 3 ATen calls (op0 .. op2).
-    assert p.runtime_host_s == pytest.approx(5e-4 + 3 * 2e-3 + 2 * 1e-3 + 1e-2 + 3 * 1e-1)
+    # step replaying op0's 3 ATen calls (op0 .. op2); the 4 module calls the recomputing plan's step checks.
+    assert p.runtime_host_s == pytest.approx(5e-4 + 3 * 2e-3 + 2 * 1e-3 + 1e-2 + 3 * 1e-1 + 4 * 1e-5)
     assert p.step_s == pytest.approx(predict_step(g, recompute, hw, _machine(True)).step_s + p.runtime_host_s)
     # A swapped tensor's events are priced as a kept one's (its copies carry the rest).
     swap = schedule_from_decisions(g, {"a": Decision.SWAP, "b": Decision.KEEP, "gb": Decision.KEEP})
     assert runtime_host_counts(g, swap).hook_events == 5 and runtime_host_counts(g, swap).recompute_events == 0
+    assert runtime_host_counts(g, swap).module_checks == 0  # a plan that recomputes nothing checks no module
     # On an asynchronous machine host work overlaps the device's.
     assert predict_step(g, recompute, hw, _machine(False), host).runtime_host_s == 0.0
     # The costs travel with the op-time table.
@@ -224,15 +226,17 @@ def test_runtime_host_costs_cached_without_a_field_are_never_read_as_zeros(tmp_p
 
 
 def _hooked_graph():
-    """A captured graph's hook events: a packed once and read back twice, b packed and read back once."""
-    from slackswap.graph import SAVED_EVENTS_BY_TENSOR_KEY, Graph
+    """A captured graph's hook events: a packed once and read back twice, b packed and read back once; 4
+    calls of modules without children."""
+    from slackswap.graph import LEAF_MODULE_CALLS_KEY, SAVED_EVENTS_BY_TENSOR_KEY, Graph
 
     g = make_graph([fwd("op0:aten.mm.default", [], ["a"], 1.0), fwd("op3:aten.relu.default", ["a"], ["b"], 2.0),
                     bwd("op4:aten.threshold_backward.default", ["b"], ["gb"], 3.0),
                     bwd("op6:aten.mm.default", ["a", "gb"], ["ga"], 4.0)], {"a": 100, "b": 200, "gb": 200, "ga": 100})
     return Graph(name=g.name, ops=g.ops, tensors=g.tensors, num_layers=g.num_layers,
                  meta=dict(g.meta) | {"saved_tensor_packs": 2, "saved_tensor_unpacks": 3,
-                                      SAVED_EVENTS_BY_TENSOR_KEY: {"a": [1, 2], "b": [1, 1]}})
+                                      SAVED_EVENTS_BY_TENSOR_KEY: {"a": [1, 2], "b": [1, 1]},
+                                      LEAF_MODULE_CALLS_KEY: 4})
 
 
 def test_the_training_run_predicts_as_the_benchmark_with_the_runtimes_host_costs():

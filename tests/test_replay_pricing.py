@@ -42,7 +42,7 @@ def test_a_recompute_step_costs_its_ops_replay_time_less_the_op_time_the_simulat
     # recompute. op3 has no replay time: 1e-2 per step + 1e-1 x its 1 call, from the microbenchmark.
     counts = runtime_host_counts(g, plan, {MM: 1.5})
     assert counts == RuntimeHostCounts(0, 1, 1, 0, replay_timed_steps=1, replay_timed_excess_s=pytest.approx(0.5),
-                                       recompute_events=5)  # a and b recomputed: their 5 events
+                                       recompute_events=5, module_checks=4)  # a and b recomputed: their 5 events
     assert counts.seconds(HOST) == pytest.approx(5e-3 + 0.5 + 1e-2 + 1e-1)
     p = predict_step(g, plan, toy_hardware(), _machine(True), HOST, {MM: 1.5})
     assert p.runtime_host_s == pytest.approx(5e-3 + 0.5 + 1e-2 + 1e-1)

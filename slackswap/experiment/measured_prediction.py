@@ -69,7 +69,8 @@ class HostCosts:
                          f"per saved-tensor event ({h.recompute_hook_per_event_s * 1e6:.2f} us of a recomputed "
                          f"tensor), {h.replay_per_step_s * 1e6:.1f} us per recompute step, "
                          f"{h.replay_per_call_s * 1e6:.1f} us per replayed ATen call, {h.per_copy_s * 1e6:.1f} us per "
-                         f"copy; an idle plan less the profile's pass-through hook, "
+                         f"copy, {h.module_check_per_call_s * 1e6:.1f} us per module call a recomputing plan checks; "
+                         f"an idle plan less the profile's pass-through hook, "
                          f"{h.profile_hook_per_event_s * 1e6:.2f} us per event")
         if self.export is not None:
             e = self.export

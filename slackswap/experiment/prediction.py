@@ -40,7 +40,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from slackswap.graph import Graph, saved_tensor_events
+from slackswap.graph import LEAF_MODULE_CALLS_KEY, Graph, saved_tensor_events
 from slackswap.hardware import Hardware
 from slackswap.plan import Decision, Plan, StepKind
 from slackswap.profile.machine import Machine
@@ -95,6 +95,8 @@ class RuntimeHostCounts:
     replay_timed_excess_s: float = 0.0
     #: Saved-tensor events of tensors the plan recomputes.
     recompute_events: int = 0
+    #: Calls of modules without children a recomputing plan's step checks (the graph's `leaf_module_calls`).
+    module_checks: int = 0
 
     def seconds(self, host: RuntimeHostCost) -> float:
         return (self.replay_timed_excess_s
@@ -103,6 +105,7 @@ class RuntimeHostCounts:
                 + self.recompute_steps * host.replay_per_step_s
                 + self.replayed_calls * host.replay_per_call_s + self.copies * host.per_copy_s
                 + self.context_steps * host.context_per_step_s
+                + self.module_checks * host.module_check_per_call_s
                 - self.profile_hook_events * host.profile_hook_per_event_s)
 
 
@@ -132,9 +135,15 @@ def runtime_host_counts(graph: Graph, plan: Plan, replay_times: Mapping[str, flo
     fallback = [s for s in steps if s.op not in replays]
     excess = sum((replays[s.op] - ops[index[s.op]].duration_s for s in timed), 0.0)
     recomputed = saved_tensor_events(graph, plan.tensors_with(Decision.RECOMPUTE))
+    checks = 0
+    if steps:  # a recomputing plan's hook-only step checks each module call
+        if LEAF_MODULE_CALLS_KEY not in graph.meta and events:
+            raise ValueError(f"graph {graph.name!r}: meta {LEAF_MODULE_CALLS_KEY!r} missing (its module calls, which a "
+                             "recomputing plan's step checks, were not counted): capture it again")
+        checks = int(graph.meta.get(LEAF_MODULE_CALLS_KEY, 0))
     return RuntimeHostCounts(events - recomputed, len(fallback), sum(width(s.op) for s in fallback),
                              len(plan.offloads) + len(plan.prefetches), replay_timed_steps=len(timed),
-                             replay_timed_excess_s=excess, recompute_events=recomputed)
+                             replay_timed_excess_s=excess, recompute_events=recomputed, module_checks=checks)
 
 
 def predict_step(graph: Graph, plan: Plan, hardware: Hardware, machine: Machine | None,

@@ -32,7 +32,7 @@ from slackswap.profile.host_allocator import SYSTEM_DEFAULT_ALLOCATOR
 
 TIMINGS = ("roofline", "measured")
 #: Bumped when the measuring method changes what a time means (old tables then miss).
-TABLE_FORMAT = "slackswap.op_times/5"
+TABLE_FORMAT = "slackswap.op_times/6"
 
 
 class MeasurementError(SlackSwapError):
@@ -116,6 +116,10 @@ class RuntimeHostCost:
     #: Per event of a tensor the plan recomputes, beyond the pass-through hook: the pack keeps a number
     #: instead of the tensor, the unpack hands autograd another tensor than it saved (the replay's).
     recompute_hook_per_event_s: float = 0.0
+    #: Per call of a module without children in a recomputing plan's step: the check that the step calls
+    #: the verified step's modules (`slackswap.runtime.eager.module_calls`; its per-step read of the modules'
+    #: numbers spread over the calls).
+    module_check_per_call_s: float = 0.0
     source: str = ""
 
 

@@ -25,6 +25,7 @@ from slackswap.graph import (
     BACKWARD_FRAMES_KEY,
     FORWARD_PHASES,
     LAYER_ARGUMENTS_KEY,
+    LEAF_MODULE_CALLS_KEY,
     NO_LAYER,
     REWRITTEN_KEY,
     SAVED_EVENTS_BY_TENSOR_KEY,
@@ -336,6 +337,16 @@ def capture_graph(
                 recorder.backward_context = (recorder.ops[producer]["layer"], producer)
             return t
 
+        # Calls of the modules without children: what a recomputing plan's hook-only step checks, one hook
+        # call each (`slackswap.runtime.eager.module_calls`), priced by `runtime_host_counts`.
+        leaf_calls = [0]
+
+        def count_call(*_) -> None:
+            leaf_calls[0] += 1
+
+        for m in model.modules():
+            if next(m.children(), None) is None:
+                stack.callback(m.register_forward_pre_hook(count_call).remove)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         stack.enter_context(torch.random.fork_rng(devices=devices))
         stack.enter_context(identities)  # below the recorder: it names what the recorder's calls create
@@ -386,6 +397,7 @@ def capture_graph(
         "model_signature": model_signature(model),
         "input_signature": input_signature(inputs),
         "aten_calls": numbering.calls,
+        LEAF_MODULE_CALLS_KEY: leaf_calls[0],
         "saved_tensor_packs": events[0],
         "saved_tensor_unpacks": events[1],
         SAVED_EVENTS_BY_TENSOR_KEY: {t: list(n) for t, n in events_by_tensor.items() if t in recorder.tensors},

@@ -76,7 +76,7 @@ class _HookOnlyStep:
         self._step_inputs = []
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._module_hooks = []
-        if self.recomputes:  # a recompute replays the recorded modules' calls: the modules must be the same
+        if self.checks_modules:  # a recompute replays the recorded modules' calls: the modules must be the same
             self._module_hooks = self.module_calls.check(self.recording.module_calls)
         self._hooks = contextlib.nullcontext()
         self._reached = _nothing_reached

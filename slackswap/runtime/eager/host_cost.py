@@ -157,7 +157,9 @@ def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan],
         plans["one"] = _one_recomputed(timed, plans["recompute"])
         plans["swap"] = schedule_from_decisions(timed, {t.name: Decision.SWAP for t in decided})
         runs = {kind: apply(plan, timed, model) for kind, plan in plans.items()}
-        stamps = {kind: _stamped(runs[kind]) for kind in ("recompute", "one")}
+        runs["one_unchecked"] = apply(plans["one"], timed, model)
+        runs["one_unchecked"].checks_modules = False  # the same steps without the module checks
+        stamps = {kind: _stamped(runs[kind]) for kind in ("recompute", "one", "one_unchecked")}
         rounds = _rounds(model, x, timed, plans["swap"], runs, stamps, warmup, ROUNDS_PER_REPEAT * repeats,
                          as_captured)
         for run in runs.values():
@@ -181,14 +183,16 @@ def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan],
     source = (f"slackswap.runtime.eager.host_cost: {BLOCKS} pre-norm MLP blocks (width {WIDTH}, {TOKENS} tokens), "
               f"{events} saved-tensor events a step; steps with no hook, the profile's pass-through hook, the keep "
               f"plan, the full-recompute plan ({len(calls)} recompute steps of {min(calls)}-{max(calls)} ATen calls), "
-              f"a plan recomputing one tensor and one swapping every tensor ({copies} copies), {len(rounds)} rounds "
+              f"a plan recomputing one tensor (with and without its module checks, {timed.meta['leaf_module_calls']} "
+              f"calls) and one swapping every tensor ({copies} copies), {len(rounds)} rounds "
               f"in rotating order, thread CPU time, medians of differences within a round; op times by the {clock} "
               f"clock; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     return RuntimeHostCost(hook_per_event_s=costs["other"], replay_per_step_s=float(per_step),
                            replay_per_call_s=float(per_call),
                            per_copy_s=costs["copy"], context_per_step_s=costs["context"],
                            profile_hook_per_event_s=costs["profile_hook"],
-                           recompute_hook_per_event_s=costs["recomputed"], source=source)
+                           recompute_hook_per_event_s=costs["recomputed"],
+                           module_check_per_call_s=costs["module_check"], source=source)
 
 
 def _rounds(model, x, graph: Graph, swap: Plan, runs: dict, stamps: dict, warmup: int, rounds: int,
@@ -235,7 +239,7 @@ def _rounds(model, x, graph: Graph, swap: Plan, runs: dict, stamps: dict, warmup
 
 def _solve(graph: Graph, plans: dict[str, Plan], rounds: list[dict[str, float]]) -> dict[str, float]:
     """The per-step, per-event and per-copy costs from the rounds' step times (module docstring), each >= 0."""
-    from slackswap.graph import saved_tensor_events
+    from slackswap.graph import LEAF_MODULE_CALLS_KEY, saved_tensor_events
     from slackswap.plan import Decision
 
     def median(f) -> float:
@@ -244,17 +248,20 @@ def _solve(graph: Graph, plans: dict[str, Plan], rounds: list[dict[str, float]])
     events = int(graph.meta["saved_tensor_packs"]) + int(graph.meta["saved_tensor_unpacks"])
     context = max(0.0, median(lambda t: t["keep"] - t["bare"]))
     profile_hook = max(0.0, median(lambda t: t["pass"] - t["bare"]) / max(1, events))
+    checks = max(0.0, median(lambda t: t["one"] - t["one_replays"] - t["one_unchecked"] + t["one_unchecked_replays"]))
     rows, hook_work = [], []
-    for kind in ("recompute", "one"):
+    for kind in ("recompute", "one"):  # both recompute, so both check their module calls
         recomputed = saved_tensor_events(graph, plans[kind].tensors_with(Decision.RECOMPUTE))
         rows.append([events - recomputed, recomputed])
-        hook_work.append(median(lambda t, k=kind: t[k] - t["pass"] - t[f"{k}_replays"] - (t["keep"] - t["bare"])))
+        hook_work.append(median(lambda t, k=kind: t[k] - t["pass"] - t[f"{k}_replays"] - (t["keep"] - t["bare"]))
+                         - checks)
     (other, recomputed_rate), _ = nnls(np.array(rows, float), np.array(hook_work, float))
     copies = len(plans["swap"].offloads) + len(plans["swap"].prefetches)
     swap_extra = median(lambda t: t["swap"] - t["pass"] - (t["keep"] - t["bare"]) - t["copies"])
     per_copy = (swap_extra - events * other) / max(1, copies)
     return {"context": context, "profile_hook": profile_hook, "other": float(other),
-            "recomputed": float(recomputed_rate), "copy": max(0.0, float(per_copy))}
+            "recomputed": float(recomputed_rate), "copy": max(0.0, float(per_copy)),
+            "module_check": checks / max(1, int(graph.meta[LEAF_MODULE_CALLS_KEY]))}
 
 
 __all__ = ["measure_runtime_host_cost"]

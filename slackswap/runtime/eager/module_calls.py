@@ -9,8 +9,9 @@ this check: a 4-layer stack skipping another layer on each step (LayerDrop: wav2
 `layerdrop`), under full_recompute, dtr and memo plans; a layer routing its whole input to one of two
 experts of one shape by a Python choice, with its tensors recomputed. One forward pre-hook per leaf
 module (a module without children: Linear, LayerNorm, an activation module, ...) sees the first call
-that differs, before any recompute runs (+0.9 us a call on this project's machine; a 32-layer Llama
-makes about 350 such calls a step). The eager export, whose checkpoints re-run each layer's own
+that differs, before any recompute runs (4.2-4.7 us a call on this project's machine, a pre-hook
+putting the call on PyTorch's slow path, priced by the host-cost model; a 32-layer Llama makes about
+350 such calls a step). The eager export, whose checkpoints re-run each layer's own
 forward, runs such models exact. A plan that only keeps and moves tensors reads back what each pack
 handed over, so its steps are not checked. A path that changes only between functional calls
 (`F.gelu` or `F.relu` on one shape, no module) is not seen: `apply(..., verify=True)` runs every step

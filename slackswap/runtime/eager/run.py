@@ -102,7 +102,9 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         #: The model's leaf modules, whose calls a hook-only step of a recomputing plan checks (`ModuleCalls`).
         self.module_calls = ModuleCalls(model)
         self.module_numbers = ModuleNumbers(model)
-        self.recomputes = any(s.kind == StepKind.RECOMPUTE for s in steps)
+        #: A plan that recomputes checks its hook-only steps' module calls and numbers (`module_calls`);
+        #: `slackswap.runtime.eager.host_cost` turns it off on one run to time the checks.
+        self.checks_modules = any(s.kind == StepKind.RECOMPUTE for s in steps)
 
     def _default_copies(self) -> object:
         """CUDA streams with one pinned slab sized from the plan's offloads on a GPU; inline CPU copies."""
@@ -142,7 +144,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
     def _enter(self) -> None:
         #: A recomputing plan's step whose modules hold other Python numbers than the recorded step's
         #: runs verified (`ModuleNumbers`), and its recording replaces the old one.
-        self._numbers = self.module_numbers.snapshot() if self.recomputes else ()
+        self._numbers = self.module_numbers.snapshot() if self.checks_modules else ()
         self.hook_only = (self.recording is not None and self.recording.refusal is None
                           and not (self.trace or self.verify) and self._numbers == self.recording.module_numbers)
         if self.hook_only:
