@@ -132,6 +132,16 @@ def test_hf_gradient_checkpointing_is_refused_before_training(setting, tmp_path)
         plan_for(trainer, budget=0.5)
 
 
+def test_layerdrop_is_refused_for_the_runtime_before_training(tmp_path) -> None:
+    """LayerDrop skips other layers on each step: the runtime's steps are the captured one's (its hook-only
+    steps refuse another path), so a model configured with it is refused up front, pointing to the export."""
+    trainer = ex["make_trainer"]("llama", str(tmp_path))
+    trainer.model.config.layerdrop = 0.1
+    with pytest.raises(IntegrationError, match=r"^model\.config\.layerdrop=0\.1: LayerDrop .*executor='export'"):
+        plan_for(trainer, budget=0.5)
+    plan_for(trainer, budget=0.5, executor="export")  # the export re-runs each layer's own forward
+
+
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("executor", "compiled", r"^executor='compiled': must be one of runtime, export"),
     ("verify_steps", 0, r"^verify_steps=0: must be a positive integer"),

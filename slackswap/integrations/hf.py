@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from slackswap.integrations.planning import EXECUTORS, IntegrationError, StepPlan
+from slackswap.integrations.planning import EXECUTORS, IntegrationError, StepPlan, check_layerdrop
 from slackswap.integrations.step import PlannedStep
 from slackswap.integrations.verify import Tolerances
 
@@ -106,6 +106,7 @@ def check_trainer(trainer: Any, executor: str) -> None:
     if executor == "runtime" and args.torch_compile:
         raise IntegrationError("TrainingArguments.torch_compile", True,
                                "the runtime runs eager; use executor='export' for a compiled model")
+    check_layerdrop(model, executor)
 
 
 def _reports_to_mlflow(trainer: Any) -> bool:

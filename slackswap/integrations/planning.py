@@ -61,6 +61,27 @@ def called_with_keywords(model: torch.nn.Module, keys: tuple[str, ...]) -> Itera
             model.forward = own
 
 
+#: Hugging Face configs' LayerDrop rates (wav2vec2, HuBERT, Whisper, BART and its kin).
+LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def check_layerdrop(model: torch.nn.Module, executor: str) -> None:
+    """Refuse the runtime for a model whose Hugging Face config drops layers at random in training: the
+    runtime runs the step it captured, its hook-only steps refuse another path (docs/runtime.md, "Hook-only
+    steps"), while the export's checkpoints re-run each layer's own forward."""
+    if executor != "runtime":
+        return
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for key in LAYERDROP_KEYS if config is not None else ():
+            rate = getattr(config, key, 0.0) or 0.0
+            if isinstance(rate, (int, float)) and rate > 0:
+                raise IntegrationError(f"model.config.{key}", rate,
+                                       "LayerDrop skips other layers on each step, and the runtime runs the step it "
+                                       "captured; use executor='export' (its checkpoints re-run each layer's own "
+                                       "forward) or set it to 0")
+
+
 def capture_step(model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
                  finish: Callable[[object], torch.Tensor], hardware: Hardware, name: str) -> Graph:
     """The graph of one step: `finish(model(**call)).backward()` (`model(*call)` for a sequence),

@@ -27,6 +27,7 @@ from slackswap.integrations.planning import (
     IntegrationError,
     StepPlan,
     capture_step,
+    check_layerdrop,
     hardware_of,
     plan_step,
 )
@@ -83,6 +84,7 @@ class PlannedStep:
         from slackswap.runtime.export import PlanExport
 
         check_processes(model, self.executor)
+        check_layerdrop(model, self.executor)
         settle_fsdp2(model, call, finish)
         signature = input_signature(_values(call))
         if self.planned is not None:
