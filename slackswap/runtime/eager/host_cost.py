@@ -32,6 +32,11 @@ round:
   `hook_per_event_s` + events of recomputed ones x `recompute_hook_per_event_s` (the events split by
   `slackswap.graph.saved_tensor_events`, as a prediction splits them); the two plans'
   equations solved by non-negative least squares;
+- the `one` plan again with its module checks off (`one_unchecked`, `PlanRun.checks_modules`): the checks
+  of a recomputing plan's step (`slackswap.runtime.eager.module_calls`) are `one` less `one_unchecked`,
+  replays taken off both, taken off both recomputing plans' hook work before their equations are solved,
+  and `module_check_per_call_s` is that over the blocks' calls of modules without children (the
+  capture's `leaf_module_calls`);
 - a plan that swaps every decided tensor (`swap`) and its copies alone (`copies`: `copy_` into a host
   buffer and `clone` back, as the link measurement times them, on buffers of the same sizes):
   `per_copy_s` = (swap - pass - context - events x `hook_per_event_s` - copies) / copies, >= 0: a swapped
