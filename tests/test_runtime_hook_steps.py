@@ -476,3 +476,39 @@ def test_a_step_whose_modules_hold_other_numbers_runs_verified_and_records_them_
         assert _same_step(model, x, run), temperature
         verified.append(run.report.verified)
     assert verified == [True, False, True, False, True]
+
+
+class _Branch(torch.nn.Module):
+    """An activation chosen by a Python value that is not a number: GELU or SiLU, both functional calls."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.act = "gelu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.nn.functional.gelu(h) if self.act == "gelu" else torch.nn.functional.silu(h)
+        return x + self.b(h)
+
+
+def test_a_hook_only_step_whose_functional_branch_changed_is_refused_at_the_unpack() -> None:
+    """The same modules, shapes and packs; only the activation, a functional call, differs: the recompute of
+    the activation's output would replay GELU for a SiLU step (before: a gradient silently wrong). The
+    node that reads a saved tensor back (here SiLU's, reading its kept input) is not the verified step's:
+    the step is refused at that unpack. Backward runs in reverse, so the layer above has by then taken the
+    replayed tensor (its weight gradient is wrong): the step raises instead of returning, nothing silent."""
+    torch.manual_seed(0)
+    model, x = _Branch(), torch.randn(32, 16)
+    graph = capture_graph(model, (x,), _loss, h200(), name="branch")
+    decisions = {t.name: Decision.RECOMPUTE if "gelu" in t.name else Decision.KEEP for t in graph.saved_tensors}
+    assert Decision.RECOMPUTE in decisions.values()
+    plan = build_schedule(graph, decisions, planner="recompute_the_activation", budget_bytes=None, hardware=h200())
+    run = apply(plan, graph, model)
+    assert _same_step(model, x, run) and run.report.verified
+    model.act = "silu"
+    with pytest.raises(PlanMismatchError, match=r"backward node SiluBackward0 reads back saved tensor \d+ where the "
+                                                r"verified step's GeluBackward0 did"):
+        _same_step(model, x, run)
+    model.act = "gelu"
+    assert _same_step(model, x, run) and not run.report.verified

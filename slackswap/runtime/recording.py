@@ -83,3 +83,6 @@ class Recording:
     module_calls: tuple[int, ...] = ()
     #: The modules' Python number attributes as the step began (`eager.module_calls.ModuleNumbers`).
     module_numbers: tuple = ()
+    #: Per unpack event, the type of the autograd node that read it back (`torch._C._current_autograd_node`):
+    #: what a recomputing plan's hook-only step checks at each tensor it hands back.
+    unpack_nodes: tuple = ()

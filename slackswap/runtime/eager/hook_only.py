@@ -42,9 +42,11 @@ class _HookOnlyStep:
             (p.dtype, p.shape, p.holds, p.held, tuple((j, bind_offload(copies, j, *p.form)) for j in p.offloads),
              p.ops, p.by_number, p.reads_rng, p.stride, p.offset, p.whole, p.form)
             for p in program.packs)
+        # A recomputing plan's step checks the autograd node each handed-back tensor goes to (`Recording.unpack_nodes`).
+        nodes = self.recording.unpack_nodes if self.checks_modules else (None,) * len(program.unpacks)
         self._hot_unpacks = tuple(
-            (u.name, u.ops, u.copy, u.release, tuple((k, last, made, fetch[k]) for k, last, made in u.prefetches))
-            for u in program.unpacks)
+            (u.name, u.ops, u.copy, u.release, tuple((k, last, made, fetch[k]) for k, last, made in u.prefetches), node)
+            for u, node in zip(program.unpacks, nodes, strict=True))
         self._reads = tuple((p.name, p.dtype, p.shape, p.stride, p.offset, p.whole) for p in program.packs)
 
     def _recompute_reads(self) -> dict[int, frozenset[str]]:
@@ -138,7 +140,7 @@ class _HookOnlyStep:
         hot_packs, hot_unpacks, reads = self._hot_packs, self._hot_unpacks, self._reads
         held_tensors, hosts, rng_states = self.held_tensors, self.hosts, self._hook_only_rng
         copies, run_ops, copy_of, pack_mismatch = self.copies, self._run_ops, self._copy_of, self._pack_mismatch
-        tensor_type = torch.Tensor
+        tensor_type, current_node = torch.Tensor, torch._C._current_autograd_node
         packs_reached = unpacks_reached = 0
 
         def pack(t: torch.Tensor) -> object:
@@ -184,11 +186,17 @@ class _HookOnlyStep:
             nonlocal unpacks_reached
             u = unpacks_reached
             try:
-                wanted, ops, c, release, prefetches = hot_unpacks[u]
+                wanted, ops, c, release, prefetches, node = hot_unpacks[u]
             except IndexError:  # not reached: the step's transfers are counted by the events reached
                 raise PlanMismatchError(
                     f"backward reads back saved tensor {u + 1}; the verified step read back {len(hot_unpacks)}: "
                     "the code path changed. Capture and plan again") from None
+            if node is not None and type(current_node()) is not node:
+                raise PlanMismatchError(
+                    f"backward node {type(current_node()).__name__} reads back saved tensor {u} where the verified "
+                    f"step's {node.__name__} did: the code path changed between steps (a data-dependent branch), "
+                    "and the plan's recomputes would replay the recorded calls. Run every step verified: "
+                    "apply(..., verify=True), or the eager export")
             unpacks_reached = u + 1
             if prefetches:
                 for offload, last, made, fetch in prefetches:

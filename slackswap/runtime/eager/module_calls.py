@@ -14,8 +14,8 @@ putting the call on PyTorch's slow path, priced by the host-cost model; a 32-lay
 350 such calls a step). The eager export, whose checkpoints re-run each layer's own
 forward, runs such models exact. A plan that only keeps and moves tensors reads back what each pack
 handed over, so its steps are not checked. A path that changes only between functional calls
-(`F.gelu` or `F.relu` on one shape, no module) is not seen: `apply(..., verify=True)` runs every step
-verified, each refused off the captured path.
+(`F.gelu` or `F.silu` on one shape, no module) is not seen here: the hook-only step's unpacks check the
+autograd node that reads each saved tensor back (`Recording.unpack_nodes`), which sees it in backward.
 """
 
 from __future__ import annotations

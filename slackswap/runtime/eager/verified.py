@@ -54,6 +54,7 @@ class _VerifiedStep(TorchDispatchMode):
     def _enter_verified(self) -> None:
         self._packs: list[PackRecord] = []
         self._unpacks: list[tuple[int, str | None]] = []
+        self._unpack_nodes: list[type] = []
         self._random_since_pack = False
         self._refusal: str | None = None
         self._packed_names: set[str] = set()
@@ -403,6 +404,7 @@ class _VerifiedStep(TorchDispatchMode):
         self._finish_current()
         self._advance_recomputes()
         self._unpacks.append((self.pos, packed.name if isinstance(packed, TensorRef) else None))
+        self._unpack_nodes.append(type(torch._C._current_autograd_node()))
         if not isinstance(packed, TensorRef):
             return packed
         c = self.current_copy[packed.name]
@@ -455,4 +457,5 @@ class _VerifiedStep(TorchDispatchMode):
         events = frozenset(m.rng_event for ms in members.values() for m in ms if m.rng is not None
                            and m.rng_event is not None)
         return Recording(tuple(self._packs), tuple(self._unpacks), members, events, self._refusal,
-                         module_calls=tuple(self._module_log), module_numbers=self._numbers)
+                         module_calls=tuple(self._module_log), module_numbers=self._numbers,
+                         unpack_nodes=tuple(self._unpack_nodes))
