@@ -1,0 +1,200 @@
+"""A recomputing plan's hook-only steps on a model whose code path changes between steps: refused at the first
+module call, autograd node or Python number that differs from the verified step's, or run verified; never a
+gradient silently wrong (docs/runtime.md, "Hook-only steps"). A plan that only keeps and moves tensors reads
+back what each pack handed over, and stays exact; so does the eager export, which re-runs each layer's forward."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from tests.extras import require_torch_extra
+
+torch = require_torch_extra("torch")
+
+from slackswap.plan import Decision, StepKind  # noqa: E402
+from slackswap.planners.registry import get_planner  # noqa: E402
+from slackswap.runtime import apply, capture_graph  # noqa: E402
+from slackswap.runtime.executor import PlanMismatchError  # noqa: E402
+from slackswap.schedule.build import build_schedule  # noqa: E402
+from tests.runtime_support import deterministic_kernels, h200  # noqa: E402, F401 (deterministic_kernels: a fixture)
+
+pytestmark = pytest.mark.usefixtures("deterministic_kernels")
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _recomputing(model, x, name: str, recomputed: str):
+    """`model` captured on `x`, every saved tensor whose name holds `recomputed` recomputed and the rest kept,
+    and a run of that plan whose first, verified step has run exact."""
+    graph = capture_graph(model, (x,), _loss, h200(), name=name)
+    decisions = {t.name: Decision.RECOMPUTE if recomputed in t.name else Decision.KEEP for t in graph.saved_tensors}
+    assert Decision.RECOMPUTE in decisions.values()
+    plan = build_schedule(graph, decisions, planner=f"recompute_{recomputed}", budget_bytes=None, hardware=h200())
+    run = apply(plan, graph, model)
+    assert _same_step(model, x, run) and run.report.verified
+    return run
+
+
+class _LayerDrop(torch.nn.Module):
+    """Residual blocks of one shape, the ones in `skip` left out (LayerDrop, set by hand per step)."""
+
+    def __init__(self, layers: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.skip: set[int] = {1}
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width))
+            for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = x + layer(x)
+        return x
+
+
+def _same_step(model, x, run) -> bool:
+    """A plain step and a step under `run`, loss and every gradient (None for a skipped layer's) equal."""
+    def grads(context):
+        for p in model.parameters():
+            p.grad = None
+        with context or contextlib.nullcontext():
+            loss = _loss(model(x))
+            loss.backward()
+        return [loss.detach()] + [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    plain, planned = grads(None), grads(run)
+    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(plain, planned, strict=True))
+
+
+class _Routed(torch.nn.Module):
+    """Each layer sends its whole input to one of two experts of one shape, by a Python choice."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.route = "a"
+        def expert() -> torch.nn.Module:
+            return torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * width, width))
+
+        self.layers = torch.nn.ModuleList(torch.nn.ModuleDict({name: expert() for name in "ab"}) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer[self.route](x)
+        return x
+
+
+class _Branch(torch.nn.Module):
+    """An activation chosen by a Python value that is not a number: GELU or SiLU, both functional calls."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.act = "gelu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = torch.nn.functional.gelu(h) if self.act == "gelu" else torch.nn.functional.silu(h)
+        return x + self.b(h)
+
+
+@pytest.mark.parametrize(("make", "recomputed", "attribute", "other", "refusal"), [
+    # The layers are called in the same order, their experts not: a recompute of every layer tensor would
+    # replay expert a's calls with its weights on expert b's step. Refused at the first module that differs.
+    (lambda: _Routed(), "layers", "route", "b",
+     r"module call 0 of this step is 'layers\.0\.b\.0'; the verified step called 'layers\.0\.a\.0' there"),
+    # The same modules, shapes and packs; only the activation, a functional call, differs: the recompute
+    # would replay GELU for a SiLU step. The node that reads a saved tensor back (SiLU's, reading its kept
+    # input) is not the verified step's: refused at that unpack. Backward runs in reverse, so the layer
+    # above has by then taken the replayed tensor: the step raises instead of returning.
+    (lambda: _Branch(), "gelu", "act", "silu",
+     r"backward node SiluBackward0 reads back saved tensor \d+ where the verified step's GeluBackward0 did"),
+])  # fmt: skip
+def test_a_hook_only_step_off_the_recorded_path_is_refused_and_exact_back_on_it(make, recomputed, attribute,
+                                                                                  other, refusal) -> None:
+    """Before these checks, each such step's gradient was silently wrong."""
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(32, 16)
+    run = _recomputing(model, x, type(model).__name__, recomputed)
+    recorded = getattr(model, attribute)
+    setattr(model, attribute, other)
+    with pytest.raises(PlanMismatchError, match=refusal):
+        _same_step(model, x, run)
+    setattr(model, attribute, recorded)
+    assert _same_step(model, x, run) and not run.report.verified
+
+
+def test_a_hook_only_step_that_calls_other_layers_is_refused_before_a_recompute_replays_them() -> None:
+    """Skipping layer 2 instead of layer 1 packs the same shapes in the same order: a recompute would
+    replay layer 1's recorded calls, with its weights, on layer 2's tensors (before this check, a
+    silently wrong gradient). A recomputing plan's hook-only step is refused at the first layer that
+    differs, before backward (one layer fewer: at the first read back in another order); a plan that only moves
+    tensors reads back what each pack handed over, and stays exact; so does the export."""
+    torch.manual_seed(0)
+    model, x = _LayerDrop(), torch.randn(32, 16)
+    graph = capture_graph(model, (x,), _loss, h200(), name="layerdrop")
+    recompute = get_planner("full_recompute").plan(graph, h200(), None)
+    assert any(s.kind == StepKind.RECOMPUTE for s in recompute.steps)
+    run = apply(recompute, graph, model)
+    assert _same_step(model, x, run) and run.report.verified
+    called = [run.module_calls.paths[i] for i in run.recording.module_calls]
+    assert called[:4] == ["layers.0.0", "layers.0.1", "layers.0.2", "layers.2.0"] and len(called) == 9
+    model.skip = {2}
+    with pytest.raises(PlanMismatchError, match=r"module call 3 of this step is 'layers\.1\.0'; the verified step "
+                                                r"called 'layers\.2\.0' there.*eager export"):
+        _same_step(model, x, run)
+    assert not run.report.verified
+    model.skip = {1, 3}
+    with pytest.raises(PlanMismatchError, match=r"backward read 'layers\.2\.1/gelu#0:0' where the verified step read "
+                                                r"'layers\.3\.1/gelu#0:0'"):  # one layer fewer: the order differs
+        _same_step(model, x, run)
+    model.skip = {1}
+    assert _same_step(model, x, run) and not run.report.verified
+    moves = build_schedule(graph, {t.name: Decision.SWAP for t in graph.saved_tensors}, planner="swap_every_tensor",
+                           budget_bytes=None, hardware=h200())
+    run = apply(moves, graph, model)
+    for skip in ({1}, {2}, {0}):
+        model.skip = skip
+        assert _same_step(model, x, run), skip
+    assert not run.report.verified
+    # The eager export re-runs each layer's own forward: exact whichever layers a step calls.
+    from slackswap.experiment.export_plan import plan_for_export
+    from slackswap.runtime.export import PlanExport
+
+    export = PlanExport(plan_for_export(get_planner("full_recompute"), graph, model, h200(), None), graph, model)
+    for skip in ({1}, {2}, {1, 3}):
+        model.skip = skip
+        assert _same_step(model, x, export.installed(model)), skip
+
+
+class _Annealed(torch.nn.Module):
+    """A softmax at a temperature the training loop lowers between steps (Gumbel-softmax annealing)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.temperature = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.softmax(self.a(x) / self.temperature, dim=-1))
+
+
+def test_a_step_whose_modules_hold_other_numbers_runs_verified_and_records_them_again() -> None:
+    """The recorded `div` holds the verified step's temperature, and a hook-only step's recompute replays
+    it: before this check, the step after the loop lowered the temperature from 2.0 to 1.5 had a
+    gradient silently wrong. Such a step runs verified and its recording replaces the old one, so the
+    steps after it at the new temperature run on hooks alone, exact."""
+    torch.manual_seed(0)
+    model, x = _Annealed(), torch.randn(32, 16)
+    run = _recomputing(model, x, "annealed", "softmax")
+    verified = [True]
+    for temperature in (2.0, 1.5, 1.5, 1.0):
+        model.temperature = temperature
+        assert _same_step(model, x, run), temperature
+        verified.append(run.report.verified)
+    assert verified == [True, False, True, False, True]
