@@ -198,3 +198,16 @@ def test_a_step_whose_modules_hold_other_numbers_runs_verified_and_records_them_
         assert _same_step(model, x, run), temperature
         verified.append(run.report.verified)
     assert verified == [True, False, True, False, True]
+
+
+def test_a_step_after_a_parameter_was_replaced_runs_verified_and_exact() -> None:
+    """A recorded call holds a parameter by reference: after the loop swaps in another Parameter object
+    (`module.weight = nn.Parameter(...)`), a hook-only recompute would replay the old weight (before: a
+    gradient silently wrong). Such a step runs verified and records again; the next one runs on hooks."""
+    torch.manual_seed(0)
+    model, x = _Annealed(), torch.randn(32, 16)
+    run = _recomputing(model, x, "replaced", "softmax")
+    assert _same_step(model, x, run) and not run.report.verified
+    model.a.weight = torch.nn.Parameter(torch.randn_like(model.a.weight))
+    assert _same_step(model, x, run) and run.report.verified
+    assert _same_step(model, x, run) and not run.report.verified

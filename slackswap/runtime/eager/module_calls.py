@@ -69,14 +69,22 @@ class ModuleNumbers:
     a step runs verified instead, recording the calls again. The attributes are the ones holding a
     number when the run was made, read by key each step (4 us for a 2-layer GPT-2's 144, where walking
     every module's attributes took 63 us); one set later, or a number computed in forward from elsewhere,
-    is not seen (docs/runtime.md, "Hook-only steps")."""
+    is not seen (docs/runtime.md, "Hook-only steps").
+
+    The same for the modules' parameters and buffers, by object identity: a recorded call holds a
+    parameter by reference, so one the training loop replaces with another object (`module.weight =
+    nn.Parameter(...)`, `load_state_dict(..., assign=True)`) would be replayed as the old one (before this,
+    a step after such a swap had its gradient silently wrong); such a step runs verified too."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._slots = tuple((m.__dict__, key) for m in model.modules() for key, value in m.__dict__.items()
+        modules = list(model.modules())
+        self._slots = tuple((m.__dict__, key) for m in modules for key, value in m.__dict__.items()
                             if type(value) in (int, float, bool))
+        self._tensors = tuple((table, key) for m in modules for table in (m._parameters, m._buffers) for key in table)
 
     def snapshot(self) -> tuple:
-        return tuple([attributes.get(key) for attributes, key in self._slots])
+        return (tuple([attributes.get(key) for attributes, key in self._slots]),
+                tuple([id(table.get(key)) for table, key in self._tensors]))
 
 
 __all__ = ["ModuleCalls", "ModuleNumbers"]
