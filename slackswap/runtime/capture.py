@@ -41,7 +41,7 @@ from slackswap.graph import (
 from slackswap.hardware import Hardware
 from slackswap.profile.timing import op_duration_s
 from slackswap.profile.torch.identity import StorageIdentities, addressed_bytes
-from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks
+from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks, leaf_modules
 from slackswap.runtime.collectives import CollectiveReleases
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering, writes_into
 from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS, model_line
@@ -344,9 +344,8 @@ def capture_graph(
         def count_call(*_) -> None:
             leaf_calls[0] += 1
 
-        for m in model.modules():
-            if next(m.children(), None) is None:
-                stack.callback(m.register_forward_pre_hook(count_call).remove)
+        for _, m in leaf_modules(model):
+            stack.callback(m.register_forward_pre_hook(count_call).remove)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         stack.enter_context(torch.random.fork_rng(devices=devices))
         stack.enter_context(identities)  # below the recorder: it names what the recorder's calls create

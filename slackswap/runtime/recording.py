@@ -81,8 +81,9 @@ class Recording:
     refusal: str | None = None
     #: The leaf modules the step called, in order (`eager.module_calls`): what a hook-only step is checked against.
     module_calls: tuple[int, ...] = ()
-    #: The modules' Python number attributes as the step began (`eager.module_calls.ModuleNumbers`).
-    module_numbers: tuple = ()
+    #: The modules' Python number attributes and parameter and buffer objects as the step began
+    #: (`eager.module_calls.ModuleState`).
+    module_state: tuple = ()
     #: Per unpack event, the type of the autograd node that read it back (`torch._C._current_autograd_node`):
     #: what a recomputing plan's hook-only step checks at each tensor it hands back.
     unpack_nodes: tuple = ()

@@ -85,3 +85,10 @@ def find_layer_stacks(model: torch.nn.Module) -> LayerStacks:
     if not stacks:
         stacks = _outermost([n for n, m in modules if isinstance(m, torch.nn.Sequential) and _repeated_blocks(m)])
     return layer_stacks_at(model, stacks)
+
+
+def leaf_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every module of `model` without children: the modules whose calls a recomputing
+    plan's hook-only step checks (`slackswap.runtime.eager.module_calls`) and the capture counts
+    (`slackswap.graph.LEAF_MODULE_CALLS_KEY`)."""
+    return [(name, m) for name, m in model.named_modules() if next(m.children(), None) is None]

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from slackswap.graph import Graph
+from slackswap.graph import LEAF_MODULE_CALLS_KEY, Graph
 from slackswap.hardware import Hardware
 from slackswap.plan import Plan
 from slackswap.profile.measured import RuntimeHostCost
@@ -188,7 +188,7 @@ def measure_runtime_host_cost(full_recompute: Callable[[Graph, Hardware], Plan],
     source = (f"slackswap.runtime.eager.host_cost: {BLOCKS} pre-norm MLP blocks (width {WIDTH}, {TOKENS} tokens), "
               f"{events} saved-tensor events a step; steps with no hook, the profile's pass-through hook, the keep "
               f"plan, the full-recompute plan ({len(calls)} recompute steps of {min(calls)}-{max(calls)} ATen calls), "
-              f"a plan recomputing one tensor (with and without its module checks, {timed.meta['leaf_module_calls']} "
+              f"a plan recomputing one tensor (with and without its module checks, {timed.meta[LEAF_MODULE_CALLS_KEY]} "
               f"calls) and one swapping every tensor ({copies} copies), {len(rounds)} rounds "
               f"in rotating order, thread CPU time, medians of differences within a round; op times by the {clock} "
               f"clock; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
@@ -244,7 +244,7 @@ def _rounds(model, x, graph: Graph, swap: Plan, runs: dict, stamps: dict, warmup
 
 def _solve(graph: Graph, plans: dict[str, Plan], rounds: list[dict[str, float]]) -> dict[str, float]:
     """The per-step, per-event and per-copy costs from the rounds' step times (module docstring), each >= 0."""
-    from slackswap.graph import LEAF_MODULE_CALLS_KEY, saved_tensor_events
+    from slackswap.graph import saved_tensor_events
     from slackswap.plan import Decision
 
     def median(f) -> float:

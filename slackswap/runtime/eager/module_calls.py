@@ -1,5 +1,6 @@
 """What a recomputing plan's hook-only step must share with the verified step: the order it calls the
-model's leaf modules in (`ModuleCalls`) and the Python numbers its modules hold (`ModuleNumbers`).
+model's leaf modules in (`ModuleCalls`) and the Python numbers, parameters and buffers its modules hold
+(`ModuleState`).
 
 Why: a hook-only step checks each saved tensor's shape and dtype against the verified step's record,
 and nothing else about the code path. A model whose path changes between steps among modules of one
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from slackswap.profile.torch.layer_stacks import leaf_modules
 from slackswap.runtime.errors import PlanMismatchError
 
 
@@ -29,7 +31,7 @@ class ModuleCalls:
     """The model's leaf modules and the hooks that record or check the order of their calls."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        leaves = [(name, m) for name, m in model.named_modules() if next(m.children(), None) is None]
+        leaves = leaf_modules(model)
         self.paths = [name or "<the model>" for name, _ in leaves]
         self.modules = [m for _, m in leaves]
 
@@ -60,7 +62,7 @@ class ModuleCalls:
         return [m.register_forward_pre_hook(lambda *_, i=i: hook(i)) for i, m in enumerate(self.modules)]
 
 
-class ModuleNumbers:
+class ModuleState:
     """The Python numbers (int, float, bool) the modules of a model hold as attributes: what a recomputing
     plan's steps compare with the verified step's before running on hooks alone. Why: a recompute
     replays the verified step's recorded calls with their Python numbers, so a number the model reads in
@@ -87,4 +89,4 @@ class ModuleNumbers:
                 tuple([id(table.get(key)) for table, key in self._tensors]))
 
 
-__all__ = ["ModuleCalls", "ModuleNumbers"]
+__all__ = ["ModuleCalls", "ModuleState"]

@@ -30,7 +30,7 @@ from slackswap.runtime.copy_engines import (
     offload_sizes,
 )
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
-from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleNumbers
+from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleState
 from slackswap.runtime.eager.program import HookProgram
 from slackswap.runtime.eager.verified import _VerifiedStep
 from slackswap.runtime.eager.views import _rng_state
@@ -101,7 +101,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         self.idle = plan.idle
         #: The model's leaf modules, whose calls a hook-only step of a recomputing plan checks (`ModuleCalls`).
         self.module_calls = ModuleCalls(model)
-        self.module_numbers = ModuleNumbers(model)
+        self.module_state = ModuleState(model)
         #: A plan that recomputes checks its hook-only steps' module calls and numbers (`module_calls`);
         #: `slackswap.runtime.eager.host_cost` turns it off on one run to time the checks.
         self.checks_modules = any(s.kind == StepKind.RECOMPUTE for s in steps)
@@ -142,11 +142,11 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         return self
 
     def _enter(self) -> None:
-        #: A recomputing plan's step whose modules hold other Python numbers than the recorded step's
-        #: runs verified (`ModuleNumbers`), and its recording replaces the old one.
-        self._numbers = self.module_numbers.snapshot() if self.checks_modules else ()
+        #: A recomputing plan's step whose modules hold other Python numbers, parameters or buffers than the
+        #: recorded step's runs verified (`ModuleState`), and its recording replaces the old one.
+        self._module_state = self.module_state.snapshot() if self.checks_modules else ()
         self.hook_only = (self.recording is not None and self.recording.refusal is None
-                          and not (self.trace or self.verify) and self._numbers == self.recording.module_numbers)
+                          and not (self.trace or self.verify) and self._module_state == self.recording.module_state)
         if self.hook_only:
             self._enter_hook_only()
             return

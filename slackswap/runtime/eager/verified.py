@@ -457,5 +457,5 @@ class _VerifiedStep(TorchDispatchMode):
         events = frozenset(m.rng_event for ms in members.values() for m in ms if m.rng is not None
                            and m.rng_event is not None)
         return Recording(tuple(self._packs), tuple(self._unpacks), members, events, self._refusal,
-                         module_calls=tuple(self._module_log), module_numbers=self._numbers,
+                         module_calls=tuple(self._module_log), module_state=self._module_state,
                          unpack_nodes=tuple(self._unpack_nodes))
