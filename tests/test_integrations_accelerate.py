@@ -26,6 +26,9 @@ def _loop(planned: dict | None, steps: int = 3, accumulation: int = 1, mixed_pre
     """`steps` optimizer steps of the Llama-like decoder on batches of 2 rows; the losses, the
     gradients each step's optimizer gets, and the plan."""
     accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # a precision of its own
+    # and an accumulation count of its own: GradientState is a process-wide singleton that an earlier test's
+    # Accelerator in the same worker may have set up (this test once saw 6 synced steps of 3 under xdist).
+    accelerate.state.GradientState._reset_state()
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
                                          mixed_precision=mixed_precision)
     model = ex["tiny_model"]("llama")
