@@ -211,3 +211,107 @@ def test_a_step_after_a_parameter_was_replaced_runs_verified_and_exact() -> None
     model.a.weight = torch.nn.Parameter(torch.randn_like(model.a.weight))
     assert _same_step(model, x, run) and run.report.verified
     assert _same_step(model, x, run) and not run.report.verified
+
+
+class _Tempered(torch.nn.Module):
+    """A softmax at a temperature read from an argument, a config object or a tensor, as the forward is told."""
+
+    def __init__(self, source: str, width: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.source = source
+        self.config = type("Config", (), {})()  # a plain object, as a Hugging Face PretrainedConfig
+        self.config.temperature = 2.0
+
+    def forward(self, x: torch.Tensor, temperature: object = 2.0) -> torch.Tensor:
+        h = self.a(x)
+        temperature = getattr(temperature, "value", temperature)  # an options object holding it
+        if self.source == "config":
+            temperature = self.config.temperature
+        elif self.source == "tensor":
+            temperature = h.detach().abs().max().item()
+        elif self.source == "branch" and (x[0, 0] > 0).item():
+            h = h * 0.5  # saves nothing: the packs are the same either way
+        return x + self.b(torch.softmax(h / temperature, dim=-1))
+
+
+def _steps(model, run, calls) -> list[bool]:
+    """Each call's step exact under `run`, and whether it ran verified (after the first, verified step)."""
+    verified = []
+    for call in calls:
+        for p in model.parameters():
+            p.grad = None
+        plain = _grads(model, call, None)
+        assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model, call, run), strict=True))
+        verified.append(run.report.verified)
+    return verified
+
+
+def _grads(model, call, context) -> list:
+    for p in model.parameters():
+        p.grad = None
+    with context or contextlib.nullcontext():
+        loss = _loss(call())
+        loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_step_called_with_other_python_values_or_config_numbers_runs_verified() -> None:
+    """A recorded `div` holds the temperature it was called with; before these checks a hook-only step's
+    recompute replayed the verified step's 2.0 for a forward given 1.5 as an argument or through
+    `model.config`, silently wrong. Such a step runs verified from its forward pre-hook and records again."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    model = _Tempered("argument")
+    run = _recomputing(model, x, "argument", "softmax")
+    # The verified step was called model(x): the first call with a keyword is another call, verified once.
+    assert _steps(model, run, [lambda t=t: model(x, temperature=t) for t in (2.0, 2.0, 1.5, 1.5, 1.0)]) == [
+        True, False, True, False, True]
+    model = _Tempered("config")
+    run = _recomputing(model, x, "config", "softmax")
+    calls = []
+    for t in (2.0, 1.5, 1.5):
+        calls.append(lambda t=t: (setattr(model.config, "temperature", t), model(x))[1])
+    assert _steps(model, run, calls) == [False, True, False]
+
+
+def test_a_forward_that_reads_tensor_values_is_verified_or_refused_never_replayed() -> None:
+    """Before this, both gave silently wrong gradients on every hook-only step. A number read from a tensor
+    before a recomputed call refuses the hook-only steps (every step runs verified, exact); a bool read is
+    recorded, and a hook-only step that reads another raises in forward, after which the run verifies each step
+    (one off the captured graph then refused at its first other call)."""
+    torch.manual_seed(0)
+    model, x = _Tempered("tensor"), torch.randn(32, 16)
+    run = _recomputing(model, x, "tensor", "softmax")
+    assert "read a number (item) from a tensor before 'op" in run.report.hook_only_refusal
+    batches = [torch.randn(32, 16) for _ in range(2)]
+    assert _steps(model, run, [lambda b=b: model(b) for b in batches]) == [True, True]
+    model = _Tempered("branch")
+    positive, negative = x.clone(), x.clone()
+    positive[0, 0], negative[0, 0] = 1.0, -1.0
+    run = _recomputing(model, positive, "branch", "softmax")
+    assert run.recording.value_reads == (True,)
+    assert _steps(model, run, [lambda: model(positive)]) == [False]
+    with pytest.raises(PlanMismatchError, match=r"read a tensor's value as False \(item, read 0 of the step\); the "
+                                                r"verified step read True there.*This run verifies its later steps"):
+        _grads(model, lambda: model(negative), run)
+    with pytest.raises(PlanMismatchError, match=r"ATen call 'op6:aten\.div\.Tensor' is not an op of graph 'branch'"):
+        _grads(model, lambda: model(negative), run)  # verified: the captured graph has the branch's mul
+    assert _steps(model, run, [lambda: model(positive)] * 2) == [True, True]
+    assert torch.Tensor.__dict__.get("item") is None  # the reading methods are PyTorch's again
+
+
+def test_an_object_argument_runs_every_step_verified() -> None:
+    """An argument that is neither a tensor nor a plain value may hold numbers a hook-only step cannot
+    compare (here one the loop changes in place): the hook-only steps are refused, every step exact."""
+    torch.manual_seed(0)
+    model, x = _Tempered("argument"), torch.randn(32, 16)
+    options = type("Options", (), {})()
+    options.value = 2.0
+    graph = capture_graph(model, (x,), _loss, h200(), name="object_argument")
+    plan = build_schedule(graph, {t.name: Decision.RECOMPUTE if "softmax" in t.name else Decision.KEEP
+                                  for t in graph.saved_tensors}, planner="r", budget_bytes=None, hardware=h200())
+    run = apply(plan, graph, model)
+    calls = [lambda t=t: (setattr(options, "value", t), model(x, temperature=options))[1] for t in (2.0, 2.0, 1.5)]
+    assert _steps(model, run, calls) == [True, True, True]
+    assert "the model is called with argument 'temperature' (a Options)" in run.report.hook_only_refusal

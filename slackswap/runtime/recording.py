@@ -87,3 +87,9 @@ class Recording:
     #: Per unpack event, the type of the autograd node that read it back (`torch._C._current_autograd_node`):
     #: what a recomputing plan's hook-only step checks at each tensor it hands back.
     unpack_nodes: tuple = ()
+    #: Per model call, its arguments' Python values (`eager.module_calls.forward_arguments`): a recomputing
+    #: plan's hook-only step whose call differs runs verified instead.
+    forward_arguments: tuple = ()
+    #: The bools the model's forward read from tensors, in order (`eager.value_reads`): a recomputing plan's
+    #: hook-only step raises at the first that differs.
+    value_reads: tuple = ()

@@ -76,6 +76,7 @@ class _HookOnlyStep:
         self.internal = False
         self._hook_only_rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._step_inputs = []
+        self._arguments: list[tuple] = []
         self._input_hook = self.model.register_forward_pre_hook(self._check_inputs, with_kwargs=True)
         self._module_hooks = []
         if self.checks_modules:  # a recompute replays the recorded modules' calls: the modules must be the same
@@ -86,8 +87,35 @@ class _HookOnlyStep:
             pack, unpack, self._reached = self._step_hooks()
             self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
+        if self.checks_modules:
+            self._read_values(self.recording.value_reads)
+
+    def _verify_instead(self, call: int) -> None:
+        """From the model's forward pre-hook: this step calls the model with other Python values than the
+        verified step did (`_check_arguments`), so it runs verified from here, recording them. Before the
+        first pack of the step's first model call nothing has run on the hooks, and the verified step's
+        hooks and dispatch mode take over; later, or under a saved-tensor hook the caller pushed after
+        ours, the step is refused."""
+        packs, _ = self._reached()
+        ours = isinstance(self._hooks, torch.autograd.graph.saved_tensors_hooks)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False) if ours else None
+        if call or packs or (ours and top != (self._hooks.pack_hook, self._hooks.unpack_hook)):
+            raise PlanMismatchError(
+                f"model call {call} of this step passes other Python values (numbers, strings, the arguments' "
+                "structure) than the verified step's, after the step began on hooks alone: the plan's recomputes "
+                "would replay the recorded values. Pass the values that change through the first model call "
+                "of a step, or run every step verified (apply(..., verify=True))")
+        self._value_reads.__exit__()
+        self._hooks.__exit__(None, None, None)
+        self._input_hook.remove()
+        for handle in self._module_hooks:
+            handle.remove()
+        self.hook_only = False
+        self._enter_verified()
 
     def _exit_hook_only(self, exc_type) -> None:
+        if self.checks_modules:
+            self._value_reads.__exit__()
         self._hooks.__exit__(None, None, None)
         self._input_hook.remove()
         for handle in self._module_hooks:
@@ -95,6 +123,8 @@ class _HookOnlyStep:
         packs_reached, unpacks_reached = self._reached()
         try:
             if exc_type is None:
+                if self.checks_modules:
+                    self._value_reads.check_complete()
                 packs, unpacks = len(self._program.packs), len(self._program.unpacks)
                 if not self.idle and (packs_reached, unpacks_reached) != (packs, unpacks):
                     raise PlanMismatchError(
@@ -104,6 +134,8 @@ class _HookOnlyStep:
                     )
                 self._run_ops(self._program.tail)
         finally:
+            if self.checks_modules and self._value_reads.differed:  # the path depends on the data: verify from now on
+                self.verify = True
             offloads, prefetches = self._program.transfers(packs_reached, unpacks_reached, exc_type is None)
             self.report.offloads += offloads
             self.report.prefetches += prefetches

@@ -1,6 +1,6 @@
 """What a recomputing plan's hook-only step must share with the verified step: the order it calls the
-model's leaf modules in (`ModuleCalls`) and the Python numbers, parameters and buffers its modules hold
-(`ModuleState`).
+model's leaf modules in (`ModuleCalls`), the Python numbers, parameters and buffers its modules hold
+(`ModuleState`) and the Python values the model is called with (`forward_arguments`).
 
 Why: a hook-only step checks each saved tensor's shape and dtype against the verified step's record,
 and nothing else about the code path. A model whose path changes between steps among modules of one
@@ -22,9 +22,14 @@ autograd node that reads each saved tensor back (`Recording.unpack_nodes`), whic
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import TreeSpec, tree_flatten_with_path
 
 from slackswap.profile.torch.layer_stacks import leaf_modules
 from slackswap.runtime.errors import PlanMismatchError
+
+#: Forward-argument values a recorded call can hold that compare by value: what a hook-only step checks.
+PLAIN_ARGUMENT_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+                        torch.memory_format)
 
 
 class ModuleCalls:
@@ -63,15 +68,16 @@ class ModuleCalls:
 
 
 class ModuleState:
-    """The Python numbers (int, float, bool) the modules of a model hold as attributes: what a recomputing
-    plan's steps compare with the verified step's before running on hooks alone. Why: a recompute
-    replays the verified step's recorded calls with their Python numbers, so a number the model reads in
-    forward and the training loop changes between steps (wav2vec2's Gumbel temperature,
-    `set_gumbel_temperature`; a scheduled drop probability) would come back as the verified step's: such
-    a step runs verified instead, recording the calls again. The attributes are the ones holding a
-    number when the run was made, read by key each step (4 us for a 2-layer GPT-2's 144, where walking
-    every module's attributes took 63 us); one set later, or a number computed in forward from elsewhere,
-    is not seen (docs/runtime.md, "Hook-only steps").
+    """The Python numbers (int, float, bool) the modules of a model hold as attributes, and those of the
+    plain objects they hold (a Hugging Face `PretrainedConfig`, and the objects that holds): what a
+    recomputing plan's steps compare with the verified step's before running on hooks alone. Why: a
+    recompute replays the verified step's recorded calls with their Python numbers, so a number the model
+    reads in forward and the training loop changes between steps (wav2vec2's Gumbel temperature,
+    `set_gumbel_temperature`; a scheduled drop probability; `model.config.x`, read in forward) would come
+    back as the verified step's: such a step runs verified instead, recording the calls again. The
+    attributes are the ones holding a number when the run was made, read by key each step (4 us for a
+    2-layer GPT-2's 144, where walking every module's attributes took 63 us); one set later, or a number
+    from elsewhere (a global), is not seen (docs/runtime.md, "Hook-only steps").
 
     The same for the modules' parameters and buffers, by object identity: a recorded call holds a
     parameter by reference, so one the training loop replaces with another object (`module.weight =
@@ -80,7 +86,8 @@ class ModuleState:
 
     def __init__(self, model: torch.nn.Module) -> None:
         modules = list(model.modules())
-        self._slots = tuple((m.__dict__, key) for m in modules for key, value in m.__dict__.items()
+        tables = [m.__dict__ for m in modules] + _held_objects(modules)
+        self._slots = tuple((table, key) for table in tables for key, value in table.items()
                             if type(value) in (int, float, bool))
         self._tensors = tuple((table, key) for m in modules for table in (m._parameters, m._buffers) for key in table)
 
@@ -89,4 +96,50 @@ class ModuleState:
                 tuple([id(table.get(key)) for table, key in self._tensors]))
 
 
-__all__ = ["ModuleCalls", "ModuleState"]
+def _held_objects(modules: list[torch.nn.Module], depth: int = 2) -> list[dict]:
+    """The attribute tables (`__dict__`) of the plain objects the modules hold, and of the objects those
+    hold, `depth` levels down, each once: a model's config and its sub-configs. Modules, tensors, classes
+    and callables are not plain objects."""
+    seen: set[int] = set()
+    found: list[dict] = []
+    level = [m.__dict__ for m in modules]
+    for _ in range(depth):
+        below = []
+        for table in level:
+            for value in table.values():
+                attributes = getattr(value, "__dict__", None)
+                if (type(attributes) is not dict or id(value) in seen or callable(value)
+                        or isinstance(value, (torch.nn.Module, torch.Tensor, type))):
+                    continue
+                seen.add(id(value))
+                below.append(attributes)
+        found += below
+        level = below
+    return found
+
+
+def forward_arguments(args: tuple, kwargs: dict) -> tuple[TreeSpec, tuple] | tuple[()]:
+    """A model call's arguments as a recomputing plan's hook-only step compares them with the verified
+    step's: the tree's structure and each plain value by type and value (a tensor stands as None: the
+    forward pre-hook compares its shape and dtype, and a recompute reads it from this step's call).
+    Why: a recompute replays the recorded calls with the verified step's Python values, so `model(x,
+    temperature=t)` with another `t` would be replayed at the old one (before this, silently wrong).
+    `()` for the common call, tensors alone."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        return ()
+    leaves = tree_flatten_with_path((args, kwargs))
+    return (leaves[1], tuple(None if isinstance(x, torch.Tensor) else (type(x), x) for _, x in leaves[0]))
+
+
+def opaque_argument(args: tuple, kwargs: dict) -> str | None:
+    """The first argument of a model call that is neither a tensor nor a plain value (an object whose
+    numbers a hook-only step could not compare), as `model(...)` names it; None if there is none."""
+    for path, x in tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(x, (torch.Tensor, *PLAIN_ARGUMENT_TYPES)):
+            where, inner = path[0].idx, path[2:]
+            name = f"positional argument {path[1].idx}" if where == 0 else f"argument {path[1].key!r}"
+            return f"{name}{''.join(str(k) for k in inner)} (a {type(x).__name__})"
+    return None
+
+
+__all__ = ["ModuleCalls", "ModuleState", "forward_arguments", "opaque_argument"]

@@ -30,8 +30,9 @@ from slackswap.runtime.copy_engines import (
     offload_sizes,
 )
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
-from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleState
+from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleState, forward_arguments, opaque_argument
 from slackswap.runtime.eager.program import HookProgram
+from slackswap.runtime.eager.value_reads import ValueReads
 from slackswap.runtime.eager.verified import _VerifiedStep
 from slackswap.runtime.eager.views import _rng_state
 from slackswap.runtime.errors import PlanMismatchError, RuntimeUsageError
@@ -178,6 +179,9 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
             inputs = list(args)
         else:
             inputs = [t for t in tree_leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        if self.checks_modules:
+            self._check_arguments(args, kwargs)
+            self._value_reads.begin_forward()
         self._step_inputs = inputs
         if self.hook_only and -1 in self.recording.rng_events:
             self._hook_only_rng[-1] = _rng_state()
@@ -186,6 +190,32 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
                 f"model inputs (shape, dtype) {input_signature(inputs)} differ from the traced "
                 f"{self.graph.meta.get('input_signature')} of graph {self.graph.name!r}"
             )
+
+    def _read_values(self, recorded: tuple | None) -> None:
+        """A recomputing plan's step: the tensor values its model's forward reads into Python, recorded
+        (`recorded` None) or checked against the verified step's (`eager.value_reads`); last in `_enter_*`,
+        since it replaces `torch.Tensor`'s reading methods until the step exits."""
+        self._module_hooks.append(
+            self.model.register_forward_hook(lambda *_: self._value_reads.end_forward(), always_call=True))
+        self._value_reads = ValueReads(recorded).__enter__()
+
+    def _check_arguments(self, args: tuple, kwargs: dict) -> None:
+        """A recomputing plan's steps: the Python values the model is called with (`forward_arguments`).
+        A hook-only step called with other values than the verified step's runs verified instead (it
+        records them again); a verified step called with an object that is not a plain value refuses the
+        hook-only steps (every step runs verified), since the numbers inside it cannot be compared."""
+        arguments = forward_arguments(args, kwargs)
+        call = len(self._arguments)
+        if self.hook_only:
+            recorded = self.recording.forward_arguments
+            if call >= len(recorded) or recorded[call] != arguments:
+                self._verify_instead(call)
+        elif arguments:
+            opaque = opaque_argument(args, kwargs)
+            if opaque is not None:
+                self._refuse(f"the model is called with {opaque}, not a tensor or a plain value: a recompute on "
+                             "hooks alone would replay the numbers it held in the verified step")
+        self._arguments.append(arguments)
 
 
 def apply(

@@ -59,6 +59,7 @@ class _VerifiedStep(TorchDispatchMode):
         self._refusal: str | None = None
         self._packed_names: set[str] = set()
         self._step_inputs: list[torch.Tensor] = []
+        self._arguments: list[tuple] = []
         self.identities = StorageIdentities(self.model)
         self.numbering = OpNumbering(self.identities)
         self.collectives = CollectiveReleases()
@@ -93,8 +94,12 @@ class _VerifiedStep(TorchDispatchMode):
         self.identities.__enter__()
         super().__enter__()
         self._issue(0)
+        if self.checks_modules:
+            self._read_values(None)
 
     def _exit(self, exc_type, exc, tb) -> None:
+        if self.checks_modules:
+            self._value_reads.__exit__()
         super().__exit__(exc_type, exc, tb)
         self.identities.__exit__(exc_type, exc, tb)
         self._hooks.__exit__(exc_type, exc, tb)
@@ -161,6 +166,10 @@ class _VerifiedStep(TorchDispatchMode):
                 if rng_event is None:
                     self._refuse(f"random call {begin.op!r} follows another random call with no saved tensor "
                                  "between them: its RNG state has no hook to be read at")
+            if self._value_reads.number is not None:
+                self._refuse(f"the model's forward read {self._value_reads.number} from a tensor before "
+                             f"{begin.op!r}, which the plan recomputes: a recompute on hooks alone would replay the "
+                             "verified step's value")
             member = _Member(func, tree_map(self._to_spec, (args, kwargs)), rng, [], rng_event)
             self.members.setdefault(begin.op, []).append(member)
         if random:
@@ -458,4 +467,6 @@ class _VerifiedStep(TorchDispatchMode):
                            and m.rng_event is not None)
         return Recording(tuple(self._packs), tuple(self._unpacks), members, events, self._refusal,
                          module_calls=tuple(self._module_log), module_state=self._module_state,
+                         forward_arguments=tuple(self._arguments),
+                         value_reads=tuple(self._value_reads.bools) if self.checks_modules else (),
                          unpack_nodes=tuple(self._unpack_nodes))
