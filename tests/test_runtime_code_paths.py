@@ -315,3 +315,27 @@ def test_an_object_argument_runs_every_step_verified() -> None:
     calls = [lambda t=t: (setattr(options, "value", t), model(x, temperature=options))[1] for t in (2.0, 2.0, 1.5)]
     assert _steps(model, run, calls) == [True, True, True]
     assert "the model is called with argument 'temperature' (a Options)" in run.report.hook_only_refusal
+
+
+@pytest.mark.parametrize("register", [
+    lambda model: model.a.register_forward_hook(lambda _m, _i, out: out * 0.5),
+    lambda model: model.a.register_forward_pre_hook(lambda _m, args: (args[0] * 0.5,)),
+    lambda model: torch.nn.modules.module.register_module_forward_hook(
+        lambda m, _i, out: out * 0.5 if m is model.a else None),
+])  # fmt: skip
+def test_a_step_after_a_forward_hook_was_added_runs_verified(register) -> None:
+    """A hook added between steps runs ops in forward that a hook-only recompute would not replay (before: a
+    gradient silently wrong). The step runs verified, which refuses it (the captured graph lacks them); with
+    the hook removed again the hooks are the recorded step's, and the run is back on hooks, exact."""
+    torch.manual_seed(0)
+    model, x = _Tempered("argument"), torch.randn(32, 16)
+    run = _recomputing(model, x, "hooked", "softmax")
+    assert _steps(model, run, [lambda: model(x)]) == [False]
+    handle = register(model)
+    try:
+        with pytest.raises(PlanMismatchError, match=r"ATen call 'op\d+:aten\.mul\.Tensor' is not an op of graph "
+                                                    r"'hooked'.*a forward hook"):
+            _grads(model, lambda: model(x), run)
+    finally:
+        handle.remove()
+    assert _steps(model, run, [lambda: model(x)] * 2) == [False, False]

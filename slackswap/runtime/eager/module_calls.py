@@ -22,6 +22,7 @@ autograd node that reads each saved tensor back (`Recording.unpack_nodes`), whic
 from __future__ import annotations
 
 import torch
+import torch.nn.modules.module as _global_hooks
 from torch.utils._pytree import TreeSpec, tree_flatten_with_path
 
 from slackswap.profile.torch.layer_stacks import leaf_modules
@@ -82,7 +83,10 @@ class ModuleState:
     The same for the modules' parameters and buffers, by object identity: a recorded call holds a
     parameter by reference, so one the training loop replaces with another object (`module.weight =
     nn.Parameter(...)`, `load_state_dict(..., assign=True)`) would be replayed as the old one (before this,
-    a step after such a swap had its gradient silently wrong); such a step runs verified too."""
+    a step after such a swap had its gradient silently wrong); such a step runs verified too. And the forward
+    hooks registered on the modules and on every module (`register_module_forward_hook`), by handle: a hook
+    added between steps that changes a module's output (`o * 0.5`) runs ops a recompute would not replay
+    (before this, silently wrong); such a step runs verified, recording them."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         modules = list(model.modules())
@@ -90,10 +94,12 @@ class ModuleState:
         self._slots = tuple((table, key) for table in tables for key, value in table.items()
                             if type(value) in (int, float, bool))
         self._tensors = tuple((table, key) for m in modules for table in (m._parameters, m._buffers) for key in table)
+        self._hooks = (*(table for m in modules for table in (m._forward_pre_hooks, m._forward_hooks)),
+                       _global_hooks._global_forward_pre_hooks, _global_hooks._global_forward_hooks)
 
     def snapshot(self) -> tuple:
         return (tuple([attributes.get(key) for attributes, key in self._slots]),
-                tuple([id(table.get(key)) for table, key in self._tensors]))
+                tuple([id(table.get(key)) for table, key in self._tensors]), tuple(map(tuple, self._hooks)))
 
 
 def _held_objects(modules: list[torch.nn.Module], depth: int = 2) -> list[dict]:

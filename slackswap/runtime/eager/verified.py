@@ -148,9 +148,9 @@ class _VerifiedStep(TorchDispatchMode):
                 raise PlanMismatchError(
                     f"ATen call {begin.op!r} is not an op of graph {self.graph.name!r} (traced "
                     f"{self.graph.meta.get('aten_calls')} calls; the plan expected {expected!r} next): the code path "
-                    "changed (the model, its inputs, its train/eval mode, a data-dependent branch, or a value the "
-                    "model computes once and caches, such as BEiT's lru_cache'd relative position index: the "
-                    "capture's forward, the first, ran ops later steps skip), or gradients "
+                    "changed (the model, its inputs, its train/eval mode, a forward hook, a data-dependent branch, "
+                    "or a value the model computes once and caches, such as BEiT's lru_cache'd relative position "
+                    "index: the capture's forward, the first, ran ops later steps skip), or gradients "
                     "were not None before the step. Capture and plan again for the new code path; clear "
                     "gradients (optimizer.zero_grad()) or use apply(..., accumulate=True) for micro-batches"
                 )
@@ -166,7 +166,7 @@ class _VerifiedStep(TorchDispatchMode):
                 if rng_event is None:
                     self._refuse(f"random call {begin.op!r} follows another random call with no saved tensor "
                                  "between them: its RNG state has no hook to be read at")
-            if self._value_reads.number is not None:
+            if self.checks_modules and self._value_reads.number is not None:
                 self._refuse(f"the model's forward read {self._value_reads.number} from a tensor before "
                              f"{begin.op!r}, which the plan recomputes: a recompute on hooks alone would replay the "
                              "verified step's value")
