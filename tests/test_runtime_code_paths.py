@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy
 import pytest
 
 from tests.extras import require_torch_extra
@@ -230,6 +231,10 @@ class _Tempered(torch.nn.Module):
             temperature = self.config.temperature
         elif self.source == "tensor":
             temperature = h.detach().abs().max().item()
+        elif self.source == "numpy":
+            temperature = float(h.detach().numpy().max())
+        elif self.source == "array":
+            temperature = float(numpy.asarray(h.detach()).max())
         elif self.source == "branch" and (x[0, 0] > 0).item():
             h = h * 0.5  # saves nothing: the packs are the same either way
         return x + self.b(torch.softmax(h / temperature, dim=-1))
@@ -275,17 +280,26 @@ def test_a_step_called_with_other_python_values_or_config_numbers_runs_verified(
     assert _steps(model, run, calls) == [False, True, False]
 
 
-def test_a_forward_that_reads_tensor_values_is_verified_or_refused_never_replayed() -> None:
-    """Before this, both gave silently wrong gradients on every hook-only step. A number read from a tensor
-    before a recomputed call refuses the hook-only steps (every step runs verified, exact); a bool read is
-    recorded, and a hook-only step that reads another raises in forward, after which the run verifies each step
-    (one off the captured graph then refused at its first other call)."""
+@pytest.mark.parametrize(("source", "read"), [("tensor", "a number (item)"), ("numpy", "an array (numpy)"),
+                                              ("array", "an array (numpy)")])
+def test_a_forward_that_reads_a_number_from_a_tensor_keeps_every_step_verified(source, read) -> None:
+    """Before this, each gave a silently wrong gradient on every hook-only step (`.numpy()` and `__array__`
+    until they were seen too). A number or an array read from a tensor before a recomputed call refuses the
+    hook-only steps: every step runs verified, exact."""
     torch.manual_seed(0)
-    model, x = _Tempered("tensor"), torch.randn(32, 16)
-    run = _recomputing(model, x, "tensor", "softmax")
-    assert "read a number (item) from a tensor before 'op" in run.report.hook_only_refusal
+    model, x = _Tempered(source), torch.randn(32, 16)
+    run = _recomputing(model, x, source, "softmax")
+    assert f"read {read} from a tensor before 'op" in run.report.hook_only_refusal
     batches = [torch.randn(32, 16) for _ in range(2)]
     assert _steps(model, run, [lambda b=b: model(b) for b in batches]) == [True, True]
+
+
+def test_a_forward_that_branches_on_a_tensor_value_is_verified_or_refused_never_replayed() -> None:
+    """Before this, it gave a silently wrong gradient on every hook-only step after the branch flipped. A bool
+    read is recorded, and a hook-only step that reads another raises in forward, after which the run verifies
+    each step (one off the captured graph then refused at its first other call)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
     model = _Tempered("branch")
     positive, negative = x.clone(), x.clone()
     positive[0, 0], negative[0, 0] = 1.0, -1.0

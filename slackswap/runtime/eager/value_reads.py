@@ -1,5 +1,5 @@
 """Reads of a tensor's value into Python inside the model's forward (`bool(t)`, `.item()`, `int(t)`,
-`.tolist()`, `torch.equal`): what a recomputing plan's steps record and check (`ValueReads`).
+`.tolist()`, `.numpy()`, `torch.equal`): what a recomputing plan's steps record and check (`ValueReads`).
 
 Why: a hook-only step runs no dispatch mode, and its recomputes replay the verified step's recorded calls,
 so they follow the verified step's code path with its Python values. A forward whose path depends on a
@@ -9,10 +9,12 @@ silently wrong gradient on every hook-only step after the branch flipped, and `h
 on every hook-only step. So a recomputing plan's verified step records the bools the forward reads (a
 Hugging Face decoder reads one: whether its attention mask may be skipped) and its hook-only steps raise
 at the first that differs, before backward; a number read (int, float) before a call the plan recomputes
-comes back different on most steps, so it refuses the hook-only steps instead (every step runs verified).
+comes back different on most steps, so it refuses the hook-only steps instead (every step runs verified);
+so does an array read (`.numpy()`, `numpy.asarray(t)` through `__array__`, DLPack): measured before it was
+seen, `h / float(h.numpy().max())` was silently wrong on every hook-only step, as `.item()` was.
 Reads are seen by replacing the reading methods of `torch.Tensor` (and `torch.equal`, `torch.allclose`,
 `torch.is_nonzero`) while the step runs, on the step's thread and inside the model's forward only; a
-read through another path (`.numpy()`, a tensor subclass's own method) is not seen (docs/runtime.md,
+read through another path (a tensor subclass's own method, a raw pointer) is not seen (docs/runtime.md,
 "Hook-only steps").
 """
 
@@ -26,7 +28,9 @@ import torch
 from slackswap.runtime.errors import PlanMismatchError
 
 _METHODS = ("__bool__", "item", "__int__", "__float__", "__index__", "__complex__", "tolist", "equal", "allclose",
-            "is_nonzero")
+            "is_nonzero", "numpy", "__dlpack__")
+#: Reads that hand Python every value of the tensor at once: never compared, always a number read.
+_ARRAY_READS = ("numpy", "__dlpack__")
 _FUNCTIONS = ("equal", "allclose", "is_nonzero")
 _REMEDY = ("This run verifies its later steps, and refuses a step off the captured graph at its first other call; "
            "the eager export (slackswap.runtime.export.PlanExport), whose checkpoints re-run each layer's own "
@@ -45,7 +49,7 @@ class ValueReads:
     def __init__(self, recorded: tuple | None = None) -> None:
         self.recorded = recorded
         self.bools: list[object] = []
-        #: The first read of a number (not a bool) in forward: how it was read.
+        #: The first read of a number (not a bool) or an array in forward: how it was read.
         self.number: str | None = None
         self._depth = 0
         self._thread = threading.get_ident()
@@ -87,6 +91,9 @@ class ValueReads:
         return reading
 
     def _note(self, name: str, value: object) -> None:
+        if name in _ARRAY_READS:
+            self.number = self.number or f"an array ({name})"
+            return
         if not _is_bool(value):
             self.number = self.number or f"a number ({name})"
             return
