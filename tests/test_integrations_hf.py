@@ -103,6 +103,49 @@ def test_gradient_accumulation_under_the_plan_is_bit_exact(tmp_path) -> None:
     assert planned[2].steps == 4  # one planned step per micro-batch
 
 
+def _varied_rows(n: int) -> list[dict[str, torch.Tensor]]:
+    """Token rows 40 to 64 long, as text is."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(40, 65, (n,), generator=g).tolist()
+    return [{"input_ids": (x := torch.randint(1, 128, (k,), generator=g)), "labels": x.clone()} for k in lengths]
+
+
+def _pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding (DataCollatorWithPadding's): each batch to its own longest row, with its mask."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    batch = {"input_ids": torch.zeros(len(rows), longest, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), longest, dtype=torch.long),
+             "labels": torch.full((len(rows), longest), -100)}
+    for i, r in enumerate(rows):
+        k = len(r["input_ids"])
+        batch["input_ids"][i, :k], batch["labels"][i, :k] = r["input_ids"], r["labels"]
+        batch["attention_mask"][i, :k] = 1
+    return batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["runtime", "export"])
+def test_dynamic_padding_and_a_short_last_batch_are_planned_per_shape_bit_exact(executor, tmp_path) -> None:
+    """Before, a plan described the first batch's shape and the next batch of another stopped training."""
+    runs = []
+    for planned in (False, True):
+        grads = Grads()
+        trainer = ex["make_trainer"]("llama", str(tmp_path / f"{executor}{planned}"), 6, 1, [grads])
+        trainer.train_dataset, trainer.data_collator = _varied_rows(7), _pad  # 2, 2, 2, 1 rows an epoch
+        state = plan_for(trainer, budget=0.6, executor=executor, printer=lambda _: None) if planned else None
+        trainer.train()
+        runs.append((grads.steps, [h["loss"] for h in trainer.state.log_history if "loss" in h], state))
+    (plain, plain_losses, _), (steps, losses, state) = runs
+    assert losses == plain_losses and len(steps) == len(plain) == 6
+    assert all(torch.equal(a, b) for x, y in zip(plain, steps, strict=True) for a, b in zip(x, y, strict=True))
+    shapes = [p.graph.meta["input_signature"][0][0] for p in state.plans]
+    assert len({p.graph.name for p in state.plans}) == len(shapes) >= 3
+    assert any(rows == 1 for rows, _ in shapes)  # the short last batch has its own plan
+    if executor == "runtime":
+        assert len(state.logged) == len(state.plans)  # each shape's first step verified
+        assert all(f["slackswap/measured_peak_bytes"] == f["slackswap/predicted_peak_bytes"] for f in state.logged)
+
+
 @pytest.mark.slow
 def test_bf16_trainer_steps_under_the_plan_are_bit_exact_within_budget(tmp_path, trained) -> None:
     """`bf16=True`: Accelerate's autocast wraps the prepared model's forward and the plan is captured

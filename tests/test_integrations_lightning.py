@@ -45,10 +45,11 @@ class Record(pl.Callback):
         self.grads.append([p.grad.detach().clone() for p in pl_module.parameters()])
 
 
-def _fit(callback, steps: int = 3, accumulation: int = 1, **trainer_args):
+def _fit(callback, steps: int = 3, accumulation: int = 1, rows: int | None = None, **trainer_args):
     pl.seed_everything(0, verbose=False)
     record = Record()
-    data = torch.utils.data.DataLoader(ex["tiny_dataset"]("llama", 2 * steps * accumulation), batch_size=2)
+    rows = 2 * steps * accumulation if rows is None else rows
+    data = torch.utils.data.DataLoader(ex["tiny_dataset"]("llama", rows), batch_size=2)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulation,
                          callbacks=[record] + ([callback] if callback else []), **trainer_args)  # fmt: skip
@@ -73,6 +74,21 @@ def test_lightning_steps_under_the_plan_are_bit_exact_within_budget(accumulation
     assert callback.planned.logged[0]["slackswap/measured_peak_bytes"] == p.predicted_peak_bytes <= p.budget_bytes
     assert p.budget_bytes < p.keep_all_peak_bytes
     assert "training_step" not in module.__dict__  # the class's own again after the fit
+
+
+@pytest.mark.slow
+def test_a_short_last_batch_gets_its_own_plan_bit_exact() -> None:
+    """Five rows in batches of two: the epoch's third batch has one row, a shape of its own, planned at it
+    (before, the step stopped on the first plan's input shapes)."""
+    plain, _ = _fit(None, steps=4, rows=5)
+    callback = SlackSwapCallback(budget=0.5, printer=lambda _: None)
+    planned, _ = _fit(callback, steps=4, rows=5)
+    assert len(plain.grads) == len(planned.grads) == 4
+    for a, b in zip(plain.grads, planned.grads, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    plans = callback.planned.plans
+    assert [p.graph.meta["input_signature"][0][0][0] for p in plans] == [2, 1]
+    assert len(callback.planned.logged) == 2  # each shape's first step verified
 
 
 @pytest.mark.slow

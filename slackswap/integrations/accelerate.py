@@ -82,7 +82,7 @@ def plan_for(accelerator: Any, model: torch.nn.Module, budget: object = 0.5, *,
              loss: Callable[[object, object], torch.Tensor] = model_loss, planner: str = "slackswap",
              hardware: object = None, executor: str = "runtime", verify_steps: int = 1, certify: bool = False,
              plan: StepPlan | None = None, printer: Callable[[str], None] = print,
-             peak_tolerance: float = 0.0, step_tolerance: float = 0.5) -> AcceleratePlan:
+             peak_tolerance: float = 0.0, step_tolerance: float = 0.5, max_shapes: int = 8) -> AcceleratePlan:
     """The planned step of `model` (as `accelerator.prepare` returned it) within `budget`; the
     arguments are `slackswap.integrations.hf.plan_for`'s, and `loss(outputs, batch)` is the user's
     loss of the model's outputs (default: the loss an HF model computes from the batch's labels). The
@@ -91,7 +91,7 @@ def plan_for(accelerator: Any, model: torch.nn.Module, budget: object = 0.5, *,
     tolerances = Tolerances(peak_tolerance, step_tolerance)
     check_accelerator(accelerator, model, executor)
     planned = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer,
-                          tolerances=tolerances,
+                          tolerances=tolerances, max_shapes=max_shapes,
                           reports_to_mlflow=lambda: any(getattr(t, "name", None) == "mlflow"
                                                         for t in accelerator.trackers))
     return AcceleratePlan(accelerator, model, planned, loss)

@@ -11,10 +11,12 @@ on exactly what the trainer then runs: its first batch from its own dataloader, 
 trainer prepares it, the keyword call `compute_loss` makes, the model as Accelerate prepared it (a
 mixed-precision forward included), and the trainer's own arithmetic on the loss. Made there and not
 earlier because only there are the batch, the prepared model and the loss scaling the ones every
-later step has; the capture is one real step whose RNG and gradients are left as they were, so
-training proceeds as without it. The plan's predicted peak, step time and certified gap are printed;
-each verified step's measured peak (the runtime's ledger) is logged beside the prediction through
-`trainer.log`, with a warning once if a step exceeds it.
+later step has; the capture is one real step whose RNG, gradients and buffers are left as they were,
+so training proceeds as without it. A batch of another shape (dynamic padding, a short last batch) is
+planned the same way at its first step (`slackswap.integrations.step`, `max_shapes`). The plan's
+predicted peak, step time and certified gap are printed; each verified step's measured peak (the
+runtime's ledger) is logged beside the prediction through `trainer.log`, with a warning once if a step
+exceeds it.
 
 Why `training_step` and not a `TrainerCallback`: a plan covers forward, loss and backward and nothing
 else, and no callback event brackets exactly that (`on_step_begin`/`on_step_end` enclose the optimizer
@@ -160,7 +162,7 @@ def _step(trainer: Any, planned: PlannedStep, model: torch.nn.Module, inputs: Ma
 def plan_for(trainer: Any, budget: object = 0.5, *, planner: str = "slackswap", hardware: object = None,
              executor: str = "runtime", verify_steps: int = 1, certify: bool = False,
              plan: StepPlan | None = None, printer: Callable[[str], None] = print,
-             peak_tolerance: float = 0.0, step_tolerance: float = 0.5) -> PlannedStep:
+             peak_tolerance: float = 0.0, step_tolerance: float = 0.5, max_shapes: int = 8) -> PlannedStep:
     """Run every training step of `trainer` under a plan of its model's step within `budget`.
 
     `budget`: a fraction of the keep-all activation peak (float in (0, 1]), bytes (int), "device" or a
@@ -170,14 +172,18 @@ def plan_for(trainer: Any, budget: object = 0.5, *, planner: str = "slackswap", 
     how many first steps run verified, each logging its measured peak beside the predicted one.
     `certify`: bound the step with the `milp` planner, for the certified gap the summary prints.
     `plan`: a `StepPlan` made before (by an earlier `plan_for`): refused at the first step if it was
-    made for another model or batch shape. `peak_tolerance`, `step_tolerance`: how far a verified
-    step may be from the prediction before it warns (`slackswap.integrations.verify.Tolerances`).
+    made for another model or batch shape, and at the first batch of another shape. `peak_tolerance`,
+    `step_tolerance`: how far a verified step may be from the prediction before it warns
+    (`slackswap.integrations.verify.Tolerances`). `max_shapes`: how many batch shapes get a plan of their
+    own, each captured and planned at its first batch (dynamic padding, a short last batch); one more is
+    refused before its step (`slackswap.integrations.step`).
     The verified figures go through `trainer.log`, and to the active MLflow run when the user has
     one and no `MLflowCallback` of the trainer already takes them there."""
     tolerances = Tolerances(peak_tolerance, step_tolerance)
     check_trainer(trainer, executor)
     state = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer,
-                        tolerances=tolerances, reports_to_mlflow=lambda: _reports_to_mlflow(trainer))
+                        tolerances=tolerances, reports_to_mlflow=lambda: _reports_to_mlflow(trainer),
+                        max_shapes=max_shapes)
 
     def training_step(model: torch.nn.Module, inputs: Mapping[str, Any], num_items_in_batch: object = None):
         return _step(trainer, state, model, inputs, num_items_in_batch)

@@ -68,10 +68,10 @@ class PlanCallback:
     def __init__(self, budget: object = 0.5, *, planner: str = "slackswap", hardware: object = None,
                  executor: str = "runtime", verify_steps: int = 1, certify: bool = False,
                  plan: StepPlan | None = None, printer: Callable[[str], None] = print,
-                 peak_tolerance: float = 0.0, step_tolerance: float = 0.5):
+                 peak_tolerance: float = 0.0, step_tolerance: float = 0.5, max_shapes: int = 8):
         self.planned = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan,
                                    printer=printer, tolerances=Tolerances(peak_tolerance, step_tolerance),
-                                   reports_to_mlflow=lambda: self._reports_to_mlflow)
+                                   reports_to_mlflow=lambda: self._reports_to_mlflow, max_shapes=max_shapes)
         #: Whether one of the trainer's loggers is Lightning's `MLFlowLogger` (then the verified figures
         #: reach MLflow through it, once).
         self._reports_to_mlflow = False

@@ -85,7 +85,7 @@ def check_layerdrop(model: torch.nn.Module, executor: str) -> None:
 def capture_step(model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
                  finish: Callable[[object], torch.Tensor], hardware: Hardware, name: str) -> Graph:
     """The graph of one step: `finish(model(**call)).backward()` (`model(*call)` for a sequence),
-    captured (RNG and gradients left as they were, `capture_graph`)."""
+    captured (RNG, gradients and buffers left as they were, `capture_graph`)."""
     from slackswap.runtime import capture_graph
 
     if not isinstance(call, Mapping):

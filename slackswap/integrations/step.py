@@ -9,6 +9,12 @@ does) or inside the export; the first `verify_steps` steps run verified and retu
 peak and step time beside the prediction (`slackswap.integrations.verify.PeakCheck`, within
 `tolerances`), which also go to the active MLflow run when the user has one and the trainer's own
 logger does not already report there (`reports_to_mlflow`).
+
+A plan describes one step of one batch shape. Loaders pad each batch to its longest sequence (Hugging
+Face's `DataCollatorWithPadding`) and end an epoch on a short batch, so a batch of a shape not seen
+before is captured and planned like the first (same budget, planner and executor; its own first
+`verify_steps` steps verified) and kept beside the others, up to `max_shapes` shapes; one more is
+refused before its step, in one line that says to pad to a multiple (`pad_to_multiple_of`).
 """
 
 from __future__ import annotations
@@ -43,6 +49,31 @@ def _values(call: Mapping[str, object] | Sequence[object]) -> list[object]:
     return list(call.values()) if isinstance(call, Mapping) else list(call)
 
 
+def _padded(call: Mapping[str, object] | Sequence[object]) -> bool | None:
+    """Whether a Hugging Face batch's `attention_mask` masks any position (None: the call has none). A
+    Hugging Face decoder skips its attention mask when it masks nothing (`attention_mask.all()`, read in
+    forward), another code path than a padded batch's of the same shape: each gets a plan of its own."""
+    mask = call.get("attention_mask") if isinstance(call, Mapping) else None
+    return not bool(mask.all()) if isinstance(mask, torch.Tensor) else None
+
+
+def _shape_key(call: Mapping[str, object] | Sequence[object]) -> tuple:
+    """What tells one batch shape's plan from another's: the call's keywords, its tensors' shapes and dtypes,
+    and whether its attention mask masks anything (`_padded`)."""
+    keys = tuple(call) if isinstance(call, Mapping) else None
+    return keys, tuple((tuple(shape), dtype) for shape, dtype in input_signature(_values(call))), _padded(call)
+
+
+@dataclass
+class _ShapePlan:
+    """One batch shape's plan, the runner that executes it, its peak check and how many steps it ran."""
+
+    planned: StepPlan
+    runner: Any
+    peaks: PeakCheck
+    steps: int = 0
+
+
 @dataclass
 class PlannedStep:
     """The plan of a trainer's step (made at the first step) and each verified step's figures."""
@@ -64,16 +95,31 @@ class PlannedStep:
     reports_to_mlflow: Callable[[], bool] = _never
     #: Which verified steps went to the active MLflow run directly (their `steps` index).
     mlflow_steps: list[int] = field(default_factory=list)
+    #: How many batch shapes get a plan of their own (each captured at its first step: one extra
+    #: unplanned forward and backward at its keep-all peak); 1 plans the first batch's shape only.
+    max_shapes: int = 8
     steps: int = 0
     _runner: Any = None
     _context: Any = None
+    #: Each batch shape's plan (`_shape_key`), in the order the shapes came.
+    _shapes: dict[tuple, _ShapePlan] = field(default_factory=dict)
+    _shape: _ShapePlan | None = None
+    #: The name of the plan given to the constructor (made before, for one batch shape), or None.
+    _given: str | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise IntegrationError("executor", self.executor, f"must be one of {', '.join(EXECUTORS)}")
-        v = self.verify_steps
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise IntegrationError("verify_steps", v, "must be a positive integer")
+        for name in ("verify_steps", "max_shapes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise IntegrationError(name, v, "must be a positive integer")
+        self._given = None if self.planned is None else self.planned.graph.name
+
+    @property
+    def plans(self) -> list[StepPlan]:
+        """Each batch shape's plan, in the order the shapes came (`planned` is the current one's)."""
+        return [shape.planned for shape in self._shapes.values()]
 
     def prepare(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
                 finish: Callable[[object], torch.Tensor]) -> None:
@@ -83,28 +129,55 @@ class PlannedStep:
         from slackswap.runtime import apply
         from slackswap.runtime.export import PlanExport
 
-        check_processes(model, self.executor)
-        check_layerdrop(model, self.executor)
-        settle_fsdp2(model, call, finish)
+        if not self._shapes:
+            check_processes(model, self.executor)
+            check_layerdrop(model, self.executor)
+            settle_fsdp2(model, call, finish)
         signature = input_signature(_values(call))
-        if self.planned is not None:
-            graph = self.planned.graph
+        if self.planned is not None and not self._shapes:  # a plan made before: checked, for its one shape
+            planned = self.planned
             for key, now in (("model_signature", model_signature(model)), ("input_signature", signature)):
-                if graph.meta.get(key) != now:
-                    raise IntegrationError(f"plan.graph.meta[{key!r}]", graph.meta.get(key),
+                if planned.graph.meta.get(key) != now:
+                    raise IntegrationError(f"plan.graph.meta[{key!r}]", planned.graph.meta.get(key),
                                            f"the plan was made for another {key.split('_')[0]}: this run has {now}")
         else:
             shape = "x".join(str(d) for d in signature[0][0]) if signature else "()"
-            name = f"{type(model).__name__}@{shape}{rank_suffix()}"
+            name = f"{type(model).__name__}@{shape}{'+padding' if _padded(call) else ''}{rank_suffix()}"
             graph = capture_step(model, call, finish, hardware_of(self.hardware), name)
-            self.planned = plan_step(graph, model, self.budget, self.planner, self.hardware, self.executor,
-                                     self.certify)
-        self.printer(self.planned.summary())
-        self.peaks = PeakCheck(self.planned, self.tolerances)
+            planned = plan_step(graph, model, self.budget, self.planner, self.hardware, self.executor, self.certify)
+        self.printer(planned.summary())
         if self.executor == "export":
-            self._runner = PlanExport(self.planned.plan, graph, model)
+            runner = PlanExport(planned.plan, planned.graph, model)
         else:
-            self._runner = apply(self.planned.plan, graph, model, accumulate=True)
+            runner = apply(planned.plan, planned.graph, model, accumulate=True)
+        self._shapes[_shape_key(call)] = _ShapePlan(planned, runner, PeakCheck(planned, self.tolerances))
+        self._switch(_shape_key(call))
+
+    def _switch(self, key: tuple) -> None:
+        """Make the plan of batch shape `key` the current one (`planned`, `peaks`, the runner)."""
+        self._shape = self._shapes[key]
+        self.planned, self.peaks, self._runner = self._shape.planned, self._shape.peaks, self._shape.runner
+
+    def _plan_for_shape(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
+                        finish: Callable[[object], torch.Tensor]) -> None:
+        """Before a step: the plan of this call's batch shape, made now if the shape is new."""
+        key = _shape_key(call)
+        if key in self._shapes:
+            self._switch(key)
+            return
+        if self._given:
+            raise IntegrationError("plan", self._given,
+                                   f"was made for inputs {self.plans[0].graph.meta.get('input_signature')}; this batch "
+                                   f"has {input_signature(_values(call))}: pass no plan, and each batch shape is "
+                                   "planned at its first step")
+        if len(self._shapes) >= self.max_shapes:
+            seen = ", ".join(p.graph.name.partition("@")[2] for p in self.plans)
+            raise IntegrationError("max_shapes", self.max_shapes,
+                                   f"a batch of inputs {input_signature(_values(call))} would need one more plan "
+                                   f"(planned: {seen}); pad batches to a multiple of a length "
+                                   "(DataCollatorWithPadding(pad_to_multiple_of=...)), keep the last batch full "
+                                   "(drop_last), or allow more shapes")
+        self.prepare(model, call, finish)
 
     def enter(self, model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],
               finish: Callable[[object], torch.Tensor]) -> None:
@@ -112,8 +185,10 @@ class PlannedStep:
         trainer whose step starts and ends in two different hooks (Lightning)."""
         if self._runner is None:
             self.prepare(model, call, finish)
+        else:
+            self._plan_for_shape(model, call, finish)
         runner = self._runner
-        self._verify = self.executor == "runtime" and self.steps < self.verify_steps
+        self._verify = self.executor == "runtime" and self._shape.steps < self.verify_steps
         if self.executor == "runtime":
             runner.verify = self._verify
             self._context = runner
@@ -133,6 +208,7 @@ class PlannedStep:
             torch.cuda.synchronize()
         step_s = time.perf_counter() - self._t0
         self.steps += 1
+        self._shape.steps += 1
         if exc_type is not None or not (self._verify and self._runner.report.verified):
             return None
         figures = self.peaks.observe(self._runner.report.device_peak_bytes, step_s)

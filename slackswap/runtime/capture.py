@@ -282,9 +282,37 @@ def capture_graph(
 ) -> Graph:
     """Run one training step (forward, loss, backward) and return its graph.
 
-    The step runs under `torch.random.fork_rng`, and the gradients it makes are cleared afterwards,
-    so capturing changes neither the caller's RNG stream nor the model.
+    The step runs under `torch.random.fork_rng`, the gradients it makes are cleared afterwards (any the
+    parameters held before, earlier micro-batches', are put back) and the buffers it writes (a batch
+    norm's running statistics) are restored, so capturing changes neither the caller's RNG stream nor
+    the model: a trainer integration may capture a new batch shape in the middle of training.
     """
+    with _model_state_kept(model):
+        return _capture_graph(model, inputs, loss_fn, hardware, name)
+
+
+@contextmanager
+def _model_state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """For the duration, the parameters' gradients set aside, and each buffer's object and values kept:
+    after it, the gradients are the ones before and every buffer holds its object and values again
+    (measured before this: a capture ran a batch norm's running mean one update ahead of a plain run's)."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [(m, n, b, b.detach().clone()) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+        with torch.no_grad():
+            for module, buffer_name, buffer, values in buffers:
+                setattr(module, buffer_name, buffer)
+                buffer.copy_(values)
+
+
+def _capture_graph(model: torch.nn.Module, inputs: Sequence[object], loss_fn: Callable[[object], torch.Tensor],
+                   hardware: Hardware, name: str) -> Graph:
     identities = StorageIdentities(model)
     numbering = OpNumbering(identities)
     layer_stacks = find_layer_stacks(model)
