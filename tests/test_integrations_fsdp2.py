@@ -4,7 +4,8 @@ Two CPU processes with the gloo backend (tests/fsdp2_worker.py) each train an FS
 steps plainly and under `PlannedStep` (a swap plan, a knapsack recompute plan, full recompute): every
 loss and every local gradient shard equal bit for bit, per rank; the verified step's measured peak
 equal to the rank's prediction and within the rank's budget. In this process (a one-rank gloo group):
-DDP is refused in one line before the first step runs, and so is the export executor under FSDP2."""
+DDP is refused in one line before the first step runs, and so is the export executor under FSDP2, and
+a batch of another shape than the plan's (its capture would run collectives the other ranks do not)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,17 @@ def test_the_export_under_fsdp2_is_refused_before_the_first_step(one_rank) -> No
     with pytest.raises(IntegrationError, match=r"^executor='export': under FSDP2 only the runtime is tested"):
         state.run(model, (torch.randn(4, 8),), lambda out: out.sum())
     assert state.planned is None and all(p.grad is None for p in model.parameters())
+
+
+def test_another_batch_shape_under_fsdp2_is_refused_before_its_step(one_rank) -> None:
+    """A new shape's capture runs the step's collectives: a rank alone at it would hang the others."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(_mlp())
+    state = PlannedStep(1.0, printer=lambda _: None)
+    state.run(model, (torch.randn(4, 8),), lambda out: out.sum())
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(IntegrationError, match=r"^inputs=\[\[\[3, 8\], 'torch.float32'\]\]: another batch shape than "
+                                               r"this rank's plan \(FSDPSequential@4x8\) under FSDP2: .*a hang"):
+        state.run(model, (torch.randn(3, 8),), lambda out: out.sum())
+    assert all(p.grad is None for p in model.parameters()) and len(state.plans) == 1

@@ -14,7 +14,9 @@ A plan describes one step of one batch shape. Loaders pad each batch to its long
 Face's `DataCollatorWithPadding`) and end an epoch on a short batch, so a batch of a shape not seen
 before is captured and planned like the first (same budget, planner and executor; its own first
 `verify_steps` steps verified) and kept beside the others, up to `max_shapes` shapes; one more is
-refused before its step, in one line that says to pad to a multiple (`pad_to_multiple_of`).
+refused before its step, in one line that says to pad to a multiple (`pad_to_multiple_of`). Under
+FSDP2 a new shape is refused: the capture runs the step's collectives, and a rank alone at a new
+shape would run them without the other ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from slackswap.integrations.distributed import check_processes, rank_suffix, settle_fsdp2
+from slackswap.integrations.distributed import check_processes, is_fsdp2, rank_suffix, settle_fsdp2
 from slackswap.integrations.planning import (
     EXECUTORS,
     IntegrationError,
@@ -170,6 +172,11 @@ class PlannedStep:
                                    f"was made for inputs {self.plans[0].graph.meta.get('input_signature')}; this batch "
                                    f"has {input_signature(_values(call))}: pass no plan, and each batch shape is "
                                    "planned at its first step")
+        if is_fsdp2(model):
+            raise IntegrationError("inputs", input_signature(_values(call)),
+                                   f"another batch shape than this rank's plan ({self.plans[0].graph.name}) under "
+                                   "FSDP2: its capture runs the step's collectives, which a rank alone at a new shape "
+                                   "would run without the others (a hang); pad every rank's batches to one shape")
         if len(self._shapes) >= self.max_shapes:
             seen = ", ".join(p.graph.name.partition("@")[2] for p in self.plans)
             raise IntegrationError("max_shapes", self.max_shapes,
