@@ -146,6 +146,26 @@ def test_dynamic_padding_and_a_short_last_batch_are_planned_per_shape_bit_exact(
         assert all(f["slackswap/measured_peak_bytes"] == f["slackswap/predicted_peak_bytes"] for f in state.logged)
 
 
+@pytest.mark.parametrize(("collator", "warns"), [
+    ({}, True), ({"padding": "longest"}, True), ({"pad_to_multiple_of": 64}, False), ({"padding": "max_length"}, False),
+    (None, False)])
+def test_a_collator_padding_each_batch_to_its_longest_row_warns_before_training(collator, warns, tmp_path) -> None:
+    """Every sequence length is then a plan of its own, and the batch past max_shapes stops training."""
+    import warnings
+
+    trainer = ex["make_trainer"]("llama", str(tmp_path))
+    if collator is not None:  # None: the Trainer's default_data_collator, which stacks rows as they are
+        trainer.data_collator = transformers.DataCollatorWithPadding(tokenizer=None, **collator)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_for(trainer, budget=0.5, max_shapes=4, printer=lambda _: None)
+    said = [str(w.message) for w in caught if str(w.message).startswith("slackswap:")]
+    assert said == (["slackswap: the trainer's data collator (DataCollatorWithPadding) pads each batch to its longest "
+                     "row with pad_to_multiple_of=None: each sequence length is a batch shape with a plan of its own "
+                     "(one capture each), and the batch past max_shapes=4 stops training; set pad_to_multiple_of "
+                     "(64, say) or pad to a max_length"] if warns else [])
+
+
 @pytest.mark.slow
 def test_bf16_trainer_steps_under_the_plan_are_bit_exact_within_budget(tmp_path, trained) -> None:
     """`bf16=True`: Accelerate's autocast wraps the prepared model's forward and the plan is captured

@@ -29,6 +29,7 @@ Gradient accumulation runs each micro-batch under `apply(..., accumulate=True)`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -111,6 +112,24 @@ def check_trainer(trainer: Any, executor: str) -> None:
     check_layerdrop(model, executor)
 
 
+def warn_unbounded_padding(trainer: Any, max_shapes: int) -> str | None:
+    """Warn, once, before training, when the trainer's data collator pads each batch to its own longest row
+    (transformers' padding collators at `padding=True` or "longest" with `pad_to_multiple_of=None`, what the
+    Trainer builds from a tokenizer): every sequence length is then a batch shape with its own plan, and the
+    batch past `max_shapes` stops training hours in (`slackswap.integrations.step`). Returns the warning."""
+    collator = trainer.data_collator
+    if not hasattr(collator, "pad_to_multiple_of") or collator.pad_to_multiple_of is not None:
+        return None
+    if getattr(collator, "padding", True) not in (True, "longest"):
+        return None
+    message = (f"slackswap: the trainer's data collator ({type(collator).__name__}) pads each batch to its longest "
+               f"row with pad_to_multiple_of=None: each sequence length is a batch shape with a plan of its own (one "
+               f"capture each), and the batch past max_shapes={max_shapes} stops training; set pad_to_multiple_of "
+               "(64, say) or pad to a max_length")
+    warnings.warn(message, stacklevel=3)
+    return message
+
+
 def _reports_to_mlflow(trainer: Any) -> bool:
     """Whether `trainer.log` already reaches MLflow (transformers' `MLflowCallback`, `report_to`)."""
     return any(type(c).__name__ == "MLflowCallback" for c in trainer.callback_handler.callbacks)
@@ -181,6 +200,8 @@ def plan_for(trainer: Any, budget: object = 0.5, *, planner: str = "slackswap", 
     one and no `MLflowCallback` of the trainer already takes them there."""
     tolerances = Tolerances(peak_tolerance, step_tolerance)
     check_trainer(trainer, executor)
+    if plan is None:
+        warn_unbounded_padding(trainer, max_shapes)
     state = PlannedStep(budget, planner, hardware, executor, verify_steps, certify, planned=plan, printer=printer,
                         tolerances=tolerances, reports_to_mlflow=lambda: _reports_to_mlflow(trainer),
                         max_shapes=max_shapes)
