@@ -182,3 +182,27 @@ def test_the_export_refuses_a_layer_called_with_a_key_value_cache() -> None:
     model.model.config.use_cache = False
     with PlanExport(plan, a.graph, model).installed(model):
         assert compare(a.reference, step(a.w, model)) == "exact"
+
+
+def test_the_cache_refusal_says_an_encoder_decoder_keeps_a_config_of_its_own() -> None:
+    """T5's decoder stack holds a copy of the config: `model.config.use_cache = False` left it passing a
+    cache, and the refusal's advice did not run; the advice now names every config, which runs exact."""
+    from slackswap.runtime.errors import RuntimeUsageError
+    from slackswap.runtime.export import PlanExport
+
+    a = arch("t5")
+    plan = a.plan("full_recompute", 0.7, "export")
+    model = copy.deepcopy(a.pristine)
+    configs = [m.config for m in model.modules() if getattr(m, "config", None) is not None]
+    assert len({id(c) for c in configs}) > 1  # the model's and its stacks' own copies
+    for config in configs:  # as a T5Config at its default builds them: the encoder's stack never caches
+        config.use_cache = bool(config.is_decoder)
+    model.model.config.use_cache = False  # what the advice said before: the top-level config only
+    with pytest.raises(RuntimeUsageError, match=r"layer 'model\.decoder\.block\.0' is called with a key/value cache"
+                                                r".*on every config the model holds"), \
+            PlanExport(plan, a.graph, model).installed(model):
+        a.w.loss_fn(model(a.w.batch)).backward()
+    for config in configs:
+        config.use_cache = False
+    with PlanExport(plan, a.graph, model).installed(model):
+        assert compare(a.reference, step(a.w, model)) == "exact"

@@ -75,8 +75,10 @@ def refuse_cache(path: str, args: tuple, kwargs: dict) -> None:
         if any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__):
             raise RuntimeUsageError(
                 f"layer {path!r} is called with a key/value cache (argument {key!r}, {type(value).__name__}): the "
-                "export's recompute of the layer would update it a second time. Train with use_cache=False "
-                "(model.config.use_cache = False, as Hugging Face's gradient checkpointing sets it)")
+                "export's recompute of the layer would update it a second time. Train with use_cache=False on every "
+                "config the model holds (an encoder-decoder's decoder keeps a copy of its own, so T5's "
+                "model.config.use_cache = False leaves the decoder's on: set it on each module's config, or build the "
+                "model from a config with use_cache=False)")
 
 
 class PlanExport(TableSteps):
