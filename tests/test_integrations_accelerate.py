@@ -22,7 +22,8 @@ from slackswap.integrations.planning import IntegrationError  # noqa: E402
 ex = runpy.run_path(str(REPO_ROOT / "examples" / "hf_trainer.py"))
 
 
-def _loop(planned: dict | None, steps: int = 3, accumulation: int = 1, mixed_precision: str = "no"):
+def _loop(planned: dict | None, steps: int = 3, accumulation: int = 1, mixed_precision: str = "no",
+          rows: int | None = None):
     """`steps` optimizer steps of the Llama-like decoder on batches of 2 rows; the losses, the
     gradients each step's optimizer gets, and the plan."""
     accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # a precision of its own
@@ -35,7 +36,7 @@ def _loop(planned: dict | None, steps: int = 3, accumulation: int = 1, mixed_pre
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    rows = ex["tiny_dataset"]("llama", 2 * steps * accumulation)
+    rows = ex["tiny_dataset"]("llama", 2 * steps * accumulation if rows is None else rows)
     batches = [{k: torch.stack([r[k] for r in rows[i:i + 2]]) for k in rows[0]} for i in range(0, len(rows), 2)]
     step = plan_for(accelerator, model, printer=lambda _: None, **planned) if planned is not None else None
     losses, grads = [], []
@@ -68,6 +69,20 @@ def test_an_accelerate_loop_under_the_plan_is_bit_exact_within_budget(accumulati
     assert len(step.planned.logged) == 1
     assert step.planned.logged[0]["slackswap/measured_peak_bytes"] == p.predicted_peak_bytes <= p.budget_bytes
     assert p.budget_bytes < p.keep_all_peak_bytes
+
+
+@pytest.mark.slow
+def test_a_short_batch_inside_an_accumulation_window_gets_its_plan_bit_exact() -> None:
+    """Seven rows in batches of two, two micro-batches a step: the one-row batch is the second window's
+    second micro-batch, captured while the first micro-batch's gradients are held (before, the step stopped
+    on the first plan's input shapes)."""
+    plain = _loop(None, accumulation=2, rows=7)
+    losses, grads, step = _loop({"budget": 0.5}, accumulation=2, rows=7)
+    assert len(losses) == len(plain[0]) == 4 and len(grads) == len(plain[1]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], losses, strict=True))
+    for a, b in zip(plain[1], grads, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert [p.graph.meta["input_signature"][0][0][0] for p in step.planned.plans] == [2, 1]
 
 
 @pytest.mark.slow
