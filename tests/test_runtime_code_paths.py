@@ -6,6 +6,7 @@ back what each pack handed over, and stays exact; so does the eager export, whic
 from __future__ import annotations
 
 import contextlib
+import types
 
 import numpy
 import pytest
@@ -214,6 +215,42 @@ def test_a_step_after_a_parameter_was_replaced_runs_verified_and_exact() -> None
     assert _same_step(model, x, run) and not run.report.verified
 
 
+#: Temperatures from outside the model, as a training loop may keep them: a module global, an attribute of an
+#: imported module and of a global object, and a closure's `nonlocal`.
+TEMPERATURE = 2.0
+_SETTINGS = types.ModuleType("tempering_settings")
+_SETTINGS.TEMPERATURE = 2.0
+_OPTIONS = types.SimpleNamespace(temperature=2.0)
+
+
+def _closure_temperature():
+    temperature = 2.0
+
+    def divide(h):
+        return h / temperature
+
+    def set_to(value):
+        nonlocal temperature
+        temperature = value
+
+    return divide, set_to
+
+
+_divide, _set_closure = _closure_temperature()
+
+
+def _set_outside(source: str, value: float) -> None:
+    global TEMPERATURE
+    if source == "global":
+        TEMPERATURE = value
+    elif source == "module":
+        _SETTINGS.TEMPERATURE = value
+    elif source == "object":
+        _OPTIONS.temperature = value
+    else:
+        _set_closure(value)
+
+
 class _Tempered(torch.nn.Module):
     """A softmax at a temperature read from an argument, a config object or a tensor, as the forward is told."""
 
@@ -237,6 +274,14 @@ class _Tempered(torch.nn.Module):
             temperature = float(numpy.asarray(h.detach()).max())
         elif self.source == "branch" and (x[0, 0] > 0).item():
             h = h * 0.5  # saves nothing: the packs are the same either way
+        elif self.source == "global":
+            temperature = TEMPERATURE
+        elif self.source == "module":
+            temperature = _SETTINGS.TEMPERATURE
+        elif self.source == "object":
+            temperature = _OPTIONS.temperature
+        elif self.source == "closure":
+            return x + self.b(torch.softmax(_divide(h), dim=-1))
         return x + self.b(torch.softmax(h / temperature, dim=-1))
 
 
@@ -278,6 +323,63 @@ def test_a_step_called_with_other_python_values_or_config_numbers_runs_verified(
     for t in (2.0, 1.5, 1.5):
         calls.append(lambda t=t: (setattr(model.config, "temperature", t), model(x))[1])
     assert _steps(model, run, calls) == [False, True, False]
+
+
+@pytest.mark.parametrize("source", ["global", "module", "object", "closure"])
+def test_a_step_after_a_number_outside_the_model_changed_runs_verified(source) -> None:
+    """A recorded `div` holds the temperature the verified step read; before the global reads were recorded
+    (`eager.global_reads`), a hook-only step after the loop lowered it replayed 2.0, silently wrong, for a
+    module global, an imported module's attribute, a global object's, and a closure's `nonlocal`."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    _set_outside(source, 2.0)
+    model = _Tempered(source)
+    run = _recomputing(model, x, source, "softmax")
+    assert run.recording.global_slots  # the forward's read is among them
+    calls = []
+    for t in (2.0, 1.5, 1.5, 1.0):
+        calls.append(lambda t=t: (_set_outside(source, t), model(x))[1])
+    try:
+        assert _steps(model, run, calls) == [False, True, False, True]
+    finally:
+        _set_outside(source, 2.0)
+
+
+_COLLECTIONS = 0
+
+
+def _count_collection(phase: str, info: dict) -> None:
+    global _COLLECTIONS
+    _COLLECTIONS += 1
+
+
+def test_a_garbage_collection_in_forward_and_a_tracer_set_before_are_left_alone() -> None:
+    """A gc callback runs inside whatever forward a collection interrupts: a global it writes is none of the
+    forward's (before it was skipped, every step ran verified); a tracer set before (a debugger, coverage)
+    keeps seeing the step's calls and is set again after it."""
+    import gc
+    import sys
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    model = _Tempered("argument")
+    inner = model.forward
+    model.forward = lambda *a, **k: (gc.collect(), inner(*a, **k))[1]
+    seen: list[str] = []
+
+    def tracer(frame, event, arg):
+        seen.append(frame.f_code.co_name)
+
+    gc.callbacks.append(_count_collection)
+    sys.settrace(tracer)
+    try:
+        run = _recomputing(model, x, "collected", "softmax")
+        assert _steps(model, run, [lambda: model(x)] * 2) == [False, False]
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
+        gc.callbacks.remove(_count_collection)
+    assert _COLLECTIONS >= 3 and "forward" in seen
 
 
 @pytest.mark.parametrize(("source", "read"), [("tensor", "a number (item)"), ("numpy", "an array (numpy)"),

@@ -93,3 +93,8 @@ class Recording:
     #: The bools the model's forward read from tensors, in order (`eager.value_reads`): a recomputing plan's
     #: hook-only step raises at the first that differs.
     value_reads: tuple = ()
+    #: The module globals and closure cells holding plain values that the forward's Python functions read
+    #: (`eager.global_reads`), and their values then: a recomputing plan's hook-only step whose slots hold
+    #: other values runs verified instead.
+    global_slots: tuple = ()
+    global_values: tuple = ()

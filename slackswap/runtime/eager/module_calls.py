@@ -78,7 +78,7 @@ class ModuleState:
     back as the verified step's: such a step runs verified instead, recording the calls again. The
     attributes are the ones holding a number when the run was made, read by key each step (4 us for a
     2-layer GPT-2's 144, where walking every module's attributes took 63 us); one set later, or a number
-    from elsewhere (a global), is not seen (docs/runtime.md, "Hook-only steps").
+    from elsewhere (a global: `eager.global_reads`), is not seen here (docs/runtime.md, "Hook-only steps").
 
     The same for the modules' parameters and buffers, by object identity: a recorded call holds a
     parameter by reference, so one the training loop replaces with another object (`module.weight =

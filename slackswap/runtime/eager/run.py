@@ -29,6 +29,8 @@ from slackswap.runtime.copy_engines import (
     CudaCopies,
     offload_sizes,
 )
+from slackswap.runtime.eager.global_reads import GlobalReads
+from slackswap.runtime.eager.global_reads import read as read_globals
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
 from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleState, forward_arguments, opaque_argument
 from slackswap.runtime.eager.program import HookProgram
@@ -147,7 +149,9 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         #: recorded step's runs verified (`ModuleState`), and its recording replaces the old one.
         self._module_state = self.module_state.snapshot() if self.checks_modules else ()
         self.hook_only = (self.recording is not None and self.recording.refusal is None
-                          and not (self.trace or self.verify) and self._module_state == self.recording.module_state)
+                          and not (self.trace or self.verify) and self._module_state == self.recording.module_state
+                          and self.recording.global_slots is not None
+                          and read_globals(self.recording.global_slots) == self.recording.global_values)
         if self.hook_only:
             self._enter_hook_only()
             return
@@ -190,6 +194,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
                 f"model inputs (shape, dtype) {input_signature(inputs)} differ from the traced "
                 f"{self.graph.meta.get('input_signature')} of graph {self.graph.name!r}"
             )
+        if self.checks_modules and not self.hook_only and self._global_reads is not None:
+            self._global_reads.start()  # until the model's forward returns (`_read_values`)
 
     def _read_values(self, recorded: tuple | None) -> None:
         """A recomputing plan's step: the tensor values its model's forward reads into Python, recorded
@@ -197,6 +203,14 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         since it replaces `torch.Tensor`'s reading methods until the step exits."""
         self._module_hooks.append(
             self.model.register_forward_hook(lambda *_: self._value_reads.end_forward(), always_call=True))
+        # A verified step whose recording a hook-only step may follow: the globals and closure values its
+        # forward reads, recorded. Tracing Python calls costs a verified step 30-45 %, so not after a recording
+        # that refused the hook-only steps (every step runs verified; a recording made without, its
+        # `global_slots` None, is followed by another verified step).
+        self._global_reads = None
+        if recorded is None and (self.recording is None or self.recording.refusal is None):
+            self._global_reads = GlobalReads()
+            self._module_hooks.append(self.model.register_forward_hook(self._global_reads.stop, always_call=True))
         self._value_reads = ValueReads(recorded).__enter__()
 
     def _check_arguments(self, args: tuple, kwargs: dict) -> None:

@@ -100,6 +100,8 @@ class _VerifiedStep(TorchDispatchMode):
     def _exit(self, exc_type, exc, tb) -> None:
         if self.checks_modules:
             self._value_reads.__exit__()
+            if self._global_reads is not None:
+                self._global_reads.stop()
         super().__exit__(exc_type, exc, tb)
         self.identities.__exit__(exc_type, exc, tb)
         self._hooks.__exit__(exc_type, exc, tb)
@@ -439,6 +441,16 @@ class _VerifiedStep(TorchDispatchMode):
         if self._refusal is None:
             self._refusal = why
 
+    def _global_slots(self) -> tuple | None:
+        """The recording's global and closure slots: none to check for a plan that recomputes nothing, None
+        (unknown: the next step runs verified) where this step did not trace them (`eager.global_reads`)."""
+        if not self.checks_modules:
+            return ()
+        return None if self._global_reads is None else tuple(self._global_reads.slots)
+
+    def _global_values(self) -> tuple:
+        return tuple(self._global_reads.values) if self.checks_modules and self._global_reads is not None else ()
+
     def _finish_recording(self) -> Recording:
         """After a complete verified step: what the hook-only steps need. Arguments of recomputed calls
         that are not graph tensors must be parameters or buffers (the same storage every step) or
@@ -469,4 +481,5 @@ class _VerifiedStep(TorchDispatchMode):
                          module_calls=tuple(self._module_log), module_state=self._module_state,
                          forward_arguments=tuple(self._arguments),
                          value_reads=tuple(self._value_reads.bools) if self.checks_modules else (),
+                         global_slots=self._global_slots(), global_values=self._global_values(),
                          unpack_nodes=tuple(self._unpack_nodes))
