@@ -221,6 +221,8 @@ TEMPERATURE = 2.0
 _SETTINGS = types.ModuleType("tempering_settings")
 _SETTINGS.TEMPERATURE = 2.0
 _OPTIONS = types.SimpleNamespace(temperature=2.0)
+_TABLE = {"temperature": 2.0}
+_NESTED = types.SimpleNamespace(train=types.SimpleNamespace(temperature=2.0))
 
 
 def _closure_temperature():
@@ -247,6 +249,12 @@ def _set_outside(source: str, value: float) -> None:
         _SETTINGS.TEMPERATURE = value
     elif source == "object":
         _OPTIONS.temperature = value
+    elif source == "dict":
+        _TABLE["temperature"] = value
+    elif source == "nested":
+        _NESTED.train.temperature = value
+    elif source == "replaced":
+        _NESTED.train = types.SimpleNamespace(temperature=value)
     else:
         _set_closure(value)
 
@@ -280,6 +288,10 @@ class _Tempered(torch.nn.Module):
             temperature = _SETTINGS.TEMPERATURE
         elif self.source == "object":
             temperature = _OPTIONS.temperature
+        elif self.source == "dict":
+            temperature = _TABLE["temperature"]
+        elif self.source in ("nested", "replaced"):
+            temperature = _NESTED.train.temperature
         elif self.source == "closure":
             return x + self.b(torch.softmax(_divide(h), dim=-1))
         return x + self.b(torch.softmax(h / temperature, dim=-1))
@@ -325,11 +337,12 @@ def test_a_step_called_with_other_python_values_or_config_numbers_runs_verified(
     assert _steps(model, run, calls) == [False, True, False]
 
 
-@pytest.mark.parametrize("source", ["global", "module", "object", "closure"])
+@pytest.mark.parametrize("source", ["global", "module", "object", "dict", "nested", "replaced", "closure"])
 def test_a_step_after_a_number_outside_the_model_changed_runs_verified(source) -> None:
     """A recorded `div` holds the temperature the verified step read; before the global reads were recorded
     (`eager.global_reads`), a hook-only step after the loop lowered it replayed 2.0, silently wrong, for a
-    module global, an imported module's attribute, a global object's, and a closure's `nonlocal`."""
+    module global, an imported module's attribute, a global object's, a global dict's item, an attribute two
+    objects down (set in place, or its holder replaced), and a closure's `nonlocal`."""
     torch.manual_seed(0)
     x = torch.randn(32, 16)
     _set_outside(source, 2.0)
@@ -339,8 +352,10 @@ def test_a_step_after_a_number_outside_the_model_changed_runs_verified(source) -
     calls = []
     for t in (2.0, 1.5, 1.5, 1.0):
         calls.append(lambda t=t: (_set_outside(source, t), model(x))[1])
+    # A holder replaced is another object, whatever it holds: every such step runs verified.
+    expected = [True] * 4 if source == "replaced" else [False, True, False, True]
     try:
-        assert _steps(model, run, calls) == [False, True, False, True]
+        assert _steps(model, run, calls) == expected
     finally:
         _set_outside(source, 2.0)
 

@@ -10,20 +10,22 @@ lowered from 2.0 to 1.5, gave a silently wrong gradient on every hook-only step 
 `h / settings.TEMPERATURE` (an attribute of an imported module), an attribute of a global object, and a
 `nonlocal` number of a closure the forward calls.
 
-How: while the model's forward runs in a verified step, a profile function (`sys.setprofile`, on the
-step's thread, chained to any profiler already set) sees each Python function called. The first time
-a code object is seen, its bytecode names the globals it loads (`LOAD_GLOBAL x`, and `x.y` where `x`
-is a module or a plain object), and those holding a plain value become slots; so do the cells of its
+How: while the model's forward runs in a verified step, a global trace function (`sys.settrace`, on the
+step's thread, called at each Python call only, and chained to a tracer already set: a debugger's, or
+coverage's) sees each Python function called; it costs that step 30-45 %. The first time
+a code object is seen, its bytecode names the globals it loads (`LOAD_GLOBAL x`, and the attributes and
+constant subscripts read right after: `x.y.z`, `x["k"]`), and the entries holding a plain value become
+slots (the modules, plain objects and dicts on the way too, by identity); so do the cells of its
 closure that hold one (the function found among the garbage collector's referrers of the code, by the
 cells' contents: a decorator's wrapper is one code for many functions). A hook-only step reads the
-slots again (14-15 on the zoo's Llama, GPT-2, T5 and Mixtral: 0.7 us) and runs verified, recording them
-again, when any differs. Functions of torch's and this package's own modules are skipped: their globals
+slots again (23-31 on the zoo's Llama, GPT-2, T5 and Mixtral: 1.6-1.9 us) and runs verified,
+recording them again, when any differs. Functions of torch's and this package's own modules are skipped: their globals
 reflect the dispatch modes a verified step runs under; so are the garbage collector's callbacks, which a
 collection inside the forward runs.
 
-Not seen: a value read through a class attribute, a property, a container (`CONFIG["t"]`) or two
-attributes down, and a closure made after its code was first seen with another one (a closure's cells
-are looked up once per code object in the process); docs/runtime.md, "Hook-only steps".
+Not seen: a value read through a class attribute, a property, a subscript by a variable (`TABLE[k]`) or
+more than `CHAIN_DEPTH` accesses down, and a closure made after its code was first seen with another one
+(a closure's cells are looked up once per code object in the process); docs/runtime.md, "Hook-only steps".
 """
 
 from __future__ import annotations
@@ -41,25 +43,42 @@ PLAIN = (int, float, bool, str, type(None), complex)
 #: Modules whose functions are not read: torch (its globals follow the dispatch modes) and this package.
 _SKIPPED_PREFIXES = ("torch", "slackswap")
 _MISSING = object()
-#: Per code object: the (global, attribute or None) pairs its bytecode loads; computed once per process.
+#: The key of a slot that is a closure cell.
+_CELL = object()
+#: Per code object: the globals its bytecode loads, each with the accesses read right after it (an attribute
+#: name, or ("item", key) for a constant subscript); computed once per process.
 _LOADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Per code object with free variables: the plain-valued cells of the function first seen running it.
 _CELLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: How far down a chain of accesses a slot is followed (`SETTINGS.train.lr` is two).
+CHAIN_DEPTH = 3
 
 
-def _loads(code: types.CodeType) -> tuple[tuple[str, str | None], ...]:
-    """The globals a code object loads, each with the attribute read right after it (or None)."""
+def _loads(code: types.CodeType) -> tuple[tuple[str, tuple], ...]:
+    """The globals a code object loads, each with the chain of attributes and constant subscripts read
+    right after it (`CFG.train.t` is ("CFG", ("train", "t")); `CONF["t"]` is ("CONF", (("item", "t"),)))."""
     found = _LOADS.get(code)
     if found is not None:
         return found
-    names: list[tuple[str, str | None]] = []
+    names: list[tuple[str, tuple]] = []
     instructions = list(dis.get_instructions(code))
     for i, ins in enumerate(instructions):
         if ins.opname != "LOAD_GLOBAL":
             continue
-        after = instructions[i + 1] if i + 1 < len(instructions) else None
-        attribute = after.argval if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") else None
-        names.append((ins.argval, attribute if isinstance(attribute, str) else None))
+        chain: list[object] = []
+        j = i + 1
+        while j < len(instructions) and len(chain) < CHAIN_DEPTH:
+            now = instructions[j]
+            if now.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(now.argval, str):
+                chain.append(now.argval)
+                j += 1
+            elif (now.opname == "LOAD_CONST" and j + 1 < len(instructions)
+                  and instructions[j + 1].opname == "BINARY_SUBSCR" and type(now.argval) in PLAIN):
+                chain.append(("item", now.argval))
+                j += 2
+            else:
+                break
+        names.append((ins.argval, tuple(chain)))
     found = tuple(names)
     _LOADS[code] = found
     return found
@@ -98,9 +117,14 @@ def _contents(cell: types.CellType) -> object:
         return _MISSING
 
 
-def read(slots: tuple) -> tuple:
-    """The values the slots hold now (a dict entry, or a closure cell)."""
-    return tuple([_contents(holder) if key is None else holder.get(key, _MISSING) for holder, key in slots])
+def unchanged(slots: tuple, values: tuple) -> bool:
+    """Whether every slot (a dict entry, or a closure cell) holds what it held: a plain value equal by type
+    and value, any other object the same object (no `__eq__` of a user's object is called)."""
+    for (holder, key), before in zip(slots, values, strict=True):
+        now = _contents(holder) if key is _CELL else holder.get(key, _MISSING)
+        if now is not before and not (type(now) in PLAIN and type(now) is type(before) and now == before):
+            return False
+    return True
 
 
 class GlobalReads:
@@ -111,7 +135,7 @@ class GlobalReads:
         self.slots: list[tuple[object, str | None]] = []
         self.values: list[object] = []
         self._seen_codes: set[types.CodeType] = set()
-        self._seen_slots: set[tuple[int, str | None]] = set()
+        self._seen_slots: set[tuple[int, object]] = set()
         self._thread = threading.get_ident()
         self._previous: Callable | None = None
         self._active = False
@@ -147,16 +171,28 @@ class GlobalReads:
         scope = frame.f_globals
         if str(scope.get("__name__", "")).startswith(_SKIPPED_PREFIXES):
             return
-        for name, attribute in _loads(code):
-            value = scope.get(name, _MISSING)
-            if type(value) in PLAIN:
-                self._add(scope, name, value)
-            elif attribute is not None and _is_plain_object(value):
-                table = value.__dict__
-                if type(table.get(attribute, _MISSING)) in PLAIN:
-                    self._add(table, attribute, table[attribute])
+        for name, chain in _loads(code):
+            self._follow(scope, name, chain)
         if code.co_freevars:
             self._closure(frame, code)
+
+    def _follow(self, table: dict, key: object, chain: tuple) -> None:
+        """Slots along `table[key]` and the accesses after it: a plain value ends the chain as a slot; a
+        module, a plain object or a dict on the way is a slot too (by identity: another object in its place
+        runs the step verified), and the chain goes on into its attributes or items."""
+        value = table.get(key, _MISSING)
+        if type(value) in PLAIN:
+            self._add(table, key, value)
+            return
+        if not chain:
+            return
+        access, rest = chain[0], chain[1:]
+        if type(value) is dict and type(access) is tuple:
+            self._add(table, key, value)
+            self._follow(value, access[1], rest)
+        elif type(access) is str and _is_plain_object(value):
+            self._add(table, key, value)
+            self._follow(value.__dict__, access, rest)
 
     def _closure(self, frame: types.FrameType, code: types.CodeType) -> None:
         """The plain-valued cells of the function called: among the functions with this code (a decorator's
@@ -167,9 +203,9 @@ class GlobalReads:
         for cell in cells:
             value = _contents(cell)
             if type(value) in PLAIN:
-                self._add(cell, None, value)
+                self._add(cell, _CELL, value)
 
-    def _add(self, holder: object, key: str | None, value: object) -> None:
+    def _add(self, holder: object, key: object, value: object) -> None:
         if (id(holder), key) in self._seen_slots:
             return
         self._seen_slots.add((id(holder), key))
@@ -177,4 +213,4 @@ class GlobalReads:
         self.values.append(value)
 
 
-__all__ = ["GlobalReads", "PLAIN", "read"]
+__all__ = ["GlobalReads", "PLAIN", "unchanged"]

@@ -29,8 +29,7 @@ from slackswap.runtime.copy_engines import (
     CudaCopies,
     offload_sizes,
 )
-from slackswap.runtime.eager.global_reads import GlobalReads
-from slackswap.runtime.eager.global_reads import read as read_globals
+from slackswap.runtime.eager.global_reads import GlobalReads, unchanged
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
 from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleState, forward_arguments, opaque_argument
 from slackswap.runtime.eager.program import HookProgram
@@ -151,7 +150,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         self.hook_only = (self.recording is not None and self.recording.refusal is None
                           and not (self.trace or self.verify) and self._module_state == self.recording.module_state
                           and self.recording.global_slots is not None
-                          and read_globals(self.recording.global_slots) == self.recording.global_values)
+                          and unchanged(self.recording.global_slots, self.recording.global_values))
         if self.hook_only:
             self._enter_hook_only()
             return
