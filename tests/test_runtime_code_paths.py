@@ -38,6 +38,7 @@ def _recomputing(model, x, name: str, recomputed: str):
     plan = build_schedule(graph, decisions, planner=f"recompute_{recomputed}", budget_bytes=None, hardware=h200())
     run = apply(plan, graph, model)
     assert _same_step(model, x, run) and run.report.verified
+    assert run.report.verified_because == "the first step of a run records what the hook-only steps replay"
     return run
 
 
@@ -329,12 +330,15 @@ def test_a_step_called_with_other_python_values_or_config_numbers_runs_verified(
     # The verified step was called model(x): the first call with a keyword is another call, verified once.
     assert _steps(model, run, [lambda t=t: model(x, temperature=t) for t in (2.0, 2.0, 1.5, 1.5, 1.0)]) == [
         True, False, True, False, True]
+    assert run.report.verified_because.startswith("the model is called with other Python values")
     model = _Tempered("config")
     run = _recomputing(model, x, "config", "softmax")
     calls = []
-    for t in (2.0, 1.5, 1.5):
+    for t in (2.0, 1.5):
         calls.append(lambda t=t: (setattr(model.config, "temperature", t), model(x))[1])
-    assert _steps(model, run, calls) == [False, True, False]
+    assert _steps(model, run, calls) == [False, True]
+    assert run.report.verified_because.startswith("the modules hold other Python numbers")
+    assert _steps(model, run, calls[-1:]) == [False] and run.report.verified_because is None
 
 
 @pytest.mark.parametrize("source", ["global", "module", "object", "dict", "nested", "replaced", "closure"])
@@ -358,6 +362,12 @@ def test_a_step_after_a_number_outside_the_model_changed_runs_verified(source) -
         assert _steps(model, run, calls) == expected
     finally:
         _set_outside(source, 2.0)
+    changed = {"global": ".TEMPERATURE", "module": "._SETTINGS.TEMPERATURE", "object": "._OPTIONS.temperature",
+               "dict": "._TABLE['temperature']", "nested": "._NESTED.train.temperature", "replaced": "._NESTED.train",
+               "closure": "'temperature' of the closure _closure_temperature.<locals>.divide"}[source]
+    assert run.report.verified_because == (
+        f"a value the forward reads from outside the model changed "
+        f"({'' if source == 'closure' else __name__}{changed})")
 
 
 _COLLECTIONS = 0
@@ -409,6 +419,7 @@ def test_a_forward_that_reads_a_number_from_a_tensor_keeps_every_step_verified(s
     assert f"read {read} from a tensor before 'op" in run.report.hook_only_refusal
     batches = [torch.randn(32, 16) for _ in range(2)]
     assert _steps(model, run, [lambda b=b: model(b) for b in batches]) == [True, True]
+    assert run.report.verified_because.startswith(f"hook-only steps are refused: the model's forward read {read}")
 
 
 def test_a_forward_that_branches_on_a_tensor_value_is_verified_or_refused_never_replayed() -> None:
@@ -429,6 +440,7 @@ def test_a_forward_that_branches_on_a_tensor_value_is_verified_or_refused_never_
     with pytest.raises(PlanMismatchError, match=r"ATen call 'op6:aten\.div\.Tensor' is not an op of graph 'branch'"):
         _grads(model, lambda: model(negative), run)  # verified: the captured graph has the branch's mul
     assert _steps(model, run, [lambda: model(positive)] * 2) == [True, True]
+    assert run.report.verified_because.startswith("a hook-only step read another tensor value")
     assert torch.Tensor.__dict__.get("item") is None  # the reading methods are PyTorch's again
 
 

@@ -92,7 +92,7 @@ def _is_plain_object(value: object) -> bool:
     return type(getattr(value, "__dict__", None)) is dict and not callable(value) and not isinstance(value, type)
 
 
-def _closure_cells(frame: types.FrameType, code: types.CodeType) -> tuple[types.CellType, ...]:
+def _closure_cells(frame: types.FrameType, code: types.CodeType) -> tuple[tuple[str, types.CellType], ...]:
     """The plain-valued cells of the function a frame runs: among the functions with its code (a
     decorator's wrapper is one code for every function it wraps), those whose cells hold what the frame
     reads."""
@@ -100,13 +100,14 @@ def _closure_cells(frame: types.FrameType, code: types.CodeType) -> tuple[types.
     wanted = [local.get(name, _MISSING) for name in code.co_freevars]
     if not any(type(value) in PLAIN for value in wanted):
         return ()
-    found: list[types.CellType] = []
+    found: list[tuple[str, types.CellType]] = []
     for owner in gc.get_referrers(code):
         cells = owner.__closure__ if type(owner) is types.FunctionType and owner.__code__ is code else None
         if not cells or len(cells) != len(wanted):
             continue
         if all(_contents(cell) is value for cell, value in zip(cells, wanted, strict=True)):
-            found += [cell for cell, value in zip(cells, wanted, strict=True) if type(value) in PLAIN]
+            found += [(name, cell) for name, cell, value in zip(code.co_freevars, cells, wanted, strict=True)
+                      if type(value) in PLAIN]
     return tuple(found)
 
 
@@ -117,14 +118,21 @@ def _contents(cell: types.CellType) -> object:
         return _MISSING
 
 
-def unchanged(slots: tuple, values: tuple) -> bool:
-    """Whether every slot (a dict entry, or a closure cell) holds what it held: a plain value equal by type
-    and value, any other object the same object (no `__eq__` of a user's object is called)."""
-    for (holder, key), before in zip(slots, values, strict=True):
+def first_change(slots: tuple, values: tuple) -> str | None:
+    """The first slot (a dict entry, or a closure cell) that holds another value than it held, named; None
+    when none does. A plain value is compared by type and value, any other object by identity (no `__eq__`
+    of a user's object is called)."""
+    for (holder, key, label), before in zip(slots, values, strict=True):
         now = _contents(holder) if key is _CELL else holder.get(key, _MISSING)
         if now is not before and not (type(now) in PLAIN and type(now) is type(before) and now == before):
-            return False
-    return True
+            return label
+    return None
+
+
+def unchanged(slots: tuple, values: tuple) -> bool:
+    """Whether every slot holds what it held (`first_change`)."""
+    return first_change(slots, values) is None
+
 
 
 class GlobalReads:
@@ -132,7 +140,7 @@ class GlobalReads:
     globals and closures (`slots`, `values`, in the order first read)."""
 
     def __init__(self) -> None:
-        self.slots: list[tuple[object, str | None]] = []
+        self.slots: list[tuple[object, object, str]] = []
         self.values: list[object] = []
         self._seen_codes: set[types.CodeType] = set()
         self._seen_slots: set[tuple[int, object]] = set()
@@ -171,28 +179,29 @@ class GlobalReads:
         scope = frame.f_globals
         if str(scope.get("__name__", "")).startswith(_SKIPPED_PREFIXES):
             return
+        module = scope.get("__name__", "?")
         for name, chain in _loads(code):
-            self._follow(scope, name, chain)
+            self._follow(scope, name, chain, f"{module}.{name}")
         if code.co_freevars:
             self._closure(frame, code)
 
-    def _follow(self, table: dict, key: object, chain: tuple) -> None:
+    def _follow(self, table: dict, key: object, chain: tuple, label: str) -> None:
         """Slots along `table[key]` and the accesses after it: a plain value ends the chain as a slot; a
         module, a plain object or a dict on the way is a slot too (by identity: another object in its place
         runs the step verified), and the chain goes on into its attributes or items."""
         value = table.get(key, _MISSING)
         if type(value) in PLAIN:
-            self._add(table, key, value)
+            self._add(table, key, value, label)
             return
         if not chain:
             return
         access, rest = chain[0], chain[1:]
         if type(value) is dict and type(access) is tuple:
-            self._add(table, key, value)
-            self._follow(value, access[1], rest)
+            self._add(table, key, value, label)
+            self._follow(value, access[1], rest, f"{label}[{access[1]!r}]")
         elif type(access) is str and _is_plain_object(value):
-            self._add(table, key, value)
-            self._follow(value.__dict__, access, rest)
+            self._add(table, key, value, label)
+            self._follow(value.__dict__, access, rest, f"{label}.{access}")
 
     def _closure(self, frame: types.FrameType, code: types.CodeType) -> None:
         """The plain-valued cells of the function called: among the functions with this code (a decorator's
@@ -200,17 +209,17 @@ class GlobalReads:
         cells = _CELLS.get(code)
         if cells is None:  # once per code object in the process: the referrers' walk reads every object
             cells = _CELLS[code] = _closure_cells(frame, code)
-        for cell in cells:
+        for name, cell in cells:
             value = _contents(cell)
             if type(value) in PLAIN:
-                self._add(cell, _CELL, value)
+                self._add(cell, _CELL, value, f"{name!r} of the closure {code.co_qualname}")
 
-    def _add(self, holder: object, key: object, value: object) -> None:
+    def _add(self, holder: object, key: object, value: object, label: str) -> None:
         if (id(holder), key) in self._seen_slots:
             return
         self._seen_slots.add((id(holder), key))
-        self.slots.append((holder, key))
+        self.slots.append((holder, key, label))
         self.values.append(value)
 
 
-__all__ = ["GlobalReads", "PLAIN", "unchanged"]
+__all__ = ["GlobalReads", "PLAIN", "first_change", "unchanged"]

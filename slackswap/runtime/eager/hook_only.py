@@ -112,6 +112,8 @@ class _HookOnlyStep:
             handle.remove()
         self.hook_only = False
         self._enter_verified()
+        self.report.verified_because = ("the model is called with other Python values (numbers, strings, the "
+                                        "arguments' structure) than the recorded step's")
 
     def _exit_hook_only(self, exc_type) -> None:
         if self.checks_modules:
@@ -136,6 +138,8 @@ class _HookOnlyStep:
         finally:
             if self.checks_modules and self._value_reads.differed:  # the path depends on the data: verify from now on
                 self.verify = True
+                self._verify_why = ("a hook-only step read another tensor value than the verified step: the code "
+                                    "path depends on the data")
             offloads, prefetches = self._program.transfers(packs_reached, unpacks_reached, exc_type is None)
             self.report.offloads += offloads
             self.report.prefetches += prefetches

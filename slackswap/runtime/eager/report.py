@@ -61,6 +61,8 @@ class RunReport:
     verified: bool = True
     #: Why this plan's steps cannot run hook-only (None: they can, or have).
     hook_only_refusal: str | None = None
+    #: Why this step ran verified rather than on hooks alone (None: it ran on hooks alone), in a line.
+    verified_because: str | None = None
 
 
 def plan_counts(plan: Plan) -> dict[str, int]:

@@ -29,7 +29,7 @@ from slackswap.runtime.copy_engines import (
     CudaCopies,
     offload_sizes,
 )
-from slackswap.runtime.eager.global_reads import GlobalReads, unchanged
+from slackswap.runtime.eager.global_reads import GlobalReads, first_change, unchanged
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
 from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleState, forward_arguments, opaque_argument
 from slackswap.runtime.eager.program import HookProgram
@@ -74,6 +74,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         self.accumulate = accumulate
         #: Every step under the dispatch modes (else only the first, and after a refusal).
         self.verify = verify
+        #: Why the run set `verify` itself (a hook-only step found the path depends on the data), or None.
+        self._verify_why: str | None = None
         self.recording: Recording | None = None
         #: Built as the verified step exits, from its recording (`eager.program`).
         self._program: HookProgram | None = None
@@ -154,7 +156,26 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         if self.hook_only:
             self._enter_hook_only()
             return
+        because = self._verified_because()
         self._enter_verified()
+        self.report.verified_because = because
+
+    def _verified_because(self) -> str:
+        """Why this step runs verified, in a line (`RunReport.verified_because`)."""
+        recording = self.recording
+        if recording is None:
+            return "the first step of a run records what the hook-only steps replay"
+        if self.trace or self.verify:
+            return self._verify_why or ("trace=True" if self.trace else "verify=True")
+        if recording.refusal is not None:
+            return f"hook-only steps are refused: {recording.refusal}"
+        if self._module_state != recording.module_state:
+            return ("the modules hold other Python numbers, parameter or buffer objects or forward hooks than the "
+                    "recorded step's")
+        if recording.global_slots is None:
+            return "the last verified step did not record the values its forward reads from outside the model"
+        return (f"a value the forward reads from outside the model changed "
+                f"({first_change(recording.global_slots, recording.global_values)})")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         _ACTIVE.remove(self)
