@@ -150,3 +150,38 @@ def test_a_padded_and_an_unpadded_batch_of_one_shape_get_a_plan_each(planner) ->
         assert _same_grads(plain, model), padded
     assert [p.graph.name for p in state.plans] == ["LlamaForCausalLM@2x64+padding", "LlamaForCausalLM@2x64"]
     assert len(state.logged) == 2 and all(f["slackswap/peak_as_predicted"] == 1.0 for f in state.logged)
+
+
+SCALE = 1.0
+
+
+class _Scaled(Net):
+    """The MLP with its input scaled by a module global the loop changes every step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * SCALE)
+
+
+def test_steps_that_keep_running_verified_say_why_once() -> None:
+    """A global read in forward that changes every step makes every step of a recomputing plan run verified
+    (exact, several times slower): counted per reason, and said once, at the third."""
+    import warnings
+
+    global SCALE
+    plain, model = _Scaled(), _Scaled()
+    state = PlannedStep(budget=0.8, planner="full_recompute", printer=lambda _: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            SCALE = 1.0 + step / 8
+            for m in (plain, model):
+                m.zero_grad(set_to_none=True)
+            _loss(plain(_batch(64))).backward()
+            state.run(model, (_batch(64),), _loss)
+            assert _same_grads(plain, model), step
+    SCALE = 1.0
+    because = f"a value the forward reads from outside the model changed ({__name__}.SCALE)"
+    assert state.reverified == {because: 5}
+    said = [str(w.message) for w in caught if str(w.message).startswith("slackswap:")]
+    assert said == [f"slackswap: 3 steps of _Scaled@64x32 past the verified ones ran verified (the runtime's checked "
+                    f"path, several times a step on hooks alone) because {because}"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,10 @@ from slackswap.runtime.capture import input_signature, model_signature
 
 def _never() -> bool:
     return False
+
+
+#: After how many steps re-verified for one reason `PlannedStep` says so (once per reason).
+REVERIFIED_WARNING = 3
 
 
 def _values(call: Mapping[str, object] | Sequence[object]) -> list[object]:
@@ -103,6 +108,8 @@ class PlannedStep:
     steps: int = 0
     _runner: Any = None
     _context: Any = None
+    #: Per reason (`RunReport.verified_because`), the steps past each shape's verified ones that ran verified.
+    reverified: dict[str, int] = field(default_factory=dict)
     #: Each batch shape's plan (`_shape_key`), in the order the shapes came.
     _shapes: dict[tuple, _ShapePlan] = field(default_factory=dict)
     _shape: _ShapePlan | None = None
@@ -216,6 +223,8 @@ class PlannedStep:
         step_s = time.perf_counter() - self._t0
         self.steps += 1
         self._shape.steps += 1
+        if exc_type is None and self.executor == "runtime" and not self._verify and self._runner.report.verified:
+            self._note_reverified(self._runner.report.verified_because or "unknown")
         if exc_type is not None or not (self._verify and self._runner.report.verified):
             return None
         figures = self.peaks.observe(self._runner.report.device_peak_bytes, step_s)
@@ -223,6 +232,16 @@ class PlannedStep:
         if not self.reports_to_mlflow() and log_to_mlflow(figures, self.steps - 1):
             self.mlflow_steps.append(self.steps - 1)
         return figures
+
+    def _note_reverified(self, because: str) -> None:
+        """A step past the first `verify_steps` of its shape ran verified (the runtime's dispatch modes: several
+        times a hook-only step's time): counted per reason (`reverified`), and said once per reason when it
+        happened `REVERIFIED_WARNING` times, so a run that stays slow says why."""
+        count = self.reverified[because] = self.reverified.get(because, 0) + 1
+        if count == REVERIFIED_WARNING:
+            warnings.warn(f"slackswap: {count} steps of {self.planned.graph.name} past the verified ones ran verified "
+                          f"(the runtime's checked path, several times a step on hooks alone) because {because}",
+                          stacklevel=3)
 
     @property
     def active(self) -> bool:
