@@ -256,12 +256,17 @@ def _set_outside(source: str, value: float) -> None:
         _NESTED.train.temperature = value
     elif source == "replaced":
         _NESTED.train = types.SimpleNamespace(temperature=value)
+    elif source == "class":
+        _Tempered.class_temperature = value
     else:
         _set_closure(value)
 
 
 class _Tempered(torch.nn.Module):
     """A softmax at a temperature read from an argument, a config object or a tensor, as the forward is told."""
+
+    #: A class attribute, read through `self`: another source a loop may set (`_Tempered.class_temperature`).
+    class_temperature = 2.0
 
     def __init__(self, source: str, width: int = 16) -> None:
         super().__init__()
@@ -291,6 +296,8 @@ class _Tempered(torch.nn.Module):
             temperature = _OPTIONS.temperature
         elif self.source == "dict":
             temperature = _TABLE["temperature"]
+        elif self.source == "class":
+            temperature = self.class_temperature
         elif self.source in ("nested", "replaced"):
             temperature = _NESTED.train.temperature
         elif self.source == "closure":
@@ -341,7 +348,7 @@ def test_a_step_called_with_other_python_values_or_config_numbers_runs_verified(
     assert _steps(model, run, calls[-1:]) == [False] and run.report.verified_because is None
 
 
-@pytest.mark.parametrize("source", ["global", "module", "object", "dict", "nested", "replaced", "closure"])
+@pytest.mark.parametrize("source", ["global", "module", "object", "dict", "nested", "replaced", "closure", "class"])
 def test_a_step_after_a_number_outside_the_model_changed_runs_verified(source) -> None:
     """A recorded `div` holds the temperature the verified step read; before the global reads were recorded
     (`eager.global_reads`), a hook-only step after the loop lowered it replayed 2.0, silently wrong, for a
@@ -364,7 +371,10 @@ def test_a_step_after_a_number_outside_the_model_changed_runs_verified(source) -
         _set_outside(source, 2.0)
     changed = {"global": ".TEMPERATURE", "module": "._SETTINGS.TEMPERATURE", "object": "._OPTIONS.temperature",
                "dict": "._TABLE['temperature']", "nested": "._NESTED.train.temperature", "replaced": "._NESTED.train",
-               "closure": "'temperature' of the closure _closure_temperature.<locals>.divide"}[source]
+               "closure": "'temperature' of the closure _closure_temperature.<locals>.divide", "class": ""}[source]
+    if source == "class":  # a number of the model's own classes: the module checks see it
+        assert run.report.verified_because.startswith("the modules hold other Python numbers")
+        return
     assert run.report.verified_because == (
         f"a value the forward reads from outside the model changed "
         f"({'' if source == 'closure' else __name__}{changed})")

@@ -23,7 +23,8 @@ recording them again, when any differs. Functions of torch's and this package's 
 reflect the dispatch modes a verified step runs under; so are the garbage collector's callbacks, which a
 collection inside the forward runs.
 
-Not seen: a value read through a class attribute, a property, a subscript by a variable (`TABLE[k]`) or
+Not seen: a value read through a class attribute (those of the modules' classes are the module checks'),
+a property, a subscript by a variable (`TABLE[k]`) or
 more than `CHAIN_DEPTH` accesses down, and a closure made after its code was first seen with another one
 (a closure's cells are looked up once per code object in the process); docs/runtime.md, "Hook-only steps".
 """

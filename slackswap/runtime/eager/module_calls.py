@@ -69,8 +69,9 @@ class ModuleCalls:
 
 
 class ModuleState:
-    """The Python numbers (int, float, bool) the modules of a model hold as attributes, and those of the
-    plain objects they hold (a Hugging Face `PretrainedConfig`, and the objects that holds): what a
+    """The Python numbers (int, float, bool) the modules of a model hold as attributes, those of their classes
+    (below `torch.nn.Module`), and those of the plain objects they hold (a Hugging Face `PretrainedConfig`, and
+    the objects that holds): what a
     recomputing plan's steps compare with the verified step's before running on hooks alone. Why: a
     recompute replays the verified step's recorded calls with their Python numbers, so a number the model
     reads in forward and the training loop changes between steps (wav2vec2's Gumbel temperature,
@@ -90,7 +91,7 @@ class ModuleState:
 
     def __init__(self, model: torch.nn.Module) -> None:
         modules = list(model.modules())
-        tables = [m.__dict__ for m in modules] + _held_objects(modules)
+        tables = [m.__dict__ for m in modules] + _held_objects(modules) + _class_tables(modules)
         self._slots = tuple((table, key) for table in tables for key, value in table.items()
                             if type(value) in (int, float, bool))
         self._tensors = tuple((table, key) for m in modules for table in (m._parameters, m._buffers) for key in table)
@@ -100,6 +101,34 @@ class ModuleState:
     def snapshot(self) -> tuple:
         return (tuple([attributes.get(key) for attributes, key in self._slots]),
                 tuple([id(table.get(key)) for table, key in self._tensors]), tuple(map(tuple, self._hooks)))
+
+
+def _class_tables(modules: list[torch.nn.Module]) -> list[object]:
+    """The attribute tables of the modules' own classes and their bases below `torch.nn.Module`, each once: a
+    class attribute a forward reads through `self` (`LlamaAttention.is_causal`; a scale the loop sets on the
+    class) is a number of the model too. Dunder names are left out (`_slots` keeps numbers only)."""
+    seen: set[type] = set()
+    tables: list[object] = []
+    for module in modules:
+        for cls in type(module).__mro__:
+            if cls in seen or cls is torch.nn.Module or not issubclass(cls, torch.nn.Module):
+                continue
+            seen.add(cls)
+            tables.append(_PublicClassAttributes(cls))
+    return tables
+
+
+class _PublicClassAttributes:
+    """A class's own attributes that are not dunder names, read by key (`dict`'s `items` and `get`)."""
+
+    def __init__(self, cls: type) -> None:
+        self._table = cls.__dict__
+
+    def items(self):
+        return ((k, v) for k, v in self._table.items() if not (k.startswith("__") and k.endswith("__")))
+
+    def get(self, key: str) -> object:
+        return self._table.get(key)
 
 
 def _held_objects(modules: list[torch.nn.Module], depth: int = 2) -> list[dict]:
