@@ -143,6 +143,7 @@ class PlannedStep:
             check_layerdrop(model, self.executor)
             settle_fsdp2(model, call, finish)
         signature = input_signature(_values(call))
+        shape_key = _shape_key(call)
         if self.planned is not None and not self._shapes:  # a plan made before: checked, for its one shape
             planned = self.planned
             for key, now in (("model_signature", model_signature(model)), ("input_signature", signature)):
@@ -151,7 +152,7 @@ class PlannedStep:
                                            f"the plan was made for another {key.split('_')[0]}: this run has {now}")
         else:
             shape = "x".join(str(d) for d in signature[0][0]) if signature else "()"
-            name = f"{type(model).__name__}@{shape}{'+padding' if _padded(call) else ''}{rank_suffix()}"
+            name = f"{type(model).__name__}@{shape}{'+padding' if shape_key[2] else ''}{rank_suffix()}"
             graph = capture_step(model, call, finish, hardware_of(self.hardware), name)
             planned = plan_step(graph, model, self.budget, self.planner, self.hardware, self.executor, self.certify)
         self.printer(planned.summary())
@@ -159,8 +160,8 @@ class PlannedStep:
             runner = PlanExport(planned.plan, planned.graph, model)
         else:
             runner = apply(planned.plan, planned.graph, model, accumulate=True)
-        self._shapes[_shape_key(call)] = _ShapePlan(planned, runner, PeakCheck(planned, self.tolerances))
-        self._switch(_shape_key(call))
+        self._shapes[shape_key] = _ShapePlan(planned, runner, PeakCheck(planned, self.tolerances))
+        self._switch(shape_key)
 
     def _switch(self, key: tuple) -> None:
         """Make the plan of batch shape `key` the current one (`planned`, `peaks`, the runner)."""

@@ -379,9 +379,7 @@ def _capture_graph(model: torch.nn.Module, inputs: Sequence[object], loss_fn: Ca
         stack.enter_context(identities)  # below the recorder: it names what the recorder's calls create
         stack.enter_context(recorder)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-        for p in model.parameters():
-            p.grad = None
-        out = model(*inputs)
+        out = model(*inputs)  # the parameters' gradients are None here (`_model_state_kept`)
         recorder.phase = Phase.LOSS
         loss = loss_fn(out)
         del out  # a training step keeps only the loss (runtime.train)
@@ -392,9 +390,7 @@ def _capture_graph(model: torch.nn.Module, inputs: Sequence[object], loss_fn: Ca
         recorder.poll_releases()
         del loss
     # Outside the modes: reading a gradient (a DTensor's `to_local`) must add no op to the step.
-    weight_grads = _weight_gradients(model, numbering, recorder)
-    for p in model.parameters():
-        p.grad = None
+    weight_grads = _weight_gradients(model, numbering, recorder)  # cleared by `_model_state_kept`
 
     saved = {t for t, info in recorder.tensors.items()
              if recorder.ops[info["producer"]]["phase"] in FORWARD_PHASES

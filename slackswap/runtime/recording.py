@@ -95,6 +95,6 @@ class Recording:
     value_reads: tuple = ()
     #: The module globals and closure cells holding plain values that the forward's Python functions read
     #: (`eager.global_reads`), and their values then: a recomputing plan's hook-only step whose slots hold
-    #: other values runs verified instead.
-    global_slots: tuple = ()
+    #: other values runs verified instead. Slots None: not recorded (the next step runs verified).
+    global_slots: tuple | None = ()
     global_values: tuple = ()

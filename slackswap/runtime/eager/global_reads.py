@@ -12,21 +12,21 @@ lowered from 2.0 to 1.5, gave a silently wrong gradient on every hook-only step 
 
 How: while the model's forward runs in a verified step, a global trace function (`sys.settrace`, on the
 step's thread, called at each Python call only, and chained to a tracer already set: a debugger's, or
-coverage's) sees each Python function called; it costs that step 30-45 %. The first time
-a code object is seen, its bytecode names the globals it loads (`LOAD_GLOBAL x`, and the attributes and
-constant subscripts read right after: `x.y.z`, `x["k"]`), and the entries holding a plain value become
-slots (the modules, plain objects and dicts on the way too, by identity); so do the cells of its
-closure that hold one (the function found among the garbage collector's referrers of the code, by the
-cells' contents: a decorator's wrapper is one code for many functions). A hook-only step reads the
-slots again (23-31 on the zoo's Llama, GPT-2, T5 and Mixtral: 1.6-1.9 us) and runs verified,
-recording them again, when any differs. Functions of torch's and this package's own modules are skipped: their globals
-reflect the dispatch modes a verified step runs under; so are the garbage collector's callbacks, which a
+coverage's) sees each Python function called; it costs that step 30-45 %. The first time a code object is
+seen, its bytecode names the globals it loads (`LOAD_GLOBAL x`, and the attributes and constant
+subscripts read right after: `x.y.z`, `x["k"]`), and the entries holding a plain value become slots (the
+modules, plain objects and dicts on the way too, by identity); so do the cells of its closure that hold
+one (the function found among the garbage collector's referrers of the code, by the cells' contents: a
+decorator's wrapper is one code for many functions). A hook-only step reads the slots again (23-31 on the
+zoo's Llama, GPT-2, T5 and Mixtral: 1.6-1.9 us) and runs verified, recording them again, when any
+differs. Functions of torch's and this package's own modules are skipped (their globals reflect the
+dispatch modes a verified step runs under), and so are the garbage collector's callbacks, which a
 collection inside the forward runs.
 
 Not seen: a value read through a class attribute (those of the modules' classes are the module checks'),
-a property, a subscript by a variable (`TABLE[k]`) or
-more than `CHAIN_DEPTH` accesses down, and a closure made after its code was first seen with another one
-(a closure's cells are looked up once per code object in the process); docs/runtime.md, "Hook-only steps".
+a property, a subscript by a variable (`TABLE[k]`) or more than `CHAIN_DEPTH` accesses down, and a
+closure made after its code was first seen with another one (a closure's cells are looked up once per
+code object in the process); docs/runtime.md, "Hook-only steps".
 """
 
 from __future__ import annotations
@@ -130,12 +130,6 @@ def first_change(slots: tuple, values: tuple) -> str | None:
     return None
 
 
-def unchanged(slots: tuple, values: tuple) -> bool:
-    """Whether every slot holds what it held (`first_change`)."""
-    return first_change(slots, values) is None
-
-
-
 class GlobalReads:
     """While started, on this thread: the plain values the Python functions called read from their module
     globals and closures (`slots`, `values`, in the order first read)."""
@@ -223,4 +217,4 @@ class GlobalReads:
         self.values.append(value)
 
 
-__all__ = ["GlobalReads", "PLAIN", "first_change", "unchanged"]
+__all__ = ["GlobalReads", "PLAIN", "first_change"]

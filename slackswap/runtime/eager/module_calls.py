@@ -70,13 +70,12 @@ class ModuleCalls:
 
 class ModuleState:
     """The Python numbers (int, float, bool) the modules of a model hold as attributes, those of their classes
-    (below `torch.nn.Module`), and those of the plain objects they hold (a Hugging Face `PretrainedConfig`, and
-    the objects that holds): what a
-    recomputing plan's steps compare with the verified step's before running on hooks alone. Why: a
-    recompute replays the verified step's recorded calls with their Python numbers, so a number the model
-    reads in forward and the training loop changes between steps (wav2vec2's Gumbel temperature,
-    `set_gumbel_temperature`; a scheduled drop probability; `model.config.x`, read in forward) would come
-    back as the verified step's: such a step runs verified instead, recording the calls again. The
+    (below `torch.nn.Module`), and those of the plain objects they hold (a Hugging Face `PretrainedConfig`,
+    and the objects that holds): what a recomputing plan's steps compare with the verified step's before
+    running on hooks alone. Why: a recompute replays the verified step's recorded calls with their Python
+    numbers, so a number the model reads in forward and the training loop changes between steps (wav2vec2's
+    Gumbel temperature, `set_gumbel_temperature`; a scheduled drop probability; `model.config.x`, read in
+    forward) would come back as the verified step's: such a step runs verified instead, recording the calls again. The
     attributes are the ones holding a number when the run was made, read by key each step (4 us for a
     2-layer GPT-2's 144, where walking every module's attributes took 63 us); one set later, or a number
     from elsewhere (a global: `eager.global_reads`), is not seen here (docs/runtime.md, "Hook-only steps").
@@ -106,7 +105,7 @@ class ModuleState:
 def _class_tables(modules: list[torch.nn.Module]) -> list[object]:
     """The attribute tables of the modules' own classes and their bases below `torch.nn.Module`, each once: a
     class attribute a forward reads through `self` (`LlamaAttention.is_causal`; a scale the loop sets on the
-    class) is a number of the model too. Dunder names are left out (`_slots` keeps numbers only)."""
+    class) is a number of the model too."""
     seen: set[type] = set()
     tables: list[object] = []
     for module in modules:
@@ -114,21 +113,8 @@ def _class_tables(modules: list[torch.nn.Module]) -> list[object]:
             if cls in seen or cls is torch.nn.Module or not issubclass(cls, torch.nn.Module):
                 continue
             seen.add(cls)
-            tables.append(_PublicClassAttributes(cls))
+            tables.append(cls.__dict__)
     return tables
-
-
-class _PublicClassAttributes:
-    """A class's own attributes that are not dunder names, read by key (`dict`'s `items` and `get`)."""
-
-    def __init__(self, cls: type) -> None:
-        self._table = cls.__dict__
-
-    def items(self):
-        return ((k, v) for k, v in self._table.items() if not (k.startswith("__") and k.endswith("__")))
-
-    def get(self, key: str) -> object:
-        return self._table.get(key)
 
 
 def _held_objects(modules: list[torch.nn.Module], depth: int = 2) -> list[dict]:

@@ -29,7 +29,7 @@ from slackswap.runtime.copy_engines import (
     CudaCopies,
     offload_sizes,
 )
-from slackswap.runtime.eager.global_reads import GlobalReads, first_change, unchanged
+from slackswap.runtime.eager.global_reads import GlobalReads, first_change
 from slackswap.runtime.eager.hook_only import _HookOnlyStep
 from slackswap.runtime.eager.module_calls import ModuleCalls, ModuleState, forward_arguments, opaque_argument
 from slackswap.runtime.eager.program import HookProgram
@@ -149,19 +149,17 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         #: A recomputing plan's step whose modules hold other Python numbers, parameters or buffers than the
         #: recorded step's runs verified (`ModuleState`), and its recording replaces the old one.
         self._module_state = self.module_state.snapshot() if self.checks_modules else ()
-        self.hook_only = (self.recording is not None and self.recording.refusal is None
-                          and not (self.trace or self.verify) and self._module_state == self.recording.module_state
-                          and self.recording.global_slots is not None
-                          and unchanged(self.recording.global_slots, self.recording.global_values))
+        because = self._verified_because()
+        self.hook_only = because is None
         if self.hook_only:
             self._enter_hook_only()
             return
-        because = self._verified_because()
         self._enter_verified()
         self.report.verified_because = because
 
-    def _verified_because(self) -> str:
-        """Why this step runs verified, in a line (`RunReport.verified_because`)."""
+    def _verified_because(self) -> str | None:
+        """Why this step runs verified, in a line (`RunReport.verified_because`); None: it may run on hooks
+        alone (a recording to replay, and nothing it depends on changed)."""
         recording = self.recording
         if recording is None:
             return "the first step of a run records what the hook-only steps replay"
@@ -174,8 +172,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
                     "recorded step's")
         if recording.global_slots is None:
             return "the last verified step did not record the values its forward reads from outside the model"
-        return (f"a value the forward reads from outside the model changed "
-                f"({first_change(recording.global_slots, recording.global_values)})")
+        changed = first_change(recording.global_slots, recording.global_values)
+        return None if changed is None else f"a value the forward reads from outside the model changed ({changed})"
 
     def __exit__(self, exc_type, exc, tb) -> None:
         _ACTIVE.remove(self)

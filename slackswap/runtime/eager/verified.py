@@ -441,15 +441,15 @@ class _VerifiedStep(TorchDispatchMode):
         if self._refusal is None:
             self._refusal = why
 
-    def _global_slots(self) -> tuple | None:
-        """The recording's global and closure slots: none to check for a plan that recomputes nothing, None
-        (unknown: the next step runs verified) where this step did not trace them (`eager.global_reads`)."""
+    def _global_record(self) -> dict[str, tuple | None]:
+        """The recording's global and closure slots and their values (`eager.global_reads`): none to check
+        for a plan that recomputes nothing; slots None (unknown: the next step runs verified) where this step
+        did not trace them."""
         if not self.checks_modules:
-            return ()
-        return None if self._global_reads is None else tuple(self._global_reads.slots)
-
-    def _global_values(self) -> tuple:
-        return tuple(self._global_reads.values) if self.checks_modules and self._global_reads is not None else ()
+            return {}
+        if self._global_reads is None:
+            return {"global_slots": None}
+        return {"global_slots": tuple(self._global_reads.slots), "global_values": tuple(self._global_reads.values)}
 
     def _finish_recording(self) -> Recording:
         """After a complete verified step: what the hook-only steps need. Arguments of recomputed calls
@@ -481,5 +481,5 @@ class _VerifiedStep(TorchDispatchMode):
                          module_calls=tuple(self._module_log), module_state=self._module_state,
                          forward_arguments=tuple(self._arguments),
                          value_reads=tuple(self._value_reads.bools) if self.checks_modules else (),
-                         global_slots=self._global_slots(), global_values=self._global_values(),
+                         **self._global_record(),
                          unpack_nodes=tuple(self._unpack_nodes))
