@@ -25,7 +25,7 @@ torch = require_torch_extra("torch")
 require_torch_extra("transformers")
 
 from benchmarks.zoo import Arch, compare, step  # noqa: E402
-from slackswap.graph import REWRITTEN_KEY  # noqa: E402
+from slackswap.graph import REWRITTEN_KEY, STATE_KEY  # noqa: E402
 from slackswap.plan import StepKind  # noqa: E402
 from slackswap.planners.registry import get_planner  # noqa: E402
 from slackswap.planners.support.replay_rule import replay_rule  # noqa: E402
@@ -109,6 +109,42 @@ def test_a_version_check_without_a_later_writer_names_the_producers_own_writes()
         counts.check("layers.0/new_empty#0:0", 2, 0, "autograd unpacks the prefetch")
     assert "its producer op's own in-place calls wrote it after the copy was made" in str(info.value)
     assert "unknown" not in str(info.value)
+
+
+def test_a_mask_drawn_from_the_models_own_generator_is_kept_and_runs_exact_step_after_step() -> None:
+    """`torch.rand(..., generator=g)` (the zoo's `own_generator`): a replay restores only the default
+    generators' state. Before this rule the zoo read 7 runtime cells `different` (full_recompute: 16 of 19
+    gradients), every step, verified ones included."""
+    from slackswap.runtime import apply
+
+    a = arch("own_generator")
+    draws = {op: why for op, why in a.graph.meta[STATE_KEY].items() if op.endswith("rand.generator")}
+    assert len(draws) == 4 and all("torch.Generator" in what and "zoo.py:" in line for what, line in draws.values())
+    plan = get_planner("full_recompute").plan(a.graph, a.hardware, int(a.peak * 0.7))
+    masks = plan.notes["not_recomputable"]
+    assert sorted(masks) == [f"layers.{i}/gt#0:0" for i in range(4)]
+    assert all("torch.Generator" in why for why in masks.values())
+    assert any(s.kind == StepKind.RECOMPUTE for s in plan.steps)
+    plain, model = copy.deepcopy(a.pristine), copy.deepcopy(a.pristine)
+    run = apply(plan, a.graph, model)
+    losses = []
+    for n in range(3):  # both copies' generators draw the next mask each step
+        reference = step(a.w, plain)
+        assert compare(reference, step(a.w, model, run)) == "exact", n
+        assert run.report.verified == (n == 0), n
+        losses.append(float(reference[0]))
+    assert len(set(losses)) == 3  # the masks differ from step to step: a replay of the first would show
+    export_plan = a.plan("full_recompute", 0.95, "export")
+    assert any(s.kind == StepKind.RECOMPUTE for s in export_plan.steps)
+    assert compare(a.reference, a.run(export_plan, "export")) == "exact"
+
+
+def test_a_plan_that_recomputes_a_draw_from_the_models_own_generator_is_refused_by_name() -> None:
+    a = arch("own_generator")
+    plan = unruled("full_recompute", a, 0.7)
+    with pytest.raises(InexactRecomputeError) as info:
+        a.run(plan, "runtime")
+    assert "rand.generator" in str(info.value) and "torch.Generator the model passes" in str(info.value)
 
 
 def test_the_rule_leaves_graphs_without_in_place_writes_alone() -> None:

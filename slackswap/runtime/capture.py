@@ -44,7 +44,7 @@ from slackswap.profile.torch.identity import StorageIdentities, addressed_bytes
 from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks, leaf_modules
 from slackswap.runtime.collectives import CollectiveReleases
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering, writes_into
-from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS, model_line
+from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS, model_line, own_generator
 
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul"}
 _ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
@@ -166,6 +166,8 @@ class _Recorder(TorchDispatchMode):
             self.poll_releases()
         if self.phase != Phase.BACKWARD and writes_into(func):
             self._note_writes(func, args, begin)
+        if self.phase != Phase.BACKWARD and own_generator(func, args, kwargs) is not None:
+            self.state_writes.setdefault(begin.op, ["(the torch.Generator it draws from)", model_line()])
         out = self.collectives.call(func, args, kwargs)
         fresh = self.numbering.end(func, out)
         if begin.new_op:

@@ -19,6 +19,14 @@ does not say so). Its outputs do not depend on them (batch statistics), so a rep
 clones of them (`scratch_state`): the buffers are updated once, by the forward, and the recomputed
 outputs are bit-identical. Any other op that writes a tensor that is not its own output (module
 state) is refused in the verified step (and the capture marks its outputs not replayable).
+
+A random call that draws from a `torch.Generator` the model passes (`torch.rand(..., generator=g)`,
+`bernoulli(p, generator=g)`) writes that generator's state, which is module state in the same sense: a
+replay restores only the default generators' state (what `torch.random.fork_rng` forks), so it would
+draw other numbers and advance the model's generator a second time. Measured before this rule: a
+dropout mask drawn from a module's own generator and recomputed changed the gradient on every step,
+verified ones included. The capture marks such a call as writing module state (`own_generator`), and
+the verified step refuses a plan that recomputes one (`refuse_own_generator`).
 """
 
 from __future__ import annotations
@@ -47,6 +55,29 @@ _SKIP = ("/torch/", "/contextlib.py", "/transformers/utils/", "<frozen")
 
 class InexactRecomputeError(SlackSwapError):
     """The plan recomputes or swaps a tensor whose copy would not be the version the step used."""
+
+
+def own_generator(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator a random call draws from when it is not a default one (the model's own), else None."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Generator) and x is not torch.default_generator and not _is_default_cuda(x):
+            return x
+    return None
+
+
+def _is_default_cuda(generator: torch.Generator) -> bool:
+    return generator.device.type == "cuda" and generator is torch.cuda.default_generators[generator.device.index or 0]
+
+
+def refuse_own_generator(func: torch._ops.OpOverload, args: tuple, kwargs: dict, op: str) -> None:
+    """Raise when the plan would recompute `op`, a random call drawing from the model's own generator."""
+    if own_generator(func, args, kwargs) is not None:
+        raise InexactRecomputeError(
+            f"the plan recomputes {op!r}, a random call ({func}) that draws from a torch.Generator the model "
+            "passes: a replay restores only the default generators' state, so it would draw other numbers and "
+            "advance that generator again. Keep its outputs (slackswap's planners do, on a captured graph)")
 
 
 def model_line() -> str:

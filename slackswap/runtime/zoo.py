@@ -211,6 +211,20 @@ class Counted(nn.Module):
         return x + torch.tanh(self.fc(x)) * (1 + self.calls * 0.01)
 
 
+class OwnGenerator(nn.Module):
+    """A dropout mask drawn from the block's own generator (`torch.rand(..., generator=g)`): a replay
+    restores only the default generators' state, so the mask is kept (`replay_check.own_generator`)."""
+
+    def __init__(self, d: int = HIDDEN) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.generator = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.up(x))
+        return x + self.down(h * (torch.rand(h.shape, generator=self.generator) > 0.1) / 0.9)
+
+
 def _mlp(d: int = HIDDEN) -> nn.Module:
     return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * d, d))
 
@@ -306,6 +320,7 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
     "inplace_attention": _plain(lambda: _Stack([InPlaceAttention() for _ in range(PLAIN_LAYERS)]), "inplace_attention"),
     "routing": _plain(lambda: _Stack([Routing() for _ in range(PLAIN_LAYERS)]), "routing"),
     "split_keys": _plain(lambda: _Stack([SplitKeys() for _ in range(PLAIN_LAYERS)]), "split_keys"),
+    "own_generator": _plain(lambda: _Stack([OwnGenerator() for _ in range(PLAIN_LAYERS)]), "own_generator"),
 }
 
 

@@ -21,7 +21,7 @@ from slackswap.runtime.errors import PlanMismatchError
 from slackswap.runtime.ledger import SavedBytesLedger
 from slackswap.runtime.op_numbering import OpNumbering
 from slackswap.runtime.recording import InputRef, PackRecord, Recording, TensorRef, _Member
-from slackswap.runtime.replay_check import WriteCounts, scratch_state
+from slackswap.runtime.replay_check import WriteCounts, refuse_own_generator, scratch_state
 
 
 def model_storages(model: torch.nn.Module) -> set[int]:
@@ -163,6 +163,7 @@ class _VerifiedStep(TorchDispatchMode):
         if record:
             rng = rng_event = None
             if random:
+                refuse_own_generator(func, args, kwargs, begin.op)
                 rng = _rng_state()
                 rng_event = None if self._random_since_pack else len(self._packs) - 1
                 if rng_event is None:
