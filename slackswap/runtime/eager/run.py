@@ -37,6 +37,7 @@ from slackswap.runtime.eager.value_reads import ValueReads
 from slackswap.runtime.eager.verified import _VerifiedStep
 from slackswap.runtime.eager.views import _rng_state
 from slackswap.runtime.errors import PlanMismatchError, RuntimeUsageError
+from slackswap.runtime.host_draws import draw_states, drawn_from
 from slackswap.runtime.identity import check_identity
 from slackswap.runtime.recording import Recording
 from slackswap.schedule.positions import plan_positions
@@ -204,6 +205,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         if self.checks_modules:
             self._check_arguments(args, kwargs)
             self._value_reads.begin_forward()
+            if not self.hook_only:
+                self._draws_before = draw_states()
         self._step_inputs = inputs
         if self.hook_only and -1 in self.recording.rng_events:
             self._hook_only_rng[-1] = _rng_state()
@@ -219,8 +222,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         """A recomputing plan's step: the tensor values its model's forward reads into Python, recorded
         (`recorded` None) or checked against the verified step's (`eager.value_reads`); last in `_enter_*`,
         since it replaces `torch.Tensor`'s reading methods until the step exits."""
-        self._module_hooks.append(
-            self.model.register_forward_hook(lambda *_: self._value_reads.end_forward(), always_call=True))
+        self._draws_before = None
+        self._module_hooks.append(self.model.register_forward_hook(self._end_forward, always_call=True))
         # A verified step whose recording a hook-only step may follow: the globals and closure values its
         # forward reads, recorded. Tracing Python calls costs a verified step 30-45 %, so not after a recording
         # that refused the hook-only steps (every step runs verified; a recording made without, its
@@ -230,6 +233,18 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
             self._global_reads = GlobalReads()
             self._module_hooks.append(self.model.register_forward_hook(self._global_reads.stop, always_call=True))
         self._value_reads = ValueReads(recorded).__enter__()
+
+    def _end_forward(self, *_: object) -> None:
+        """Where the model's forward returns: the tensor values it read end (`eager.value_reads`); a verified
+        step whose forward drew from Python's or NumPy's global generator refuses the hook-only steps
+        (`slackswap.runtime.host_draws`)."""
+        self._value_reads.end_forward()
+        if self.hook_only or self._draws_before is None:  # None: the forward pre-hook raised before reading
+            return
+        drawn, self._draws_before = drawn_from(self._draws_before, draw_states()), None
+        if drawn is not None:
+            self._refuse(f"the model's forward draws from {drawn}: a recompute on hooks alone would replay the "
+                         "verified step's numbers")
 
     def _check_arguments(self, args: tuple, kwargs: dict) -> None:
         """A recomputing plan's steps: the Python values the model is called with (`forward_arguments`).

@@ -50,6 +50,7 @@ from slackswap.runtime.export_graph import (
     made_for_compile,
 )
 from slackswap.runtime.export_heads import cached_differences
+from slackswap.runtime.host_draws import ReplayedDraws
 from slackswap.runtime.identity import check_identity
 
 
@@ -111,6 +112,7 @@ class PlanExport(TableSteps):
                 self.region_decisions[region][name] = Decision(decision)
         self.modules = ModuleStack(model)
         self.host = HostCopies()
+        self.draws = ReplayedDraws()
         self.record = StepRecord()
         #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
         self._last_names: dict[int, list[str]] = {}
@@ -288,13 +290,15 @@ class PlanExport(TableSteps):
                 if self._auditing:
                     refuse_cache(path, args, kwargs)
                     self._note_plain(region)
-                return checkpoint(partial(plain, layer), *args, use_reentrant=False, **kwargs)
+                function = self.draws.function(region, partial(plain, layer), self._auditing)
+                return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
             return checkpointed
         context_fn = self.context_fn(region)
 
         def forward(*args, **kwargs):
-            return checkpoint(partial(plain, layer), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            function = self.draws.function(region, partial(plain, layer), self._auditing)
+            return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         def run(*args, **kwargs):
             if self._auditing:
@@ -340,7 +344,7 @@ class PlanExport(TableSteps):
             compiled = torch.compile(_fresh_function(run), backend=export_backend(backend, self.graph))
             self._compiled_fns[signature] = (region, compiled)
         self.group_of[region], compiled = self._compiled_fns[signature]
-        return partial(compiled, layer)
+        return ReplayedDraws.refused_when_drawing(path, partial(compiled, layer))
 
     def translate(self, name: str, region: int) -> str:
         """A tensor of `region` as its compile group's representative layer names it."""
