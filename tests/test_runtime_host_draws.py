@@ -1,8 +1,9 @@
-"""Numbers the forward draws from Python's and NumPy's global generators (`slackswap.runtime.host_draws`),
-other numbers every step and at every re-run of the forward. A recomputing plan's hook-only step replays
-the verified step's recorded numbers and the export's checkpoint re-runs a layer's forward, so each step
-runs exact (verified, or with the draws replayed), or is refused before its backward runs; before these
-checks every case below gave a wrong gradient on hook-only steps or through the export."""
+"""Numbers from outside the model that change between steps: draws from Python's and NumPy's global
+generators (`slackswap.runtime.host_draws`), other numbers at every run of the forward, and a global list's
+item (`eager.global_reads`). A recomputing plan's hook-only step replays the verified step's recorded
+numbers and the export's checkpoint re-runs a layer's forward, so each step runs exact (verified, or with
+the draws replayed), or is refused before its backward runs; before these checks every case below gave a
+wrong gradient on hook-only steps or through the export."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from tests.runtime_support import deterministic_kernels, h200  # noqa: E402, F40
 
 pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 
+#: Read as `_SCALES[0]`: a global list's item, one of the global reads' slots.
+_SCALES = [2.0]
 
 
 class _Drawn(torch.nn.Module):
@@ -45,6 +48,8 @@ class _Drawn(torch.nn.Module):
             h = h * 2.0  # saves nothing: the saved tensors are the same either way
         elif self.source == "sometimes":
             h = h * (random.uniform(0.5, 2.0) if self.draw else 1.0)
+        elif self.source == "list":
+            h = h / _SCALES[0]
         return x + self.b(torch.softmax(h, dim=-1))
 
 
@@ -110,6 +115,20 @@ def test_a_forward_that_starts_drawing_runs_verified_and_refuses_the_hook_only_s
     model.draw = True
     assert [_step(model, x, run, seed) for seed in range(2, 5)] == ["verified"] * 3
     assert run.recording.refusal.startswith("the model's forward draws from Python's random module")
+
+
+def test_a_step_after_a_global_lists_item_changed_runs_verified() -> None:
+    _SCALES[0] = 2.0
+    model, x, run = _run("list")
+    try:
+        assert [_step(model, x, run, seed) for seed in range(2)] == ["verified", "hook-only"]
+        _SCALES[0] = 1.5
+        assert _step(model, x, run, 2) == "verified"
+        assert run.report.verified_because == (
+            f"a value the forward reads from outside the model changed ({__name__}._SCALES[0])")
+        assert _step(model, x, run, 3) == "hook-only"
+    finally:
+        _SCALES[0] = 2.0
 
 
 class _Layers(torch.nn.Module):

@@ -14,14 +14,14 @@ How: while the model's forward runs in a verified step, a global trace function 
 step's thread, called at each Python call only, and chained to a tracer already set: a debugger's, or
 coverage's) sees each Python function called; it costs that step 30-45 %. The first time a code object is
 seen, its bytecode names the globals it loads (`LOAD_GLOBAL x`, and the attributes and constant
-subscripts read right after: `x.y.z`, `x["k"]`), and the entries holding a plain value become slots (the
-modules, plain objects and dicts on the way too, by identity); so do the cells of its closure that hold
-one (the function found among the garbage collector's referrers of the code, by the cells' contents: a
-decorator's wrapper is one code for many functions). A hook-only step reads the slots again (23-31 on the
-zoo's Llama, GPT-2, T5 and Mixtral: 1.6-1.9 us) and runs verified, recording them again, when any
-differs. Functions of torch's and this package's own modules are skipped (their globals reflect the
-dispatch modes a verified step runs under), and so are the garbage collector's callbacks, which a
-collection inside the forward runs.
+subscripts read right after: `x.y.z`, `x["k"]`, a list's `x[0]`), and the entries holding a plain value
+become slots (the modules, plain objects, dicts and lists on the way too, by identity); so do the cells
+of its closure that hold one (the function found among the garbage collector's referrers of the code,
+by the cells' contents: a decorator's wrapper is one code for many functions). A hook-only step reads
+the slots again (23-31 on the zoo's Llama, GPT-2, T5 and Mixtral: 1.6-1.9 us) and runs verified,
+recording them again, when any differs. Functions of torch's and this package's own modules are
+skipped (their globals reflect the dispatch modes a verified step runs under), and so are the garbage
+collector's callbacks, which a collection inside the forward runs.
 
 Not seen: a value read through a class attribute (those of the modules' classes are the module checks'),
 a property, a subscript by a variable (`TABLE[k]`) or more than `CHAIN_DEPTH` accesses down, and a
@@ -119,12 +119,21 @@ def _contents(cell: types.CellType) -> object:
         return _MISSING
 
 
+def _get(holder: object, key: object) -> object:
+    """What a slot holds now: a closure cell's contents, a list's item, or a dict's entry."""
+    if key is _CELL:
+        return _contents(holder)
+    if type(holder) is list:
+        return holder[key] if -len(holder) <= key < len(holder) else _MISSING
+    return holder.get(key, _MISSING)
+
+
 def first_change(slots: tuple, values: tuple) -> str | None:
-    """The first slot (a dict entry, or a closure cell) that holds another value than it held, named; None
+    """The first slot (a dict entry, a list item, or a closure cell) that holds another value than it held, named; None
     when none does. A plain value is compared by type and value, any other object by identity (no `__eq__`
     of a user's object is called)."""
     for (holder, key, label), before in zip(slots, values, strict=True):
-        now = _contents(holder) if key is _CELL else holder.get(key, _MISSING)
+        now = _get(holder, key)
         if now is not before and not (type(now) in PLAIN and type(now) is type(before) and now == before):
             return label
     return None
@@ -184,14 +193,14 @@ class GlobalReads:
         """Slots along `table[key]` and the accesses after it: a plain value ends the chain as a slot; a
         module, a plain object or a dict on the way is a slot too (by identity: another object in its place
         runs the step verified), and the chain goes on into its attributes or items."""
-        value = table.get(key, _MISSING)
+        value = _get(table, key)
         if type(value) in PLAIN:
             self._add(table, key, value, label)
             return
         if not chain:
             return
         access, rest = chain[0], chain[1:]
-        if type(value) is dict and type(access) is tuple:
+        if type(access) is tuple and (type(value) is dict or (type(value) is list and type(access[1]) is int)):
             self._add(table, key, value, label)
             self._follow(value, access[1], rest, f"{label}[{access[1]!r}]")
         elif type(access) is str and _is_plain_object(value):
