@@ -37,6 +37,7 @@ class _Drawn(torch.nn.Module):
         self.a, self.b = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
         self.source = source
         self.draw = False  # a module's own number: a step after it changed runs verified
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
@@ -48,6 +49,9 @@ class _Drawn(torch.nn.Module):
             h = h * 2.0  # saves nothing: the saved tensors are the same either way
         elif self.source == "sometimes":
             h = h * (random.uniform(0.5, 2.0) if self.draw else 1.0)
+        elif self.source == "counter":  # a number of its own the forward changes and reads
+            self.calls += 1
+            h = h * (1 + 0.1 * self.calls)
         elif self.source == "list":
             h = h / _SCALES[0]
         return x + self.b(torch.softmax(h, dim=-1))
@@ -145,10 +149,11 @@ class _Layers(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("source", ["python", "numpy", "none"])
-def test_the_eager_export_replays_a_layers_draws_in_its_recompute(source) -> None:
-    """checkpoint restores torch's generators for the recompute, not these: before, full_recompute through
-    the eager export was wrong on every step of a layer that draws."""
+@pytest.mark.parametrize("source", ["python", "numpy", "counter", "none"])
+def test_the_eager_export_recomputes_a_layer_from_what_its_forward_started_from(source) -> None:
+    """checkpoint restores torch's generators for the recompute and nothing else: before, full_recompute
+    through the eager export was wrong on every step of a layer that draws or counts its calls in forward
+    (and the count ran twice as fast)."""
     import copy
 
     from slackswap.experiment.export_plan import plan_for_export
@@ -168,19 +173,21 @@ def test_the_eager_export_replays_a_layers_draws_in_its_recompute(source) -> Non
         for seed in range(3):  # the first step audited, then steady steps
             expected = _grads(plain, x, None, seed)
             assert all(torch.equal(a, b) for a, b in zip(expected, _grads(exported, x, None, seed), strict=True))
-    assert export.draws.drawing == (set() if source == "none" else {0, 1, 2})
+    assert export.replayed.drawing == ({0, 1, 2} if source in ("python", "numpy") else set())
+    assert export.replayed.changing == ({0, 1, 2} if source == "counter" else set())
+    assert [layer.calls for layer in exported.layers] == [layer.calls for layer in plain.layers]
 
 
 def test_the_compiled_export_refuses_a_layer_that_draws_before_its_backward() -> None:
     """The compiled recompute is torch's and draws again (measured: gradients 1.8e-4 to 5.2e-4 off where the
     same compiled step without draws is 5.6e-9 off eager); the first call after installation is read."""
     from slackswap.runtime.errors import RuntimeUsageError
-    from slackswap.runtime.host_draws import ReplayedDraws
+    from slackswap.runtime.export.replayed_state import ReplayedState
 
     calls = []
-    quiet = ReplayedDraws.refused_when_drawing("layers.0", lambda: calls.append(1))
+    quiet = ReplayedState.refused_when_drawing("layers.0", lambda: calls.append(1))
     quiet(), quiet()
-    drawing = ReplayedDraws.refused_when_drawing("layers.1", lambda: numpy.random.rand())
+    drawing = ReplayedState.refused_when_drawing("layers.1", lambda: numpy.random.rand())
     with pytest.raises(RuntimeUsageError, match="layer 'layers.1' draws from NumPy's global generator"):
         drawing()
     assert calls == [1, 1]

@@ -19,15 +19,11 @@ How:
   neither: its forward draws only where the verified one did, or after a change the runtime's checks
   see (a module's number such as `self.training` or `config.layerdrop`, a global, an argument), which
   runs it verified.
-- The eager export (`ReplayedDraws`): in an audited step each layer's forward is read the same way; a
-  layer whose forward drew records the states before its forward at every step from then on, and its
-  recompute runs from them and puts back the states it found (as checkpoint does for torch's RNG), so
-  it draws the numbers the forward drew. Layers that drew nothing pay nothing in the steady steps.
-- The compiled export: each layer's first call after installation is read the same way, and a layer
-  that drew is refused before backward (`ReplayedDraws.refused_when_drawing`): its recompute is torch's.
+- The export (`slackswap.runtime.export.replayed_state`): an eager layer seen drawing has its recompute
+  run from the states before its forward; a compiled one is refused before backward.
 
-Not seen: a forward that starts drawing on a switch none of these checks sees (for the export, any
-change without an audit), a generator object of the model's own (`random.Random(...)`,
+Not seen: a forward that starts drawing on a switch none of these checks sees (for the eager export,
+any change without an audit), a generator object of the model's own (`random.Random(...)`,
 `numpy.random.default_rng()`), and any other number that changes outside the model (a clock, a file);
 docs/runtime.md, "Numbers drawn in forward".
 """
@@ -35,11 +31,8 @@ docs/runtime.md, "Numbers drawn in forward".
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import numpy
-
-from slackswap.runtime.errors import RuntimeUsageError
 
 #: What a forward that draws from the global generators is told (the generator named first).
 _PYTHON = "Python's random module"
@@ -66,63 +59,4 @@ def drawn_from(before: tuple, after: tuple) -> str | None:
     return None
 
 
-class ReplayedDraws:
-    """The eager export's layers whose forward draws from the global generators (seen in an audited step),
-    and per checkpoint call the function whose recompute draws what the forward drew."""
-
-    def __init__(self) -> None:
-        #: Layers (regions) whose forward drew in an audited step.
-        self.drawing: set[int] = set()
-
-    def function(self, region: int, forward: Callable, auditing: bool) -> Callable:
-        """What `checkpoint` runs for one call of layer `region`: `forward` itself where the layer draws
-        nothing; else a function whose first call (the forward) records the generators' states before it,
-        and whose later calls (the recompute) run from them and put back the states they found."""
-        if not auditing and region not in self.drawing:
-            return forward
-        before: tuple | None = None
-
-        def run(*args: object, **kwargs: object) -> object:
-            nonlocal before
-            if before is None:
-                before = draw_states()
-                out = forward(*args, **kwargs)
-                if auditing and drawn_from(before, draw_states()) is not None:
-                    self.drawing.add(region)
-                return out
-            if region not in self.drawing:
-                return forward(*args, **kwargs)
-            found = draw_states()
-            set_draw_states(before)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                set_draw_states(found)
-
-        return run
-
-    @staticmethod
-    def refused_when_drawing(path: str, call: Callable) -> Callable:
-        """The compiled export's call of the layer at `path`: its first call after installation is read
-        the same way, and a forward that drew is refused before its backward runs (the compiled recompute
-        is torch's, and drew again: measured, full_recompute compiled was wrong on every step)."""
-        checked = False
-
-        def run(*args: object, **kwargs: object) -> object:
-            nonlocal checked
-            if checked:
-                return call(*args, **kwargs)
-            before = draw_states()
-            out = call(*args, **kwargs)
-            checked = True
-            drawn = drawn_from(before, draw_states())
-            if drawn is not None:
-                raise RuntimeUsageError(
-                    f"layer {path!r} draws from {drawn} in its forward, and the compiled export's recompute "
-                    "would draw other numbers: install the export eager (installed(model)), which replays them")
-            return out
-
-        return run
-
-
-__all__ = ["ReplayedDraws", "draw_states", "drawn_from", "set_draw_states"]
+__all__ = ["draw_states", "drawn_from", "set_draw_states"]

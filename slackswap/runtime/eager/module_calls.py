@@ -91,14 +91,15 @@ class ModuleState:
     def __init__(self, model: torch.nn.Module) -> None:
         modules = list(model.modules())
         tables = [m.__dict__ for m in modules] + _held_objects(modules) + _class_tables(modules)
-        self._slots = tuple((table, key) for table in tables for key, value in table.items()
+        #: (attribute table, key) of each attribute holding a number (what `snapshot` reads first).
+        self.number_slots = tuple((table, key) for table in tables for key, value in table.items()
                             if type(value) in (int, float, bool))
         self._tensors = tuple((table, key) for m in modules for table in (m._parameters, m._buffers) for key in table)
         self._hooks = (*(table for m in modules for table in (m._forward_pre_hooks, m._forward_hooks)),
                        _global_hooks._global_forward_pre_hooks, _global_hooks._global_forward_hooks)
 
     def snapshot(self) -> tuple:
-        return (tuple([attributes.get(key) for attributes, key in self._slots]),
+        return (tuple([attributes.get(key) for attributes, key in self.number_slots]),
                 tuple([id(table.get(key)) for table, key in self._tensors]), tuple(map(tuple, self._hooks)))
 
 

@@ -28,6 +28,7 @@ from slackswap.runtime.export.policy import (
     _RegionPolicy,
     _storage,
 )
+from slackswap.runtime.export.replayed_state import ReplayedState
 from slackswap.runtime.export.steady import TableSteps
 from slackswap.runtime.export_compile import export_backend, offload_enabled
 from slackswap.runtime.export_facts import (
@@ -50,7 +51,6 @@ from slackswap.runtime.export_graph import (
     made_for_compile,
 )
 from slackswap.runtime.export_heads import cached_differences
-from slackswap.runtime.host_draws import ReplayedDraws
 from slackswap.runtime.identity import check_identity
 
 
@@ -112,7 +112,8 @@ class PlanExport(TableSteps):
                 self.region_decisions[region][name] = Decision(decision)
         self.modules = ModuleStack(model)
         self.host = HostCopies()
-        self.draws = ReplayedDraws()
+        #: Per installation: the layers whose forward a recompute must start from its own start (draws, numbers).
+        self.replayed = ReplayedState([])
         self.record = StepRecord()
         #: Storage -> identities of the op that made it, this step (eager), to name a layer's outputs.
         self._last_names: dict[int, list[str]] = {}
@@ -193,6 +194,7 @@ class PlanExport(TableSteps):
                 f"plan_for_export(..., compile={asked == 'compile'})")
         layers = [model.get_submodule(p) for p in self.regions]
         self._layers = layers
+        self.replayed = ReplayedState(layers)
         originals = [layer.__dict__.get("forward") for layer in layers]
         if compile:
             hooks = [model.register_forward_pre_hook(lambda *_: self._reset())]
@@ -290,14 +292,14 @@ class PlanExport(TableSteps):
                 if self._auditing:
                     refuse_cache(path, args, kwargs)
                     self._note_plain(region)
-                function = self.draws.function(region, partial(plain, layer), self._auditing)
+                function = self.replayed.function(region, partial(plain, layer), self._auditing)
                 return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
             return checkpointed
         context_fn = self.context_fn(region)
 
         def forward(*args, **kwargs):
-            function = self.draws.function(region, partial(plain, layer), self._auditing)
+            function = self.replayed.function(region, partial(plain, layer), self._auditing)
             return checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         def run(*args, **kwargs):
@@ -344,7 +346,7 @@ class PlanExport(TableSteps):
             compiled = torch.compile(_fresh_function(run), backend=export_backend(backend, self.graph))
             self._compiled_fns[signature] = (region, compiled)
         self.group_of[region], compiled = self._compiled_fns[signature]
-        return ReplayedDraws.refused_when_drawing(path, partial(compiled, layer))
+        return ReplayedState.refused_when_drawing(path, partial(compiled, layer))
 
     def translate(self, name: str, region: int) -> str:
         """A tensor of `region` as its compile group's representative layer names it."""
