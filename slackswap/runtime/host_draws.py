@@ -22,14 +22,18 @@ How:
 - The export (`slackswap.runtime.export.replayed_state`): an eager layer seen drawing has its recompute
   run from the states before its forward; a compiled one is refused before backward.
 
+The generator objects the model's modules hold as attributes (`self.rng = random.Random(0)`,
+`numpy.random.default_rng()`, a `RandomState`; `own_generators`) are read and restored with these two.
+
 Not seen: a forward that starts drawing on a switch none of these checks sees (for the eager export,
-any change without an audit), a generator object of the model's own (`random.Random(...)`,
-`numpy.random.default_rng()`), and any other number that changes outside the model (a clock, a file);
+any change without an audit), a generator object held elsewhere (a module global, a config object) or a
+`random.SystemRandom` (no state), and any other number that changes outside the model (a clock, a file);
 docs/runtime.md, "Numbers drawn in forward".
 """
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import numpy
@@ -37,26 +41,58 @@ import numpy
 #: What a forward that draws from the global generators is told (the generator named first).
 _PYTHON = "Python's random module"
 _NUMPY = "NumPy's global generator (numpy.random)"
+#: Generator objects a model's module may hold and draw from (`random.SystemRandom` has no state to read).
+_OWN_KINDS = (random.Random, numpy.random.Generator, numpy.random.RandomState)
 
 
-def draw_states() -> tuple:
-    """The states of Python's and NumPy's global generators now."""
-    return random.getstate(), numpy.random.get_state()
+def own_generators(model: object) -> tuple[tuple[str, object], ...]:
+    """The generator objects the modules of `model` (a `torch.nn.Module`) hold as attributes (`self.rng =
+    random.Random(0)`, `numpy.random.default_rng()`), each with its module path and attribute name."""
+    return tuple((f"{path}.{key}" if path else key, value) for path, module in model.named_modules()
+                 for key, value in module.__dict__.items()
+                 if isinstance(value, _OWN_KINDS) and not isinstance(value, random.SystemRandom))
 
 
-def set_draw_states(states: tuple) -> None:
+def _state(generator: object) -> object:
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if isinstance(generator, numpy.random.Generator):
+        return generator.bit_generator.state
+    return generator.get_state()
+
+
+def _set_state(generator: object, state: object) -> None:
+    if isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif isinstance(generator, numpy.random.Generator):
+        generator.bit_generator.state = state
+    else:
+        generator.set_state(state)
+
+
+def draw_states(own: tuple = ()) -> tuple:
+    """The states of Python's and NumPy's global generators now, and of the model's own (`own_generators`)."""
+    return random.getstate(), numpy.random.get_state(), tuple([_state(g) for _, g in own])
+
+
+def set_draw_states(states: tuple, own: tuple = ()) -> None:
     random.setstate(states[0])
     numpy.random.set_state(states[1])
+    for (_, generator), state in zip(own, states[2], strict=True):
+        _set_state(generator, state)
 
 
-def drawn_from(before: tuple, after: tuple) -> str | None:
-    """The global generator that moved between two `draw_states`, named; None when neither did."""
-    (python_before, numpy_before), (python_after, numpy_after) = before, after
+def drawn_from(before: tuple, after: tuple, own: tuple = ()) -> str | None:
+    """The generator that moved between two `draw_states`, named; None when none did."""
+    (python_before, numpy_before, own_before), (python_after, numpy_after, own_after) = before, after
     if python_before != python_after:
         return _PYTHON
     if numpy_before[2:] != numpy_after[2:] or not numpy.array_equal(numpy_before[1], numpy_after[1]):
         return _NUMPY
+    for (label, generator), state_before, state_after in zip(own, own_before, own_after, strict=True):
+        if pickle.dumps(state_before) != pickle.dumps(state_after):  # states hold arrays: compared as bytes
+            return f"the model's own generator {label} ({type(generator).__name__})"
     return None
 
 
-__all__ = ["draw_states", "drawn_from", "set_draw_states"]
+__all__ = ["draw_states", "drawn_from", "own_generators", "set_draw_states"]

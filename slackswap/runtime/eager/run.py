@@ -37,7 +37,7 @@ from slackswap.runtime.eager.value_reads import ValueReads
 from slackswap.runtime.eager.verified import _VerifiedStep
 from slackswap.runtime.eager.views import _rng_state
 from slackswap.runtime.errors import PlanMismatchError, RuntimeUsageError
-from slackswap.runtime.host_draws import draw_states, drawn_from
+from slackswap.runtime.host_draws import draw_states, drawn_from, own_generators
 from slackswap.runtime.identity import check_identity
 from slackswap.runtime.recording import Recording
 from slackswap.schedule.positions import plan_positions
@@ -107,6 +107,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         #: The model's leaf modules, whose calls a hook-only step of a recomputing plan checks (`ModuleCalls`).
         self.module_calls = ModuleCalls(model)
         self.module_state = ModuleState(model)
+        #: The generator objects the modules hold: read with Python's and NumPy's around a verified forward.
+        self._own_generators = own_generators(model)
         #: A plan that recomputes checks its hook-only steps' module calls and numbers (`module_calls`);
         #: `slackswap.runtime.eager.host_cost` turns it off on one run to time the checks.
         self.checks_modules = any(s.kind == StepKind.RECOMPUTE for s in steps)
@@ -206,7 +208,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
             self._check_arguments(args, kwargs)
             self._value_reads.begin_forward()
             if not self.hook_only:
-                self._draws_before = draw_states()
+                self._draws_before = draw_states(self._own_generators)
         self._step_inputs = inputs
         if self.hook_only and -1 in self.recording.rng_events:
             self._hook_only_rng[-1] = _rng_state()
@@ -241,7 +243,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         self._value_reads.end_forward()
         if self.hook_only or self._draws_before is None:  # None: the forward pre-hook raised before reading
             return
-        drawn, self._draws_before = drawn_from(self._draws_before, draw_states()), None
+        own = self._own_generators
+        drawn, self._draws_before = drawn_from(self._draws_before, draw_states(own), own), None
         if drawn is not None:
             self._refuse(f"the model's forward draws from {drawn}: a recompute on hooks alone would replay the "
                          "verified step's numbers")

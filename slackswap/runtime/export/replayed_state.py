@@ -10,17 +10,18 @@ Measured before this: full_recompute and torch_sac through the eager export gave
 step for both, and the counter stood at 6 after 3 steps.
 
 How: in an audited step each layer's forward is read before and after it runs: the generators' states
-(`host_draws.draw_states`) and the numbers its modules and the plain objects they hold carry (the
-dict-held slots of `eager.module_calls.ModuleState`, a few us a layer). A layer whose forward moved either
-records them before its forward at every step from then on, and its recompute runs from them and puts
-back what it found after (as checkpoint does for torch's RNG). Layers that moved neither pay nothing in
-the steady steps. Compiled, the recompute is torch's: a layer whose first call after installation drew is
-refused before backward (`refused_when_drawing`; measured, full_recompute compiled read gradients 1.8e-4
-to 5.2e-4 off eager where the same step without draws is 5.6e-9 off).
+(`host_draws.draw_states`: the global ones and those its modules hold) and the numbers its modules and
+the plain objects they hold carry (the dict-held slots of `eager.module_calls.ModuleState`, a few us a
+layer). A layer whose forward moved either records them before its forward at every step from then on,
+and its recompute runs from them and puts back what it found after (as checkpoint does for torch's RNG).
+Layers that moved neither pay nothing in the steady steps. Compiled, the recompute is torch's: a layer
+whose first call after installation drew is refused before backward (`refused_when_drawing`; measured,
+full_recompute compiled read gradients 1.8e-4 to 5.2e-4 off eager where the same step without draws is
+5.6e-9 off).
 
 Not seen: a module global or closure value a layer's forward changes (`COUNT[0] += 1`), a class attribute
-it changes, a generator object of the model's own, a layer that starts moving either in a step that is
-not audited; docs/runtime.md, "Numbers drawn in forward".
+it changes, a generator object held outside its modules, a layer that starts moving either in a step that
+is not audited; docs/runtime.md, "Numbers drawn in forward".
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from slackswap.runtime.eager.module_calls import ModuleState
 from slackswap.runtime.errors import RuntimeUsageError
-from slackswap.runtime.host_draws import draw_states, drawn_from, set_draw_states
+from slackswap.runtime.host_draws import draw_states, drawn_from, own_generators, set_draw_states
 
 
 class ReplayedState:
@@ -41,6 +42,7 @@ class ReplayedState:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self._slots = [tuple((table, key) for table, key in ModuleState(layer).number_slots if type(table) is dict)
                        for layer in layers]
+        self._own = [own_generators(layer) for layer in layers]
         #: Layers (regions) whose forward drew from a global generator in an audited step.
         self.drawing: set[int] = set()
         #: Layers whose forward changed a number of their modules in an audited step.
@@ -60,27 +62,28 @@ class ReplayedState:
         if not auditing and region not in self.drawing and region not in self.changing:
             return forward
         start: tuple | None = None
+        own = self._own[region]
 
         def run(*args: object, **kwargs: object) -> object:
             nonlocal start
             if start is None:
-                start = (draw_states(), self._numbers(region))
+                start = (draw_states(own), self._numbers(region))
                 out = forward(*args, **kwargs)
                 if auditing:
-                    if drawn_from(start[0], draw_states()) is not None:
+                    if drawn_from(start[0], draw_states(own), own) is not None:
                         self.drawing.add(region)
                     if self._numbers(region) != start[1]:
                         self.changing.add(region)
                 return out
             if region not in self.drawing and region not in self.changing:
                 return forward(*args, **kwargs)
-            found = (draw_states(), self._numbers(region))
-            set_draw_states(start[0])
+            found = (draw_states(own), self._numbers(region))
+            set_draw_states(start[0], own)
             self._put(region, start[1])
             try:
                 return forward(*args, **kwargs)
             finally:
-                set_draw_states(found[0])
+                set_draw_states(found[0], own)
                 self._put(region, found[1])
 
         return run
