@@ -27,6 +27,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten_with_path
 
 from slackswap.profile.torch.layer_stacks import leaf_modules
 from slackswap.runtime.errors import PlanMismatchError
+from slackswap.runtime.module_numbers import number_slots
 
 #: Forward-argument values a recorded call can hold that compare by value: what a hook-only step checks.
 PLAIN_ARGUMENT_TYPES = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
@@ -90,10 +91,8 @@ class ModuleState:
 
     def __init__(self, model: torch.nn.Module) -> None:
         modules = list(model.modules())
-        tables = [m.__dict__ for m in modules] + _held_objects(modules) + _class_tables(modules)
         #: (attribute table, key) of each attribute holding a number (what `snapshot` reads first).
-        self.number_slots = tuple((table, key) for table in tables for key, value in table.items()
-                            if type(value) in (int, float, bool))
+        self.number_slots = number_slots(modules)
         self._tensors = tuple((table, key) for m in modules for table in (m._parameters, m._buffers) for key in table)
         self._hooks = (*(table for m in modules for table in (m._forward_pre_hooks, m._forward_hooks)),
                        _global_hooks._global_forward_pre_hooks, _global_hooks._global_forward_hooks)
@@ -101,43 +100,6 @@ class ModuleState:
     def snapshot(self) -> tuple:
         return (tuple([attributes.get(key) for attributes, key in self.number_slots]),
                 tuple([id(table.get(key)) for table, key in self._tensors]), tuple(map(tuple, self._hooks)))
-
-
-def _class_tables(modules: list[torch.nn.Module]) -> list[object]:
-    """The attribute tables of the modules' own classes and their bases below `torch.nn.Module`, each once: a
-    class attribute a forward reads through `self` (`LlamaAttention.is_causal`; a scale the loop sets on the
-    class) is a number of the model too."""
-    seen: set[type] = set()
-    tables: list[object] = []
-    for module in modules:
-        for cls in type(module).__mro__:
-            if cls in seen or cls is torch.nn.Module or not issubclass(cls, torch.nn.Module):
-                continue
-            seen.add(cls)
-            tables.append(cls.__dict__)
-    return tables
-
-
-def _held_objects(modules: list[torch.nn.Module], depth: int = 2) -> list[dict]:
-    """The attribute tables (`__dict__`) of the plain objects the modules hold, and of the objects those
-    hold, `depth` levels down, each once: a model's config and its sub-configs. Modules, tensors, classes
-    and callables are not plain objects."""
-    seen: set[int] = set()
-    found: list[dict] = []
-    level = [m.__dict__ for m in modules]
-    for _ in range(depth):
-        below = []
-        for table in level:
-            for value in table.values():
-                attributes = getattr(value, "__dict__", None)
-                if (type(attributes) is not dict or id(value) in seen or callable(value)
-                        or isinstance(value, (torch.nn.Module, torch.Tensor, type))):
-                    continue
-                seen.add(id(value))
-                below.append(attributes)
-        found += below
-        level = below
-    return found
 
 
 def forward_arguments(args: tuple, kwargs: dict) -> tuple[TreeSpec, tuple] | tuple[()]:

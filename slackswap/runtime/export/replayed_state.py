@@ -11,7 +11,7 @@ step for both, and the counter stood at 6 after 3 steps.
 
 How: in an audited step each layer's forward is read before and after it runs: the generators' states
 (`host_draws.draw_states`: the global ones and those its modules hold) and the numbers its modules and
-the plain objects they hold carry (the dict-held slots of `eager.module_calls.ModuleState`, a few us a
+the plain objects they hold carry (the dict-held slots of `runtime.module_numbers`, a few us a
 layer). A layer whose forward moved either records them before its forward at every step from then on,
 and its recompute runs from them and puts back what it found after (as checkpoint does for torch's RNG).
 Layers that moved neither pay nothing in the steady steps. Compiled, the recompute is torch's: a layer
@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from slackswap.runtime.eager.module_calls import ModuleState
 from slackswap.runtime.errors import RuntimeUsageError
 from slackswap.runtime.host_draws import draw_states, drawn_from, own_generators, set_draw_states
+from slackswap.runtime.module_numbers import number_slots
 
 
 class ReplayedState:
@@ -40,7 +40,7 @@ class ReplayedState:
     modules' numbers (`changing`), seen in an audited step, and the function checkpoint runs for a call."""
 
     def __init__(self, layers: list[torch.nn.Module]) -> None:
-        self._slots = [tuple((table, key) for table, key in ModuleState(layer).number_slots if type(table) is dict)
+        self._slots = [tuple((table, key) for table, key in number_slots(list(layer.modules())) if type(table) is dict)
                        for layer in layers]
         self._own = [own_generators(layer) for layer in layers]
         #: Layers (regions) whose forward drew from a global generator in an audited step.
