@@ -29,6 +29,12 @@ pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 _SCALES = [2.0]
 
 
+class _Settings:
+    """A class used as a namespace of settings, read as `_Settings.temperature`."""
+
+    temperature = 2.0
+
+
 class _Drawn(torch.nn.Module):
     """A softmax whose input is scaled by a number the forward draws or reads, as `source` says."""
 
@@ -62,6 +68,8 @@ class _Drawn(torch.nn.Module):
             h = h * (1 + 0.1 * self.calls)
         elif self.source == "list":
             h = h / _SCALES[0]
+        elif self.source == "class":
+            h = h / _Settings.temperature
         return x + self.b(torch.softmax(h, dim=-1))
 
 
@@ -136,18 +144,26 @@ def test_a_forward_that_starts_drawing_runs_verified_and_refuses_the_hook_only_s
     assert run.recording.refusal.startswith("the model's forward draws from Python's random module")
 
 
-def test_a_step_after_a_global_lists_item_changed_runs_verified() -> None:
-    _SCALES[0] = 2.0
-    model, x, run = _run("list")
+def _set_scale(source: str, value: float) -> None:
+    if source == "list":
+        _SCALES[0] = value
+    else:
+        _Settings.temperature = value
+
+
+@pytest.mark.parametrize("source, name", [("list", "_SCALES[0]"), ("class", "_Settings.temperature")])
+def test_a_step_after_a_global_lists_item_or_a_classs_attribute_changed_runs_verified(source, name) -> None:
+    _set_scale(source, 2.0)
+    model, x, run = _run(source)
     try:
         assert [_step(model, x, run, seed) for seed in range(2)] == ["verified", "hook-only"]
-        _SCALES[0] = 1.5
+        _set_scale(source, 1.5)
         assert _step(model, x, run, 2) == "verified"
         assert run.report.verified_because == (
-            f"a value the forward reads from outside the model changed ({__name__}._SCALES[0])")
+            f"a value the forward reads from outside the model changed ({__name__}.{name})")
         assert _step(model, x, run, 3) == "hook-only"
     finally:
-        _SCALES[0] = 2.0
+        _set_scale(source, 2.0)
 
 
 class _Layers(torch.nn.Module):

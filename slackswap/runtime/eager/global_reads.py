@@ -15,18 +15,20 @@ step's thread, called at each Python call only, and chained to a tracer already 
 coverage's) sees each Python function called; it costs that step 30-45 %. The first time a code object is
 seen, its bytecode names the globals it loads (`LOAD_GLOBAL x`, and the attributes and constant
 subscripts read right after: `x.y.z`, `x["k"]`, a list's `x[0]`), and the entries holding a plain value
-become slots (the modules, plain objects, dicts and lists on the way too, by identity); so do the cells
-of its closure that hold one (the function found among the garbage collector's referrers of the code,
-by the cells' contents: a decorator's wrapper is one code for many functions). A hook-only step reads
-the slots again (23-31 on the zoo's Llama, GPT-2, T5 and Mixtral: 1.6-1.9 us) and runs verified,
+become slots (the modules, plain objects, classes of the user's, dicts and lists on the way too, by
+identity); so do the cells of its closure that hold one (the function found among the garbage
+collector's referrers of the code, by the cells' contents: a decorator's wrapper is one code for many
+functions). A hook-only step reads
+the slots again (25-40 on the zoo's Llama, GPT-2, T5 and Mixtral: 2.1-3.1 us) and runs verified,
 recording them again, when any differs. Functions of torch's and this package's own modules are
 skipped (their globals reflect the dispatch modes a verified step runs under), and so are the garbage
 collector's callbacks, which a collection inside the forward runs.
 
-Not seen: a value read through a class attribute (those of the modules' classes are the module checks'),
-a property, a subscript by a variable (`TABLE[k]`) or more than `CHAIN_DEPTH` accesses down, and a
-closure made after its code was first seen with another one (a closure's cells are looked up once per
-code object in the process); docs/runtime.md, "Hook-only steps".
+Not seen: a value a class inherits from a base (`Settings.t` where a base of `Settings` defines `t`; those
+of the modules' classes are the module checks'), a property, a subscript by a variable (`TABLE[k]`) or
+more than `CHAIN_DEPTH` accesses down, and a closure made after its code was first seen with another one
+(a closure's cells are looked up once per code object in the process); docs/runtime.md, "Hook-only
+steps".
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ def _is_plain_object(value: object) -> bool:
     if isinstance(value, types.ModuleType):
         return not value.__name__.startswith(_SKIPPED_PREFIXES)
     return type(getattr(value, "__dict__", None)) is dict and not callable(value) and not isinstance(value, type)
+
+
+def _is_namespace_class(value: object) -> bool:
+    """A class of the user's used as a namespace of settings (`class Settings: temperature = 2.0`), read
+    through its own attributes (not its bases'); builtins' and torch's classes are not."""
+    return isinstance(value, type) and value.__module__ != "builtins" and not value.__module__.startswith(
+        _SKIPPED_PREFIXES)
 
 
 def _closure_cells(frame: types.FrameType, code: types.CodeType) -> tuple[tuple[str, types.CellType], ...]:
@@ -203,7 +212,7 @@ class GlobalReads:
         if type(access) is tuple and (type(value) is dict or (type(value) is list and type(access[1]) is int)):
             self._add(table, key, value, label)
             self._follow(value, access[1], rest, f"{label}[{access[1]!r}]")
-        elif type(access) is str and _is_plain_object(value):
+        elif type(access) is str and (_is_plain_object(value) or _is_namespace_class(value)):
             self._add(table, key, value, label)
             self._follow(value.__dict__, access, rest, f"{label}.{access}")
 
