@@ -29,10 +29,14 @@ pytestmark = pytest.mark.usefixtures("deterministic_kernels")
 _SCALES = [2.0]
 
 
-class _Settings:
-    """A class used as a namespace of settings, read as `_Settings.temperature`."""
+class _BaseSettings:
+    """A class used as a namespace of settings, read through a subclass: `_Settings.temperature`."""
 
     temperature = 2.0
+
+
+class _Settings(_BaseSettings):
+    pass
 
 
 class _Drawn(torch.nn.Module):
@@ -147,14 +151,19 @@ def test_a_forward_that_starts_drawing_runs_verified_and_refuses_the_hook_only_s
 def _set_scale(source: str, value: float) -> None:
     if source == "list":
         _SCALES[0] = value
-    else:
+    elif source == "base":
+        _BaseSettings.temperature = value
+    elif value != 2.0:  # set on the subclass: shadows the base's
         _Settings.temperature = value
+    elif "temperature" in vars(_Settings):  # back to the base's
+        del _Settings.temperature
 
 
-@pytest.mark.parametrize("source, name", [("list", "_SCALES[0]"), ("class", "_Settings.temperature")])
+@pytest.mark.parametrize("source, name", [("list", "_SCALES[0]"), ("class", "_Settings.temperature"),
+                                          ("base", "_Settings.temperature")])
 def test_a_step_after_a_global_lists_item_or_a_classs_attribute_changed_runs_verified(source, name) -> None:
     _set_scale(source, 2.0)
-    model, x, run = _run(source)
+    model, x, run = _run("list" if source == "list" else "class")
     try:
         assert [_step(model, x, run, seed) for seed in range(2)] == ["verified", "hook-only"]
         _set_scale(source, 1.5)

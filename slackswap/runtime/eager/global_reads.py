@@ -24,8 +24,7 @@ recording them again, when any differs. Functions of torch's and this package's 
 skipped (their globals reflect the dispatch modes a verified step runs under), and so are the garbage
 collector's callbacks, which a collection inside the forward runs.
 
-Not seen: a value a class inherits from a base (`Settings.t` where a base of `Settings` defines `t`; those
-of the modules' classes are the module checks'), a property, a subscript by a variable (`TABLE[k]`) or
+Not seen: a property, a subscript by a variable (`TABLE[k]`) or
 more than `CHAIN_DEPTH` accesses down, and a closure made after its code was first seen with another one
 (a closure's cells are looked up once per code object in the process); docs/runtime.md, "Hook-only
 steps".
@@ -97,7 +96,7 @@ def _is_plain_object(value: object) -> bool:
 
 def _is_namespace_class(value: object) -> bool:
     """A class of the user's used as a namespace of settings (`class Settings: temperature = 2.0`), read
-    through its own attributes (not its bases'); builtins' and torch's classes are not."""
+    through its attributes and its bases' (builtins' and torch's classes are not)."""
     return isinstance(value, type) and value.__module__ != "builtins" and not value.__module__.startswith(
         _SKIPPED_PREFIXES)
 
@@ -212,9 +211,16 @@ class GlobalReads:
         if type(access) is tuple and (type(value) is dict or (type(value) is list and type(access[1]) is int)):
             self._add(table, key, value, label)
             self._follow(value, access[1], rest, f"{label}[{access[1]!r}]")
-        elif type(access) is str and (_is_plain_object(value) or _is_namespace_class(value)):
+        elif type(access) is str and _is_plain_object(value):
             self._add(table, key, value, label)
             self._follow(value.__dict__, access, rest, f"{label}.{access}")
+        elif type(access) is str and _is_namespace_class(value):
+            self._add(table, key, value, label)
+            for cls in value.__mro__[:-1]:  # its own attributes, then its bases' (up to `object`)
+                if access in cls.__dict__:
+                    self._follow(cls.__dict__, access, rest, f"{label}.{access}")
+                    break
+                self._add(cls.__dict__, access, _MISSING, f"{label}.{access}")  # one set there later shadows
 
     def _closure(self, frame: types.FrameType, code: types.CodeType) -> None:
         """The plain-valued cells of the function called: among the functions with this code (a decorator's
