@@ -25,6 +25,10 @@ How:
 The generator objects the model's modules hold as attributes (`self.rng = random.Random(0)`,
 `numpy.random.default_rng()`, a `RandomState`; `own_generators`) are read and restored with these two.
 
+The generators are process-wide: another thread drawing from them while a verified forward runs (a
+data-loading thread of the training loop) reads as the forward's draw, which costs the hook-only steps
+(every step then runs verified: slower, exact) and is named in the refusal.
+
 Not seen: a forward that starts drawing on a switch none of these checks sees (for the eager export,
 any change without an audit), a generator object held elsewhere (a module global, a config object) or a
 `random.SystemRandom` (no state), and any other number that changes outside the model (a clock, a file);
