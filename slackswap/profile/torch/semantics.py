@@ -49,6 +49,27 @@ def cuda_sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: fl
     return "math"
 
 
+def cpu_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, dropout_p: float) -> str:
+    """The backend torch's CPU `select_sdp_backend_cpp` picks: flash (`_for_cpu`, GQA included) unless a gate
+    of `use_flash_attention_cpp` fails (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp at torch 2.13:
+    dropout, inputs not 4-D, a zero-length sequence, q/k/v head dims that differ, a last dimension not of
+    stride 1, a dtype other than fp32/fp64/bf16/fp16), or the mask requires grad (the flash kernel has no
+    gradient for it; read from `torch._fused_sdp_choice` on CPU: BEiT's and Swin's learned relative position
+    bias). Then math."""
+    tensors = (q, k, v)
+    if dropout_p > 0.0 or any(t.dim() != 4 for t in tensors):
+        return "math"
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return "math"
+    if any(t.shape[-2] == 0 or t.stride(-1) != 1 for t in tensors):
+        return "math"
+    if q.dtype not in (torch.float32, torch.float64, *_HALF):
+        return "math"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "math"
+    return "flash"
+
+
 class KernelRouting(TorchFunctionMode):
     """Routes dropout and scaled-dot-product attention to the target device's aten kernels."""
 
@@ -79,8 +100,7 @@ class KernelRouting(TorchFunctionMode):
         a = _sdpa_args(args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         if self.semantics == "cpu":
-            # CPU's select_sdp_backend_cpp: flash (for_cpu, GQA included) unless dropout, else math.
-            if a["dropout_p"] > 0.0:
+            if cpu_sdpa_backend(q, k, v, a["attn_mask"], a["dropout_p"]) == "math":
                 return func(*args, **kwargs)
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, a["dropout_p"], a["is_causal"], attn_mask=a["attn_mask"], scale=a["scale"])[0]
