@@ -92,6 +92,42 @@ def _vit(seed: int) -> Workload:
     return Workload("vit", net, images, lambda out: nn.functional.cross_entropy(out, labels), 8)
 
 
+
+def _hf_input(config_name: str, model_name: str, shape: tuple[int, ...], call, **config: object):
+    """A Hugging Face model of another modality (images, audio) whose forward's last hidden state is scored
+    by its mean square: `shape` is the input's, drawn from the seed."""
+
+    def build(seed: int) -> Workload:
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(cfg)
+        model.train()
+        batch = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+        net = _Logits(model, call)
+        return Workload(config_name.removesuffix("Config").lower(), net, batch, lambda out: out.square().mean(), 8)
+
+    return build
+
+
+def _pixels(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(pixel_values=x).last_hidden_state
+
+
+def _audio_values(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(input_values=x).last_hidden_state
+
+
+_IMAGE = (BATCH, 3, 32, 32)
+_VIT_LIKE = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+             "intermediate_size": 2 * HIDDEN, "image_size": 32, "patch_size": 4}
+#: Raw audio at a conv feature extractor of two layers (x10 fewer frames); SpecAugment off (its masks are
+#: drawn with `np.random`: every step runs verified under the runtime, docs/runtime.md).
+_AUDIO = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+          "intermediate_size": 2 * HIDDEN, "conv_dim": (16, 16), "conv_stride": (5, 2), "conv_kernel": (10, 3),
+          "num_conv_pos_embeddings": 8, "num_conv_pos_embedding_groups": 4, "mask_time_prob": 0.0, "layerdrop": 0.0}
+
 # ----------------------------------------------------------------------------- plain modules
 class InPlaceAttention(nn.Module):
     """`scores = q @ k.T; scores /= 4.0` (Falcon's `attention_scores /= math.sqrt(head_dim)`)."""
@@ -327,7 +363,9 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
 #: Hugging Face architectures run through the zoo once each to check its rules on models they were not
 #: made on (`benchmarks/zoo.py --extra`, benchmarks/results/zoo_extra.json), and not by the test suite:
 #: each is another config class of a pattern `FACTORIES` holds (grouped-query decoders, their MoE
-#: variants, encoders), and a run of every planner on them takes minutes.
+#: variants, encoders) or a model of another input (audio through a conv feature extractor; images through
+#: patch and window attention, random patch masking, stages of convolution blocks with drop path), and a
+#: run of every planner on them takes minutes.
 EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
     "gemma": _hf("GemmaConfig", head_dim=HIDDEN // HEADS, **_DEC),
     "gemma3": _hf("Gemma3TextConfig", head_dim=HIDDEN // HEADS, sliding_window=8, **_DEC),
@@ -354,6 +392,16 @@ EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
                       embedding_size=32, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, intra_bottleneck_size=32, true_hidden_size=32,
                       max_position_embeddings=64, pad_token_id=0),
+    "wav2vec2": _hf_input("Wav2Vec2Config", "Wav2Vec2Model", (BATCH, 1600), _audio_values, **_AUDIO),
+    "hubert": _hf_input("HubertConfig", "HubertModel", (BATCH, 1600), _audio_values, **_AUDIO),
+    "vit_mae": _hf_input("ViTMAEConfig", "ViTMAEModel", _IMAGE, _pixels, mask_ratio=0.5, **_VIT_LIKE),
+    "clip_vision": _hf_input("CLIPVisionConfig", "CLIPVisionModel", _IMAGE, _pixels, **_VIT_LIKE),
+    "beit": _hf_input("BeitConfig", "BeitModel", _IMAGE, _pixels, use_relative_position_bias=True, drop_path_rate=0.1,
+                      **_VIT_LIKE),
+    "swin": _hf_input("SwinConfig", "SwinModel", _IMAGE, _pixels, image_size=32, patch_size=4, embed_dim=16,
+                      depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.1),
+    "convnext": _hf_input("ConvNextConfig", "ConvNextModel", _IMAGE, _pixels, hidden_sizes=[16, 32], depths=[2, 2],
+                          num_stages=2, drop_path_rate=0.1),
 }
 
 
