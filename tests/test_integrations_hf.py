@@ -205,6 +205,28 @@ def test_layerdrop_is_refused_for_the_runtime_before_training(tmp_path) -> None:
     plan_for(trainer, budget=0.5, executor="export")  # the export re-runs each layer's own forward
 
 
+def test_spec_augment_is_refused_for_the_runtime_before_training() -> None:
+    """wav2vec 2.0's SpecAugment (on by default, `mask_time_prob=0.05`) draws a count of masked spans with
+    numpy.random each training step: under the runtime every step runs verified and one with another count
+    than the captured step's is refused mid-training, so the runtime is refused up front."""
+    import transformers
+
+    from slackswap.integrations.planning import check_layerdrop
+
+    config = transformers.Wav2Vec2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, conv_dim=(8,), conv_stride=(5,), conv_kernel=(10,),
+                                         num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, layerdrop=0.0)
+    model = transformers.Wav2Vec2Model(config)
+    refusal = r"^model\.config\.mask_time_prob=0\.05: SpecAugment .*executor='export'"
+    with pytest.raises(IntegrationError, match=refusal):
+        check_layerdrop(model, "runtime")
+    check_layerdrop(model, "export")
+    config.mask_time_prob = 0.0
+    check_layerdrop(model, "runtime")
+    config.apply_spec_augment, config.mask_feature_prob = False, 0.1  # no augmentation: nothing drawn
+    check_layerdrop(model, "runtime")
+
+
 @pytest.mark.parametrize(("field", "value", "match"), [
     ("executor", "compiled", r"^executor='compiled': must be one of runtime, export"),
     ("verify_steps", 0, r"^verify_steps=0: must be a positive integer"),

@@ -8,6 +8,7 @@ wrong gradient on hook-only steps or through the export."""
 from __future__ import annotations
 
 import contextlib
+import pickle
 import random
 
 import numpy
@@ -231,3 +232,17 @@ def test_the_compiled_export_refuses_a_layer_that_draws_before_its_backward() ->
     with pytest.raises(RuntimeUsageError, match="layer 'layers.1' draws from NumPy's global generator"):
         drawing()
     assert calls == [1, 1]
+
+
+def test_a_capture_leaves_pythons_numpys_and_the_modules_generators_where_they_were() -> None:
+    """capture_graph promises not to move the caller's RNG streams: torch's under fork_rng, and these put back."""
+    for source in ("python", "numpy", "own_numpy"):
+        model, x = _Drawn(source), torch.randn(32, 16)
+        random.seed(5)
+        numpy.random.seed(5)
+        before = (random.getstate(), pickle.dumps(numpy.random.get_state()),
+                  pickle.dumps(getattr(model, "rng", None) and model.rng.bit_generator.state))
+        capture_graph(model, (x,), lambda out: out.square().mean(), h200(), name=source)
+        after = (random.getstate(), pickle.dumps(numpy.random.get_state()),
+                 pickle.dumps(getattr(model, "rng", None) and model.rng.bit_generator.state))
+        assert after == before, source

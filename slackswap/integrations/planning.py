@@ -63,12 +63,17 @@ def called_with_keywords(model: torch.nn.Module, keys: tuple[str, ...]) -> Itera
 
 #: Hugging Face configs' LayerDrop rates (wav2vec2, HuBERT, Whisper, BART and its kin).
 LAYERDROP_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+#: Hugging Face configs' SpecAugment rates (wav2vec2, HuBERT, Whisper and their kin, when
+#: `apply_spec_augment`): the masked spans are drawn with `numpy.random` on each training step.
+SPEC_AUGMENT_KEYS = ("mask_time_prob", "mask_feature_prob")
 
 
 def check_layerdrop(model: torch.nn.Module, executor: str) -> None:
-    """Refuse the runtime for a model whose Hugging Face config drops layers at random in training: the
-    runtime runs the step it captured, its hook-only steps refuse another path (docs/runtime.md, "Hook-only
-    steps"), while the export's checkpoints re-run each layer's own forward."""
+    """Refuse the runtime for a model whose Hugging Face config drops layers at random in training, or masks
+    spans drawn at random (SpecAugment): the runtime runs the step it captured, its hook-only steps refuse
+    another path, and a forward that draws from NumPy's generator runs every step verified, where another
+    count of masked spans is refused (docs/runtime.md, "Hook-only steps", "Numbers drawn in forward"); the
+    export's checkpoints re-run each layer's own forward, and replay its draws."""
     if executor != "runtime":
         return
     for module in model.modules():
@@ -80,6 +85,15 @@ def check_layerdrop(model: torch.nn.Module, executor: str) -> None:
                                        "LayerDrop skips other layers on each step, and the runtime runs the step it "
                                        "captured; use executor='export' (its checkpoints re-run each layer's own "
                                        "forward) or set it to 0")
+        augments = config is not None and getattr(config, "apply_spec_augment", False) is True
+        for key in SPEC_AUGMENT_KEYS if augments else ():
+            rate = getattr(config, key, 0.0) or 0.0
+            if isinstance(rate, (int, float)) and rate > 0:
+                raise IntegrationError(f"model.config.{key}", rate,
+                                       "SpecAugment masks a count of spans drawn with numpy.random on each step, and "
+                                       "the runtime runs the step it captured (a step with another count is refused); "
+                                       "use executor='export' (its checkpoints re-run each layer's own forward) or "
+                                       "set it to 0")
 
 
 def capture_step(model: torch.nn.Module, call: Mapping[str, object] | Sequence[object],

@@ -43,6 +43,7 @@ from slackswap.profile.timing import op_duration_s
 from slackswap.profile.torch.identity import StorageIdentities, addressed_bytes
 from slackswap.profile.torch.layer_stacks import LayerStacks, find_layer_stacks, leaf_modules
 from slackswap.runtime.collectives import CollectiveReleases
+from slackswap.runtime.host_draws import draw_states, own_generators, set_draw_states
 from slackswap.runtime.op_numbering import IDENTITY_SCHEME, OpNumbering, writes_into
 from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS, model_line, own_generator
 
@@ -284,13 +285,19 @@ def capture_graph(
 ) -> Graph:
     """Run one training step (forward, loss, backward) and return its graph.
 
-    The step runs under `torch.random.fork_rng`, the gradients it makes are cleared afterwards (any the
-    parameters held before, earlier micro-batches', are put back) and the buffers it writes (a batch
-    norm's running statistics) are restored, so capturing changes neither the caller's RNG stream nor
-    the model: a trainer integration may capture a new batch shape in the middle of training.
+    The step runs under `torch.random.fork_rng` (and Python's, NumPy's and the modules' own generators are
+    put back: `host_draws`), the gradients it makes are cleared afterwards (any the parameters held before,
+    earlier micro-batches', are put back) and the buffers it writes (a batch norm's running statistics) are
+    restored, so capturing changes neither the caller's RNG streams nor the model: a trainer integration may
+    capture a new batch shape in the middle of training.
     """
-    with _model_state_kept(model):
-        return _capture_graph(model, inputs, loss_fn, hardware, name)
+    own = own_generators(model)
+    draws = draw_states(own)
+    try:
+        with _model_state_kept(model):
+            return _capture_graph(model, inputs, loss_fn, hardware, name)
+    finally:
+        set_draw_states(draws, own)
 
 
 @contextmanager
