@@ -129,6 +129,15 @@ def test_a_forward_that_draws_from_a_python_or_numpy_generator_runs_every_step_v
     assert run.report.verified_because.startswith("hook-only steps are refused: the model's forward draws from")
 
 
+def test_a_generator_the_module_was_given_after_the_run_was_made_is_the_one_read() -> None:
+    """The generator objects are found where each verified step begins, not when the run is made: read
+    from the run's making, a replaced one's draws went unseen and the hook-only steps replayed them."""
+    model, x, run = _run("own_numpy")
+    model.rng = numpy.random.default_rng(1)
+    assert [_step(model, x, run, seed) for seed in range(3)] == ["verified"] * 3
+    assert run.recording.refusal.startswith("the model's forward draws from the model's own generator rng")
+
+
 def test_a_layer_skipped_on_a_python_draw_is_exact_or_refused() -> None:
     """The skipped `mul` saves nothing: on hooks alone the step saved the same tensors and replayed the
     recorded path. Verified, each step's calls are checked against the captured graph."""

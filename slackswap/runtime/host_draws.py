@@ -46,7 +46,7 @@ import numpy
 _PYTHON = "Python's random module"
 _NUMPY = "NumPy's global generator (numpy.random)"
 #: Generator objects a model's module may hold and draw from (`random.SystemRandom` has no state to read).
-_OWN_KINDS = (random.Random, numpy.random.Generator, numpy.random.RandomState)
+_GENERATOR_KINDS = (random.Random, numpy.random.Generator, numpy.random.RandomState)
 
 
 def own_generators(model: object) -> tuple[tuple[str, object], ...]:
@@ -54,7 +54,7 @@ def own_generators(model: object) -> tuple[tuple[str, object], ...]:
     random.Random(0)`, `numpy.random.default_rng()`), each with its module path and attribute name."""
     return tuple((f"{path}.{key}" if path else key, value) for path, module in model.named_modules()
                  for key, value in module.__dict__.items()
-                 if isinstance(value, _OWN_KINDS) and not isinstance(value, random.SystemRandom))
+                 if isinstance(value, _GENERATOR_KINDS) and not isinstance(value, random.SystemRandom))
 
 
 def _state(generator: object) -> object:

@@ -208,6 +208,7 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
             self._check_arguments(args, kwargs)
             self._value_reads.begin_forward()
             if not self.hook_only:
+                self._own_generators = own_generators(self.model)  # the objects held now (`ModuleState`)
                 self._draws_before = draw_states(self._own_generators)
         self._step_inputs = inputs
         if self.hook_only and -1 in self.recording.rng_events:
@@ -238,8 +239,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
 
     def _end_forward(self, *_: object) -> None:
         """Where the model's forward returns: the tensor values it read end (`eager.value_reads`); a verified
-        step whose forward drew from Python's or NumPy's global generator refuses the hook-only steps
-        (`slackswap.runtime.host_draws`)."""
+        step whose forward drew from Python's or NumPy's global generator, or from one its modules hold,
+        refuses the hook-only steps (`slackswap.runtime.host_draws`)."""
         self._value_reads.end_forward()
         if self.hook_only or self._draws_before is None:  # None: the forward pre-hook raised before reading
             return
