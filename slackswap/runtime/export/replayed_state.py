@@ -42,7 +42,7 @@ class ReplayedState:
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self._slots = [tuple((table, key) for table, key in number_slots(list(layer.modules())) if type(table) is dict)
                        for layer in layers]
-        self._own = [own_generators(layer) for layer in layers]
+        self._layers = layers
         #: Layers (regions) whose forward drew from a global generator in an audited step.
         self.drawing: set[int] = set()
         #: Layers whose forward changed a number of their modules in an audited step.
@@ -62,7 +62,7 @@ class ReplayedState:
         if not auditing and region not in self.drawing and region not in self.changing:
             return forward
         start: tuple | None = None
-        own = self._own[region]
+        own = own_generators(self._layers[region])  # the generator objects the layer holds at this call
 
         def run(*args: object, **kwargs: object) -> object:
             nonlocal start
