@@ -196,6 +196,56 @@ def test_an_exported_batch_norm_counts_its_batches_once() -> None:
     assert compare(a.reference, a.run(plan, "export")) == "exact"
 
 
+class _ConvBatchNorm(torch.nn.Module):
+    """conv, batch norm, a ReLU that is not in place (its output, not the norm's, is the one saved
+    in place of it: MobileViT's conv layers with SiLU), a 1x1 conv; the norm a module or functional."""
+
+    def __init__(self, functional: bool, channels: int = 16) -> None:
+        super().__init__()
+        self.conv, self.mix = torch.nn.Conv2d(channels, channels, 3, padding=1), torch.nn.Conv2d(channels, channels, 1)
+        self.norm = torch.nn.BatchNorm2d(channels)
+        self.functional = functional
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.functional:  # no num_batches_tracked += 1: nothing in place for the mechanism to see
+            h = torch.nn.functional.batch_norm(h, self.norm.running_mean, self.norm.running_var, training=True)
+        else:
+            h = self.norm(h)
+        return x + self.mix(torch.relu(h))
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_an_exported_batch_norms_running_statistics_move_once_per_step(functional) -> None:
+    """The export's replay of a recomputed batch norm ran it a second time, and its running statistics moved
+    twice: every plan that recomputes or swaps read 2 to 6 of 6 statistics buffers off a plain run, with
+    bit-exact gradients (MobileViT, 12 export cells of the zoo's matrix), and a functional norm's layer ran
+    under a plain checkpoint. The replay passes scratch statistics, and such a layer runs under the policy."""
+    from slackswap.experiment.export_plan import plan_for_export
+    from slackswap.runtime import capture_graph
+    from slackswap.runtime.export import PlanExport
+    from slackswap.simulate.metrics import simulate_ideal
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_ConvBatchNorm(functional) for _ in range(3)]).train()
+    x = torch.randn(4, 16, 16, 16)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    graph = capture_graph(copy.deepcopy(model), (x,), loss, h200(), "bn")
+    budget = int(simulate_ideal(graph, h200()).peak_activation_bytes * 0.7)
+    plan = plan_for_export(get_planner("full_recompute"), graph, model, h200(), budget)
+    plain, exported = copy.deepcopy(model), copy.deepcopy(model)
+    export = PlanExport(plan, graph, exported)
+    assert export.mechanisms() == ["selective"] * 3
+    with export.installed(exported):
+        for _ in range(3):
+            for net in (plain, exported):
+                net.zero_grad(set_to_none=True)
+                loss(net(x)).backward()
+            assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), exported.buffers(), strict=True))
+            assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), exported.parameters(),
+                                                                   strict=True) if a.grad is not None)
+
+
 def test_the_export_refuses_a_layer_called_with_a_key_value_cache() -> None:
     """A Hugging Face model whose config keeps `use_cache=True` (the default) passes its layers a cache in
     training too; the export's recompute re-runs a layer's forward, which updates it a second time (before:

@@ -117,6 +117,16 @@ def scratch_state(func: torch._ops.OpOverload, spec_args: tuple, args: tuple, is
     return tuple(out)
 
 
+def scratch_running_statistics(func: torch._ops.OpOverload, args: tuple) -> tuple:
+    """`args` of a batch norm's replay with its running statistics (`STATE_WRITES`) as scratch clones: the
+    export's replay of a layer runs the call a second time, and its outputs (training mode: the batch's
+    statistics) do not depend on them. Other calls' `args` unchanged."""
+    positions = STATE_WRITES.get(func._overloadpacket.__name__)
+    if not positions:
+        return args
+    return tuple(a.clone() if i in positions and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+
+
 class WriteCounts:
     """Per graph tensor: in-place writes so far (`total`), those by its producer's calls (`own`), where
     the latest write after the producer came from (`writer`), and per copy the count it holds."""

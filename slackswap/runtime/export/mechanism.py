@@ -35,6 +35,7 @@ from slackswap.graph import FORWARD_PHASES, NO_LAYER, Graph
 from slackswap.plan import Decision
 from slackswap.runtime.export_facts import LAYER_INPUT, LAYER_OUTPUT, ExportFacts
 from slackswap.runtime.op_numbering import overload_of, writes_into
+from slackswap.runtime.replay_check import REPLAYABLE_STATE_WRITERS
 
 #: A layer's mechanisms (`layer_mechanisms`).
 CHECKPOINT, SELECTIVE = "checkpoint", "selective"
@@ -71,7 +72,8 @@ def forced_layers(graph: Graph, facts: ExportFacts) -> frozenset[int]:
         if op.phase not in FORWARD_PHASES or op.layer == NO_LAYER:
             continue
         func = overload_of(op.name)
-        if func is None or torch.Tag.nondeterministic_seeded in func.tags or writes_into(func):
+        if (func is None or torch.Tag.nondeterministic_seeded in func.tags or writes_into(func)
+                or func._overloadpacket.__name__ in REPLAYABLE_STATE_WRITERS):  # a batch norm's statistics
             forced.add(op.layer)
     return frozenset(forced - {NO_LAYER})
 

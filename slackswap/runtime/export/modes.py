@@ -20,6 +20,7 @@ from slackswap.runtime.errors import PlanMismatchError
 from slackswap.runtime.export.policy import _IGNORED, _OFFLOAD, _SAVE, _RegionPolicy, _storage
 from slackswap.runtime.export_heads import head_outputs, weak_outputs
 from slackswap.runtime.op_numbering import fresh_output_flags, writes_into
+from slackswap.runtime.replay_check import scratch_running_statistics
 
 #: A cache entry's kinds (`_Entry.kind`).
 SAVE, OFFLOAD, RECOMPUTE = "save", "offload", "recompute"
@@ -130,7 +131,7 @@ class _ReplayMode(TorchDispatchMode):
             return entry.value
         if entry.kind is OFFLOAD:
             return tree_map(self.export.host.reload, entry.value)
-        return func(*args, **kwargs)
+        return func(*scratch_running_statistics(func, args), **kwargs)  # a batch norm's statistics move once
 
 
 _RECOMPUTE_ENTRY = _Entry(RECOMPUTE, None)
