@@ -364,8 +364,8 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
 #: made on (`benchmarks/zoo.py --extra`, benchmarks/results/zoo_extra.json), and not by the test suite:
 #: each is another config class of a pattern `FACTORIES` holds (grouped-query decoders, their MoE
 #: variants, encoders) or a model of another input (audio through a conv feature extractor; images through
-#: patch and window attention, random patch masking, stages of convolution blocks with drop path), and a
-#: run of every planner on them takes minutes.
+#: patch and window attention, random patch masking, stages of convolution blocks with drop path, convolution
+#: and attention blocks with batch norms), and a run of every planner on them takes minutes.
 EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
     "gemma": _hf("GemmaConfig", head_dim=HIDDEN // HEADS, **_DEC),
     "gemma3": _hf("Gemma3TextConfig", head_dim=HIDDEN // HEADS, sliding_window=8, **_DEC),
@@ -402,6 +402,8 @@ EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
                       depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.1),
     "convnext": _hf_input("ConvNextConfig", "ConvNextModel", _IMAGE, _pixels, hidden_sizes=[16, 32], depths=[2, 2],
                           num_stages=2, drop_path_rate=0.1),
+    "mobilevit": _hf_input("MobileViTConfig", "MobileViTModel", _IMAGE, _pixels, image_size=32, num_attention_heads=2,
+                           hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32]),
 }
 
 
