@@ -238,12 +238,16 @@ def test_the_compiled_export_refuses_a_layer_that_draws_before_its_backward() ->
     from slackswap.runtime.export.replayed_state import ReplayedState
 
     calls = []
-    quiet = ReplayedState.refused_when_drawing("layers.0", lambda: calls.append(1))
+    quiet = ReplayedState.refused_when_drawing("layers.0", torch.nn.Identity(), lambda: calls.append(1))
     quiet(), quiet()
-    drawing = ReplayedState.refused_when_drawing("layers.1", lambda: numpy.random.rand())
+    drawing = ReplayedState.refused_when_drawing("layers.1", torch.nn.Identity(), lambda: numpy.random.rand())
     with pytest.raises(RuntimeUsageError, match="layer 'layers.1' draws from NumPy's global generator"):
         drawing()
     assert calls == [1, 1]
+    holder = _Drawn("own_python")
+    own = ReplayedState.refused_when_drawing("layers.2", holder, lambda: holder.rng.random())
+    with pytest.raises(RuntimeUsageError, match="layer 'layers.2' draws from the model's own generator rng"):
+        own()
 
 
 def test_a_capture_leaves_pythons_numpys_and_the_modules_generators_where_they_were() -> None:

@@ -346,7 +346,7 @@ class PlanExport(TableSteps):
             compiled = torch.compile(_fresh_function(run), backend=export_backend(backend, self.graph))
             self._compiled_fns[signature] = (region, compiled)
         self.group_of[region], compiled = self._compiled_fns[signature]
-        return ReplayedState.refused_when_drawing(path, partial(compiled, layer))
+        return ReplayedState.refused_when_drawing(path, layer, partial(compiled, layer))
 
     def translate(self, name: str, region: int) -> str:
         """A tensor of `region` as its compile group's representative layer names it."""

@@ -89,19 +89,21 @@ class ReplayedState:
         return run
 
     @staticmethod
-    def refused_when_drawing(path: str, call: Callable) -> Callable:
-        """The compiled export's call of the layer at `path`: its first call after installation is read for
-        draws, and a forward that drew is refused before its backward runs."""
+    def refused_when_drawing(path: str, layer: torch.nn.Module, call: Callable) -> Callable:
+        """The compiled export's call of `layer` (at `path`): its first call after installation is read for
+        draws (the global generators and those the layer holds), and a forward that drew is refused before
+        its backward runs."""
         checked = False
 
         def run(*args: object, **kwargs: object) -> object:
             nonlocal checked
             if checked:
                 return call(*args, **kwargs)
-            before = draw_states()
+            own = own_generators(layer)
+            before = draw_states(own)
             out = call(*args, **kwargs)
             checked = True
-            drawn = drawn_from(before, draw_states())
+            drawn = drawn_from(before, draw_states(own), own)
             if drawn is not None:
                 raise RuntimeUsageError(
                     f"layer {path!r} draws from {drawn} in its forward, and the compiled export's recompute "
