@@ -119,6 +119,25 @@ def _audio_values(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(input_values=x).last_hidden_state
 
 
+def _whisper(seed: int) -> Workload:
+    """Whisper: log-mel features through a conv front end into an encoder, and a decoder over fixed tokens."""
+    import transformers
+
+    cfg = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=16, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                                     d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                                     encoder_ffn_dim=2 * HIDDEN, decoder_ffn_dim=2 * HIDDEN, max_source_positions=32,
+                                     max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     decoder_start_token_id=1, use_cache=False, mask_time_prob=0.0)
+    torch.manual_seed(seed)
+    model = transformers.WhisperModel(cfg)
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(BATCH, 16, 64, generator=gen)
+    tokens = torch.randint(3, VOCAB, (BATCH, 8), generator=gen)
+    net = _Logits(model, lambda m, x: m(input_features=x, decoder_input_ids=tokens).last_hidden_state)
+    return Workload("whisper", net, features, lambda out: out.square().mean(), 8)
+
+
 _IMAGE = (BATCH, 3, 32, 32)
 _VIT_LIKE = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
              "intermediate_size": 2 * HIDDEN, "image_size": 32, "patch_size": 4}
@@ -363,9 +382,10 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
 #: Hugging Face architectures run through the zoo once each to check its rules on models they were not
 #: made on (`benchmarks/zoo.py --extra`, benchmarks/results/zoo_extra.json), and not by the test suite:
 #: each is another config class of a pattern `FACTORIES` holds (grouped-query decoders, their MoE
-#: variants, encoders) or a model of another input (audio through a conv feature extractor; images through
-#: patch and window attention, random patch masking, stages of convolution blocks with drop path, convolution
-#: and attention blocks with batch norms), and a run of every planner on them takes minutes.
+#: variants, encoders) or a model of another input (audio through a conv feature extractor, Whisper's
+#: encoder-decoder over log-mel features; images through patch and window attention, random patch masking,
+#: layer scale, attention over spatially reduced keys, stages of convolution blocks with drop path,
+#: convolution and attention blocks with batch norms), and a run of every planner on them takes minutes.
 EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
     "gemma": _hf("GemmaConfig", head_dim=HIDDEN // HEADS, **_DEC),
     "gemma3": _hf("Gemma3TextConfig", head_dim=HIDDEN // HEADS, sliding_window=8, **_DEC),
@@ -402,6 +422,13 @@ EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
                       depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.1),
     "convnext": _hf_input("ConvNextConfig", "ConvNextModel", _IMAGE, _pixels, hidden_sizes=[16, 32], depths=[2, 2],
                           num_stages=2, drop_path_rate=0.1),
+    "whisper": _whisper,
+    "dinov2": _hf_input("Dinov2Config", "Dinov2Model", _IMAGE, _pixels, drop_path_rate=0.1, layerscale_value=1.0,
+                        **_VIT_LIKE),
+    "deit": _hf_input("DeiTConfig", "DeiTModel", _IMAGE, _pixels, **_VIT_LIKE),
+    "segformer": _hf_input("SegformerConfig", "SegformerModel", _IMAGE, _pixels, num_encoder_blocks=2, depths=[1, 1],
+                           sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                           num_attention_heads=[1, 2], mlp_ratios=[2, 2], drop_path_rate=0.1),
     "mobilevit": _hf_input("MobileViTConfig", "MobileViTModel", _IMAGE, _pixels, image_size=32, num_attention_heads=2,
                            hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32]),
 }
