@@ -1,9 +1,10 @@
-"""Numbers from outside the model that change between steps: draws from Python's and NumPy's global
-generators (`slackswap.runtime.host_draws`), other numbers at every run of the forward, and a global list's
-item (`eager.global_reads`). A recomputing plan's hook-only step replays the verified step's recorded
-numbers and the export's checkpoint re-runs a layer's forward, so each step runs exact (verified, or with
-the draws replayed), or is refused before its backward runs; before these checks every case below gave a
-wrong gradient on hook-only steps or through the export."""
+"""Numbers from outside the model that change between steps, and state a forward changes: draws from
+Python's and NumPy's global generators and from those the modules hold (`slackswap.runtime.host_draws`),
+a module number the forward changes, a global list's item and a settings class's attribute
+(`eager.global_reads`). A recomputing plan's hook-only step replays the verified step's recorded numbers,
+and the export's checkpoint re-runs a layer's forward, so each step runs exact (verified, or from the
+state its forward started from), or is refused before its backward runs; before these checks every case
+below gave a wrong gradient on hook-only steps or through the export."""
 
 from __future__ import annotations
 
