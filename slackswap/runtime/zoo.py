@@ -138,6 +138,26 @@ def _whisper(seed: int) -> Workload:
     return Workload("whisper", net, features, lambda out: out.square().mean(), 8)
 
 
+def _long_text(config_name: str, model_name: str, seq: int, **config: object) -> Callable[[int], Workload]:
+    """An encoder of another attention (block-sparse, sliding-window, pooled, landmark), its last hidden state
+    scored by its mean square over `seq` tokens."""
+
+    def build(seed: int) -> Workload:
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(cfg)
+        model.train()
+        tokens = torch.randint(2, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
+        net = _Logits(model, lambda m, x: m(input_ids=x).last_hidden_state)
+        return Workload(config_name.removesuffix("Config").lower(), net, tokens, lambda out: out.square().mean(), 8)
+
+    return build
+
+
+_LONG = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": LAYERS, "num_attention_heads": 2,
+         "intermediate_size": 64}
 _IMAGE = (BATCH, 3, 32, 32)
 _VIT_LIKE = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
              "intermediate_size": 2 * HIDDEN, "image_size": 32, "patch_size": 4}
@@ -385,7 +405,8 @@ FACTORIES: dict[str, Callable[[int], Workload]] = {
 #: variants, encoders) or a model of another input (audio through a conv feature extractor, Whisper's
 #: encoder-decoder over log-mel features; images through patch and window attention, random patch masking,
 #: layer scale, attention over spatially reduced keys, stages of convolution blocks with drop path,
-#: convolution and attention blocks with batch norms), and a run of every planner on them takes minutes.
+#: convolution and attention blocks with batch norms; text through block-sparse, sliding-window, pooled and
+#: landmark attention), and a run of every planner on them takes minutes.
 EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
     "gemma": _hf("GemmaConfig", head_dim=HIDDEN // HEADS, **_DEC),
     "gemma3": _hf("Gemma3TextConfig", head_dim=HIDDEN // HEADS, sliding_window=8, **_DEC),
@@ -429,6 +450,14 @@ EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
     "segformer": _hf_input("SegformerConfig", "SegformerModel", _IMAGE, _pixels, num_encoder_blocks=2, depths=[1, 1],
                            sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
                            num_attention_heads=[1, 2], mlp_ratios=[2, 2], drop_path_rate=0.1),
+    "bigbird": _long_text("BigBirdConfig", "BigBirdModel", 256, attention_type="block_sparse", block_size=16,
+                          num_random_blocks=2, max_position_embeddings=256, pad_token_id=0, **_LONG),
+    "longformer": _long_text("LongformerConfig", "LongformerModel", 64, attention_window=16,
+                             max_position_embeddings=130, pad_token_id=1, **_LONG),
+    "funnel": _long_text("FunnelConfig", "FunnelBaseModel", 64, vocab_size=VOCAB, d_model=32, n_head=2, d_head=16,
+                         d_inner=64, block_sizes=[1, 1], num_decoder_layers=1),
+    "nystromformer": _long_text("NystromformerConfig", "NystromformerModel", 64, num_landmarks=8,
+                                segment_means_seq_len=64, max_position_embeddings=130, pad_token_id=1, **_LONG),
     "mobilevit": _hf_input("MobileViTConfig", "MobileViTModel", _IMAGE, _pixels, image_size=32, num_attention_heads=2,
                            hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32]),
 }
