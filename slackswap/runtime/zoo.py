@@ -93,9 +93,10 @@ def _vit(seed: int) -> Workload:
 
 
 
-def _hf_input(config_name: str, model_name: str, shape: tuple[int, ...], call, **config: object):
-    """A Hugging Face model of another modality (images, audio) whose forward's last hidden state is scored
-    by its mean square: `shape` is the input's, drawn from the seed."""
+def _hf_input(config_name: str, model_name: str, draw: Callable[[torch.Generator], torch.Tensor], call,
+              **config: object) -> Callable[[int], Workload]:
+    """A Hugging Face model of another input (images, audio, long text) whose forward's last hidden state is
+    scored by its mean square: `draw` makes the input from the seed's generator."""
 
     def build(seed: int) -> Workload:
         import transformers
@@ -104,11 +105,27 @@ def _hf_input(config_name: str, model_name: str, shape: tuple[int, ...], call, *
         torch.manual_seed(seed)
         model = getattr(transformers, model_name)(cfg)
         model.train()
-        batch = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+        batch = draw(torch.Generator().manual_seed(seed))
         net = _Logits(model, call)
         return Workload(config_name.removesuffix("Config").lower(), net, batch, lambda out: out.square().mean(), 8)
 
     return build
+
+
+def _images(gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(BATCH, 3, 32, 32, generator=gen)
+
+
+def _waves(gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(BATCH, 1600, generator=gen)
+
+
+def _text(seq: int) -> Callable[[torch.Generator], torch.Tensor]:
+    return lambda gen: torch.randint(2, VOCAB, (BATCH, seq), generator=gen)
+
+
+def _ids(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=x).last_hidden_state
 
 
 def _pixels(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -138,27 +155,8 @@ def _whisper(seed: int) -> Workload:
     return Workload("whisper", net, features, lambda out: out.square().mean(), 8)
 
 
-def _long_text(config_name: str, model_name: str, seq: int, **config: object) -> Callable[[int], Workload]:
-    """An encoder of another attention (block-sparse, sliding-window, pooled, landmark), its last hidden state
-    scored by its mean square over `seq` tokens."""
-
-    def build(seed: int) -> Workload:
-        import transformers
-
-        cfg = getattr(transformers, config_name)(**config)
-        torch.manual_seed(seed)
-        model = getattr(transformers, model_name)(cfg)
-        model.train()
-        tokens = torch.randint(2, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
-        net = _Logits(model, lambda m, x: m(input_ids=x).last_hidden_state)
-        return Workload(config_name.removesuffix("Config").lower(), net, tokens, lambda out: out.square().mean(), 8)
-
-    return build
-
-
 _LONG = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": LAYERS, "num_attention_heads": 2,
          "intermediate_size": 64}
-_IMAGE = (BATCH, 3, 32, 32)
 _VIT_LIKE = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
              "intermediate_size": 2 * HIDDEN, "image_size": 32, "patch_size": 4}
 #: Raw audio at a conv feature extractor of two layers (x10 fewer frames); SpecAugment off (its masks are
@@ -433,32 +431,32 @@ EXTRA_FACTORIES: dict[str, Callable[[int], Workload]] = {
                       embedding_size=32, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, intra_bottleneck_size=32, true_hidden_size=32,
                       max_position_embeddings=64, pad_token_id=0),
-    "wav2vec2": _hf_input("Wav2Vec2Config", "Wav2Vec2Model", (BATCH, 1600), _audio_values, **_AUDIO),
-    "hubert": _hf_input("HubertConfig", "HubertModel", (BATCH, 1600), _audio_values, **_AUDIO),
-    "vit_mae": _hf_input("ViTMAEConfig", "ViTMAEModel", _IMAGE, _pixels, mask_ratio=0.5, **_VIT_LIKE),
-    "clip_vision": _hf_input("CLIPVisionConfig", "CLIPVisionModel", _IMAGE, _pixels, **_VIT_LIKE),
-    "beit": _hf_input("BeitConfig", "BeitModel", _IMAGE, _pixels, use_relative_position_bias=True, drop_path_rate=0.1,
+    "wav2vec2": _hf_input("Wav2Vec2Config", "Wav2Vec2Model", _waves, _audio_values, **_AUDIO),
+    "hubert": _hf_input("HubertConfig", "HubertModel", _waves, _audio_values, **_AUDIO),
+    "vit_mae": _hf_input("ViTMAEConfig", "ViTMAEModel", _images, _pixels, mask_ratio=0.5, **_VIT_LIKE),
+    "clip_vision": _hf_input("CLIPVisionConfig", "CLIPVisionModel", _images, _pixels, **_VIT_LIKE),
+    "beit": _hf_input("BeitConfig", "BeitModel", _images, _pixels, use_relative_position_bias=True, drop_path_rate=0.1,
                       **_VIT_LIKE),
-    "swin": _hf_input("SwinConfig", "SwinModel", _IMAGE, _pixels, image_size=32, patch_size=4, embed_dim=16,
+    "swin": _hf_input("SwinConfig", "SwinModel", _images, _pixels, image_size=32, patch_size=4, embed_dim=16,
                       depths=[2, 2], num_heads=[2, 4], window_size=4, drop_path_rate=0.1),
-    "convnext": _hf_input("ConvNextConfig", "ConvNextModel", _IMAGE, _pixels, hidden_sizes=[16, 32], depths=[2, 2],
+    "convnext": _hf_input("ConvNextConfig", "ConvNextModel", _images, _pixels, hidden_sizes=[16, 32], depths=[2, 2],
                           num_stages=2, drop_path_rate=0.1),
     "whisper": _whisper,
-    "dinov2": _hf_input("Dinov2Config", "Dinov2Model", _IMAGE, _pixels, drop_path_rate=0.1, layerscale_value=1.0,
+    "dinov2": _hf_input("Dinov2Config", "Dinov2Model", _images, _pixels, drop_path_rate=0.1, layerscale_value=1.0,
                         **_VIT_LIKE),
-    "deit": _hf_input("DeiTConfig", "DeiTModel", _IMAGE, _pixels, **_VIT_LIKE),
-    "segformer": _hf_input("SegformerConfig", "SegformerModel", _IMAGE, _pixels, num_encoder_blocks=2, depths=[1, 1],
+    "deit": _hf_input("DeiTConfig", "DeiTModel", _images, _pixels, **_VIT_LIKE),
+    "segformer": _hf_input("SegformerConfig", "SegformerModel", _images, _pixels, num_encoder_blocks=2, depths=[1, 1],
                            sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
                            num_attention_heads=[1, 2], mlp_ratios=[2, 2], drop_path_rate=0.1),
-    "bigbird": _long_text("BigBirdConfig", "BigBirdModel", 256, attention_type="block_sparse", block_size=16,
-                          num_random_blocks=2, max_position_embeddings=256, pad_token_id=0, **_LONG),
-    "longformer": _long_text("LongformerConfig", "LongformerModel", 64, attention_window=16,
-                             max_position_embeddings=130, pad_token_id=1, **_LONG),
-    "funnel": _long_text("FunnelConfig", "FunnelBaseModel", 64, vocab_size=VOCAB, d_model=32, n_head=2, d_head=16,
-                         d_inner=64, block_sizes=[1, 1], num_decoder_layers=1),
-    "nystromformer": _long_text("NystromformerConfig", "NystromformerModel", 64, num_landmarks=8,
-                                segment_means_seq_len=64, max_position_embeddings=130, pad_token_id=1, **_LONG),
-    "mobilevit": _hf_input("MobileViTConfig", "MobileViTModel", _IMAGE, _pixels, image_size=32, num_attention_heads=2,
+    "bigbird": _hf_input("BigBirdConfig", "BigBirdModel", _text(256), _ids, attention_type="block_sparse",
+                         block_size=16, num_random_blocks=2, max_position_embeddings=256, pad_token_id=0, **_LONG),
+    "longformer": _hf_input("LongformerConfig", "LongformerModel", _text(64), _ids, attention_window=16,
+                            max_position_embeddings=130, pad_token_id=1, **_LONG),
+    "funnel": _hf_input("FunnelConfig", "FunnelBaseModel", _text(64), _ids, vocab_size=VOCAB, d_model=32, n_head=2,
+                        d_head=16, d_inner=64, block_sizes=[1, 1], num_decoder_layers=1),
+    "nystromformer": _hf_input("NystromformerConfig", "NystromformerModel", _text(64), _ids, num_landmarks=8,
+                               segment_means_seq_len=64, max_position_embeddings=130, pad_token_id=1, **_LONG),
+    "mobilevit": _hf_input("MobileViTConfig", "MobileViTModel", _images, _pixels, image_size=32, num_attention_heads=2,
                            hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32]),
 }
 

@@ -107,8 +107,6 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         #: The model's leaf modules, whose calls a hook-only step of a recomputing plan checks (`ModuleCalls`).
         self.module_calls = ModuleCalls(model)
         self.module_state = ModuleState(model)
-        #: The generator objects the modules hold: read with Python's and NumPy's around a verified forward.
-        self._own_generators = own_generators(model)
         #: A plan that recomputes checks its hook-only steps' module calls and numbers (`module_calls`);
         #: `slackswap.runtime.eager.host_cost` turns it off on one run to time the checks.
         self.checks_modules = any(s.kind == StepKind.RECOMPUTE for s in steps)
@@ -207,9 +205,9 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         if self.checks_modules:
             self._check_arguments(args, kwargs)
             self._value_reads.begin_forward()
-            if not self.hook_only:
-                self._own_generators = own_generators(self.model)  # the objects held now (`ModuleState`)
-                self._draws_before = draw_states(self._own_generators)
+            if not self.hook_only:  # the generators the modules hold now, with Python's and NumPy's
+                own = own_generators(self.model)
+                self._draws_before = own, draw_states(own)
         self._step_inputs = inputs
         if self.hook_only and -1 in self.recording.rng_events:
             self._hook_only_rng[-1] = _rng_state()
@@ -244,8 +242,8 @@ class PlanRun(_HookOnlyStep, _VerifiedStep):
         self._value_reads.end_forward()
         if self.hook_only or self._draws_before is None:  # None: the forward pre-hook raised before reading
             return
-        own = self._own_generators
-        drawn, self._draws_before = drawn_from(self._draws_before, draw_states(own), own), None
+        (own, before), self._draws_before = self._draws_before, None
+        drawn = drawn_from(before, draw_states(own), own)
         if drawn is not None:
             self._refuse(f"the model's forward draws from {drawn}: a recompute on hooks alone would replay the "
                          "verified step's numbers")
